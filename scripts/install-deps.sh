@@ -1,0 +1,16 @@
+#!/bin/sh
+# Install the Debian 12 packages kvpipe needs to build and test. Does nothing
+# when they are all present. Run as root (or with sudo available).
+set -eu
+PKGS="build-essential cmake pkg-config libzmq3-dev libcurl4-openssl-dev libmicrohttpd-dev
+libhiredis-dev libcjson-dev libucx-dev redis-server etcd-server python3 python3-dev python3-numpy"
+missing=""
+for p in $PKGS; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+[ -z "$missing" ] && exit 0
+SUDO=""
+[ "$(id -u)" -ne 0 ] && SUDO="sudo"
+echo "installing:$missing" >&2
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends $missing

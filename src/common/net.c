@@ -1,0 +1,237 @@
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "common/error.h"
+#include "common/net.h"
+
+static int parse_port(const char *s, int *port)
+{
+    if (!*s) return -1;
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || *end || v < 0 || v > 65535) return -1;
+    *port = (int)v;
+    return 0;
+}
+
+kvp_status kvpi_hostport_parse(const char *text, int default_port, kvpi_hostport *out)
+{
+    if (!text || !*text) return kvpi_error(KVP_EINVAL, "empty host:port");
+    size_t len = strlen(text);
+    const char *host = text, *port_str = NULL;
+    size_t host_len;
+    if (text[0] == '[') {
+        const char *close = strchr(text, ']');
+        if (!close) return kvpi_error(KVP_EINVAL, "'%s': missing ']' after IPv6 address", text);
+        host = text + 1;
+        host_len = (size_t)(close - host);
+        if (close[1] == ':')
+            port_str = close + 2;
+        else if (close[1] != '\0')
+            return kvpi_error(KVP_EINVAL, "'%s': expected ':port' after ']'", text);
+    } else {
+        const char *colon = strrchr(text, ':');
+        if (colon && strchr(text, ':') != colon) {
+            /* Several colons and no brackets: a bare IPv6 address. */
+            host_len = len;
+        } else if (colon) {
+            host_len = (size_t)(colon - text);
+            port_str = colon + 1;
+        } else {
+            host_len = len;
+        }
+    }
+    if (host_len == 0) return kvpi_error(KVP_EINVAL, "'%s': empty host", text);
+    if (host_len >= KVPI_HOST_MAX) return kvpi_error(KVP_EINVAL, "'%.40s...': host too long", text);
+    int port = default_port;
+    if (port_str) {
+        if (parse_port(port_str, &port) != 0)
+            return kvpi_error(KVP_EINVAL, "'%s': port must be a number in 0..65535", text);
+    } else if (default_port < 0) {
+        return kvpi_error(KVP_EINVAL, "'%s': expected host:port", text);
+    }
+    memcpy(out->host, host, host_len);
+    out->host[host_len] = '\0';
+    out->port = port;
+    return KVP_OK;
+}
+
+void kvpi_hostport_format(const char *host, int port, char *buf, size_t len)
+{
+    if (strchr(host, ':'))
+        snprintf(buf, len, "[%s]:%d", host, port);
+    else
+        snprintf(buf, len, "%s:%d", host, port);
+}
+
+static kvp_status resolve(const char *host, int port, int passive, struct addrinfo **res)
+{
+    struct addrinfo hints = {0};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = passive ? AI_PASSIVE : 0;
+    char port_str[16];
+    snprintf(port_str, sizeof port_str, "%d", port);
+    int rc = getaddrinfo(host, port_str, &hints, res);
+    if (rc != 0)
+        return kvpi_error(KVP_ECONNREFUSED, "cannot resolve '%s': %s", host, gai_strerror(rc));
+    return KVP_OK;
+}
+
+void kvpi_socket_set_timeout(int fd, int timeout_ms)
+{
+    struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
+kvp_status kvpi_tcp_listen(const char *host, int port, int *fd_out, int *port_out)
+{
+    struct addrinfo *res;
+    kvp_status st = resolve(host, port, 1, &res);
+    if (st) return st;
+    int err = 0, fd = -1;
+    for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+        fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+        if (fd < 0) {
+            err = errno;
+            continue;
+        }
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 128) == 0) break;
+        err = errno;
+        close(fd);
+        fd = -1;
+    }
+    freeaddrinfo(res);
+    if (fd < 0)
+        return kvpi_error(KVP_EIO, "cannot listen on %s:%d: %s", host, port, strerror(err));
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
+    getsockname(fd, (struct sockaddr *)&ss, &sl);
+    *port_out = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                               : ((struct sockaddr_in *)&ss)->sin_port);
+    *fd_out = fd;
+    return KVP_OK;
+}
+
+static void tune(int fd, int timeout_ms)
+{
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    kvpi_socket_set_timeout(fd, timeout_ms);
+}
+
+static int connect_one(const struct addrinfo *ai, int timeout_ms, int *err)
+{
+    int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, ai->ai_protocol);
+    if (fd < 0) {
+        *err = errno;
+        return -1;
+    }
+    if (connect(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
+        if (errno != EINPROGRESS) {
+            *err = errno;
+            close(fd);
+            return -1;
+        }
+        struct pollfd p = {.fd = fd, .events = POLLOUT};
+        int rc;
+        do rc = poll(&p, 1, timeout_ms);
+        while (rc < 0 && errno == EINTR);
+        int soerr = 0;
+        socklen_t sl = sizeof soerr;
+        if (rc == 0) soerr = ETIMEDOUT;
+        else if (rc < 0) soerr = errno;
+        else getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl);
+        if (soerr) {
+            *err = soerr;
+            close(fd);
+            return -1;
+        }
+    }
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+    return fd;
+}
+
+kvp_status kvpi_tcp_connect(const char *host, int port, int timeout_ms, int *fd_out)
+{
+    struct addrinfo *res;
+    kvp_status st = resolve(host, port, 0, &res);
+    if (st) return st;
+    int err = ECONNREFUSED, fd = -1;
+    for (struct addrinfo *ai = res; ai && fd < 0; ai = ai->ai_next)
+        fd = connect_one(ai, timeout_ms, &err);
+    freeaddrinfo(res);
+    if (fd < 0) {
+        char hp[KVPI_HOST_MAX + 8];
+        kvpi_hostport_format(host, port, hp, sizeof hp);
+        return kvpi_error(err == ETIMEDOUT ? KVP_ETIMEDOUT : KVP_ECONNREFUSED,
+                          "cannot connect to %s: %s", hp, strerror(err));
+    }
+    tune(fd, timeout_ms);
+    *fd_out = fd;
+    return KVP_OK;
+}
+
+kvp_status kvpi_tcp_accept(int listen_fd, int timeout_ms, int *fd_out)
+{
+    int fd;
+    do fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
+    while (fd < 0 && errno == EINTR);
+    if (fd < 0) return kvpi_error(KVP_EIO, "accept: %s", strerror(errno));
+    tune(fd, timeout_ms);
+    *fd_out = fd;
+    return KVP_OK;
+}
+
+static kvp_status io_error(int err, const char *what)
+{
+    if (err == EAGAIN || err == EWOULDBLOCK)
+        return kvpi_error(KVP_ETIMEDOUT, "%s: peer made no progress within the timeout", what);
+    if (err == 0) return kvpi_error(KVP_ECONNRESET, "%s: peer closed the connection", what);
+    return kvpi_error(KVP_ECONNRESET, "%s: %s", what, strerror(err));
+}
+
+kvp_status kvpi_send_all(int fd, const void *buf, size_t len)
+{
+    const char *p = buf;
+    while (len > 0) {
+        ssize_t n = send(fd, p, len > INT_MAX ? INT_MAX : len, MSG_NOSIGNAL);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return io_error(errno, "send");
+        }
+        p += n;
+        len -= (size_t)n;
+    }
+    return KVP_OK;
+}
+
+kvp_status kvpi_recv_all(int fd, void *buf, size_t len)
+{
+    char *p = buf;
+    while (len > 0) {
+        ssize_t n = recv(fd, p, len > INT_MAX ? INT_MAX : len, MSG_WAITALL);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return io_error(errno, "recv");
+        }
+        if (n == 0) return io_error(0, "recv");
+        p += n;
+        len -= (size_t)n;
+    }
+    return KVP_OK;
+}

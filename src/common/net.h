@@ -1,0 +1,71 @@
+/* Internal: host:port parsing and blocking sockets with timeouts.
+ *
+ * All sockets here are blocking with SO_RCVTIMEO/SO_SNDTIMEO set, so a peer that
+ * stops making progress surfaces as KVP_ETIMEDOUT after the timeout, and a peer
+ * that dies surfaces as KVP_ECONNRESET at once. Functions set kvp_last_error().
+ */
+#ifndef KVPI_COMMON_NET_H
+#define KVPI_COMMON_NET_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvpipe/status.h"
+
+#define KVPI_HOST_MAX 256
+
+typedef struct kvpi_hostport {
+    char host[KVPI_HOST_MAX]; /* without IPv6 brackets */
+    int port;                 /* 0..65535 */
+} kvpi_hostport;
+
+/* Parse "host:port", "[v6addr]:port", or, when default_port >= 0, a bare host
+ * or bare IPv6 address ("::1") with that port. KVP_EINVAL with a message
+ * otherwise. */
+kvp_status kvpi_hostport_parse(const char *text, int default_port, kvpi_hostport *out);
+
+/* Format host and port as "host:port", bracketing IPv6 literals. */
+void kvpi_hostport_format(const char *host, int port, char *buf, size_t len);
+
+/* Listen on host:port (port 0: any free port); returns the fd and bound port.
+ * SO_REUSEADDR is set so a restarted process can bind again at once. */
+kvp_status kvpi_tcp_listen(const char *host, int port, int *fd_out, int *port_out);
+
+/* Connect with a timeout; the socket gets TCP_NODELAY and I/O timeouts of
+ * timeout_ms. */
+kvp_status kvpi_tcp_connect(const char *host, int port, int timeout_ms, int *fd_out);
+
+/* Accept one connection and give it I/O timeouts of timeout_ms (0: none). */
+kvp_status kvpi_tcp_accept(int listen_fd, int timeout_ms, int *fd_out);
+
+/* Set SO_RCVTIMEO and SO_SNDTIMEO (0: block without limit). */
+void kvpi_socket_set_timeout(int fd, int timeout_ms);
+
+/* Send or receive exactly len bytes. KVP_ECONNRESET when the peer closed,
+ * KVP_ETIMEDOUT when no byte moved for the socket's timeout. */
+kvp_status kvpi_send_all(int fd, const void *buf, size_t len);
+kvp_status kvpi_recv_all(int fd, void *buf, size_t len);
+
+/* Little-endian and big-endian integer codecs for wire headers. */
+static inline void kvpi_put_le64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint64_t kvpi_get_le64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+static inline void kvpi_put_be64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (56 - 8 * i));
+}
+static inline uint64_t kvpi_get_be64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v = (v << 8) | p[i];
+    return v;
+}
+
+#endif

@@ -1,0 +1,54 @@
+/* Status texts and the thread-local detail of the last failure. */
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "common/error.h"
+
+static const char *const status_text[] = {
+    [KVP_OK] = "success",
+    [KVP_EINVAL] = "invalid argument",
+    [KVP_ENOMEM] = "out of memory",
+    [KVP_ETIMEDOUT] = "timed out",
+    [KVP_ECONNREFUSED] = "connection refused or peer unreachable",
+    [KVP_ECONNRESET] = "connection reset by peer",
+    [KVP_ERANGE] = "address range outside registered memory",
+    [KVP_ENOTFOUND] = "not found",
+    [KVP_EPROTO] = "protocol error (malformed message)",
+    [KVP_ENOTSUP] = "not supported",
+    [KVP_EMETADATA] = "metadata store error",
+    [KVP_EIO] = "I/O error",
+    [KVP_EBUSY] = "resource busy",
+    [KVP_ECONFIG] = "invalid configuration",
+    [KVP_ECANCELED] = "canceled",
+    [KVP_EINPROGRESS] = "in progress",
+    [KVP_ECLOSED] = "closed",
+    [KVP_EINTR] = "interrupted",
+};
+
+const char *kvp_strerror(kvp_status status)
+{
+    if ((unsigned)status < sizeof status_text / sizeof status_text[0] && status_text[status])
+        return status_text[status];
+    return "unknown status";
+}
+
+static _Thread_local char last_error[512];
+
+const char *kvp_last_error(void)
+{
+    return last_error;
+}
+
+kvp_status kvpi_error(kvp_status status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+void kvpi_error_clear(void)
+{
+    last_error[0] = '\0';
+}

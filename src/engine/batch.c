@@ -1,0 +1,344 @@
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "engine/engine_internal.h"
+
+/* Consecutive small slices to one segment are handed to a transport together,
+ * so that it can pipeline them on one connection. */
+#define GROUP_MAX 64
+
+struct kvpi_work {
+    kvpi_work *next;
+    kvp_batch *batch;
+    size_t req;
+    kvpi_slice slice;
+};
+
+typedef struct req_state {
+    kvp_status status; /* KVP_EINPROGRESS until its last slice completes */
+    kvp_status first_error;
+    size_t slices_left;
+} req_state;
+
+struct kvp_batch {
+    kvpi_segment *seg;
+    size_t n;
+    req_state *reqs;
+    kvpi_work *works;
+    size_t n_works;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    size_t pending;     /* requests not completed */
+    size_t outstanding; /* works not completed */
+    atomic_int canceled;
+    char detail[256]; /* kvp_last_error() of the first failure, from its worker */
+};
+
+static void complete(kvpi_work *w, kvp_status st)
+{
+    kvp_batch *b = w->batch;
+    pthread_mutex_lock(&b->lock);
+    req_state *r = &b->reqs[w->req];
+    if (st != KVP_OK && r->first_error == KVP_OK) r->first_error = st;
+    if (st != KVP_OK && !b->detail[0])
+        snprintf(b->detail, sizeof b->detail, "%s",
+                 *kvp_last_error() ? kvp_last_error() : kvp_strerror(st));
+    if (--r->slices_left == 0) {
+        r->status = r->first_error;
+        b->pending--;
+    }
+    b->outstanding--;
+    pthread_cond_broadcast(&b->cond);
+    pthread_mutex_unlock(&b->lock);
+}
+
+static int groupable(const kvpi_work *first, const kvpi_work *next, size_t bytes, size_t limit)
+{
+    return next && next->batch->seg == first->batch->seg &&
+           next->slice.opcode == first->slice.opcode && bytes + next->slice.length <= limit;
+}
+
+/* Pop a group of works; returns its size, 0 when stopping with nothing left. */
+static size_t queue_pop(kvp_engine *e, kvpi_work **group, int *stopping)
+{
+    kvpi_queue *q = &e->queue;
+    pthread_mutex_lock(&q->lock);
+    while (!q->head && !q->stopping) pthread_cond_wait(&q->cond, &q->lock);
+    *stopping = q->stopping;
+    size_t n = 0, bytes = 0;
+    kvpi_work *first = q->head;
+    while (q->head && n < GROUP_MAX &&
+           (n == 0 || groupable(first, q->head, bytes, e->opts.slice_size))) {
+        group[n++] = q->head;
+        bytes += q->head->slice.length;
+        q->head = q->head->next;
+    }
+    if (!q->head) q->tail = NULL;
+    pthread_mutex_unlock(&q->lock);
+    return n;
+}
+
+static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
+{
+    kvpi_segment *seg = group[0]->batch->seg;
+    kvpi_slice *slices[GROUP_MAX];
+    kvpi_work *live[GROUP_MAX];
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (atomic_load(&group[i]->batch->canceled))
+            complete(group[i], kvpi_error(KVP_ECANCELED, "the batch was freed"));
+        else
+            live[m++] = group[i];
+    }
+    if (m == 0) return;
+    kvpi_peer *peer;
+    kvp_status st = kvpi_segment_acquire(e, seg, &peer);
+    if (st) {
+        for (size_t i = 0; i < m; i++) complete(live[i], st);
+        return;
+    }
+    /* Check against the peer's published buffers before sending anything; the
+     * peer checks again, since its descriptor may have changed since. */
+    size_t k = 0;
+    for (size_t i = 0; i < m; i++) {
+        kvpi_slice *s = &live[i]->slice;
+        if (!kvpi_regions_contain(peer->desc.regions, peer->desc.n_regions, s->remote,
+                                  s->length)) {
+            kvpi_error(KVP_ERANGE, "segment %s: [0x%llx, +%zu) is outside its registered buffers",
+                       seg->name, (unsigned long long)s->remote, s->length);
+            complete(live[i], KVP_ERANGE);
+            continue;
+        }
+        s->status = KVP_EINPROGRESS;
+        live[k] = live[i];
+        slices[k++] = s;
+    }
+    st = k ? peer->ops->peer_xfer(peer->handle, slices, k) : KVP_OK;
+    kvpi_segment_release(seg, peer, st != KVP_OK);
+    if (st)
+        KVPI_WARN("segment %s: %s (the next transfer looks it up again)", seg->name,
+                  kvp_last_error());
+    for (size_t i = 0; i < k; i++)
+        complete(live[i], slices[i]->status == KVP_EINPROGRESS ? (st ? st : KVP_EIO)
+                                                              : slices[i]->status);
+}
+
+static void *worker_main(void *arg)
+{
+    kvp_engine *e = arg;
+    kvpi_work *group[GROUP_MAX];
+    for (;;) {
+        int stopping;
+        size_t n = queue_pop(e, group, &stopping);
+        if (n == 0) break;
+        if (stopping) {
+            for (size_t i = 0; i < n; i++)
+                complete(group[i], kvpi_error(KVP_ECLOSED, "the engine is shutting down"));
+            continue;
+        }
+        run_group(e, group, n);
+    }
+    return NULL;
+}
+
+kvp_status kvpi_workers_start(kvp_engine *e)
+{
+    pthread_mutex_init(&e->queue.lock, NULL);
+    pthread_cond_init(&e->queue.cond, NULL);
+    e->workers = calloc((size_t)e->opts.workers, sizeof *e->workers);
+    if (!e->workers) return kvpi_error(KVP_ENOMEM, "engine: out of memory");
+    for (int i = 0; i < e->opts.workers; i++) {
+        if (pthread_create(&e->workers[i], NULL, worker_main, e) != 0)
+            return kvpi_error(KVP_EIO, "engine: cannot start a worker: %s", strerror(errno));
+        e->n_workers++;
+    }
+    return KVP_OK;
+}
+
+void kvpi_workers_stop(kvp_engine *e)
+{
+    if (!e->workers) return;
+    pthread_mutex_lock(&e->queue.lock);
+    e->queue.stopping = 1;
+    pthread_cond_broadcast(&e->queue.cond);
+    pthread_mutex_unlock(&e->queue.lock);
+    for (int i = 0; i < e->n_workers; i++) pthread_join(e->workers[i], NULL);
+    free(e->workers);
+    e->workers = NULL;
+    pthread_mutex_destroy(&e->queue.lock);
+    pthread_cond_destroy(&e->queue.cond);
+}
+
+static size_t slices_of(const kvp_request *r, size_t slice_size)
+{
+    return r->length == 0 ? 0 : (r->length - 1) / slice_size + 1;
+}
+
+static kvp_status check_requests(const kvp_request *reqs, size_t n, size_t slice_size,
+                                 size_t *works)
+{
+    size_t total = 0;
+    for (size_t i = 0; i < n; i++) {
+        const kvp_request *r = &reqs[i];
+        if (r->opcode != KVP_OP_READ && r->opcode != KVP_OP_WRITE)
+            return kvpi_error(KVP_EINVAL, "request %zu: unknown opcode %d", i, (int)r->opcode);
+        if (r->length && !r->local)
+            return kvpi_error(KVP_EINVAL, "request %zu: NULL local buffer", i);
+        if (r->length > UINT64_MAX - r->remote)
+            return kvpi_error(KVP_ERANGE, "request %zu: remote range wraps around", i);
+        total += slices_of(r, slice_size);
+    }
+    *works = total;
+    return KVP_OK;
+}
+
+static void enqueue(kvp_engine *e, kvpi_work *first, kvpi_work *last)
+{
+    kvpi_queue *q = &e->queue;
+    pthread_mutex_lock(&q->lock);
+    if (q->tail)
+        q->tail->next = first;
+    else
+        q->head = first;
+    q->tail = last;
+    pthread_cond_broadcast(&q->cond);
+    pthread_mutex_unlock(&q->lock);
+}
+
+static void build_works(kvp_batch *b, const kvp_request *reqs, size_t slice_size)
+{
+    size_t w = 0;
+    for (size_t i = 0; i < b->n; i++) {
+        const kvp_request *r = &reqs[i];
+        size_t count = slices_of(r, slice_size);
+        b->reqs[i] = (req_state){count ? KVP_EINPROGRESS : KVP_OK, KVP_OK, count};
+        if (count) b->pending++;
+        for (size_t off = 0; off < r->length; off += slice_size) {
+            kvpi_work *work = &b->works[w];
+            work->next = w + 1 < b->n_works ? &b->works[w + 1] : NULL;
+            work->batch = b;
+            work->req = i;
+            size_t len = r->length - off < slice_size ? r->length - off : slice_size;
+            work->slice = (kvpi_slice){r->opcode, (char *)r->local + off, r->remote + off, len,
+                                       KVP_EINPROGRESS};
+            w++;
+        }
+    }
+}
+
+kvp_status kvp_batch_submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request *reqs,
+                            size_t n, kvp_batch **out)
+{
+    if (!e || !out || (n && !reqs)) return kvpi_error(KVP_EINVAL, "batch_submit: NULL argument");
+    kvpi_segment *seg = kvpi_segment_get(e, seg_id);
+    if (!seg) return kvpi_error(KVP_EINVAL, "batch_submit: segment id %u is not open", seg_id);
+    size_t n_works = 0;
+    kvp_status st = check_requests(reqs, n, e->opts.slice_size, &n_works);
+    if (st) return st;
+    kvp_batch *b = calloc(1, sizeof *b);
+    if (!b) return kvpi_error(KVP_ENOMEM, "batch_submit: out of memory");
+    b->reqs = calloc(n ? n : 1, sizeof *b->reqs);
+    b->works = calloc(n_works ? n_works : 1, sizeof *b->works);
+    if (!b->reqs || !b->works) {
+        free(b->reqs);
+        free(b->works);
+        free(b);
+        return kvpi_error(KVP_ENOMEM, "batch_submit: out of memory");
+    }
+    pthread_mutex_init(&b->lock, NULL);
+    pthread_cond_init(&b->cond, NULL);
+    b->seg = seg;
+    b->n = n;
+    b->n_works = b->outstanding = n_works;
+    build_works(b, reqs, e->opts.slice_size);
+    if (n_works) enqueue(e, &b->works[0], &b->works[n_works - 1]);
+    *out = b;
+    return KVP_OK;
+}
+
+kvp_status kvp_batch_request_status(const kvp_batch *b, size_t i)
+{
+    if (!b || i >= b->n) return KVP_EINVAL;
+    pthread_mutex_lock((pthread_mutex_t *)&b->lock);
+    kvp_status st = b->reqs[i].status;
+    pthread_mutex_unlock((pthread_mutex_t *)&b->lock);
+    return st;
+}
+
+size_t kvp_batch_pending(const kvp_batch *b)
+{
+    if (!b) return 0;
+    pthread_mutex_lock((pthread_mutex_t *)&b->lock);
+    size_t n = b->pending;
+    pthread_mutex_unlock((pthread_mutex_t *)&b->lock);
+    return n;
+}
+
+kvp_status kvp_batch_wait(kvp_batch *b, int timeout_ms)
+{
+    if (!b) return kvpi_error(KVP_EINVAL, "batch_wait: NULL batch");
+    struct timespec dl = kvpi_deadline_after_ms(timeout_ms < 0 ? 0 : timeout_ms);
+    kvp_status st = KVP_OK;
+    pthread_mutex_lock(&b->lock);
+    while (b->pending > 0) {
+        if (timeout_ms < 0) {
+            pthread_cond_wait(&b->cond, &b->lock);
+        } else if (pthread_cond_timedwait(&b->cond, &b->lock, &dl) == ETIMEDOUT) {
+            if (b->pending == 0) break;
+            st = kvpi_error(KVP_ETIMEDOUT, "batch: %zu of %zu requests still running after %d ms",
+                            b->pending, b->n, timeout_ms);
+            goto out;
+        }
+    }
+    for (size_t i = 0; i < b->n; i++)
+        if (b->reqs[i].status != KVP_OK) {
+            st = kvpi_error(b->reqs[i].status, "request %zu failed: %s", i, b->detail);
+            break;
+        }
+out:
+    pthread_mutex_unlock(&b->lock);
+    return st;
+}
+
+void kvp_batch_free(kvp_batch *b)
+{
+    if (!b) return;
+    atomic_store(&b->canceled, 1);
+    pthread_mutex_lock(&b->lock);
+    while (b->outstanding > 0) pthread_cond_wait(&b->cond, &b->lock);
+    pthread_mutex_unlock(&b->lock);
+    pthread_mutex_destroy(&b->lock);
+    pthread_cond_destroy(&b->cond);
+    free(b->reqs);
+    free(b->works);
+    free(b);
+}
+
+static kvp_status transfer_sync(kvp_engine *e, kvp_segment_id seg, kvp_opcode op, void *local,
+                                uint64_t remote, size_t length)
+{
+    kvp_request req = {op, local, remote, length};
+    kvp_batch *b;
+    kvp_status st = kvp_batch_submit(e, seg, &req, 1, &b);
+    if (st) return st;
+    st = kvp_batch_wait(b, -1);
+    kvp_batch_free(b);
+    return st;
+}
+
+kvp_status kvp_engine_read(kvp_engine *e, kvp_segment_id seg, void *local, uint64_t remote,
+                           size_t length)
+{
+    return transfer_sync(e, seg, KVP_OP_READ, local, remote, length);
+}
+
+kvp_status kvp_engine_write(kvp_engine *e, kvp_segment_id seg, const void *local,
+                            uint64_t remote, size_t length)
+{
+    return transfer_sync(e, seg, KVP_OP_WRITE, (void *)local, remote, length);
+}

@@ -1,0 +1,276 @@
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "engine/buffer_pool.h"
+
+#define MIN_CLASS 256u
+#define SMALL_LIMIT (64u * 1024u)
+#define MAP_ALIGN (2u * 1024u * 1024u)
+
+typedef struct extent {
+    size_t off, len;
+} extent;
+
+typedef struct chunk {
+    char *base;
+    size_t size;
+    extent *free; /* sorted by off, coalesced */
+    size_t n_free, cap_free;
+    size_t used; /* bytes allocated from it */
+} chunk;
+
+typedef struct allocation {
+    uintptr_t addr;
+    size_t len;
+    chunk *owner;
+} allocation;
+
+struct kvpi_pool {
+    pthread_mutex_t lock;
+    kvpi_pool_opts opts;
+    kvpi_pool_hooks hooks;
+    chunk **chunks;
+    size_t n_chunks, cap_chunks;
+    allocation *allocs; /* sorted by addr */
+    size_t n_allocs, cap_allocs;
+    size_t mapped, allocated;
+};
+
+size_t kvpi_pool_size_class(size_t length)
+{
+    if (length <= MIN_CLASS) return MIN_CLASS;
+    if (length <= SMALL_LIMIT) {
+        size_t c = MIN_CLASS;
+        while (c < length) c <<= 1;
+        return c;
+    }
+    if (length > SIZE_MAX - SMALL_LIMIT) return 0;
+    return (length + SMALL_LIMIT - 1) / SMALL_LIMIT * SMALL_LIMIT;
+}
+
+static int grow(void **arr, size_t *cap, size_t need, size_t elem)
+{
+    if (need <= *cap) return 0;
+    size_t n = *cap ? *cap * 2 : 8;
+    while (n < need) n *= 2;
+    void *p = realloc(*arr, n * elem);
+    if (!p) return -1;
+    *arr = p;
+    *cap = n;
+    return 0;
+}
+
+kvp_status kvpi_pool_create(const kvpi_pool_opts *opts, const kvpi_pool_hooks *hooks,
+                            kvpi_pool **out)
+{
+    kvpi_pool *p = calloc(1, sizeof *p);
+    if (!p) return kvpi_error(KVP_ENOMEM, "buffer pool: out of memory");
+    pthread_mutex_init(&p->lock, NULL);
+    p->opts = *opts;
+    if (!p->opts.chunk_size) p->opts.chunk_size = 64u << 20;
+    if (!p->opts.retain_bytes) p->opts.retain_bytes = (size_t)1 << 30;
+    p->opts.chunk_size = (p->opts.chunk_size + MAP_ALIGN - 1) / MAP_ALIGN * MAP_ALIGN;
+    p->hooks = *hooks;
+    *out = p;
+    return KVP_OK;
+}
+
+static void chunk_release(kvpi_pool *p, chunk *c)
+{
+    p->hooks.unregister_chunk(p->hooks.ctx, c->base);
+    munmap(c->base, c->size);
+    p->mapped -= c->size;
+    free(c->free);
+    free(c);
+}
+
+void kvpi_pool_destroy(kvpi_pool *p)
+{
+    if (!p) return;
+    for (size_t i = 0; i < p->n_chunks; i++) chunk_release(p, p->chunks[i]);
+    free(p->chunks);
+    free(p->allocs);
+    pthread_mutex_destroy(&p->lock);
+    free(p);
+}
+
+static kvp_status chunk_new(kvpi_pool *p, size_t need, chunk **out)
+{
+    size_t size = need > p->opts.chunk_size ? (need + MAP_ALIGN - 1) / MAP_ALIGN * MAP_ALIGN
+                                            : p->opts.chunk_size;
+    if (p->opts.max_bytes && p->mapped + size > p->opts.max_bytes)
+        return kvpi_error(KVP_ENOMEM, "buffer pool: %zu more bytes would pass the cap of %zu",
+                          size, p->opts.max_bytes);
+    if (grow((void **)&p->chunks, &p->cap_chunks, p->n_chunks + 1, sizeof *p->chunks))
+        return kvpi_error(KVP_ENOMEM, "buffer pool: out of memory");
+    chunk *c = calloc(1, sizeof *c);
+    if (!c || grow((void **)&c->free, &c->cap_free, 1, sizeof *c->free)) {
+        if (c) free(c);
+        return kvpi_error(KVP_ENOMEM, "buffer pool: out of memory");
+    }
+    void *base = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) {
+        free(c->free);
+        free(c);
+        return kvpi_error(KVP_ENOMEM, "buffer pool: cannot map %zu bytes", size);
+    }
+    kvp_status st = p->hooks.register_chunk(p->hooks.ctx, base, size);
+    if (st) {
+        munmap(base, size);
+        free(c->free);
+        free(c);
+        return st;
+    }
+    c->base = base;
+    c->size = size;
+    c->free[0] = (extent){0, size};
+    c->n_free = 1;
+    p->chunks[p->n_chunks++] = c;
+    p->mapped += size;
+    *out = c;
+    return KVP_OK;
+}
+
+/* First fit inside one chunk; returns the offset or SIZE_MAX. */
+static size_t chunk_take(chunk *c, size_t len)
+{
+    for (size_t i = 0; i < c->n_free; i++) {
+        extent *e = &c->free[i];
+        if (e->len < len) continue;
+        size_t off = e->off;
+        e->off += len;
+        e->len -= len;
+        if (e->len == 0) {
+            memmove(e, e + 1, (c->n_free - i - 1) * sizeof *e);
+            c->n_free--;
+        }
+        c->used += len;
+        return off;
+    }
+    return SIZE_MAX;
+}
+
+static int chunk_give(chunk *c, size_t off, size_t len)
+{
+    size_t i = 0;
+    while (i < c->n_free && c->free[i].off < off) i++;
+    int join_prev = i > 0 && c->free[i - 1].off + c->free[i - 1].len == off;
+    int join_next = i < c->n_free && off + len == c->free[i].off;
+    if (join_prev && join_next) {
+        c->free[i - 1].len += len + c->free[i].len;
+        memmove(&c->free[i], &c->free[i + 1], (c->n_free - i - 1) * sizeof *c->free);
+        c->n_free--;
+    } else if (join_prev) {
+        c->free[i - 1].len += len;
+    } else if (join_next) {
+        c->free[i].off = off;
+        c->free[i].len += len;
+    } else {
+        if (grow((void **)&c->free, &c->cap_free, c->n_free + 1, sizeof *c->free)) return -1;
+        memmove(&c->free[i + 1], &c->free[i], (c->n_free - i) * sizeof *c->free);
+        c->free[i] = (extent){off, len};
+        c->n_free++;
+    }
+    c->used -= len;
+    return 0;
+}
+
+static size_t alloc_index(const kvpi_pool *p, uintptr_t addr)
+{
+    size_t lo = 0, hi = p->n_allocs;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (p->allocs[mid].addr < addr)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+kvp_status kvpi_pool_alloc(kvpi_pool *p, size_t length, void **out)
+{
+    size_t len = kvpi_pool_size_class(length);
+    if (length == 0 || len == 0)
+        return kvpi_error(KVP_EINVAL, "buffer pool: cannot allocate %zu bytes", length);
+    kvp_status st = KVP_OK;
+    pthread_mutex_lock(&p->lock);
+    if (grow((void **)&p->allocs, &p->cap_allocs, p->n_allocs + 1, sizeof *p->allocs)) {
+        st = kvpi_error(KVP_ENOMEM, "buffer pool: out of memory");
+        goto out;
+    }
+    chunk *c = NULL;
+    size_t off = SIZE_MAX;
+    for (size_t i = 0; i < p->n_chunks && off == SIZE_MAX; i++)
+        if (p->chunks[i]->size - p->chunks[i]->used >= len) {
+            c = p->chunks[i];
+            off = chunk_take(c, len);
+        }
+    if (off == SIZE_MAX) {
+        if ((st = chunk_new(p, len, &c))) goto out;
+        off = chunk_take(c, len);
+    }
+    uintptr_t addr = (uintptr_t)c->base + off;
+    size_t i = alloc_index(p, addr);
+    memmove(&p->allocs[i + 1], &p->allocs[i], (p->n_allocs - i) * sizeof *p->allocs);
+    p->allocs[i] = (allocation){addr, len, c};
+    p->n_allocs++;
+    p->allocated += len;
+    *out = (void *)addr;
+out:
+    pthread_mutex_unlock(&p->lock);
+    return st;
+}
+
+/* Release fully free chunks beyond the retention budget, largest last used. */
+static void trim(kvpi_pool *p)
+{
+    size_t retained = 0;
+    for (size_t i = 0; i < p->n_chunks;) {
+        chunk *c = p->chunks[i];
+        if (c->used == 0 && retained + c->size > p->opts.retain_bytes) {
+            chunk_release(p, c);
+            p->chunks[i] = p->chunks[--p->n_chunks];
+            continue;
+        }
+        if (c->used == 0) retained += c->size;
+        i++;
+    }
+}
+
+kvp_status kvpi_pool_free(kvpi_pool *p, void *addr)
+{
+    kvp_status st = KVP_OK;
+    pthread_mutex_lock(&p->lock);
+    size_t i = alloc_index(p, (uintptr_t)addr);
+    if (i == p->n_allocs || p->allocs[i].addr != (uintptr_t)addr) {
+        st = kvpi_error(KVP_EINVAL, "buffer pool: %p is not a live managed buffer", addr);
+        goto out;
+    }
+    allocation a = p->allocs[i];
+    if (chunk_give(a.owner, a.addr - (uintptr_t)a.owner->base, a.len)) {
+        st = kvpi_error(KVP_ENOMEM, "buffer pool: out of memory");
+        goto out;
+    }
+    memmove(&p->allocs[i], &p->allocs[i + 1], (p->n_allocs - i - 1) * sizeof *p->allocs);
+    p->n_allocs--;
+    p->allocated -= a.len;
+    trim(p);
+out:
+    pthread_mutex_unlock(&p->lock);
+    return st;
+}
+
+void kvpi_pool_get_stats(kvpi_pool *p, kvpi_pool_stats *out)
+{
+    pthread_mutex_lock(&p->lock);
+    out->chunks = p->n_chunks;
+    out->mapped = p->mapped;
+    out->allocated = p->allocated;
+    out->allocations = p->n_allocs;
+    pthread_mutex_unlock(&p->lock);
+}

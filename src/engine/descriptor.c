@@ -1,0 +1,149 @@
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/error.h"
+#include "engine/descriptor.h"
+
+#define EXACT_LIMIT 9007199254740992.0 /* 2^53 */
+
+static int add_u64(cJSON *obj, const char *key, uint64_t v)
+{
+    char text[24];
+    snprintf(text, sizeof text, "%" PRIu64, v);
+    return cJSON_AddRawToObject(obj, key, text) != NULL;
+}
+
+cJSON *kvpi_descriptor_build(const char *name, int tcp_data_port, const kvpi_region *regions,
+                             size_t n_regions)
+{
+    cJSON *doc = cJSON_CreateObject();
+    cJSON *buffers = NULL;
+    char stamp[32];
+    time_t now = time(NULL);
+    struct tm tm;
+    strftime(stamp, sizeof stamp, "%Y-%m-%d %H:%M:%S", localtime_r(&now, &tm));
+    if (!doc || !cJSON_AddStringToObject(doc, "name", name) ||
+        !cJSON_AddStringToObject(doc, "protocol", "tcp") ||
+        !cJSON_AddNumberToObject(doc, "tcp_data_port", tcp_data_port) ||
+        !cJSON_AddNumberToObject(doc, "tcp_proto_version", KVPI_TCP_PROTO_VERSION) ||
+        !cJSON_AddStringToObject(doc, "timestamp", stamp) ||
+        !(buffers = cJSON_AddArrayToObject(doc, "buffers")))
+        goto fail;
+    for (size_t i = 0; i < n_regions; i++) {
+        cJSON *b = cJSON_CreateObject();
+        if (!b) goto fail;
+        cJSON_AddItemToArray(buffers, b);
+        if (!cJSON_AddStringToObject(b, "name", "cpu:0") || !add_u64(b, "addr", regions[i].addr) ||
+            !add_u64(b, "length", regions[i].length))
+            goto fail;
+    }
+    return doc;
+fail:
+    cJSON_Delete(doc);
+    return NULL;
+}
+
+static kvp_status get_u64(const cJSON *obj, const char *key, const char *where, uint64_t *out)
+{
+    const cJSON *item = cJSON_GetObjectItemCaseSensitive(obj, key);
+    if (!cJSON_IsNumber(item))
+        return kvpi_error(KVP_EPROTO, "segment descriptor: %s.%s missing or not a number", where,
+                          key);
+    double d = item->valuedouble;
+    if (!(d >= 0) || d >= EXACT_LIMIT || floor(d) != d)
+        return kvpi_error(KVP_EPROTO,
+                          "segment descriptor: %s.%s is not an integer in [0, 2^53)", where, key);
+    *out = (uint64_t)d;
+    return KVP_OK;
+}
+
+static int region_cmp(const void *a, const void *b)
+{
+    const kvpi_region *x = a, *y = b;
+    return x->addr < y->addr ? -1 : x->addr > y->addr;
+}
+
+static kvp_status parse_buffers(const cJSON *buffers, kvpi_descriptor *d)
+{
+    if (!cJSON_IsArray(buffers))
+        return kvpi_error(KVP_EPROTO, "segment descriptor: 'buffers' missing or not an array");
+    size_t n = (size_t)cJSON_GetArraySize(buffers);
+    d->regions = calloc(n ? n : 1, sizeof *d->regions);
+    if (!d->regions) return kvpi_error(KVP_ENOMEM, "segment descriptor: out of memory");
+    size_t i = 0;
+    const cJSON *b;
+    cJSON_ArrayForEach(b, buffers)
+    {
+        kvp_status st;
+        if (!cJSON_IsObject(b))
+            return kvpi_error(KVP_EPROTO, "segment descriptor: buffers[%zu] is not an object", i);
+        if ((st = get_u64(b, "addr", "buffers[]", &d->regions[i].addr)) ||
+            (st = get_u64(b, "length", "buffers[]", &d->regions[i].length)))
+            return st;
+        if (d->regions[i].length > UINT64_MAX - d->regions[i].addr)
+            return kvpi_error(KVP_EPROTO, "segment descriptor: buffers[%zu] wraps around", i);
+        i++;
+    }
+    d->n_regions = n;
+    qsort(d->regions, n, sizeof *d->regions, region_cmp);
+    for (i = 1; i < n; i++)
+        if (d->regions[i - 1].addr + d->regions[i - 1].length > d->regions[i].addr)
+            return kvpi_error(KVP_EPROTO, "segment descriptor: buffers overlap");
+    return KVP_OK;
+}
+
+kvp_status kvpi_descriptor_parse(const char *text, kvpi_descriptor *out)
+{
+    kvpi_descriptor d = {0};
+    kvp_status st = KVP_OK;
+    d.json = cJSON_Parse(text);
+    if (!cJSON_IsObject(d.json)) {
+        st = kvpi_error(KVP_EPROTO, "segment descriptor is not a JSON object");
+        goto fail;
+    }
+    const cJSON *name = cJSON_GetObjectItemCaseSensitive(d.json, "name");
+    const cJSON *proto = cJSON_GetObjectItemCaseSensitive(d.json, "protocol");
+    if (!cJSON_IsString(name)) {
+        st = kvpi_error(KVP_EPROTO, "segment descriptor: 'name' missing or not a string");
+        goto fail;
+    }
+    d.name = name->valuestring;
+    if (!cJSON_IsString(proto)) {
+        st = kvpi_error(KVP_EPROTO, "segment descriptor of '%s': 'protocol' missing", d.name);
+        goto fail;
+    }
+    if (strcmp(proto->valuestring, "tcp") != 0) {
+        st = kvpi_error(KVP_ENOTSUP, "segment '%s' uses protocol '%s'; kvpipe reaches tcp segments",
+                        d.name, proto->valuestring);
+        goto fail;
+    }
+    uint64_t port = 0, version = 1;
+    if ((st = get_u64(d.json, "tcp_data_port", "descriptor", &port))) goto fail;
+    if (port == 0 || port > 65535) {
+        st = kvpi_error(KVP_EPROTO, "segment descriptor of '%s': tcp_data_port %llu out of range",
+                        d.name, (unsigned long long)port);
+        goto fail;
+    }
+    if (cJSON_GetObjectItemCaseSensitive(d.json, "tcp_proto_version") &&
+        (st = get_u64(d.json, "tcp_proto_version", "descriptor", &version)))
+        goto fail;
+    d.tcp_data_port = (int)port;
+    d.tcp_proto_version = version > 1000 ? 1000 : (int)version;
+    if ((st = parse_buffers(cJSON_GetObjectItemCaseSensitive(d.json, "buffers"), &d))) goto fail;
+    *out = d;
+    return KVP_OK;
+fail:
+    kvpi_descriptor_free(&d);
+    return st;
+}
+
+void kvpi_descriptor_free(kvpi_descriptor *desc)
+{
+    cJSON_Delete(desc->json);
+    free(desc->regions);
+    memset(desc, 0, sizeof *desc);
+}

@@ -1,0 +1,282 @@
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "engine/engine_internal.h"
+
+#define DEFAULT_TIMEOUT_MS 5000
+#define DEFAULT_WORKERS 4
+#define DEFAULT_CONNS 4
+#define DEFAULT_SLICE (4u << 20)
+#define KEEPER_INTERVAL_MS 2000
+
+void kvp_engine_opts_init(kvp_engine_opts *opts)
+{
+    memset(opts, 0, sizeof *opts);
+    opts->protocol = "tcp";
+    opts->timeout_ms = DEFAULT_TIMEOUT_MS;
+    opts->workers = DEFAULT_WORKERS;
+    opts->conns_per_peer = DEFAULT_CONNS;
+    opts->slice_size = DEFAULT_SLICE;
+}
+
+/* Build the descriptor from the registry and every transport's fields. */
+static char *descriptor_render(kvp_engine *e)
+{
+    kvpi_region *regions;
+    size_t n;
+    if (kvpi_registry_snapshot(&e->registry, &regions, &n)) return NULL;
+    cJSON *doc = kvpi_descriptor_build(e->name, e->data_port, regions, n);
+    free(regions);
+    if (!doc) return NULL;
+    for (size_t i = 0; kvpi_transports[i]; i++)
+        if (e->servers[i]) kvpi_transports[i]->server_describe(e->servers[i], doc);
+    char *text = cJSON_PrintUnformatted(doc);
+    cJSON_Delete(doc);
+    return text;
+}
+
+char *kvpi_engine_descriptor_text(kvp_engine *e)
+{
+    pthread_mutex_lock(&e->publish_lock);
+    char *copy = e->desc_text ? strdup(e->desc_text) : NULL;
+    pthread_mutex_unlock(&e->publish_lock);
+    return copy;
+}
+
+static char *rpc_describe(void *ctx)
+{
+    return kvpi_engine_descriptor_text(ctx);
+}
+
+/* Render and publish; the lock keeps concurrent registrations from publishing
+ * out of order. */
+static kvp_status publish(kvp_engine *e)
+{
+    pthread_mutex_lock(&e->publish_lock);
+    kvp_status st = KVP_OK;
+    char *text = descriptor_render(e);
+    if (!text) {
+        st = kvpi_error(KVP_ENOMEM, "cannot render the segment descriptor");
+        goto out;
+    }
+    free(e->desc_text);
+    e->desc_text = text;
+    st = kvpi_meta_publish(e->meta, e->name, text, e->self.host, e->self.port);
+out:
+    pthread_mutex_unlock(&e->publish_lock);
+    return st;
+}
+
+/* Re-publish when the store lost our segment (a restarted store, an expired
+ * entry), so that peers can find us again without a restart on our side. */
+static void *keeper_main(void *arg)
+{
+    kvp_engine *e = arg;
+    int warned = 0;
+    pthread_mutex_lock(&e->keeper_lock);
+    while (!e->keeper_stop) {
+        struct timespec dl = kvpi_deadline_after_ms(KEEPER_INTERVAL_MS);
+        pthread_cond_timedwait(&e->keeper_cond, &e->keeper_lock, &dl);
+        if (e->keeper_stop) break;
+        pthread_mutex_unlock(&e->keeper_lock);
+        char *desc = NULL, *host = NULL;
+        kvp_status st = kvpi_meta_fetch(e->meta, e->name, NULL, &desc, &host);
+        if (st == KVP_ENOTFOUND) st = publish(e);
+        if (st && !warned) KVPI_WARN("segment %s: metadata store: %s", e->name, kvp_last_error());
+        warned = st != KVP_OK;
+        free(desc);
+        free(host);
+        pthread_mutex_lock(&e->keeper_lock);
+    }
+    pthread_mutex_unlock(&e->keeper_lock);
+    return NULL;
+}
+
+static kvp_status pool_register(void *ctx, void *addr, size_t length)
+{
+    return kvp_engine_register(ctx, addr, length);
+}
+
+static void pool_unregister(void *ctx, void *addr)
+{
+    kvp_engine_unregister(ctx, addr);
+}
+
+static kvp_status copy_opts(kvp_engine *e, const kvp_engine_opts *o)
+{
+    if (!o->local_server_name || !o->metadata)
+        return kvpi_error(KVP_EINVAL, "engine: local_server_name and metadata are required");
+    e->opts = *o;
+    if (e->opts.timeout_ms <= 0) e->opts.timeout_ms = DEFAULT_TIMEOUT_MS;
+    if (e->opts.workers <= 0) e->opts.workers = DEFAULT_WORKERS;
+    if (e->opts.conns_per_peer <= 0) e->opts.conns_per_peer = DEFAULT_CONNS;
+    if (e->opts.slice_size == 0) e->opts.slice_size = DEFAULT_SLICE;
+    const char *proto = o->protocol && *o->protocol ? o->protocol : "tcp";
+    e->transport = kvpi_transport_lookup(proto);
+    if (!e->transport)
+        return kvpi_error(KVP_ENOTSUP, "protocol '%s' is not supported by this build (tcp, shm)",
+                          proto);
+    kvp_status st = kvpi_hostport_parse(o->local_server_name, -1, &e->self);
+    if (st) return st;
+    if (e->self.port == 0)
+        return kvpi_error(KVP_EINVAL, "local_server_name '%s' needs a non-zero port",
+                          o->local_server_name);
+    char name[KVPI_HOST_MAX + 8];
+    kvpi_hostport_format(e->self.host, e->self.port, name, sizeof name);
+    e->name = strdup(name);
+    e->metadata_conn = strdup(o->metadata);
+    e->protocol = strdup(proto);
+    if (!e->name || !e->metadata_conn || !e->protocol)
+        return kvpi_error(KVP_ENOMEM, "engine: out of memory");
+    e->opts.local_server_name = e->name;
+    e->opts.metadata = e->metadata_conn;
+    e->opts.protocol = e->protocol;
+    e->opts.device_names = NULL;
+    return KVP_OK;
+}
+
+static kvp_status start_servers(kvp_engine *e)
+{
+    kvpi_server_ctx ctx = {.host = e->self.host, .registry = &e->registry,
+                           .timeout_ms = e->opts.timeout_ms, .data_port_out = &e->data_port};
+    for (size_t i = 0; kvpi_transports[i]; i++) {
+        const kvpi_transport_ops *ops = kvpi_transports[i];
+        kvp_status st = ops->server_start(&ctx, &e->servers[i]);
+        if (st == KVP_OK) continue;
+        e->servers[i] = NULL;
+        /* A same-host transport is an optimisation: its absence is not fatal
+         * unless it is the protocol asked for. */
+        if ((ops->caps & KVPI_TRANSPORT_SAME_HOST) && ops != e->transport) {
+            KVPI_INFO("engine %s: %s transport unavailable: %s", e->name, ops->name,
+                      kvp_last_error());
+            continue;
+        }
+        return st;
+    }
+    return KVP_OK;
+}
+
+kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out)
+{
+    if (!opts || !out) return kvpi_error(KVP_EINVAL, "engine: NULL argument");
+    kvp_engine *e = calloc(1, sizeof *e);
+    if (!e) return kvpi_error(KVP_ENOMEM, "engine: out of memory");
+    kvpi_registry_init(&e->registry);
+    pthread_mutex_init(&e->publish_lock, NULL);
+    pthread_mutex_init(&e->segments_lock, NULL);
+    pthread_mutex_init(&e->keeper_lock, NULL);
+    pthread_cond_init(&e->keeper_cond, NULL);
+    kvp_status st;
+    if ((st = copy_opts(e, opts))) goto fail;
+    if ((st = kvpi_meta_open(e->metadata_conn, e->opts.timeout_ms, &e->meta))) goto fail;
+    if ((st = kvpi_rpc_server_start(e->self.host, e->self.port, e->opts.timeout_ms, rpc_describe,
+                                    e, &e->rpc)))
+        goto fail;
+    if ((st = start_servers(e))) goto fail;
+    kvpi_pool_opts popts = {0};
+    kvpi_pool_hooks hooks = {e, pool_register, pool_unregister};
+    if ((st = kvpi_pool_create(&popts, &hooks, &e->pool))) goto fail;
+    if ((st = kvpi_workers_start(e))) goto fail;
+    if ((st = publish(e))) goto fail;
+    if (!kvpi_meta_is_p2p(e->meta)) {
+        if (pthread_create(&e->keeper, NULL, keeper_main, e) != 0) {
+            st = kvpi_error(KVP_EIO, "engine: cannot start a thread: %s", strerror(errno));
+            goto fail;
+        }
+        e->keeper_started = 1;
+    }
+    KVPI_INFO("engine %s: serving (data port %d, metadata %s)", e->name, e->data_port,
+              e->metadata_conn);
+    *out = e;
+    return KVP_OK;
+fail:
+    {
+        /* Keep the first failure's detail across the teardown's own calls. */
+        char detail[512];
+        snprintf(detail, sizeof detail, "%s", kvp_last_error());
+        kvp_engine_destroy(e);
+        return kvpi_error(st, "%s", detail);
+    }
+}
+
+void kvp_engine_destroy(kvp_engine *e)
+{
+    if (!e) return;
+    if (e->keeper_started) {
+        pthread_mutex_lock(&e->keeper_lock);
+        e->keeper_stop = 1;
+        pthread_cond_signal(&e->keeper_cond);
+        pthread_mutex_unlock(&e->keeper_lock);
+        pthread_join(e->keeper, NULL);
+    }
+    if (e->meta && e->desc_text) kvpi_meta_remove(e->meta, e->name);
+    kvpi_workers_stop(e);
+    kvpi_segments_destroy(e);
+    kvpi_rpc_server_stop(e->rpc);
+    for (size_t i = 0; kvpi_transports[i]; i++)
+        if (e->servers[i]) kvpi_transports[i]->server_stop(e->servers[i]);
+    /* The pool unregisters its chunks through the engine: no publishing now. */
+    kvpi_meta_close(e->meta);
+    e->meta = NULL;
+    kvpi_pool_destroy(e->pool);
+    kvpi_registry_destroy(&e->registry);
+    pthread_mutex_destroy(&e->publish_lock);
+    pthread_mutex_destroy(&e->segments_lock);
+    pthread_mutex_destroy(&e->keeper_lock);
+    pthread_cond_destroy(&e->keeper_cond);
+    free(e->desc_text);
+    free(e->name);
+    free(e->metadata_conn);
+    free(e->protocol);
+    free(e);
+}
+
+const char *kvp_engine_segment_name(const kvp_engine *e)
+{
+    return e->name;
+}
+
+int kvp_engine_rpc_port(const kvp_engine *e)
+{
+    return e->self.port;
+}
+
+int kvp_engine_data_port(const kvp_engine *e)
+{
+    return e->data_port;
+}
+
+kvp_status kvp_engine_register(kvp_engine *e, void *addr, size_t length)
+{
+    if (!e || !addr) return kvpi_error(KVP_EINVAL, "register: NULL argument");
+    kvp_status st = kvpi_registry_add(&e->registry, (uint64_t)(uintptr_t)addr, length);
+    if (st || !e->meta) return st;
+    if ((st = publish(e))) kvpi_registry_remove(&e->registry, (uint64_t)(uintptr_t)addr);
+    return st;
+}
+
+kvp_status kvp_engine_unregister(kvp_engine *e, void *addr)
+{
+    if (!e) return kvpi_error(KVP_EINVAL, "unregister: NULL engine");
+    kvp_status st = kvpi_registry_remove(&e->registry, (uint64_t)(uintptr_t)addr);
+    if (st || !e->meta) return st;
+    return publish(e);
+}
+
+kvp_status kvp_engine_alloc(kvp_engine *e, size_t length, void **out)
+{
+    if (!e || !out) return kvpi_error(KVP_EINVAL, "alloc: NULL argument");
+    return kvpi_pool_alloc(e->pool, length, out);
+}
+
+kvp_status kvp_engine_free(kvp_engine *e, void *addr)
+{
+    if (!e) return kvpi_error(KVP_EINVAL, "free: NULL engine");
+    if (!addr) return KVP_OK;
+    return kvpi_pool_free(e->pool, addr);
+}

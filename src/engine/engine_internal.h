@@ -1,0 +1,93 @@
+/* Internal: the engine's parts and how they meet.
+ *   engine.c   - create/destroy, registration, publishing, the keeper thread
+ *   segment.c  - the table of opened peer segments and their transports
+ *   batch.c    - the work queue, worker threads and the batch API
+ */
+#ifndef KVPI_ENGINE_INTERNAL_H
+#define KVPI_ENGINE_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "common/net.h"
+#include "engine/buffer_pool.h"
+#include "engine/descriptor.h"
+#include "engine/registry.h"
+#include "kvpipe/engine.h"
+#include "metadata/metadata.h"
+#include "transport/transport.h"
+
+/* A live connection state to a peer through one transport. Shared by workers,
+ * reference counted: a failed peer is detached from its segment and closed when
+ * the last worker using it lets go. */
+typedef struct kvpi_peer {
+    const kvpi_transport_ops *ops;
+    void *handle;
+    kvpi_descriptor desc;
+    char *host;
+    atomic_int refs;
+} kvpi_peer;
+
+typedef struct kvpi_segment {
+    char *name;
+    pthread_mutex_t lock;
+    kvpi_peer *peer;        /* NULL until looked up, and after a connection error */
+    const char *transport;  /* name of the last transport used, for callers */
+} kvpi_segment;
+
+typedef struct kvpi_work kvpi_work;
+
+typedef struct kvpi_queue {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    kvpi_work *head, *tail;
+    int stopping;
+} kvpi_queue;
+
+struct kvp_engine {
+    kvp_engine_opts opts; /* strings below are owned copies */
+    char *name, *metadata_conn, *protocol;
+    kvpi_hostport self;
+    const kvpi_transport_ops *transport; /* the protocol's transport */
+    kvpi_meta *meta;
+    kvpi_rpc_server *rpc;
+    kvpi_registry registry;
+    void *servers[8]; /* per entry of kvpi_transports[] */
+    int data_port;
+    kvpi_pool *pool;
+
+    pthread_mutex_t publish_lock;
+    char *desc_text; /* last published descriptor, for handshakes */
+
+    pthread_mutex_t segments_lock;
+    kvpi_segment **segments;
+    size_t n_segments, cap_segments;
+
+    kvpi_queue queue;
+    pthread_t *workers;
+    int n_workers;
+
+    pthread_t keeper;
+    int keeper_started;
+    pthread_mutex_t keeper_lock;
+    pthread_cond_t keeper_cond;
+    int keeper_stop;
+};
+
+/* segment.c */
+kvpi_segment *kvpi_segment_get(kvp_engine *e, kvp_segment_id id);
+/* A referenced peer for the segment, looking it up (again) if needed. */
+kvp_status kvpi_segment_acquire(kvp_engine *e, kvpi_segment *seg, kvpi_peer **out);
+/* Drop a reference; if failed is non-zero and the segment still uses this
+ * peer, detach it so that the next transfer looks the segment up again. */
+void kvpi_segment_release(kvpi_segment *seg, kvpi_peer *peer, int failed);
+void kvpi_segments_destroy(kvp_engine *e);
+
+/* batch.c */
+kvp_status kvpi_workers_start(kvp_engine *e);
+void kvpi_workers_stop(kvp_engine *e);
+
+/* engine.c */
+char *kvpi_engine_descriptor_text(kvp_engine *e);
+
+#endif

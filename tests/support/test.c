@@ -1,0 +1,175 @@
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/net.h"
+#include "test.h"
+
+int kvpt_failures;
+static int passed, failed, skipped;
+static const char *skip_file = NULL;
+
+void kvpt_skip(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "  skipped: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    /* The case runs in a child; exit code 77 tells the parent it skipped. */
+    fflush(NULL);
+    _exit(77);
+}
+
+void kvpt_run(const char *name, void (*fn)(void), int timeout_s)
+{
+    (void)skip_file;
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        setpgid(0, 0);
+        alarm((unsigned)timeout_s);
+        kvpt_failures = 0;
+        fn();
+        fflush(NULL);
+        _exit(kvpt_failures ? 1 : 0);
+    }
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    /* Kill anything the case left running in its process group. */
+    kill(-pid, SIGKILL);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+        printf("PASS %s\n", name);
+        passed++;
+    } else if (WIFEXITED(status) && WEXITSTATUS(status) == 77) {
+        printf("SKIP %s\n", name);
+        skipped++;
+    } else if (WIFSIGNALED(status)) {
+        printf("FAIL %s (signal %d%s)\n", name, WTERMSIG(status),
+               WTERMSIG(status) == SIGALRM ? ": timed out" : "");
+        failed++;
+    } else {
+        printf("FAIL %s\n", name);
+        failed++;
+    }
+    fflush(stdout);
+}
+
+int kvpt_summary(void)
+{
+    printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
+    return failed ? 1 : 0;
+}
+
+int kvpt_free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t sl = sizeof sa;
+    if (fd < 0 || bind(fd, (struct sockaddr *)&sa, sizeof sa) != 0 ||
+        getsockname(fd, (struct sockaddr *)&sa, &sl) != 0) {
+        perror("kvpt_free_port");
+        abort();
+    }
+    close(fd);
+    return ntohs(sa.sin_port);
+}
+
+int kvpt_wait_port(const char *host, int port, int timeout_ms)
+{
+    for (int waited = 0; waited < timeout_ms; waited += 20) {
+        int fd;
+        if (kvpi_tcp_connect(host, port, 500, &fd) == KVP_OK) {
+            close(fd);
+            return 0;
+        }
+        usleep(20000);
+    }
+    return -1;
+}
+
+pid_t kvpt_spawn(char *const argv[], const char *out_path)
+{
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (out_path) {
+            int fd = open(out_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+            if (fd >= 0) dup2(fd, 1);
+        }
+        execv(argv[0], argv);
+        perror(argv[0]);
+        _exit(127);
+    }
+    return pid;
+}
+
+int kvpt_wait_child(pid_t pid, int timeout_ms)
+{
+    for (int waited = 0;; waited += 10) {
+        int status;
+        pid_t r = waitpid(pid, &status, WNOHANG);
+        if (r == pid) {
+            if (WIFEXITED(status)) return WEXITSTATUS(status);
+            return 128 + WTERMSIG(status);
+        }
+        if (waited >= timeout_ms) {
+            kill(pid, SIGKILL);
+            waitpid(pid, &status, 0);
+            return -1;
+        }
+        usleep(10000);
+    }
+}
+
+static inline uint64_t mix(uint64_t x)
+{
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    return x;
+}
+
+void kvpt_fill(void *buf, size_t len, uint64_t seed)
+{
+    unsigned char *p = buf;
+    size_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        uint64_t v = mix(seed + i);
+        memcpy(p + i, &v, 8);
+    }
+    uint64_t v = mix(seed + i);
+    for (; i < len; i++) p[i] = (unsigned char)(v >> (8 * (i % 8)));
+}
+
+size_t kvpt_verify(const void *buf, size_t len, uint64_t seed)
+{
+    const unsigned char *p = buf;
+    size_t i = 0;
+    for (; i + 8 <= len; i += 8) {
+        uint64_t v = mix(seed + i);
+        if (memcmp(p + i, &v, 8) != 0) {
+            for (size_t j = 0; j < 8; j++)
+                if (p[i + j] != (unsigned char)(v >> (8 * j))) return i + j;
+        }
+    }
+    uint64_t v = mix(seed + i);
+    for (; i < len; i++)
+        if (p[i] != (unsigned char)(v >> (8 * (i % 8)))) return i;
+    return (size_t)-1;
+}
+
+const char *kvpt_cli(void)
+{
+    return KVP_CLI_PATH;
+}

@@ -1,0 +1,95 @@
+/* A small test harness: checks that report file:line and keep going, one line
+ * per test case, and a closing "N passed, N failed" line. Each test case runs
+ * in a forked child with an alarm, so a crash or hang fails that case only. */
+#ifndef KVPT_TEST_H
+#define KVPT_TEST_H
+
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/types.h>
+
+#include "kvpipe/kvpipe.h"
+
+extern int kvpt_failures; /* checks failed in the current case */
+
+#define CHECK(cond)                                                                          \
+    do {                                                                                     \
+        if (!(cond)) {                                                                       \
+            fprintf(stderr, "  %s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond);       \
+            kvpt_failures++;                                                                 \
+        }                                                                                    \
+    } while (0)
+
+/* Fails and returns from the case when cond is false. */
+#define REQUIRE(cond)                                                                        \
+    do {                                                                                     \
+        if (!(cond)) {                                                                       \
+            fprintf(stderr, "  %s:%d: REQUIRE(%s) failed\n", __FILE__, __LINE__, #cond);     \
+            kvpt_failures++;                                                                 \
+            return;                                                                          \
+        }                                                                                    \
+    } while (0)
+
+#define CHECK_ST(expr, want)                                                                 \
+    do {                                                                                     \
+        kvp_status st_ = (expr);                                                             \
+        if (st_ != (want)) {                                                                 \
+            fprintf(stderr, "  %s:%d: %s = %d (%s: %s), want %d\n", __FILE__, __LINE__,     \
+                    #expr, (int)st_, kvp_strerror(st_), kvp_last_error(), (int)(want));      \
+            kvpt_failures++;                                                                 \
+        }                                                                                    \
+    } while (0)
+
+#define REQUIRE_OK(expr)                                                                     \
+    do {                                                                                     \
+        kvp_status st_ = (expr);                                                             \
+        if (st_ != KVP_OK) {                                                                 \
+            fprintf(stderr, "  %s:%d: %s = %s: %s\n", __FILE__, __LINE__, #expr,            \
+                    kvp_strerror(st_), kvp_last_error());                                    \
+            kvpt_failures++;                                                                 \
+            return;                                                                          \
+        }                                                                                    \
+    } while (0)
+
+#define CHECK_OK(expr) CHECK_ST(expr, KVP_OK)
+
+/* Run one case in a child process with a timeout in seconds. */
+void kvpt_run(const char *name, void (*fn)(void), int timeout_s);
+#define RUN(fn) kvpt_run(#fn, fn, 120)
+#define RUN_T(fn, secs) kvpt_run(#fn, fn, secs)
+
+/* Print the summary line; returns the process exit code. */
+int kvpt_summary(void);
+
+/* Mark the current case skipped (with a reason) and return from it. */
+#define SKIP(...)                                                                            \
+    do {                                                                                     \
+        kvpt_skip(__VA_ARGS__);                                                              \
+        return;                                                                              \
+    } while (0)
+void kvpt_skip(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* A TCP port on 127.0.0.1 that was free a moment ago. */
+int kvpt_free_port(void);
+
+/* Wait until something accepts connections on host:port; 0 on success. */
+int kvpt_wait_port(const char *host, int port, int timeout_ms);
+
+/* Start a program (argv[0] is a path) with stdout to out_path (NULL: inherit).
+ * Returns its pid. */
+pid_t kvpt_spawn(char *const argv[], const char *out_path);
+
+/* Wait for a child up to timeout_ms; returns its exit status (0..255), 128+sig
+ * if killed, or -1 on timeout (the child is then killed). */
+int kvpt_wait_child(pid_t pid, int timeout_ms);
+
+/* Fill / check a deterministic byte pattern that depends on seed and offset. */
+void kvpt_fill(void *buf, size_t len, uint64_t seed);
+/* Returns the index of the first wrong byte, or (size_t)-1 if all match. */
+size_t kvpt_verify(const void *buf, size_t len, uint64_t seed);
+
+/* Path of the kvpipe CLI built with the tests. */
+const char *kvpt_cli(void);
+
+#endif

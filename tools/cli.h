@@ -1,0 +1,18 @@
+/* The kvpipe CLI: one file per subcommand, each exporting one entry point. */
+#ifndef KVP_TOOLS_CLI_H
+#define KVP_TOOLS_CLI_H
+
+typedef struct kvp_cli_command {
+    const char *name;
+    const char *summary;
+    int (*main)(int argc, char **argv); /* argv[0] is the command name */
+} kvp_cli_command;
+
+int kvp_cmd_bench(int argc, char **argv);
+int kvp_cmd_metadata_server(int argc, char **argv);
+
+/* Block SIGINT and SIGTERM in the calling thread (call before starting threads)
+ * and wait for one of them; returns the signal number. */
+int kvp_cli_wait_for_signal(void);
+
+#endif

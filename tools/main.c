@@ -1,0 +1,57 @@
+/* kvpipe: the command-line face of the library. */
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+#include "kvpipe/kvpipe.h"
+
+static const kvp_cli_command commands[] = {
+    {"bench", "measure transfer throughput (target and initiator)", kvp_cmd_bench},
+    {"metadata-server", "run the HTTP metadata store", kvp_cmd_metadata_server},
+};
+#define N_COMMANDS (sizeof commands / sizeof commands[0])
+
+static void usage(FILE *out)
+{
+    fprintf(out, "usage: kvpipe COMMAND [OPTIONS]\n\nCommands:\n");
+    for (size_t i = 0; i < N_COMMANDS; i++)
+        fprintf(out, "  %-16s %s\n", commands[i].name, commands[i].summary);
+    fprintf(out, "\n'kvpipe COMMAND --help' describes each command. Env KVPIPE_LOG=debug|info|"
+                 "warn|error sets the log level.\n");
+}
+
+int kvp_cli_wait_for_signal(void)
+{
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    int sig = 0;
+    sigwait(&set, &sig);
+    return sig;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
+        usage(argc < 2 ? stderr : stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    if (strcmp(argv[1], "--version") == 0) {
+        printf("kvpipe %s\n", KVP_VERSION_STRING);
+        return 0;
+    }
+    /* Subcommands that serve until a signal wait for it with sigwait; block the
+     * signals before any library thread starts so that threads inherit the mask. */
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &set, NULL);
+    for (size_t i = 0; i < N_COMMANDS; i++)
+        if (strcmp(argv[1], commands[i].name) == 0) return commands[i].main(argc - 1, argv + 1);
+    fprintf(stderr, "kvpipe: unknown command '%s'\n\n", argv[1]);
+    usage(stderr);
+    return 2;
+}
