@@ -1,0 +1,648 @@
+/* Engine-level conformance over every metadata store: the same cases run with
+ * the HTTP store, a real etcd, a real redis-server and P2PHANDSHAKE.
+ *
+ * Each case runs an initiator engine in the case process and a target engine
+ * in a separate process (this executable re-run with --target), driven over
+ * its stdin/stdout with one-line commands:
+ *   -> "READY <addr> <len>" once the engine is up with its first region
+ *   <- "reg"                   -> "OK <addr> <len>"   register a new region
+ *   <- "check <addr> <len> <seed>" -> "OK" | "BAD <index>"
+ *   <- "quit"                  -> "OK"                destroy the engine, exit
+ * Case names are "<store>/<behaviour>". */
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "metadata/metadata.h"
+#include "servers.h"
+#include "test.h"
+
+#define ENGINE_TIMEOUT_MS 2000
+#define REPLY_TIMEOUT_MS 20000
+#define REPUBLISH_WAIT_MS 20000
+#define REGION_LEN (((size_t)1 << 20) + 123)
+#define NEW_REGION_LEN (((size_t)256 << 10) + 7)
+#define GEN_SHIFT ((size_t)64 << 10)
+
+/* ---- the target process ---- */
+
+static kvp_status target_engine(const char *conn, int port, kvp_engine **out)
+{
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%d", port);
+    kvp_engine_opts o;
+    kvp_engine_opts_init(&o);
+    o.local_server_name = name;
+    o.metadata = conn;
+    o.disable_shm = 1; /* the TCP path is the one Mooncake peers share */
+    o.timeout_ms = ENGINE_TIMEOUT_MS;
+    return kvp_engine_create(&o, out);
+}
+
+/* A region at a generation-dependent offset, so that a restarted target's
+ * buffers lie at other addresses even without ASLR. */
+static void *target_region(size_t len, int gen, uint64_t seed)
+{
+    size_t shift = (size_t)gen * GEN_SHIFT;
+    char *base = mmap(NULL, len + shift, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) return NULL;
+    kvpt_fill(base + shift, len, seed);
+    return base + shift;
+}
+
+static void target_serve(kvp_engine *e, int gen)
+{
+    char line[256];
+    while (fgets(line, sizeof line, stdin)) {
+        unsigned long long addr;
+        size_t len;
+        unsigned long long seed;
+        if (strncmp(line, "reg", 3) == 0) {
+            void *r = target_region(NEW_REGION_LEN, gen + 7, 200 + (uint64_t)gen);
+            kvp_status st = r ? kvp_engine_register(e, r, NEW_REGION_LEN) : KVP_ENOMEM;
+            if (st)
+                printf("ERR %d %s\n", (int)st, kvp_last_error());
+            else
+                printf("OK %" PRIxPTR " %zu\n", (uintptr_t)r, NEW_REGION_LEN);
+        } else if (sscanf(line, "check %llx %zu %llu", &addr, &len, &seed) == 3) {
+            size_t bad = kvpt_verify((void *)(uintptr_t)addr, len, seed);
+            if (bad == (size_t)-1)
+                printf("OK\n");
+            else
+                printf("BAD %zu\n", bad);
+        } else if (strncmp(line, "quit", 4) == 0) {
+            break;
+        } else {
+            printf("ERR unknown command\n");
+        }
+        fflush(stdout);
+    }
+    kvp_engine_destroy(e);
+    printf("OK\n");
+    fflush(stdout);
+}
+
+static int target_main(const char *conn, int port, int gen)
+{
+    kvp_engine *e;
+    kvp_status st = target_engine(conn, port, &e);
+    if (st) {
+        printf("ERR %d %s\n", (int)st, kvp_last_error());
+        return 1;
+    }
+    void *r = target_region(REGION_LEN, gen, 100 + (uint64_t)gen);
+    st = r ? kvp_engine_register(e, r, REGION_LEN) : KVP_ENOMEM;
+    if (st) {
+        printf("ERR %d %s\n", (int)st, kvp_last_error());
+        kvp_engine_destroy(e);
+        return 1;
+    }
+    printf("READY %" PRIxPTR " %zu\n", (uintptr_t)r, REGION_LEN);
+    fflush(stdout);
+    target_serve(e, gen);
+    return 0;
+}
+
+/* ---- driving a target ---- */
+
+typedef struct target {
+    pid_t pid;
+    int to, from; /* pipe ends: its stdin, its stdout */
+    int port, gen;
+    char name[64];
+    uint64_t addr; /* first region */
+    size_t len;
+    char err[512];
+} target;
+
+static int read_line(int fd, char *buf, size_t len, int timeout_ms)
+{
+    size_t n = 0;
+    while (n + 1 < len) {
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        int rc = poll(&p, 1, timeout_ms);
+        if (rc < 0 && errno == EINTR) continue;
+        if (rc <= 0) return -1;
+        ssize_t got = read(fd, buf + n, 1);
+        if (got <= 0) return -1;
+        if (buf[n] == '\n') break;
+        n++;
+    }
+    buf[n] = '\0';
+    return 0;
+}
+
+static int target_ask(target *t, const char *cmd, char *reply, size_t len)
+{
+    size_t n = strlen(cmd);
+    if (write(t->to, cmd, n) != (ssize_t)n || write(t->to, "\n", 1) != 1) return -1;
+    return read_line(t->from, reply, len, REPLY_TIMEOUT_MS);
+}
+
+/* Start a target engine process; 0 when it is READY. */
+static int target_start(target *t, const char *conn, int port, int gen)
+{
+    memset(t, 0, sizeof *t);
+    t->port = port;
+    t->gen = gen;
+    snprintf(t->name, sizeof t->name, "127.0.0.1:%d", port);
+    int in[2], out[2];
+    if (pipe(in) || pipe(out)) return -1;
+    char port_s[16], gen_s[16];
+    snprintf(port_s, sizeof port_s, "%d", port);
+    snprintf(gen_s, sizeof gen_s, "%d", gen);
+    fflush(NULL);
+    t->pid = fork();
+    if (t->pid == 0) {
+        dup2(in[0], 0);
+        dup2(out[1], 1);
+        close(in[1]);
+        close(out[0]);
+        execl("/proc/self/exe", "engine_store_test", "--target", conn, port_s, gen_s, (char *)NULL);
+        _exit(127);
+    }
+    close(in[0]);
+    close(out[1]);
+    t->to = in[1];
+    t->from = out[0];
+    char line[512];
+    unsigned long long addr;
+    if (read_line(t->from, line, sizeof line, REPLY_TIMEOUT_MS) != 0) {
+        snprintf(t->err, sizeof t->err, "target %s: no answer", t->name);
+        return -1;
+    }
+    if (sscanf(line, "READY %llx %zu", &addr, &t->len) != 2) {
+        snprintf(t->err, sizeof t->err, "target %s: %.400s", t->name, line);
+        return -1;
+    }
+    t->addr = addr;
+    return 0;
+}
+
+/* Ask the target to destroy its engine and exit; 0 on a clean exit. */
+static int target_quit(target *t)
+{
+    char reply[64];
+    int rc = target_ask(t, "quit", reply, sizeof reply) == 0 && strcmp(reply, "OK") == 0 ? 0 : -1;
+    if (kvpt_wait_child(t->pid, 10000) != 0) rc = -1;
+    close(t->to);
+    close(t->from);
+    t->pid = 0;
+    return rc;
+}
+
+static void target_kill(target *t)
+{
+    if (t->pid <= 0) return;
+    kill(t->pid, SIGKILL);
+    kvpt_wait_child(t->pid, 10000);
+    close(t->to);
+    close(t->from);
+    t->pid = 0;
+}
+
+/* 1 if the target's memory at [addr, addr+len) holds pattern seed. */
+static int target_holds(target *t, uint64_t addr, size_t len, uint64_t seed)
+{
+    char cmd[128], reply[64];
+    snprintf(cmd, sizeof cmd, "check %" PRIx64 " %zu %" PRIu64, addr, len, seed);
+    if (target_ask(t, cmd, reply, sizeof reply) != 0) return 0;
+    if (strcmp(reply, "OK") != 0) fprintf(stderr, "  target check: %s\n", reply);
+    return strcmp(reply, "OK") == 0;
+}
+
+/* ---- the store and the initiator ---- */
+
+typedef struct store_kind {
+    const char *name;
+    int (*start)(kvpt_server *out);
+} store_kind;
+
+static int p2p_start(kvpt_server *out)
+{
+    memset(out, 0, sizeof *out);
+    out->kind = "p2p";
+    snprintf(out->conn, sizeof out->conn, "%s", KVPI_P2P_CONN);
+    return KVPT_SERVER_OK;
+}
+
+static const store_kind kinds[] = {
+    {"http", kvpt_http_start},
+    {"etcd", kvpt_etcd_start},
+    {"redis", kvpt_redis_start},
+    {"p2p", p2p_start},
+};
+
+/* What a case gets: the store, raw access to it (NULL ops for p2p), a running
+ * target and an initiator engine. */
+typedef struct fixture {
+    kvpt_server srv;
+    const kvpi_store_ops *ops;
+    void *raw;
+    target tgt;
+    kvp_engine *eng;
+} fixture;
+
+static const store_kind *cur_kind;
+static void (*cur_body)(fixture *f);
+static int cur_needs_store; /* skip for p2p */
+
+static kvp_status initiator(const char *conn, kvp_engine **out)
+{
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
+    kvp_engine_opts o;
+    kvp_engine_opts_init(&o);
+    o.local_server_name = name;
+    o.metadata = conn;
+    o.disable_shm = 1;
+    o.timeout_ms = ENGINE_TIMEOUT_MS;
+    return kvp_engine_create(&o, out);
+}
+
+static int fixture_setup(fixture *f)
+{
+    if (f->ops) {
+        kvp_status st = f->ops->open(f->srv.conn, ENGINE_TIMEOUT_MS, &f->raw);
+        if (st) {
+            fprintf(stderr, "  raw open %s: %s\n", f->srv.conn, kvp_last_error());
+            return -1;
+        }
+    }
+    if (target_start(&f->tgt, f->srv.conn, kvpt_free_port(), 0) != 0) {
+        fprintf(stderr, "  %s\n", f->tgt.err);
+        return -1;
+    }
+    kvp_status st = initiator(f->srv.conn, &f->eng);
+    if (st) fprintf(stderr, "  initiator: %s\n", kvp_last_error());
+    return st ? -1 : 0;
+}
+
+static void fixture_teardown(fixture *f)
+{
+    kvp_engine_destroy(f->eng);
+    target_kill(&f->tgt);
+    if (f->raw) f->ops->close(f->raw);
+}
+
+static void engine_case(void)
+{
+    if (cur_needs_store && strcmp(cur_kind->name, "p2p") == 0)
+        SKIP("P2PHANDSHAKE has no store to take down");
+    fixture f;
+    memset(&f, 0, sizeof f);
+    int rc = cur_kind->start(&f.srv);
+    if (rc == KVPT_SERVER_ABSENT) SKIP("%s", f.srv.why);
+    if (rc != KVPT_SERVER_OK) {
+        fprintf(stderr, "  cannot start %s: %s\n", cur_kind->name, f.srv.why);
+        kvpt_failures++;
+        return;
+    }
+    f.ops = kvpi_store_lookup(f.srv.conn);
+    if (fixture_setup(&f) == 0)
+        cur_body(&f);
+    else
+        kvpt_failures++;
+    fixture_teardown(&f);
+    kvpt_server_stop(&f.srv);
+}
+
+/* ---- helpers for the cases ---- */
+
+/* 1 if a descriptor (JSON text) lists a buffer [addr, addr+len). */
+static int desc_lists(const char *text, uint64_t addr, size_t len)
+{
+    cJSON *d = cJSON_Parse(text);
+    const cJSON *b, *bufs = cJSON_GetObjectItemCaseSensitive(d, "buffers");
+    int found = 0;
+    cJSON_ArrayForEach(b, bufs)
+    {
+        const cJSON *a = cJSON_GetObjectItemCaseSensitive(b, "addr");
+        const cJSON *l = cJSON_GetObjectItemCaseSensitive(b, "length");
+        if (cJSON_IsNumber(a) && cJSON_IsNumber(l) && (uint64_t)a->valuedouble == addr &&
+            (size_t)l->valuedouble == len)
+            found = 1;
+    }
+    cJSON_Delete(d);
+    return found;
+}
+
+/* The segment's descriptor as the store (or the peer, in P2P) has it now. */
+static kvp_status lookup_desc(const char *conn, const char *seg, char **desc)
+{
+    kvpi_meta *m;
+    kvp_status st = kvpi_meta_open(conn, ENGINE_TIMEOUT_MS, &m);
+    if (st) return st;
+    char *host = NULL;
+    st = kvpi_meta_fetch(m, seg, "{}", desc, &host);
+    free(host);
+    kvpi_meta_close(m);
+    return st;
+}
+
+/* 1 if the raw ram key of seg holds a descriptor listing [addr, addr+len). */
+static int raw_lists(fixture *f, const char *seg, uint64_t addr, size_t len)
+{
+    char *key = kvpi_meta_key("ram", seg), *val = NULL;
+    int ok = key && f->ops->get(f->raw, key, &val) == KVP_OK && desc_lists(val, addr, len);
+    free(key);
+    free(val);
+    return ok;
+}
+
+static int raw_missing(fixture *f, const char *kind, const char *seg)
+{
+    char *key = kvpi_meta_key(kind, seg), *val = NULL;
+    int missing = key && f->ops->get(f->raw, key, &val) == KVP_ENOTFOUND;
+    free(key);
+    free(val);
+    return missing;
+}
+
+/* READ the whole region and compare every byte with want. */
+static int read_matches(kvp_engine *e, kvp_segment_id seg, uint64_t addr, const void *want,
+                        size_t len)
+{
+    char *buf = malloc(len);
+    if (!buf) return 0;
+    memset(buf, 0xEE, len);
+    kvp_status st = kvp_engine_read(e, seg, buf, addr, len);
+    int ok = st == KVP_OK && memcmp(buf, want, len) == 0;
+    if (st) fprintf(stderr, "  read: %s: %s\n", kvp_strerror(st), kvp_last_error());
+    else if (!ok) fprintf(stderr, "  read: data differ\n");
+    free(buf);
+    return ok;
+}
+
+static int poll_until(int (*cond)(fixture *f), fixture *f, int timeout_ms)
+{
+    for (int waited = 0; waited <= timeout_ms; waited += 100) {
+        if (cond(f)) return 1;
+        usleep(100000);
+    }
+    return 0;
+}
+
+/* ---- the cases ---- */
+
+static void transfer_read_write(fixture *f)
+{
+    target *t = &f->tgt;
+    kvp_segment_id seg, again;
+    REQUIRE_OK(kvp_engine_open_segment(f->eng, t->name, &seg));
+    CHECK_OK(kvp_engine_open_segment(f->eng, t->name, &again));
+    CHECK(seg == again);
+    /* The descriptor the store (or handshake) gives lists the region. */
+    char *desc = NULL;
+    CHECK_OK(lookup_desc(f->srv.conn, t->name, &desc));
+    CHECK(desc && desc_lists(desc, t->addr, t->len));
+    free(desc);
+    if (f->ops) CHECK(raw_lists(f, t->name, t->addr, t->len));
+
+    char *want = malloc(t->len);
+    REQUIRE(want);
+    kvpt_fill(want, t->len, 100);
+    CHECK(read_matches(f->eng, seg, t->addr, want, t->len));
+    /* WRITE the whole region, then a piece at an odd offset. */
+    kvpt_fill(want, t->len, 2);
+    CHECK_OK(kvp_engine_write(f->eng, seg, want, t->addr, t->len));
+    CHECK(target_holds(t, t->addr, t->len, 2));
+    char piece[1000];
+    kvpt_fill(piece, sizeof piece, 5);
+    CHECK_OK(kvp_engine_write(f->eng, seg, piece, t->addr + 4099, sizeof piece));
+    memcpy(want + 4099, piece, sizeof piece);
+    CHECK(read_matches(f->eng, seg, t->addr, want, t->len));
+    /* Outside the region: refused, nothing written. */
+    CHECK_ST(kvp_engine_write(f->eng, seg, piece, t->addr + t->len - 10, 20), KVP_ERANGE);
+    CHECK(read_matches(f->eng, seg, t->addr, want, t->len));
+    free(want);
+}
+
+static void reregister_publishes(fixture *f)
+{
+    target *t = &f->tgt;
+    char reply[128];
+    unsigned long long addr;
+    size_t len;
+    REQUIRE(target_ask(t, "reg", reply, sizeof reply) == 0);
+    REQUIRE(sscanf(reply, "OK %llx %zu", &addr, &len) == 2);
+    /* The store (or the handshake) now lists both regions. */
+    char *desc = NULL;
+    CHECK_OK(lookup_desc(f->srv.conn, t->name, &desc));
+    CHECK(desc && desc_lists(desc, addr, len) && desc_lists(desc, t->addr, t->len));
+    free(desc);
+    if (f->ops) CHECK(raw_lists(f, t->name, addr, len));
+    /* An engine that opens the segment now reaches the new region. */
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(f->eng, t->name, &seg));
+    char *want = malloc(len);
+    REQUIRE(want);
+    kvpt_fill(want, len, 200);
+    CHECK(read_matches(f->eng, seg, addr, want, len));
+    kvpt_fill(want, len, 9);
+    CHECK_OK(kvp_engine_write(f->eng, seg, want, addr, len));
+    CHECK(target_holds(t, addr, len, 9));
+    free(want);
+}
+
+/* An initiator that cached the descriptor before the peer registered a new
+ * region must still reach that region. */
+static void cached_initiator_sees_new_region(fixture *f)
+{
+    target *t = &f->tgt;
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(f->eng, t->name, &seg));
+    char byte;
+    REQUIRE_OK(kvp_engine_read(f->eng, seg, &byte, t->addr, 1)); /* descriptor now cached */
+    char reply[128];
+    unsigned long long addr;
+    size_t len;
+    REQUIRE(target_ask(t, "reg", reply, sizeof reply) == 0);
+    REQUIRE(sscanf(reply, "OK %llx %zu", &addr, &len) == 2);
+    char *want = malloc(len);
+    REQUIRE(want);
+    kvpt_fill(want, len, 200);
+    CHECK(read_matches(f->eng, seg, addr, want, len));
+    free(want);
+}
+
+static int tgt_keys_gone(fixture *f)
+{
+    return raw_missing(f, "ram", f->tgt.name) && raw_missing(f, "rpc_meta", f->tgt.name);
+}
+
+static void destroy_removes_keys(fixture *f)
+{
+    target *t = &f->tgt;
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(f->eng, t->name, &seg));
+    char byte;
+    CHECK_OK(kvp_engine_read(f->eng, seg, &byte, t->addr, 1));
+    if (f->ops) {
+        CHECK(raw_lists(f, t->name, t->addr, t->len));
+        CHECK(!raw_missing(f, "rpc_meta", t->name));
+    }
+    char name[64];
+    snprintf(name, sizeof name, "%s", t->name);
+    CHECK(target_quit(t) == 0);
+    if (f->ops) CHECK(tgt_keys_gone(f));
+    char *desc = NULL;
+    kvp_status st = lookup_desc(f->srv.conn, name, &desc);
+    CHECK(st != KVP_OK); /* store: ENOTFOUND; P2P: nobody answers */
+    free(desc);
+    /* A transfer to the vanished peer fails (it does not hang). */
+    CHECK(kvp_engine_read(f->eng, seg, &byte, t->addr, 1) != KVP_OK);
+}
+
+static int names(const char *msg, const char *a, const char *b)
+{
+    int ok = strstr(msg, a) && strstr(msg, b);
+    if (!ok) fprintf(stderr, "  message '%s' should name '%s' and '%s'\n", msg, a, b);
+    return ok;
+}
+
+static void store_down_at_create(fixture *f)
+{
+    kvpt_server_down(&f->srv);
+    char name[64];
+    int port = kvpt_free_port();
+    snprintf(name, sizeof name, "127.0.0.1:%d", port);
+    kvp_engine_opts o;
+    kvp_engine_opts_init(&o);
+    o.local_server_name = name;
+    o.metadata = f->srv.conn;
+    o.disable_shm = 1;
+    o.timeout_ms = ENGINE_TIMEOUT_MS;
+    kvp_engine *e = (kvp_engine *)0x1;
+    CHECK_ST(kvp_engine_create(&o, &e), KVP_EMETADATA);
+    CHECK(e == (kvp_engine *)0x1);
+    CHECK(names(kvp_last_error(), f->srv.kind, f->srv.addr));
+    /* Nothing was left behind: the same name works once the store is back. */
+    REQUIRE(kvpt_server_up(&f->srv) == KVPT_SERVER_OK);
+    e = NULL;
+    CHECK_OK(kvp_engine_create(&o, &e));
+    kvp_engine_destroy(e);
+}
+
+static int both_published(fixture *f)
+{
+    return raw_lists(f, f->tgt.name, f->tgt.addr, f->tgt.len) &&
+           !raw_missing(f, "ram", kvp_engine_segment_name(f->eng));
+}
+
+/* The store restarts (redis and the HTTP store come back empty) while both
+ * engines run: they publish again, and an engine that looks the target up
+ * afresh transfers to it. */
+static void store_restart_while_running(fixture *f)
+{
+    target *t = &f->tgt;
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(f->eng, t->name, &seg));
+    char *want = malloc(t->len);
+    REQUIRE(want);
+    kvpt_fill(want, t->len, 100);
+    CHECK(read_matches(f->eng, seg, t->addr, want, t->len));
+
+    REQUIRE(kvpt_server_restart(&f->srv) == KVPT_SERVER_OK);
+    /* Also drop the keys outright (etcd keeps them across a restart). */
+    char *k1 = kvpi_meta_key("ram", t->name), *k2 = kvpi_meta_key("rpc_meta", t->name);
+    char *k3 = kvpi_meta_key("ram", kvp_engine_segment_name(f->eng));
+    CHECK_OK(f->ops->del(f->raw, k1));
+    CHECK_OK(f->ops->del(f->raw, k2));
+    CHECK_OK(f->ops->del(f->raw, k3));
+    free(k1);
+    free(k2);
+    free(k3);
+    CHECK(poll_until(both_published, f, REPUBLISH_WAIT_MS));
+
+    /* Transfers go on: the running initiator, and a fresh one. */
+    CHECK(read_matches(f->eng, seg, t->addr, want, t->len));
+    kvp_engine *fresh = NULL;
+    REQUIRE_OK(initiator(f->srv.conn, &fresh));
+    kvp_segment_id fseg;
+    CHECK_OK(kvp_engine_open_segment(fresh, t->name, &fseg));
+    CHECK(read_matches(fresh, fseg, t->addr, want, t->len));
+    kvp_engine_destroy(fresh);
+    free(want);
+}
+
+/* The target dies and a new process comes up at the same name with its
+ * buffers elsewhere. The initiator's cached descriptor is stale: one transfer
+ * fails, and the next one looks the peer up again and succeeds. */
+static void restarted_peer_replaces_descriptor(fixture *f)
+{
+    target *t = &f->tgt;
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(f->eng, t->name, &seg));
+    char *want = malloc(t->len);
+    REQUIRE(want);
+    kvpt_fill(want, t->len, 100);
+    CHECK(read_matches(f->eng, seg, t->addr, want, t->len));
+
+    uint64_t old_addr = t->addr;
+    int port = t->port;
+    target_kill(t);
+    REQUIRE(target_start(t, f->srv.conn, port, 1) == 0);
+    REQUIRE(t->addr != old_addr);
+    if (f->ops) CHECK(raw_lists(f, t->name, t->addr, t->len));
+
+    /* The stale descriptor points at a dead data connection: this fails... */
+    char byte;
+    CHECK(kvp_engine_read(f->eng, seg, &byte, old_addr, 1) != KVP_OK);
+    /* ...and the next transfer uses the new descriptor. */
+    kvpt_fill(want, t->len, 101);
+    CHECK(read_matches(f->eng, seg, t->addr, want, t->len));
+    kvpt_fill(want, t->len, 3);
+    CHECK_OK(kvp_engine_write(f->eng, seg, want, t->addr, t->len));
+    CHECK(target_holds(t, t->addr, t->len, 3));
+    /* The old range is no longer the peer's (unless the two overlap). */
+    if (old_addr + t->len <= t->addr || t->addr + t->len <= old_addr)
+        CHECK_ST(kvp_engine_read(f->eng, seg, &byte, old_addr, 1), KVP_ERANGE);
+    free(want);
+}
+
+/* ---- the table ---- */
+
+typedef struct behaviour {
+    const char *name;
+    void (*body)(fixture *f);
+    int needs_store;
+} behaviour;
+
+static const behaviour behaviours[] = {
+    {"transfer_read_write", transfer_read_write, 0},
+    {"reregister_publishes", reregister_publishes, 0},
+    {"cached_initiator_sees_new_region", cached_initiator_sees_new_region, 0},
+    {"destroy_removes_keys", destroy_removes_keys, 0},
+    {"store_down_at_create", store_down_at_create, 1},
+    {"store_restart_while_running", store_restart_while_running, 1},
+    {"restarted_peer_replaces_descriptor", restarted_peer_replaces_descriptor, 0},
+};
+
+int main(int argc, char **argv)
+{
+    if (argc == 5 && strcmp(argv[1], "--target") == 0)
+        return target_main(argv[2], atoi(argv[3]), atoi(argv[4]));
+    signal(SIGPIPE, SIG_IGN); /* a dead target's pipe must fail a write, not kill us */
+    const char *filter = argc > 1 ? argv[1] : NULL;
+    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
+        for (size_t b = 0; b < sizeof behaviours / sizeof behaviours[0]; b++) {
+            char name[128];
+            snprintf(name, sizeof name, "%s/%s", kinds[k].name, behaviours[b].name);
+            if (filter && !strstr(name, filter)) continue;
+            cur_kind = &kinds[k];
+            cur_body = behaviours[b].body;
+            cur_needs_store = behaviours[b].needs_store;
+            kvpt_run(name, engine_case, 120);
+        }
+    }
+    return kvpt_summary();
+}

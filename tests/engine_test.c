@@ -1,0 +1,364 @@
+/* Engine conformance: the same cases on every transport (tcp, shm) and with
+ * the HTTP store and P2PHANDSHAKE. The target runs in a child process; this
+ * process is the initiator. (etcd and Redis run the store-level cases in
+ * engine_store_test.c.) */
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "target.h"
+#include "test.h"
+#include "transport/transport.h"
+
+typedef struct mode {
+    const char *protocol; /* tcp: shm disabled on both sides, so TCP is what runs */
+    int p2p;
+} mode;
+
+static const mode *M;
+static char meta[160];
+
+#define SEED 0x1234
+
+/* Set up the metadata store of the mode; 0 on success. */
+static int setup(void)
+{
+    if (kvpi_transport_lookup(M->protocol) == NULL) {
+        kvpt_skip("%s transport not built", M->protocol); /* does not return */
+        return -1;
+    }
+    if (M->p2p) {
+        snprintf(meta, sizeof meta, "P2PHANDSHAKE");
+        return 0;
+    }
+    return kvpt_http_store_start(meta, sizeof meta) > 0 ? 0 : -1;
+}
+
+static int start_target(size_t len, kvpt_target *t)
+{
+    kvpt_target_opts o = {.metadata = meta, .protocol = M->protocol, .len = len, .seed = SEED,
+                          .disable_shm = strcmp(M->protocol, "tcp") == 0};
+    return kvpt_target_start(&o, t);
+}
+
+static int start_initiator(kvp_engine **e)
+{
+    return kvpt_engine_start(meta, M->protocol, strcmp(M->protocol, "tcp") == 0, e);
+}
+
+/* Common prologue: store, target of len bytes, initiator, open segment. */
+#define PROLOGUE(len)                                                                        \
+    kvpt_target t;                                                                           \
+    kvp_engine *e;                                                                           \
+    kvp_segment_id seg;                                                                      \
+    REQUIRE(setup() == 0);                                                                   \
+    REQUIRE(start_target(len, &t) == 0);                                                     \
+    REQUIRE(start_initiator(&e) == 0);                                                       \
+    REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));                                    \
+    CHECK(strcmp(kvp_engine_segment_transport(e, seg), M->protocol) == 0)
+
+static void sizes(void)
+{
+    static const size_t lens[] = {1, 4096, 1u << 20, 64u << 20};
+    PROLOGUE(64u << 20);
+    char *local = malloc(64u << 20);
+    REQUIRE(local);
+    for (size_t i = 0; i < sizeof lens / sizeof lens[0]; i++) {
+        size_t len = lens[i];
+        /* READ from an 8-aligned offset that keeps the range inside. */
+        uint64_t off = len == (64u << 20) ? 0 : 8 * 1000;
+        memset(local, 0, len);
+        CHECK_OK(kvp_engine_read(e, seg, local, (uint64_t)(uintptr_t)t.buf + off, len));
+        CHECK(kvpt_verify(local, len, SEED + off) == (size_t)-1);
+        /* WRITE a different pattern and look at the target's memory. */
+        kvpt_fill(local, len, 99 + i);
+        CHECK_OK(kvp_engine_write(e, seg, local, (uint64_t)(uintptr_t)t.buf + off, len));
+        CHECK(kvpt_verify((char *)t.buf + off, len, 99 + i) == (size_t)-1);
+        kvpt_fill(t.buf, t.len, SEED);
+    }
+    /* Zero-length requests complete at once. */
+    CHECK_OK(kvp_engine_read(e, seg, local, (uint64_t)(uintptr_t)t.buf, 0));
+    free(local);
+    kvp_engine_destroy(e);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
+}
+
+static void batches(void)
+{
+    static const size_t counts[] = {1, 7, 64, 1024};
+    const size_t block = 4096, span = 8u << 20;
+    PROLOGUE(span);
+    char *local = malloc(1024 * block);
+    kvp_request *reqs = calloc(1024, sizeof *reqs);
+    uint64_t *offs = calloc(1024, sizeof *offs);
+    REQUIRE(local && reqs && offs);
+    for (size_t c = 0; c < sizeof counts / sizeof counts[0]; c++) {
+        size_t n = counts[c];
+        for (int op = 0; op < 2; op++) {
+            for (size_t i = 0; i < n; i++) {
+                /* Scattered, non-overlapping blocks: a permutation of the span. */
+                offs[i] = ((i * 97 + c * 13) % (span / block)) * block;
+                char *l = local + i * block;
+                if (op == KVP_OP_WRITE) kvpt_fill(l, block, 7000 + offs[i]);
+                reqs[i] = (kvp_request){(kvp_opcode)op, l, (uint64_t)(uintptr_t)t.buf + offs[i],
+                                        block};
+            }
+            kvp_batch *b;
+            REQUIRE_OK(kvp_batch_submit(e, seg, reqs, n, &b));
+            CHECK_OK(kvp_batch_wait(b, 30000));
+            CHECK(kvp_batch_pending(b) == 0);
+            for (size_t i = 0; i < n; i++) {
+                CHECK_ST(kvp_batch_request_status(b, i), KVP_OK);
+                if (op == KVP_OP_READ)
+                    CHECK(kvpt_verify(local + i * block, block, SEED + offs[i]) == (size_t)-1);
+                else
+                    CHECK(kvpt_verify((char *)t.buf + offs[i], block, 7000 + offs[i]) ==
+                          (size_t)-1);
+            }
+            CHECK_ST(kvp_batch_request_status(b, n), KVP_EINVAL);
+            kvp_batch_free(b);
+            /* Restore the READ pattern for the next round. */
+            kvpt_fill(t.buf, span, SEED);
+        }
+    }
+    free(local);
+    free(reqs);
+    free(offs);
+    kvp_engine_destroy(e);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
+}
+
+static void out_of_range(void)
+{
+    const size_t len = 1u << 20;
+    PROLOGUE(len);
+    char local[8192];
+    uint64_t base = (uint64_t)(uintptr_t)t.buf;
+    CHECK_ST(kvp_engine_read(e, seg, local, base + len - 100, 200), KVP_ERANGE);
+    CHECK_ST(kvp_engine_write(e, seg, local, base - 4096, 4096), KVP_ERANGE);
+    CHECK_ST(kvp_engine_read(e, seg, local, UINT64_MAX - 10, 100), KVP_ERANGE);
+    /* A batch with one bad request: the others still succeed. */
+    kvp_request reqs[3] = {{KVP_OP_READ, local, base, 4096},
+                           {KVP_OP_READ, local + 4096, base + len, 1},
+                           {KVP_OP_READ, local + 4096, base + 4096, 4096}};
+    kvp_batch *b;
+    REQUIRE_OK(kvp_batch_submit(e, seg, reqs, 3, &b));
+    CHECK_ST(kvp_batch_wait(b, 30000), KVP_ERANGE);
+    CHECK_ST(kvp_batch_request_status(b, 0), KVP_OK);
+    CHECK_ST(kvp_batch_request_status(b, 1), KVP_ERANGE);
+    CHECK_ST(kvp_batch_request_status(b, 2), KVP_OK);
+    kvp_batch_free(b);
+    CHECK(kvpt_verify(local, 8192, SEED) == (size_t)-1);
+    /* The target still serves. */
+    CHECK_OK(kvp_engine_read(e, seg, local, base + 8192, 4096));
+    CHECK(kvpt_verify(local, 4096, SEED + 8192) == (size_t)-1);
+    kvp_engine_destroy(e);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
+}
+
+/* A READ of 256 MiB while the target is SIGKILLed fails within seconds. */
+static void target_killed(void)
+{
+    const size_t len = 256u << 20;
+    PROLOGUE(len);
+    char *local = malloc(len);
+    REQUIRE(local);
+    int errors = 0;
+    uint64_t killed_at = 0, failed_at = 0;
+    for (int round = 0; round < 200 && !failed_at; round++) {
+        kvp_request r = {KVP_OP_READ, local, (uint64_t)(uintptr_t)t.buf, len};
+        kvp_batch *b;
+        REQUIRE_OK(kvp_batch_submit(e, seg, &r, 1, &b));
+        if (round == 1) {
+            usleep(2000);
+            kill(t.pid, SIGKILL);
+            killed_at = kvpi_now_ms();
+        }
+        kvp_status st = kvp_batch_wait(b, 20000);
+        CHECK(st != KVP_ETIMEDOUT);
+        if (st != KVP_OK) {
+            errors++;
+            failed_at = kvpi_now_ms();
+        }
+        kvp_batch_free(b);
+    }
+    CHECK(errors == 1);
+    CHECK(failed_at && failed_at - killed_at < 8000);
+    waitpid(t.pid, NULL, 0);
+    close(t.ctl);
+    free(local);
+    kvp_engine_destroy(e);
+}
+
+/* A restarted target (same name, new buffer) is found again: the stale
+ * descriptor costs one failed transfer at most. */
+static void target_restarted(void)
+{
+    const size_t len = 1u << 20;
+    PROLOGUE(len);
+    char local[4096];
+    CHECK_OK(kvp_engine_read(e, seg, local, (uint64_t)(uintptr_t)t.buf, sizeof local));
+    int port = atoi(strchr(t.name, ':') + 1);
+    kvpt_target_kill(&t);
+    kvpt_target t2;
+    kvpt_target_opts o = {.metadata = meta, .protocol = M->protocol, .port = port,
+                          .len = 2 * len, .seed = SEED + 1,
+                          .disable_shm = strcmp(M->protocol, "tcp") == 0};
+    REQUIRE(kvpt_target_start(&o, &t2) == 0);
+    uint64_t addr = (uint64_t)(uintptr_t)t2.buf + len;
+    int failures = 0;
+    kvp_status st;
+    while ((st = kvp_engine_read(e, seg, local, addr, sizeof local)) != KVP_OK && failures < 3)
+        failures++;
+    CHECK_OK(st);
+    CHECK(failures <= 1);
+    CHECK(kvpt_verify(local, sizeof local, SEED + 1 + len) == (size_t)-1);
+    munmap(t.buf, t.len);
+    kvp_engine_destroy(e);
+    CHECK(kvpt_target_stop(&t2, 0) == 0);
+}
+
+/* Managed buffers of the initiator and remote managed memory. */
+static void managed_buffers(void)
+{
+    const size_t len = 4u << 20;
+    PROLOGUE(len);
+    void *a, *b2;
+    REQUIRE_OK(kvp_engine_alloc(e, 3u << 20, &a));
+    REQUIRE_OK(kvp_engine_alloc(e, 1000, &b2));
+    CHECK(a != b2);
+    CHECK_OK(kvp_engine_read(e, seg, a, (uint64_t)(uintptr_t)t.buf, 3u << 20));
+    CHECK(kvpt_verify(a, 3u << 20, SEED) == (size_t)-1);
+    CHECK_OK(kvp_engine_free(e, a));
+    CHECK_ST(kvp_engine_free(e, a), KVP_EINVAL);
+    CHECK_OK(kvp_engine_free(e, b2));
+    kvp_remote_buffer rb[4];
+    size_t n = 0;
+    CHECK_OK(kvp_engine_segment_buffers(e, seg, rb, 4, &n));
+    CHECK(n == 1 && rb[0].addr == (uint64_t)(uintptr_t)t.buf && rb[0].length == len);
+    kvp_engine_destroy(e);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
+}
+
+/* Several threads submitting at once to one segment. */
+typedef struct thr {
+    pthread_t th;
+    kvp_engine *e;
+    kvp_segment_id seg;
+    uint64_t base;
+    int id;
+    int bad;
+} thr;
+
+static void *thr_main(void *arg)
+{
+    thr *x = arg;
+    char buf[65536];
+    for (int i = 0; i < 50; i++) {
+        uint64_t off = (uint64_t)((x->id * 50 + i) % 64) * sizeof buf;
+        if (kvp_engine_read(x->e, x->seg, buf, x->base + off, sizeof buf) != KVP_OK ||
+            kvpt_verify(buf, sizeof buf, SEED + off) != (size_t)-1)
+            x->bad++;
+    }
+    return NULL;
+}
+
+static void threads(void)
+{
+    PROLOGUE(4u << 20);
+    thr xs[6];
+    for (int i = 0; i < 6; i++) {
+        xs[i] = (thr){.e = e, .seg = seg, .base = (uint64_t)(uintptr_t)t.buf, .id = i};
+        pthread_create(&xs[i].th, NULL, thr_main, &xs[i]);
+    }
+    for (int i = 0; i < 6; i++) {
+        pthread_join(xs[i].th, NULL);
+        CHECK(xs[i].bad == 0);
+    }
+    kvp_engine_destroy(e);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
+}
+
+static void unknown_segment(void)
+{
+    REQUIRE(setup() == 0);
+    kvp_engine *e;
+    REQUIRE(start_initiator(&e) == 0);
+    kvp_segment_id seg;
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
+    kvp_status st = kvp_engine_open_segment(e, name, &seg);
+    CHECK(st == (M->p2p ? KVP_ECONNREFUSED : KVP_ENOTFOUND));
+    CHECK(strstr(kvp_last_error(), name) != NULL);
+    kvp_engine_destroy(e);
+}
+
+/* Creation errors name what failed. */
+static void create_errors(void)
+{
+    char url[96], name[64];
+    snprintf(url, sizeof url, "http://127.0.0.1:%d/metadata", kvpt_free_port());
+    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
+    kvp_engine_opts o;
+    kvp_engine_opts_init(&o);
+    o.local_server_name = name;
+    o.metadata = url;
+    kvp_engine *e = NULL;
+    CHECK_ST(kvp_engine_create(&o, &e), KVP_EMETADATA);
+    CHECK(strstr(kvp_last_error(), url) != NULL);
+    CHECK(e == NULL);
+    o.metadata = "P2PHANDSHAKE";
+    o.protocol = "rdma";
+    CHECK_ST(kvp_engine_create(&o, &e), KVP_ENOTSUP);
+    CHECK(strstr(kvp_last_error(), "rdma") != NULL);
+    o.protocol = "tcp";
+    o.local_server_name = "127.0.0.1";
+    CHECK_ST(kvp_engine_create(&o, &e), KVP_EINVAL);
+    o.local_server_name = "127.0.0.1:0";
+    CHECK_ST(kvp_engine_create(&o, &e), KVP_EINVAL);
+    o.metadata = "gopher://x";
+    o.local_server_name = name;
+    CHECK_ST(kvp_engine_create(&o, &e), KVP_EINVAL);
+    CHECK(strstr(kvp_last_error(), "gopher://x") != NULL);
+    /* Two engines cannot share a segment name: the second cannot bind it. */
+    o.metadata = "P2PHANDSHAKE";
+    REQUIRE_OK(kvp_engine_create(&o, &e));
+    kvp_engine *e2 = NULL;
+    CHECK(kvp_engine_create(&o, &e2) != KVP_OK);
+    CHECK(strstr(kvp_last_error(), name) != NULL);
+    kvp_engine_destroy(e);
+}
+
+#define MODES(X)                                                                             \
+    X(tcp_http, "tcp", 0) X(tcp_p2p, "tcp", 1) X(shm_http, "shm", 0) X(shm_p2p, "shm", 1)
+
+#define CASES(X, m)                                                                          \
+    X(m, sizes) X(m, batches) X(m, out_of_range) X(m, target_killed) X(m, target_restarted)  \
+    X(m, managed_buffers) X(m, threads) X(m, unknown_segment)
+
+#define DEFINE_MODE(m, proto, p2p_) static const mode mode_##m = {proto, p2p_};
+MODES(DEFINE_MODE)
+
+#define DEFINE_CASE(m, c)                                                                    \
+    static void m##__##c(void)                                                               \
+    {                                                                                        \
+        M = &mode_##m;                                                                       \
+        c();                                                                                 \
+    }
+#define DEFINE_MODE_CASES(m, proto, p2p_) CASES(DEFINE_CASE, m)
+MODES(DEFINE_MODE_CASES)
+
+#define RUN_CASE(m, c) RUN(m##__##c);
+#define RUN_MODE_CASES(m, proto, p2p_) CASES(RUN_CASE, m)
+
+int main(void)
+{
+    signal(SIGPIPE, SIG_IGN);
+    RUN(create_errors);
+    MODES(RUN_MODE_CASES)
+    return kvpt_summary();
+}

@@ -1,0 +1,334 @@
+/* Unit tests of the engine's parts: buffer pool, registry, descriptor codec,
+ * host:port parsing. */
+#include <pthread.h>
+#include <stdlib.h>
+
+#include "common/net.h"
+#include "engine/buffer_pool.h"
+#include "engine/descriptor.h"
+#include "engine/registry.h"
+#include "test.h"
+
+/* Pool hooks that record registrations in a registry, as the engine does. */
+static kvpi_registry reg;
+static int registered, unregistered;
+
+static kvp_status hook_reg(void *ctx, void *addr, size_t len)
+{
+    (void)ctx;
+    registered++;
+    return kvpi_registry_add(&reg, (uint64_t)(uintptr_t)addr, len);
+}
+
+static void hook_unreg(void *ctx, void *addr)
+{
+    (void)ctx;
+    unregistered++;
+    kvpi_registry_remove(&reg, (uint64_t)(uintptr_t)addr);
+}
+
+static kvpi_pool *make_pool(size_t chunk, size_t retain, size_t max)
+{
+    kvpi_registry_init(&reg);
+    registered = unregistered = 0;
+    kvpi_pool_opts o = {chunk, retain, max};
+    kvpi_pool_hooks h = {NULL, hook_reg, hook_unreg};
+    kvpi_pool *p = NULL;
+    kvpi_pool_create(&o, &h, &p);
+    return p;
+}
+
+static void pool_size_classes(void)
+{
+    CHECK(kvpi_pool_size_class(1) == 256);
+    CHECK(kvpi_pool_size_class(257) == 512);
+    CHECK(kvpi_pool_size_class(65536) == 65536);
+    CHECK(kvpi_pool_size_class(65537) == 131072);
+    CHECK(kvpi_pool_size_class(100000) == 131072);
+    CHECK(kvpi_pool_size_class(SIZE_MAX) == 0);
+}
+
+static void pool_reuse(void)
+{
+    kvpi_pool *p = make_pool(4u << 20, 4u << 20, 0);
+    REQUIRE(p);
+    void *a, *b, *c;
+    REQUIRE_OK(kvpi_pool_alloc(p, 1000, &a));
+    REQUIRE_OK(kvpi_pool_alloc(p, 1000, &b));
+    CHECK(a != b);
+    CHECK(registered == 1);
+    /* Every allocation lies in registered memory. */
+    CHECK(kvpi_registry_pin(&reg, (uint64_t)(uintptr_t)a, 1000) == KVP_OK);
+    kvpi_registry_unpin(&reg);
+    CHECK_OK(kvpi_pool_free(p, a));
+    REQUIRE_OK(kvpi_pool_alloc(p, 900, &c));
+    CHECK(c == a); /* freed memory is reused */
+    CHECK_ST(kvpi_pool_free(p, (char *)b + 8), KVP_EINVAL);
+    CHECK_OK(kvpi_pool_free(p, b));
+    CHECK_ST(kvpi_pool_free(p, b), KVP_EINVAL);
+    CHECK_OK(kvpi_pool_free(p, c));
+    CHECK_ST(kvpi_pool_alloc(p, 0, &c), KVP_EINVAL);
+    kvpi_pool_stats s;
+    kvpi_pool_get_stats(p, &s);
+    CHECK(s.allocations == 0 && s.allocated == 0 && s.chunks == 1);
+    kvpi_pool_destroy(p);
+    CHECK(unregistered == 1);
+    CHECK(reg.count == 0);
+    kvpi_registry_destroy(&reg);
+}
+
+/* Free every other block, then the rest: extents must coalesce so that one
+ * allocation of the whole chunk fits again without a new chunk. */
+static void pool_fragmentation(void)
+{
+    const size_t chunk = 4u << 20, blk = 64u << 10, n = chunk / blk;
+    kvpi_pool *p = make_pool(chunk, chunk, 0);
+    REQUIRE(p);
+    void *ptrs[64];
+    for (size_t i = 0; i < n; i++) REQUIRE_OK(kvpi_pool_alloc(p, blk, &ptrs[i]));
+    CHECK(registered == 1);
+    for (size_t i = 0; i < n; i += 2) CHECK_OK(kvpi_pool_free(p, ptrs[i]));
+    void *big;
+    /* 128 KiB does not fit in the 64 KiB holes: a second chunk. */
+    REQUIRE_OK(kvpi_pool_alloc(p, 2 * blk, &big));
+    CHECK(registered == 2);
+    CHECK_OK(kvpi_pool_free(p, big));
+    for (size_t i = 1; i < n; i += 2) CHECK_OK(kvpi_pool_free(p, ptrs[i]));
+    /* Only one fully free chunk is retained (retain = one chunk). */
+    kvpi_pool_stats s;
+    kvpi_pool_get_stats(p, &s);
+    CHECK(s.chunks == 1);
+    REQUIRE_OK(kvpi_pool_alloc(p, chunk, &big));
+    kvpi_pool_get_stats(p, &s);
+    CHECK(s.chunks == 1 && registered == 2);
+    CHECK_OK(kvpi_pool_free(p, big));
+    kvpi_pool_destroy(p);
+    kvpi_registry_destroy(&reg);
+}
+
+static void pool_bounds(void)
+{
+    kvpi_pool *p = make_pool(2u << 20, 2u << 20, 8u << 20);
+    REQUIRE(p);
+    void *a, *b;
+    /* Larger than a chunk: a chunk of its own, released when freed beyond the
+     * retention budget. */
+    REQUIRE_OK(kvpi_pool_alloc(p, 6u << 20, &a));
+    CHECK_ST(kvpi_pool_alloc(p, 4u << 20, &b), KVP_ENOMEM);
+    CHECK(strstr(kvp_last_error(), "cap") != NULL);
+    CHECK_OK(kvpi_pool_free(p, a));
+    kvpi_pool_stats s;
+    kvpi_pool_get_stats(p, &s);
+    CHECK(s.mapped <= (2u << 20));
+    REQUIRE_OK(kvpi_pool_alloc(p, 4u << 20, &b));
+    CHECK_OK(kvpi_pool_free(p, b));
+    kvpi_pool_destroy(p);
+    kvpi_registry_destroy(&reg);
+}
+
+typedef struct pool_thread {
+    pthread_t th;
+    kvpi_pool *p;
+    int id, bad;
+} pool_thread;
+
+static void *pool_thread_main(void *arg)
+{
+    pool_thread *t = arg;
+    void *held[32] = {0};
+    for (int i = 0; i < 4000; i++) {
+        int k = (i * 7 + t->id) % 32;
+        if (held[k]) {
+            /* The bytes we wrote are still ours: nobody else got this block. */
+            if (*(int *)held[k] != t->id * 100000 + k) t->bad++;
+            if (kvpi_pool_free(t->p, held[k])) t->bad++;
+            held[k] = NULL;
+        } else {
+            size_t len = 64 + (size_t)((i * 131 + t->id * 17) % 200000);
+            if (kvpi_pool_alloc(t->p, len, &held[k])) {
+                t->bad++;
+                continue;
+            }
+            *(int *)held[k] = t->id * 100000 + k;
+        }
+    }
+    for (int k = 0; k < 32; k++)
+        if (held[k] && kvpi_pool_free(t->p, held[k])) t->bad++;
+    return NULL;
+}
+
+static void pool_threads(void)
+{
+    kvpi_pool *p = make_pool(4u << 20, 8u << 20, 0);
+    REQUIRE(p);
+    pool_thread ts[4];
+    for (int i = 0; i < 4; i++) {
+        ts[i] = (pool_thread){.p = p, .id = i};
+        pthread_create(&ts[i].th, NULL, pool_thread_main, &ts[i]);
+    }
+    for (int i = 0; i < 4; i++) {
+        pthread_join(ts[i].th, NULL);
+        CHECK(ts[i].bad == 0);
+    }
+    kvpi_pool_stats s;
+    kvpi_pool_get_stats(p, &s);
+    CHECK(s.allocations == 0 && s.allocated == 0);
+    CHECK(s.mapped <= (8u << 20)); /* freed chunks went back beyond retention */
+    kvpi_pool_destroy(p);
+    kvpi_registry_destroy(&reg);
+}
+
+static void registry_ranges(void)
+{
+    kvpi_registry r;
+    kvpi_registry_init(&r);
+    CHECK_OK(kvpi_registry_add(&r, 1000, 100));
+    CHECK_OK(kvpi_registry_add(&r, 2000, 100));
+    CHECK_ST(kvpi_registry_add(&r, 1050, 10), KVP_EINVAL);
+    CHECK_ST(kvpi_registry_add(&r, 900, 101), KVP_EINVAL);
+    CHECK_ST(kvpi_registry_add(&r, 1099, 2), KVP_EINVAL);
+    CHECK_ST(kvpi_registry_add(&r, 5, 0), KVP_EINVAL);
+    CHECK_ST(kvpi_registry_add(&r, UINT64_MAX - 5, 10), KVP_EINVAL);
+    CHECK_OK(kvpi_registry_add(&r, 1100, 100)); /* adjacent is fine */
+    CHECK(kvpi_regions_contain(r.regions, r.count, 1000, 100));
+    CHECK(!kvpi_regions_contain(r.regions, r.count, 1000, 101)); /* spans two regions */
+    CHECK(!kvpi_regions_contain(r.regions, r.count, 1099, 2));
+    CHECK(kvpi_regions_contain(r.regions, r.count, 2099, 1));
+    CHECK(!kvpi_regions_contain(r.regions, r.count, 2099, 2));
+    CHECK(!kvpi_regions_contain(r.regions, r.count, 999, 1));
+    CHECK(!kvpi_regions_contain(r.regions, r.count, 2050, UINT64_MAX));
+    CHECK(kvpi_registry_pin(&r, 2000, 100) == KVP_OK);
+    kvpi_registry_unpin(&r);
+    CHECK(kvpi_registry_pin(&r, 3000, 1) == KVP_ERANGE);
+    CHECK_ST(kvpi_registry_remove(&r, 1001), KVP_ENOTFOUND);
+    CHECK_OK(kvpi_registry_remove(&r, 1000));
+    CHECK(!kvpi_regions_contain(r.regions, r.count, 1000, 1));
+    kvpi_registry_destroy(&r);
+}
+
+static void descriptor_round_trip(void)
+{
+    kvpi_region regions[2] = {{0x7f0000001000ull, 4096}, {0x1fffffffffffffull, 1}};
+    cJSON *doc = kvpi_descriptor_build("127.0.0.1:1234", 4321, regions, 2);
+    REQUIRE(doc);
+    char *text = cJSON_PrintUnformatted(doc);
+    cJSON_Delete(doc);
+    /* Addresses are written as exact integers. */
+    CHECK(strstr(text, "\"addr\":139637976731648") != NULL);
+    CHECK(strstr(text, "\"addr\":9007199254740991") != NULL);
+    CHECK(strstr(text, "\"tcp_proto_version\":2") != NULL);
+    kvpi_descriptor d;
+    REQUIRE_OK(kvpi_descriptor_parse(text, &d));
+    free(text);
+    CHECK(strcmp(d.name, "127.0.0.1:1234") == 0);
+    CHECK(d.tcp_data_port == 4321 && d.tcp_proto_version == 2 && d.n_regions == 2);
+    CHECK(d.regions[0].addr == regions[0].addr && d.regions[0].length == 4096);
+    CHECK(d.regions[1].addr == regions[1].addr);
+    kvpi_descriptor_free(&d);
+}
+
+static void descriptor_mooncake(void)
+{
+    /* A Mooncake TCP descriptor: no tcp_proto_version (v1), extra fields,
+     * buffers out of order. */
+    const char *mc = "{\"name\":\"10.0.0.1:12345\",\"protocol\":\"tcp\",\"tcp_data_port\":15000,"
+                     "\"timestamp\":\"2024\",\"devices\":[],\"priority_matrix\":{},"
+                     "\"buffers\":[{\"name\":\"cpu:0\",\"addr\":8192,\"length\":100,\"rkey\":[]},"
+                     "{\"name\":\"cpu:0\",\"addr\":4096,\"length\":10}]}";
+    kvpi_descriptor d;
+    REQUIRE_OK(kvpi_descriptor_parse(mc, &d));
+    CHECK(d.tcp_proto_version == 1 && d.tcp_data_port == 15000);
+    CHECK(d.n_regions == 2 && d.regions[0].addr == 4096 && d.regions[1].addr == 8192);
+    kvpi_descriptor_free(&d);
+}
+
+static void descriptor_malformed(void)
+{
+    static const struct {
+        const char *text;
+        kvp_status want;
+    } bad[] = {
+        {"", KVP_EPROTO},
+        {"[1]", KVP_EPROTO},
+        {"{\"protocol\":\"tcp\",\"tcp_data_port\":1,\"buffers\":[]}", KVP_EPROTO},
+        {"{\"name\":\"a\",\"tcp_data_port\":1,\"buffers\":[]}", KVP_EPROTO},
+        {"{\"name\":\"a\",\"protocol\":\"rdma\",\"buffers\":[]}", KVP_ENOTSUP},
+        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":0,\"buffers\":[]}", KVP_EPROTO},
+        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":70000,\"buffers\":[]}", KVP_EPROTO},
+        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":\"1\",\"buffers\":[]}", KVP_EPROTO},
+        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":1}", KVP_EPROTO},
+        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":1,\"buffers\":[1]}", KVP_EPROTO},
+        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":1,\"buffers\":"
+         "[{\"addr\":-1,\"length\":1}]}", KVP_EPROTO},
+        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":1,\"buffers\":"
+         "[{\"addr\":1.5,\"length\":1}]}", KVP_EPROTO},
+        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":1,\"buffers\":"
+         "[{\"addr\":1e300,\"length\":1}]}", KVP_EPROTO},
+        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":1,\"buffers\":"
+         "[{\"addr\":100,\"length\":50},{\"addr\":120,\"length\":5}]}", KVP_EPROTO},
+        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":1,\"buffers\":"
+         "[{\"addr\":100}]}", KVP_EPROTO},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kvpi_descriptor d;
+        kvp_status st = kvpi_descriptor_parse(bad[i].text, &d);
+        if (st != bad[i].want) fprintf(stderr, "  case %zu: got %d\n", i, (int)st);
+        CHECK(st == bad[i].want);
+        CHECK(*kvp_last_error() != '\0');
+    }
+}
+
+static void hostport(void)
+{
+    kvpi_hostport hp;
+    CHECK_OK(kvpi_hostport_parse("127.0.0.1:80", -1, &hp));
+    CHECK(strcmp(hp.host, "127.0.0.1") == 0 && hp.port == 80);
+    CHECK_OK(kvpi_hostport_parse("[::1]:12345", -1, &hp));
+    CHECK(strcmp(hp.host, "::1") == 0 && hp.port == 12345);
+    CHECK_OK(kvpi_hostport_parse("[fe80::1%eth0]:1", -1, &hp));
+    CHECK(strcmp(hp.host, "fe80::1%eth0") == 0 && hp.port == 1);
+    CHECK_OK(kvpi_hostport_parse("localhost", 17, &hp));
+    CHECK(strcmp(hp.host, "localhost") == 0 && hp.port == 17);
+    CHECK_OK(kvpi_hostport_parse("::1", 9, &hp));
+    CHECK(strcmp(hp.host, "::1") == 0 && hp.port == 9);
+    CHECK_OK(kvpi_hostport_parse("host.example:0", -1, &hp));
+    CHECK(hp.port == 0);
+    CHECK_ST(kvpi_hostport_parse("localhost", -1, &hp), KVP_EINVAL);
+    CHECK_ST(kvpi_hostport_parse("h:", -1, &hp), KVP_EINVAL);
+    CHECK_ST(kvpi_hostport_parse(":80", -1, &hp), KVP_EINVAL);
+    CHECK_ST(kvpi_hostport_parse("h:65536", -1, &hp), KVP_EINVAL);
+    CHECK_ST(kvpi_hostport_parse("h:-1", -1, &hp), KVP_EINVAL);
+    CHECK_ST(kvpi_hostport_parse("h:8x", -1, &hp), KVP_EINVAL);
+    CHECK_ST(kvpi_hostport_parse("[::1", -1, &hp), KVP_EINVAL);
+    CHECK_ST(kvpi_hostport_parse("[::1]x", -1, &hp), KVP_EINVAL);
+    CHECK_ST(kvpi_hostport_parse("[]:80", -1, &hp), KVP_EINVAL);
+    CHECK_ST(kvpi_hostport_parse("", -1, &hp), KVP_EINVAL);
+    char buf[64];
+    kvpi_hostport_format("::1", 5, buf, sizeof buf);
+    CHECK(strcmp(buf, "[::1]:5") == 0);
+    kvpi_hostport_format("a.b", 5, buf, sizeof buf);
+    CHECK(strcmp(buf, "a.b:5") == 0);
+}
+
+static void status_text(void)
+{
+    CHECK(strcmp(kvp_strerror(KVP_OK), "success") == 0);
+    CHECK(strcmp(kvp_strerror((kvp_status)9999), "unknown status") == 0);
+    for (int s = 0; s <= KVP_EINTR; s++) CHECK(strcmp(kvp_strerror((kvp_status)s), "unknown status"));
+}
+
+int main(void)
+{
+    RUN(pool_size_classes);
+    RUN(pool_reuse);
+    RUN(pool_fragmentation);
+    RUN(pool_bounds);
+    RUN(pool_threads);
+    RUN(registry_ranges);
+    RUN(descriptor_round_trip);
+    RUN(descriptor_mooncake);
+    RUN(descriptor_malformed);
+    RUN(hostport);
+    RUN(status_text);
+    return kvpt_summary();
+}

@@ -1,0 +1,573 @@
+/* One conformance suite for every metadata store: the same cases run against
+ * the HTTP store (kvpipe's own server), a real etcd and a real redis-server,
+ * each started fresh on a free loopback port for each case. Case names are
+ * "<store>/<behaviour>". */
+#include <cjson/cJSON.h>
+#include <curl/curl.h>
+#include <hiredis/hiredis.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/net.h"
+#include "metadata/metadata.h"
+#include "servers.h"
+#include "test.h"
+
+#define TIMEOUT_MS 3000
+
+typedef struct store_kind {
+    const char *name;
+    int (*start)(kvpt_server *out);
+} store_kind;
+
+static const store_kind kinds[] = {
+    {"http", kvpt_http_start},
+    {"etcd", kvpt_etcd_start},
+    {"redis", kvpt_redis_start},
+};
+
+/* The case being run: set by main before kvpt_run forks the case. */
+static const store_kind *cur_kind;
+static void (*cur_body)(kvpt_server *srv, const kvpi_store_ops *ops);
+
+static void store_case(void)
+{
+    kvpt_server srv;
+    int rc = cur_kind->start(&srv);
+    if (rc == KVPT_SERVER_ABSENT) SKIP("%s", srv.why);
+    if (rc != KVPT_SERVER_OK) {
+        fprintf(stderr, "  cannot start %s: %s\n", cur_kind->name, srv.why);
+        kvpt_failures++;
+        return;
+    }
+    const kvpi_store_ops *ops = kvpi_store_lookup(srv.conn);
+    CHECK(ops && strcmp(ops->name, cur_kind->name) == 0);
+    if (ops && strcmp(ops->name, cur_kind->name) == 0) cur_body(&srv, ops);
+    kvpt_server_stop(&srv);
+}
+
+static void *open_store(const kvpi_store_ops *ops, const char *conn)
+{
+    void *store = NULL;
+    kvp_status st = ops->open(conn, TIMEOUT_MS, &store);
+    if (st) fprintf(stderr, "  open %s: %s\n", conn, kvp_last_error());
+    return st ? NULL : store;
+}
+
+/* 1 if key holds exactly want. */
+static int holds(const kvpi_store_ops *ops, void *store, const char *key, const char *want)
+{
+    char *got = NULL;
+    kvp_status st = ops->get(store, key, &got);
+    int ok = st == KVP_OK && strcmp(got, want) == 0;
+    if (!ok)
+        fprintf(stderr, "  get '%.60s': %s (%s), got %.60s..., want %.60s...\n", key,
+                kvp_strerror(st), kvp_last_error(), got ? got : "-", want);
+    free(got);
+    return ok;
+}
+
+static int missing(const kvpi_store_ops *ops, void *store, const char *key)
+{
+    char *got = NULL;
+    kvp_status st = ops->get(store, key, &got);
+    free(got);
+    return st == KVP_ENOTFOUND;
+}
+
+/* ---- store level ---- */
+
+static void put_get_overwrite_del(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    void *s = open_store(ops, srv->conn);
+    REQUIRE(s);
+    const char *k = "mooncake/ram/127.0.0.1:1000";
+    CHECK(missing(ops, s, k));
+    CHECK_OK(ops->put(s, k, "{\"v\":1}"));
+    CHECK(holds(ops, s, k, "{\"v\":1}"));
+    CHECK_OK(ops->put(s, k, "{\"v\":2,\"more\":[1,2,3]}"));
+    CHECK(holds(ops, s, k, "{\"v\":2,\"more\":[1,2,3]}"));
+    CHECK(missing(ops, s, "mooncake/ram/127.0.0.1:100")); /* a prefix is another key */
+    CHECK_OK(ops->del(s, k));
+    CHECK(missing(ops, s, k));
+    CHECK_OK(ops->del(s, k)); /* deleting a missing key succeeds */
+    char *got = (char *)0x1;
+    CHECK_ST(ops->get(s, "no/such/key", &got), KVP_ENOTFOUND);
+    CHECK(got == (char *)0x1); /* outputs set only on success */
+    ops->close(s);
+}
+
+static void large_value(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    void *s = open_store(ops, srv->conn);
+    REQUIRE(s);
+    size_t n = (size_t)1 << 20;
+    char *v = malloc(n + 1);
+    REQUIRE(v);
+    strcpy(v, "{\"blob\":\"");
+    size_t i = strlen(v);
+    for (; i < n - 2; i++) v[i] = (char)('a' + (i * 7 + i / 26) % 26);
+    strcpy(v + i, "\"}");
+    CHECK_OK(ops->put(s, "big", v));
+    CHECK(holds(ops, s, "big", v));
+    v[100] = 'Z'; /* overwrite with a value that differs in one byte */
+    CHECK_OK(ops->put(s, "big", v));
+    CHECK(holds(ops, s, "big", v));
+    free(v);
+    ops->close(s);
+}
+
+static void odd_keys_and_text(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    void *s = open_store(ops, srv->conn);
+    REQUIRE(s);
+    /* Keys that a careless encoder would merge or mangle. */
+    static const char *keys[] = {
+        "mooncake/ram/host:1234", "mooncake/ram/host 1234", "mooncake/ram/host+1234",
+        "mooncake/ram/host%201234", "a?key=b&c=d#e", "k/with/many//slashes/",
+        "ключ/鍵/🔑", "[::1]:5000",
+    };
+    size_t nk = sizeof keys / sizeof keys[0];
+    char vals[8][128];
+    for (size_t i = 0; i < nk; i++) {
+        snprintf(vals[i], sizeof vals[i],
+                 "{\"i\":%zu,\"t\":\"é漢🙂 \\\"q\\\" \\\\ \\n\\t \\u0000 \\u00e9\",\"k\":\"%s\"}", i,
+                 i == 4 ? "x" : "y");
+        CHECK_OK(ops->put(s, keys[i], vals[i]));
+    }
+    for (size_t i = 0; i < nk; i++) CHECK(holds(ops, s, keys[i], vals[i]));
+    /* Multi-line, non-ASCII JSON stays byte-exact. */
+    const char *pretty = "{\n\t\"name\": \"Ünïcødé\",\n\t\"list\": [1, 2.5e3, null, true]\n}";
+    CHECK_OK(ops->put(s, keys[0], pretty));
+    CHECK(holds(ops, s, keys[0], pretty));
+    CHECK(holds(ops, s, keys[1], vals[1]));
+    for (size_t i = 0; i < nk; i++) CHECK_OK(ops->del(s, keys[i]));
+    for (size_t i = 0; i < nk; i++) CHECK(missing(ops, s, keys[i]));
+    ops->close(s);
+}
+
+typedef struct worker_arg {
+    const kvpi_store_ops *ops;
+    void *store;
+    int id;
+    int errors;
+} worker_arg;
+
+#define WORKERS 8
+#define ROUNDS 25
+
+static void *worker(void *p)
+{
+    worker_arg *a = p;
+    char key[64], val[96], *got;
+    snprintf(key, sizeof key, "mooncake/ram/worker-%d", a->id);
+    for (int r = 0; r < ROUNDS; r++) {
+        snprintf(val, sizeof val, "{\"worker\":%d,\"round\":%d}", a->id, r);
+        if (a->ops->put(a->store, key, val) != KVP_OK) a->errors++;
+        got = NULL;
+        if (a->ops->get(a->store, key, &got) != KVP_OK || strcmp(got, val) != 0) a->errors++;
+        free(got);
+        got = NULL;
+        if (a->ops->get(a->store, "shared", &got) != KVP_OK || strcmp(got, "{\"shared\":true}"))
+            a->errors++;
+        free(got);
+    }
+    if (a->ops->del(a->store, key) != KVP_OK) a->errors++;
+    return NULL;
+}
+
+static void concurrent_threads(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    void *s = open_store(ops, srv->conn);
+    REQUIRE(s);
+    REQUIRE_OK(ops->put(s, "shared", "{\"shared\":true}"));
+    pthread_t t[WORKERS];
+    worker_arg args[WORKERS];
+    for (int i = 0; i < WORKERS; i++) {
+        args[i] = (worker_arg){ops, s, i, 0};
+        REQUIRE(pthread_create(&t[i], NULL, worker, &args[i]) == 0);
+    }
+    for (int i = 0; i < WORKERS; i++) {
+        pthread_join(t[i], NULL);
+        CHECK(args[i].errors == 0);
+        char key[64];
+        snprintf(key, sizeof key, "mooncake/ram/worker-%d", i);
+        CHECK(missing(ops, s, key));
+    }
+    ops->close(s);
+}
+
+/* ---- kvpi_meta level ---- */
+
+static const char *desc_json =
+    "{\"name\":\"127.0.0.1:12345\",\"protocol\":\"tcp\",\"tcp_data_port\":23456,"
+    "\"tcp_proto_version\":2,\"timestamp\":\"1700000000\",\"buffers\":[{\"name\":\"b0\","
+    "\"addr\":140000000000,\"length\":4096}]}";
+
+static int same_json(const char *a, const char *b)
+{
+    cJSON *ja = cJSON_Parse(a), *jb = cJSON_Parse(b);
+    int same = ja && jb && cJSON_Compare(ja, jb, 1);
+    cJSON_Delete(ja);
+    cJSON_Delete(jb);
+    return same;
+}
+
+/* Publish, read the raw keys through the store ops, fetch, remove. */
+static void meta_round_trip(kvpt_server *srv, const kvpi_store_ops *ops, const char *prefix)
+{
+    const char *seg = "127.0.0.1:12345";
+    char ram[128], rpc[128];
+    snprintf(ram, sizeof ram, "%sram/%s", prefix, seg);
+    snprintf(rpc, sizeof rpc, "%srpc_meta/%s", prefix, seg);
+    char *key = kvpi_meta_key("ram", seg);
+    CHECK(key && strcmp(key, ram) == 0);
+    free(key);
+
+    kvpi_meta *meta = NULL;
+    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, &meta));
+    CHECK(!kvpi_meta_is_p2p(meta));
+    void *raw = open_store(ops, srv->conn);
+    REQUIRE(raw);
+    CHECK_OK(kvpi_meta_publish(meta, seg, desc_json, "127.0.0.1", 12345));
+
+    char *got = NULL;
+    CHECK_OK(ops->get(raw, ram, &got));
+    CHECK(got && same_json(got, desc_json));
+    free(got);
+    got = NULL;
+    CHECK_OK(ops->get(raw, rpc, &got));
+    CHECK(got && same_json(got, "{\"ip_or_host_name\":\"127.0.0.1\",\"rpc_port\":12345}"));
+    free(got);
+
+    char *desc = NULL, *host = NULL;
+    CHECK_OK(kvpi_meta_fetch(meta, seg, NULL, &desc, &host));
+    CHECK(desc && same_json(desc, desc_json));
+    CHECK(host && strcmp(host, "127.0.0.1") == 0);
+    free(desc);
+    free(host);
+
+    CHECK_OK(kvpi_meta_remove(meta, seg));
+    CHECK(missing(ops, raw, ram));
+    CHECK(missing(ops, raw, rpc));
+    desc = host = NULL;
+    CHECK_ST(kvpi_meta_fetch(meta, seg, NULL, &desc, &host), KVP_ENOTFOUND);
+    CHECK(desc == NULL && host == NULL);
+    ops->close(raw);
+    kvpi_meta_close(meta);
+}
+
+static void meta_publish_fetch_remove(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    unsetenv("MC_METADATA_CLUSTER_ID");
+    meta_round_trip(srv, ops, "mooncake/");
+}
+
+static void meta_cluster_id_prefix(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    setenv("MC_METADATA_CLUSTER_ID", "clusterA", 1);
+    meta_round_trip(srv, ops, "mooncake/clusterA/");
+    /* Nothing leaks to the unprefixed keys. */
+    void *raw = open_store(ops, srv->conn);
+    REQUIRE(raw);
+    kvpi_meta *meta = NULL;
+    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, &meta));
+    CHECK_OK(kvpi_meta_publish(meta, "h:1", desc_json, "h", 1));
+    CHECK(missing(ops, raw, "mooncake/ram/h:1"));
+    char *got = NULL;
+    CHECK_OK(ops->get(raw, "mooncake/clusterA/ram/h:1", &got));
+    CHECK(got && same_json(got, desc_json));
+    free(got);
+    /* Another cluster id does not see it. */
+    setenv("MC_METADATA_CLUSTER_ID", "clusterB", 1);
+    char *d = NULL, *h = NULL;
+    CHECK_ST(kvpi_meta_fetch(meta, "h:1", NULL, &d, &h), KVP_ENOTFOUND);
+    kvpi_meta_close(meta);
+    ops->close(raw);
+}
+
+/* ---- failure and recovery ---- */
+
+static int names(const char *msg, const char *a, const char *b)
+{
+    int ok = strstr(msg, a) && (!b || strstr(msg, b));
+    if (!ok) fprintf(stderr, "  message '%s' should name '%s'%s%s\n", msg, a, b ? " and " : "",
+                     b ? b : "");
+    return ok;
+}
+
+static void down_at_open(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    kvpt_server_down(srv);
+    void *s = (void *)0x1;
+    CHECK_ST(ops->open(srv->conn, TIMEOUT_MS, &s), KVP_EMETADATA);
+    CHECK(s == (void *)0x1);
+    CHECK(names(kvp_last_error(), srv->kind, srv->addr));
+    kvpi_meta *meta = NULL;
+    CHECK_ST(kvpi_meta_open(srv->conn, TIMEOUT_MS, &meta), KVP_EMETADATA);
+    CHECK(meta == NULL);
+    CHECK(names(kvp_last_error(), srv->kind, srv->addr));
+}
+
+static void restart_in_use(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    void *s = open_store(ops, srv->conn);
+    REQUIRE(s);
+    CHECK_OK(ops->put(s, "before", "{\"v\":1}"));
+    kvpt_server_down(srv);
+    /* While it is down, calls fail (they do not hang) and say where. */
+    char *got = NULL;
+    CHECK_ST(ops->get(s, "before", &got), KVP_EMETADATA);
+    CHECK(names(kvp_last_error(), srv->kind, srv->addr));
+    CHECK_ST(ops->put(s, "during", "{}"), KVP_EMETADATA);
+    REQUIRE(kvpt_server_up(srv) == KVPT_SERVER_OK);
+    /* The same handle works again: redis reconnects, http and etcd open a new
+     * connection. etcd keeps its data on disk; redis (no persistence) and the
+     * in-memory HTTP store come back empty. */
+    if (strcmp(srv->kind, "etcd") == 0)
+        CHECK(holds(ops, s, "before", "{\"v\":1}"));
+    else
+        CHECK(missing(ops, s, "before"));
+    CHECK_OK(ops->put(s, "after", "{\"v\":2}"));
+    CHECK(holds(ops, s, "after", "{\"v\":2}"));
+    /* And again, without an intervening failed call: the first call after the
+     * restart must itself succeed (the reconnect is transparent). */
+    REQUIRE(kvpt_server_restart(srv) == KVPT_SERVER_OK);
+    CHECK_OK(ops->put(s, "after2", "{\"v\":3}"));
+    CHECK(holds(ops, s, "after2", "{\"v\":3}"));
+    ops->close(s);
+}
+
+/* A server that accepts connections and never answers: open fails with the
+ * store's error instead of hanging (the case's alarm would catch a hang). */
+static void silent_server(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    int fd, port;
+    REQUIRE_OK(kvpi_tcp_listen("127.0.0.1", 0, &fd, &port));
+    char addr[32], conn[300];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+    const char *at = strstr(srv->conn, srv->addr);
+    REQUIRE(at);
+    snprintf(conn, sizeof conn, "%.*s%s%s", (int)(at - srv->conn), srv->conn, addr,
+             at + strlen(srv->addr));
+    void *s = NULL;
+    CHECK_ST(ops->open(conn, 500, &s), KVP_EMETADATA);
+    CHECK(names(kvp_last_error(), srv->kind, addr));
+    close(fd);
+}
+
+/* ---- store-specific ---- */
+
+static void etcd_failover(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    int dead = kvpt_free_port();
+    char conn[300], dead_addr[32];
+    snprintf(dead_addr, sizeof dead_addr, "127.0.0.1:%d", dead);
+    snprintf(conn, sizeof conn, "etcd://%s,%s", dead_addr, srv->addr);
+    void *s = open_store(ops, conn);
+    REQUIRE(s);
+    CHECK_OK(ops->put(s, "k", "{\"via\":\"second\"}"));
+    CHECK(holds(ops, s, "k", "{\"via\":\"second\"}"));
+    /* The live endpoint serves the same data to a plain client. */
+    void *direct = open_store(ops, srv->conn);
+    REQUIRE(direct);
+    CHECK(holds(ops, direct, "k", "{\"via\":\"second\"}"));
+    ops->close(direct);
+    /* A bare h:p list (Mooncake's form, ';' separated too) is etcd as well. */
+    snprintf(conn, sizeof conn, "%s;%s", dead_addr, srv->addr);
+    CHECK(kvpi_store_lookup(conn) == ops);
+    void *bare = open_store(ops, conn);
+    CHECK(bare && holds(ops, bare, "k", "{\"via\":\"second\"}"));
+    if (bare) ops->close(bare);
+    /* Both down: the error names every endpoint tried. */
+    kvpt_server_down(srv);
+    char *got = NULL;
+    CHECK_ST(ops->get(s, "k", &got), KVP_EMETADATA);
+    CHECK(names(kvp_last_error(), dead_addr, srv->addr));
+    CHECK(names(kvp_last_error(), "etcd", "unreachable"));
+    ops->close(s);
+    snprintf(conn, sizeof conn, "etcd://%s,%s", srv->addr, dead_addr);
+    CHECK_ST(ops->open(conn, TIMEOUT_MS, &s), KVP_EMETADATA);
+    CHECK(names(kvp_last_error(), dead_addr, srv->addr));
+}
+
+static size_t discard(char *ptr, size_t size, size_t nmemb, void *userdata)
+{
+    (void)ptr;
+    (void)userdata;
+    return size * nmemb;
+}
+
+/* Put a raw gateway body, bypassing the store (to plant values kvpipe would
+ * never write). */
+static int etcd_raw_put(const kvpt_server *srv, const char *body)
+{
+    char url[128];
+    snprintf(url, sizeof url, "http://%s/v3/kv/put", srv->addr);
+    CURL *h = curl_easy_init();
+    if (!h) return -1;
+    curl_easy_setopt(h, CURLOPT_URL, url);
+    curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
+    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 3000L);
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, discard);
+    long code = 0;
+    CURLcode rc = curl_easy_perform(h);
+    curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code);
+    curl_easy_cleanup(h);
+    return rc == CURLE_OK && code == 200 ? 0 : -1;
+}
+
+static void etcd_non_text_values(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    void *s = open_store(ops, srv->conn);
+    REQUIRE(s);
+    /* key "nul" = bnVs, value bytes 00 01 02 = AAEC */
+    REQUIRE(etcd_raw_put(srv, "{\"key\":\"bnVs\",\"value\":\"AAEC\"}") == 0);
+    char *got = NULL;
+    CHECK_ST(ops->get(s, "nul", &got), KVP_EMETADATA);
+    CHECK(names(kvp_last_error(), "etcd", "'nul'"));
+    CHECK(got == NULL);
+    /* An empty value: the gateway leaves "value" out. */
+    REQUIRE(etcd_raw_put(srv, "{\"key\":\"ZW1wdHk=\"}") == 0);
+    CHECK(holds(ops, s, "empty", ""));
+    ops->close(s);
+}
+
+static void etcd_bad_conn(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    (void)srv;
+    void *s = NULL;
+    CHECK_ST(ops->open("etcd://", TIMEOUT_MS, &s), KVP_EMETADATA);
+    CHECK_ST(ops->open("etcd://127.0.0.1:99999", TIMEOUT_MS, &s), KVP_EMETADATA);
+    CHECK(names(kvp_last_error(), "99999", NULL));
+    CHECK(kvpi_store_lookup("P2PHANDSHAKE") == NULL);
+    CHECK(kvpi_store_lookup("127.0.0.1:2379") == &kvpi_store_etcd);
+    CHECK(kvpi_store_lookup("etcd://a:1,b:2") == &kvpi_store_etcd);
+    CHECK(kvpi_store_lookup("redis://a:1") == &kvpi_store_redis);
+    CHECK(kvpi_store_lookup("http://a:1/metadata") == &kvpi_store_http);
+}
+
+/* A raw hiredis connection to the fixture, for server-side setup. */
+static redisReply *redis_raw(const kvpt_server *srv, const char *cmd)
+{
+    struct timeval tv = {2, 0};
+    redisContext *c = redisConnectWithTimeout("127.0.0.1", srv->port, tv);
+    redisReply *r = c && !c->err ? redisCommand(c, cmd) : NULL;
+    if (c) redisFree(c);
+    return r;
+}
+
+static void redis_non_text_values(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    void *s = open_store(ops, srv->conn);
+    REQUIRE(s);
+    redisReply *r = redis_raw(srv, "LPUSH alist x");
+    REQUIRE(r && r->type == REDIS_REPLY_INTEGER);
+    freeReplyObject(r);
+    char *got = NULL;
+    CHECK_ST(ops->get(s, "alist", &got), KVP_EMETADATA);
+    CHECK(names(kvp_last_error(), "WRONGTYPE", srv->addr));
+    struct timeval tv = {2, 0};
+    redisContext *c = redisConnectWithTimeout("127.0.0.1", srv->port, tv);
+    REQUIRE(c && !c->err);
+    r = redisCommand(c, "SET %s %b", "nul", "a\0b", (size_t)3);
+    CHECK(r && r->type == REDIS_REPLY_STATUS);
+    if (r) freeReplyObject(r);
+    redisFree(c);
+    CHECK_ST(ops->get(s, "nul", &got), KVP_EMETADATA);
+    CHECK(names(kvp_last_error(), "not text", "nul"));
+    CHECK(got == NULL);
+    ops->close(s);
+}
+
+static void redis_db_select(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    char conn[300];
+    snprintf(conn, sizeof conn, "%s/3", srv->conn);
+    void *db3 = open_store(ops, conn), *db0 = open_store(ops, srv->conn);
+    REQUIRE(db3 && db0);
+    CHECK_OK(ops->put(db3, "k", "{\"db\":3}"));
+    CHECK(holds(ops, db3, "k", "{\"db\":3}"));
+    CHECK(missing(ops, db0, "k"));
+    ops->close(db3);
+    ops->close(db0);
+    void *s = NULL;
+    snprintf(conn, sizeof conn, "%s/notanumber", srv->conn);
+    CHECK_ST(ops->open(conn, TIMEOUT_MS, &s), KVP_EMETADATA);
+}
+
+static void redis_auth(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    redisReply *r = redis_raw(srv, "ACL SETUSER alice on >s3cr@t:x ~* +@all");
+    REQUIRE(r && r->type == REDIS_REPLY_STATUS);
+    freeReplyObject(r);
+    r = redis_raw(srv, "CONFIG SET requirepass topsecret");
+    REQUIRE(r && r->type == REDIS_REPLY_STATUS);
+    freeReplyObject(r);
+    char conn[300];
+    void *s = NULL;
+    /* No password: the server's NOAUTH surfaces at open. */
+    CHECK_ST(ops->open(srv->conn, TIMEOUT_MS, &s), KVP_EMETADATA);
+    CHECK(names(kvp_last_error(), "redis", srv->addr));
+    snprintf(conn, sizeof conn, "redis://:wrong@%s", srv->addr);
+    CHECK_ST(ops->open(conn, TIMEOUT_MS, &s), KVP_EMETADATA);
+    CHECK(names(kvp_last_error(), "AUTH", srv->addr));
+    /* Password only (the default user). */
+    snprintf(conn, sizeof conn, "redis://:topsecret@%s", srv->addr);
+    s = open_store(ops, conn);
+    CHECK(s && ops->put(s, "k", "{\"by\":\"default\"}") == KVP_OK);
+    if (s) ops->close(s);
+    /* ACL user, with '@' and ':' percent-encoded in the password. */
+    snprintf(conn, sizeof conn, "redis://alice:s3cr%%40t%%3Ax@%s/0", srv->addr);
+    s = open_store(ops, conn);
+    CHECK(s && holds(ops, s, "k", "{\"by\":\"default\"}"));
+    if (s) ops->close(s);
+}
+
+/* ---- the table ---- */
+
+typedef struct behaviour {
+    const char *name;
+    void (*body)(kvpt_server *srv, const kvpi_store_ops *ops);
+    const char *only; /* run for this store only; NULL: every store */
+} behaviour;
+
+static const behaviour behaviours[] = {
+    {"put_get_overwrite_del", put_get_overwrite_del, NULL},
+    {"large_value", large_value, NULL},
+    {"odd_keys_and_text", odd_keys_and_text, NULL},
+    {"concurrent_threads", concurrent_threads, NULL},
+    {"meta_publish_fetch_remove", meta_publish_fetch_remove, NULL},
+    {"meta_cluster_id_prefix", meta_cluster_id_prefix, NULL},
+    {"down_at_open", down_at_open, NULL},
+    {"restart_in_use", restart_in_use, NULL},
+    {"silent_server", silent_server, NULL},
+    {"failover", etcd_failover, "etcd"},
+    {"bad_conn", etcd_bad_conn, "etcd"},
+    {"non_text_values", etcd_non_text_values, "etcd"},
+    {"non_text_values", redis_non_text_values, "redis"},
+    {"db_select", redis_db_select, "redis"},
+    {"auth", redis_auth, "redis"},
+};
+
+int main(int argc, char **argv)
+{
+    /* Optional filter: run only cases whose name contains argv[1]. */
+    const char *filter = argc > 1 ? argv[1] : NULL;
+    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {
+        for (size_t b = 0; b < sizeof behaviours / sizeof behaviours[0]; b++) {
+            const behaviour *bh = &behaviours[b];
+            if (bh->only && strcmp(bh->only, kinds[k].name) != 0) continue;
+            char name[128];
+            snprintf(name, sizeof name, "%s/%s", kinds[k].name, bh->name);
+            if (filter && !strstr(name, filter)) continue;
+            cur_kind = &kinds[k];
+            cur_body = bh->body;
+            kvpt_run(name, store_case, 90);
+        }
+    }
+    return kvpt_summary();
+}

@@ -1,0 +1,56 @@
+/* Test fixtures: real metadata stores on free loopback ports.
+ *
+ * kvpt_redis_start() and kvpt_etcd_start() run the real redis-server and etcd
+ * binaries (found in PATH, then /usr/bin and /usr/sbin) in a fresh mkdtemp
+ * directory, with their output in <dir>/log, and wait (bounded) until they
+ * answer. kvpt_http_start() runs kvpipe's own HTTP metadata server in this
+ * process. Each fills a connection string, so a suite can treat all stores
+ * alike.
+ *
+ * Not thread-safe; call from the test's main thread. A fixture left running by
+ * a failed case dies with the case's process group (see kvpt_run).
+ */
+#ifndef KVPT_SERVERS_H
+#define KVPT_SERVERS_H
+
+#include <sys/types.h>
+
+/* Return codes of the start functions. */
+#define KVPT_SERVER_OK 0
+#define KVPT_SERVER_FAILED (-1) /* binary present but did not come up */
+#define KVPT_SERVER_ABSENT (-2) /* binary not installed: skip the case */
+
+typedef struct kvpt_server {
+    const char *kind;  /* "redis", "etcd", "http" */
+    char conn[256];    /* connection string: "redis://127.0.0.1:P", ... */
+    char addr[64];     /* "127.0.0.1:P" */
+    int port;          /* client port */
+    int peer_port;     /* etcd's peer port; 0 otherwise */
+    pid_t pid;         /* server process; 0 when stopped or in-process */
+    char dir[256];     /* data and log directory; "" for http */
+    void *http;        /* kvp_metadata_server * for http */
+    char why[512];     /* reason of the last failure, for SKIP or a message */
+} kvpt_server;
+
+int kvpt_redis_start(kvpt_server *out);
+int kvpt_etcd_start(kvpt_server *out);
+int kvpt_http_start(kvpt_server *out);
+
+/* Stop the server (SIGTERM, then SIGKILL after a bound) but keep its port,
+ * directory and connection string, so it can be started again. */
+void kvpt_server_down(kvpt_server *s);
+
+/* Start a server that kvpt_server_down() stopped, on the same port (etcd: with
+ * the same data directory, so its keys survive; redis and http start empty). */
+int kvpt_server_up(kvpt_server *s);
+
+/* kvpt_server_down() then kvpt_server_up(). */
+int kvpt_server_restart(kvpt_server *s);
+
+/* Stop the server and remove its directory. Safe on a zeroed struct. */
+void kvpt_server_stop(kvpt_server *s);
+
+/* Path of a program in PATH, /usr/bin or /usr/sbin (static buffer), or NULL. */
+const char *kvpt_find_binary(const char *name);
+
+#endif
