@@ -1,6 +1,7 @@
 /* Status texts and the thread-local detail of the last failure. */
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "common/error.h"
 
@@ -41,10 +42,14 @@ const char *kvp_last_error(void)
 
 kvp_status kvpi_error(kvp_status status, const char *fmt, ...)
 {
+    /* Format aside first: callers may pass kvp_last_error() as an argument to
+     * add context to the failure below them. */
+    char text[sizeof last_error];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    vsnprintf(text, sizeof text, fmt, ap);
     va_end(ap);
+    memcpy(last_error, text, sizeof last_error);
     return status;
 }
 

@@ -115,7 +115,7 @@ kvp_status kvpi_registry_snapshot(kvpi_registry *r, kvpi_region **out, size_t *c
     pthread_rwlock_rdlock(&r->lock);
     size_t n = r->count;
     kvpi_region *copy = malloc((n ? n : 1) * sizeof *copy);
-    if (copy) memcpy(copy, r->regions, n * sizeof *copy);
+    if (copy && n) memcpy(copy, r->regions, n * sizeof *copy);
     pthread_rwlock_unlock(&r->lock);
     if (!copy) return kvpi_error(KVP_ENOMEM, "registry snapshot: out of memory");
     *out = copy;

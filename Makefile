@@ -1,0 +1,36 @@
+# The everyday face of the CMake build.
+#   make            build (build/)
+#   make demo       build and run `kvpipe demo` (the main job)
+#   make test       build and run every test, then again under ASan+UBSan
+#   make bench      the benchmark driver (bench/run.sh)
+JOBS ?= 2
+CMAKE_FLAGS ?=
+
+.PHONY: all build demo test test-fast asan bench clean
+
+all: build
+
+build:
+	cmake -S . -B build -DKVP_WERROR=ON $(CMAKE_FLAGS) >/dev/null
+	cmake --build build -j$(JOBS)
+
+demo: build
+	./build/kvpipe demo
+
+# Every test: the normal build, then the sanitizer build.
+test:
+	scripts/test.sh
+
+# Only the normal build's tests.
+test-fast: build
+	ctest --test-dir build --output-on-failure -j$(JOBS)
+
+asan:
+	cmake -S . -B build-asan -DKVP_WERROR=ON -DKVP_SANITIZE=ON $(CMAKE_FLAGS) >/dev/null
+	cmake --build build-asan -j$(JOBS)
+
+bench: build
+	bench/run.sh --build build
+
+clean:
+	rm -rf build build-asan

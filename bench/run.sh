@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# kvpipe benchmark driver: every figure is a ratio against a baseline measured
+# in the same run on the same machine.
+#
+#   bench/run.sh [--build DIR] [--duration SECONDS] [--repeat N] [--only tcp|shm|pipe]
+#
+# Sections:
+#   tcp   kvpipe bench READ/WRITE over TCP vs raw loopback TCP (bench/raw_tcp.c)
+#   shm   kvpipe bench READ/WRITE over shm vs single-thread memcpy (bench/memcpy_baseline.c)
+#   pipe  kvpipe bench --pipe vs engine READ of the same size
+# Each pair runs back to back and the median of --repeat runs is kept, which
+# damps noise from other load. Results go to stdout and bench/results/latest.md.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+build="$here/../build"
+duration=3
+repeat=3
+only=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+    --build) build=$2; shift 2 ;;
+    --duration) duration=$2; shift 2 ;;
+    --repeat) repeat=$2; shift 2 ;;
+    --only) only=$2; shift 2 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    *) echo "bench/run.sh: unknown option $1" >&2; exit 2 ;;
+    esac
+done
+kvpipe="$build/kvpipe"
+for bin in "$kvpipe" "$build/raw_tcp"; do
+    [ -x "$bin" ] || { echo "bench/run.sh: $bin not built (cmake --build $build)" >&2; exit 1; }
+done
+tmp=$(mktemp -d)
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$tmp"; }
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+gbps_of() { sed -n 's/.*"gbps": *\([0-9.]*\).*/\1/p' | tail -n 1; }
+median() { sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
+human() { awk -v b="$1" 'BEGIN { if (b >= 1048576) printf "%d MiB", b/1048576; else printf "%d KiB", b/1024 }'; }
+
+# start_target PROTO EXTRA... : runs a bench target, sets $segment
+start_target() {
+    local proto=$1; shift
+    local port; port=$(free_port)
+    "$kvpipe" bench --mode target --local-server-name "127.0.0.1:$port" --protocol "$proto" \
+        --buffer-size 512M "$@" > "$tmp/target.out" 2>&1 &
+    pids+=($!)
+    for _ in $(seq 100); do grep -q serving "$tmp/target.out" && break; sleep 0.1; done
+    grep -q serving "$tmp/target.out" || { cat "$tmp/target.out" >&2; exit 1; }
+    segment="127.0.0.1:$port"
+}
+stop_target() { kill "${pids[-1]}"; wait "${pids[-1]}" 2>/dev/null || true; unset 'pids[-1]'; }
+
+# initiator PROTO OP BLOCK EXTRA... : prints gbps
+initiator() {
+    local proto=$1 op=$2 block=$3; shift 3
+    local batch=$(( (64 << 20) / block )); [ $batch -gt 128 ] && batch=128; [ $batch -lt 2 ] && batch=2
+    "$kvpipe" bench --mode initiator --local-server-name "127.0.0.1:$(free_port)" \
+        --segment-id "$segment" --protocol "$proto" --operation "$op" --block-size "$block" \
+        --batch-size "$batch" --buffer-size 512M --duration "$duration" --json "$@" | gbps_of
+}
+
+out="$here/results/latest.md"
+{
+echo "# kvpipe benchmark"
+echo
+echo "$(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(uname -r); duration ${duration}s, median of $repeat."
+echo "Command: \`bench/run.sh --duration $duration --repeat $repeat${only:+ --only $only}\`"
+echo
+} > "$out"
+
+section_tcp() {
+    start_target tcp --no-shm
+    echo "## TCP (loopback) vs raw loopback TCP"
+    echo
+    echo "| block | raw TCP GB/s | READ GB/s | READ / raw | WRITE GB/s | WRITE / raw |"
+    echo "|---|---|---|---|---|---|"
+    for block in 65536 1048576 16777216; do
+        local raws=() reads=() writes=()
+        for _ in $(seq "$repeat"); do
+            raws+=("$("$build/raw_tcp" --block-size "$block" --duration "$duration" | gbps_of)")
+            reads+=("$(initiator tcp read "$block" --no-shm)")
+            writes+=("$(initiator tcp write "$block" --no-shm)")
+        done
+        local raw read write
+        raw=$(printf '%s\n' "${raws[@]}" | median)
+        read=$(printf '%s\n' "${reads[@]}" | median)
+        write=$(printf '%s\n' "${writes[@]}" | median)
+        echo "| $(human "$block") | $raw | $read | $(ratio "$read" "$raw") | $write | $(ratio "$write" "$raw") |"
+    done
+    echo
+    stop_target
+}
+
+section_shm() {
+    [ -x "$build/memcpy_baseline" ] || { echo "(shm section skipped: memcpy_baseline not built)"; return; }
+    start_target shm
+    echo "## shm (same host) vs single-thread memcpy"
+    echo
+    echo "| block | memcpy GB/s | READ GB/s | READ / memcpy | WRITE GB/s | WRITE / memcpy |"
+    echo "|---|---|---|---|---|---|"
+    for block in 1048576 16777216 67108864; do
+        local bases=() reads=() writes=()
+        for _ in $(seq "$repeat"); do
+            bases+=("$("$build/memcpy_baseline" --size "$block" --duration "$duration" | gbps_of)")
+            reads+=("$(initiator shm read "$block")")
+            writes+=("$(initiator shm write "$block")")
+        done
+        local base read write
+        base=$(printf '%s\n' "${bases[@]}" | median)
+        read=$(printf '%s\n' "${reads[@]}" | median)
+        write=$(printf '%s\n' "${writes[@]}" | median)
+        echo "| $(human "$block") | $base | $read | $(ratio "$read" "$base") | $write | $(ratio "$write" "$base") |"
+    done
+    echo
+    stop_target
+}
+
+section_pipe() {
+    "$kvpipe" bench --pipe --help > /dev/null 2>&1 || { echo "(pipe section skipped: no pipe bench)"; return; }
+    echo "## Tensor pipe vs engine READ (64 MiB tensors)"
+    echo
+    echo "| protocol | engine READ GB/s | pipe GB/s | pipe / engine |"
+    echo "|---|---|---|---|"
+    local size=$((64 << 20)) count=$(( 32 * duration ))
+    for proto in tcp shm; do
+        [ "$proto" = shm ] && ! "$kvpipe" bench --help 2>&1 | grep -q shm && continue
+        local extra=(); [ "$proto" = tcp ] && extra=(--no-shm)
+        start_target "$proto" "${extra[@]}"
+        local engs=() pipes=()
+        for _ in $(seq "$repeat"); do
+            engs+=("$(initiator "$proto" read "$size" "${extra[@]}")")
+            pipes+=("$("$kvpipe" bench --pipe --tensor-size "$size" --count "$count" --protocol "$proto" --json | gbps_of)")
+        done
+        stop_target
+        local eng pipe
+        eng=$(printf '%s\n' "${engs[@]}" | median)
+        pipe=$(printf '%s\n' "${pipes[@]}" | median)
+        echo "| $proto | $eng | $pipe | $(ratio "$pipe" "$eng") |"
+    done
+    echo
+}
+
+for s in tcp shm pipe; do
+    [ -n "$only" ] && [ "$only" != "$s" ] && continue
+    "section_$s" | tee -a "$out"
+done
+echo "written to $out" >&2
