@@ -83,6 +83,27 @@ static size_t queue_pop(kvp_engine *e, kvpi_work **group, int *stopping)
     return n;
 }
 
+static int all_inside(const kvpi_peer *peer, kvpi_work **live, size_t m)
+{
+    for (size_t i = 0; i < m; i++)
+        if (!kvpi_regions_contain(peer->desc.regions, peer->desc.n_regions, live[i]->slice.remote,
+                                  live[i]->slice.length))
+            return 0;
+    return 1;
+}
+
+/* A referenced peer whose descriptor covers the group, if any does: a range
+ * outside the cached descriptor may mean the peer re-registered or restarted,
+ * so look it up once more before calling the range bad. */
+static kvp_status acquire_for(kvp_engine *e, kvpi_segment *seg, kvpi_work **live, size_t m,
+                              kvpi_peer **out)
+{
+    kvp_status st = kvpi_segment_acquire(e, seg, out);
+    if (st || all_inside(*out, live, m)) return st;
+    kvpi_segment_release(seg, *out, 1);
+    return kvpi_segment_acquire(e, seg, out);
+}
+
 static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
 {
     kvpi_segment *seg = group[0]->batch->seg;
@@ -97,7 +118,7 @@ static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
     }
     if (m == 0) return;
     kvpi_peer *peer;
-    kvp_status st = kvpi_segment_acquire(e, seg, &peer);
+    kvp_status st = acquire_for(e, seg, live, m, &peer);
     if (st) {
         for (size_t i = 0; i < m; i++) complete(live[i], st);
         return;
@@ -120,9 +141,7 @@ static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
     }
     st = k ? peer->ops->peer_xfer(peer->handle, slices, k) : KVP_OK;
     kvpi_segment_release(seg, peer, st != KVP_OK);
-    if (st)
-        KVPI_WARN("segment %s: %s (the next transfer looks it up again)", seg->name,
-                  kvp_last_error());
+    kvpi_segment_note(seg, st);
     for (size_t i = 0; i < k; i++)
         complete(live[i], slices[i]->status == KVP_EINPROGRESS ? (st ? st : KVP_EIO)
                                                               : slices[i]->status);

@@ -33,6 +33,7 @@ typedef struct kvpi_segment {
     pthread_mutex_t lock;
     kvpi_peer *peer;        /* NULL until looked up, and after a connection error */
     const char *transport;  /* name of the last transport used, for callers */
+    int failing;            /* the last transfer failed: log the next failure quietly */
 } kvpi_segment;
 
 typedef struct kvpi_work kvpi_work;
@@ -82,6 +83,8 @@ kvp_status kvpi_segment_acquire(kvp_engine *e, kvpi_segment *seg, kvpi_peer **ou
  * peer, detach it so that the next transfer looks the segment up again. */
 void kvpi_segment_release(kvpi_segment *seg, kvpi_peer *peer, int failed);
 void kvpi_segments_destroy(kvp_engine *e);
+/* Record a transfer's outcome; a failure is logged once until one succeeds. */
+void kvpi_segment_note(kvpi_segment *seg, kvp_status st);
 
 /* batch.c */
 kvp_status kvpi_workers_start(kvp_engine *e);

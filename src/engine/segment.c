@@ -173,6 +173,19 @@ void kvpi_segment_release(kvpi_segment *seg, kvpi_peer *peer, int failed)
     peer_put(peer);
 }
 
+void kvpi_segment_note(kvpi_segment *seg, kvp_status st)
+{
+    pthread_mutex_lock(&seg->lock);
+    int was_failing = seg->failing;
+    seg->failing = st != KVP_OK;
+    pthread_mutex_unlock(&seg->lock);
+    if (st && !was_failing)
+        KVPI_WARN("segment %s: %s (the next transfer looks it up again)", seg->name,
+                  kvp_last_error());
+    else if (st)
+        KVPI_DEBUG("segment %s: %s", seg->name, kvp_last_error());
+}
+
 void kvpi_segments_destroy(kvp_engine *e)
 {
     for (size_t i = 0; i < e->n_segments; i++) {
