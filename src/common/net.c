@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include "common/error.h"
@@ -232,6 +233,59 @@ kvp_status kvpi_recv_all(int fd, void *buf, size_t len)
         if (n == 0) return io_error(0, "recv");
         p += n;
         len -= (size_t)n;
+    }
+    return KVP_OK;
+}
+
+/* Skip the first done bytes of an iovec list; returns the new start. */
+static struct iovec *iov_advance(struct iovec *iov, int *n, size_t done)
+{
+    while (*n > 0 && done >= iov->iov_len) {
+        done -= iov->iov_len;
+        iov++;
+        (*n)--;
+    }
+    if (*n > 0) {
+        iov->iov_base = (char *)iov->iov_base + done;
+        iov->iov_len -= done;
+    }
+    return iov;
+}
+
+static size_t iov_total(const struct iovec *iov, int n)
+{
+    size_t t = 0;
+    for (int i = 0; i < n; i++) t += iov[i].iov_len;
+    return t;
+}
+
+kvp_status kvpi_sendv_all(int fd, struct iovec *iov, int n)
+{
+    iov = iov_advance(iov, &n, 0);
+    while (n > 0) {
+        struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)n};
+        ssize_t sent = sendmsg(fd, &m, MSG_NOSIGNAL);
+        if (sent < 0) {
+            if (errno == EINTR) continue;
+            return io_error(errno, "send");
+        }
+        iov = iov_advance(iov, &n, (size_t)sent);
+    }
+    return KVP_OK;
+}
+
+kvp_status kvpi_recvv_all(int fd, struct iovec *iov, int n)
+{
+    iov = iov_advance(iov, &n, 0);
+    while (n > 0) {
+        struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)n};
+        ssize_t got = recvmsg(fd, &m, MSG_WAITALL);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return io_error(errno, "recv");
+        }
+        if (got == 0 && iov_total(iov, n) > 0) return io_error(0, "recv");
+        iov = iov_advance(iov, &n, (size_t)got);
     }
     return KVP_OK;
 }

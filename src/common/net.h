@@ -46,6 +46,12 @@ void kvpi_socket_set_timeout(int fd, int timeout_ms);
 kvp_status kvpi_send_all(int fd, const void *buf, size_t len);
 kvp_status kvpi_recv_all(int fd, void *buf, size_t len);
 
+/* The same for a list of buffers, in one system call where the kernel takes
+ * it all (a header and its payload, say). iov is modified. */
+struct iovec;
+kvp_status kvpi_sendv_all(int fd, struct iovec *iov, int n);
+kvp_status kvpi_recvv_all(int fd, struct iovec *iov, int n);
+
 /* Little-endian and big-endian integer codecs for wire headers. */
 static inline void kvpi_put_le64(uint8_t *p, uint64_t v)
 {

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include "common/error.h"
@@ -81,8 +82,10 @@ static int serve_request(tcp_server *srv, int fd, const kvpi_tcp_hdr *h)
     kvp_status st;
     void *mem = (void *)(uintptr_t)h->addr;
     if (h->opcode == KVPI_TCP_OP_READ) {
-        st = h->v2 ? send_status(fd, KVPI_TCP_STATUS_OK) : KVP_OK;
-        if (st == KVP_OK) st = kvpi_send_all(fd, mem, h->size);
+        uint8_t frame[8];
+        kvpi_tcp_status_encode(KVPI_TCP_STATUS_OK, frame);
+        struct iovec iov[2] = {{frame, sizeof frame}, {mem, h->size}};
+        st = h->v2 ? kvpi_sendv_all(fd, iov, 2) : kvpi_sendv_all(fd, iov + 1, 1);
         kvpi_registry_unpin(srv->registry);
     } else {
         st = kvpi_recv_all(fd, mem, h->size);
@@ -93,18 +96,27 @@ static int serve_request(tcp_server *srv, int fd, const kvpi_tcp_hdr *h)
     return st ? -1 : 0;
 }
 
+/* Read the next header. Idle connections wait without a timeout (stop shuts
+ * the socket down); a header already queued is read without polling. Returns
+ * 0, or -1 when the connection is closed or broken. */
+static int next_header(int fd, uint8_t raw[KVPI_TCP_HDR_LEN])
+{
+    for (;;) {
+        ssize_t n = recv(fd, raw, KVPI_TCP_HDR_LEN, MSG_DONTWAIT);
+        if (n == KVPI_TCP_HDR_LEN) return 0;
+        if (n > 0) return kvpi_recv_all(fd, raw + n, KVPI_TCP_HDR_LEN - (size_t)n) ? -1 : 0;
+        if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return -1;
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, -1) < 0 && errno != EINTR) return -1;
+        if (p.revents & (POLLERR | POLLNVAL)) return -1;
+    }
+}
+
 static void *conn_main(void *arg)
 {
     tcp_conn *c = arg;
     uint8_t raw[KVPI_TCP_HDR_LEN];
-    for (;;) {
-        /* Idle connections wait without a timeout; stop shuts the socket down. */
-        struct pollfd p = {.fd = c->fd, .events = POLLIN};
-        if (poll(&p, 1, -1) < 0 && errno != EINTR) break;
-        if (p.revents & (POLLERR | POLLNVAL)) break;
-        ssize_t n = recv(c->fd, raw, 1, MSG_PEEK);
-        if (n <= 0) break; /* closed by the peer, or shut down */
-        if (kvpi_recv_all(c->fd, raw, sizeof raw) != KVP_OK) break;
+    while (next_header(c->fd, raw) == 0) {
         kvpi_tcp_hdr h;
         if (kvpi_tcp_hdr_decode(raw, &h) != 0) {
             KVPI_WARN("tcp server: unknown opcode 0x%02x, closing the connection", raw[16]);
@@ -296,17 +308,21 @@ static void conn_give(tcp_peer *p, int fd)
     if (fd >= 0) close(fd);
 }
 
-static kvp_status recv_status(tcp_peer *p, int fd, kvpi_slice *s)
+static kvp_status status_error(tcp_peer *p, const uint8_t frame[8], const kvpi_slice *s)
 {
-    uint8_t frame[8];
-    kvp_status st = kvpi_recv_all(fd, frame, sizeof frame);
-    if (st) return st;
     int64_t code = kvpi_tcp_status_decode(frame);
     if (code == KVPI_TCP_STATUS_OK) return KVP_OK;
     if (code == KVPI_TCP_STATUS_REJECTED)
         return kvpi_error(KVP_ERANGE, "%s:%d rejected [0x%llx, +%zu): outside its registered memory",
                           p->host, p->port, (unsigned long long)s->remote, s->length);
     return kvpi_error(KVP_EPROTO, "%s:%d sent a malformed status frame", p->host, p->port);
+}
+
+static kvp_status recv_status(tcp_peer *p, int fd, kvpi_slice *s)
+{
+    uint8_t frame[8];
+    kvp_status st = kvpi_recv_all(fd, frame, sizeof frame);
+    return st ? st : status_error(p, frame, s);
 }
 
 static kvp_status send_headers(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n)
@@ -334,11 +350,20 @@ static kvp_status run_reads(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n,
 {
     kvp_status st = send_headers(p, fd, s, n);
     for (size_t i = 0; st == KVP_OK && i < n; i++) {
-        if (p->v2 && (st = recv_status(p, fd, s[i]))) {
-            if (st == KVP_ERANGE) s[*done = i]->status = KVP_ERANGE;
-            return st;
+        if (p->v2) {
+            /* Status and payload in one call; a rejection is followed by a
+             * close, so the payload read then ends early. */
+            uint8_t frame[8];
+            struct iovec iov[2] = {{frame, sizeof frame}, {s[i]->local, s[i]->length}};
+            if ((st = kvpi_recvv_all(fd, iov, 2)) == KVP_ECONNRESET && iov[0].iov_len == 0 &&
+                kvpi_tcp_status_decode(frame) == KVPI_TCP_STATUS_REJECTED)
+                st = status_error(p, frame, s[i]);
+            if (st == KVP_OK) st = status_error(p, frame, s[i]);
+        } else {
+            st = kvpi_recv_all(fd, s[i]->local, s[i]->length);
         }
-        if ((st = kvpi_recv_all(fd, s[i]->local, s[i]->length))) return st;
+        if (st == KVP_ERANGE) s[*done = i]->status = KVP_ERANGE;
+        if (st) return st;
         s[i]->status = KVP_OK;
         *done = i + 1;
     }
@@ -353,9 +378,11 @@ static kvp_status run_writes(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n
     kvp_status st = KVP_OK;
     size_t sent = 0;
     for (; sent < n; sent++) {
-        if ((st = send_headers(p, fd, &s[sent], 1)) ||
-            (st = kvpi_send_all(fd, s[sent]->local, s[sent]->length)))
-            break;
+        uint8_t hdr[KVPI_TCP_HDR_LEN];
+        kvpi_tcp_hdr h = {s[sent]->length, s[sent]->remote, KVPI_TCP_OP_WRITE, p->v2};
+        kvpi_tcp_hdr_encode(&h, hdr);
+        struct iovec iov[2] = {{hdr, sizeof hdr}, {s[sent]->local, s[sent]->length}};
+        if ((st = kvpi_sendv_all(fd, iov, 2))) break;
     }
     if (!p->v2) {
         for (size_t i = 0; i < sent; i++) s[i]->status = KVP_OK;
