@@ -1,0 +1,453 @@
+/* The etcd metadata store: etcd's v3 KV API through its JSON gateway over
+ * HTTP, with libcurl.
+ *
+ *   POST /v3/kv/put         {"key": b64, "value": b64}
+ *   POST /v3/kv/range       {"key": b64}  -> {"kvs": [{"value": b64}]} or no "kvs"
+ *   POST /v3/kv/deleterange {"key": b64}
+ *
+ * /v3/ is the gateway prefix of etcd 3.4 and later (3.3 served /v3beta/, which
+ * 3.4 still accepts; 3.5 dropped it), so /v3/ is the one to use.
+ *
+ * Several endpoints ("etcd://a:p,b:p"): each request starts at the endpoint
+ * that last worked and fails over to the next one on a connection-level error
+ * or an HTTP 503 (a member without a leader). Each request gets its own CURL
+ * handle, so concurrent calls share nothing but the preferred index, which is
+ * atomic. */
+#include <cjson/cJSON.h>
+#include <curl/curl.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "common/net.h"
+#include "metadata/metadata.h"
+
+#define ETCD_SCHEME "etcd://"
+#define ETCD_DEFAULT_PORT 2379
+#define ETCD_MAX_ENDPOINTS 16
+#define ETCD_MAX_BODY ((size_t)64 << 20) /* far above etcd's own request limit */
+#define ETCD_PROBE_KEY "kvpipe/probe"
+#define ETCD_ERR_MAX 1024
+
+typedef struct etcd_store {
+    char *urls[ETCD_MAX_ENDPOINTS]; /* "http://h:p" */
+    char *addrs;                    /* "h:p,h:p", for messages */
+    size_t n;
+    atomic_size_t preferred; /* the endpoint that last answered */
+    int timeout_ms;
+} etcd_store;
+
+typedef struct etcd_body {
+    char *data;
+    size_t len, cap;
+    int too_big;
+} etcd_body;
+
+/* ---- base64 (RFC 4648, standard alphabet, padded) ---- */
+
+static const char b64_alphabet[] =
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+static char *b64_encode(const unsigned char *in, size_t len)
+{
+    char *out = malloc((len + 2) / 3 * 4 + 1);
+    if (!out) return NULL;
+    char *p = out;
+    for (size_t i = 0; i < len; i += 3) {
+        uint32_t v = (uint32_t)in[i] << 16;
+        if (i + 1 < len) v |= (uint32_t)in[i + 1] << 8;
+        if (i + 2 < len) v |= in[i + 2];
+        *p++ = b64_alphabet[(v >> 18) & 63];
+        *p++ = b64_alphabet[(v >> 12) & 63];
+        *p++ = i + 1 < len ? b64_alphabet[(v >> 6) & 63] : '=';
+        *p++ = i + 2 < len ? b64_alphabet[v & 63] : '=';
+    }
+    *p = '\0';
+    return out;
+}
+
+static int b64_value(char c)
+{
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '+') return 62;
+    if (c == '/') return 63;
+    return -1;
+}
+
+/* Strict: whole quads only, padding only at the very end, no stray bits. An
+ * etcd that sends anything else is not speaking the protocol, and a lenient
+ * decoder would hand the engine a silently different descriptor. Returns a
+ * NUL-terminated buffer and its length, or NULL. */
+static unsigned char *b64_decode(const char *in, size_t *out_len)
+{
+    size_t len = strlen(in);
+    if (len % 4) return NULL;
+    size_t pad = 0;
+    if (len && in[len - 1] == '=') pad++;
+    if (pad && len > 1 && in[len - 2] == '=') pad++;
+    unsigned char *out = malloc(len / 4 * 3 + 1);
+    if (!out) return NULL;
+    size_t o = 0;
+    for (size_t i = 0; i < len; i += 4) {
+        int last = i + 4 == len;
+        int v[4];
+        for (int k = 0; k < 4; k++) {
+            int is_pad = last && k >= 4 - (int)pad;
+            v[k] = is_pad ? 0 : b64_value(in[i + k]);
+            if (v[k] < 0) goto bad;
+        }
+        uint32_t w =
+            (uint32_t)v[0] << 18 | (uint32_t)v[1] << 12 | (uint32_t)v[2] << 6 | (uint32_t)v[3];
+        out[o++] = (unsigned char)(w >> 16);
+        if (!last || pad < 2) out[o++] = (unsigned char)(w >> 8);
+        if (!last || pad < 1) out[o++] = (unsigned char)w;
+        if (last && pad && (w & (pad == 2 ? 0xffffu : 0xffu))) goto bad; /* stray bits */
+    }
+    out[o] = '\0';
+    *out_len = o;
+    return out;
+bad:
+    free(out);
+    return NULL;
+}
+
+/* ---- connection string ---- */
+
+static int etcd_accepts(const char *conn)
+{
+    if (strncasecmp(conn, ETCD_SCHEME, strlen(ETCD_SCHEME)) == 0) return 1;
+    /* Mooncake treats a string without a scheme as etcd endpoints. */
+    return *conn && !strstr(conn, "://") && strcmp(conn, KVPI_P2P_CONN) != 0;
+}
+
+static kvp_status add_endpoint(etcd_store *s, const char *conn, const char *text)
+{
+    kvpi_hostport hp;
+    if (kvpi_hostport_parse(text, ETCD_DEFAULT_PORT, &hp) != KVP_OK)
+        return kvpi_error(KVP_EMETADATA, "etcd connection string '%s': endpoint '%s': %s", conn,
+                          text, kvp_last_error());
+    if (s->n == ETCD_MAX_ENDPOINTS)
+        return kvpi_error(KVP_EMETADATA, "etcd connection string '%s': more than %d endpoints",
+                          conn, ETCD_MAX_ENDPOINTS);
+    char addr[KVPI_HOST_MAX + 16], url[KVPI_HOST_MAX + 32];
+    kvpi_hostport_format(hp.host, hp.port, addr, sizeof addr);
+    snprintf(url, sizeof url, "http://%s", addr);
+    s->urls[s->n] = strdup(url);
+    if (!s->urls[s->n]) return kvpi_error(KVP_ENOMEM, "etcd: out of memory");
+    s->n++;
+    return KVP_OK;
+}
+
+/* Endpoints are separated by ',' (or ';', as Mooncake's etcd wrapper writes). */
+static kvp_status parse_endpoints(etcd_store *s, const char *conn)
+{
+    const char *list = conn;
+    if (strncasecmp(conn, ETCD_SCHEME, strlen(ETCD_SCHEME)) == 0) list += strlen(ETCD_SCHEME);
+    char *copy = strdup(list);
+    if (!copy) return kvpi_error(KVP_ENOMEM, "etcd: out of memory");
+    kvp_status st = KVP_OK;
+    char *save = NULL;
+    for (char *tok = strtok_r(copy, ",;", &save); tok && !st; tok = strtok_r(NULL, ",;", &save))
+        st = add_endpoint(s, conn, tok);
+    free(copy);
+    if (!st && s->n == 0)
+        st = kvpi_error(KVP_EMETADATA, "etcd connection string '%s': no endpoint", conn);
+    return st;
+}
+
+static kvp_status format_addrs(etcd_store *s)
+{
+    size_t len = 1;
+    for (size_t i = 0; i < s->n; i++)
+        len += strlen(s->urls[i]) + 1;
+    s->addrs = malloc(len);
+    if (!s->addrs) return kvpi_error(KVP_ENOMEM, "etcd: out of memory");
+    s->addrs[0] = '\0';
+    for (size_t i = 0; i < s->n; i++) {
+        if (i) strcat(s->addrs, ",");
+        strcat(s->addrs, s->urls[i] + strlen("http://"));
+    }
+    return KVP_OK;
+}
+
+/* ---- one request ---- */
+
+static size_t on_data(char *ptr, size_t size, size_t nmemb, void *userdata)
+{
+    etcd_body *b = userdata;
+    size_t n = size * nmemb;
+    if (n > ETCD_MAX_BODY - b->len) {
+        b->too_big = 1;
+        return 0; /* curl fails the transfer with CURLE_WRITE_ERROR */
+    }
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 4096;
+        while (cap < b->len + n + 1)
+            cap *= 2;
+        char *p = realloc(b->data, cap);
+        if (!p) {
+            b->too_big = 1;
+            return 0;
+        }
+        b->data = p;
+        b->cap = cap;
+    }
+    memcpy(b->data + b->len, ptr, n);
+    b->len += n;
+    b->data[b->len] = '\0';
+    return n;
+}
+
+/* Errors after which another endpoint may well answer. */
+static int is_connection_error(CURLcode rc)
+{
+    switch (rc) {
+    case CURLE_COULDNT_RESOLVE_HOST:
+    case CURLE_COULDNT_CONNECT:
+    case CURLE_OPERATION_TIMEDOUT:
+    case CURLE_SEND_ERROR:
+    case CURLE_RECV_ERROR:
+    case CURLE_GOT_NOTHING:
+    case CURLE_PARTIAL_FILE:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+enum attempt_result { ATTEMPT_OK, ATTEMPT_RETRY, ATTEMPT_FAIL };
+
+/* POST body to one endpoint. On failure, appends a description to err. */
+static enum attempt_result attempt(const etcd_store *s, size_t idx, const char *path,
+                                   const char *body, etcd_body *resp, long *http_code, char *err,
+                                   size_t err_len)
+{
+    CURL *h = curl_easy_init();
+    if (!h) {
+        snprintf(err, err_len, "curl_easy_init failed");
+        return ATTEMPT_FAIL;
+    }
+    char url[KVPI_HOST_MAX + 64], curl_err[CURL_ERROR_SIZE] = "";
+    snprintf(url, sizeof url, "%s%s", s->urls[idx], path);
+    struct curl_slist *hdrs = curl_slist_append(NULL, "Content-Type: application/json");
+    curl_easy_setopt(h, CURLOPT_URL, url);
+    curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
+    curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdrs);
+    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L); /* no SIGALRM from the resolver */
+    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)s->timeout_ms);
+    curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, (long)s->timeout_ms);
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_data);
+    curl_easy_setopt(h, CURLOPT_WRITEDATA, resp);
+    curl_easy_setopt(h, CURLOPT_ERRORBUFFER, curl_err);
+    CURLcode rc = curl_easy_perform(h);
+    curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, http_code);
+    curl_slist_free_all(hdrs);
+    curl_easy_cleanup(h);
+    const char *addr = s->urls[idx] + strlen("http://");
+    size_t used = strlen(err);
+    if (rc != CURLE_OK) {
+        snprintf(err + used, err_len - used, "%s%s: %s", used ? "; " : "", addr,
+                 resp->too_big ? "response too large"
+                 : curl_err[0] ? curl_err
+                               : curl_easy_strerror(rc));
+        return is_connection_error(rc) ? ATTEMPT_RETRY : ATTEMPT_FAIL;
+    }
+    if (*http_code == 503) {
+        snprintf(err + used, err_len - used, "%s%s: HTTP 503 (no leader?)", used ? "; " : "", addr);
+        return ATTEMPT_RETRY;
+    }
+    return ATTEMPT_OK;
+}
+
+/* POST to the preferred endpoint, failing over to the others in order. *resp
+ * gets the body of a 2xx answer (malloc'ed). */
+static kvp_status request(etcd_store *s, const char *path, const char *body, cJSON **resp_out)
+{
+    char err[ETCD_ERR_MAX] = "";
+    size_t first = atomic_load(&s->preferred);
+    for (size_t i = 0; i < s->n; i++) {
+        size_t idx = (first + i) % s->n;
+        etcd_body resp = {0};
+        long code = 0;
+        enum attempt_result r = attempt(s, idx, path, body, &resp, &code, err, sizeof err);
+        if (r == ATTEMPT_RETRY) {
+            free(resp.data);
+            continue;
+        }
+        if (r == ATTEMPT_FAIL) {
+            free(resp.data);
+            return kvpi_error(KVP_EMETADATA, "etcd at %s: %s failed: %s", s->addrs, path, err);
+        }
+        if (idx != first) {
+            atomic_store(&s->preferred, idx);
+            KVPI_INFO("etcd: failed over to %s", s->urls[idx]);
+        }
+        cJSON *json = resp.data ? cJSON_Parse(resp.data) : NULL;
+        kvp_status st = KVP_OK;
+        if (code / 100 != 2) {
+            const cJSON *msg = cJSON_GetObjectItemCaseSensitive(json, "error");
+            st = kvpi_error(
+                KVP_EMETADATA, "etcd at %s: %s: HTTP %ld: %s", s->urls[idx] + 7, path, code,
+                cJSON_IsString(msg) ? msg->valuestring : (resp.data ? resp.data : "(empty body)"));
+        } else if (!cJSON_IsObject(json)) {
+            st = kvpi_error(KVP_EMETADATA, "etcd at %s: %s: answer is not a JSON object",
+                            s->urls[idx] + 7, path);
+        }
+        free(resp.data);
+        if (st) {
+            cJSON_Delete(json);
+            return st;
+        }
+        *resp_out = json;
+        return KVP_OK;
+    }
+    return kvpi_error(KVP_EMETADATA, "etcd at %s unreachable: %s", s->addrs, err);
+}
+
+/* {"key": b64(key)} plus, if value is non-NULL, "value": b64(value). */
+static char *request_body(const char *key, const char *value)
+{
+    char *k = b64_encode((const unsigned char *)key, strlen(key));
+    char *v = value ? b64_encode((const unsigned char *)value, strlen(value)) : NULL;
+    char *body = NULL;
+    if (k && (v || !value)) {
+        size_t len = strlen(k) + (v ? strlen(v) : 0) + 32;
+        body = malloc(len);
+        if (body && v)
+            snprintf(body, len, "{\"key\":\"%s\",\"value\":\"%s\"}", k, v);
+        else if (body)
+            snprintf(body, len, "{\"key\":\"%s\"}", k);
+    }
+    free(k);
+    free(v);
+    return body;
+}
+
+/* ---- ops ---- */
+
+static void etcd_close(void *store)
+{
+    etcd_store *s = store;
+    if (!s) return;
+    for (size_t i = 0; i < s->n; i++)
+        free(s->urls[i]);
+    free(s->addrs);
+    free(s);
+}
+
+static kvp_status etcd_get(void *store, const char *key, char **value);
+
+static pthread_once_t curl_once = PTHREAD_ONCE_INIT;
+static CURLcode curl_init_rc;
+
+static void curl_init(void)
+{
+    curl_init_rc = curl_global_init(CURL_GLOBAL_DEFAULT);
+}
+
+static kvp_status etcd_open(const char *conn, int timeout_ms, void **out)
+{
+    pthread_once(&curl_once, curl_init);
+    if (curl_init_rc != CURLE_OK)
+        return kvpi_error(KVP_EMETADATA, "etcd %s: curl_global_init failed: %s", conn,
+                          curl_easy_strerror(curl_init_rc));
+    etcd_store *s = calloc(1, sizeof *s);
+    if (!s) return kvpi_error(KVP_ENOMEM, "etcd: out of memory");
+    s->timeout_ms = timeout_ms > 0 ? timeout_ms : 5000;
+    kvp_status st = parse_endpoints(s, conn);
+    if (!st) st = format_addrs(s);
+    if (st) goto fail;
+    /* A range on a probe key tells a store that is down at open, not at the
+     * first publish. */
+    char *probe = NULL;
+    st = etcd_get(s, ETCD_PROBE_KEY, &probe);
+    free(probe);
+    if (st == KVP_ENOTFOUND) st = KVP_OK;
+    if (st) goto fail;
+    *out = s;
+    return KVP_OK;
+fail:
+    etcd_close(s);
+    return st;
+}
+
+static kvp_status decode_value(etcd_store *s, const char *key, const cJSON *kv, char **value)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(kv, "value");
+    /* proto3 JSON leaves out empty fields: no "value" is the empty string. */
+    if (!v) {
+        *value = strdup("");
+        return *value ? KVP_OK : kvpi_error(KVP_ENOMEM, "etcd: out of memory");
+    }
+    size_t len = 0;
+    unsigned char *raw = cJSON_IsString(v) ? b64_decode(v->valuestring, &len) : NULL;
+    if (!raw || memchr(raw, '\0', len)) {
+        free(raw);
+        return kvpi_error(KVP_EMETADATA, "etcd at %s: value of '%s' is not base64 text", s->addrs,
+                          key);
+    }
+    *value = (char *)raw;
+    return KVP_OK;
+}
+
+static kvp_status etcd_get(void *store, const char *key, char **value)
+{
+    etcd_store *s = store;
+    char *body = request_body(key, NULL);
+    if (!body) return kvpi_error(KVP_ENOMEM, "etcd: out of memory");
+    cJSON *resp = NULL;
+    kvp_status st = request(s, "/v3/kv/range", body, &resp);
+    free(body);
+    if (st) return st;
+    const cJSON *kvs = cJSON_GetObjectItemCaseSensitive(resp, "kvs");
+    const cJSON *kv = cJSON_IsArray(kvs) ? cJSON_GetArrayItem(kvs, 0) : NULL;
+    if (!kv)
+        st = kvpi_error(KVP_ENOTFOUND, "etcd at %s: no key '%s'", s->addrs, key);
+    else if (!cJSON_IsObject(kv))
+        st =
+            kvpi_error(KVP_EMETADATA, "etcd at %s: malformed range answer for '%s'", s->addrs, key);
+    else
+        st = decode_value(s, key, kv, value);
+    cJSON_Delete(resp);
+    return st;
+}
+
+static kvp_status etcd_put(void *store, const char *key, const char *value)
+{
+    char *body = request_body(key, value);
+    if (!body) return kvpi_error(KVP_ENOMEM, "etcd: out of memory");
+    cJSON *resp = NULL;
+    kvp_status st = request(store, "/v3/kv/put", body, &resp);
+    free(body);
+    cJSON_Delete(resp);
+    return st;
+}
+
+static kvp_status etcd_del(void *store, const char *key)
+{
+    char *body = request_body(key, NULL);
+    if (!body) return kvpi_error(KVP_ENOMEM, "etcd: out of memory");
+    cJSON *resp = NULL;
+    kvp_status st = request(store, "/v3/kv/deleterange", body, &resp);
+    free(body);
+    cJSON_Delete(resp);
+    return st;
+}
+
+const kvpi_store_ops kvpi_store_etcd = {
+    .name = "etcd",
+    .accepts = etcd_accepts,
+    .open = etcd_open,
+    .get = etcd_get,
+    .put = etcd_put,
+    .del = etcd_del,
+    .close = etcd_close,
+};

@@ -1,0 +1,281 @@
+/* The HTTP metadata store client (Mooncake's http metadata protocol) over
+ * libcurl: GET|PUT|DELETE <conn>?key=<url-encoded key>.
+ *
+ * Idle CURL handles are kept in a small mutex-protected stack so that calls
+ * reuse keep-alive connections; each call owns its handle while it runs, so
+ * concurrent calls from several threads never share one. */
+#include <curl/curl.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "metadata/metadata.h"
+
+#define HTTP_MAX_BODY ((size_t)16 << 20) /* same bound as the server's */
+#define HTTP_IDLE_HANDLES 4
+#define HTTP_PROBE_KEY "kvpipe/probe"
+
+typedef struct http_store {
+    char *base;     /* the connection string, as given */
+    char sep;       /* '?' or '&': how ?key= joins base */
+    int timeout_ms; /* bounds every request */
+    pthread_mutex_t lock;
+    CURL *idle[HTTP_IDLE_HANDLES];
+    int n_idle;
+} http_store;
+
+typedef struct http_body {
+    char *data;
+    size_t len, cap;
+    int too_big;
+} http_body;
+
+static pthread_once_t curl_once = PTHREAD_ONCE_INIT;
+static CURLcode curl_init_rc;
+
+static void curl_init(void)
+{
+    curl_init_rc = curl_global_init(CURL_GLOBAL_DEFAULT);
+}
+
+static int http_accepts(const char *conn)
+{
+    return strncasecmp(conn, "http://", 7) == 0 || strncasecmp(conn, "https://", 8) == 0;
+}
+
+static CURL *handle_take(http_store *s)
+{
+    CURL *h = NULL;
+    pthread_mutex_lock(&s->lock);
+    if (s->n_idle > 0) h = s->idle[--s->n_idle];
+    pthread_mutex_unlock(&s->lock);
+    return h ? h : curl_easy_init();
+}
+
+static void handle_give(http_store *s, CURL *h)
+{
+    pthread_mutex_lock(&s->lock);
+    if (s->n_idle < HTTP_IDLE_HANDLES) {
+        s->idle[s->n_idle++] = h;
+        h = NULL;
+    }
+    pthread_mutex_unlock(&s->lock);
+    if (h) curl_easy_cleanup(h);
+}
+
+static size_t on_data(char *ptr, size_t size, size_t nmemb, void *userdata)
+{
+    http_body *b = userdata;
+    size_t n = size * nmemb;
+    if (n > HTTP_MAX_BODY - b->len) {
+        b->too_big = 1;
+        return 0; /* makes curl fail the transfer with CURLE_WRITE_ERROR */
+    }
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 4096;
+        while (cap < b->len + n + 1)
+            cap *= 2;
+        char *p = realloc(b->data, cap);
+        if (!p) return 0;
+        b->data = p;
+        b->cap = cap;
+    }
+    memcpy(b->data + b->len, ptr, n);
+    b->len += n;
+    b->data[b->len] = '\0';
+    return n;
+}
+
+static char *make_url(http_store *s, CURL *h, const char *key)
+{
+    char *enc = curl_easy_escape(h, key, 0);
+    if (!enc) return NULL;
+    size_t n = strlen(s->base) + strlen(enc) + 8;
+    char *url = malloc(n);
+    if (url) snprintf(url, n, "%s%ckey=%s", s->base, s->sep, enc);
+    curl_free(enc);
+    return url;
+}
+
+static void set_method(CURL *h, const char *method, const char *body)
+{
+    if (strcmp(method, "GET") == 0) {
+        curl_easy_setopt(h, CURLOPT_HTTPGET, 1L);
+        return;
+    }
+    curl_easy_setopt(h, CURLOPT_CUSTOMREQUEST, method);
+    if (body) {
+        curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
+        curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)strlen(body));
+    }
+}
+
+static void set_options(http_store *s, CURL *h, const char *url, http_body *resp, char *errbuf)
+{
+    curl_easy_setopt(h, CURLOPT_URL, url);
+    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)s->timeout_ms);
+    curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, (long)s->timeout_ms);
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_data);
+    curl_easy_setopt(h, CURLOPT_WRITEDATA, resp);
+    curl_easy_setopt(h, CURLOPT_ERRORBUFFER, errbuf);
+    /* Metadata lives at the URL given; a redirect elsewhere is a misconfiguration. */
+    curl_easy_setopt(h, CURLOPT_FOLLOWLOCATION, 0L);
+}
+
+/* One request. *code is the HTTP status; resp gets the body (NUL-terminated
+ * when non-empty). Fails only when no HTTP answer came back. */
+static kvp_status http_do(http_store *s, const char *method, const char *key, const char *body,
+                          long *code, http_body *resp)
+{
+    CURL *h = handle_take(s);
+    if (!h)
+        return kvpi_error(KVP_ENOMEM, "metadata store %s: cannot create a curl handle", s->base);
+    kvp_status st = KVP_OK;
+    struct curl_slist *hdrs = NULL;
+    char errbuf[CURL_ERROR_SIZE] = "";
+    char *url = make_url(s, h, key);
+    if (!url) {
+        st = kvpi_error(KVP_ENOMEM, "metadata store %s: cannot build the URL", s->base);
+        goto out;
+    }
+    curl_easy_reset(h); /* keeps the connection cache, clears the last call's options */
+    set_options(s, h, url, resp, errbuf);
+    set_method(h, method, body);
+    if (body) {
+        hdrs = curl_slist_append(hdrs, "Content-Type: application/json");
+        /* Skip the 100-continue round trip for large values. */
+        hdrs = curl_slist_append(hdrs, "Expect:");
+        curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdrs);
+    }
+    CURLcode rc = curl_easy_perform(h);
+    if (rc == CURLE_WRITE_ERROR && resp->too_big) {
+        st = kvpi_error(KVP_EPROTO, "metadata store %s: value of key '%s' exceeds %zu bytes",
+                        s->base, key, HTTP_MAX_BODY);
+    } else if (rc != CURLE_OK) {
+        st = kvpi_error(KVP_EMETADATA, "metadata store %s unreachable: %s", s->base,
+                        errbuf[0] ? errbuf : curl_easy_strerror(rc));
+    } else {
+        curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, code);
+    }
+out:
+    curl_slist_free_all(hdrs);
+    free(url);
+    if (st == KVP_OK || st == KVP_EPROTO)
+        handle_give(s, h);
+    else
+        curl_easy_cleanup(h); /* a failed connection is not worth keeping */
+    return st;
+}
+
+static kvp_status bad_status(http_store *s, const char *method, const char *key, long code)
+{
+    return kvpi_error(KVP_EMETADATA, "metadata store %s answered HTTP %ld to %s of key '%s'",
+                      s->base, code, method, key);
+}
+
+static kvp_status http_get(void *store, const char *key, char **value)
+{
+    http_store *s = store;
+    http_body resp = {0};
+    long code = 0;
+    kvp_status st = http_do(s, "GET", key, NULL, &code, &resp);
+    if (st == KVP_OK && code == 404)
+        st = kvpi_error(KVP_ENOTFOUND, "key '%s' not found in metadata store %s", key, s->base);
+    else if (st == KVP_OK && code != 200)
+        st = bad_status(s, "GET", key, code);
+    if (st == KVP_OK && !resp.data) {
+        resp.data = strdup("");
+        if (!resp.data) st = kvpi_error(KVP_ENOMEM, "out of memory");
+    }
+    if (st != KVP_OK) {
+        free(resp.data);
+        return st;
+    }
+    *value = resp.data;
+    return KVP_OK;
+}
+
+static kvp_status http_put(void *store, const char *key, const char *value)
+{
+    http_store *s = store;
+    http_body resp = {0};
+    long code = 0;
+    kvp_status st = http_do(s, "PUT", key, value, &code, &resp);
+    free(resp.data);
+    if (st == KVP_OK && (code < 200 || code > 299)) st = bad_status(s, "PUT", key, code);
+    return st;
+}
+
+static kvp_status http_del(void *store, const char *key)
+{
+    http_store *s = store;
+    http_body resp = {0};
+    long code = 0;
+    kvp_status st = http_do(s, "DELETE", key, NULL, &code, &resp);
+    free(resp.data);
+    /* Deleting a missing key succeeds, whatever a third-party server answers. */
+    if (st == KVP_OK && code != 404 && (code < 200 || code > 299))
+        st = bad_status(s, "DELETE", key, code);
+    return st;
+}
+
+static void http_close(void *store)
+{
+    http_store *s = store;
+    if (!s) return;
+    for (int i = 0; i < s->n_idle; i++)
+        curl_easy_cleanup(s->idle[i]);
+    pthread_mutex_destroy(&s->lock);
+    free(s->base);
+    free(s);
+}
+
+/* A GET of a probe key: any 200 or 404 proves the store answers, so a store
+ * that is down is reported when the engine is created, not at first use. */
+static kvp_status probe(http_store *s)
+{
+    char *value = NULL;
+    kvp_status st = http_get(s, HTTP_PROBE_KEY, &value);
+    free(value);
+    return st == KVP_ENOTFOUND ? KVP_OK : st;
+}
+
+static kvp_status http_open(const char *conn, int timeout_ms, void **store)
+{
+    pthread_once(&curl_once, curl_init);
+    if (curl_init_rc != CURLE_OK)
+        return kvpi_error(KVP_EMETADATA, "metadata store %s: curl_global_init failed: %s", conn,
+                          curl_easy_strerror(curl_init_rc));
+    http_store *s = calloc(1, sizeof *s);
+    if (!s) return kvpi_error(KVP_ENOMEM, "out of memory");
+    s->base = strdup(conn);
+    s->sep = strchr(conn, '?') ? '&' : '?';
+    s->timeout_ms = timeout_ms > 0 ? timeout_ms : 5000;
+    pthread_mutex_init(&s->lock, NULL);
+    if (!s->base) {
+        http_close(s);
+        return kvpi_error(KVP_ENOMEM, "out of memory");
+    }
+    kvp_status st = probe(s);
+    if (st != KVP_OK) {
+        http_close(s);
+        return st == KVP_ENOMEM ? st : KVP_EMETADATA; /* the message names the URL already */
+    }
+    KVPI_DEBUG("metadata: http store %s answers", conn);
+    *store = s;
+    return KVP_OK;
+}
+
+const kvpi_store_ops kvpi_store_http = {
+    .name = "http",
+    .accepts = http_accepts,
+    .open = http_open,
+    .get = http_get,
+    .put = http_put,
+    .del = http_del,
+    .close = http_close,
+};

@@ -1,0 +1,364 @@
+/* The Redis metadata store over hiredis: plain SET, GET and DEL of a key to
+ * its JSON text, as Mooncake's redis backend does.
+ *
+ * One connection per store, guarded by a mutex (a redisContext is not
+ * thread-safe). A command that fails with an I/O error (the server restarted,
+ * or dropped an idle connection) reconnects once and is retried, so a restarted
+ * redis is picked up again without the caller noticing; errors the server
+ * reports (NOAUTH, WRONGTYPE, ...) are returned as they are. */
+#include <errno.h>
+#include <hiredis/hiredis.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "common/net.h"
+#include "metadata/metadata.h"
+
+#define REDIS_SCHEME "redis://"
+#define REDIS_DEFAULT_PORT 6379
+#define REDIS_CRED_MAX 256
+
+typedef struct redis_store {
+    pthread_mutex_t lock;
+    redisContext *ctx; /* NULL after a failed reconnect; next call tries again */
+    kvpi_hostport hp;
+    char addr[KVPI_HOST_MAX + 16]; /* "h:p", for messages */
+    char user[REDIS_CRED_MAX];
+    char password[REDIS_CRED_MAX];
+    int db;
+    int timeout_ms;
+} redis_store;
+
+static int redis_accepts(const char *conn)
+{
+    return strncasecmp(conn, REDIS_SCHEME, strlen(REDIS_SCHEME)) == 0;
+}
+
+/* ---- connection string: redis://[user:password@]host[:port][/db] ---- */
+
+static int hex_value(char c)
+{
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+/* Percent-decode [s, s+len) into out, so that a password may hold '@' or ':'. */
+static int url_decode(const char *s, size_t len, char *out, size_t out_len)
+{
+    size_t o = 0;
+    for (size_t i = 0; i < len; i++) {
+        int c = (unsigned char)s[i];
+        if (c == '%') {
+            int hi = i + 2 < len ? hex_value(s[i + 1]) : -1;
+            int lo = hi >= 0 ? hex_value(s[i + 2]) : -1;
+            if (lo < 0) return -1;
+            c = hi * 16 + lo;
+            i += 2;
+        }
+        if (o + 1 >= out_len) return -1;
+        out[o++] = (char)c;
+    }
+    out[o] = '\0';
+    return 0;
+}
+
+/* "user:password", ":password" or "password" (a lone word is a password, as
+ * with redis-cli's -a). */
+static kvp_status parse_userinfo(redis_store *s, const char *conn, const char *ui, size_t len)
+{
+    const char *colon = memchr(ui, ':', len);
+    int bad;
+    if (colon) {
+        size_t ulen = (size_t)(colon - ui);
+        bad = url_decode(ui, ulen, s->user, sizeof s->user) ||
+              url_decode(colon + 1, len - ulen - 1, s->password, sizeof s->password);
+    } else {
+        bad = url_decode(ui, len, s->password, sizeof s->password);
+    }
+    if (bad)
+        return kvpi_error(KVP_EMETADATA,
+                          "redis connection string '%s': bad or too long user:password", conn);
+    return KVP_OK;
+}
+
+static kvp_status parse_db(redis_store *s, const char *conn, const char *text)
+{
+    char *end;
+    errno = 0;
+    long db = strtol(text, &end, 10);
+    if (!*text || *end || errno || db < 0 || db > 1000000)
+        return kvpi_error(KVP_EMETADATA,
+                          "redis connection string '%s': database '%s' is not a number", conn,
+                          text);
+    s->db = (int)db;
+    return KVP_OK;
+}
+
+static kvp_status parse_conn(redis_store *s, const char *conn)
+{
+    const char *rest = conn + strlen(REDIS_SCHEME);
+    const char *slash = strchr(rest, '/');
+    size_t auth_end = slash ? (size_t)(slash - rest) : strlen(rest);
+    /* The last '@' before the path ends the credentials. */
+    const char *at = NULL;
+    for (size_t i = 0; i < auth_end; i++)
+        if (rest[i] == '@') at = rest + i;
+    kvp_status st = KVP_OK;
+    if (at) {
+        st = parse_userinfo(s, conn, rest, (size_t)(at - rest));
+        if (st) return st;
+    }
+    const char *host = at ? at + 1 : rest;
+    size_t host_len = (size_t)(rest + auth_end - host);
+    char hostport[KVPI_HOST_MAX + 16];
+    if (host_len == 0 || host_len >= sizeof hostport)
+        return kvpi_error(KVP_EMETADATA, "redis connection string '%s': expected host:port", conn);
+    memcpy(hostport, host, host_len);
+    hostport[host_len] = '\0';
+    if (kvpi_hostport_parse(hostport, REDIS_DEFAULT_PORT, &s->hp) != KVP_OK)
+        return kvpi_error(KVP_EMETADATA, "redis connection string '%s': %s", conn,
+                          kvp_last_error());
+    kvpi_hostport_format(s->hp.host, s->hp.port, s->addr, sizeof s->addr);
+    if (slash && slash[1]) st = parse_db(s, conn, slash + 1);
+    return st;
+}
+
+/* ---- SIGPIPE ----
+ * hiredis writes with write(2), so a write to a connection the server already
+ * reset would raise SIGPIPE and kill the process. A library must not change the
+ * process's signal disposition, so the signal is blocked on this thread around
+ * each command and a pending one is consumed before unblocking. */
+
+typedef struct sigpipe_guard {
+    sigset_t old;
+    int was_pending;
+} sigpipe_guard;
+
+static void sigpipe_block(sigpipe_guard *g)
+{
+    sigset_t pipe_set, pending;
+    sigemptyset(&pipe_set);
+    sigaddset(&pipe_set, SIGPIPE);
+    sigpending(&pending);
+    g->was_pending = sigismember(&pending, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_set, &g->old);
+}
+
+static void sigpipe_restore(sigpipe_guard *g)
+{
+    sigset_t pipe_set, pending;
+    sigemptyset(&pipe_set);
+    sigaddset(&pipe_set, SIGPIPE);
+    sigpending(&pending);
+    if (!g->was_pending && sigismember(&pending, SIGPIPE)) {
+        struct timespec zero = {0, 0};
+        while (sigtimedwait(&pipe_set, NULL, &zero) < 0 && errno == EINTR) {
+        }
+    }
+    pthread_sigmask(SIG_SETMASK, &g->old, NULL);
+}
+
+/* ---- connection ---- */
+
+static struct timeval to_timeval(int ms)
+{
+    struct timeval tv = {.tv_sec = ms / 1000, .tv_usec = (ms % 1000) * 1000};
+    return tv;
+}
+
+/* Run one command during setup; fails on an error reply. */
+static kvp_status setup_command(redis_store *s, redisContext *c, const char *what, int argc,
+                                const char **argv)
+{
+    redisReply *r = redisCommandArgv(c, argc, argv, NULL);
+    kvp_status st = KVP_OK;
+    if (!r)
+        st = kvpi_error(KVP_EMETADATA, "redis at %s: %s: %s", s->addr, what, c->errstr);
+    else if (r->type == REDIS_REPLY_ERROR)
+        st = kvpi_error(KVP_EMETADATA, "redis at %s: %s refused: %s", s->addr, what, r->str);
+    if (r) freeReplyObject(r);
+    return st;
+}
+
+static kvp_status authenticate(redis_store *s, redisContext *c)
+{
+    if (!s->password[0] && !s->user[0]) return KVP_OK;
+    if (s->user[0]) {
+        const char *argv[] = {"AUTH", s->user, s->password};
+        return setup_command(s, c, "AUTH", 3, argv);
+    }
+    const char *argv[] = {"AUTH", s->password};
+    return setup_command(s, c, "AUTH", 2, argv);
+}
+
+static kvp_status select_db(redis_store *s, redisContext *c)
+{
+    if (s->db == 0) return KVP_OK;
+    char db[16];
+    snprintf(db, sizeof db, "%d", s->db);
+    const char *argv[] = {"SELECT", db};
+    return setup_command(s, c, "SELECT", 2, argv);
+}
+
+/* Called with the lock held. */
+static kvp_status connect_locked(redis_store *s)
+{
+    struct timeval tv = to_timeval(s->timeout_ms);
+    redisContext *c = redisConnectWithTimeout(s->hp.host, s->hp.port, tv);
+    if (!c) return kvpi_error(KVP_EMETADATA, "redis at %s unreachable: out of memory", s->addr);
+    kvp_status st = KVP_OK;
+    if (c->err)
+        st = kvpi_error(KVP_EMETADATA, "redis at %s unreachable: %s", s->addr, c->errstr);
+    else if (redisSetTimeout(c, tv) != REDIS_OK)
+        st = kvpi_error(KVP_EMETADATA, "redis at %s: cannot set timeout: %s", s->addr, c->errstr);
+    if (!st) st = authenticate(s, c);
+    if (!st) st = select_db(s, c);
+    if (!st) {
+        /* A server that wants a password we lack answers PING with NOAUTH. */
+        const char *argv[] = {"PING"};
+        st = setup_command(s, c, "PING", 1, argv);
+    }
+    if (st) {
+        redisFree(c);
+        return st;
+    }
+    s->ctx = c;
+    return KVP_OK;
+}
+
+static void disconnect_locked(redis_store *s)
+{
+    if (s->ctx) redisFree(s->ctx);
+    s->ctx = NULL;
+}
+
+/* Run a command; on an I/O error reconnect once and retry it. Returns the reply
+ * (never an error reply: that becomes KVP_EMETADATA). Called with the lock. */
+static kvp_status command_locked(redis_store *s, int argc, const char **argv, const size_t *lens,
+                                 redisReply **out)
+{
+    kvp_status st = KVP_OK;
+    redisReply *r = NULL;
+    for (int attempt = 0; attempt < 2 && !r; attempt++) {
+        if (!s->ctx && (st = connect_locked(s)) != KVP_OK) return st;
+        r = redisCommandArgv(s->ctx, argc, argv, lens);
+        if (!r) {
+            st = kvpi_error(KVP_EMETADATA, "redis at %s: %s: %s", s->addr, argv[0],
+                            s->ctx->errstr[0] ? s->ctx->errstr : "connection lost");
+            KVPI_INFO("%s; reconnecting", kvp_last_error());
+            disconnect_locked(s);
+        }
+    }
+    if (!r) return st;
+    if (r->type == REDIS_REPLY_ERROR) {
+        st = kvpi_error(KVP_EMETADATA, "redis at %s: %s refused: %s", s->addr, argv[0], r->str);
+        freeReplyObject(r);
+        return st;
+    }
+    *out = r;
+    return KVP_OK;
+}
+
+static kvp_status command(redis_store *s, int argc, const char **argv, const size_t *lens,
+                          redisReply **out)
+{
+    sigpipe_guard g;
+    sigpipe_block(&g);
+    pthread_mutex_lock(&s->lock);
+    kvp_status st = command_locked(s, argc, argv, lens, out);
+    pthread_mutex_unlock(&s->lock);
+    sigpipe_restore(&g);
+    return st;
+}
+
+/* ---- ops ---- */
+
+static void redis_close(void *store)
+{
+    redis_store *s = store;
+    if (!s) return;
+    disconnect_locked(s);
+    pthread_mutex_destroy(&s->lock);
+    free(s);
+}
+
+static kvp_status redis_open(const char *conn, int timeout_ms, void **out)
+{
+    redis_store *s = calloc(1, sizeof *s);
+    if (!s) return kvpi_error(KVP_ENOMEM, "redis: out of memory");
+    pthread_mutex_init(&s->lock, NULL);
+    s->timeout_ms = timeout_ms > 0 ? timeout_ms : 5000;
+    kvp_status st = parse_conn(s, conn);
+    if (!st) {
+        /* Connect now, so that a store that is down is reported at open. */
+        sigpipe_guard g;
+        sigpipe_block(&g);
+        st = connect_locked(s);
+        sigpipe_restore(&g);
+    }
+    if (st) {
+        redis_close(s);
+        return st;
+    }
+    *out = s;
+    return KVP_OK;
+}
+
+static kvp_status redis_get(void *store, const char *key, char **value)
+{
+    redis_store *s = store;
+    const char *argv[] = {"GET", key};
+    size_t lens[] = {3, strlen(key)};
+    redisReply *r = NULL;
+    kvp_status st = command(s, 2, argv, lens, &r);
+    if (st) return st;
+    if (r->type == REDIS_REPLY_NIL) {
+        st = kvpi_error(KVP_ENOTFOUND, "redis at %s: no key '%s'", s->addr, key);
+    } else if (r->type != REDIS_REPLY_STRING || memchr(r->str, '\0', r->len)) {
+        st = kvpi_error(KVP_EMETADATA, "redis at %s: value of '%s' is not text", s->addr, key);
+    } else {
+        *value = strndup(r->str, r->len);
+        if (!*value) st = kvpi_error(KVP_ENOMEM, "redis: out of memory");
+    }
+    freeReplyObject(r);
+    return st;
+}
+
+static kvp_status redis_put(void *store, const char *key, const char *value)
+{
+    const char *argv[] = {"SET", key, value};
+    size_t lens[] = {3, strlen(key), strlen(value)};
+    redisReply *r = NULL;
+    kvp_status st = command(store, 3, argv, lens, &r);
+    if (!st) freeReplyObject(r);
+    return st;
+}
+
+static kvp_status redis_del(void *store, const char *key)
+{
+    const char *argv[] = {"DEL", key};
+    size_t lens[] = {3, strlen(key)};
+    redisReply *r = NULL;
+    kvp_status st = command(store, 2, argv, lens, &r);
+    if (!st) freeReplyObject(r);
+    return st;
+}
+
+const kvpi_store_ops kvpi_store_redis = {
+    .name = "redis",
+    .accepts = redis_accepts,
+    .open = redis_open,
+    .get = redis_get,
+    .put = redis_put,
+    .del = redis_del,
+    .close = redis_close,
+};
