@@ -52,7 +52,8 @@ static kvp_status target_engine(const char *conn, int port, kvp_engine **out)
 static void *target_region(size_t len, int gen, uint64_t seed)
 {
     size_t shift = (size_t)gen * GEN_SHIFT;
-    char *base = mmap(NULL, len + shift, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    char *base =
+        mmap(NULL, len + shift, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (base == MAP_FAILED) return NULL;
     kvpt_fill(base + shift, len, seed);
     return base + shift;
@@ -376,8 +377,10 @@ static int read_matches(kvp_engine *e, kvp_segment_id seg, uint64_t addr, const 
     memset(buf, 0xEE, len);
     kvp_status st = kvp_engine_read(e, seg, buf, addr, len);
     int ok = st == KVP_OK && memcmp(buf, want, len) == 0;
-    if (st) fprintf(stderr, "  read: %s: %s\n", kvp_strerror(st), kvp_last_error());
-    else if (!ok) fprintf(stderr, "  read: data differ\n");
+    if (st)
+        fprintf(stderr, "  read: %s: %s\n", kvp_strerror(st), kvp_last_error());
+    else if (!ok)
+        fprintf(stderr, "  read: data differ\n");
     free(buf);
     return ok;
 }

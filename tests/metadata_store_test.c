@@ -109,7 +109,8 @@ static void large_value(kvpt_server *srv, const kvpi_store_ops *ops)
     REQUIRE(v);
     strcpy(v, "{\"blob\":\"");
     size_t i = strlen(v);
-    for (; i < n - 2; i++) v[i] = (char)('a' + (i * 7 + i / 26) % 26);
+    for (; i < n - 2; i++)
+        v[i] = (char)('a' + (i * 7 + i / 26) % 26);
     strcpy(v + i, "\"}");
     CHECK_OK(ops->put(s, "big", v));
     CHECK(holds(ops, s, "big", v));
@@ -126,26 +127,35 @@ static void odd_keys_and_text(kvpt_server *srv, const kvpi_store_ops *ops)
     REQUIRE(s);
     /* Keys that a careless encoder would merge or mangle. */
     static const char *keys[] = {
-        "mooncake/ram/host:1234", "mooncake/ram/host 1234", "mooncake/ram/host+1234",
-        "mooncake/ram/host%201234", "a?key=b&c=d#e", "k/with/many//slashes/",
-        "ключ/鍵/🔑", "[::1]:5000",
+        "mooncake/ram/host:1234",
+        "mooncake/ram/host 1234",
+        "mooncake/ram/host+1234",
+        "mooncake/ram/host%201234",
+        "a?key=b&c=d#e",
+        "k/with/many//slashes/",
+        "ключ/鍵/🔑",
+        "[::1]:5000",
     };
     size_t nk = sizeof keys / sizeof keys[0];
     char vals[8][128];
     for (size_t i = 0; i < nk; i++) {
-        snprintf(vals[i], sizeof vals[i],
-                 "{\"i\":%zu,\"t\":\"é漢🙂 \\\"q\\\" \\\\ \\n\\t \\u0000 \\u00e9\",\"k\":\"%s\"}", i,
-                 i == 4 ? "x" : "y");
+        snprintf(
+            vals[i], sizeof vals[i],
+            "{\"i\":%zu,\"t\":\"é漢🙂 \\\"q\\\" \\\\ \\n\\t \\u0000 \\u00e9\",\"k\":\"%s\"}", i,
+            i == 4 ? "x" : "y");
         CHECK_OK(ops->put(s, keys[i], vals[i]));
     }
-    for (size_t i = 0; i < nk; i++) CHECK(holds(ops, s, keys[i], vals[i]));
+    for (size_t i = 0; i < nk; i++)
+        CHECK(holds(ops, s, keys[i], vals[i]));
     /* Multi-line, non-ASCII JSON stays byte-exact. */
     const char *pretty = "{\n\t\"name\": \"Ünïcødé\",\n\t\"list\": [1, 2.5e3, null, true]\n}";
     CHECK_OK(ops->put(s, keys[0], pretty));
     CHECK(holds(ops, s, keys[0], pretty));
     CHECK(holds(ops, s, keys[1], vals[1]));
-    for (size_t i = 0; i < nk; i++) CHECK_OK(ops->del(s, keys[i]));
-    for (size_t i = 0; i < nk; i++) CHECK(missing(ops, s, keys[i]));
+    for (size_t i = 0; i < nk; i++)
+        CHECK_OK(ops->del(s, keys[i]));
+    for (size_t i = 0; i < nk; i++)
+        CHECK(missing(ops, s, keys[i]));
     ops->close(s);
 }
 
@@ -294,8 +304,9 @@ static void meta_cluster_id_prefix(kvpt_server *srv, const kvpi_store_ops *ops)
 static int names(const char *msg, const char *a, const char *b)
 {
     int ok = strstr(msg, a) && (!b || strstr(msg, b));
-    if (!ok) fprintf(stderr, "  message '%s' should name '%s'%s%s\n", msg, a, b ? " and " : "",
-                     b ? b : "");
+    if (!ok)
+        fprintf(stderr, "  message '%s' should name '%s'%s%s\n", msg, a, b ? " and " : "",
+                b ? b : "");
     return ok;
 }
 

@@ -21,8 +21,7 @@
 #define START_TIMEOUT_MS 30000
 #define STOP_TIMEOUT_MS 10000
 
-static int fail(kvpt_server *s, int rc, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
+static int fail(kvpt_server *s, int rc, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static int fail(kvpt_server *s, int rc, const char *fmt, ...)
 {
     va_list ap;
@@ -158,8 +157,8 @@ static int redis_launch(kvpt_server *s)
     if (!bin) return fail(s, KVPT_SERVER_ABSENT, "redis-server not found in PATH or /usr/bin");
     char port[16];
     snprintf(port, sizeof port, "%d", s->port);
-    char *argv[] = {(char *)bin, "--port", port, "--bind", "127.0.0.1", "--save", "",
-                    "--appendonly", "no", "--dir", s->dir, "--daemonize", "no", NULL};
+    char *argv[] = {(char *)bin,    "--port", port,    "--bind", "127.0.0.1",   "--save", "",
+                    "--appendonly", "no",     "--dir", s->dir,   "--daemonize", "no",     NULL};
     s->pid = spawn_logged(s, argv);
     if (s->pid < 0) return fail(s, KVPT_SERVER_FAILED, "fork: %s", strerror(errno));
     return wait_ready(s, redis_ping);
@@ -174,10 +173,15 @@ static int etcd_launch(kvpt_server *s)
     snprintf(client, sizeof client, "http://127.0.0.1:%d", s->port);
     snprintf(peer, sizeof peer, "http://127.0.0.1:%d", s->peer_port);
     snprintf(cluster, sizeof cluster, "default=%s", peer);
-    char *argv[] = {(char *)bin, "--name", "default", "--data-dir", data,
-                    "--listen-client-urls", client, "--advertise-client-urls", client,
-                    "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                    "--initial-cluster", cluster, "--log-level", "warn", NULL};
+    char *argv[] = {(char *)bin, "--name",
+                    "default",   "--data-dir",
+                    data,        "--listen-client-urls",
+                    client,      "--advertise-client-urls",
+                    client,      "--listen-peer-urls",
+                    peer,        "--initial-advertise-peer-urls",
+                    peer,        "--initial-cluster",
+                    cluster,     "--log-level",
+                    "warn",      NULL};
     s->pid = spawn_logged(s, argv);
     if (s->pid < 0) return fail(s, KVPT_SERVER_FAILED, "fork: %s", strerror(errno));
     return wait_ready(s, etcd_healthy);
@@ -214,7 +218,8 @@ static int start(kvpt_server *out, const char *kind, const char *scheme, const c
     snprintf(out->conn, sizeof out->conn, "%s%s%s", scheme, out->addr, suffix);
     if (strcmp(kind, "http") != 0 && make_dir(out) != KVPT_SERVER_OK) return KVPT_SERVER_FAILED;
     if (strcmp(kind, "etcd") == 0) {
-        do out->peer_port = kvpt_free_port();
+        do
+            out->peer_port = kvpt_free_port();
         while (out->peer_port == out->port);
     }
     int rc = kvpt_server_up(out);
