@@ -34,7 +34,8 @@ typedef uint32_t kvp_segment_id;
 
 typedef struct kvp_engine_opts {
     /* "host:port" (IPv6: "[::1]:port"). The engine answers handshakes on this
-     * port, and it names the segment. Required. */
+     * port, and it names the segment. Port 0 picks a free port; then
+     * kvp_engine_segment_name() tells the name. Required. */
     const char *local_server_name;
     /* "http://h:p/metadata", "etcd://h:p[,h:p]", "h:p" (etcd), "redis://h:p",
      * or "P2PHANDSHAKE". Required. */

@@ -123,20 +123,24 @@ static kvp_status copy_opts(kvp_engine *e, const kvp_engine_opts *o)
                           proto);
     kvp_status st = kvpi_hostport_parse(o->local_server_name, -1, &e->self);
     if (st) return st;
-    if (e->self.port == 0)
-        return kvpi_error(KVP_EINVAL, "local_server_name '%s' needs a non-zero port",
-                          o->local_server_name);
-    char name[KVPI_HOST_MAX + 8];
-    kvpi_hostport_format(e->self.host, e->self.port, name, sizeof name);
-    e->name = strdup(name);
     e->metadata_conn = strdup(o->metadata);
     e->protocol = strdup(proto);
-    if (!e->name || !e->metadata_conn || !e->protocol)
-        return kvpi_error(KVP_ENOMEM, "engine: out of memory");
-    e->opts.local_server_name = e->name;
+    if (!e->metadata_conn || !e->protocol) return kvpi_error(KVP_ENOMEM, "engine: out of memory");
     e->opts.metadata = e->metadata_conn;
     e->opts.protocol = e->protocol;
     e->opts.device_names = NULL;
+    return KVP_OK;
+}
+
+/* The segment name is host:port of the handshake server, whose port may have
+ * been chosen by the system (port 0). */
+static kvp_status name_segment(kvp_engine *e)
+{
+    char name[KVPI_HOST_MAX + 8];
+    e->self.port = kvpi_rpc_server_port(e->rpc);
+    kvpi_hostport_format(e->self.host, e->self.port, name, sizeof name);
+    if (!(e->name = strdup(name))) return kvpi_error(KVP_ENOMEM, "engine: out of memory");
+    e->opts.local_server_name = e->name;
     return KVP_OK;
 }
 
@@ -177,6 +181,7 @@ kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out)
     if ((st = kvpi_rpc_server_start(e->self.host, e->self.port, e->opts.timeout_ms, rpc_describe,
                                     e, &e->rpc)))
         goto fail;
+    if ((st = name_segment(e))) goto fail;
     if ((st = start_servers(e))) goto fail;
     kvpi_pool_opts popts = {0};
     kvpi_pool_hooks hooks = {e, pool_register, pool_unregister};

@@ -93,6 +93,9 @@ kvp_status kvpi_rpc_server_start(const char *host, int port, int timeout_ms,
                                  kvpi_rpc_desc_fn desc_fn, void *ctx, kvpi_rpc_server **out);
 void kvpi_rpc_server_stop(kvpi_rpc_server *server);
 
+/* The port the server listens on (the one chosen when started with port 0). */
+int kvpi_rpc_server_port(const kvpi_rpc_server *server);
+
 /* One request/response exchange; *reply is malloc'ed JSON text. */
 kvp_status kvpi_rpc_call(const char *host, int port, int type, const char *json, int timeout_ms,
                          char **reply);

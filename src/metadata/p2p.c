@@ -44,6 +44,7 @@ struct kvpi_rpc_server {
     kvpi_rpc_desc_fn desc_fn;
     void *ctx;
     char addr[KVPI_HOST_MAX + 8];
+    int port; /* the bound port, also when started with port 0 */
     pthread_mutex_t lock; /* guards conns, n_conns, warned */
     rpc_conn *conns;
     int n_conns;
@@ -257,6 +258,7 @@ kvp_status kvpi_rpc_server_start(const char *host, int port, int timeout_ms,
     int bound = 0;
     kvp_status st = kvpi_tcp_listen(host, port, &srv->listen_fd, &bound);
     if (st) goto fail;
+    srv->port = bound;
     kvpi_hostport_format(host, bound, srv->addr, sizeof srv->addr);
     fcntl(srv->listen_fd, F_SETFL, fcntl(srv->listen_fd, F_GETFL) | O_NONBLOCK);
     if (pipe2(srv->wake, O_CLOEXEC) != 0) {
@@ -273,6 +275,11 @@ kvp_status kvpi_rpc_server_start(const char *host, int port, int timeout_ms,
 fail:
     server_free(srv);
     return st;
+}
+
+int kvpi_rpc_server_port(const kvpi_rpc_server *server)
+{
+    return server->port;
 }
 
 void kvpi_rpc_server_stop(kvpi_rpc_server *server)
