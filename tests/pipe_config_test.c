@@ -64,7 +64,8 @@ static void test_missing_fields(void)
 {
     expect_error("{\"decode_url\":\"b:2\",\"metadata_server\":\"m\"}", "'prefill_url' is missing");
     expect_error("{\"prefill_url\":\"a:1\",\"metadata_server\":\"m\"}", "'decode_url' is missing");
-    expect_error("{\"prefill_url\":\"a:1\",\"decode_url\":\"b:2\"}", "'metadata_server' is missing");
+    expect_error("{\"prefill_url\":\"a:1\",\"decode_url\":\"b:2\"}",
+                 "'metadata_server' is missing");
     expect_error("{\"prefill_url\":null,\"decode_url\":\"b:2\",\"metadata_server\":\"m\"}",
                  "'prefill_url' is missing");
 }
@@ -165,8 +166,8 @@ static void test_load_file_and_env(void)
 
 static char *conn_of(const char *server, const char *backend)
 {
-    kvp_pipe_config cfg = {.prefill_url = "a:1", .decode_url = "b:2", .protocol = "tcp",
-                           .device_name = ""};
+    kvp_pipe_config cfg = {
+        .prefill_url = "a:1", .decode_url = "b:2", .protocol = "tcp", .device_name = ""};
     cfg.metadata_server = (char *)server;
     cfg.metadata_backend = (char *)backend;
     char *conn = NULL;
@@ -259,8 +260,11 @@ static void test_endpoints(void)
 
 static void test_open_rejects_bad_config(void)
 {
-    kvp_pipe_config cfg = {.prefill_url = "a:1", .decode_url = "nope", .metadata_server = "m",
-                           .protocol = "tcp", .device_name = ""};
+    kvp_pipe_config cfg = {.prefill_url = "a:1",
+                           .decode_url = "nope",
+                           .metadata_server = "m",
+                           .protocol = "tcp",
+                           .device_name = ""};
     kvp_pipe *pipe = NULL;
     CHECK_ST(kvp_pipe_open(&cfg, 0, 0, NULL, &pipe), KVP_ECONFIG);
     CHECK(strstr(kvp_last_error(), "decode_url") != NULL);

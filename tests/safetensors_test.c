@@ -139,18 +139,21 @@ static void round_trip(kvp_dtype dtype, int ndim, const int64_t *shape, uint64_t
 static void test_round_trip_every_dtype(void)
 {
     int64_t shape[3] = {3, 5, 7};
-    for (int d = 0; d < KVP_DTYPE_COUNT; d++) round_trip((kvp_dtype)d, 3, shape, 100 + d);
+    for (int d = 0; d < KVP_DTYPE_COUNT; d++)
+        round_trip((kvp_dtype)d, 3, shape, 100 + d);
 }
 
 static void test_round_trip_0d_and_empty(void)
 {
-    for (int d = 0; d < KVP_DTYPE_COUNT; d++) round_trip((kvp_dtype)d, 0, NULL, 7);
+    for (int d = 0; d < KVP_DTYPE_COUNT; d++)
+        round_trip((kvp_dtype)d, 0, NULL, 7);
     int64_t z1[2] = {0, 4}, z2[3] = {4, 0, 2}, z3[1] = {0};
     round_trip(KVP_DTYPE_F32, 2, z1, 1);
     round_trip(KVP_DTYPE_BF16, 3, z2, 1);
     round_trip(KVP_DTYPE_I64, 1, z3, 1);
     int64_t many[KVP_TENSOR_MAX_NDIM];
-    for (int i = 0; i < KVP_TENSOR_MAX_NDIM; i++) many[i] = 1;
+    for (int i = 0; i < KVP_TENSOR_MAX_NDIM; i++)
+        many[i] = 1;
     many[3] = 3;
     round_trip(KVP_DTYPE_U8, KVP_TENSOR_MAX_NDIM, many, 9);
 }
@@ -169,7 +172,8 @@ static void test_wire_format(void)
     size_t wl = strlen(want), padded = (wl + 7) / 8 * 8;
     CHECK(kvpi_get_le64(buf) == padded);
     CHECK(memcmp(buf + 8, want, wl) == 0);
-    for (size_t i = wl; i < padded; i++) CHECK(buf[8 + i] == ' ');
+    for (size_t i = wl; i < padded; i++)
+        CHECK(buf[8 + i] == ' ');
     CHECK(memcmp(buf + 8 + padded, v, 8) == 0);
     CHECK(len == 8 + padded + 8);
     free(buf);
@@ -191,8 +195,8 @@ static void test_parse_foreign_writers(void)
     CHECK_OK(parse_header("{ \"tensor\" : { \"dtype\" : \"U8\", \"shape\" : [ ], "
                           "\"data_offsets\" : [ 0, 1 ] } }   \n",
                           1));
-    CHECK_OK(parse_header("{\"tensor\":{\"dtype\":\"F16\",\"shape\":[0],\"data_offsets\":[0,0]}}",
-                          0));
+    CHECK_OK(
+        parse_header("{\"tensor\":{\"dtype\":\"F16\",\"shape\":[0],\"data_offsets\":[0,0]}}", 0));
 }
 
 static void test_malformed(void)
@@ -273,7 +277,8 @@ static void test_malformed(void)
     CHECK_ST(parse_header(nul, 1), KVP_EPROTO);
     /* too many dimensions */
     char many[512] = "{\"tensor\":{\"dtype\":\"U8\",\"shape\":[";
-    for (int i = 0; i <= KVP_TENSOR_MAX_NDIM; i++) strcat(many, i ? ",1" : "1");
+    for (int i = 0; i <= KVP_TENSOR_MAX_NDIM; i++)
+        strcat(many, i ? ",1" : "1");
     strcat(many, "],\"data_offsets\":[0,1]}}");
     CHECK_ST(parse_header(many, 1), KVP_EPROTO);
 }
@@ -349,10 +354,18 @@ static void test_fuzz_mutations(void)
         for (int f = 0; f < flips; f++) {
             size_t at = rnd() % len;
             switch (rnd() % 4) {
-            case 0: buf[at] ^= (uint8_t)(1u << (rnd() % 8)); break;
-            case 1: buf[at] = (uint8_t)rnd(); break;
-            case 2: buf[rnd() % 8] = (uint8_t)rnd(); break;               /* header length */
-            default: buf[8 + rnd() % (len - 8)] = (uint8_t)"{}[]\",:0-9 e"[rnd() % 12]; break;
+            case 0:
+                buf[at] ^= (uint8_t)(1u << (rnd() % 8));
+                break;
+            case 1:
+                buf[at] = (uint8_t)rnd();
+                break;
+            case 2:
+                buf[rnd() % 8] = (uint8_t)rnd();
+                break; /* header length */
+            default:
+                buf[8 + rnd() % (len - 8)] = (uint8_t) "{}[]\",:0-9 e"[rnd() % 12];
+                break;
             }
         }
         size_t cut = rnd() % 8 == 0 ? rnd() % (len + 1) : len;

@@ -10,6 +10,8 @@ typedef struct kvp_cli_command {
 
 int kvp_cmd_bench(int argc, char **argv);
 int kvp_cmd_metadata_server(int argc, char **argv);
+int kvp_cmd_demo(int argc, char **argv);
+int kvp_cmd_bench_pipe(int argc, char **argv); /* kvp_cmd_bench hands --pipe runs here */
 
 /* Block SIGINT and SIGTERM in the calling thread (call before starting threads)
  * and wait for one of them; returns the signal number. */

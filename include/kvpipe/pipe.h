@@ -1,0 +1,213 @@
+/* kvpipe tensor pipe: vLLM's MooncakePipe, in C, with one copy.
+ *
+ * A pipe connects a prefill instance (kv_rank 0) and a decode instance
+ * (kv_rank 1). Both sides can send and receive; each direction is FIFO. The
+ * wire is MooncakePipe's, so a kvpipe pipe talks to a Python process running
+ * vLLM's MooncakePipe over a Mooncake-compatible engine:
+ *
+ *   send: serialise the tensor as a safetensors file holding one tensor named
+ *         "tensor" straight into a managed (registered) buffer of the transfer
+ *         engine — the one copy — and announce it on ZeroMQ as two frames,
+ *         u64 big-endian address and u64 big-endian length.
+ *   recv: READ the announced range from the peer's segment into a local
+ *         managed buffer, reply with the 3-byte frame "ACK" (the sender then
+ *         frees its buffer), and hand out a tensor whose data lives in that
+ *         buffer — no copy out.
+ *   None: sent as the int64 tensor [-150886311].
+ *
+ * Ports (from the mooncake config; "base" is the port in prefill_url or
+ * decode_url, with decode's base +100 when both URLs are equal):
+ *   engine (handshake) port and segment name:  own_host:(base + local_rank)
+ *   ZeroMQ PUSH, bound on own host:           base + 8 + 2*local_rank + 1 (data)
+ *                                             base + 8 + 2*local_rank + 2 (ACK)
+ *   ZeroMQ PULL, connected to the peer's same two ports.
+ *
+ * Threads: every function is thread-safe except kvp_pipe_close(), which must be
+ * the last call. Sends are serialised with each other and receives with each
+ * other, so a send and a recv run in parallel: the usual shape is one thread
+ * that sends and one that receives. A process that alternates sends and
+ * receives on one thread must not let its sends wait for ACKs that its peer
+ * only sends after this process receives (keep within kv_buffer_size, or use
+ * two threads). An internal thread receives ACKs and frees send buffers.
+ */
+#ifndef KVPIPE_PIPE_H
+#define KVPIPE_PIPE_H
+
+#include <stddef.h>
+
+#include "kvpipe/engine.h"
+#include "kvpipe/status.h"
+#include "kvpipe/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------- config --- */
+
+/* The mooncake JSON config (vLLM's MOONCAKE_CONFIG_PATH file):
+ *   {"prefill_url": "host:port", "decode_url": "host:port",
+ *    "metadata_server": "...", "metadata_backend": "etcd"|"redis" (optional),
+ *    "protocol": "tcp" (default), "device_name": "" (default)}
+ * Unknown fields are ignored, as vLLM does. All strings are malloc'ed and owned
+ * by the config; free it with kvp_pipe_config_free(). A program may also fill
+ * the struct itself (with its own strings, not freed by kvp_pipe_config_free
+ * then); kvp_pipe_open() checks it again. */
+typedef struct kvp_pipe_config {
+    char *prefill_url;      /* "host:port", port 1..65535 */
+    char *decode_url;       /* "host:port" */
+    char *metadata_server;  /* non-empty */
+    char *metadata_backend; /* NULL, "etcd" or "redis" (lower-cased on load) */
+    char *protocol;         /* "tcp", "shm", "rdma", ... */
+    char *device_name;      /* RDMA devices, comma-separated; may be "" */
+} kvp_pipe_config;
+
+/* Parse config JSON text of len bytes. KVP_ECONFIG with a message naming the
+ * field and the problem (missing, wrong type, bad host:port, bad backend). */
+kvp_status kvp_pipe_config_parse(const char *json, size_t len, kvp_pipe_config **out);
+
+/* Read and parse the file at path (at most 1 MiB). KVP_ECONFIG names the path. */
+kvp_status kvp_pipe_config_load(const char *path, kvp_pipe_config **out);
+
+/* Load the file named by env MOONCAKE_CONFIG_PATH; KVP_ECONFIG when unset. */
+kvp_status kvp_pipe_config_load_env(kvp_pipe_config **out);
+
+/* Check every field as parsing does. */
+kvp_status kvp_pipe_config_check(const kvp_pipe_config *cfg);
+
+/* Free a config from parse/load. NULL is a no-op. */
+void kvp_pipe_config_free(kvp_pipe_config *cfg);
+
+/* The engine's metadata connection string, as Mooncake builds it (malloc'ed,
+ * the caller frees):
+ *   metadata_server "P2PHANDSHAKE"              -> "P2PHANDSHAKE"
+ *   metadata_server with "://" (any backend)    -> as given
+ *   metadata_backend "etcd"|"redis", bare h:p    -> "<backend>://h:p"
+ *   no backend, bare h:p                         -> "etcd://h:p" */
+kvp_status kvp_pipe_config_metadata_conn(const kvp_pipe_config *cfg, char **out);
+
+#define KVP_PIPE_NAME_MAX 272
+
+/* Where one side of a pipe listens and what it connects to. */
+typedef struct kvp_pipe_endpoints {
+    char local_segment[KVP_PIPE_NAME_MAX]; /* "host:port" of the own engine */
+    char peer_segment[KVP_PIPE_NAME_MAX];  /* the peer engine's segment name */
+    char local_host[KVP_PIPE_NAME_MAX];    /* own host, without brackets */
+    char peer_host[KVP_PIPE_NAME_MAX];
+    int engine_port; /* base + local_rank */
+    int peer_engine_port;
+    int data_port;      /* own PUSH for announcements */
+    int ack_port;       /* own PUSH for ACKs */
+    int peer_data_port; /* the peer's, our PULLs connect there */
+    int peer_ack_port;
+} kvp_pipe_endpoints;
+
+/* Compute the ports of side kv_rank (0 prefill, 1 decode) for local_rank >= 0.
+ * KVP_EINVAL for a bad rank; KVP_ECONFIG, naming the field, when a derived port
+ * passes 65535. */
+kvp_status kvp_pipe_config_endpoints(const kvp_pipe_config *cfg, int local_rank, int kv_rank,
+                                     kvp_pipe_endpoints *out);
+
+/* ------------------------------------------------------------------ pipe --- */
+
+typedef struct kvp_pipe kvp_pipe;
+
+typedef struct kvp_pipe_opts {
+    /* Bytes of sent messages not yet acknowledged before send waits (default
+     * 1e9, as vLLM). A message larger than this is sent once nothing else is in
+     * flight. */
+    size_t kv_buffer_size;
+    /* Longest a send waits for room under kv_buffer_size and for the peer to
+     * take the announcement (default 30000 ms). */
+    int send_timeout_ms;
+    /* The engine's per-round-trip I/O timeout, which bounds each READ
+     * (default 5000 ms). */
+    int io_timeout_ms;
+    /* Largest announced message recv accepts (default 32 GiB); longer ones are
+     * refused before any memory is allocated. */
+    size_t max_message_bytes;
+    /* Non-zero: the engine never uses the same-host transport (see engine.h). */
+    int disable_shm;
+} kvp_pipe_opts;
+
+/* Fill opts with the defaults above. */
+void kvp_pipe_opts_init(kvp_pipe_opts *opts);
+
+/* Open side kv_rank of the pipe: create the engine (segment "host:port" from
+ * the config), bind the two PUSH sockets and connect the two PULL sockets. Does
+ * not wait for the peer: the first send waits (up to send_timeout_ms) until
+ * the peer is connected. opts NULL: defaults. Errors: KVP_ECONFIG for the
+ * config, the engine's errors (metadata store unreachable, port in use), KVP_EIO
+ * naming the ZeroMQ endpoint that failed to bind. */
+kvp_status kvp_pipe_open(const kvp_pipe_config *cfg, int local_rank, int kv_rank,
+                         const kvp_pipe_opts *opts, kvp_pipe **out);
+
+/* Send tensor t, or None when t is NULL. The tensor's bytes are copied (once)
+ * before send returns, so the caller may reuse t at once. Blocks while in-flight
+ * bytes would pass kv_buffer_size (waiting for ACKs) and while the peer is not
+ * connected, at most send_timeout_ms in all; then KVP_ETIMEDOUT naming the
+ * peer. KVP_ENOMEM when the engine cannot allocate the buffer. On any error
+ * nothing was sent and the pipe can go on. */
+kvp_status kvp_pipe_send(kvp_pipe *pipe, const kvp_tensor *t);
+
+/* Receive the next tensor. *out is a heap tensor to release with
+ * kvp_tensor_free(), or NULL for None. Its data lives in a managed buffer of the
+ * pipe's engine (no copy): the buffer is returned to the engine when the tensor
+ * is freed, which may happen from any thread and also after kvp_pipe_close()
+ * (the engine then lives on until the last received tensor is freed).
+ *
+ * timeout_ms bounds the wait for an announcement (negative: no limit, 0: poll);
+ * the READ that follows is bounded by the engine's I/O timeout.
+ *
+ * Every message taken from the peer is answered with one "ACK" — a malformed
+ * one too, once recv is done with it — so the sender's FIFO of buffers stays
+ * in step. Errors:
+ *   KVP_ETIMEDOUT   nothing was announced in time; nothing consumed.
+ *   KVP_EPROTO      a malformed announcement (frame count or size, length 0 or
+ *                   above max_message_bytes) or malformed safetensors.
+ *   KVP_ERANGE      the announced range lies outside the peer's registered
+ *                   memory (the peer's server refused it).
+ *   others          the engine's errors from opening the peer segment or the
+ *                   READ (KVP_ECONNREFUSED, KVP_ECONNRESET, KVP_ENOMEM ...).
+ * After any of these the bad message has been consumed and dropped, and the
+ * pipe can go on: call recv again. Only when kvp_pipe_usable() says 0 is the
+ * pipe finished. */
+kvp_status kvp_pipe_recv(kvp_pipe *pipe, int timeout_ms, kvp_tensor **out);
+
+/* Wait until every sent message has been acknowledged, at most timeout_ms
+ * (negative: no limit). A sender should flush before closing, because closing
+ * frees the buffers the peer may still be reading. KVP_ETIMEDOUT otherwise. */
+kvp_status kvp_pipe_flush(kvp_pipe *pipe, int timeout_ms);
+
+/* Non-zero while the pipe works. 0 after an internal ZeroMQ failure, after
+ * which every call fails with KVP_ECLOSED. */
+int kvp_pipe_usable(const kvp_pipe *pipe);
+
+/* Counters, for tools and tests. */
+typedef struct kvp_pipe_stats {
+    uint64_t sent, received;             /* messages (None included) */
+    uint64_t bytes_sent, bytes_received; /* encoded message bytes */
+    uint64_t acks;                       /* ACKs received */
+    uint64_t bad_messages;               /* consumed messages recv refused */
+    uint64_t bad_acks;                   /* ACK frames that were not "ACK" or not expected */
+    size_t inflight_bytes;               /* sent, not yet acknowledged */
+    size_t inflight_count;
+} kvp_pipe_stats;
+void kvp_pipe_get_stats(kvp_pipe *pipe, kvp_pipe_stats *out);
+
+/* The ports this side uses. Valid until the pipe is closed. */
+const kvp_pipe_endpoints *kvp_pipe_get_endpoints(const kvp_pipe *pipe);
+
+/* The pipe's engine, for inspection (segment name, transport to the peer).
+ * Owned by the pipe; do not destroy it. */
+kvp_engine *kvp_pipe_engine(kvp_pipe *pipe);
+
+/* Close the sockets at once (linger 0), stop the ACK thread, free the buffers
+ * still awaiting ACKs, and release the engine once no received tensor uses it.
+ * Never waits for the peer. NULL is a no-op. */
+void kvp_pipe_close(kvp_pipe *pipe);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,421 @@
+/* kvpipe bench --pipe: tensor pipe throughput. Rank 0 sends --count tensors of
+ * --tensor-size bytes; rank 1 receives them, checks every byte (on a second
+ * thread, so that checking does not slow the receiving) and reports GB/s from
+ * the first send to the last receipt. Without --config both ranks run here as
+ * two processes on loopback. */
+#include <getopt.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "common/clock.h"
+#include "common/error.h"
+#include "kvpipe/kvpipe.h"
+#include "kvpipe/pipe.h"
+#include "pattern.h"
+#include "pipe_launch.h"
+
+#define START_TIMEOUT_MS 60000
+#define RECV_TIMEOUT_MS 30000
+#define FLUSH_TIMEOUT_MS 120000
+#define VERIFY_QUEUE 8
+
+typedef struct bp_opts {
+    size_t tensor_size, kv_buffer_size;
+    long count, warmup; /* warmup < 0: choose */
+    const char *protocol, *metadata, *config;
+    int kv_rank, json, no_shm, port;
+} bp_opts;
+
+static void usage(FILE *out)
+{
+    fprintf(out,
+            "usage: kvpipe bench --pipe --tensor-size BYTES --count N [options]\n"
+            "       kvpipe bench --pipe --config FILE --kv-rank 0|1 --tensor-size BYTES --count N\n"
+            "\n"
+            "Measure the tensor pipe: rank 0 sends N uint8 tensors of BYTES bytes, rank 1\n"
+            "receives them, verifies every byte and reports GB/s from the first send to the\n"
+            "last receipt. Without --config both ranks run here, as two processes on\n"
+            "loopback; with --config (a mooncake JSON file) only the given rank runs.\n"
+            "\n"
+            "  --tensor-size BYTES   bytes per tensor, a multiple of 8, >= 16 (K, M, G suffixes)\n"
+            "  --count N             tensors to send (default 100)\n"
+            "  --protocol P          engine protocol for the two-process run (default tcp)\n"
+            "  --no-shm              never use the same-host transport\n"
+            "  --metadata M          two-process run: http (default), p2p, or a connection string\n"
+            "  --kv-buffer-size B    bytes in flight before send waits (default 1e9)\n"
+            "  --warmup N            untimed tensors first, so that both engines' buffer\n"
+            "                        pools hold their memory (default: kv-buffer-size worth,\n"
+            "                        at most 32)\n"
+            "  --config FILE         run one rank with this mooncake config\n"
+            "  --kv-rank 0|1         the rank to run with --config (0 sends, 1 receives)\n"
+            "  --port P              two-process run: base port (default: a free one)\n"
+            "  --json                receiver: last stdout line is a JSON object with gbps,\n"
+            "                        bytes, ops, errors\n");
+}
+
+static int parse_size(const char *s, size_t *out)
+{
+    char *end;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (end == s) return -1;
+    int shift = 0;
+    if (*end == 'K' || *end == 'k') shift = 10;
+    if (*end == 'M' || *end == 'm') shift = 20;
+    if (*end == 'G' || *end == 'g') shift = 30;
+    if (shift) end++;
+    if (*end == 'i' && end[1] == 'B') end += 2;
+    if (*end || v > (SIZE_MAX >> shift)) return -1;
+    *out = (size_t)(v << shift);
+    return 0;
+}
+
+static int parse_opt(bp_opts *o, int c, const char *arg)
+{
+    char *end;
+    switch (c) {
+    case 's':
+        return parse_size(arg, &o->tensor_size);
+    case 'b':
+        return parse_size(arg, &o->kv_buffer_size) || o->kv_buffer_size == 0 ? -1 : 0;
+    case 'c':
+        o->count = strtol(arg, &end, 10);
+        return *end || o->count < 1 ? -1 : 0;
+    case 'w':
+        o->warmup = strtol(arg, &end, 10);
+        return *end || o->warmup < 0 ? -1 : 0;
+    case 'r':
+        o->kv_rank = (int)strtol(arg, &end, 10);
+        return *end || o->kv_rank < 0 || o->kv_rank > 1 ? -1 : 0;
+    case 'P':
+        o->port = (int)strtol(arg, &end, 10);
+        return *end || o->port < 1 || o->port > 65000 ? -1 : 0;
+    case 'p':
+        o->protocol = arg;
+        return 0;
+    case 'm':
+        o->metadata = arg;
+        return 0;
+    case 'f':
+        o->config = arg;
+        return 0;
+    case 'j':
+        o->json = 1;
+        return 0;
+    case 'n':
+        o->no_shm = 1;
+        return 0;
+    case 'x':
+        return 0; /* --pipe itself */
+    default:
+        return -1;
+    }
+}
+
+/* 0 to go on, otherwise 1 + the exit code. */
+static int parse_args(int argc, char **argv, bp_opts *o)
+{
+    static const struct option opts[] = {
+        {"pipe", no_argument, 0, 'x'},           {"tensor-size", required_argument, 0, 's'},
+        {"count", required_argument, 0, 'c'},    {"protocol", required_argument, 0, 'p'},
+        {"metadata", required_argument, 0, 'm'}, {"config", required_argument, 0, 'f'},
+        {"kv-rank", required_argument, 0, 'r'},  {"json", no_argument, 0, 'j'},
+        {"no-shm", no_argument, 0, 'n'},         {"kv-buffer-size", required_argument, 0, 'b'},
+        {"port", required_argument, 0, 'P'},     {"help", no_argument, 0, 'h'},
+        {"warmup", required_argument, 0, 'w'},   {0, 0, 0, 0},
+    };
+    *o = (bp_opts){.count = 100,
+                   .warmup = -1,
+                   .protocol = "tcp",
+                   .metadata = "http",
+                   .kv_rank = -1,
+                   .kv_buffer_size = 1000000000u};
+    optind = 1;
+    int c;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        if (c == 'h') {
+            usage(stdout);
+            return 1;
+        }
+        if (c == '?' || parse_opt(o, c, optarg) != 0) {
+            if (c != '?') fprintf(stderr, "kvpipe bench --pipe: invalid value '%s'\n", optarg);
+            usage(stderr);
+            return 3;
+        }
+    }
+    const char *bad = optind < argc ? "unexpected argument"
+                      : o->tensor_size < 16 || o->tensor_size % 8
+                          ? "--tensor-size must be a multiple of 8, at least 16"
+                      : o->config && o->kv_rank < 0   ? "--config needs --kv-rank 0|1"
+                      : !o->config && o->kv_rank >= 0 ? "--kv-rank needs --config"
+                                                      : NULL;
+    if (bad) {
+        fprintf(stderr, "kvpipe bench --pipe: %s\n", bad);
+        return 3;
+    }
+    if (o->warmup < 0) {
+        size_t fill = o->kv_buffer_size / o->tensor_size + 1;
+        o->warmup = fill > 32 ? 32 : (long)fill;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------ content --- */
+
+/* Tensor i: the pattern, with i stamped in its first and last 8 bytes, so that
+ * a lost, repeated or reordered tensor fails the check as corruption does. */
+static void stamp(uint8_t *buf, size_t n, uint64_t i)
+{
+    memcpy(buf, &i, 8);
+    memcpy(buf + n - 8, &i, 8);
+}
+
+/* ref holds the pattern; comparing against it (memcmp) keeps the check far
+ * cheaper than the transfer, which matters on a machine with few cores. */
+static int check(const kvp_tensor *t, const uint8_t *ref, size_t n, uint64_t i)
+{
+    if (t->dtype != KVP_DTYPE_U8 || t->ndim != 1 || t->nbytes != n) return -1;
+    const uint8_t *b = t->data;
+    uint64_t head, tail;
+    memcpy(&head, b, 8);
+    memcpy(&tail, b + n - 8, 8);
+    if (head != i || tail != i) return -1;
+    return memcmp(b + 8, ref + 8, n - 16) == 0 ? 0 : -1;
+}
+
+static kvp_pipe *open_pipe(const bp_opts *o, int kv_rank)
+{
+    kvp_pipe_config *cfg = NULL;
+    kvp_pipe *pipe = NULL;
+    kvp_status st = kvp_pipe_config_load(o->config, &cfg);
+    if (st == KVP_OK) {
+        kvp_pipe_opts po;
+        kvp_pipe_opts_init(&po);
+        po.disable_shm = o->no_shm;
+        po.kv_buffer_size = o->kv_buffer_size;
+        st = kvp_pipe_open(cfg, 0, kv_rank, &po, &pipe);
+    }
+    kvp_pipe_config_free(cfg);
+    if (st) fprintf(stderr, "kvpipe bench --pipe: %s\n", kvp_last_error());
+    return pipe;
+}
+
+/* ------------------------------------------------------------- sender --- */
+
+static int run_sender(const bp_opts *o)
+{
+    kvp_pipe *pipe = open_pipe(o, 0);
+    if (!pipe) return 1;
+    uint8_t *buf = malloc(o->tensor_size);
+    int rc = buf ? 0 : 1;
+    if (buf) kvp_pattern_fill(buf, o->tensor_size, KVP_PATTERN_WRITE, 0);
+    int64_t n = (int64_t)o->tensor_size;
+    /* Fresh engine memory is paid for in page faults once; a long-running
+     * process has it already, so the timed part starts with warm pools. */
+    for (long i = 0; i < o->warmup && !rc; i++) {
+        kvp_tensor t;
+        kvp_tensor_init(&t, KVP_DTYPE_U8, 1, &n, buf);
+        if (kvp_pipe_send(pipe, &t) != KVP_OK) rc = 1;
+    }
+    /* None next: the receiver starts its clock when it arrives. */
+    if (!rc && kvp_pipe_send(pipe, NULL) != KVP_OK) rc = 1;
+    for (long i = 0; i < o->count && !rc; i++) {
+        kvp_tensor t;
+        stamp(buf, o->tensor_size, (uint64_t)i);
+        kvp_tensor_init(&t, KVP_DTYPE_U8, 1, &n, buf);
+        if (kvp_pipe_send(pipe, &t) != KVP_OK) rc = 1;
+    }
+    if (!rc && kvp_pipe_flush(pipe, FLUSH_TIMEOUT_MS) != KVP_OK) rc = 1;
+    if (rc) fprintf(stderr, "kvpipe bench --pipe (sender): %s\n", kvp_last_error());
+    free(buf);
+    kvp_pipe_close(pipe);
+    return rc;
+}
+
+/* ----------------------------------------------------------- receiver --- */
+
+typedef struct verifier {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    kvp_tensor *q[VERIFY_QUEUE];
+    size_t head, count, n;
+    uint8_t *ref; /* the pattern, n bytes */
+    long next;    /* index of the next tensor to check */
+    int done;
+    uint64_t mismatches;
+} verifier;
+
+static void *verify_main(void *arg)
+{
+    verifier *v = arg;
+    for (;;) {
+        pthread_mutex_lock(&v->lock);
+        while (v->count == 0 && !v->done)
+            pthread_cond_wait(&v->cond, &v->lock);
+        if (v->count == 0) {
+            pthread_mutex_unlock(&v->lock);
+            return NULL;
+        }
+        kvp_tensor *t = v->q[v->head];
+        v->head = (v->head + 1) % VERIFY_QUEUE;
+        v->count--;
+        pthread_cond_broadcast(&v->cond);
+        pthread_mutex_unlock(&v->lock);
+        if (check(t, v->ref, v->n, (uint64_t)v->next++) != 0) {
+            if (!v->mismatches)
+                fprintf(stderr, "kvpipe bench --pipe: tensor %ld: MISMATCH\n", v->next - 1);
+            v->mismatches++;
+        }
+        kvp_tensor_free(t);
+    }
+}
+
+static void verify_push(verifier *v, kvp_tensor *t)
+{
+    pthread_mutex_lock(&v->lock);
+    while (v->count == VERIFY_QUEUE)
+        pthread_cond_wait(&v->cond, &v->lock);
+    v->q[(v->head + v->count++) % VERIFY_QUEUE] = t;
+    pthread_cond_broadcast(&v->cond);
+    pthread_mutex_unlock(&v->lock);
+}
+
+static void verify_finish(verifier *v, pthread_t th)
+{
+    pthread_mutex_lock(&v->lock);
+    v->done = 1;
+    pthread_cond_broadcast(&v->cond);
+    pthread_mutex_unlock(&v->lock);
+    pthread_join(th, NULL);
+}
+
+static void report(const bp_opts *o, kvp_pipe *pipe, long ops, uint64_t errors, double secs)
+{
+    uint64_t bytes = (uint64_t)ops * o->tensor_size;
+    double gbps = secs > 0 ? (double)bytes / secs / 1e9 : 0;
+    kvp_segment_id seg;
+    const char *tr = NULL;
+    if (kvp_engine_open_segment(kvp_pipe_engine(pipe), kvp_pipe_get_endpoints(pipe)->peer_segment,
+                                &seg) == KVP_OK)
+        tr = kvp_engine_segment_transport(kvp_pipe_engine(pipe), seg);
+    printf("kvpipe bench --pipe: %ld x %zu B via %s: %.3f GB/s in %.3f s, %" PRIu64 " errors%s\n",
+           ops, o->tensor_size, tr ? tr : "?", gbps, secs, errors,
+           errors ? "" : ", every byte verified");
+    if (o->json)
+        printf("{\"gbps\": %.4f, \"bytes\": %" PRIu64 ", \"ops\": %ld, \"errors\": %" PRIu64
+               ", \"seconds\": %.3f, \"tensor_size\": %zu, \"transport\": \"%s\"}\n",
+               gbps, bytes, ops, errors, secs, o->tensor_size, tr ? tr : "?");
+    fflush(stdout);
+}
+
+/* Take the untimed warm-up tensors, then the None that starts the clock. The
+ * last few warm-up tensors are held together, as the verification queue will
+ * hold them, so that the pool already has that much memory. */
+static kvp_status receive_preamble(const bp_opts *o, kvp_pipe *pipe)
+{
+    kvp_tensor *held[VERIFY_QUEUE + 2] = {0}, *t = NULL;
+    kvp_status st = KVP_OK;
+    for (long i = 0; i < o->warmup && st == KVP_OK; i++) {
+        kvp_tensor **slot = &held[i % (VERIFY_QUEUE + 2)];
+        kvp_tensor_free(*slot);
+        *slot = NULL;
+        st = kvp_pipe_recv(pipe, START_TIMEOUT_MS, slot);
+        if (st == KVP_OK && (!*slot || (*slot)->nbytes != o->tensor_size))
+            st = kvpi_error(KVP_EPROTO, "warm-up tensor %ld has the wrong size", i);
+    }
+    for (size_t i = 0; i < VERIFY_QUEUE + 2; i++)
+        kvp_tensor_free(held[i]);
+    if (st == KVP_OK) st = kvp_pipe_recv(pipe, START_TIMEOUT_MS, &t);
+    if (st == KVP_OK && t) st = kvpi_error(KVP_EPROTO, "expected None, got a tensor");
+    kvp_tensor_free(t);
+    return st;
+}
+
+static int run_receiver(const bp_opts *o)
+{
+    verifier v = {.n = o->tensor_size, .ref = malloc(o->tensor_size)};
+    kvp_pipe *pipe = v.ref ? open_pipe(o, 1) : NULL;
+    if (!pipe) {
+        free(v.ref);
+        return 1;
+    }
+    kvp_pattern_fill(v.ref, o->tensor_size, KVP_PATTERN_WRITE, 0);
+    kvp_status st = receive_preamble(o, pipe);
+    if (st) {
+        fprintf(stderr, "kvpipe bench --pipe: no start marker: %s\n", kvp_last_error());
+        free(v.ref);
+        kvp_pipe_close(pipe);
+        return 1;
+    }
+    uint64_t t0 = kvpi_now_ns(), t1 = t0;
+    pthread_mutex_init(&v.lock, NULL);
+    pthread_cond_init(&v.cond, NULL);
+    pthread_t th;
+    pthread_create(&th, NULL, verify_main, &v);
+    long ops = 0;
+    uint64_t errors = 0;
+    for (; ops < o->count; ops++) {
+        kvp_tensor *t = NULL;
+        if ((st = kvp_pipe_recv(pipe, RECV_TIMEOUT_MS, &t)) != KVP_OK || !t) {
+            fprintf(stderr, "kvpipe bench --pipe: tensor %ld: %s\n", ops,
+                    st ? kvp_last_error() : "got None");
+            errors++;
+            break;
+        }
+        t1 = kvpi_now_ns();
+        verify_push(&v, t);
+    }
+    verify_finish(&v, th);
+    free(v.ref);
+    errors += v.mismatches;
+    report(o, pipe, ops, errors, (double)(t1 - t0) / 1e9);
+    kvp_pipe_close(pipe);
+    return errors || ops < o->count ? 1 : 0;
+}
+
+/* ------------------------------------------------------ both, locally --- */
+
+static int run_both(int argc, char **argv, const bp_opts *o)
+{
+    kvp_launch l;
+    if (kvp_launch_prepare(&l, o->metadata, o->protocol, o->port) != 0) {
+        kvp_launch_cleanup(&l);
+        return 1;
+    }
+    char **args = calloc((size_t)argc + 8, sizeof *args);
+    const char *names[2] = {"receiver", "sender"}, *ranks[2] = {"1", "0"};
+    pid_t pids[2];
+    for (int i = 0; i < 2; i++) {
+        int n = 0;
+        args[n++] = "kvpipe";
+        args[n++] = "bench";
+        for (int a = 1; a < argc; a++)
+            args[n++] = argv[a];
+        args[n++] = "--config";
+        args[n++] = l.config_path;
+        args[n++] = "--kv-rank";
+        args[n++] = (char *)ranks[i];
+        args[n] = NULL;
+        pids[i] = kvp_launch_spawn(&l, args);
+    }
+    free(args);
+    /* A backstop only: each side bounds its own waits. */
+    double slow_ms = (double)o->tensor_size * (double)o->count / 20e6 * 1000;
+    int limit = FLUSH_TIMEOUT_MS + 60000 + (slow_ms > 1e9 ? 1000000000 : (int)slow_ms);
+    int rc = kvp_launch_wait(pids, names, 2, limit);
+    kvp_launch_cleanup(&l);
+    return rc;
+}
+
+int kvp_cmd_bench_pipe(int argc, char **argv)
+{
+    bp_opts o;
+    int r = parse_args(argc, argv, &o);
+    if (r) return r - 1;
+    if (!o.config) return run_both(argc, argv, &o);
+    kvp_launch_child_init();
+    return o.kv_rank == 0 ? run_sender(&o) : run_receiver(&o);
+}

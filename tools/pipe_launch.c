@@ -1,0 +1,185 @@
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "kvpipe/kvpipe.h"
+#include "pipe_launch.h"
+
+static int port_free(int port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_port = htons((uint16_t)port),
+                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    int ok = fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
+    if (fd >= 0) close(fd);
+    return ok;
+}
+
+/* Both URLs are 127.0.0.1:base, so decode's base is base+100 (vLLM's same-node
+ * rule). The range stays below the usual ephemeral ports, which the engines'
+ * data ports come from. */
+static int pick_base(void)
+{
+    srand((unsigned)(getpid() ^ time(NULL)));
+    for (int tries = 0; tries < 500; tries++) {
+        int b = 20000 + rand() % 10000;
+        int need[] = {b, b + 9, b + 10, b + 100, b + 109, b + 110};
+        int ok = 1;
+        for (size_t i = 0; i < 6 && ok; i++)
+            ok = port_free(need[i]);
+        if (ok) return b;
+    }
+    return -1;
+}
+
+static int start_metadata(kvp_launch *l, const char *metadata)
+{
+    if (strcmp(metadata, "p2p") == 0) {
+        snprintf(l->metadata, sizeof l->metadata, "P2PHANDSHAKE");
+        return 0;
+    }
+    if (strcmp(metadata, "http") != 0) {
+        snprintf(l->metadata, sizeof l->metadata, "%s", metadata);
+        return 0;
+    }
+    kvp_status st = kvp_metadata_server_start("127.0.0.1", 0, &l->store);
+    if (st) {
+        fprintf(stderr, "kvpipe: cannot start the metadata store: %s\n", kvp_last_error());
+        return -1;
+    }
+    snprintf(l->metadata, sizeof l->metadata, "http://127.0.0.1:%d/metadata",
+             kvp_metadata_server_port(l->store));
+    return 0;
+}
+
+static int write_config(kvp_launch *l, const char *protocol)
+{
+    snprintf(l->config_path, sizeof l->config_path, "%s/mooncake.json", l->dir);
+    FILE *f = fopen(l->config_path, "w");
+    if (!f) {
+        fprintf(stderr, "kvpipe: cannot write %s: %s\n", l->config_path, strerror(errno));
+        return -1;
+    }
+    fprintf(f,
+            "{\n  \"prefill_url\": \"127.0.0.1:%d\",\n  \"decode_url\": \"127.0.0.1:%d\",\n"
+            "  \"metadata_server\": \"%s\",\n  \"protocol\": \"%s\",\n  \"device_name\": \"\"\n}\n",
+            l->base_port, l->base_port, l->metadata, protocol);
+    return fclose(f) == 0 ? 0 : -1;
+}
+
+int kvp_launch_prepare(kvp_launch *l, const char *metadata, const char *protocol, int base_port)
+{
+    memset(l, 0, sizeof *l);
+    snprintf(l->dir, sizeof l->dir, "/tmp/kvpipe-run-XXXXXX");
+    if (!mkdtemp(l->dir)) {
+        fprintf(stderr, "kvpipe: cannot create a temporary directory: %s\n", strerror(errno));
+        l->dir[0] = '\0';
+        return -1;
+    }
+    l->base_port = base_port ? base_port : pick_base();
+    if (l->base_port <= 0) {
+        fprintf(stderr, "kvpipe: found no free port range for the pipe\n");
+        return -1;
+    }
+    if (start_metadata(l, metadata) != 0) return -1;
+    return write_config(l, protocol);
+}
+
+void kvp_launch_child_init(void)
+{
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    pthread_sigmask(SIG_UNBLOCK, &set, NULL);
+    /* Only a side this module started dies with its parent; one an operator
+     * started by hand (bench --config) must not die with their shell. */
+    if (getenv("KVPIPE_LAUNCHED")) prctl(PR_SET_PDEATHSIG, SIGKILL);
+}
+
+pid_t kvp_launch_spawn(const kvp_launch *l, char *const args[])
+{
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid != 0) return pid;
+    setenv("MOONCAKE_CONFIG_PATH", l->config_path, 1);
+    setenv("KVPIPE_LAUNCHED", "1", 1);
+    execv("/proc/self/exe", args);
+    fprintf(stderr, "kvpipe: cannot run /proc/self/exe: %s\n", strerror(errno));
+    _exit(127);
+}
+
+static void kill_all(pid_t *pids, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (pids[i] > 0) kill(pids[i], SIGKILL);
+}
+
+int kvp_launch_wait(pid_t *pids, const char *const *names, int n, int timeout_ms)
+{
+    int failed = 0, left = n;
+    uint64_t deadline = kvpi_now_ms() + (uint64_t)timeout_ms;
+    while (left > 0) {
+        int status;
+        pid_t r = waitpid(-1, &status, WNOHANG);
+        if (r < 0 && errno != EINTR) break;
+        if (r <= 0) {
+            if (kvpi_now_ms() > deadline) {
+                fprintf(stderr, "kvpipe: the run took longer than %d s; stopping it\n",
+                        timeout_ms / 1000);
+                kill_all(pids, n);
+                failed = 1;
+                deadline = UINT64_MAX;
+            }
+            usleep(20000);
+            continue;
+        }
+        for (int i = 0; i < n; i++) {
+            if (pids[i] != r) continue;
+            pids[i] = -1;
+            left--;
+            int ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+            if (!ok && !failed) {
+                if (WIFSIGNALED(status))
+                    fprintf(stderr, "kvpipe: the %s side died of signal %d\n", names[i],
+                            WTERMSIG(status));
+                else
+                    fprintf(stderr, "kvpipe: the %s side failed (exit %d)\n", names[i],
+                            WEXITSTATUS(status));
+                failed = 1;
+                kill_all(pids, n); /* its peer would only wait for timeouts */
+            }
+        }
+    }
+    return failed;
+}
+
+void kvp_launch_cleanup(kvp_launch *l)
+{
+    kvp_metadata_server_stop(l->store);
+    l->store = NULL;
+    if (!l->dir[0]) return;
+    /* Only this run's own files live there: the config and the sides' reports. */
+    DIR *d = opendir(l->dir);
+    struct dirent *e;
+    while (d && (e = readdir(d))) {
+        if (e->d_name[0] == '.') continue;
+        char path[sizeof l->dir + 256];
+        snprintf(path, sizeof path, "%s/%s", l->dir, e->d_name);
+        unlink(path);
+    }
+    if (d) closedir(d);
+    rmdir(l->dir);
+}

@@ -1,0 +1,44 @@
+/* Running both sides of a pipe on this host, for `kvpipe demo` and
+ * `kvpipe bench --pipe`: a metadata store (embedded HTTP store, P2P handshake,
+ * or a given connection string), a mooncake config file, and the two sides as
+ * child processes of this one, each a fresh exec of the kvpipe binary that
+ * finds the config through MOONCAKE_CONFIG_PATH, as vLLM does. */
+#ifndef KVP_TOOLS_PIPE_LAUNCH_H
+#define KVP_TOOLS_PIPE_LAUNCH_H
+
+#include <sys/types.h>
+
+#include "kvpipe/metadata_server.h"
+
+typedef struct kvp_launch {
+    char dir[64];          /* private temporary directory */
+    char config_path[128]; /* dir/mooncake.json */
+    char metadata[512];    /* metadata_server as written in the config */
+    int base_port;         /* prefill_url = decode_url = 127.0.0.1:base_port */
+    kvp_metadata_server *store;
+} kvp_launch;
+
+/* Prepare a run: metadata is "http" (start the embedded store), "p2p"
+ * (P2PHANDSHAKE) or a connection string used as given. base_port 0 picks one
+ * whose pipe ports (base, +9, +10, +100, +109, +110) are free. Prints the
+ * reason to stderr and returns -1 on failure. */
+int kvp_launch_prepare(kvp_launch *l, const char *metadata, const char *protocol, int base_port);
+
+/* Start this binary with args (args[0] is ignored and replaced), with env
+ * MOONCAKE_CONFIG_PATH set to the config; the child dies with this process.
+ * Returns the pid, or -1. */
+pid_t kvp_launch_spawn(const kvp_launch *l, char *const args[]);
+
+/* Wait for n children up to timeout_ms in all. When one fails or the time is
+ * up, the others are killed. Returns 0 when all exited 0; otherwise prints
+ * which failed and returns 1. names label the children in messages. */
+int kvp_launch_wait(pid_t *pids, const char *const *names, int n, int timeout_ms);
+
+/* Stop the store and remove the temporary files. */
+void kvp_launch_cleanup(kvp_launch *l);
+
+/* For a side: let SIGINT/SIGTERM act again (the CLI blocks them) and, when
+ * started by kvp_launch_spawn(), die with the parent. */
+void kvp_launch_child_init(void);
+
+#endif
