@@ -323,6 +323,8 @@ out:
 
 int kvp_cmd_bench(int argc, char **argv)
 {
+    for (int i = 1; i < argc; i++)
+        if (strcmp(argv[i], "--pipe") == 0) return kvp_cmd_bench_pipe(argc, argv);
     bench_opts o;
     if (parse_args(argc, argv, &o) != 0) {
         usage(stderr);

@@ -5,6 +5,9 @@
 
 #include "kvpipe/status.h"
 #include "kvpipe/engine.h"
+#include "kvpipe/metadata_server.h"
+#include "kvpipe/pipe.h"
+#include "kvpipe/tensor.h"
 
 #define KVP_VERSION_STRING "0.1.0"
 
