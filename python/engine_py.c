@@ -1,0 +1,1054 @@
+/* kvpipe.TransferEngine: Mooncake's mooncake.engine.TransferEngine over the kvpipe engine.
+ *
+ * Names, argument order, defaults and return conventions follow Mooncake's
+ * Python binding, so code written for it runs unchanged: ints are statuses (0 on
+ * success, negative on failure; here -kvp_status, with kvpipe.last_error()
+ * giving the detail), addresses are ints, allocate_managed_buffer returns the
+ * address or 0, the batch_transfer_async_* calls return a batch id (0 on
+ * failure). Misuse that Mooncake would crash on (a method before initialize(), a
+ * byte copy outside this engine's memory) raises or fails cleanly instead.
+ *
+ * Threads: every method may be called from several Python threads; the GIL is
+ * released while anything may block (metadata store, network, big copies).
+ */
+#include "kvpy.h"
+
+#include <netdb.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "kvpipe/engine.h"
+
+/* Memory this engine knows: its managed buffers and the regions registered
+ * through it. write_bytes_to_buffer / read_bytes_from_buffer touch nothing
+ * else, so a wrong address is an error instead of a crash. */
+typedef struct mem_range {
+    uint64_t addr;
+    size_t length;
+    int managed;
+} mem_range;
+
+typedef struct kvpy_engine {
+    PyObject_HEAD
+    kvp_engine *engine;
+    PyObject *segments; /* dict: target name -> int kvp_segment_id */
+    PyObject *batches;  /* dict: int batch id -> capsule owning a kvp_batch */
+    uint64_t next_batch_id;
+    mem_range *ranges;
+    size_t n_ranges, cap_ranges;
+    int busy; /* calls running with the GIL released; close() waits for none */
+} kvpy_engine;
+
+static PyObject *opcode_enum; /* kvpipe.TransferOpcode (an IntEnum) */
+
+/* ---- lifetime -------------------------------------------------------------- */
+
+static int engine_ready(kvpy_engine *self)
+{
+    if (self->engine) return 0;
+    PyErr_SetString(kvpy_error_type,
+                    "TransferEngine is not initialized (call initialize() first) or was closed");
+    return -1;
+}
+
+static void batch_capsule_free(PyObject *capsule)
+{
+    kvp_batch *batch = PyCapsule_GetPointer(capsule, "kvpipe.batch");
+    /* Freeing waits for running requests (bounded by the I/O timeout). */
+    Py_BEGIN_ALLOW_THREADS
+    kvp_batch_free(batch);
+    Py_END_ALLOW_THREADS
+}
+
+static void engine_teardown(kvpy_engine *self)
+{
+    /* Batches first: they point into the engine. */
+    if (self->batches) PyDict_Clear(self->batches);
+    if (self->segments) PyDict_Clear(self->segments);
+    kvp_engine *engine = self->engine;
+    self->engine = NULL;
+    if (engine) {
+        Py_BEGIN_ALLOW_THREADS
+        kvp_engine_destroy(engine);
+        Py_END_ALLOW_THREADS
+    }
+    free(self->ranges);
+    self->ranges = NULL;
+    self->n_ranges = self->cap_ranges = 0;
+}
+
+static PyObject *engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    (void)args;
+    (void)kwds;
+    kvpy_engine *self = (kvpy_engine *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->segments = PyDict_New();
+    self->batches = PyDict_New();
+    self->next_batch_id = 1;
+    if (!self->segments || !self->batches) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void engine_dealloc(kvpy_engine *self)
+{
+    engine_teardown(self);
+    Py_XDECREF(self->segments);
+    Py_XDECREF(self->batches);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *engine_close(kvpy_engine *self, PyObject *noargs)
+{
+    (void)noargs;
+    if (self->busy) {
+        PyErr_SetString(kvpy_error_type, "TransferEngine.close(): another thread is still "
+                                         "running a call on this engine");
+        return NULL;
+    }
+    engine_teardown(self);
+    Py_RETURN_NONE;
+}
+
+/* ---- initialize ------------------------------------------------------------ */
+
+/* Whether "host:port" / "[v6]:port" carries a port (a bare IPv6 address has
+ * several colons and no brackets). */
+static int has_port(const char *name)
+{
+    if (name[0] == '[') return strstr(name, "]:") != NULL;
+    const char *colon = strchr(name, ':');
+    return colon && !strchr(colon + 1, ':');
+}
+
+/* Mooncake accepts a bare host and picks the handshake port itself (callers
+ * learn it from get_rpc_port()); kvpipe's engine wants "host:port", so choose a
+ * free port here. Another process may grab it before the engine binds; the
+ * caller retries on a bind failure. */
+static kvp_status pick_free_port(const char *host, int *port)
+{
+    struct addrinfo hints = {.ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
+    struct addrinfo *res = NULL;
+    if (getaddrinfo(host, "0", &hints, &res) != 0 || !res) return KVP_EINVAL;
+    kvp_status st = KVP_EIO;
+    int fd = socket(res->ai_family, SOCK_STREAM, 0);
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    if (fd >= 0 && bind(fd, res->ai_addr, res->ai_addrlen) == 0 &&
+        getsockname(fd, (struct sockaddr *)&ss, &len) == 0) {
+        char serv[16];
+        if (getnameinfo((struct sockaddr *)&ss, len, NULL, 0, serv, sizeof serv, NI_NUMERICSERV) ==
+            0) {
+            *port = atoi(serv);
+            st = KVP_OK;
+        }
+    }
+    if (fd >= 0) close(fd);
+    freeaddrinfo(res);
+    return st;
+}
+
+static void format_server_name(char *buf, size_t cap, const char *host, int port)
+{
+    int v6 = strchr(host, ':') != NULL;
+    snprintf(buf, cap, v6 ? "[%s]:%d" : "%s:%d", host, port);
+}
+
+static kvp_status create_engine(kvpy_engine *self, kvp_engine_opts *opts)
+{
+    kvp_status st;
+    kvp_engine *engine = NULL;
+    /* busy keeps a second initialize() (or close()) out while the GIL is free. */
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvp_engine_create(opts, &engine);
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    if (st == KVP_OK) self->engine = engine;
+    return st;
+}
+
+/* host without the brackets of "[v6]", into buf. */
+static const char *bare_host(const char *host, char *buf, size_t cap)
+{
+    size_t n = strlen(host);
+    if (n < 2 || host[0] != '[' || host[n - 1] != ']' || n - 1 > cap) return host;
+    memcpy(buf, host + 1, n - 2);
+    buf[n - 2] = '\0';
+    return buf;
+}
+
+/* Create the engine for a host with or without a port; a port picked here is
+ * retried a few times, since another process can take it in between. */
+static int start_engine(kvpy_engine *self, const char *host, kvp_engine_opts *opts)
+{
+    if (has_port(host)) {
+        opts->local_server_name = host;
+        kvp_status st = create_engine(self, opts);
+        return st ? kvpy_fail(st, "TransferEngine.initialize") : 0;
+    }
+    char name[300], unbracketed[272];
+    host = bare_host(host, unbracketed, sizeof unbracketed);
+    kvp_status st = KVP_EIO;
+    for (int attempt = 0; attempt < 4 && st == KVP_EIO; attempt++) {
+        int port = 0;
+        if (pick_free_port(host, &port))
+            return kvpy_fail_msg(KVP_EINVAL,
+                                 "TransferEngine.initialize: cannot bind a port on "
+                                 "local host '%s'",
+                                 host);
+        format_server_name(name, sizeof name, host, port);
+        opts->local_server_name = name;
+        st = create_engine(self, opts);
+    }
+    return st ? kvpy_fail(st, "TransferEngine.initialize") : 0;
+}
+
+static PyObject *initialize_common(kvpy_engine *self, const char *host, const char *metadata,
+                                   const char *protocol, const char *devices)
+{
+    if (self->engine || self->busy)
+        return PyLong_FromLong(kvpy_fail_msg(KVP_EBUSY, "TransferEngine.initialize: already "
+                                                        "initialized"));
+    /* Stacks written for Mooncake hard-code "rdma"; KVPIPE_PROTOCOL lets an
+     * operator run them over another transport without editing them. */
+    const char *forced = getenv("KVPIPE_PROTOCOL");
+    kvp_engine_opts opts;
+    kvp_engine_opts_init(&opts);
+    opts.metadata = metadata;
+    opts.protocol = (forced && *forced) ? forced : (protocol && *protocol ? protocol : "tcp");
+    opts.device_names = devices && *devices ? devices : NULL;
+    /* Same-host peers go through shm unless asked not to (Mooncake's API has
+     * no parameter for it). */
+    const char *no_shm = getenv("KVPIPE_DISABLE_SHM");
+    opts.disable_shm = no_shm && *no_shm && strcmp(no_shm, "0") != 0;
+    return PyLong_FromLong(start_engine(self, host, &opts));
+}
+
+static PyObject *engine_initialize(kvpy_engine *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"local_hostname", "metadata_server", "protocol", "device_name", NULL};
+    const char *host, *metadata, *protocol = "tcp", *devices = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "ss|zz:initialize", kwlist, &host, &metadata,
+                                     &protocol, &devices))
+        return NULL;
+    return initialize_common(self, host, metadata, protocol, devices);
+}
+
+static PyObject *engine_initialize_ext(kvpy_engine *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"local_hostname", "metadata_server", "protocol",
+                             "device_name",    "metadata_type",   NULL};
+    const char *host, *metadata, *protocol, *devices, *type;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sszzs:initialize_ext", kwlist, &host, &metadata,
+                                     &protocol, &devices, &type))
+        return NULL;
+    /* As Mooncake: a server without a scheme gets metadata_type as its scheme. */
+    if (strstr(metadata, "://") || strcmp(metadata, "P2PHANDSHAKE") == 0 || !*type)
+        return initialize_common(self, host, metadata, protocol, devices);
+    PyObject *conn = PyUnicode_FromFormat("%s://%s", type, metadata);
+    if (!conn) return NULL;
+    PyObject *ret = initialize_common(self, host, PyUnicode_AsUTF8(conn), protocol, devices);
+    Py_DECREF(conn);
+    return ret;
+}
+
+static PyObject *engine_get_rpc_port(kvpy_engine *self, PyObject *noargs)
+{
+    (void)noargs;
+    if (engine_ready(self)) return NULL;
+    return PyLong_FromLong(kvp_engine_rpc_port(self->engine));
+}
+
+static PyObject *engine_get_segment_name(kvpy_engine *self, PyObject *noargs)
+{
+    (void)noargs;
+    if (engine_ready(self)) return NULL;
+    return PyUnicode_FromString(kvp_engine_segment_name(self->engine));
+}
+
+/* The transport reaching an opened target ("tcp", "shm"), None before the
+ * first transfer to it. */
+static PyObject *engine_segment_transport(kvpy_engine *self, PyObject *args)
+{
+    const char *target;
+    if (!PyArg_ParseTuple(args, "s:segment_transport", &target) || engine_ready(self)) return NULL;
+    PyObject *cached = PyDict_GetItemString(self->segments, target);
+    const char *name = cached ? kvp_engine_segment_transport(
+                                    self->engine, (kvp_segment_id)PyLong_AsUnsignedLong(cached))
+                              : NULL;
+    if (!name) Py_RETURN_NONE;
+    return PyUnicode_FromString(name);
+}
+
+/* ---- memory ranges ----------------------------------------------------------- */
+
+static int ranges_add(kvpy_engine *self, uint64_t addr, size_t length, int managed)
+{
+    if (self->n_ranges == self->cap_ranges) {
+        size_t cap = self->cap_ranges ? 2 * self->cap_ranges : 16;
+        mem_range *r = realloc(self->ranges, cap * sizeof *r);
+        if (!r) return -1;
+        self->ranges = r;
+        self->cap_ranges = cap;
+    }
+    self->ranges[self->n_ranges++] = (mem_range){addr, length, managed};
+    return 0;
+}
+
+static void ranges_remove(kvpy_engine *self, uint64_t addr, int managed)
+{
+    for (size_t i = 0; i < self->n_ranges; i++) {
+        if (self->ranges[i].addr == addr && self->ranges[i].managed == managed) {
+            self->ranges[i] = self->ranges[--self->n_ranges];
+            return;
+        }
+    }
+}
+
+static int ranges_contain(const kvpy_engine *self, uint64_t addr, size_t length)
+{
+    for (size_t i = 0; i < self->n_ranges; i++) {
+        const mem_range *r = &self->ranges[i];
+        if (addr >= r->addr && addr - r->addr <= r->length &&
+            length <= r->length - (addr - r->addr))
+            return 1;
+    }
+    return 0;
+}
+
+/* ---- managed buffers and registration ------------------------------------ */
+
+static PyObject *engine_allocate_managed_buffer(kvpy_engine *self, PyObject *args)
+{
+    size_t length;
+    if (!PyArg_ParseTuple(args, "O&:allocate_managed_buffer", kvpy_size_conv, &length)) return NULL;
+    if (engine_ready(self)) return NULL;
+    void *addr = NULL;
+    kvp_status st;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvp_engine_alloc(self->engine, length, &addr);
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    if (st) {
+        kvpy_fail(st, "TransferEngine.allocate_managed_buffer");
+        return PyLong_FromLong(0);
+    }
+    if (ranges_add(self, (uint64_t)(uintptr_t)addr, length, 1)) {
+        kvp_engine_free(self->engine, addr);
+        return PyErr_NoMemory();
+    }
+    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)addr);
+}
+
+static PyObject *engine_free_managed_buffer(kvpy_engine *self, PyObject *args)
+{
+    uint64_t addr;
+    size_t length;
+    if (!PyArg_ParseTuple(args, "O&O&:free_managed_buffer", kvpy_addr_conv, &addr, kvpy_size_conv,
+                          &length))
+        return NULL;
+    if (engine_ready(self)) return NULL;
+    kvp_status st;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvp_engine_free(self->engine, (void *)(uintptr_t)addr);
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    if (st) return PyLong_FromLong(kvpy_fail(st, "TransferEngine.free_managed_buffer"));
+    ranges_remove(self, addr, 1);
+    return PyLong_FromLong(0);
+}
+
+static kvp_status register_one(kvpy_engine *self, uint64_t addr, size_t length)
+{
+    kvp_status st;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvp_engine_register(self->engine, (void *)(uintptr_t)addr, length);
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    if (st == KVP_OK && ranges_add(self, addr, length, 0)) st = KVP_ENOMEM;
+    return st;
+}
+
+static kvp_status unregister_one(kvpy_engine *self, uint64_t addr)
+{
+    kvp_status st;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvp_engine_unregister(self->engine, (void *)(uintptr_t)addr);
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    if (st == KVP_OK) ranges_remove(self, addr, 0);
+    return st;
+}
+
+static PyObject *engine_register_memory(kvpy_engine *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"buffer_addr", "capacity", "location", NULL};
+    uint64_t addr;
+    size_t length;
+    const char *location = "*"; /* NUMA/device placement hint; kvpipe does not need it */
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O&O&|s:register_memory", kwlist, kvpy_addr_conv,
+                                     &addr, kvpy_size_conv, &length, &location))
+        return NULL;
+    if (engine_ready(self)) return NULL;
+    kvp_status st = register_one(self, addr, length);
+    return PyLong_FromLong(st ? kvpy_fail(st, "TransferEngine.register_memory") : 0);
+}
+
+static PyObject *engine_unregister_memory(kvpy_engine *self, PyObject *args)
+{
+    uint64_t addr;
+    if (!PyArg_ParseTuple(args, "O&:unregister_memory", kvpy_addr_conv, &addr)) return NULL;
+    if (engine_ready(self)) return NULL;
+    kvp_status st = unregister_one(self, addr);
+    return PyLong_FromLong(st ? kvpy_fail(st, "TransferEngine.unregister_memory") : 0);
+}
+
+/* A list of n ints (addresses or lengths) as a malloc'ed array; n_expected < 0
+ * accepts any length. Returns NULL with a Python error on failure. */
+static uint64_t *int_list(PyObject *seq, const char *what, Py_ssize_t n_expected, size_t *n_out)
+{
+    PyObject *fast = PySequence_Fast(seq, "expected a list of ints");
+    if (!fast) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (n_expected >= 0 && n != n_expected) {
+        PyErr_Format(PyExc_ValueError, "%s has %zd entries, expected %zd", what, n, n_expected);
+        Py_DECREF(fast);
+        return NULL;
+    }
+    uint64_t *out = malloc((size_t)(n ? n : 1) * sizeof *out);
+    if (!out) {
+        Py_DECREF(fast);
+        return (uint64_t *)PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!kvpy_addr_conv(PySequence_Fast_GET_ITEM(fast, i), &out[i])) {
+            free(out);
+            Py_DECREF(fast);
+            return NULL;
+        }
+    }
+    Py_DECREF(fast);
+    *n_out = (size_t)n;
+    return out;
+}
+
+static PyObject *engine_batch_register_memory(kvpy_engine *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"buffer_addresses", "capacities", "location", NULL};
+    PyObject *addrs_obj, *lens_obj;
+    const char *location = "*";
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|s:batch_register_memory", kwlist, &addrs_obj,
+                                     &lens_obj, &location))
+        return NULL;
+    if (engine_ready(self)) return NULL;
+    size_t n = 0, n2 = 0;
+    uint64_t *addrs = int_list(addrs_obj, "buffer_addresses", -1, &n);
+    if (!addrs) return NULL;
+    uint64_t *lens = int_list(lens_obj, "capacities", (Py_ssize_t)n, &n2);
+    if (!lens) {
+        free(addrs);
+        return NULL;
+    }
+    int ret = 0;
+    for (size_t i = 0; i < n && ret == 0; i++) {
+        kvp_status st = register_one(self, addrs[i], (size_t)lens[i]);
+        if (st == KVP_OK) continue;
+        ret = kvpy_fail(st, "TransferEngine.batch_register_memory");
+        /* All or nothing: undo the regions registered so far. */
+        for (size_t j = i; j-- > 0;)
+            unregister_one(self, addrs[j]);
+    }
+    free(addrs);
+    free(lens);
+    return PyLong_FromLong(ret);
+}
+
+static PyObject *engine_batch_unregister_memory(kvpy_engine *self, PyObject *args)
+{
+    PyObject *addrs_obj;
+    if (!PyArg_ParseTuple(args, "O:batch_unregister_memory", &addrs_obj)) return NULL;
+    if (engine_ready(self)) return NULL;
+    size_t n = 0;
+    uint64_t *addrs = int_list(addrs_obj, "buffer_addresses", -1, &n);
+    if (!addrs) return NULL;
+    int ret = 0;
+    for (size_t i = 0; i < n; i++) {
+        /* Keep going past a failure so that one bad address does not leave the
+         * rest registered; report the first failure. */
+        kvp_status st = unregister_one(self, addrs[i]);
+        if (st && ret == 0) ret = kvpy_fail(st, "TransferEngine.batch_unregister_memory");
+    }
+    free(addrs);
+    return PyLong_FromLong(ret);
+}
+
+/* ---- byte copies ------------------------------------------------------------ */
+
+static PyObject *engine_write_bytes_to_buffer(kvpy_engine *self, PyObject *args)
+{
+    uint64_t addr;
+    Py_buffer src;
+    size_t length;
+    if (!PyArg_ParseTuple(args, "O&s*O&:write_bytes_to_buffer", kvpy_addr_conv, &addr, &src,
+                          kvpy_size_conv, &length))
+        return NULL;
+    int ret = 0;
+    if (engine_ready(self)) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (length > (size_t)src.len)
+        ret = kvpy_fail_msg(KVP_EINVAL,
+                            "write_bytes_to_buffer: length %zu exceeds the %zd "
+                            "bytes given",
+                            length, src.len);
+    else if (!ranges_contain(self, addr, length))
+        ret = kvpy_fail_msg(KVP_ERANGE,
+                            "write_bytes_to_buffer: [0x%llx, +%zu) is not inside a "
+                            "managed or registered buffer of this engine",
+                            (unsigned long long)addr, length);
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        memcpy((void *)(uintptr_t)addr, src.buf, length);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&src);
+    return PyLong_FromLong(ret);
+}
+
+static PyObject *engine_read_bytes_from_buffer(kvpy_engine *self, PyObject *args)
+{
+    uint64_t addr;
+    size_t length;
+    if (!PyArg_ParseTuple(args, "O&O&:read_bytes_from_buffer", kvpy_addr_conv, &addr,
+                          kvpy_size_conv, &length))
+        return NULL;
+    if (engine_ready(self)) return NULL;
+    if (!ranges_contain(self, addr, length)) {
+        PyObject *exc_msg = PyUnicode_FromFormat(
+            "read_bytes_from_buffer: [0x%llx, +%zu) is not inside a managed or registered "
+            "buffer of this engine",
+            (unsigned long long)addr, length);
+        if (exc_msg) {
+            PyErr_SetObject(kvpy_error_type, exc_msg);
+            Py_DECREF(exc_msg);
+        }
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)length);
+    if (!out) return NULL;
+    char *dst = PyBytes_AS_STRING(out);
+    Py_BEGIN_ALLOW_THREADS
+    memcpy(dst, (const void *)(uintptr_t)addr, length);
+    Py_END_ALLOW_THREADS
+    return out;
+}
+
+/* ---- transfers --------------------------------------------------------------- */
+
+static kvp_status open_segment(kvpy_engine *self, const char *name, kvp_segment_id *out)
+{
+    PyObject *cached = PyDict_GetItemString(self->segments, name);
+    if (cached) {
+        *out = (kvp_segment_id)PyLong_AsUnsignedLong(cached);
+        return KVP_OK;
+    }
+    kvp_status st;
+    kvp_segment_id seg = 0;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvp_engine_open_segment(self->engine, name, &seg);
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    if (st) return st;
+    PyObject *id = PyLong_FromUnsignedLong(seg);
+    if (!id || PyDict_SetItemString(self->segments, name, id) < 0) PyErr_Clear(); /* cache only */
+    Py_XDECREF(id);
+    *out = seg;
+    return KVP_OK;
+}
+
+/* The requests of one call, built from the Python arguments. */
+typedef struct xfer {
+    kvp_request *reqs;
+    size_t n;
+} xfer;
+
+static int xfer_build(xfer *x, kvp_opcode op, PyObject *bufs, PyObject *peers, PyObject *lens)
+{
+    size_t n = 0, n2 = 0, n3 = 0;
+    uint64_t *b = int_list(bufs, "buffers", -1, &n);
+    uint64_t *p = b ? int_list(peers, "peer_buffer_addresses", (Py_ssize_t)n, &n2) : NULL;
+    uint64_t *l = p ? int_list(lens, "lengths", (Py_ssize_t)n, &n3) : NULL;
+    x->reqs = l ? calloc(n ? n : 1, sizeof *x->reqs) : NULL;
+    x->n = n;
+    if (l && !x->reqs) PyErr_NoMemory();
+    for (size_t i = 0; x->reqs && i < n; i++)
+        x->reqs[i] = (kvp_request){op, (void *)(uintptr_t)b[i], p[i], (size_t)l[i]};
+    free(b);
+    free(p);
+    free(l);
+    return x->reqs ? 0 : -1;
+}
+
+static int parse_opcode(PyObject *obj, kvp_opcode *out)
+{
+    long v = PyLong_AsLong(obj);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v != KVP_OP_READ && v != KVP_OP_WRITE) {
+        PyErr_Format(PyExc_ValueError,
+                     "opcode must be TransferOpcode.Read (0) or Write (1), "
+                     "not %ld",
+                     v);
+        return -1;
+    }
+    *out = (kvp_opcode)v;
+    return 0;
+}
+
+static int check_notify(PyObject *notify)
+{
+    if (!notify || notify == Py_None) return 0;
+    PyErr_SetString(PyExc_NotImplementedError, "kvpipe does not support transfer notifies");
+    return -1;
+}
+
+typedef struct batch_wait {
+    kvp_batch *batch;
+    kvp_status status;
+} batch_wait;
+
+static int poll_batch(void *arg, int slice_ms)
+{
+    batch_wait *w = arg;
+    w->status = kvp_batch_wait(w->batch, slice_ms);
+    /* KVP_ETIMEDOUT is also a request's own failure; pending tells them apart. */
+    return w->status != KVP_ETIMEDOUT || kvp_batch_pending(w->batch) == 0;
+}
+
+static void free_batch_nogil(kvp_batch *batch)
+{
+    Py_BEGIN_ALLOW_THREADS
+    kvp_batch_free(batch);
+    Py_END_ALLOW_THREADS
+}
+
+/* Run the requests to completion. Returns -1 with a Python exception (Ctrl-C),
+ * else 0 with *st the transfer status. */
+static int xfer_run(kvpy_engine *self, const char *target, const xfer *x, kvp_status *st)
+{
+    kvp_segment_id seg;
+    *st = open_segment(self, target, &seg);
+    if (*st) return 0;
+    batch_wait w = {NULL, KVP_OK};
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    *st = kvp_batch_submit(self->engine, seg, x->reqs, x->n, &w.batch);
+    Py_END_ALLOW_THREADS
+    int rc = 0;
+    if (*st == KVP_OK) {
+        rc = kvpy_wait_sliced(poll_batch, &w, -1);
+        *st = w.status;
+        free_batch_nogil(w.batch);
+    }
+    self->busy--;
+    return rc < 0 ? -1 : 0;
+}
+
+/* Run and convert to Mooncake's int convention. */
+static PyObject *xfer_sync(kvpy_engine *self, const char *target, xfer *x, const char *what)
+{
+    kvp_status st = KVP_OK;
+    int rc = xfer_run(self, target, x, &st);
+    free(x->reqs);
+    if (rc < 0) return NULL;
+    return PyLong_FromLong(st ? kvpy_fail(st, what) : 0);
+}
+
+static PyObject *single_sync(kvpy_engine *self, PyObject *args, PyObject *kwds, int op_given,
+                             kvp_opcode op, const char *what)
+{
+    static char *kw_rw[] = {"target_hostname", "buffer",         "peer_buffer_address",
+                            "length",          "transport_hint", NULL};
+    static char *kw_op[] = {"target_hostname", "buffer", "peer_buffer_address", "length",
+                            "opcode",          "notify", "transport_hint",      NULL};
+    const char *target, *hint = "";
+    uint64_t buf, peer;
+    size_t length;
+    PyObject *opcode = NULL, *notify = NULL;
+    int ok = op_given
+                 ? PyArg_ParseTupleAndKeywords(args, kwds, "sO&O&O&|s:transfer_sync", kw_rw,
+                                               &target, kvpy_addr_conv, &buf, kvpy_addr_conv, &peer,
+                                               kvpy_size_conv, &length, &hint)
+                 : PyArg_ParseTupleAndKeywords(args, kwds, "sO&O&O&O|Os:transfer_sync", kw_op,
+                                               &target, kvpy_addr_conv, &buf, kvpy_addr_conv, &peer,
+                                               kvpy_size_conv, &length, &opcode, &notify, &hint);
+    if (!ok || check_notify(notify) || (!op_given && parse_opcode(opcode, &op))) return NULL;
+    if (engine_ready(self)) return NULL;
+    xfer x = {calloc(1, sizeof(kvp_request)), 1};
+    if (!x.reqs) return PyErr_NoMemory();
+    x.reqs[0] = (kvp_request){op, (void *)(uintptr_t)buf, peer, length};
+    return xfer_sync(self, target, &x, what);
+}
+
+static PyObject *engine_transfer_sync_read(kvpy_engine *self, PyObject *args, PyObject *kwds)
+{
+    return single_sync(self, args, kwds, 1, KVP_OP_READ, "TransferEngine.transfer_sync_read");
+}
+
+static PyObject *engine_transfer_sync_write(kvpy_engine *self, PyObject *args, PyObject *kwds)
+{
+    return single_sync(self, args, kwds, 1, KVP_OP_WRITE, "TransferEngine.transfer_sync_write");
+}
+
+static PyObject *engine_transfer_sync(kvpy_engine *self, PyObject *args, PyObject *kwds)
+{
+    return single_sync(self, args, kwds, 0, KVP_OP_READ, "TransferEngine.transfer_sync");
+}
+
+/* Parsed arguments of the batch_transfer_* family. */
+typedef struct batch_args {
+    const char *target;
+    PyObject *bufs, *peers, *lens, *opcode, *notify;
+    const char *hint;
+} batch_args;
+
+static int parse_batch_args(PyObject *args, PyObject *kwds, int with_opcode, int with_notify,
+                            batch_args *a)
+{
+    static char *kw_plain[] = {"target_hostname", "buffers",        "peer_buffer_addresses",
+                               "lengths",         "transport_hint", NULL};
+    static char *kw_op[] = {
+        "target_hostname", "buffers", "peer_buffer_addresses", "lengths", "opcode",
+        "transport_hint",  NULL};
+    static char *kw_notify[] = {"target_hostname", "buffers", "peer_buffer_addresses", "lengths",
+                                "opcode",          "notify",  "transport_hint",        NULL};
+    *a = (batch_args){.hint = ""};
+    if (!with_opcode)
+        return PyArg_ParseTupleAndKeywords(args, kwds, "sOOO|s", kw_plain, &a->target, &a->bufs,
+                                           &a->peers, &a->lens, &a->hint)
+                   ? 0
+                   : -1;
+    if (!with_notify)
+        return PyArg_ParseTupleAndKeywords(args, kwds, "sOOOO|s", kw_op, &a->target, &a->bufs,
+                                           &a->peers, &a->lens, &a->opcode, &a->hint)
+                   ? 0
+                   : -1;
+    return PyArg_ParseTupleAndKeywords(args, kwds, "sOOOO|Os", kw_notify, &a->target, &a->bufs,
+                                       &a->peers, &a->lens, &a->opcode, &a->notify, &a->hint)
+               ? 0
+               : -1;
+}
+
+static PyObject *batch_sync(kvpy_engine *self, PyObject *args, PyObject *kwds, int op_given,
+                            kvp_opcode op, const char *what)
+{
+    batch_args a;
+    if (parse_batch_args(args, kwds, !op_given, !op_given, &a) || check_notify(a.notify) ||
+        (!op_given && parse_opcode(a.opcode, &op)))
+        return NULL;
+    if (engine_ready(self)) return NULL;
+    xfer x;
+    if (xfer_build(&x, op, a.bufs, a.peers, a.lens)) return NULL;
+    return xfer_sync(self, a.target, &x, what);
+}
+
+static PyObject *engine_batch_transfer_sync_read(kvpy_engine *self, PyObject *args, PyObject *kwds)
+{
+    return batch_sync(self, args, kwds, 1, KVP_OP_READ, "TransferEngine.batch_transfer_sync_read");
+}
+
+static PyObject *engine_batch_transfer_sync_write(kvpy_engine *self, PyObject *args, PyObject *kwds)
+{
+    return batch_sync(self, args, kwds, 1, KVP_OP_WRITE,
+                      "TransferEngine.batch_transfer_sync_write");
+}
+
+static PyObject *engine_batch_transfer_sync(kvpy_engine *self, PyObject *args, PyObject *kwds)
+{
+    return batch_sync(self, args, kwds, 0, KVP_OP_READ, "TransferEngine.batch_transfer_sync");
+}
+
+/* ---- asynchronous batches ------------------------------------------------------ */
+
+/* Submit and remember the batch under a fresh id; returns the id, or 0 (and
+ * the detail for kvpipe.last_error()) on failure, as Mooncake does. */
+static PyObject *submit_async(kvpy_engine *self, const char *target, xfer *x, const char *what)
+{
+    kvp_segment_id seg;
+    kvp_batch *batch = NULL;
+    kvp_status st = open_segment(self, target, &seg);
+    if (st == KVP_OK) {
+        self->busy++;
+        Py_BEGIN_ALLOW_THREADS
+        st = kvp_batch_submit(self->engine, seg, x->reqs, x->n, &batch);
+        Py_END_ALLOW_THREADS
+        self->busy--;
+    }
+    free(x->reqs);
+    if (st) {
+        kvpy_fail(st, what);
+        return PyLong_FromLong(0);
+    }
+    PyObject *capsule = PyCapsule_New(batch, "kvpipe.batch", batch_capsule_free);
+    if (!capsule) {
+        free_batch_nogil(batch);
+        return NULL;
+    }
+    PyObject *id = PyLong_FromUnsignedLongLong(self->next_batch_id++);
+    if (!id || PyDict_SetItem(self->batches, id, capsule) < 0) Py_CLEAR(id);
+    Py_DECREF(capsule);
+    return id;
+}
+
+static PyObject *batch_async(kvpy_engine *self, PyObject *args, PyObject *kwds, int op_given,
+                             kvp_opcode op, const char *what)
+{
+    batch_args a;
+    if (parse_batch_args(args, kwds, !op_given, 0, &a) ||
+        (!op_given && parse_opcode(a.opcode, &op)))
+        return NULL;
+    if (engine_ready(self)) return NULL;
+    xfer x;
+    if (xfer_build(&x, op, a.bufs, a.peers, a.lens)) return NULL;
+    return submit_async(self, a.target, &x, what);
+}
+
+static PyObject *engine_batch_transfer_async_read(kvpy_engine *self, PyObject *args, PyObject *kwds)
+{
+    return batch_async(self, args, kwds, 1, KVP_OP_READ,
+                       "TransferEngine.batch_transfer_async_read");
+}
+
+static PyObject *engine_batch_transfer_async_write(kvpy_engine *self, PyObject *args,
+                                                   PyObject *kwds)
+{
+    return batch_async(self, args, kwds, 1, KVP_OP_WRITE,
+                       "TransferEngine.batch_transfer_async_write");
+}
+
+static PyObject *engine_batch_transfer_async(kvpy_engine *self, PyObject *args, PyObject *kwds)
+{
+    return batch_async(self, args, kwds, 0, KVP_OP_READ, "TransferEngine.batch_transfer_async");
+}
+
+static PyObject *engine_transfer_submit_write(kvpy_engine *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"target_hostname", "buffer",         "peer_buffer_address",
+                             "length",          "transport_hint", NULL};
+    const char *target, *hint = "";
+    uint64_t buf, peer;
+    size_t length;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sO&O&O&|s:transfer_submit_write", kwlist, &target,
+                                     kvpy_addr_conv, &buf, kvpy_addr_conv, &peer, kvpy_size_conv,
+                                     &length, &hint))
+        return NULL;
+    if (engine_ready(self)) return NULL;
+    xfer x = {calloc(1, sizeof(kvp_request)), 1};
+    if (!x.reqs) return PyErr_NoMemory();
+    x.reqs[0] = (kvp_request){KVP_OP_WRITE, (void *)(uintptr_t)buf, peer, length};
+    return submit_async(self, target, &x, "TransferEngine.transfer_submit_write");
+}
+
+/* The batch of an id, borrowed from the table; NULL if unknown. */
+static kvp_batch *lookup_batch(kvpy_engine *self, PyObject *id)
+{
+    PyObject *capsule = PyDict_GetItemWithError(self->batches, id);
+    return capsule ? PyCapsule_GetPointer(capsule, "kvpipe.batch") : NULL;
+}
+
+static int unknown_batch(PyObject *id, const char *what)
+{
+    unsigned long long v = PyLong_Check(id) ? PyLong_AsUnsignedLongLong(id) : 0;
+    PyErr_Clear();
+    return kvpy_fail_msg(KVP_EINVAL, "%s: unknown or already collected batch id %llu", what, v);
+}
+
+static PyObject *engine_get_batch_transfer_status(kvpy_engine *self, PyObject *args)
+{
+    PyObject *ids_obj;
+    if (!PyArg_ParseTuple(args, "O:get_batch_transfer_status", &ids_obj)) return NULL;
+    if (engine_ready(self)) return NULL;
+    PyObject *ids = PySequence_Fast(ids_obj, "batch_ids must be a list of batch ids");
+    if (!ids) return NULL;
+    int ret = 0;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(ids);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *id = PySequence_Fast_GET_ITEM(ids, i);
+        batch_wait w = {lookup_batch(self, id), KVP_OK};
+        if (!w.batch) {
+            if (PyErr_Occurred()) goto fail;
+            if (ret == 0) ret = unknown_batch(id, "get_batch_transfer_status");
+            continue;
+        }
+        self->busy++;
+        int rc = kvpy_wait_sliced(poll_batch, &w, -1);
+        self->busy--;
+        if (rc < 0) goto fail;
+        if (w.status && ret == 0)
+            ret = kvpy_fail(w.status, "TransferEngine.get_batch_transfer_status");
+    }
+    /* As Mooncake: the ids are spent once their status has been collected. */
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (PyDict_DelItem(self->batches, PySequence_Fast_GET_ITEM(ids, i)) < 0) PyErr_Clear();
+    Py_DECREF(ids);
+    return PyLong_FromLong(ret);
+fail:
+    Py_DECREF(ids);
+    return NULL;
+}
+
+static PyObject *engine_transfer_check_status(kvpy_engine *self, PyObject *id)
+{
+    if (engine_ready(self)) return NULL;
+    kvp_batch *batch = lookup_batch(self, id);
+    if (!batch) {
+        if (PyErr_Occurred()) return NULL;
+        unknown_batch(id, "transfer_check_status");
+        return PyLong_FromLong(-1);
+    }
+    if (kvp_batch_pending(batch) > 0) return PyLong_FromLong(0);
+    kvp_status st = kvp_batch_request_status(batch, 0);
+    /* Mooncake: 1 completed, -1 failed, -2 timed out; a finished id is spent. */
+    int ret = st == KVP_OK ? 1 : st == KVP_ETIMEDOUT ? -2 : -1;
+    if (st) kvpy_fail(st, "TransferEngine.transfer_check_status");
+    if (PyDict_DelItem(self->batches, id) < 0) return NULL;
+    return PyLong_FromLong(ret);
+}
+
+/* ---- type --------------------------------------------------------------------- */
+
+#define KW (METH_VARARGS | METH_KEYWORDS)
+#define FN(f) ((PyCFunction)(void (*)(void))(f))
+
+static PyMethodDef engine_methods[] = {
+    {"initialize", FN(engine_initialize), KW,
+     "initialize(local_hostname, metadata_server, protocol='tcp', device_name='') -> int\n\n"
+     "Start the engine. local_hostname is 'host:port' (the port answers handshakes and names\n"
+     "the segment) or a bare host (a free port is picked; see get_rpc_port()). Returns 0, or a\n"
+     "negative status with kvpipe.last_error() saying why."},
+    {"initialize_ext", FN(engine_initialize_ext), KW,
+     "initialize_ext(local_hostname, metadata_server, protocol, device_name, metadata_type) -> "
+     "int\n\nAs initialize(); a metadata_server without '://' gets metadata_type as scheme."},
+    {"get_rpc_port", FN(engine_get_rpc_port), METH_NOARGS,
+     "get_rpc_port() -> int: the handshake port (the port of the segment name)."},
+    {"get_segment_name", FN(engine_get_segment_name), METH_NOARGS,
+     "get_segment_name() -> str: this engine's segment name 'host:port' (kvpipe extension)."},
+    {"segment_transport", FN(engine_segment_transport), METH_VARARGS,
+     "segment_transport(target_hostname) -> str or None: the transport used to reach an "
+     "opened target ('tcp', 'shm'; kvpipe extension)."},
+    {"allocate_managed_buffer", FN(engine_allocate_managed_buffer), METH_VARARGS,
+     "allocate_managed_buffer(length) -> int: address of registered engine memory, 0 on "
+     "failure."},
+    {"free_managed_buffer", FN(engine_free_managed_buffer), METH_VARARGS,
+     "free_managed_buffer(buffer_addr, length) -> int: 0, or negative on failure."},
+    {"transfer_sync_read", FN(engine_transfer_sync_read), KW,
+     "transfer_sync_read(target_hostname, buffer, peer_buffer_address, length, "
+     "transport_hint='') -> int\n\nRead length bytes of the peer's segment into local memory."},
+    {"transfer_sync_write", FN(engine_transfer_sync_write), KW,
+     "transfer_sync_write(target_hostname, buffer, peer_buffer_address, length, "
+     "transport_hint='') -> int\n\nWrite length bytes of local memory into the peer's segment."},
+    {"transfer_sync", FN(engine_transfer_sync), KW,
+     "transfer_sync(target_hostname, buffer, peer_buffer_address, length, opcode, notify=None, "
+     "transport_hint='') -> int"},
+    {"batch_transfer_sync_read", FN(engine_batch_transfer_sync_read), KW,
+     "batch_transfer_sync_read(target_hostname, buffers, peer_buffer_addresses, lengths, "
+     "transport_hint='') -> int"},
+    {"batch_transfer_sync_write", FN(engine_batch_transfer_sync_write), KW,
+     "batch_transfer_sync_write(target_hostname, buffers, peer_buffer_addresses, lengths, "
+     "transport_hint='') -> int"},
+    {"batch_transfer_sync", FN(engine_batch_transfer_sync), KW,
+     "batch_transfer_sync(target_hostname, buffers, peer_buffer_addresses, lengths, opcode, "
+     "notify=None, transport_hint='') -> int"},
+    {"batch_transfer_async_read", FN(engine_batch_transfer_async_read), KW,
+     "batch_transfer_async_read(target_hostname, buffers, peer_buffer_addresses, lengths, "
+     "transport_hint='') -> batch id (0 on failure)"},
+    {"batch_transfer_async_write", FN(engine_batch_transfer_async_write), KW,
+     "batch_transfer_async_write(target_hostname, buffers, peer_buffer_addresses, lengths, "
+     "transport_hint='') -> batch id (0 on failure)"},
+    {"batch_transfer_async", FN(engine_batch_transfer_async), KW,
+     "batch_transfer_async(target_hostname, buffers, peer_buffer_addresses, lengths, opcode, "
+     "transport_hint='') -> batch id (0 on failure)"},
+    {"get_batch_transfer_status", FN(engine_get_batch_transfer_status), METH_VARARGS,
+     "get_batch_transfer_status(batch_ids) -> int\n\nWait for every batch; 0 if all succeeded, "
+     "else negative. The ids are spent afterwards."},
+    {"transfer_submit_write", FN(engine_transfer_submit_write), KW,
+     "transfer_submit_write(target_hostname, buffer, peer_buffer_address, length, "
+     "transport_hint='') -> batch id (0 on failure)"},
+    {"transfer_check_status", FN(engine_transfer_check_status), METH_O,
+     "transfer_check_status(batch_id) -> int: 1 done, 0 running, -1 failed, -2 timed out."},
+    {"register_memory", FN(engine_register_memory), KW,
+     "register_memory(buffer_addr, capacity, location='*') -> int"},
+    {"unregister_memory", FN(engine_unregister_memory), METH_VARARGS,
+     "unregister_memory(buffer_addr) -> int"},
+    {"batch_register_memory", FN(engine_batch_register_memory), KW,
+     "batch_register_memory(buffer_addresses, capacities, location='*') -> int (all or "
+     "nothing)"},
+    {"batch_unregister_memory", FN(engine_batch_unregister_memory), METH_VARARGS,
+     "batch_unregister_memory(buffer_addresses) -> int"},
+    {"write_bytes_to_buffer", FN(engine_write_bytes_to_buffer), METH_VARARGS,
+     "write_bytes_to_buffer(dest_address, src, length) -> int\n\nCopy length bytes of src "
+     "(bytes-like or str) into a managed or registered buffer of this engine."},
+    {"read_bytes_from_buffer", FN(engine_read_bytes_from_buffer), METH_VARARGS,
+     "read_bytes_from_buffer(source_address, length) -> bytes"},
+    {"close", FN(engine_close), METH_NOARGS,
+     "close(): destroy the engine now instead of at garbage collection (kvpipe extension)."},
+    {NULL, NULL, 0, NULL},
+};
+
+PyTypeObject kvpy_engine_type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvpipe.TransferEngine",
+    .tp_basicsize = sizeof(kvpy_engine),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "TransferEngine()\n\nMooncake's TransferEngine API over kvpipe's engine. Call "
+              "initialize() first.",
+    .tp_new = engine_new,
+    .tp_dealloc = (destructor)engine_dealloc,
+    .tp_methods = engine_methods,
+};
+
+/* kvpipe.TransferOpcode: an IntEnum, so ints and members both work. */
+static PyObject *make_opcode_enum(void)
+{
+    PyObject *enum_mod = PyImport_ImportModule("enum");
+    if (!enum_mod) return NULL;
+    PyObject *result = PyObject_CallMethod(enum_mod, "IntEnum", "s[(si)(si)]", "TransferOpcode",
+                                           "Read", (int)KVP_OP_READ, "Write", (int)KVP_OP_WRITE);
+    Py_DECREF(enum_mod);
+    PyObject *name = result ? PyUnicode_FromString("kvpipe") : NULL;
+    if (result && (!name || PyObject_SetAttrString(result, "__module__", name) < 0))
+        Py_CLEAR(result);
+    Py_XDECREF(name);
+    return result;
+}
+
+int kvpy_engine_init_type(PyObject *module)
+{
+    if (PyType_Ready(&kvpy_engine_type) < 0) return -1;
+    opcode_enum = make_opcode_enum();
+    if (!opcode_enum) return -1;
+    /* Mooncake exposes the enum on the class and its values on the module. */
+    if (PyDict_SetItemString(kvpy_engine_type.tp_dict, "TransferOpcode", opcode_enum) < 0)
+        return -1;
+    PyType_Modified(&kvpy_engine_type);
+    Py_INCREF(opcode_enum);
+    if (PyModule_AddObject(module, "TransferOpcode", opcode_enum) < 0) return -1;
+    PyObject *rd = PyObject_GetAttrString(opcode_enum, "Read");
+    PyObject *wr = PyObject_GetAttrString(opcode_enum, "Write");
+    if (!rd || !wr || PyModule_AddObject(module, "Read", rd) < 0 ||
+        PyModule_AddObject(module, "Write", wr) < 0)
+        return -1;
+    Py_INCREF(&kvpy_engine_type);
+    return PyModule_AddObject(module, "TransferEngine", (PyObject *)&kvpy_engine_type);
+}

@@ -1,0 +1,210 @@
+/* The kvpipe Python module: exceptions, status helpers and module init. */
+#include "kvpy.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "kvpipe/kvpipe.h"
+
+PyObject *kvpy_error_type;
+
+/* The detail of the last failure reported through an int return value. Only
+ * touched with the GIL held, so one buffer serves every thread; a thread that
+ * wants its own failure's text asks right after the failing call. */
+static char last_error_text[1024];
+
+static void format_failure(char *buf, size_t cap, kvp_status status, const char *what)
+{
+    const char *detail = kvp_last_error();
+    if (!detail || !*detail) detail = kvp_strerror(status);
+    snprintf(buf, cap, "%s: %s", what, detail);
+}
+
+PyObject *kvpy_raise_text(kvp_status status, const char *msg)
+{
+    PyObject *exc = PyObject_CallFunction(kvpy_error_type, "s", msg);
+    if (!exc) return NULL;
+    PyObject *code = PyLong_FromLong((long)status);
+    if (code && PyObject_SetAttrString(exc, "status", code) == 0)
+        PyErr_SetObject(kvpy_error_type, exc);
+    Py_XDECREF(code);
+    Py_DECREF(exc);
+    return NULL;
+}
+
+PyObject *kvpy_raise(kvp_status status, const char *what)
+{
+    char msg[1024];
+    format_failure(msg, sizeof msg, status, what);
+    return kvpy_raise_text(status, msg);
+}
+
+int kvpy_fail(kvp_status status, const char *what)
+{
+    format_failure(last_error_text, sizeof last_error_text, status, what);
+    return -(int)status;
+}
+
+int kvpy_fail_msg(kvp_status status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error_text, sizeof last_error_text, fmt, ap);
+    va_end(ap);
+    return -(int)status;
+}
+
+static int to_u64(PyObject *obj, const char *what, unsigned long long *out)
+{
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int, not %.100s", what, Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Format(PyExc_OverflowError, "%s must be a non-negative int below 2**64", what);
+        return 0;
+    }
+    *out = v;
+    return 1;
+}
+
+int kvpy_addr_conv(PyObject *obj, void *out)
+{
+    unsigned long long v;
+    if (!to_u64(obj, "an address", &v)) return 0;
+    *(uint64_t *)out = (uint64_t)v;
+    return 1;
+}
+
+int kvpy_size_conv(PyObject *obj, void *out)
+{
+    unsigned long long v;
+    if (!to_u64(obj, "a length", &v)) return 0;
+    if (v > (unsigned long long)PY_SSIZE_T_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "a length must fit in a Py_ssize_t");
+        return 0;
+    }
+    *(size_t *)out = (size_t)v;
+    return 1;
+}
+
+int kvpy_wait_sliced(kvpy_poll_fn poll, void *arg, int total_ms)
+{
+    /* Slices keep Ctrl-C responsive: a signal handler can only run while this
+     * thread holds the GIL, so the wait comes back to Python every slice. */
+    const int slice = 100;
+    int left = total_ms;
+    for (;;) {
+        int this_slice = (left >= 0 && left < slice) ? left : slice;
+        int done;
+        Py_BEGIN_ALLOW_THREADS
+        done = poll(arg, this_slice);
+        Py_END_ALLOW_THREADS
+        if (done) return 0;
+        if (left >= 0) {
+            left -= this_slice;
+            if (left <= 0) return 1;
+        }
+        if (PyErr_CheckSignals() < 0) return -1;
+    }
+}
+
+static PyObject *mod_last_error(PyObject *self, PyObject *noargs)
+{
+    (void)self;
+    (void)noargs;
+    return PyUnicode_DecodeUTF8(last_error_text, (Py_ssize_t)strlen(last_error_text), "replace");
+}
+
+static PyObject *mod_strerror(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    long code = PyLong_AsLong(arg);
+    if (code == -1 && PyErr_Occurred()) return NULL;
+    if (code < 0) code = -code; /* accept the negative values the int API returns */
+    return PyUnicode_FromString(kvp_strerror((kvp_status)code));
+}
+
+static PyMethodDef module_methods[] = {
+    {"last_error", mod_last_error, METH_NOARGS,
+     "last_error() -> str\n\nThe detail of the most recent failure that a TransferEngine method "
+     "reported by returning a negative int (Mooncake's convention)."},
+    {"strerror", mod_strerror, METH_O,
+     "strerror(code) -> str\n\nFixed text of a kvpipe status code (negative values accepted)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static const struct {
+    const char *name;
+    kvp_status code;
+} status_names[] = {
+    {"OK", KVP_OK},
+    {"EINVAL", KVP_EINVAL},
+    {"ENOMEM", KVP_ENOMEM},
+    {"ETIMEDOUT", KVP_ETIMEDOUT},
+    {"ECONNREFUSED", KVP_ECONNREFUSED},
+    {"ECONNRESET", KVP_ECONNRESET},
+    {"ERANGE", KVP_ERANGE},
+    {"ENOTFOUND", KVP_ENOTFOUND},
+    {"EPROTO", KVP_EPROTO},
+    {"ENOTSUP", KVP_ENOTSUP},
+    {"EMETADATA", KVP_EMETADATA},
+    {"EIO", KVP_EIO},
+    {"EBUSY", KVP_EBUSY},
+    {"ECONFIG", KVP_ECONFIG},
+    {"ECANCELED", KVP_ECANCELED},
+    {"EINPROGRESS", KVP_EINPROGRESS},
+    {"ECLOSED", KVP_ECLOSED},
+    {"EINTR", KVP_EINTR},
+};
+
+static int add_status_constants(PyObject *module)
+{
+    for (size_t i = 0; i < sizeof status_names / sizeof status_names[0]; i++)
+        if (PyModule_AddIntConstant(module, status_names[i].name, (long)status_names[i].code) < 0)
+            return -1;
+    return 0;
+}
+
+static int add_error_type(PyObject *module)
+{
+    kvpy_error_type = PyErr_NewExceptionWithDoc(
+        "kvpipe.Error",
+        "A kvpipe operation failed. .status is the kvpipe status code (kvpipe.ETIMEDOUT, ...);\n"
+        "str(e) says what failed and why.",
+        PyExc_RuntimeError, NULL);
+    if (!kvpy_error_type) return -1;
+    Py_INCREF(kvpy_error_type);
+    if (PyModule_AddObject(module, "Error", kvpy_error_type) < 0) {
+        Py_DECREF(kvpy_error_type);
+        return -1;
+    }
+    return 0;
+}
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvpipe",
+    .m_doc = "kvpipe: move KV-cache tensors between prefill and decode instances.\n\n"
+             "TransferEngine mirrors Mooncake's mooncake.engine.TransferEngine; Pipe mirrors\n"
+             "vLLM's MooncakePipe (send_tensor / recv_tensor).",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC PyInit_kvpipe(void);
+
+PyMODINIT_FUNC PyInit_kvpipe(void)
+{
+    PyObject *module = PyModule_Create(&module_def);
+    if (!module) return NULL;
+    if (PyModule_AddStringConstant(module, "__version__", KVP_VERSION_STRING) < 0 ||
+        add_status_constants(module) < 0 || add_error_type(module) < 0 ||
+        kvpy_engine_init_type(module) < 0 || kvpy_tensor_init_type(module) < 0 ||
+        kvpy_pipe_init_type(module) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

@@ -1,0 +1,77 @@
+/* Internal declarations shared by the files of the kvpipe Python module.
+ *
+ * The module is one extension, `kvpipe`, made of: kvpipe_module.c (module,
+ * exceptions, helpers), engine_py.c (TransferEngine), tensor_py.c (the received
+ * tensor object: DLPack + buffer protocol) and pipe_py.c (Pipe).
+ *
+ * Everything here runs with the GIL held unless a comment says otherwise.
+ */
+#ifndef KVPIPE_PYTHON_KVPY_H
+#define KVPIPE_PYTHON_KVPY_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+
+#include "dlpack.h"
+#include "kvpipe/status.h"
+
+/* kvpipe.Error (a RuntimeError subclass); instances carry .status (int). */
+extern PyObject *kvpy_error_type;
+
+/* Raise kvpipe.Error for status; the message is "what: kvp_last_error()" (or
+ * kvp_strerror(status) when the library left no detail). Always returns NULL. */
+PyObject *kvpy_raise(kvp_status status, const char *what);
+
+/* Raise kvpipe.Error with status and a message of the binding's own. */
+PyObject *kvpy_raise_text(kvp_status status, const char *msg);
+
+/* Remember the library's detail message for kvpipe.last_error() after a call
+ * that reports failure by returning an int, as Mooncake's API does. Returns
+ * -(int)status, the negative value those methods return. */
+int kvpy_fail(kvp_status status, const char *what);
+
+/* Same, with a message written by the binding itself. */
+int kvpy_fail_msg(kvp_status status, const char *fmt, ...);
+
+/* Wait with the GIL released in slices of at most 100 ms, checking for signals
+ * (Ctrl-C) between slices. poll(arg, slice_ms) runs without the GIL; it returns
+ * non-zero when the wait is over, 0 to be called again. total_ms < 0: until
+ * poll says done. Returns 0 (done), 1 (total_ms passed) or -1 with a Python
+ * exception set (a signal handler raised, e.g. KeyboardInterrupt). */
+typedef int (*kvpy_poll_fn)(void *arg, int slice_ms);
+int kvpy_wait_sliced(kvpy_poll_fn poll, void *arg, int total_ms);
+
+/* PyArg "O&" converters: a non-negative int to uint64_t / size_t. */
+int kvpy_addr_conv(PyObject *obj, void *out);
+int kvpy_size_conv(PyObject *obj, void *out);
+
+/* ---- kvpipe.Tensor (tensor_py.c) ---- */
+
+/* Releases what backs a tensor's memory; runs with the GIL held. */
+typedef void (*kvpy_release_fn)(void *ctx);
+
+/* A new kvpipe.Tensor viewing [data, data + nbytes) as a C-contiguous array of
+ * dtype with ndim dims of shape (copied). The tensor owns ctx: release(ctx)
+ * runs once the tensor and every export of it (buffer views, DLPack capsules
+ * and the arrays made from them) are gone; it also runs if this call fails.
+ * dtype must be one kvpy_dtype_format() knows. Returns NULL with an exception. */
+PyObject *kvpy_tensor_new(void *data, DLDataType dtype, int ndim, const int64_t *shape,
+                          kvpy_release_fn release, void *ctx);
+
+/* The buffer-protocol format of a dtype and its item size, or NULL when the
+ * dtype has none. bfloat16 is exported as 'H' and float8 as 'B': the raw bits,
+ * since the struct module has no codes for them; DLPack carries the real type. */
+const char *kvpy_dtype_format(DLDataType dtype, size_t *itemsize);
+
+/* The dtype's name as torch spells it ("float32", "bfloat16", "float8_e4m3fn"). */
+const char *kvpy_dtype_name(DLDataType dtype);
+
+/* Type objects, set up by the module init. */
+extern PyTypeObject kvpy_engine_type;
+int kvpy_engine_init_type(PyObject *module);
+int kvpy_tensor_init_type(PyObject *module);
+int kvpy_pipe_init_type(PyObject *module);
+
+#endif

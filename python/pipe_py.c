@@ -1,0 +1,565 @@
+/* kvpipe.Pipe: the tensor pipe (vLLM's MooncakePipe semantics) for Python.
+ *
+ * send_tensor() takes any CPU object that exports DLPack (torch, numpy >= 1.22,
+ * ...) or the buffer protocol, or None; the bytes are copied once, into the
+ * engine's registered memory, before it returns. recv_tensor() returns a
+ * kvpipe.Tensor whose data lives in the buffer the peer's bytes were READ into
+ * (no copy), or None.
+ *
+ * Threads: one thread may send while another receives; the GIL is released
+ * while either waits. close() refuses while another thread is inside a call.
+ */
+#include "kvpy.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvpipe/pipe.h"
+#include "kvpipe/tensor.h"
+
+typedef struct kvpy_pipe {
+    PyObject_HEAD
+    kvp_pipe *pipe;
+    kvp_pipe_config *cfg;
+    int busy; /* calls running with the GIL released */
+} kvpy_pipe;
+
+/* ---- dtypes between kvpipe and DLPack ----------------------------------------- */
+
+static const struct {
+    kvp_dtype kvp;
+    uint8_t code, bits;
+} dtype_map[] = {
+    {KVP_DTYPE_BOOL, kDLBool, 8},
+    {KVP_DTYPE_U8, kDLUInt, 8},
+    {KVP_DTYPE_I8, kDLInt, 8},
+    {KVP_DTYPE_I16, kDLInt, 16},
+    {KVP_DTYPE_U16, kDLUInt, 16},
+    {KVP_DTYPE_I32, kDLInt, 32},
+    {KVP_DTYPE_U32, kDLUInt, 32},
+    {KVP_DTYPE_I64, kDLInt, 64},
+    {KVP_DTYPE_U64, kDLUInt, 64},
+    {KVP_DTYPE_F16, kDLFloat, 16},
+    {KVP_DTYPE_BF16, kDLBfloat, 16},
+    {KVP_DTYPE_F32, kDLFloat, 32},
+    {KVP_DTYPE_F64, kDLFloat, 64},
+    {KVP_DTYPE_F8_E4M3, kDLFloat8_e4m3fn, 8},
+    {KVP_DTYPE_F8_E5M2, kDLFloat8_e5m2, 8},
+};
+#define N_DTYPE_MAP (sizeof dtype_map / sizeof dtype_map[0])
+
+static int dl_from_kvp(kvp_dtype d, DLDataType *out)
+{
+    for (size_t i = 0; i < N_DTYPE_MAP; i++) {
+        if (dtype_map[i].kvp == d) {
+            *out = (DLDataType){dtype_map[i].code, dtype_map[i].bits, 1};
+            return 0;
+        }
+    }
+    return -1;
+}
+
+static int kvp_from_dl(DLDataType dt, kvp_dtype *out)
+{
+    for (size_t i = 0; i < N_DTYPE_MAP; i++) {
+        if (dt.lanes == 1 && dtype_map[i].code == dt.code && dtype_map[i].bits == dt.bits) {
+            *out = dtype_map[i].kvp;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* A struct-module format code (native or little-endian) to a dtype. */
+static int kvp_from_format(const char *fmt, Py_ssize_t itemsize, kvp_dtype *out)
+{
+    if (!fmt) fmt = "B";
+    if (*fmt == '@' || *fmt == '=' || *fmt == '<') fmt++;
+    if (fmt[0] == '\0' || fmt[1] != '\0') return -1;
+    int is_signed = 0;
+    switch (fmt[0]) {
+    case '?':
+        *out = KVP_DTYPE_BOOL;
+        return itemsize == 1 ? 0 : -1;
+    case 'e':
+        *out = KVP_DTYPE_F16;
+        return itemsize == 2 ? 0 : -1;
+    case 'f':
+        *out = KVP_DTYPE_F32;
+        return itemsize == 4 ? 0 : -1;
+    case 'd':
+        *out = KVP_DTYPE_F64;
+        return itemsize == 8 ? 0 : -1;
+    case 'b':
+    case 'h':
+    case 'i':
+    case 'l':
+    case 'q':
+    case 'n':
+        is_signed = 1;
+        break;
+    case 'B':
+    case 'c':
+    case 'H':
+    case 'I':
+    case 'L':
+    case 'Q':
+    case 'N':
+        break;
+    default:
+        return -1;
+    }
+    /* Integer codes: the width is the item size ('l' is 8 bytes here, 4 on
+     * other ABIs). */
+    static const kvp_dtype s[] = {KVP_DTYPE_I8, KVP_DTYPE_I16, KVP_DTYPE_I32, KVP_DTYPE_I64};
+    static const kvp_dtype u[] = {KVP_DTYPE_U8, KVP_DTYPE_U16, KVP_DTYPE_U32, KVP_DTYPE_U64};
+    int idx = itemsize == 1 ? 0 : itemsize == 2 ? 1 : itemsize == 4 ? 2 : itemsize == 8 ? 3 : -1;
+    if (idx < 0) return -1;
+    *out = is_signed ? s[idx] : u[idx];
+    return 0;
+}
+
+/* ---- what send_tensor() holds while it sends ------------------------------------ */
+
+/* A borrowed view of the caller's object: the DLPack capsule's managed tensor
+ * or a buffer view, released after the send. */
+typedef struct src_view {
+    kvp_tensor t;
+    DLManagedTensor *dl;
+    Py_buffer buf;
+    int have_buf;
+} src_view;
+
+static void src_release(src_view *v)
+{
+    if (v->dl && v->dl->deleter) v->dl->deleter(v->dl);
+    v->dl = NULL;
+    if (v->have_buf) PyBuffer_Release(&v->buf);
+    v->have_buf = 0;
+}
+
+static int dl_is_compact(const DLTensor *dl)
+{
+    if (!dl->strides) return 1;
+    int64_t expect = 1;
+    for (int i = dl->ndim - 1; i >= 0; i--) {
+        if (dl->shape[i] == 0) return 1; /* empty: no element to misplace */
+        if (dl->shape[i] != 1 && dl->strides[i] != expect) return 0;
+        expect *= dl->shape[i];
+    }
+    return 1;
+}
+
+static int view_from_dltensor(src_view *v, const DLTensor *dl)
+{
+    kvp_dtype dt;
+    if (dl->device.device_type != kDLCPU) {
+        PyErr_Format(PyExc_ValueError,
+                     "send_tensor: the tensor is on DLPack device %d; kvpipe "
+                     "sends CPU memory (move it to the CPU first)",
+                     (int)dl->device.device_type);
+        return -1;
+    }
+    if (kvp_from_dl(dl->dtype, &dt)) {
+        PyErr_Format(PyExc_TypeError,
+                     "send_tensor: DLPack dtype (code %d, %d bits, %d lanes) "
+                     "has no safetensors equivalent",
+                     dl->dtype.code, dl->dtype.bits, dl->dtype.lanes);
+        return -1;
+    }
+    if (!dl_is_compact(dl)) {
+        PyErr_SetString(PyExc_ValueError, "send_tensor: the tensor is not contiguous (call "
+                                          ".contiguous() / numpy.ascontiguousarray first)");
+        return -1;
+    }
+    void *data = dl->data ? (char *)dl->data + dl->byte_offset : NULL;
+    kvp_status st = kvp_tensor_init(&v->t, dt, dl->ndim, dl->shape, data);
+    if (st) {
+        kvpy_raise(st, "send_tensor");
+        return -1;
+    }
+    return 0;
+}
+
+/* Take obj through DLPack. Returns 1 on success, 0 when obj could not export
+ * (the caller tries the buffer protocol; the exception is cleared when it can),
+ * -1 on an error to report. */
+static int view_from_dlpack(src_view *v, PyObject *obj)
+{
+    PyObject *capsule = PyObject_CallMethod(obj, "__dlpack__", NULL);
+    if (!capsule) return PyObject_CheckBuffer(obj) ? (PyErr_Clear(), 0) : -1;
+    DLManagedTensor *mt = PyCapsule_GetPointer(capsule, "dltensor");
+    if (!mt) {
+        Py_DECREF(capsule);
+        return -1;
+    }
+    /* Consumed: from here on the deleter is ours to call, not the capsule's. */
+    if (PyCapsule_SetName(capsule, "used_dltensor") < 0) {
+        Py_DECREF(capsule);
+        return -1;
+    }
+    Py_DECREF(capsule);
+    v->dl = mt;
+    return view_from_dltensor(v, &mt->dl_tensor) ? -1 : 1;
+}
+
+static int view_from_buffer(src_view *v, PyObject *obj)
+{
+    if (PyObject_GetBuffer(obj, &v->buf, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    v->have_buf = 1;
+    kvp_dtype dt;
+    if (kvp_from_format(v->buf.format, v->buf.itemsize, &dt)) {
+        PyErr_Format(PyExc_TypeError,
+                     "send_tensor: buffer format '%s' (item size %zd) has no "
+                     "safetensors dtype",
+                     v->buf.format ? v->buf.format : "B", v->buf.itemsize);
+        return -1;
+    }
+    int64_t shape[KVP_TENSOR_MAX_NDIM];
+    if (v->buf.ndim > KVP_TENSOR_MAX_NDIM) {
+        PyErr_Format(PyExc_ValueError, "send_tensor: %d dimensions, at most %d", v->buf.ndim,
+                     KVP_TENSOR_MAX_NDIM);
+        return -1;
+    }
+    for (int i = 0; i < v->buf.ndim; i++)
+        shape[i] = v->buf.shape[i];
+    kvp_status st = kvp_tensor_init(&v->t, dt, v->buf.ndim, shape, v->buf.len ? v->buf.buf : NULL);
+    if (st) {
+        kvpy_raise(st, "send_tensor");
+        return -1;
+    }
+    return 0;
+}
+
+static int view_from_object(src_view *v, PyObject *obj)
+{
+    memset(v, 0, sizeof *v);
+    /* DLPack first: it carries bfloat16 and float8, which buffers cannot. */
+    if (PyObject_HasAttrString(obj, "__dlpack__")) {
+        int rc = view_from_dlpack(v, obj);
+        if (rc != 0) return rc > 0 ? 0 : -1;
+    }
+    if (!PyObject_CheckBuffer(obj)) {
+        PyErr_Format(PyExc_TypeError,
+                     "send_tensor: expected None or an object exporting DLPack "
+                     "or the buffer protocol, not %.100s",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    return view_from_buffer(v, obj);
+}
+
+/* ---- Pipe ------------------------------------------------------------------------ */
+
+static int pipe_ready(kvpy_pipe *self)
+{
+    if (self->pipe) return 0;
+    PyErr_SetString(kvpy_error_type, "the Pipe is closed");
+    return -1;
+}
+
+static void pipe_teardown(kvpy_pipe *self)
+{
+    kvp_pipe *p = self->pipe;
+    self->pipe = NULL;
+    if (p) {
+        Py_BEGIN_ALLOW_THREADS
+        kvp_pipe_close(p);
+        Py_END_ALLOW_THREADS
+    }
+    kvp_pipe_config_free(self->cfg);
+    self->cfg = NULL;
+}
+
+static void pipe_dealloc(kvpy_pipe *self)
+{
+    pipe_teardown(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* config: a path (str / os.PathLike), a dict, or None for MOONCAKE_CONFIG_PATH. */
+static kvp_status load_config(PyObject *config, kvp_pipe_config **out)
+{
+    kvp_status st;
+    if (config == Py_None) return kvp_pipe_config_load_env(out);
+    if (PyDict_Check(config)) {
+        PyObject *json = PyImport_ImportModule("json");
+        PyObject *text = json ? PyObject_CallMethod(json, "dumps", "O", config) : NULL;
+        Py_XDECREF(json);
+        Py_ssize_t len = 0;
+        const char *s = text ? PyUnicode_AsUTF8AndSize(text, &len) : NULL;
+        if (!s) {
+            Py_XDECREF(text);
+            return KVP_EINTR; /* a Python error is set */
+        }
+        st = kvp_pipe_config_parse(s, (size_t)len, out);
+        Py_DECREF(text);
+        return st;
+    }
+    PyObject *path = NULL;
+    if (!PyUnicode_FSConverter(config, &path)) return KVP_EINTR;
+    st = kvp_pipe_config_load(PyBytes_AS_STRING(path), out);
+    Py_DECREF(path);
+    return st;
+}
+
+static int ms_from_seconds(PyObject *obj, int *out, const char *what)
+{
+    if (!obj || obj == Py_None) return 0;
+    double s = PyFloat_AsDouble(obj);
+    if (s == -1.0 && PyErr_Occurred()) return -1;
+    if (!(s >= 0 && s < 2e6)) {
+        PyErr_Format(PyExc_ValueError, "%s must be between 0 and 2e6 seconds", what);
+        return -1;
+    }
+    *out = (int)(s * 1000.0 + 0.5);
+    return 0;
+}
+
+/* kv_buffer_size as vLLM writes it: an int or an integral float such as 1e9. */
+static int buffer_size_conv(PyObject *obj, void *out)
+{
+    if (!PyFloat_Check(obj)) return kvpy_size_conv(obj, out);
+    double d = PyFloat_AsDouble(obj);
+    if (!(d >= 0 && d <= 9.0e18) || d != (double)(unsigned long long)d) {
+        PyErr_SetString(PyExc_ValueError, "kv_buffer_size must be a non-negative whole number");
+        return 0;
+    }
+    *(size_t *)out = (size_t)d;
+    return 1;
+}
+
+static int pipe_init(kvpy_pipe *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"config",
+                             "local_rank",
+                             "kv_rank",
+                             "kv_buffer_size",
+                             "send_timeout",
+                             "io_timeout",
+                             "max_message_bytes",
+                             "disable_shm",
+                             NULL};
+    PyObject *config, *send_timeout = NULL, *io_timeout = NULL;
+    int local_rank, kv_rank, disable_shm = 0;
+    kvp_pipe_opts opts;
+    kvp_pipe_opts_init(&opts);
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oii|$O&OOO&p:Pipe", kwlist, &config, &local_rank,
+                                     &kv_rank, buffer_size_conv, &opts.kv_buffer_size,
+                                     &send_timeout, &io_timeout, kvpy_size_conv,
+                                     &opts.max_message_bytes, &disable_shm))
+        return -1;
+    if (ms_from_seconds(send_timeout, &opts.send_timeout_ms, "send_timeout") ||
+        ms_from_seconds(io_timeout, &opts.io_timeout_ms, "io_timeout"))
+        return -1;
+    opts.disable_shm = disable_shm;
+    if (self->busy) {
+        PyErr_SetString(kvpy_error_type, "Pipe.__init__: the pipe is in use by another thread");
+        return -1;
+    }
+    if (self->pipe) pipe_teardown(self); /* __init__ called again */
+    kvp_status st = load_config(config, &self->cfg);
+    if (st == KVP_EINTR && PyErr_Occurred()) return -1;
+    if (st) return kvpy_raise(st, "kvpipe.Pipe: config"), -1;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvp_pipe_open(self->cfg, local_rank, kv_rank, &opts, &self->pipe);
+    Py_END_ALLOW_THREADS
+    if (st) return kvpy_raise(st, "kvpipe.Pipe"), -1;
+    return 0;
+}
+
+static PyObject *pipe_send_tensor(kvpy_pipe *self, PyObject *obj)
+{
+    if (pipe_ready(self)) return NULL;
+    src_view v;
+    const kvp_tensor *t = NULL;
+    if (obj != Py_None) {
+        if (view_from_object(&v, obj) < 0) {
+            src_release(&v);
+            return NULL;
+        }
+        t = &v.t;
+    }
+    kvp_status st;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvp_pipe_send(self->pipe, t);
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    if (t) src_release(&v);
+    if (st) return kvpy_raise(st, "send_tensor");
+    Py_RETURN_NONE;
+}
+
+typedef struct recv_wait {
+    kvp_pipe *pipe;
+    kvp_tensor *t;
+    kvp_status status;
+} recv_wait;
+
+static int poll_recv(void *arg, int slice_ms)
+{
+    recv_wait *w = arg;
+    w->status = kvp_pipe_recv(w->pipe, slice_ms, &w->t);
+    return w->status != KVP_ETIMEDOUT;
+}
+
+static void release_received(void *ctx)
+{
+    kvp_tensor_free(ctx);
+}
+
+static PyObject *wrap_received(kvp_tensor *t)
+{
+    DLDataType dt;
+    if (dl_from_kvp(t->dtype, &dt)) {
+        kvp_tensor_free(t);
+        return PyErr_Format(kvpy_error_type,
+                            "recv_tensor: received dtype %d has no DLPack "
+                            "equivalent",
+                            (int)t->dtype);
+    }
+    return kvpy_tensor_new(t->data, dt, t->ndim, t->shape, release_received, t);
+}
+
+static PyObject *pipe_recv_tensor(kvpy_pipe *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"timeout", NULL};
+    PyObject *timeout = Py_None;
+    int timeout_ms = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:recv_tensor", kwlist, &timeout) ||
+        ms_from_seconds(timeout, &timeout_ms, "timeout") || pipe_ready(self))
+        return NULL;
+    recv_wait w = {self->pipe, NULL, KVP_OK};
+    self->busy++;
+    int rc = kvpy_wait_sliced(poll_recv, &w, timeout_ms);
+    self->busy--;
+    if (rc < 0) return NULL; /* Ctrl-C: nothing was consumed */
+    if (rc > 0) w.status = KVP_ETIMEDOUT;
+    if (w.status == KVP_ETIMEDOUT)
+        return kvpy_raise_text(KVP_ETIMEDOUT, "recv_tensor: nothing arrived within the timeout");
+    if (w.status) return kvpy_raise(w.status, "recv_tensor");
+    if (!w.t) Py_RETURN_NONE;
+    return wrap_received(w.t);
+}
+
+static PyObject *pipe_flush(kvpy_pipe *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"timeout", NULL};
+    PyObject *timeout = Py_None;
+    int timeout_ms = 30000;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:flush", kwlist, &timeout) ||
+        ms_from_seconds(timeout, &timeout_ms, "timeout") || pipe_ready(self))
+        return NULL;
+    kvp_status st;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvp_pipe_flush(self->pipe, timeout_ms);
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    if (st) return kvpy_raise(st, "flush");
+    Py_RETURN_NONE;
+}
+
+static PyObject *pipe_close(kvpy_pipe *self, PyObject *noargs)
+{
+    (void)noargs;
+    if (self->busy) {
+        PyErr_SetString(kvpy_error_type, "Pipe.close(): another thread is still sending or "
+                                         "receiving on this pipe");
+        return NULL;
+    }
+    pipe_teardown(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *pipe_enter(kvpy_pipe *self, PyObject *noargs)
+{
+    (void)noargs;
+    Py_INCREF(self);
+    return (PyObject *)self;
+}
+
+static PyObject *pipe_exit(kvpy_pipe *self, PyObject *args)
+{
+    (void)args;
+    return pipe_close(self, NULL);
+}
+
+static PyObject *pipe_stats(kvpy_pipe *self, PyObject *noargs)
+{
+    (void)noargs;
+    if (pipe_ready(self)) return NULL;
+    kvp_pipe_stats s;
+    kvp_pipe_get_stats(self->pipe, &s);
+    return Py_BuildValue(
+        "{sKsKsKsKsKsKsKsnsn}", "sent", (unsigned long long)s.sent, "received",
+        (unsigned long long)s.received, "bytes_sent", (unsigned long long)s.bytes_sent,
+        "bytes_received", (unsigned long long)s.bytes_received, "acks", (unsigned long long)s.acks,
+        "bad_messages", (unsigned long long)s.bad_messages, "bad_acks",
+        (unsigned long long)s.bad_acks, "inflight_bytes", (Py_ssize_t)s.inflight_bytes,
+        "inflight_count", (Py_ssize_t)s.inflight_count);
+}
+
+static PyObject *pipe_get_segment_name(kvpy_pipe *self, void *closure)
+{
+    (void)closure;
+    if (pipe_ready(self)) return NULL;
+    return PyUnicode_FromString(kvp_pipe_get_endpoints(self->pipe)->local_segment);
+}
+
+static PyObject *pipe_get_usable(kvpy_pipe *self, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(self->pipe && kvp_pipe_usable(self->pipe));
+}
+
+#define FN(f) ((PyCFunction)(void (*)(void))(f))
+
+static PyMethodDef pipe_methods[] = {
+    {"send_tensor", FN(pipe_send_tensor), METH_O,
+     "send_tensor(tensor_or_None)\n\nSend a CPU tensor (DLPack or buffer protocol, contiguous) "
+     "or None. The data is copied before this returns. Raises kvpipe.Error."},
+    {"recv_tensor", FN(pipe_recv_tensor), METH_VARARGS | METH_KEYWORDS,
+     "recv_tensor(timeout=None) -> kvpipe.Tensor or None\n\nWait (timeout in seconds; None: no "
+     "limit) for the next tensor. Ctrl-C interrupts the wait. Raises kvpipe.Error (status "
+     "kvpipe.ETIMEDOUT on timeout; after EPROTO / ERANGE the bad message is dropped and the "
+     "pipe goes on)."},
+    {"flush", FN(pipe_flush), METH_VARARGS | METH_KEYWORDS,
+     "flush(timeout=30.0)\n\nWait until the peer has acknowledged every sent tensor."},
+    {"stats", FN(pipe_stats), METH_NOARGS, "stats() -> dict of counters"},
+    {"close", FN(pipe_close), METH_NOARGS,
+     "close()\n\nClose at once (received tensors stay valid). Call flush() first on a sender."},
+    {"__enter__", FN(pipe_enter), METH_NOARGS, NULL},
+    {"__exit__", FN(pipe_exit), METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef pipe_getset[] = {
+    {"segment_name", (getter)pipe_get_segment_name, NULL, "the engine's segment 'host:port'", NULL},
+    {"usable", (getter)pipe_get_usable, NULL, "False once the pipe can no longer work", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject pipe_type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvpipe.Pipe",
+    .tp_basicsize = sizeof(kvpy_pipe),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "Pipe(config, local_rank, kv_rank, *, kv_buffer_size=1e9, send_timeout=30.0,\n"
+              "     io_timeout=5.0, max_message_bytes=32 GiB, disable_shm=False)\n\n"
+              "One side of a tensor pipe (vLLM's MooncakePipe wire). config: a path to the "
+              "mooncake JSON, a dict of it, or None for $MOONCAKE_CONFIG_PATH. kv_rank 0 is "
+              "prefill, 1 decode.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)pipe_init,
+    .tp_dealloc = (destructor)pipe_dealloc,
+    .tp_methods = pipe_methods,
+    .tp_getset = pipe_getset,
+};
+
+int kvpy_pipe_init_type(PyObject *module)
+{
+    if (PyType_Ready(&pipe_type) < 0) return -1;
+    Py_INCREF(&pipe_type);
+    return PyModule_AddObject(module, "Pipe", (PyObject *)&pipe_type);
+}

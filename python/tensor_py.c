@@ -1,0 +1,374 @@
+/* kvpipe.Tensor: a received tensor, exported without a copy through DLPack
+ * (__dlpack__ / __dlpack_device__) and the buffer protocol.
+ *
+ * The tensor views memory it does not allocate (for a Pipe: the managed buffer
+ * the bytes were READ into) and keeps it alive through an owner context. Every
+ * export holds a reference to the tensor, so the memory stays valid until the
+ * last numpy array / torch tensor / memoryview made from it is gone; only then
+ * does the owner's release run.
+ */
+#include "kvpy.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct kvpy_tensor {
+    PyObject_HEAD
+    void *data;
+    DLDataType dtype;
+    int ndim;
+    size_t itemsize, nbytes;
+    int64_t *shape;         /* elements, for DLPack */
+    int64_t *strides;       /* elements, for DLPack */
+    Py_ssize_t *py_shape;   /* for the buffer protocol */
+    Py_ssize_t *py_strides; /* bytes, for the buffer protocol */
+    kvpy_release_fn release;
+    void *ctx;
+} kvpy_tensor;
+
+static PyTypeObject tensor_type;
+
+/* Stands in for the data pointer of an empty tensor: DLPack consumers may
+ * reject NULL even when there is nothing to read. */
+static char empty_data[8];
+
+/* ---- dtypes ----------------------------------------------------------------- */
+
+static const struct {
+    uint8_t code, bits;
+    const char *format;
+    const char *name;
+} dtypes[] = {
+    {kDLBool, 8, "?", "bool"},
+    {kDLInt, 8, "b", "int8"},
+    {kDLInt, 16, "h", "int16"},
+    {kDLInt, 32, "i", "int32"},
+    {kDLInt, 64, "q", "int64"},
+    {kDLUInt, 8, "B", "uint8"},
+    {kDLUInt, 16, "H", "uint16"},
+    {kDLUInt, 32, "I", "uint32"},
+    {kDLUInt, 64, "Q", "uint64"},
+    {kDLFloat, 16, "e", "float16"},
+    {kDLFloat, 32, "f", "float32"},
+    {kDLFloat, 64, "d", "float64"},
+    {kDLBfloat, 16, "H", "bfloat16"},
+    {kDLFloat8_e4m3fn, 8, "B", "float8_e4m3fn"},
+    {kDLFloat8_e5m2, 8, "B", "float8_e5m2"},
+};
+#define N_DTYPES (sizeof dtypes / sizeof dtypes[0])
+
+static int dtype_index(DLDataType dt)
+{
+    if (dt.lanes != 1) return -1;
+    for (size_t i = 0; i < N_DTYPES; i++)
+        if (dtypes[i].code == dt.code && dtypes[i].bits == dt.bits) return (int)i;
+    return -1;
+}
+
+const char *kvpy_dtype_format(DLDataType dtype, size_t *itemsize)
+{
+    int i = dtype_index(dtype);
+    if (i < 0) return NULL;
+    *itemsize = dtype.bits / 8;
+    return dtypes[i].format;
+}
+
+const char *kvpy_dtype_name(DLDataType dtype)
+{
+    int i = dtype_index(dtype);
+    return i < 0 ? "unknown" : dtypes[i].name;
+}
+
+/* ---- lifetime ------------------------------------------------------------------ */
+
+static void tensor_dealloc(kvpy_tensor *self)
+{
+    if (self->release) self->release(self->ctx);
+    free(self->shape);
+    free(self->strides);
+    free(self->py_shape);
+    free(self->py_strides);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int tensor_set_shape(kvpy_tensor *t, int ndim, const int64_t *shape)
+{
+    size_t n = ndim > 0 ? (size_t)ndim : 1;
+    t->shape = calloc(n, sizeof *t->shape);
+    t->strides = calloc(n, sizeof *t->strides);
+    t->py_shape = calloc(n, sizeof *t->py_shape);
+    t->py_strides = calloc(n, sizeof *t->py_strides);
+    if (!t->shape || !t->strides || !t->py_shape || !t->py_strides) return -1;
+    int64_t stride = 1;
+    for (int i = ndim - 1; i >= 0; i--) {
+        t->shape[i] = shape[i];
+        t->strides[i] = stride;
+        t->py_shape[i] = (Py_ssize_t)shape[i];
+        t->py_strides[i] = (Py_ssize_t)(stride * (int64_t)t->itemsize);
+        stride *= shape[i] > 0 ? shape[i] : 1;
+    }
+    return 0;
+}
+
+PyObject *kvpy_tensor_new(void *data, DLDataType dtype, int ndim, const int64_t *shape,
+                          kvpy_release_fn release, void *ctx)
+{
+    size_t itemsize = 0;
+    if (!kvpy_dtype_format(dtype, &itemsize) || ndim < 0) {
+        if (release) release(ctx);
+        return PyErr_Format(PyExc_ValueError,
+                            "kvpipe.Tensor: unsupported dtype (code %d, "
+                            "%d bits) or rank %d",
+                            dtype.code, dtype.bits, ndim);
+    }
+    kvpy_tensor *t = PyObject_New(kvpy_tensor, &tensor_type);
+    if (!t) {
+        if (release) release(ctx);
+        return NULL;
+    }
+    t->data = data;
+    t->dtype = dtype;
+    t->ndim = ndim;
+    t->itemsize = itemsize;
+    t->shape = t->strides = NULL;
+    t->py_shape = t->py_strides = NULL;
+    t->release = release;
+    t->ctx = ctx;
+    size_t n = 1;
+    for (int i = 0; i < ndim; i++)
+        n *= (size_t)shape[i];
+    t->nbytes = n * itemsize;
+    if (tensor_set_shape(t, ndim, shape)) {
+        Py_DECREF(t);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)t;
+}
+
+/* ---- DLPack ---------------------------------------------------------------------- */
+
+static void fill_dltensor(kvpy_tensor *self, DLTensor *dl)
+{
+    dl->data = self->nbytes ? self->data : (void *)empty_data;
+    dl->device = (DLDevice){kDLCPU, 0};
+    dl->ndim = self->ndim;
+    dl->dtype = self->dtype;
+    dl->shape = self->shape;
+    dl->strides = self->strides;
+    dl->byte_offset = 0;
+}
+
+/* The deleter may run on any thread, with or without the GIL. */
+static void legacy_deleter(DLManagedTensor *mt)
+{
+    PyGILState_STATE g = PyGILState_Ensure();
+    Py_XDECREF((PyObject *)mt->manager_ctx);
+    PyGILState_Release(g);
+    free(mt);
+}
+
+static void versioned_deleter(DLManagedTensorVersioned *mt)
+{
+    PyGILState_STATE g = PyGILState_Ensure();
+    Py_XDECREF((PyObject *)mt->manager_ctx);
+    PyGILState_Release(g);
+    free(mt);
+}
+
+/* A capsule nobody consumed still owns its tensor. */
+static void legacy_capsule_free(PyObject *capsule)
+{
+    if (!PyCapsule_IsValid(capsule, "dltensor")) return;
+    DLManagedTensor *mt = PyCapsule_GetPointer(capsule, "dltensor");
+    if (mt && mt->deleter) mt->deleter(mt);
+}
+
+static void versioned_capsule_free(PyObject *capsule)
+{
+    if (!PyCapsule_IsValid(capsule, "dltensor_versioned")) return;
+    DLManagedTensorVersioned *mt = PyCapsule_GetPointer(capsule, "dltensor_versioned");
+    if (mt && mt->deleter) mt->deleter(mt);
+}
+
+static PyObject *legacy_capsule(kvpy_tensor *self)
+{
+    DLManagedTensor *mt = calloc(1, sizeof *mt);
+    if (!mt) return PyErr_NoMemory();
+    fill_dltensor(self, &mt->dl_tensor);
+    mt->manager_ctx = self;
+    mt->deleter = legacy_deleter;
+    Py_INCREF(self);
+    PyObject *capsule = PyCapsule_New(mt, "dltensor", legacy_capsule_free);
+    if (!capsule) legacy_deleter(mt);
+    return capsule;
+}
+
+static PyObject *versioned_capsule(kvpy_tensor *self, unsigned minor)
+{
+    DLManagedTensorVersioned *mt = calloc(1, sizeof *mt);
+    if (!mt) return PyErr_NoMemory();
+    mt->version = (DLPackVersion){KVPY_DLPACK_MAJOR, minor};
+    fill_dltensor(self, &mt->dl_tensor);
+    mt->manager_ctx = self;
+    mt->deleter = versioned_deleter;
+    mt->flags = 0; /* writable, not a copy */
+    Py_INCREF(self);
+    PyObject *capsule = PyCapsule_New(mt, "dltensor_versioned", versioned_capsule_free);
+    if (!capsule) versioned_deleter(mt);
+    return capsule;
+}
+
+static int check_dl_device(PyObject *dl_device)
+{
+    if (!dl_device || dl_device == Py_None) return 0;
+    int type = -1, id = -1;
+    if (!PyArg_ParseTuple(dl_device, "ii", &type, &id)) return -1;
+    if (type == kDLCPU && id == 0) return 0;
+    PyErr_SetString(PyExc_BufferError, "kvpipe.Tensor lives in CPU memory; it cannot be exported "
+                                       "to another device without a copy");
+    return -1;
+}
+
+static PyObject *tensor_dlpack(kvpy_tensor *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"stream", "max_version", "dl_device", "copy", NULL};
+    PyObject *stream = Py_None, *max_version = Py_None, *dl_device = Py_None, *copy = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOO:__dlpack__", kwlist, &stream, &max_version,
+                                     &dl_device, &copy))
+        return NULL;
+    if (check_dl_device(dl_device)) return NULL;
+    if (copy == Py_True) {
+        PyErr_SetString(PyExc_BufferError, "kvpipe.Tensor exports without copying (copy=True "
+                                           "is not supported)");
+        return NULL;
+    }
+    if (max_version == Py_None) return legacy_capsule(self);
+    unsigned major = 0, minor = 0;
+    if (!PyArg_ParseTuple(max_version, "II", &major, &minor)) return NULL;
+    if (major < KVPY_DLPACK_MAJOR) return legacy_capsule(self);
+    return versioned_capsule(
+        self, major > KVPY_DLPACK_MAJOR || minor > KVPY_DLPACK_MINOR ? KVPY_DLPACK_MINOR : minor);
+}
+
+static PyObject *tensor_dlpack_device(kvpy_tensor *self, PyObject *noargs)
+{
+    (void)self;
+    (void)noargs;
+    return Py_BuildValue("(ii)", (int)kDLCPU, 0);
+}
+
+/* ---- buffer protocol ------------------------------------------------------------------ */
+
+static int tensor_getbuffer(kvpy_tensor *self, Py_buffer *view, int flags)
+{
+    size_t itemsize = 0;
+    const char *format = kvpy_dtype_format(self->dtype, &itemsize);
+    view->buf = self->nbytes ? self->data : (void *)empty_data;
+    view->obj = (PyObject *)self;
+    Py_INCREF(self);
+    view->len = (Py_ssize_t)self->nbytes;
+    view->readonly = 0;
+    view->itemsize = (Py_ssize_t)itemsize;
+    view->format = (flags & PyBUF_FORMAT) ? (char *)format : NULL;
+    view->ndim = self->ndim;
+    view->shape = (flags & PyBUF_ND) == PyBUF_ND ? self->py_shape : NULL;
+    view->strides = (flags & PyBUF_STRIDES) == PyBUF_STRIDES ? self->py_strides : NULL;
+    view->suboffsets = NULL;
+    view->internal = NULL;
+    if (self->ndim == 0) view->shape = view->strides = NULL;
+    if (!(flags & PyBUF_ND)) view->ndim = 1; /* a flat byte view was asked for */
+    return 0;
+}
+
+static PyBufferProcs tensor_as_buffer = {
+    .bf_getbuffer = (getbufferproc)tensor_getbuffer,
+};
+
+/* ---- attributes --------------------------------------------------------------------------- */
+
+static PyObject *tensor_get_shape(kvpy_tensor *self, void *closure)
+{
+    (void)closure;
+    PyObject *t = PyTuple_New(self->ndim);
+    for (int i = 0; t && i < self->ndim; i++) {
+        PyObject *d = PyLong_FromLongLong(self->shape[i]);
+        if (!d) {
+            Py_CLEAR(t);
+            break;
+        }
+        PyTuple_SET_ITEM(t, i, d);
+    }
+    return t;
+}
+
+static PyObject *tensor_get_dtype(kvpy_tensor *self, void *closure)
+{
+    (void)closure;
+    return PyUnicode_FromString(kvpy_dtype_name(self->dtype));
+}
+
+static PyObject *tensor_get_nbytes(kvpy_tensor *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromSize_t(self->nbytes);
+}
+
+static PyObject *tensor_get_ndim(kvpy_tensor *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromLong(self->ndim);
+}
+
+static PyObject *tensor_data_ptr(kvpy_tensor *self, PyObject *noargs)
+{
+    (void)noargs;
+    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)self->data);
+}
+
+static PyObject *tensor_repr(kvpy_tensor *self)
+{
+    PyObject *shape = tensor_get_shape(self, NULL);
+    if (!shape) return NULL;
+    PyObject *r = PyUnicode_FromFormat("kvpipe.Tensor(dtype=%s, shape=%R)",
+                                       kvpy_dtype_name(self->dtype), shape);
+    Py_DECREF(shape);
+    return r;
+}
+
+static PyGetSetDef tensor_getset[] = {
+    {"shape", (getter)tensor_get_shape, NULL, "tuple of dimensions", NULL},
+    {"dtype", (getter)tensor_get_dtype, NULL, "dtype name as torch spells it", NULL},
+    {"nbytes", (getter)tensor_get_nbytes, NULL, "size of the data in bytes", NULL},
+    {"ndim", (getter)tensor_get_ndim, NULL, "number of dimensions", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef tensor_methods[] = {
+    {"__dlpack__", (PyCFunction)(void (*)(void))tensor_dlpack, METH_VARARGS | METH_KEYWORDS,
+     "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None) -> PyCapsule"},
+    {"__dlpack_device__", (PyCFunction)tensor_dlpack_device, METH_NOARGS,
+     "__dlpack_device__() -> (1, 0): CPU memory"},
+    {"data_ptr", (PyCFunction)tensor_data_ptr, METH_NOARGS,
+     "data_ptr() -> int: address of the first element"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject tensor_type = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvpipe.Tensor",
+    .tp_basicsize = sizeof(kvpy_tensor),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A received tensor in CPU memory. Take it without a copy with "
+              "torch.from_dlpack(t), numpy.from_dlpack(t) or memoryview(t) / numpy.asarray(t).",
+    .tp_dealloc = (destructor)tensor_dealloc,
+    .tp_repr = (reprfunc)tensor_repr,
+    .tp_as_buffer = &tensor_as_buffer,
+    .tp_methods = tensor_methods,
+    .tp_getset = tensor_getset,
+};
+
+int kvpy_tensor_init_type(PyObject *module)
+{
+    if (PyType_Ready(&tensor_type) < 0) return -1;
+    Py_INCREF(&tensor_type);
+    return PyModule_AddObject(module, "Tensor", (PyObject *)&tensor_type);
+}

@@ -1,0 +1,51 @@
+"""The target side of the two-process engine tests.
+
+    engine_peer.py LOCAL_NAME METADATA SIZE
+
+Starts a TransferEngine, allocates a managed buffer of SIZE bytes and registers
+a ctypes buffer of SIZE bytes, fills both with pattern(seed 1 / seed 2), prints
+
+    READY <rpc_port> <managed_addr> <registered_addr>
+
+and then serves commands from stdin, one per line:
+
+    HEX <addr> <length>   print the bytes at addr as hex
+    EXIT                  close the engine and exit 0
+"""
+import ctypes
+import sys
+
+import kvpipe
+
+
+def pattern(seed, n):
+    return bytes((i * 7 + seed * 13) % 251 for i in range(n))
+
+
+def main():
+    name, metadata, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    eng = kvpipe.TransferEngine()
+    if eng.initialize(name, metadata, "tcp", "") != 0:
+        print("FAILED", kvpipe.last_error(), flush=True)
+        return 1
+    managed = eng.allocate_managed_buffer(size)
+    region = ctypes.create_string_buffer(size)
+    if not managed or eng.register_memory(ctypes.addressof(region), size) != 0:
+        print("FAILED", kvpipe.last_error(), flush=True)
+        return 1
+    eng.write_bytes_to_buffer(managed, pattern(1, size), size)
+    eng.write_bytes_to_buffer(ctypes.addressof(region), pattern(2, size), size)
+    print("READY", eng.get_rpc_port(), managed, ctypes.addressof(region), flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if words and words[0] == "HEX":
+            data = eng.read_bytes_from_buffer(int(words[1]), int(words[2]))
+            print(data.hex(), flush=True)
+        elif words and words[0] == "EXIT":
+            break
+    eng.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Shared helpers of the kvpipe Python tests: free ports, a real metadata
+server, pipe configs, child processes with timeouts, and a unittest runner that
+prints a one-line summary."""
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+HOST = "127.0.0.1"
+CHILD_TIMEOUT = 60  # seconds; every wait on a child is bounded
+
+
+def cli_path():
+    path = os.environ.get("KVPIPE_CLI")
+    if not path or not os.access(path, os.X_OK):
+        raise unittest.SkipTest("KVPIPE_CLI does not name the built kvpipe CLI")
+    return path
+
+
+def port_free(port):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def free_port_block(span):
+    """A base port such that base .. base+span-1 are all free now."""
+    for _ in range(200):
+        base = random.randint(20000, 60000 - span)
+        if all(port_free(base + i) for i in range(span)):
+            return base
+    raise RuntimeError("no block of %d free ports" % span)
+
+
+def wait_port(port, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.settimeout(0.2)
+            if s.connect_ex((HOST, port)) == 0:
+                return
+        time.sleep(0.05)
+    raise TimeoutError("nothing listens on %s:%d" % (HOST, port))
+
+
+class MetadataServer:
+    """`kvpipe metadata-server` on a free loopback port, stopped on exit."""
+
+    def __enter__(self):
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [cli_path(), "metadata-server", "--host", HOST, "--port", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        wait_port(self.port)
+        self.url = "http://%s:%d/metadata" % (HOST, self.port)
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc.stderr.close()
+
+
+def pipe_config(metadata="P2PHANDSHAKE", **extra):
+    """A mooncake config dict on two free port blocks (engine, ZeroMQ ports)."""
+    prefill = free_port_block(16)
+    decode = free_port_block(16)
+    cfg = {"prefill_url": "%s:%d" % (HOST, prefill), "decode_url": "%s:%d" % (HOST, decode),
+           "metadata_server": metadata, "protocol": "tcp", "device_name": ""}
+    cfg.update(extra)
+    return cfg
+
+
+def write_config(cfg):
+    fd, path = tempfile.mkstemp(prefix="kvpy-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+class Child:
+    """A child process speaking a line protocol on stdin/stdout."""
+
+    def __init__(self, argv, env=None):
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env)
+
+    def readline(self, timeout=CHILD_TIMEOUT):
+        import selectors
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        try:
+            if not sel.select(timeout):
+                raise TimeoutError("child printed nothing in %ss" % timeout)
+        finally:
+            sel.close()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("child exited: rc=%s stderr=%s" % (self.proc.poll(), self.stderr()))
+        return line.strip()
+
+    def send(self, line):
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def stderr(self):
+        if self.proc.poll() is None:
+            return ""
+        return self.proc.stderr.read()
+
+    def wait(self, timeout=CHILD_TIMEOUT):
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            raise
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def close(self):
+        self.kill()
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+def python_child(script, *args):
+    """Run a helper script of this directory under the same interpreter."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return Child([sys.executable, os.path.join(here, script)] + [str(a) for a in args])
+
+
+def main():
+    """Run the calling module's tests; print a summary; exit non-zero on failure."""
+    prog = unittest.main(exit=False, verbosity=2)
+    r = prog.result
+    print("SUMMARY: %d run, %d failed, %d errors, %d skipped"
+          % (r.testsRun, len(r.failures), len(r.errors), len(r.skipped)))
+    sys.exit(0 if r.wasSuccessful() else 1)
