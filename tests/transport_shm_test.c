@@ -7,6 +7,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -71,6 +72,7 @@ static uint64_t target_do(const cmd *c, char *a, kvpi_registry *reg, void **serv
 
 static void target_main(int cmd_fd, int resp_fd)
 {
+    prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive the case, whatever happens */
     /* A and B adjacent, so that a range across both is "touching two regions". */
     char *a = malloc(BIG + SMALL);
     kvpi_registry reg;
@@ -130,6 +132,17 @@ static uint64_t target_cmd(target *t, char op, uint64_t off, uint64_t len, uint6
     return r;
 }
 
+/* Ask the target to exit and reap it (pid 0: already reaped). */
+static void target_stop(target *t)
+{
+    cmd c = {'Q', 0, 0, 0};
+    if (t->pid > 0) CHECK(write_full(t->cmd, &c, sizeof c) == 0);
+    close(t->cmd);
+    close(t->resp);
+    if (t->pid > 0) CHECK(kvpt_wait_child(t->pid, 10000) == 0);
+    cJSON_Delete(t->desc);
+}
+
 static kvp_status open_peer(const target *t, const cJSON *desc, const kvpi_region *regions,
                             void **peer)
 {
@@ -179,10 +192,11 @@ static void test_read_write_every_byte(void)
     CHECK_OK(sst);
     kvpi_transport_shm.peer_close(peer);
     free(local);
+    target_stop(&t);
 }
 
-/* Many small slices in one call are pipelined over several connections (more
- * than one window each); one bad slice fails alone. */
+/* Many small slices in one call are pipelined (more than one window); one
+ * slice the initiator refuses fails alone. */
 static void test_many_slices_one_bad(void)
 {
     target t;
@@ -209,6 +223,7 @@ static void test_many_slices_one_bad(void)
     kvpi_transport_shm.peer_close(peer);
     free(want);
     free(local);
+    target_stop(&t);
 }
 
 /* The initiator refuses what the descriptor does not cover; the target
@@ -238,6 +253,17 @@ static void test_out_of_range(void)
     CHECK_ST(sst, KVP_ERANGE);
     CHECK_OK(xfer1(forged, KVP_OP_WRITE, buf, t.b - 8, 16, &sst));
     CHECK_ST(sst, KVP_ERANGE);
+    /* The target refuses one slice in the middle of a pipelined window; its
+     * neighbours' statuses (sent back together) stay in order. */
+    enum { N = 200 };
+    kvpi_slice s[N], *ps[N];
+    for (size_t i = 0; i < N; i++) {
+        s[i] = (kvpi_slice){KVP_OP_READ, buf + (i % 64) * 64, t.a + i * 64, 64, KVP_EIO};
+        ps[i] = &s[i];
+    }
+    s[150].remote = t.b + SMALL; /* outside, but inside the forged region */
+    CHECK_OK(kvpi_transport_shm.peer_xfer(forged, ps, N));
+    for (size_t i = 0; i < N; i++) CHECK_ST(s[i].status, i == 150 ? KVP_ERANGE : KVP_OK);
 
     /* B unregistered at the target: our cached view still lists it. */
     REQUIRE(target_cmd(&t, 'U', 0, 0, 0) == KVP_OK);
@@ -250,6 +276,7 @@ static void test_out_of_range(void)
     CHECK(kvpt_verify(buf, 4096, 5) == (size_t)-1);
     kvpi_transport_shm.peer_close(forged);
     kvpi_transport_shm.peer_close(peer);
+    target_stop(&t);
 }
 
 /* A local address we do not map fails that slice only. */
@@ -268,6 +295,7 @@ static void test_bad_local_address(void)
     CHECK_OK(sst);
     CHECK(kvpt_verify(buf, 64, 9) == (size_t)-1);
     kvpi_transport_shm.peer_close(peer);
+    target_stop(&t);
 }
 
 static void test_peer_killed(void)
@@ -278,6 +306,7 @@ static void test_peer_killed(void)
     REQUIRE_OK(open_peer(&t, t.desc, t.regions, &peer));
     kill(t.pid, SIGKILL);
     REQUIRE(kvpt_wait_child(t.pid, 5000) == 128 + SIGKILL);
+    t.pid = 0;
     char buf[16];
     kvp_status sst;
     kvp_status st = xfer1(peer, KVP_OP_READ, buf, t.a, sizeof buf, &sst);
@@ -287,6 +316,7 @@ static void test_peer_killed(void)
     st = xfer1(peer, KVP_OP_WRITE, buf, t.a, sizeof buf, &sst);
     CHECK(st == KVP_ECONNRESET || st == KVP_ECONNREFUSED);
     kvpi_transport_shm.peer_close(peer);
+    target_stop(&t);
 }
 
 /* Stopping the target's server while we hold connections: stop returns, and
@@ -303,6 +333,7 @@ static void test_server_stop_with_peer(void)
     kvp_status st = xfer1(peer, KVP_OP_READ, buf, t.a, sizeof buf, &sst);
     CHECK(st == KVP_ECONNRESET || st == KVP_ECONNREFUSED);
     kvpi_transport_shm.peer_close(peer);
+    target_stop(&t);
 }
 
 static kvp_status open_with(const target *t, const char *key, cJSON *value)
@@ -334,6 +365,7 @@ static void test_not_same_host(void)
     CHECK_ST(open_with(&t, "pid", cJSON_CreateNumber(getpid())), KVP_ENOTSUP);
     /* The real one works. */
     CHECK_OK(open_with(&t, "version", cJSON_CreateNumber(KVPI_SHM_VERSION)));
+    target_stop(&t);
 }
 
 /* Garbage on the target's socket closes that connection only. */
@@ -365,6 +397,7 @@ static void test_bad_frames(void)
     CHECK_OK(xfer1(peer, KVP_OP_READ, buf, t.a, sizeof buf, &sst));
     CHECK_OK(sst);
     kvpi_transport_shm.peer_close(peer);
+    target_stop(&t);
 }
 
 typedef struct worker_arg {
@@ -416,6 +449,7 @@ static void test_concurrent_xfers(void)
         CHECK(target_cmd(&t, 'V', (uint64_t)i * 4 * MIB, 4 * MIB, (uint64_t)i * 1000 + 2) ==
               (uint64_t)-1);
     kvpi_transport_shm.peer_close(peer);
+    target_stop(&t);
 }
 
 int main(void)

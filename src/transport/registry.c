@@ -5,6 +5,7 @@
 /* Preference order: same-host transports first; the engine tries them only
  * where its protocol allows (see segment.c). */
 const kvpi_transport_ops *const kvpi_transports[] = {
+    &kvpi_transport_shm,
     &kvpi_transport_tcp,
     NULL,
 };

@@ -1,0 +1,387 @@
+/* The shm transport: same-host transfers with one copy, by cross-memory attach.
+ *
+ * This file is the initiator side and the ops table; shm_server.c is the
+ * target side. The initiator sends a 32-byte request per slice over one of a
+ * few Unix-socket connections; the target checks the range against its live
+ * registry and copies between its memory and ours with process_vm_readv or
+ * process_vm_writev. Each worker thread of the engine uses its own connection,
+ * so several target threads copy at once. See shm_internal.h for the wire format
+ * and docs/transport-shm.md for the reasons and the trust model.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "common/net.h"
+#include "transport/shm_internal.h"
+
+/* Requests in flight per connection before their statuses are read; small
+ * enough that their headers and statuses fit in the socket buffers. */
+#define WINDOW 128
+#define MAX_LINKS 64
+
+typedef struct shm_peer {
+    kvpi_region *regions; /* the descriptor's, for the early range check */
+    size_t n_regions;
+    int timeout_ms;
+    pid_t target;
+    char name[KVPI_SHM_SOCKET_MAX];
+    pthread_mutex_t lock; /* guards busy[], fds[] of idle links */
+    pthread_cond_t freed;
+    size_t n_links;
+    int fds[MAX_LINKS]; /* -1: not connected (yet, or after an error) */
+    int busy[MAX_LINKS];
+} shm_peer;
+
+/* The initiator's probe: the target proves it can read our memory by
+ * reading these bytes. */
+static const uint64_t probe_value = 0x6b7670697065736du;
+
+/* ---- helpers shared with shm_server.c ---- */
+
+static kvp_status read_line(const char *path, char *buf, size_t len)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) return KVP_EIO;
+    char *got = fgets(buf, (int)len, f);
+    fclose(f);
+    if (!got) return KVP_EIO;
+    buf[strcspn(buf, "\r\n")] = '\0';
+    return buf[0] ? KVP_OK : KVP_EIO;
+}
+
+kvp_status kvpi_shm_host_id(char *buf, size_t len)
+{
+    char boot[64];
+    struct stat pidns, netns;
+    if (read_line("/proc/sys/kernel/random/boot_id", boot, sizeof boot) &&
+        read_line("/etc/machine-id", boot, sizeof boot))
+        return kvpi_error(KVP_ENOTSUP, "shm: neither boot_id nor machine-id is readable");
+    if (stat("/proc/self/ns/pid", &pidns) != 0 || stat("/proc/self/ns/net", &netns) != 0)
+        return kvpi_error(KVP_ENOTSUP, "shm: cannot stat /proc/self/ns: %s", strerror(errno));
+    snprintf(buf, len, "%s/pid:%llu/net:%llu", boot, (unsigned long long)pidns.st_ino,
+             (unsigned long long)netns.st_ino);
+    return KVP_OK;
+}
+
+socklen_t kvpi_shm_sockaddr(const char *name, struct sockaddr_un *sa)
+{
+    memset(sa, 0, sizeof *sa);
+    sa->sun_family = AF_UNIX;
+    size_t n = strlen(name);
+    if (n > sizeof sa->sun_path - 1) n = sizeof sa->sun_path - 1;
+    memcpy(sa->sun_path + 1, name, n); /* sun_path[0] = 0: the abstract namespace */
+    return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
+}
+
+void kvpi_shm_put_status(uint8_t *p, kvp_status st, int err)
+{
+    kvpi_put_le64(p, (uint64_t)KVPI_SHM_MAGIC << 32 | (uint64_t)(err & 0xffff) << 16 |
+                         ((unsigned)st & 0xffffu));
+}
+
+kvp_status kvpi_shm_get_status(const uint8_t *p, kvp_status *st, int *err)
+{
+    uint64_t v = kvpi_get_le64(p);
+    /* In progress is not an answer; a peer that says so is broken. */
+    if (v >> 32 != KVPI_SHM_MAGIC || (v & 0xffff) > 64 || (v & 0xffff) == KVP_EINPROGRESS)
+        return kvpi_error(KVP_EPROTO, "shm: bad status frame 0x%016" PRIx64, v);
+    *st = (kvp_status)(v & 0xffff);
+    *err = (int)(v >> 16 & 0xffff);
+    return KVP_OK;
+}
+
+/* ---- connecting ---- */
+
+static int yama_scope(void)
+{
+    char buf[16];
+    return read_line("/proc/sys/kernel/yama/ptrace_scope", buf, sizeof buf) ? 0 : atoi(buf);
+}
+
+/* The target copies into our memory, which Yama's ptrace_scope 1 allows only
+ * to a declared ptracer; declare "any", which for a same-user process is what
+ * scope 0 allows anyway (see the trust model in docs/transport-shm.md). */
+static void allow_attach_once(void)
+{
+    if (yama_scope() == 1 && prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) != 0)
+        KVPI_WARN("shm: prctl(PR_SET_PTRACER): %s", strerror(errno));
+}
+
+static kvp_status hello(const shm_peer *p, int fd)
+{
+    uint8_t h[KVPI_SHM_HELLO_LEN], s[KVPI_SHM_STATUS_LEN];
+    kvpi_put_le64(h, (uint64_t)KVPI_SHM_MAGIC << 32 | KVPI_SHM_VERSION);
+    kvpi_put_le64(h + 8, (uint64_t)(uintptr_t)&probe_value);
+    kvpi_put_le64(h + 16, probe_value);
+    kvp_status st = kvpi_send_all(fd, h, sizeof h);
+    if (!st) st = kvpi_recv_all(fd, s, sizeof s);
+    kvp_status remote;
+    int err = 0;
+    if (!st) st = kvpi_shm_get_status(s, &remote, &err);
+    if (st) {
+        char why[256]; /* kvpi_error must not format its own buffer */
+        snprintf(why, sizeof why, "%s", kvp_last_error());
+        return kvpi_error(st, "shm peer @%s: handshake failed: %s", p->name, why);
+    }
+    if (remote == KVP_ENOTSUP)
+        return kvpi_error(KVP_ENOTSUP, "shm peer pid %d cannot reach our memory with "
+                          "process_vm_*: %s (same user needed; yama ptrace_scope %d)",
+                          (int)p->target, strerror(err), yama_scope());
+    if (remote) return kvpi_error(remote, "shm peer @%s refused the handshake", p->name);
+    return KVP_OK;
+}
+
+/* Connect one link. Errors are KVP_ECONNREFUSED when nothing listens (the
+ * peer is gone, or in another network namespace) and KVP_ENOTSUP when the
+ * peer cannot use our memory. */
+static kvp_status link_connect(const shm_peer *p, int *out)
+{
+    struct sockaddr_un sa;
+    socklen_t len = kvpi_shm_sockaddr(p->name, &sa);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return kvpi_error(KVP_EIO, "shm: socket: %s", strerror(errno));
+    kvpi_socket_set_timeout(fd, p->timeout_ms);
+    kvp_status st = KVP_OK;
+    struct ucred cred;
+    socklen_t cl = sizeof cred;
+    if (connect(fd, (struct sockaddr *)&sa, len) != 0) {
+        st = kvpi_error(KVP_ECONNREFUSED, "shm: cannot connect to @%s: %s", p->name,
+                        strerror(errno));
+    } else if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) != 0 || cred.pid != p->target) {
+        /* The name carries a random token, so this means a confused descriptor. */
+        st = kvpi_error(KVP_ENOTSUP, "shm: @%s is served by pid %d, the descriptor says %d",
+                        p->name, (int)cred.pid, (int)p->target);
+    } else {
+        st = hello(p, fd);
+    }
+    if (st) {
+        close(fd);
+        return st;
+    }
+    *out = fd;
+    return KVP_OK;
+}
+
+static kvp_status parse_endpoint(const cJSON *desc, shm_peer *p)
+{
+    const cJSON *o = desc ? cJSON_GetObjectItemCaseSensitive(desc, KVPI_SHM_FIELD) : NULL;
+    if (!cJSON_IsObject(o))
+        return kvpi_error(KVP_ENOTSUP, "shm: the peer advertises no '%s' endpoint (a Mooncake "
+                          "peer, or shm is off there)", KVPI_SHM_FIELD);
+    const cJSON *ver = cJSON_GetObjectItemCaseSensitive(o, "version");
+    const cJSON *host = cJSON_GetObjectItemCaseSensitive(o, "host_id");
+    const cJSON *pid = cJSON_GetObjectItemCaseSensitive(o, "pid");
+    const cJSON *sock = cJSON_GetObjectItemCaseSensitive(o, "socket");
+    if (!cJSON_IsNumber(ver) || !cJSON_IsString(host) || !cJSON_IsNumber(pid) ||
+        !cJSON_IsString(sock) || pid->valuedouble < 1 || pid->valuedouble > 0x7fffffff ||
+        strlen(sock->valuestring) >= sizeof p->name)
+        return kvpi_error(KVP_ENOTSUP, "shm: the peer's '%s' endpoint is malformed",
+                          KVPI_SHM_FIELD);
+    if (ver->valuedouble != KVPI_SHM_VERSION)
+        return kvpi_error(KVP_ENOTSUP, "shm: the peer speaks version %g, we speak %u",
+                          ver->valuedouble, KVPI_SHM_VERSION);
+    char ours[KVPI_SHM_HOST_ID_MAX];
+    kvp_status st = kvpi_shm_host_id(ours, sizeof ours);
+    if (st) return st;
+    if (strcmp(ours, host->valuestring) != 0)
+        return kvpi_error(KVP_ENOTSUP, "shm: the peer is on another host or namespace (host id "
+                          "'%s', ours '%s')", host->valuestring, ours);
+    p->target = (pid_t)pid->valuedouble;
+    snprintf(p->name, sizeof p->name, "%s", sock->valuestring);
+    return KVP_OK;
+}
+
+static void peer_close(void *peer)
+{
+    shm_peer *p = peer;
+    if (!p) return;
+    for (size_t i = 0; i < p->n_links; i++)
+        if (p->fds[i] >= 0) close(p->fds[i]);
+    pthread_cond_destroy(&p->freed);
+    pthread_mutex_destroy(&p->lock);
+    free(p->regions);
+    free(p);
+}
+
+static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    shm_peer *p = calloc(1, sizeof *p);
+    if (!p) return kvpi_error(KVP_ENOMEM, "shm: out of memory");
+    pthread_mutex_init(&p->lock, NULL);
+    pthread_cond_init(&p->freed, NULL);
+    p->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : 5000;
+    p->n_links = ctx->conns < 1 ? 1 : ctx->conns > MAX_LINKS ? MAX_LINKS : (size_t)ctx->conns;
+    for (size_t i = 0; i < MAX_LINKS; i++) p->fds[i] = -1;
+    kvp_status st = parse_endpoint(ctx->desc, p);
+    if (st) goto fail;
+    if (ctx->n_regions &&
+        !(p->regions = malloc(ctx->n_regions * sizeof *p->regions))) {
+        st = kvpi_error(KVP_ENOMEM, "shm: out of memory");
+        goto fail;
+    }
+    if (ctx->n_regions) memcpy(p->regions, ctx->regions, ctx->n_regions * sizeof *p->regions);
+    p->n_regions = ctx->n_regions;
+    pthread_once(&once, allow_attach_once);
+    /* One link now proves the peer reachable; the rest connect on demand. */
+    if ((st = link_connect(p, &p->fds[0])) == KVP_ECONNREFUSED) {
+        char why[256]; /* kvpi_error must not format its own buffer */
+        snprintf(why, sizeof why, "%s", kvp_last_error());
+        st = kvpi_error(KVP_ENOTSUP, "%s (not reachable through shm)", why);
+    }
+    if (st) goto fail;
+    *out = p;
+    return KVP_OK;
+fail:
+    peer_close(p);
+    return st;
+}
+
+/* ---- transferring ---- */
+
+/* Take an idle link, waiting up to the timeout; -1 if none came free. One
+ * link per call: the engine already spreads slices over its workers, so a
+ * call that took more would only make the others wait. */
+static int link_acquire(shm_peer *p)
+{
+    struct timespec deadline = kvpi_deadline_after_ms(p->timeout_ms);
+    int got = -1;
+    pthread_mutex_lock(&p->lock);
+    while (got < 0) {
+        /* A connected link first: an unconnected one costs a handshake. */
+        for (int pass = 0; pass < 2 && got < 0; pass++)
+            for (size_t i = 0; i < p->n_links && got < 0; i++)
+                if (!p->busy[i] && (p->fds[i] >= 0) == (pass == 0)) got = (int)i;
+        if (got < 0 && pthread_cond_timedwait(&p->freed, &p->lock, &deadline) == ETIMEDOUT) break;
+    }
+    if (got >= 0) p->busy[got] = 1;
+    pthread_mutex_unlock(&p->lock);
+    return got;
+}
+
+static void link_release(shm_peer *p, int i)
+{
+    pthread_mutex_lock(&p->lock);
+    p->busy[i] = 0;
+    pthread_cond_signal(&p->freed);
+    pthread_mutex_unlock(&p->lock);
+}
+
+/* Check each slice against the descriptor; those to send are left
+ * KVP_EINPROGRESS, the others get their final status. Returns how many to send. */
+static size_t check_slices(const shm_peer *p, kvpi_slice *const *slices, size_t n)
+{
+    size_t todo = 0;
+    for (size_t i = 0; i < n; i++) {
+        kvpi_slice *s = slices[i];
+        s->status = KVP_OK;
+        if (s->length == 0) continue;
+        if (s->opcode != KVP_OP_READ && s->opcode != KVP_OP_WRITE)
+            s->status = kvpi_error(KVP_EINVAL, "shm: bad opcode %d", (int)s->opcode);
+        else if (!kvpi_regions_contain(p->regions, p->n_regions, s->remote, s->length))
+            s->status = kvpi_error(KVP_ERANGE, "shm peer pid %d: [0x%" PRIx64 ", +%zu) is not "
+                                   "inside one registered buffer", (int)p->target, s->remote,
+                                   s->length);
+        else {
+            s->status = KVP_EINPROGRESS;
+            todo++;
+        }
+    }
+    return todo;
+}
+
+static kvp_status link_send(int fd, kvpi_slice *const *win, size_t n)
+{
+    uint8_t buf[WINDOW * KVPI_SHM_REQ_LEN];
+    memset(buf, 0, n * KVPI_SHM_REQ_LEN);
+    for (size_t j = 0; j < n; j++) {
+        uint8_t *h = buf + j * KVPI_SHM_REQ_LEN;
+        kvpi_put_le64(h, win[j]->remote);
+        kvpi_put_le64(h + 8, win[j]->length);
+        kvpi_put_le64(h + 16, (uint64_t)(uintptr_t)win[j]->local);
+        h[24] = (uint8_t)win[j]->opcode;
+    }
+    return kvpi_send_all(fd, buf, n * KVPI_SHM_REQ_LEN);
+}
+
+static kvp_status link_collect(const shm_peer *p, int fd, kvpi_slice *const *win, size_t n)
+{
+    for (size_t j = 0; j < n; j++) {
+        uint8_t s[KVPI_SHM_STATUS_LEN];
+        kvp_status remote;
+        int err = 0;
+        kvp_status st = kvpi_recv_all(fd, s, sizeof s);
+        if (!st) st = kvpi_shm_get_status(s, &remote, &err);
+        if (st) return st;
+        win[j]->status = remote;
+        if (remote == KVP_OK) continue;
+        kvpi_error(remote, "shm peer pid %d: %s of [0x%" PRIx64 ", +%zu) failed%s%s",
+                   (int)p->target, win[j]->opcode == KVP_OP_READ ? "READ" : "WRITE",
+                   win[j]->remote, win[j]->length,
+                   remote == KVP_ERANGE ? ": outside its registered memory" : err ? ": " : "",
+                   remote != KVP_ERANGE && err ? strerror(err) : "");
+    }
+    return KVP_OK;
+}
+
+/* A link failed: drop it (it reconnects on its next use) and fail every slice
+ * not yet answered with the connection-level status. */
+static kvp_status link_failed(shm_peer *p, int i, kvp_status st, kvpi_slice *const *slices,
+                              size_t n)
+{
+    kvp_status conn = st == KVP_ETIMEDOUT || st == KVP_ECONNREFUSED ? st : KVP_ECONNRESET;
+    KVPI_DEBUG("shm peer @%s: connection failed: %s", p->name, kvp_last_error());
+    if (p->fds[i] >= 0) close(p->fds[i]); /* ours while busy: no lock needed */
+    p->fds[i] = -1;
+    for (size_t j = 0; j < n; j++)
+        if (slices[j]->status == KVP_EINPROGRESS) slices[j]->status = conn;
+    return conn;
+}
+
+/* Slices go out WINDOW at a time on one link, their statuses read after. */
+static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
+{
+    shm_peer *p = peer;
+    if (check_slices(p, slices, n) == 0) return KVP_OK;
+    int l = link_acquire(p);
+    if (l < 0) {
+        kvp_status st = kvpi_error(KVP_ETIMEDOUT, "shm peer @%s: no idle connection within %d ms",
+                                   p->name, p->timeout_ms);
+        for (size_t j = 0; j < n; j++)
+            if (slices[j]->status == KVP_EINPROGRESS) slices[j]->status = st;
+        return st;
+    }
+    kvp_status st = p->fds[l] < 0 ? link_connect(p, &p->fds[l]) : KVP_OK;
+    for (size_t next = 0; !st && next < n;) {
+        kvpi_slice *win[WINDOW];
+        size_t k = 0;
+        for (; next < n && k < WINDOW; next++)
+            if (slices[next]->status == KVP_EINPROGRESS) win[k++] = slices[next];
+        if (k) st = link_send(p->fds[l], win, k);
+        if (k && !st) st = link_collect(p, p->fds[l], win, k);
+    }
+    if (st) st = link_failed(p, l, st, slices, n);
+    link_release(p, l);
+    return st;
+}
+
+const kvpi_transport_ops kvpi_transport_shm = {
+    .name = "shm",
+    .caps = KVPI_TRANSPORT_SAME_HOST,
+    .server_start = kvpi_shm_server_start,
+    .server_describe = kvpi_shm_server_describe,
+    .server_stop = kvpi_shm_server_stop,
+    .peer_open = peer_open,
+    .peer_xfer = peer_xfer,
+    .peer_close = peer_close,
+};

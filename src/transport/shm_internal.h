@@ -1,0 +1,61 @@
+/* Internal to the shm transport: wire format and helpers shared by its target
+ * side (shm_server.c) and initiator side (shm.c).
+ *
+ * The same-host transport moves bytes with cross-memory attach: the process
+ * that owns the registered memory (the target) copies directly between its
+ * memory and the initiator's with process_vm_readv/process_vm_writev, after
+ * checking the request against its live registry. Requests travel over an
+ * abstract Unix stream socket; no payload byte crosses a socket. See
+ * docs/transport-shm.md for why.
+ *
+ * Wire (all integers little-endian):
+ *   hello   (initiator -> target, once per connection, 24 bytes):
+ *           u64 KVPI_SHM_MAGIC << 32 | KVPI_SHM_VERSION, u64 probe address,
+ *           u64 probe value (the 8 bytes at the probe address)
+ *   request (initiator -> target, 32 bytes):
+ *           u64 remote (target) address, u64 length, u64 local (initiator)
+ *           address, u8 opcode (0 READ, 1 WRITE), 7 bytes zero
+ *   status  (target -> initiator, 8 bytes, after the hello and each request):
+ *           u64 KVPI_SHM_MAGIC << 32 | errno << 16 | kvp_status
+ * A connection serves requests in order, so an initiator may send several
+ * requests before reading their statuses.
+ */
+#ifndef KVPI_TRANSPORT_SHM_INTERNAL_H
+#define KVPI_TRANSPORT_SHM_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#include "transport/transport.h"
+
+#define KVPI_SHM_MAGIC 0x4B565348u /* "KVSH" */
+#define KVPI_SHM_VERSION 1u
+#define KVPI_SHM_HELLO_LEN 24
+#define KVPI_SHM_REQ_LEN 32
+#define KVPI_SHM_STATUS_LEN 8
+
+/* The descriptor field: {"kvpipe_shm": {"version", "host_id", "pid", "socket"}}. */
+#define KVPI_SHM_FIELD "kvpipe_shm"
+#define KVPI_SHM_HOST_ID_MAX 160
+#define KVPI_SHM_SOCKET_MAX 100 /* fits sockaddr_un.sun_path after the NUL */
+
+/* Identity of "this host" as far as cross-memory attach goes: the boot id
+ * plus the pid and network namespaces (pids must mean the same process, and
+ * the abstract socket must be reachable). */
+kvp_status kvpi_shm_host_id(char *buf, size_t len);
+
+/* Fill a sockaddr_un for the abstract name; returns the address length. */
+socklen_t kvpi_shm_sockaddr(const char *name, struct sockaddr_un *sa);
+
+/* Encode / decode a status frame. Decoding fails (KVP_EPROTO) on a bad magic. */
+void kvpi_shm_put_status(uint8_t *p, kvp_status st, int err);
+kvp_status kvpi_shm_get_status(const uint8_t *p, kvp_status *st, int *err);
+
+/* Target side (shm_server.c), called through the ops table in shm.c. */
+kvp_status kvpi_shm_server_start(const kvpi_server_ctx *ctx, void **server);
+void kvpi_shm_server_describe(void *server, cJSON *desc);
+void kvpi_shm_server_stop(void *server);
+
+#endif
