@@ -20,7 +20,8 @@
 typedef struct bench_opts {
     const char *mode, *metadata, *local_name, *segment, *protocol, *operation;
     size_t block_size, batch_size, buffer_size;
-    int threads;
+    int threads, workers, conns;
+    size_t slice_size;
     double duration;
     int verify, json, no_shm;
 } bench_opts;
@@ -45,6 +46,9 @@ static void usage(FILE *out)
             "  --verify               target fills a pattern; initiator checks every byte\n"
             "                         read and writes a pattern the target checks on exit\n"
             "  --json                 initiator: last stdout line is a JSON object\n"
+            "  --workers N            engine worker threads (default 4)\n"
+            "  --conns N              connections per peer (default 4)\n"
+            "  --slice-size BYTES     requests above this are split (default 4M)\n"
             "Sizes accept K, M and G suffixes (powers of 1024).\n"
             "The target prints its segment name when it serves and runs until SIGINT or\n"
             "SIGTERM; with --verify it exits 1 if any byte written to it is wrong.\n");
@@ -76,6 +80,8 @@ static int parse_args(int argc, char **argv, bench_opts *o)
         {"threads", required_argument, 0, 't'},       {"duration", required_argument, 0, 'd'},
         {"buffer-size", required_argument, 0, 'S'},   {"verify", no_argument, 0, 'v'},
         {"json", no_argument, 0, 'j'},                {"no-shm", no_argument, 0, 'n'},
+        {"workers", required_argument, 0, 'W'},       {"conns", required_argument, 0, 'C'},
+        {"slice-size", required_argument, 0, 'L'},
         {"help", no_argument, 0, 'h'},                {0, 0, 0, 0}};
     *o = (bench_opts){.metadata = "P2PHANDSHAKE", .protocol = "tcp", .operation = "read",
                       .block_size = 65536, .batch_size = 128, .buffer_size = 256u << 20,
@@ -99,12 +105,16 @@ static int parse_args(int argc, char **argv, bench_opts *o)
         case 'v': o->verify = 1; break;
         case 'j': o->json = 1; break;
         case 'n': o->no_shm = 1; break;
+        case 'W': o->workers = atoi(optarg); bad = o->workers <= 0 || o->workers > 256; break;
+        case 'C': o->conns = atoi(optarg); bad = o->conns <= 0 || o->conns > 256; break;
+        case 'L': bad = parse_size(optarg, &o->slice_size); break;
         case 'h': usage(stdout); exit(0);
         default: return -1;
         }
         if (bad) {
-            fprintf(stderr, "kvpipe bench: invalid value '%s' for --%s\n", optarg,
-                    longopts[c == 'b' ? 6 : c == 'B' ? 7 : c == 'S' ? 10 : c == 't' ? 8 : 9].name);
+            const struct option *lo = longopts;
+            while (lo->name && lo->val != c) lo++;
+            fprintf(stderr, "kvpipe bench: invalid value '%s' for --%s\n", optarg, lo->name);
             return -1;
         }
     }
@@ -143,6 +153,9 @@ static kvp_status make_engine(const bench_opts *o, kvp_engine **out)
     eo.metadata = o->metadata;
     eo.protocol = o->protocol;
     eo.disable_shm = o->no_shm;
+    if (o->workers) eo.workers = o->workers;
+    if (o->conns) eo.conns_per_peer = o->conns;
+    if (o->slice_size) eo.slice_size = o->slice_size;
     kvp_status st = kvp_engine_create(&eo, out);
     if (st) fprintf(stderr, "kvpipe bench: cannot start the engine: %s\n", kvp_last_error());
     return st;
