@@ -34,6 +34,7 @@ typedef struct kvpi_segment {
     kvpi_peer *peer;        /* NULL until looked up, and after a connection error */
     const char *transport;  /* name of the last transport used, for callers */
     int failing;            /* the last transfer failed: log the next failure quietly */
+    atomic_size_t group_bytes; /* the transport's group size (see transport.h) */
 } kvpi_segment;
 
 typedef struct kvpi_work kvpi_work;

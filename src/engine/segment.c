@@ -33,6 +33,7 @@ kvp_status kvp_engine_open_segment(kvp_engine *e, const char *name, kvp_segment_
             goto out;
         }
         pthread_mutex_init(&seg->lock, NULL);
+        atomic_init(&seg->group_bytes, KVPI_GROUP_BYTES_DEFAULT);
         e->segments[e->n_segments++] = seg;
     }
     seg = e->segments[id];
@@ -150,7 +151,12 @@ kvp_status kvpi_segment_acquire(kvp_engine *e, kvpi_segment *seg, kvpi_peer **ou
     pthread_mutex_lock(&seg->lock);
     if (!seg->peer) {
         st = peer_lookup(e, seg->name, &seg->peer);
-        if (st == KVP_OK) seg->transport = seg->peer->ops->name;
+        if (st == KVP_OK) {
+            const kvpi_transport_ops *ops = seg->peer->ops;
+            seg->transport = ops->name;
+            atomic_store(&seg->group_bytes,
+                         ops->group_bytes ? ops->group_bytes : KVPI_GROUP_BYTES_DEFAULT);
+        }
     }
     if (st == KVP_OK) {
         atomic_fetch_add(&seg->peer->refs, 1);

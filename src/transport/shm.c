@@ -378,6 +378,7 @@ static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
 const kvpi_transport_ops kvpi_transport_shm = {
     .name = "shm",
     .caps = KVPI_TRANSPORT_SAME_HOST,
+    .group_bytes = (size_t)16 << 20,
     .server_start = kvpi_shm_server_start,
     .server_describe = kvpi_shm_server_describe,
     .server_stop = kvpi_shm_server_stop,
