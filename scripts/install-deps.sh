@@ -3,7 +3,7 @@
 # when they are all present. Run as root (or with sudo available).
 set -eu
 PKGS="build-essential cmake pkg-config libzmq3-dev libcurl4-openssl-dev libmicrohttpd-dev
-libhiredis-dev libcjson-dev libucx-dev redis-server etcd-server python3 python3-dev python3-numpy"
+libhiredis-dev libcjson-dev redis-server etcd-server python3 python3-dev python3-numpy valgrind"
 missing=""
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

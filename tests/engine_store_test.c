@@ -11,6 +11,7 @@
  * Case names are "<store>/<behaviour>". */
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <sys/prctl.h>
 #include <inttypes.h>
 #include <poll.h>
 #include <signal.h>
@@ -163,6 +164,7 @@ static int target_start(target *t, const char *conn, int port, int gen)
     fflush(NULL);
     t->pid = fork();
     if (t->pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
         dup2(in[0], 0);
         dup2(out[1], 1);
         close(in[1]);

@@ -2,6 +2,7 @@
  * dtype, flow control, a 1 GiB tensor, dead peers, a raw ZeroMQ peer sending
  * garbage, and both metadata modes. */
 #include <arpa/inet.h>
+#include <sys/prctl.h>
 #include <math.h>
 #include <netinet/in.h>
 #include <pthread.h>
@@ -61,6 +62,7 @@ static int start_store(void)
     int port = kvpt_free_port();
     pid_t pid = fork();
     if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
         kvp_metadata_server *s;
         if (kvp_metadata_server_start("127.0.0.1", port, &s) != KVP_OK) _exit(3);
         for (;;)

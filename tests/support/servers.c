@@ -1,6 +1,7 @@
 /* Test fixtures that run real redis-server and etcd (and kvpipe's own HTTP
  * metadata server) on free loopback ports. */
 #include <curl/curl.h>
+#include <sys/prctl.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -69,6 +70,7 @@ static pid_t spawn_logged(const kvpt_server *s, char *const argv[])
     fflush(NULL);
     pid_t pid = fork();
     if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive the test */
         int fd = open(path, O_WRONLY | O_CREAT | O_APPEND, 0644);
         int in = open("/dev/null", O_RDONLY);
         if (fd >= 0) {

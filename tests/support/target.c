@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -49,6 +50,7 @@ int kvpt_target_start(const kvpt_target_opts *o, kvpt_target *t)
     fflush(NULL);
     t->pid = fork();
     if (t->pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
         close(ready[0]);
         close(ctl[1]);
         target_child(o, t, ready[1], ctl[0]);

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <stdlib.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -32,6 +33,9 @@ void kvpt_skip(const char *fmt, ...)
 void kvpt_run(const char *name, void (*fn)(void), int timeout_s)
 {
     (void)skip_file;
+    /* KVPT_FILTER=text runs only the cases whose name contains text. */
+    const char *filter = getenv("KVPT_FILTER");
+    if (filter && *filter && !strstr(name, filter)) return;
     fflush(NULL);
     pid_t pid = fork();
     if (pid == 0) {
@@ -102,6 +106,8 @@ pid_t kvpt_spawn(char *const argv[], const char *out_path)
     fflush(NULL);
     pid_t pid = fork();
     if (pid == 0) {
+        /* Never outlive the test that started us, even if it is killed. */
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
         if (out_path) {
             int fd = open(out_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
             if (fd >= 0) dup2(fd, 1);
