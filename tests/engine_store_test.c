@@ -6,6 +6,7 @@
  * its stdin/stdout with one-line commands:
  *   -> "READY <addr> <len>" once the engine is up with its first region
  *   <- "reg"                   -> "OK <addr> <len>"   register a new region
+ *   <- "unreg <addr>"          -> "OK"                unregister it again
  *   <- "check <addr> <len> <seed>" -> "OK" | "BAD <index>"
  *   <- "quit"                  -> "OK"                destroy the engine, exit
  * Case names are "<store>/<behaviour>". */
@@ -74,6 +75,12 @@ static void target_serve(kvp_engine *e, int gen)
                 printf("ERR %d %s\n", (int)st, kvp_last_error());
             else
                 printf("OK %" PRIxPTR " %zu\n", (uintptr_t)r, NEW_REGION_LEN);
+        } else if (sscanf(line, "unreg %llx", &addr) == 1) {
+            kvp_status st = kvp_engine_unregister(e, (void *)(uintptr_t)addr);
+            if (st)
+                printf("ERR %d %s\n", (int)st, kvp_last_error());
+            else
+                printf("OK\n");
         } else if (sscanf(line, "check %llx %zu %llu", &addr, &len, &seed) == 3) {
             size_t bad = kvpt_verify((void *)(uintptr_t)addr, len, seed);
             if (bad == (size_t)-1)
@@ -479,6 +486,40 @@ static void cached_initiator_sees_new_region(fixture *f)
     free(want);
 }
 
+/* The peer unregistered a region the initiator's cached descriptor still
+ * lists: the peer itself refuses the range (its registry is the authority),
+ * so READ and WRITE fail with KVP_ERANGE and nothing is written; the rest of
+ * the segment keeps working. */
+static void stale_descriptor_after_unregister(fixture *f)
+{
+    target *t = &f->tgt;
+    char reply[128];
+    unsigned long long addr;
+    size_t len;
+    REQUIRE(target_ask(t, "reg", reply, sizeof reply) == 0);
+    REQUIRE(sscanf(reply, "OK %llx %zu", &addr, &len) == 2);
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(f->eng, t->name, &seg));
+    char *buf = malloc(len);
+    REQUIRE(buf);
+    kvpt_fill(buf, len, 200);
+    CHECK(read_matches(f->eng, seg, addr, buf, len)); /* cached: lists the region */
+    char cmd[64];
+    snprintf(cmd, sizeof cmd, "unreg %llx", addr);
+    REQUIRE(target_ask(t, cmd, reply, sizeof reply) == 0);
+    REQUIRE(strncmp(reply, "OK", 2) == 0);
+    CHECK_ST(kvp_engine_read(f->eng, seg, buf, addr, 4096), KVP_ERANGE);
+    kvpt_fill(buf, len, 77);
+    CHECK_ST(kvp_engine_write(f->eng, seg, buf, addr, 4096), KVP_ERANGE);
+    CHECK(target_holds(t, addr, len, 200)); /* the unregistered memory is untouched */
+    char *want = malloc(t->len);
+    REQUIRE(want);
+    kvpt_fill(want, t->len, 100);
+    CHECK(read_matches(f->eng, seg, t->addr, want, t->len));
+    free(want);
+    free(buf);
+}
+
 static int tgt_keys_gone(fixture *f)
 {
     return raw_missing(f, "ram", f->tgt.name) && raw_missing(f, "rpc_meta", f->tgt.name);
@@ -626,6 +667,7 @@ static const behaviour behaviours[] = {
     {"transfer_read_write", transfer_read_write, 0},
     {"reregister_publishes", reregister_publishes, 0},
     {"cached_initiator_sees_new_region", cached_initiator_sees_new_region, 0},
+    {"stale_descriptor_after_unregister", stale_descriptor_after_unregister, 0},
     {"destroy_removes_keys", destroy_removes_keys, 0},
     {"store_down_at_create", store_down_at_create, 1},
     {"store_restart_while_running", store_restart_while_running, 1},

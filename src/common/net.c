@@ -242,6 +242,7 @@ static struct iovec *iov_advance(struct iovec *iov, int *n, size_t done)
 {
     while (*n > 0 && done >= iov->iov_len) {
         done -= iov->iov_len;
+        iov->iov_len = 0; /* callers can tell which buffers were filled */
         iov++;
         (*n)--;
     }

@@ -47,7 +47,8 @@ kvp_status kvpi_send_all(int fd, const void *buf, size_t len);
 kvp_status kvpi_recv_all(int fd, void *buf, size_t len);
 
 /* The same for a list of buffers, in one system call where the kernel takes
- * it all (a header and its payload, say). iov is modified. */
+ * it all (a header and its payload, say). iov is modified: each entry left
+ * with iov_len 0 was moved completely, also when the call fails. */
 struct iovec;
 kvp_status kvpi_sendv_all(int fd, struct iovec *iov, int n);
 kvp_status kvpi_recvv_all(int fd, struct iovec *iov, int n);
