@@ -7,7 +7,7 @@
 # Sections:
 #   tcp   kvpipe bench READ/WRITE over TCP vs raw loopback TCP (bench/raw_tcp.c)
 #   shm   kvpipe bench READ/WRITE over shm vs single-thread memcpy (bench/memcpy_baseline.c)
-#   pipe  kvpipe bench --pipe vs engine READ of the same size
+#   pipe  kvpipe bench --pipe vs engine READ of the same size, and vs memcpy
 # Each pair runs back to back and the median of --repeat runs is kept, which
 # damps noise from other load. Results go to stdout and bench/results/latest.md.
 set -euo pipefail
@@ -27,7 +27,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 kvpipe="$build/kvpipe"
-for bin in "$kvpipe" "$build/raw_tcp"; do
+for bin in "$kvpipe" "$build/raw_tcp" "$build/memcpy_baseline"; do
     [ -x "$bin" ] || { echo "bench/run.sh: $bin not built (cmake --build $build)" >&2; exit 1; }
 done
 tmp=$(mktemp -d)
@@ -96,7 +96,6 @@ section_tcp() {
 }
 
 section_shm() {
-    [ -x "$build/memcpy_baseline" ] || { echo "(shm section skipped: memcpy_baseline not built)"; return; }
     start_target shm
     echo "## shm (same host) vs single-thread memcpy"
     echo
@@ -120,26 +119,26 @@ section_shm() {
 }
 
 section_pipe() {
-    "$kvpipe" bench --pipe --help > /dev/null 2>&1 || { echo "(pipe section skipped: no pipe bench)"; return; }
-    echo "## Tensor pipe vs engine READ (64 MiB tensors)"
+    echo "## Tensor pipe (64 MiB tensors, every byte checked) vs engine READ and memcpy"
     echo
-    echo "| protocol | engine READ GB/s | pipe GB/s | pipe / engine |"
-    echo "|---|---|---|---|"
-    local size=$((64 << 20)) count=$(( 32 * duration ))
+    echo "| protocol | engine READ GB/s | memcpy GB/s | pipe GB/s | pipe / engine | pipe / memcpy |"
+    echo "|---|---|---|---|---|---|"
+    local size=$((64 << 20)) count=$(( 64 * duration ))
     for proto in tcp shm; do
-        [ "$proto" = shm ] && ! "$kvpipe" bench --help 2>&1 | grep -q shm && continue
         local extra=(); [ "$proto" = tcp ] && extra=(--no-shm)
         start_target "$proto" "${extra[@]}"
-        local engs=() pipes=()
+        local engs=() pipes=() bases=()
         for _ in $(seq "$repeat"); do
             engs+=("$(initiator "$proto" read "$size" "${extra[@]}")")
-            pipes+=("$("$kvpipe" bench --pipe --tensor-size "$size" --count "$count" --protocol "$proto" --json | gbps_of)")
+            bases+=("$("$build/memcpy_baseline" --size "$size" --duration "$duration" | gbps_of)")
+            pipes+=("$("$kvpipe" bench --pipe --tensor-size "$size" --count "$count" --protocol "$proto" "${extra[@]}" --json | gbps_of)")
         done
         stop_target
-        local eng pipe
+        local eng pipe base
         eng=$(printf '%s\n' "${engs[@]}" | median)
+        base=$(printf '%s\n' "${bases[@]}" | median)
         pipe=$(printf '%s\n' "${pipes[@]}" | median)
-        echo "| $proto | $eng | $pipe | $(ratio "$pipe" "$eng") |"
+        echo "| $proto | $eng | $base | $pipe | $(ratio "$pipe" "$eng") | $(ratio "$pipe" "$base") |"
     done
     echo
 }
