@@ -10,6 +10,7 @@ typedef struct kvp_cli_command {
 
 int kvp_cmd_bench(int argc, char **argv);
 int kvp_cmd_metadata_server(int argc, char **argv);
+int kvp_cmd_info(int argc, char **argv);
 int kvp_cmd_demo(int argc, char **argv);
 int kvp_cmd_bench_pipe(int argc, char **argv); /* kvp_cmd_bench hands --pipe runs here */
 

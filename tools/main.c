@@ -9,6 +9,7 @@
 static const kvp_cli_command commands[] = {
     {"bench", "measure transfer throughput (target and initiator)", kvp_cmd_bench},
     {"metadata-server", "run the HTTP metadata store", kvp_cmd_metadata_server},
+    {"info", "list transports and stores; check a store and a segment", kvp_cmd_info},
     {"demo", "move a model's KV cache from prefill to decode on this host", kvp_cmd_demo},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
