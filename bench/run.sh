@@ -9,7 +9,8 @@
 #   shm   kvpipe bench READ/WRITE over shm vs single-thread memcpy (bench/memcpy_baseline.c)
 #   pipe  kvpipe bench --pipe vs engine READ of the same size, and vs memcpy
 # Each pair runs back to back and the median of --repeat runs is kept, which
-# damps noise from other load. Results go to stdout and bench/results/latest.md.
+# damps noise from other load. Results go to stdout and bench/results/latest.md
+# (latest-SECTION.md for an --only run).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 build="$here/../build"
@@ -63,7 +64,7 @@ initiator() {
         --batch-size "$batch" --buffer-size 512M --duration "$duration" --json "$@" | gbps_of
 }
 
-out="$here/results/latest.md"
+out="$here/results/latest${only:+-$only}.md" # a partial run does not overwrite the full one
 {
 echo "# kvpipe benchmark"
 echo
