@@ -40,7 +40,8 @@ typedef struct kvp_engine_opts {
     /* "http://h:p/metadata", "etcd://h:p[,h:p]", "h:p" (etcd), "redis://h:p",
      * or "P2PHANDSHAKE". Required. */
     const char *metadata;
-    /* Preferred transport: "tcp" (default), "shm" (same host only) or "rdma".
+    /* Preferred transport: "tcp" (default) or "shm" (same host only); "rdma"
+     * is not supported in this build (kvp_engine_create: KVP_ENOTSUP).
      * With "tcp", a same-host peer is still reached through shm unless
      * disable_shm is set. */
     const char *protocol;

@@ -58,7 +58,7 @@ typedef struct kvp_pipe_config {
     char *decode_url;       /* "host:port" */
     char *metadata_server;  /* non-empty */
     char *metadata_backend; /* NULL, "etcd" or "redis" (lower-cased on load) */
-    char *protocol;         /* "tcp", "shm", "rdma", ... */
+    char *protocol;         /* "tcp" or "shm" ("rdma": not supported in this build) */
     char *device_name;      /* RDMA devices, comma-separated; may be "" */
 } kvp_pipe_config;
 
