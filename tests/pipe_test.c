@@ -23,7 +23,7 @@
 
 #define NONE_INT (-150886311LL)
 #define RECV_TIMEOUT 20000
-#define SIDE_TIMEOUT 100000
+#define SIDE_TIMEOUT 200000 /* bounds a hang; preparing 1 GiB is slow on a loaded VM */
 
 /* ------------------------------------------------------------ harness --- */
 
@@ -152,13 +152,18 @@ static void run_pair(const setup *s, const kvp_pipe_opts *o0, const kvp_pipe_opt
     CHECK(rb == 0);
 }
 
-static kvp_tensor *recv_one(kvp_pipe *pipe)
+static kvp_tensor *recv_within(kvp_pipe *pipe, int timeout_ms)
 {
     kvp_tensor *t = NULL;
-    kvp_status st = kvp_pipe_recv(pipe, RECV_TIMEOUT, &t);
+    kvp_status st = kvp_pipe_recv(pipe, timeout_ms, &t);
     if (st) fprintf(stderr, "  recv: %s: %s\n", kvp_strerror(st), kvp_last_error());
     CHECK_OK(st);
     return t;
+}
+
+static kvp_tensor *recv_one(kvp_pipe *pipe)
+{
+    return recv_within(pipe, RECV_TIMEOUT);
 }
 
 /* Receive and require a tensor equal to want (NULL: None). */
@@ -549,7 +554,9 @@ static int gib_side(kvp_pipe *pipe, int rank)
         kvp_tensor *t = recv_one(pipe);
         CHECK(t && t->nbytes == 1000 && kvpt_verify(t->data, 1000, 5) == (size_t)-1);
         kvp_tensor_free(t);
-        t = recv_one(pipe);
+        /* The sender fills 1 GiB and copies it into fresh memory first: on a
+         * loaded VM that takes a while, and this timeout only bounds a hang. */
+        t = recv_within(pipe, 150000);
         CHECK(t && t->nbytes == GIB);
         CHECK(t && kvpt_verify(t->data, GIB, 6) == (size_t)-1);
         kvp_tensor_free(t);
@@ -562,7 +569,7 @@ static void test_one_gib_tensor(void)
     setup s;
     REQUIRE(make_setup(&s, 0) == 0);
     kvp_pipe_opts o = tcp_opts(); /* kv_buffer_size 1e9 < 1 GiB */
-    o.send_timeout_ms = 60000;
+    o.send_timeout_ms = 150000;
     run_pair(&s, &o, &o, gib_side, gib_side);
 }
 
@@ -1023,6 +1030,6 @@ int main(int argc, char **argv)
     CASE(test_cli_demo, 120);
     CASE(test_cli_bench_pipe, 120);
     CASE(test_stress_500_rounds, 240);
-    CASE(test_one_gib_tensor, 240);
+    CASE(test_one_gib_tensor, 400);
     return kvpt_summary();
 }
