@@ -74,18 +74,28 @@ int kvpt_summary(void)
     return failed ? 1 : 0;
 }
 
+/* Ports handed out here lie below Linux's ephemeral range (32768 and up by
+ * default), so that the data ports engines bind with port 0, in this or a
+ * concurrently running test, cannot take one between our check and its use. */
 int kvpt_free_port(void)
 {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t sl = sizeof sa;
-    if (fd < 0 || bind(fd, (struct sockaddr *)&sa, sizeof sa) != 0 ||
-        getsockname(fd, (struct sockaddr *)&sa, &sl) != 0) {
-        perror("kvpt_free_port");
-        abort();
+    static unsigned seed;
+    static pid_t seeded_by;
+    if (seeded_by != getpid()) { /* forked cases must not repeat each other */
+        seeded_by = getpid();
+        seed = (unsigned)getpid() * 2654435761u ^ (unsigned)time(NULL);
     }
-    close(fd);
-    return ntohs(sa.sin_port);
+    for (int tries = 0; tries < 1000; tries++) {
+        int port = 20000 + (int)(rand_r(&seed) % 12000);
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+                                 .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        int ok = fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
+        if (fd >= 0) close(fd);
+        if (ok) return port;
+    }
+    fprintf(stderr, "kvpt_free_port: no free port in 20000..31999\n");
+    abort();
 }
 
 int kvpt_wait_port(const char *host, int port, int timeout_ms)
