@@ -13,11 +13,9 @@
  */
 #include "kvpy.h"
 
-#include <netdb.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include "kvpipe/engine.h"
@@ -127,33 +125,6 @@ static int has_port(const char *name)
     return colon && !strchr(colon + 1, ':');
 }
 
-/* Mooncake accepts a bare host and picks the handshake port itself (callers
- * learn it from get_rpc_port()); kvpipe's engine wants "host:port", so choose a
- * free port here. Another process may grab it before the engine binds; the
- * caller retries on a bind failure. */
-static kvp_status pick_free_port(const char *host, int *port)
-{
-    struct addrinfo hints = {.ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
-    struct addrinfo *res = NULL;
-    if (getaddrinfo(host, "0", &hints, &res) != 0 || !res) return KVP_EINVAL;
-    kvp_status st = KVP_EIO;
-    int fd = socket(res->ai_family, SOCK_STREAM, 0);
-    struct sockaddr_storage ss;
-    socklen_t len = sizeof ss;
-    if (fd >= 0 && bind(fd, res->ai_addr, res->ai_addrlen) == 0 &&
-        getsockname(fd, (struct sockaddr *)&ss, &len) == 0) {
-        char serv[16];
-        if (getnameinfo((struct sockaddr *)&ss, len, NULL, 0, serv, sizeof serv, NI_NUMERICSERV) ==
-            0) {
-            *port = atoi(serv);
-            st = KVP_OK;
-        }
-    }
-    if (fd >= 0) close(fd);
-    freeaddrinfo(res);
-    return st;
-}
-
 static void format_server_name(char *buf, size_t cap, const char *host, int port)
 {
     int v6 = strchr(host, ':') != NULL;
@@ -184,29 +155,18 @@ static const char *bare_host(const char *host, char *buf, size_t cap)
     return buf;
 }
 
-/* Create the engine for a host with or without a port; a port picked here is
- * retried a few times, since another process can take it in between. */
+/* Create the engine for a host with or without a port. Mooncake accepts a bare
+ * host and picks the handshake port itself (callers learn it from
+ * get_rpc_port()); kvpipe's engine does the same for port 0. */
 static int start_engine(kvpy_engine *self, const char *host, kvp_engine_opts *opts)
 {
-    if (has_port(host)) {
-        opts->local_server_name = host;
-        kvp_status st = create_engine(self, opts);
-        return st ? kvpy_fail(st, "TransferEngine.initialize") : 0;
-    }
     char name[300], unbracketed[272];
-    host = bare_host(host, unbracketed, sizeof unbracketed);
-    kvp_status st = KVP_EIO;
-    for (int attempt = 0; attempt < 4 && st == KVP_EIO; attempt++) {
-        int port = 0;
-        if (pick_free_port(host, &port))
-            return kvpy_fail_msg(KVP_EINVAL,
-                                 "TransferEngine.initialize: cannot bind a port on "
-                                 "local host '%s'",
-                                 host);
-        format_server_name(name, sizeof name, host, port);
-        opts->local_server_name = name;
-        st = create_engine(self, opts);
+    if (!has_port(host)) {
+        format_server_name(name, sizeof name, bare_host(host, unbracketed, sizeof unbracketed), 0);
+        host = name;
     }
+    opts->local_server_name = host;
+    kvp_status st = create_engine(self, opts);
     return st ? kvpy_fail(st, "TransferEngine.initialize") : 0;
 }
 
