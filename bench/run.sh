@@ -73,50 +73,45 @@ echo "Command: \`bench/run.sh --duration $duration --repeat $repeat${only:+ --on
 echo
 } > "$out"
 
-section_tcp() {
-    start_target tcp --no-shm
-    echo "## TCP (loopback) vs raw loopback TCP"
+baseline_raw_tcp() { "$build/raw_tcp" --block-size "$1" --duration "$duration" | gbps_of; }
+baseline_memcpy() { "$build/memcpy_baseline" --size "$1" --duration "$duration" | gbps_of; }
+med() { printf '%s\n' "$@" | median; }
+
+# engine_section PROTO TITLE BASELINE_LABEL BASELINE_FN BLOCK... : READ and
+# WRITE of each block size against the baseline, run back to back.
+engine_section() {
+    local proto=$1 title=$2 label=$3 base_fn=$4; shift 4
+    local extra=(); [ "$proto" = tcp ] && extra=(--no-shm)
+    start_target "$proto" "${extra[@]}"
+    echo "## $title"
     echo
-    echo "| block | raw TCP GB/s | READ GB/s | READ / raw | WRITE GB/s | WRITE / raw |"
+    echo "| block | $label GB/s | READ GB/s | READ / $label | WRITE GB/s | WRITE / $label |"
     echo "|---|---|---|---|---|---|"
-    for block in 65536 1048576 16777216; do
-        local raws=() reads=() writes=()
+    for block in "$@"; do
+        local bases=() reads=() writes=()
         for _ in $(seq "$repeat"); do
-            raws+=("$("$build/raw_tcp" --block-size "$block" --duration "$duration" | gbps_of)")
-            reads+=("$(initiator tcp read "$block" --no-shm)")
-            writes+=("$(initiator tcp write "$block" --no-shm)")
+            bases+=("$("$base_fn" "$block")")
+            reads+=("$(initiator "$proto" read "$block" "${extra[@]}")")
+            writes+=("$(initiator "$proto" write "$block" "${extra[@]}")")
         done
-        local raw read write
-        raw=$(printf '%s\n' "${raws[@]}" | median)
-        read=$(printf '%s\n' "${reads[@]}" | median)
-        write=$(printf '%s\n' "${writes[@]}" | median)
-        echo "| $(human "$block") | $raw | $read | $(ratio "$read" "$raw") | $write | $(ratio "$write" "$raw") |"
+        local base read write
+        base=$(med "${bases[@]}")
+        read=$(med "${reads[@]}")
+        write=$(med "${writes[@]}")
+        echo "| $(human "$block") | $base | $read | $(ratio "$read" "$base") | $write | $(ratio "$write" "$base") |"
     done
     echo
     stop_target
 }
 
+section_tcp() {
+    engine_section tcp "TCP (loopback) vs raw loopback TCP" "raw TCP" baseline_raw_tcp \
+        65536 1048576 16777216
+}
+
 section_shm() {
-    start_target shm
-    echo "## shm (same host) vs single-thread memcpy"
-    echo
-    echo "| block | memcpy GB/s | READ GB/s | READ / memcpy | WRITE GB/s | WRITE / memcpy |"
-    echo "|---|---|---|---|---|---|"
-    for block in 1048576 16777216 67108864; do
-        local bases=() reads=() writes=()
-        for _ in $(seq "$repeat"); do
-            bases+=("$("$build/memcpy_baseline" --size "$block" --duration "$duration" | gbps_of)")
-            reads+=("$(initiator shm read "$block")")
-            writes+=("$(initiator shm write "$block")")
-        done
-        local base read write
-        base=$(printf '%s\n' "${bases[@]}" | median)
-        read=$(printf '%s\n' "${reads[@]}" | median)
-        write=$(printf '%s\n' "${writes[@]}" | median)
-        echo "| $(human "$block") | $base | $read | $(ratio "$read" "$base") | $write | $(ratio "$write" "$base") |"
-    done
-    echo
-    stop_target
+    engine_section shm "shm (same host) vs single-thread memcpy" memcpy baseline_memcpy \
+        1048576 16777216 67108864
 }
 
 section_pipe() {
@@ -131,14 +126,14 @@ section_pipe() {
         local engs=() pipes=() bases=()
         for _ in $(seq "$repeat"); do
             engs+=("$(initiator "$proto" read "$size" "${extra[@]}")")
-            bases+=("$("$build/memcpy_baseline" --size "$size" --duration "$duration" | gbps_of)")
+            bases+=("$(baseline_memcpy "$size")")
             pipes+=("$("$kvpipe" bench --pipe --tensor-size "$size" --count "$count" --protocol "$proto" "${extra[@]}" --json | gbps_of)")
         done
         stop_target
         local eng pipe base
-        eng=$(printf '%s\n' "${engs[@]}" | median)
-        base=$(printf '%s\n' "${bases[@]}" | median)
-        pipe=$(printf '%s\n' "${pipes[@]}" | median)
+        eng=$(med "${engs[@]}")
+        base=$(med "${bases[@]}")
+        pipe=$(med "${pipes[@]}")
         echo "| $proto | $eng | $base | $pipe | $(ratio "$pipe" "$eng") | $(ratio "$pipe" "$base") |"
     done
     echo
