@@ -27,32 +27,12 @@
 
 /* ------------------------------------------------------------ harness --- */
 
-static int port_free(int port)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET,
-                             .sin_port = htons((uint16_t)port),
-                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    int ok = fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
-    if (fd >= 0) close(fd);
-    return ok;
-}
-
 /* A base port B for "127.0.0.1:B" as both URLs: prefill uses B, B+9, B+10 and
- * decode (base B+100) uses B+100, B+109, B+110. Outside the ephemeral range, so
- * the engines' data ports cannot take them. */
+ * decode (base B+100) uses B+100, B+109, B+110. */
 static int pick_base(void)
 {
-    srand((unsigned)(getpid() ^ time(NULL)));
-    for (int tries = 0; tries < 200; tries++) {
-        int b = 20000 + rand() % 10000;
-        int need[] = {b, b + 9, b + 10, b + 100, b + 109, b + 110};
-        int ok = 1;
-        for (size_t i = 0; i < 6 && ok; i++)
-            ok = port_free(need[i]);
-        if (ok) return b;
-    }
-    return -1;
+    static const int offsets[] = {0, 9, 10, 100, 109, 110};
+    return kvpt_free_port_block(offsets, sizeof offsets / sizeof offsets[0]);
 }
 
 /* The embedded HTTP store in a child process of its own (this process forks the

@@ -74,10 +74,20 @@ int kvpt_summary(void)
     return failed ? 1 : 0;
 }
 
+static int port_bindable(int port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    int ok = fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
+    if (fd >= 0) close(fd);
+    return ok;
+}
+
 /* Ports handed out here lie below Linux's ephemeral range (32768 and up by
  * default), so that the data ports engines bind with port 0, in this or a
  * concurrently running test, cannot take one between our check and its use. */
-int kvpt_free_port(void)
+int kvpt_free_port_block(const int *offsets, size_t n)
 {
     static unsigned seed;
     static pid_t seeded_by;
@@ -86,16 +96,19 @@ int kvpt_free_port(void)
         seed = (unsigned)getpid() * 2654435761u ^ (unsigned)time(NULL);
     }
     for (int tries = 0; tries < 1000; tries++) {
-        int port = 20000 + (int)(rand_r(&seed) % 12000);
-        int fd = socket(AF_INET, SOCK_STREAM, 0);
-        struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
-                                 .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-        int ok = fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
-        if (fd >= 0) close(fd);
-        if (ok) return port;
+        int base = 20000 + (int)(rand_r(&seed) % 12000);
+        size_t i = 0;
+        while (i < n && base + offsets[i] < 32768 && port_bindable(base + offsets[i])) i++;
+        if (i == n) return base;
     }
-    fprintf(stderr, "kvpt_free_port: no free port in 20000..31999\n");
+    fprintf(stderr, "kvpt_free_port: no free ports below 32768\n");
     abort();
+}
+
+int kvpt_free_port(void)
+{
+    static const int one[] = {0};
+    return kvpt_free_port_block(one, 1);
 }
 
 int kvpt_wait_port(const char *host, int port, int timeout_ms)

@@ -71,8 +71,12 @@ int kvpt_summary(void);
     } while (0)
 void kvpt_skip(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
-/* A TCP port on 127.0.0.1 that was free a moment ago. */
+/* A TCP port on 127.0.0.1 that was free a moment ago, below the ephemeral
+ * range. */
 int kvpt_free_port(void);
+
+/* A base port B such that B + offsets[i] were all free a moment ago. */
+int kvpt_free_port_block(const int *offsets, size_t n);
 
 /* Wait until something accepts connections on host:port; 0 on success. */
 int kvpt_wait_port(const char *host, int port, int timeout_ms);
