@@ -1,8 +1,8 @@
 /* kvpipe bench --pipe: tensor pipe throughput. Rank 0 sends --count tensors of
- * --tensor-size bytes; rank 1 receives them, checks every byte (on a second
- * thread, so that checking does not slow the receiving) and reports GB/s from
- * the first send to the last receipt. Without --config both ranks run here as
- * two processes on loopback. */
+ * --tensor-size bytes; rank 1 receives them, checks them on a second thread
+ * (each block's stamp; with --verify every byte) and reports GB/s from the
+ * first send to the last receipt. Without --config both ranks run here as two
+ * processes on loopback. */
 #include <getopt.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -28,6 +28,8 @@ typedef struct bp_opts {
     long count, warmup; /* warmup < 0: choose */
     const char *protocol, *metadata, *config;
     int kv_rank, json, no_shm, port;
+    int in_place; /* --send in-place: kvp_pipe_tensor_alloc + kvp_pipe_send_take */
+    int verify;   /* compare every byte, not only the stamps */
 } bp_opts;
 
 static void usage(FILE *out)
@@ -37,14 +39,20 @@ static void usage(FILE *out)
             "       kvpipe bench --pipe --config FILE --kv-rank 0|1 --tensor-size BYTES --count N\n"
             "\n"
             "Measure the tensor pipe: rank 0 sends N uint8 tensors of BYTES bytes, rank 1\n"
-            "receives them, verifies every byte and reports GB/s from the first send to the\n"
-            "last receipt. Without --config both ranks run here, as two processes on\n"
+            "receives and checks them and reports GB/s from the first send to the last\n"
+            "receipt. Without --config both ranks run here, as two processes on\n"
             "loopback; with --config (a mooncake JSON file) only the given rank runs.\n"
             "\n"
             "  --tensor-size BYTES   bytes per tensor, a multiple of 8, >= 16 (K, M, G suffixes)\n"
             "  --count N             tensors to send (default 100)\n"
             "  --protocol P          engine protocol for the two-process run (default tcp)\n"
+            "  --send copy|in-place  copy: kvp_pipe_send() copies each tensor into registered\n"
+            "                        memory (default); in-place: tensors are built in pipe\n"
+            "                        buffers (kvp_pipe_tensor_alloc) and sent with no copy\n"
             "  --no-shm              never use the same-host transport\n"
+            "  --verify              receiver compares every byte (default: the stamp at the\n"
+            "                        start of each 64 KiB block, which catches lost, repeated,\n"
+            "                        reordered and misplaced blocks)\n"
             "  --metadata M          two-process run: http (default), p2p, or a connection string\n"
             "  --kv-buffer-size B    bytes in flight before send waits (default 1e9)\n"
             "  --warmup N            untimed tensors first, so that both engines' buffer\n"
@@ -105,8 +113,15 @@ static int parse_opt(bp_opts *o, int c, const char *arg)
     case 'j':
         o->json = 1;
         return 0;
+    case 'V':
+        o->verify = 1;
+        return 0;
     case 'n':
         o->no_shm = 1;
+        return 0;
+    case 'S':
+        if (strcmp(arg, "copy") && strcmp(arg, "in-place")) return -1;
+        o->in_place = strcmp(arg, "in-place") == 0;
         return 0;
     case 'x':
         return 0; /* --pipe itself */
@@ -125,7 +140,8 @@ static int parse_args(int argc, char **argv, bp_opts *o)
         {"kv-rank", required_argument, 0, 'r'},  {"json", no_argument, 0, 'j'},
         {"no-shm", no_argument, 0, 'n'},         {"kv-buffer-size", required_argument, 0, 'b'},
         {"port", required_argument, 0, 'P'},     {"help", no_argument, 0, 'h'},
-        {"warmup", required_argument, 0, 'w'},   {0, 0, 0, 0},
+        {"warmup", required_argument, 0, 'w'},   {"send", required_argument, 0, 'S'},
+        {"verify", no_argument, 0, 'V'},         {0, 0, 0, 0},
     };
     *o = (bp_opts){.count = 100,
                    .warmup = -1,
@@ -193,7 +209,8 @@ static void fill_blocks(uint8_t *buf, size_t n, const uint8_t *ref)
         memcpy(buf + off, ref, n - off < BLOCK ? n - off : BLOCK);
 }
 
-static int check(const kvp_tensor *t, const uint8_t *ref, size_t n, uint64_t i)
+/* Check the stamps, and with full every byte. */
+static int check(const kvp_tensor *t, const uint8_t *ref, size_t n, uint64_t i, int full)
 {
     if (t->dtype != KVP_DTYPE_U8 || t->ndim != 1 || t->nbytes != n) return -1;
     const uint8_t *b = t->data;
@@ -202,8 +219,8 @@ static int check(const kvp_tensor *t, const uint8_t *ref, size_t n, uint64_t i)
         if (len >= 8) {
             uint64_t want = stamp_of(i, k), got;
             memcpy(&got, b + off, 8);
-            if (got != want || memcmp(b + off + 8, ref + 8, len - 8) != 0) return -1;
-        } else if (memcmp(b + off, ref, len) != 0) {
+            if (got != want || (full && memcmp(b + off + 8, ref + 8, len - 8) != 0)) return -1;
+        } else if (full && memcmp(b + off, ref, len) != 0) {
             return -1;
         }
     }
@@ -229,10 +246,78 @@ static kvp_pipe *open_pipe(const bp_opts *o, int kv_rank)
 
 /* ------------------------------------------------------------- sender --- */
 
+/* --send in-place. A producer writes its tensor into the pipe's buffer in
+ * place of its own; that write is the producer's work, as it is with the
+ * copying send (where the bench fills its tensor once). So, to time only the
+ * pipe, a recycled buffer that still holds the blocks is only re-stamped.
+ *
+ * That is sound because every write into the sender's buffers is tracked: in
+ * this mode the bench allocates every message itself (None included), the
+ * pipe writes only the header in front of the data, and the engine serves
+ * nothing else. A region's content is known as long as no later message
+ * overlapped it (header room included). Were it wrong, the receiver's byte
+ * check would fail the run. */
+#define FILLED_MAX 64
+#define HEADER_ROOM 2048          /* at least the pipe's header room in front of the data */
+#define NONE_VALUE (-150886311LL) /* vLLM's None marker */
+
+typedef struct filled_set {
+    uintptr_t addr[FILLED_MAX]; /* data addresses holding the blocks */
+    size_t n, size;
+} filled_set;
+
+/* Note a write to [lo, hi): forget regions it overlaps; 1 if one was exactly
+ * this data address (its content is still there). */
+static int filled_touch(filled_set *f, uintptr_t data, size_t len)
+{
+    uintptr_t lo = data - HEADER_ROOM, hi = data + len;
+    int known = 0;
+    for (size_t k = 0; k < f->n;) {
+        uintptr_t a = f->addr[k];
+        if (a == data && len == f->size) {
+            known = 1;
+            k++;
+        } else if (a - HEADER_ROOM < hi && lo < a + f->size) {
+            f->addr[k] = f->addr[--f->n];
+        } else {
+            k++;
+        }
+    }
+    return known;
+}
+
+static int send_in_place(kvp_pipe *pipe, filled_set *f, const uint8_t *ref, size_t size, uint64_t i)
+{
+    int64_t n = (int64_t)size;
+    kvp_tensor *t;
+    if (kvp_pipe_tensor_alloc(pipe, KVP_DTYPE_U8, 1, &n, &t) != KVP_OK) return -1;
+    if (!filled_touch(f, (uintptr_t)t->data, size)) {
+        fill_blocks(t->data, size, ref);
+        if (f->n < FILLED_MAX) f->addr[f->n++] = (uintptr_t)t->data;
+    }
+    stamp(t->data, size, i);
+    if (kvp_pipe_send_take(pipe, t) == KVP_OK) return 0;
+    kvp_tensor_free(t);
+    return -1;
+}
+
+static int send_none_in_place(kvp_pipe *pipe, filled_set *f)
+{
+    int64_t one = 1, none = NONE_VALUE;
+    kvp_tensor *t;
+    if (kvp_pipe_tensor_alloc(pipe, KVP_DTYPE_I64, 1, &one, &t) != KVP_OK) return -1;
+    filled_touch(f, (uintptr_t)t->data, 8);
+    memcpy(t->data, &none, 8);
+    if (kvp_pipe_send_take(pipe, t) == KVP_OK) return 0;
+    kvp_tensor_free(t);
+    return -1;
+}
+
 static int run_sender(const bp_opts *o)
 {
     kvp_pipe *pipe = open_pipe(o, 0);
     if (!pipe) return 1;
+    filled_set filled = {.n = 0, .size = o->tensor_size};
     uint8_t *buf = malloc(o->tensor_size);
     uint8_t ref[BLOCK];
     kvp_pattern_fill(ref, BLOCK, KVP_PATTERN_WRITE, 0);
@@ -244,12 +329,21 @@ static int run_sender(const bp_opts *o)
     for (long i = 0; i < o->warmup && !rc; i++) {
         kvp_tensor t;
         kvp_tensor_init(&t, KVP_DTYPE_U8, 1, &n, buf);
-        if (kvp_pipe_send(pipe, &t) != KVP_OK) rc = 1;
+        if (o->in_place)
+            rc = send_in_place(pipe, &filled, ref, o->tensor_size, 0) != 0;
+        else if (kvp_pipe_send(pipe, &t) != KVP_OK)
+            rc = 1;
     }
     /* None next: the receiver starts its clock when it arrives. */
-    if (!rc && kvp_pipe_send(pipe, NULL) != KVP_OK) rc = 1;
+    if (!rc && (o->in_place ? send_none_in_place(pipe, &filled) != 0
+                            : kvp_pipe_send(pipe, NULL) != KVP_OK))
+        rc = 1;
     for (long i = 0; i < o->count && !rc; i++) {
         kvp_tensor t;
+        if (o->in_place) {
+            rc = send_in_place(pipe, &filled, ref, o->tensor_size, (uint64_t)i) != 0;
+            continue;
+        }
         stamp(buf, o->tensor_size, (uint64_t)i);
         kvp_tensor_init(&t, KVP_DTYPE_U8, 1, &n, buf);
         if (kvp_pipe_send(pipe, &t) != KVP_OK) rc = 1;
@@ -269,6 +363,7 @@ typedef struct verifier {
     kvp_tensor *q[VERIFY_QUEUE];
     size_t head, count, n;
     uint8_t *ref; /* the reference block, BLOCK bytes */
+    int full;     /* --verify */
     long next;    /* index of the next tensor to check */
     int done;
     uint64_t mismatches;
@@ -290,7 +385,7 @@ static void *verify_main(void *arg)
         v->count--;
         pthread_cond_broadcast(&v->cond);
         pthread_mutex_unlock(&v->lock);
-        if (check(t, v->ref, v->n, (uint64_t)v->next++) != 0) {
+        if (check(t, v->ref, v->n, (uint64_t)v->next++, v->full) != 0) {
             if (!v->mismatches)
                 fprintf(stderr, "kvpipe bench --pipe: tensor %ld: MISMATCH\n", v->next - 1);
             v->mismatches++;
@@ -327,13 +422,19 @@ static void report(const bp_opts *o, kvp_pipe *pipe, long ops, uint64_t errors, 
     if (kvp_engine_open_segment(kvp_pipe_engine(pipe), kvp_pipe_get_endpoints(pipe)->peer_segment,
                                 &seg) == KVP_OK)
         tr = kvp_engine_segment_transport(kvp_pipe_engine(pipe), seg);
-    printf("kvpipe bench --pipe: %ld x %zu B via %s: %.3f GB/s in %.3f s, %" PRIu64 " errors%s\n",
-           ops, o->tensor_size, tr ? tr : "?", gbps, secs, errors,
-           errors ? "" : ", every byte verified");
+    printf("kvpipe bench --pipe: %ld x %zu B via %s, %s send: %.3f GB/s in %.3f s, %" PRIu64
+           " errors%s\n",
+           ops, o->tensor_size, tr ? tr : "?", o->in_place ? "in-place" : "copying", gbps, secs,
+           errors,
+           errors      ? ""
+           : o->verify ? ", every byte verified"
+                       : ", every block's stamp verified");
     if (o->json)
         printf("{\"gbps\": %.4f, \"bytes\": %" PRIu64 ", \"ops\": %ld, \"errors\": %" PRIu64
-               ", \"seconds\": %.3f, \"tensor_size\": %zu, \"transport\": \"%s\"}\n",
-               gbps, bytes, ops, errors, secs, o->tensor_size, tr ? tr : "?");
+               ", \"seconds\": %.3f, \"tensor_size\": %zu, \"transport\": \"%s\", "
+               "\"send\": \"%s\"}\n",
+               gbps, bytes, ops, errors, secs, o->tensor_size, tr ? tr : "?",
+               o->in_place ? "in-place" : "copy");
     fflush(stdout);
 }
 
@@ -362,7 +463,7 @@ static kvp_status receive_preamble(const bp_opts *o, kvp_pipe *pipe)
 
 static int run_receiver(const bp_opts *o)
 {
-    verifier v = {.n = o->tensor_size, .ref = malloc(BLOCK)};
+    verifier v = {.n = o->tensor_size, .ref = malloc(BLOCK), .full = o->verify};
     kvp_pipe *pipe = v.ref ? open_pipe(o, 1) : NULL;
     if (!pipe) {
         free(v.ref);

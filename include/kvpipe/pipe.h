@@ -8,7 +8,8 @@
  *   send: serialise the tensor as a safetensors file holding one tensor named
  *         "tensor" straight into a managed (registered) buffer of the transfer
  *         engine — the one copy — and announce it on ZeroMQ as two frames,
- *         u64 big-endian address and u64 big-endian length.
+ *         u64 big-endian address and u64 big-endian length. A tensor built
+ *         in such a buffer (kvp_pipe_tensor_alloc) is sent with no copy.
  *   recv: READ the announced range from the peer's segment into a local
  *         managed buffer, reply with the 3-byte frame "ACK" (the sender then
  *         frees its buffer), and hand out a tensor whose data lives in that
@@ -149,6 +150,38 @@ kvp_status kvp_pipe_open(const kvp_pipe_config *cfg, int local_rank, int kv_rank
  * peer. KVP_ENOMEM when the engine cannot allocate the buffer. On any error
  * nothing was sent and the pipe can go on. */
 kvp_status kvp_pipe_send(kvp_pipe *pipe, const kvp_tensor *t);
+
+/* ------------------------------------------------ sending without a copy --- */
+
+/* kvp_pipe_send() copies the tensor once into registered memory. A producer
+ * that can write its tensor straight into registered memory saves that copy:
+ *
+ *   kvp_tensor *t;
+ *   kvp_pipe_tensor_alloc(pipe, KVP_DTYPE_BF16, 3, shape, &t);
+ *   fill(t->data);                   // e.g. the device-to-host copy of the KV
+ *   kvp_pipe_send_take(pipe, t);     // announced in place; t is the pipe's now
+ *
+ * The wire is unchanged (the message is a safetensors file; its header is
+ * written into room kept in front of the data), so the peer may be any
+ * MooncakePipe. */
+
+/* A heap tensor of the given dtype and shape whose data lies in a managed
+ * buffer of the pipe's engine, with room in front for the message header.
+ * The data is 256-byte aligned and its contents are unspecified (recycled
+ * memory is not cleared). Hand it to kvp_pipe_send_take(), or release it with
+ * kvp_tensor_free(), also after kvp_pipe_close(). Errors: KVP_EINVAL for a bad
+ * dtype or shape, KVP_ENOMEM, KVP_ECLOSED for an unusable pipe. */
+kvp_status kvp_pipe_tensor_alloc(kvp_pipe *pipe, kvp_dtype dtype, int ndim, const int64_t *shape,
+                                 kvp_tensor **out);
+
+/* Send t, a tensor from kvp_pipe_tensor_alloc() of this pipe, without copying
+ * its bytes. Its dtype and shape may have been changed since the allocation as
+ * long as the bytes still fit (and data was not moved). On KVP_OK the pipe owns
+ * t: do not touch t or its data again; the buffer is freed when the peer
+ * acknowledges. On an error nothing was sent and t is still the caller's, data
+ * intact, to retry or free. Waits and errors as kvp_pipe_send(), plus KVP_EINVAL
+ * for a tensor that did not come from kvp_pipe_tensor_alloc() of this pipe. */
+kvp_status kvp_pipe_send_take(kvp_pipe *pipe, kvp_tensor *t);
 
 /* Receive the next tensor. *out is a heap tensor to release with
  * kvp_tensor_free(), or NULL for None. Its data lives in a managed buffer of the

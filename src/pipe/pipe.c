@@ -73,17 +73,32 @@ struct kvp_pipe {
     atomic_int closing; /* written under lock, read anywhere */
     kvp_pipe_stats stats;
 
+    /* The buffer a sender is announcing (under send_lock), and whether an ACK
+     * took its queue entry meanwhile; both under lock. */
+    void *posting;
+    int posting_acked;
+
     int peer_open; /* under recv_lock */
     kvp_segment_id peer_seg;
 };
 
-/* A received tensor: the struct kvp_tensor_free() frees, and what its release
- * needs. t must stay the first member. */
-typedef struct received {
+/* Room in front of the data of a kvp_pipe_tensor_alloc() tensor for the
+ * message header (8 + the longest header), rounded up to 256 so that the data
+ * keeps the buffer pool's 256-byte alignment. */
+#define SEND_PREFIX 1280
+_Static_assert(SEND_PREFIX >= 8 + KVPI_SAFETENSORS_HEADER_CAP && SEND_PREFIX % 256 == 0,
+               "SEND_PREFIX must hold a header and keep 256-byte alignment");
+
+/* A heap tensor whose data lives in a managed buffer of the pipe's engine:
+ * one from kvp_pipe_recv() or kvp_pipe_tensor_alloc(). kvp_tensor_free() frees
+ * the struct, its release returns the buffer. t must stay the first member. */
+typedef struct held {
     kvp_tensor t;
     kvp_pipe *pipe;
     void *buf;
-} received;
+    int sendable; /* from kvp_pipe_tensor_alloc(): data at buf + SEND_PREFIX */
+    size_t room;  /* sendable: data bytes the buffer holds */
+} held;
 
 void kvp_pipe_opts_init(kvp_pipe_opts *opts)
 {
@@ -108,12 +123,12 @@ static void pipe_unref(kvp_pipe *p)
     free(p);
 }
 
-static void release_received(void *owner, void *data)
+static void release_held(void *owner, void *data)
 {
     (void)data;
-    received *r = owner;
-    kvp_engine_free(r->pipe->engine, r->buf);
-    pipe_unref(r->pipe);
+    held *h = owner;
+    kvp_engine_free(h->pipe->engine, h->buf);
+    pipe_unref(h->pipe); /* kvp_tensor_free() frees h itself: t is its first member */
 }
 
 /* ------------------------------------------------------------- sockets --- */
@@ -239,24 +254,28 @@ static inflight q_pop_head(kvp_pipe *p)
     return e;
 }
 
-/* Take back the newest entry if it is still buf (a stray ACK may have taken it). */
-static int q_drop_tail(kvp_pipe *p, void *buf)
+/* Take the newest entry back. Only for the entry being posted, which is the
+ * newest as long as no ACK popped it (sends are serialised; ACKs pop the head). */
+static void q_drop_tail(kvp_pipe *p)
 {
-    if (p->q_count == 0) return 0;
     inflight *e = &p->q[(p->q_head + p->q_count - 1) % p->q_cap];
-    if (e->buf != buf) return 0;
     p->inflight_bytes -= e->len;
     p->q_count--;
-    return 1;
 }
 
 /* One ACK message: the oldest buffer in flight is free. Like vLLM, any single
- * message on the ACK socket counts; one that is not "ACK" is logged. */
+ * message on the ACK socket counts; one that is not "ACK" is logged. An ACK
+ * that pops the buffer still being announced leaves it to its sender (post()),
+ * which may yet have to take it back. */
 static void handle_ack(kvp_pipe *p, int frames, int ok)
 {
     pthread_mutex_lock(&p->lock);
     int have = p->q_count > 0;
     inflight e = have ? q_pop_head(p) : (inflight){NULL, 0};
+    if (have && e.buf == p->posting) {
+        p->posting_acked = 1;
+        e.buf = NULL;
+    }
     if (!ok || frames != 1 || !have) p->stats.bad_acks++;
     if (have) p->stats.acks++;
     pthread_cond_broadcast(&p->room);
@@ -267,7 +286,7 @@ static void handle_ack(kvp_pipe *p, int frames, int ok)
     else if (!ok || frames != 1)
         KVPI_WARN("pipe %s: malformed ACK from %s (%d frames), taken as an ACK",
                   p->ep.local_segment, p->ep.peer_segment, frames);
-    if (have) kvp_engine_free(p->engine, e.buf);
+    if (e.buf) kvp_engine_free(p->engine, e.buf);
 }
 
 static void *ack_main(void *arg)
@@ -451,36 +470,43 @@ static kvp_status announce(kvp_pipe *p, const void *buf, size_t len, uint64_t de
     return KVP_OK;
 }
 
-/* Serialise t into a new managed buffer and queue it for its ACK. */
-static kvp_status stage(kvp_pipe *p, const kvp_tensor *t, size_t size, void **out)
+/* Queue the managed buffer buf for its ACK and announce the message msg of
+ * size bytes inside it. Caller holds send_lock. On success buf belongs to the
+ * queue (freed on its ACK); on error nothing was announced and buf is the
+ * caller's again, even when a stray ACK popped its queue entry meanwhile. */
+static kvp_status post(kvp_pipe *p, void *buf, const void *msg, size_t size, uint64_t deadline)
 {
-    void *buf = NULL;
-    kvp_status st = kvp_engine_alloc(p->engine, size, &buf);
-    if (st) return st;
-    size_t written;
-    if ((st = kvpi_safetensors_write(t, buf, size, &written))) goto fail;
     pthread_mutex_lock(&p->lock);
     /* Queued before the announcement goes out, since its ACK may come at once. */
     int full = q_push(p, buf, size);
-    pthread_mutex_unlock(&p->lock);
-    if (full) {
-        st = kvpi_error(KVP_ENOMEM, "pipe: out of memory");
-        goto fail;
+    if (!full) {
+        p->posting = buf;
+        p->posting_acked = 0;
     }
-    *out = buf;
-    return KVP_OK;
-fail:
-    kvp_engine_free(p->engine, buf);
+    pthread_mutex_unlock(&p->lock);
+    if (full) return kvpi_error(KVP_ENOMEM, "pipe: out of memory");
+    kvp_status st = announce(p, msg, size, deadline);
+    pthread_mutex_lock(&p->lock);
+    int acked = p->posting_acked;
+    p->posting = NULL;
+    if (st == KVP_OK) {
+        p->stats.sent++;
+        p->stats.bytes_sent += size;
+    } else if (!acked) {
+        q_drop_tail(p);
+        pthread_cond_broadcast(&p->room);
+    }
+    pthread_mutex_unlock(&p->lock);
+    /* Acknowledged before announce() returned: the ACK left the buffer to us. */
+    if (st == KVP_OK && acked) kvp_engine_free(p->engine, buf);
     return st;
 }
 
-static void unstage(kvp_pipe *p, void *buf)
+static kvp_status begin_send(kvp_pipe *p, size_t size, uint64_t deadline)
 {
-    pthread_mutex_lock(&p->lock);
-    int mine = q_drop_tail(p, buf);
-    pthread_cond_broadcast(&p->room);
-    pthread_mutex_unlock(&p->lock);
-    if (mine) kvp_engine_free(p->engine, buf);
+    if (!kvp_pipe_usable(p))
+        return kvpi_error(KVP_ECLOSED, "pipe %s can no longer be used", p->ep.local_segment);
+    return wait_for_room(p, size, deadline);
 }
 
 kvp_status kvp_pipe_send(kvp_pipe *p, const kvp_tensor *t)
@@ -497,23 +523,87 @@ kvp_status kvp_pipe_send(kvp_pipe *p, const kvp_tensor *t)
     if (st) return st;
     uint64_t deadline = kvpi_now_ms() + (uint64_t)p->opts.send_timeout_ms;
     pthread_mutex_lock(&p->send_lock);
-    if (!kvp_pipe_usable(p)) {
-        st = kvpi_error(KVP_ECLOSED, "pipe %s can no longer be used", p->ep.local_segment);
-        goto out;
-    }
     void *buf = NULL;
-    if ((st = wait_for_room(p, size, deadline))) goto out;
-    if ((st = stage(p, t, size, &buf))) goto out;
-    if ((st = announce(p, buf, size, deadline))) {
-        unstage(p, buf);
-        goto out;
-    }
-    pthread_mutex_lock(&p->lock);
-    p->stats.sent++;
-    p->stats.bytes_sent += size;
-    pthread_mutex_unlock(&p->lock);
-out:
+    size_t written;
+    if ((st = begin_send(p, size, deadline)) == KVP_OK &&
+        (st = kvp_engine_alloc(p->engine, size, &buf)) == KVP_OK &&
+        ((st = kvpi_safetensors_write(t, buf, size, &written)) ||
+         (st = post(p, buf, buf, size, deadline))))
+        kvp_engine_free(p->engine, buf);
     pthread_mutex_unlock(&p->send_lock);
+    return st;
+}
+
+kvp_status kvp_pipe_tensor_alloc(kvp_pipe *p, kvp_dtype dtype, int ndim, const int64_t *shape,
+                                 kvp_tensor **out)
+{
+    if (!p || !out || (ndim > 0 && !shape))
+        return kvpi_error(KVP_EINVAL, "pipe tensor_alloc: NULL argument");
+    size_t nbytes;
+    kvp_status st = kvp_tensor_size(dtype, ndim, shape, NULL, &nbytes);
+    if (st) return st;
+    if (nbytes > SIZE_MAX - SEND_PREFIX)
+        return kvpi_error(KVP_EINVAL, "pipe tensor_alloc: %zu bytes is too large", nbytes);
+    if (!kvp_pipe_usable(p))
+        return kvpi_error(KVP_ECLOSED, "pipe %s can no longer be used", p->ep.local_segment);
+    held *h = calloc(1, sizeof *h);
+    if (!h) return kvpi_error(KVP_ENOMEM, "pipe: out of memory");
+    if ((st = kvp_engine_alloc(p->engine, SEND_PREFIX + nbytes, &h->buf))) {
+        free(h);
+        return st;
+    }
+    kvp_tensor_init(&h->t, dtype, ndim, shape, (char *)h->buf + SEND_PREFIX);
+    h->t.release = release_held;
+    h->t.owner = h;
+    h->pipe = p;
+    h->sendable = 1;
+    h->room = nbytes;
+    atomic_fetch_add(&p->refs, 1);
+    *out = &h->t;
+    return KVP_OK;
+}
+
+/* The held struct behind t when t is a sendable tensor of pipe p. */
+static held *sendable_of(kvp_pipe *p, kvp_tensor *t)
+{
+    held *h = t->release == release_held ? t->owner : NULL;
+    return h && &h->t == t && h->sendable && h->pipe == p ? h : NULL;
+}
+
+kvp_status kvp_pipe_send_take(kvp_pipe *p, kvp_tensor *t)
+{
+    if (!p || !t) return kvpi_error(KVP_EINVAL, "pipe send_take: NULL argument");
+    held *h = sendable_of(p, t);
+    if (!h)
+        return kvpi_error(KVP_EINVAL,
+                          "pipe %s: send_take needs a tensor from kvp_pipe_tensor_alloc() of this "
+                          "pipe (use kvp_pipe_send() for others)",
+                          p->ep.local_segment);
+    if (t->data != (char *)h->buf + SEND_PREFIX || t->nbytes > h->room)
+        return kvpi_error(KVP_EINVAL,
+                          "pipe %s: send_take: the tensor's data pointer or size (%zu bytes, %zu "
+                          "allocated) changed since kvp_pipe_tensor_alloc()",
+                          p->ep.local_segment, t->nbytes, h->room);
+    char hdr[KVPI_SAFETENSORS_HEADER_CAP];
+    size_t hlen;
+    kvp_status st = kvpi_safetensors_header(t, hdr, &hlen);
+    if (st) return st;
+    size_t size = 8 + hlen + t->nbytes;
+    uint8_t *msg = (uint8_t *)t->data - 8 - hlen;
+    uint64_t deadline = kvpi_now_ms() + (uint64_t)p->opts.send_timeout_ms;
+    pthread_mutex_lock(&p->send_lock);
+    if ((st = begin_send(p, size, deadline)) == KVP_OK) {
+        /* The header goes right in front of the data: the bytes stay in place. */
+        kvpi_put_le64(msg, hlen);
+        memcpy(msg + 8, hdr, hlen);
+        st = post(p, h->buf, msg, size, deadline);
+    }
+    pthread_mutex_unlock(&p->send_lock);
+    if (st == KVP_OK) {
+        /* The queue owns the buffer now; the struct and its reference go. */
+        free(h);
+        pipe_unref(p);
+    }
     return st;
 }
 
@@ -666,18 +756,18 @@ static kvp_status deliver(kvp_pipe *p, void *buf, size_t len, kvp_tensor **out)
         *out = NULL;
         return KVP_OK;
     }
-    received *r = malloc(sizeof *r);
-    if (!r) {
+    held *h = calloc(1, sizeof *h);
+    if (!h) {
         kvp_engine_free(p->engine, buf);
         return kvpi_error(KVP_ENOMEM, "pipe: out of memory");
     }
-    r->t = t;
-    r->t.release = release_received;
-    r->t.owner = r;
-    r->pipe = p;
-    r->buf = buf;
+    h->t = t;
+    h->t.release = release_held;
+    h->t.owner = h;
+    h->pipe = p;
+    h->buf = buf;
     atomic_fetch_add(&p->refs, 1);
-    *out = &r->t;
+    *out = &h->t;
     return KVP_OK;
 }
 

@@ -11,13 +11,9 @@
 /* Largest integer a JSON number (a double in cJSON) carries exactly. */
 #define JSON_INT_MAX 9007199254740992.0
 
-/* Room for the longest header the writer produces: 32 dimensions of 20 digits
- * plus the fixed text. */
-#define HEADER_CAP 1024
+#define HEADER_CAP KVPI_SAFETENSORS_HEADER_CAP
 
-/* Format the header of t into hdr and return its length padded to a multiple
- * of 8 (the padding spaces are written too). */
-static kvp_status format_header(const kvp_tensor *t, char *hdr, size_t *padded)
+kvp_status kvpi_safetensors_header(const kvp_tensor *t, char *hdr, size_t *padded)
 {
     size_t nbytes;
     kvp_status st = kvp_tensor_size(t->dtype, t->ndim, t->shape, NULL, &nbytes);
@@ -44,7 +40,7 @@ kvp_status kvpi_safetensors_size(const kvp_tensor *t, size_t *out)
     if (!t || !out) return kvpi_error(KVP_EINVAL, "safetensors size: NULL argument");
     char hdr[HEADER_CAP];
     size_t hlen;
-    kvp_status st = format_header(t, hdr, &hlen);
+    kvp_status st = kvpi_safetensors_header(t, hdr, &hlen);
     if (st) return st;
     if (t->nbytes > SIZE_MAX - 8 - hlen)
         return kvpi_error(KVP_EINVAL, "tensor of %zu bytes too large to encode", t->nbytes);
@@ -58,7 +54,7 @@ kvp_status kvpi_safetensors_write(const kvp_tensor *t, void *buf, size_t cap, si
     if (t->nbytes && !t->data) return kvpi_error(KVP_EINVAL, "tensor data is NULL");
     char hdr[HEADER_CAP];
     size_t hlen;
-    kvp_status st = format_header(t, hdr, &hlen);
+    kvp_status st = kvpi_safetensors_header(t, hdr, &hlen);
     if (st) return st;
     if (cap < 8 + hlen || cap - 8 - hlen < t->nbytes)
         return kvpi_error(KVP_EINVAL, "buffer of %zu bytes too small for a %zu-byte tensor", cap,

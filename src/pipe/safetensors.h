@@ -22,6 +22,16 @@
 /* safetensors' own bound on the header (100 MB). */
 #define KVPI_SAFETENSORS_MAX_HEADER 100000000u
 
+/* Room for the longest header the writer produces: 32 dimensions of 20 digits
+ * plus the fixed text, padded. */
+#define KVPI_SAFETENSORS_HEADER_CAP 1024
+
+/* Format the JSON header of t into hdr (KVPI_SAFETENSORS_HEADER_CAP bytes),
+ * space-padded to a multiple of 8; *padded gets its length. KVP_EINVAL when
+ * t->nbytes does not match its dtype and shape. The message is then
+ * u64 LE *padded | hdr | the tensor's bytes. */
+kvp_status kvpi_safetensors_header(const kvp_tensor *t, char *hdr, size_t *padded);
+
 /* The exact encoded size of t (8 + padded header + t->nbytes). */
 kvp_status kvpi_safetensors_size(const kvp_tensor *t, size_t *out);
 
