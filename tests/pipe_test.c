@@ -59,8 +59,6 @@ typedef struct setup {
 
 static int make_setup(setup *s, int p2p)
 {
-    s->base = pick_base();
-    if (s->base < 0) return -1;
     char meta[128];
     if (p2p) {
         snprintf(meta, sizeof meta, "P2PHANDSHAKE");
@@ -69,6 +67,9 @@ static int make_setup(setup *s, int p2p)
         if (port < 0) return -1;
         snprintf(meta, sizeof meta, "http://127.0.0.1:%d/metadata", port);
     }
+    /* After the store is listening, so that the block cannot include its port. */
+    s->base = pick_base();
+    if (s->base < 0) return -1;
     snprintf(s->json, sizeof s->json,
              "{\"prefill_url\":\"127.0.0.1:%d\",\"decode_url\":\"127.0.0.1:%d\","
              "\"metadata_server\":\"%s\",\"protocol\":\"tcp\"}",

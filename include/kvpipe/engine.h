@@ -58,6 +58,10 @@ typedef struct kvp_engine_opts {
     size_t slice_size;
     /* Non-zero: never use the same-host transport automatically. */
     int disable_shm;
+    /* Bytes of fully free managed-buffer chunks kept mapped for reuse; chunks
+     * beyond it are unmapped. 0: the default, 1 GiB. Fresh memory costs page
+     * faults on first touch, so keep the memory a workload cycles through. */
+    size_t pool_retain_bytes;
 } kvp_engine_opts;
 
 /* Fill opts with the defaults above and NULL strings. */

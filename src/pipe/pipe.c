@@ -316,6 +316,18 @@ static void *ack_main(void *arg)
 
 /* ---------------------------------------------------------------- open --- */
 
+/* The engine's pool keeps twice kv_buffer_size (at least 1 GiB) of free
+ * chunks: a full budget in flight plus as much again being prepared or held
+ * by the receiver. With less, a pipe running at its budget keeps unmapping
+ * chunks and faulting fresh ones in (64 MiB tensors under the default 1e9
+ * budget need 16 chunks of 66 MiB on the sender alone). */
+static size_t pool_retention(const kvp_pipe_opts *o)
+{
+    size_t floor = (size_t)1 << 30;
+    size_t want = o->kv_buffer_size > SIZE_MAX / 2 ? SIZE_MAX : o->kv_buffer_size * 2;
+    return want > floor ? want : floor;
+}
+
 static kvp_status create_engine(kvp_pipe *p, const kvp_pipe_config *cfg)
 {
     char *conn = NULL;
@@ -329,6 +341,7 @@ static kvp_status create_engine(kvp_pipe *p, const kvp_pipe_config *cfg)
     eo.device_names = cfg->device_name[0] ? cfg->device_name : NULL;
     eo.timeout_ms = p->opts.io_timeout_ms;
     eo.disable_shm = p->opts.disable_shm;
+    eo.pool_retain_bytes = pool_retention(&p->opts);
     st = kvp_engine_create(&eo, &p->engine);
     free(conn);
     return st;
