@@ -911,22 +911,36 @@ static const char *peer_transport(kvp_pipe *pipe)
     return name ? name : "";
 }
 
+/* The receiver READ over shm when this build has the same-host transport,
+ * over tcp otherwise. */
+static void expect_same_host_transport(kvp_pipe *pipe, int rank)
+{
+    const char *want = kvpi_transport_lookup("shm") ? "shm" : "tcp";
+    if (rank == 1) CHECK(strcmp(peer_transport(pipe), want) == 0);
+}
+
 static int dtypes_side_on_shm(kvp_pipe *pipe, int rank)
 {
     dtypes_side(pipe, rank);
-    /* shm when this build has the same-host transport, tcp otherwise. */
-    const char *want = kvpi_transport_lookup("shm") ? "shm" : "tcp";
-    if (rank == 1) CHECK(strcmp(peer_transport(pipe), want) == 0);
+    expect_same_host_transport(pipe, rank);
     return 0;
 }
 
-static void test_same_host_transport_allowed(void)
+/* Run fn on both sides with the same-host transport allowed; kv_buffer_size 0
+ * keeps the default. */
+static void run_pair_same_host(side_fn fn, size_t kv_buffer_size)
 {
     setup s;
     REQUIRE(make_setup(&s, 0) == 0);
     kvp_pipe_opts o = tcp_opts();
     o.disable_shm = 0;
-    run_pair(&s, &o, &o, dtypes_side_on_shm, dtypes_side_on_shm);
+    if (kv_buffer_size) o.kv_buffer_size = kv_buffer_size;
+    run_pair(&s, &o, &o, fn, fn);
+}
+
+static void test_same_host_transport_allowed(void)
+{
+    run_pair_same_host(dtypes_side_on_shm, 0);
 }
 
 /* ------------------------------------------ sending without a copy --- */
@@ -1064,19 +1078,13 @@ static void test_send_in_place_tcp(void)
 static int inplace_side_on_shm(kvp_pipe *pipe, int rank)
 {
     inplace_side(pipe, rank);
-    const char *want = kvpi_transport_lookup("shm") ? "shm" : "tcp";
-    if (rank == 1) CHECK(strcmp(peer_transport(pipe), want) == 0);
+    expect_same_host_transport(pipe, rank);
     return 0;
 }
 
 static void test_send_in_place_shm(void)
 {
-    setup s;
-    REQUIRE(make_setup(&s, 0) == 0);
-    kvp_pipe_opts o = tcp_opts();
-    o.disable_shm = 0;
-    o.kv_buffer_size = 1u << 20;
-    run_pair(&s, &o, &o, inplace_side_on_shm, inplace_side_on_shm);
+    run_pair_same_host(inplace_side_on_shm, 1u << 20);
 }
 
 /* Without a peer: a failed send_take leaves the tensor with its caller, data
