@@ -1114,6 +1114,96 @@ static void test_send_in_place_no_peer(void)
     kvp_tensor_free(t);
 }
 
+/* ACKs from a misbehaving peer. A fake decode binds only its ACK socket and
+ * never takes announcements, so each send blocks in its announcement until
+ * the send timeout; an ACK arriving meanwhile pops the very buffer being
+ * announced. The failed send must then keep that buffer (send_take: the
+ * caller's tensor stays intact and allocated), not free it under the caller. */
+typedef struct ack_later {
+    void *sock;
+    int delay_ms;
+} ack_later;
+
+static void *send_ack_later(void *arg)
+{
+    ack_later *a = arg;
+    usleep((useconds_t)a->delay_ms * 1000);
+    zmq_send(a->sock, "ACK", 3, 0);
+    return NULL;
+}
+
+static void ack_during(void *sock, pthread_t *th, ack_later *a)
+{
+    a->sock = sock;
+    a->delay_ms = 500;
+    REQUIRE(pthread_create(th, NULL, send_ack_later, a) == 0);
+}
+
+static void test_ack_while_announcing(void)
+{
+    setup s;
+    REQUIRE(make_setup(&s, 1) == 0);
+    kvp_pipe_config *cfg;
+    REQUIRE_OK(kvp_pipe_config_parse(s.json, strlen(s.json), &cfg));
+    kvp_pipe_endpoints dec;
+    REQUIRE_OK(kvp_pipe_config_endpoints(cfg, 0, 1, &dec));
+    kvp_pipe_config_free(cfg);
+    void *ctx = zmq_ctx_new();
+    void *ack = zmq_socket(ctx, ZMQ_PUSH);
+    int zero = 0;
+    zmq_setsockopt(ack, ZMQ_LINGER, &zero, sizeof zero);
+    char ep[64];
+    snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", dec.ack_port);
+    REQUIRE(zmq_bind(ack, ep) == 0);
+
+    kvp_pipe_opts o = tcp_opts();
+    o.send_timeout_ms = 2000;
+    kvp_pipe *pipe;
+    REQUIRE_OK(open_side(s.json, 0, &o, &pipe));
+    /* A stray ACK with nothing in flight is counted and ignored. */
+    zmq_send(ack, "ACK", 3, 0);
+    kvp_pipe_stats st = {0};
+    for (int i = 0; i < 100 && st.bad_acks == 0; i++) {
+        usleep(20000);
+        kvp_pipe_get_stats(pipe, &st);
+    }
+    CHECK(st.bad_acks == 1 && st.acks == 0);
+
+    int64_t n = 1 << 20;
+    kvp_tensor *t;
+    REQUIRE_OK(kvp_pipe_tensor_alloc(pipe, KVP_DTYPE_U8, 1, &n, &t));
+    kvpt_fill(t->data, t->nbytes, 21);
+    pthread_t th;
+    ack_later a;
+    ack_during(ack, &th, &a);
+    CHECK_ST(kvp_pipe_send_take(pipe, t), KVP_ETIMEDOUT);
+    pthread_join(th, NULL);
+    kvp_pipe_get_stats(pipe, &st);
+    CHECK(st.acks == 1 && st.inflight_count == 0 && st.inflight_bytes == 0 && st.sent == 0);
+    /* Still the caller's: intact, and not handed out again by the pool. */
+    CHECK(kvpt_verify(t->data, t->nbytes, 21) == (size_t)-1);
+    kvp_tensor *other;
+    REQUIRE_OK(kvp_pipe_tensor_alloc(pipe, KVP_DTYPE_U8, 1, &n, &other));
+    CHECK(other->data != t->data);
+    kvp_tensor_free(other);
+    kvp_tensor_free(t);
+
+    /* The copying send: its buffer is freed once, by the send (ASan/valgrind
+     * would see a double free). */
+    static uint8_t buf[4096];
+    int64_t m = sizeof buf;
+    kvp_tensor c;
+    kvp_tensor_init(&c, KVP_DTYPE_U8, 1, &m, buf);
+    ack_during(ack, &th, &a);
+    CHECK_ST(kvp_pipe_send(pipe, &c), KVP_ETIMEDOUT);
+    pthread_join(th, NULL);
+    kvp_pipe_get_stats(pipe, &st);
+    CHECK(st.acks == 2 && st.inflight_count == 0 && st.sent == 0);
+    kvp_pipe_close(pipe);
+    zmq_close(ack);
+    zmq_ctx_term(ctx);
+}
+
 /* ------------------------------------------------------------ the CLI --- */
 
 /* Run the CLI with args; returns its exit code and leaves stdout in out. */
@@ -1205,6 +1295,7 @@ int main(int argc, char **argv)
     CASE(test_send_in_place_tcp, 120);
     CASE(test_send_in_place_shm, 120);
     CASE(test_send_in_place_no_peer, 60);
+    CASE(test_ack_while_announcing, 60);
     CASE(test_cli_demo, 120);
     CASE(test_cli_bench_pipe, 120);
     CASE(test_stress_500_rounds, 240);
