@@ -25,6 +25,10 @@ if command -v valgrind >/dev/null; then
     done
     echo "valgrind: engine_test (tcp cases)"
     KVPT_FILTER=tcp_ "${vg[@]}" build/tests/engine_test >/dev/null
+    echo "valgrind: pipe_test (one-process cases)"
+    for c in no_peer ack_while_announcing; do
+        "${vg[@]}" build/tests/pipe_test "$c" >/dev/null
+    done
 fi
 
 cmake -S . -B build-asan -DKVP_WERROR=ON -DKVP_SANITIZE=ON >/dev/null
