@@ -1,8 +1,8 @@
 /* Internal declarations shared by the files of the kvpipe Python module.
  *
  * The module is one extension, `kvpipe`, made of: kvpipe_module.c (module,
- * exceptions, helpers), engine_py.c (TransferEngine), tensor_py.c (the received
- * tensor object: DLPack + buffer protocol) and pipe_py.c (Pipe).
+ * exceptions, helpers), engine_py.c (TransferEngine), tensor_py.c (the tensor
+ * object: DLPack + buffer protocol) and pipe_py.c (Pipe).
  *
  * Everything here runs with the GIL held unless a comment says otherwise.
  */
@@ -56,9 +56,24 @@ typedef void (*kvpy_release_fn)(void *ctx);
  * dtype with ndim dims of shape (copied). The tensor owns ctx: release(ctx)
  * runs once the tensor and every export of it (buffer views, DLPack capsules
  * and the arrays made from them) are gone; it also runs if this call fails.
+ * take_tag non-NULL lets kvpy_tensor_take_begin() with the same tag take ctx
+ * away (Pipe.alloc_tensor: the kvp_pipe); NULL: nobody can.
  * dtype must be one kvpy_dtype_format() knows. Returns NULL with an exception. */
 PyObject *kvpy_tensor_new(void *data, DLDataType dtype, int ndim, const int64_t *shape,
-                          kvpy_release_fn release, void *ctx);
+                          kvpy_release_fn release, void *ctx, const void *take_tag);
+
+/* Start taking the memory of obj away from it, for Pipe.send_tensor_take():
+ * obj must be a kvpipe.Tensor made with this take_tag, not taken and with no
+ * live export (else TypeError / ValueError / BufferError, saying which, and
+ * NULL). Returns its ctx; until kvpy_tensor_take_end() the tensor refuses new
+ * exports and other takes, so the GIL may be released meanwhile. The caller
+ * holds a reference to obj until then. */
+void *kvpy_tensor_take_begin(PyObject *obj, const void *take_tag);
+
+/* End a take: taken non-zero when ctx now belongs to the taker — the tensor
+ * never releases it, and every export and data_ptr() raises ValueError from
+ * now on; 0 leaves the tensor as it was before kvpy_tensor_take_begin(). */
+void kvpy_tensor_take_end(PyObject *obj, int taken);
 
 /* The buffer-protocol format of a dtype and its item size, or NULL when the
  * dtype has none. bfloat16 is exported as 'H' and float8 as 'B': the raw bits,
@@ -67,6 +82,9 @@ const char *kvpy_dtype_format(DLDataType dtype, size_t *itemsize);
 
 /* The dtype's name as torch spells it ("float32", "bfloat16", "float8_e4m3fn"). */
 const char *kvpy_dtype_name(DLDataType dtype);
+
+/* The dtype of such a name; -1 (no exception) when there is none. */
+int kvpy_dtype_from_name(const char *name, DLDataType *out);
 
 /* Type objects, set up by the module init. */
 extern PyTypeObject kvpy_engine_type;

@@ -6,6 +6,17 @@
  * kvpipe.Tensor whose data lives in the buffer the peer's bytes were READ into
  * (no copy), or None.
  *
+ * Sending without the copy: alloc_tensor() returns a kvpipe.Tensor whose data
+ * already lies in registered memory (kvp_pipe_tensor_alloc); the caller fills
+ * it through numpy / torch / memoryview and send_tensor_take() announces it in
+ * place (kvp_pipe_send_take). The pipe then owns the memory and frees it when
+ * the peer acknowledges, so the take is refused (BufferError) while any array,
+ * memoryview or DLPack capsule made from the tensor is alive, and the tensor
+ * is dead afterwards (its exports raise ValueError). A failed take changes
+ * nothing. A tensor never taken is freed with the Tensor, also after close().
+ * Such a tensor is tagged with its kvp_pipe: the library keeps that struct
+ * alive while the tensor lives, so no other pipe can have its address.
+ *
  * Threads: one thread may send while another receives; the GIL is released
  * while either waits. close() refuses while another thread is inside a call.
  */
@@ -404,22 +415,22 @@ static int poll_recv(void *arg, int slice_ms)
     return w->status != KVP_ETIMEDOUT;
 }
 
-static void release_received(void *ctx)
+static void release_pipe_tensor(void *ctx)
 {
     kvp_tensor_free(ctx);
 }
 
-static PyObject *wrap_received(kvp_tensor *t)
+/* A kvpipe.Tensor owning t, a heap tensor of the pipe (received or allocated);
+ * take_tag as kvpy_tensor_new(). t is freed on failure. */
+static PyObject *wrap_pipe_tensor(kvp_tensor *t, const void *take_tag, const char *what)
 {
     DLDataType dt;
     if (dl_from_kvp(t->dtype, &dt)) {
+        int dtype = (int)t->dtype;
         kvp_tensor_free(t);
-        return PyErr_Format(kvpy_error_type,
-                            "recv_tensor: received dtype %d has no DLPack "
-                            "equivalent",
-                            (int)t->dtype);
+        return PyErr_Format(kvpy_error_type, "%s: dtype %d has no DLPack equivalent", what, dtype);
     }
-    return kvpy_tensor_new(t->data, dt, t->ndim, t->shape, release_received, t);
+    return kvpy_tensor_new(t->data, dt, t->ndim, t->shape, release_pipe_tensor, t, take_tag);
 }
 
 static PyObject *pipe_recv_tensor(kvpy_pipe *self, PyObject *args, PyObject *kwds)
@@ -440,7 +451,107 @@ static PyObject *pipe_recv_tensor(kvpy_pipe *self, PyObject *args, PyObject *kwd
         return kvpy_raise_text(KVP_ETIMEDOUT, "recv_tensor: nothing arrived within the timeout");
     if (w.status) return kvpy_raise(w.status, "recv_tensor");
     if (!w.t) Py_RETURN_NONE;
-    return wrap_received(w.t);
+    return wrap_pipe_tensor(w.t, NULL, "recv_tensor");
+}
+
+/* alloc_tensor's dtype: a name as torch spells it, or an object whose str() is
+ * one, possibly after "torch." (numpy.dtype("float32"), torch.float32). */
+static int dtype_conv(PyObject *obj, void *out)
+{
+    PyObject *str = PyObject_Str(obj);
+    Py_ssize_t len = 0;
+    const char *name = str ? PyUnicode_AsUTF8AndSize(str, &len) : NULL;
+    if (!name) {
+        Py_XDECREF(str);
+        return 0;
+    }
+    int ok = strlen(name) == (size_t)len; /* no NUL inside */
+    if (strncmp(name, "torch.", 6) == 0) name += 6;
+    DLDataType dl;
+    ok = ok && kvpy_dtype_from_name(name, &dl) == 0 && kvp_from_dl(dl, out) == 0;
+    Py_DECREF(str);
+    if (!ok)
+        PyErr_Format(PyExc_ValueError,
+                     "alloc_tensor: unknown dtype %R (expected a name such as 'float32', "
+                     "'bfloat16', 'uint8', 'float8_e4m3fn', or a torch.dtype / numpy.dtype of one)",
+                     obj);
+    return ok;
+}
+
+/* alloc_tensor's shape: a sequence of non-negative ints, at most
+ * KVP_TENSOR_MAX_NDIM of them. */
+static int shape_from_object(PyObject *obj, int64_t *shape, int *ndim)
+{
+    PyObject *seq = PySequence_Fast(obj, "alloc_tensor: shape must be a sequence of ints");
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > KVP_TENSOR_MAX_NDIM) {
+        PyErr_Format(PyExc_ValueError, "alloc_tensor: %zd dimensions, at most %d", n,
+                     KVP_TENSOR_MAX_NDIM);
+        Py_DECREF(seq);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *index = PyNumber_Index(PySequence_Fast_GET_ITEM(seq, i));
+        long long d = index ? PyLong_AsLongLong(index) : -1;
+        Py_XDECREF(index);
+        if (d == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        if (d < 0) {
+            PyErr_Format(PyExc_ValueError, "alloc_tensor: dimension %zd is negative (%lld)", i, d);
+            Py_DECREF(seq);
+            return -1;
+        }
+        shape[i] = d;
+    }
+    *ndim = (int)n;
+    Py_DECREF(seq);
+    return 0;
+}
+
+static PyObject *pipe_alloc_tensor(kvpy_pipe *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"shape", "dtype", NULL};
+    PyObject *shape_obj;
+    kvp_dtype dtype = KVP_DTYPE_U8;
+    int64_t shape[KVP_TENSOR_MAX_NDIM];
+    int ndim = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|O&:alloc_tensor", kwlist, &shape_obj,
+                                     dtype_conv, &dtype) ||
+        shape_from_object(shape_obj, shape, &ndim) || pipe_ready(self))
+        return NULL;
+    kvp_tensor *t = NULL;
+    kvp_status st;
+    /* The engine may have to map and register fresh memory. */
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvp_pipe_tensor_alloc(self->pipe, dtype, ndim, shape, &t);
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    if (st) return kvpy_raise(st, "alloc_tensor");
+    return wrap_pipe_tensor(t, self->pipe, "alloc_tensor");
+}
+
+static PyObject *pipe_send_tensor_take(kvpy_pipe *self, PyObject *obj)
+{
+    if (pipe_ready(self)) return NULL;
+    kvp_tensor *t = kvpy_tensor_take_begin(obj, self->pipe);
+    if (!t) return NULL;
+    kvp_status st;
+    /* Until take_end the tensor refuses exports and other takes; the reference
+     * keeps it alive while the GIL is released. */
+    Py_INCREF(obj);
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvp_pipe_send_take(self->pipe, t);
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    kvpy_tensor_take_end(obj, st == KVP_OK);
+    Py_DECREF(obj);
+    if (st) return kvpy_raise(st, "send_tensor_take");
+    Py_RETURN_NONE;
 }
 
 static PyObject *pipe_flush(kvpy_pipe *self, PyObject *args, PyObject *kwds)
@@ -520,6 +631,16 @@ static PyMethodDef pipe_methods[] = {
     {"send_tensor", FN(pipe_send_tensor), METH_O,
      "send_tensor(tensor_or_None)\n\nSend a CPU tensor (DLPack or buffer protocol, contiguous) "
      "or None. The data is copied before this returns. Raises kvpipe.Error."},
+    {"alloc_tensor", FN(pipe_alloc_tensor), METH_VARARGS | METH_KEYWORDS,
+     "alloc_tensor(shape, dtype=\"uint8\") -> kvpipe.Tensor\n\nA writable tensor whose data "
+     "lies in the pipe's registered memory (256-byte aligned, contents unspecified), for "
+     "send_tensor_take(). dtype: a name as torch spells it ('float32', 'bfloat16', ...) or a "
+     "torch / numpy dtype. Raises kvpipe.Error."},
+    {"send_tensor_take", FN(pipe_send_tensor_take), METH_O,
+     "send_tensor_take(tensor)\n\nSend a tensor from this pipe's alloc_tensor() without "
+     "copying it. BufferError while any array, memoryview or DLPack capsule made from it is "
+     "alive. On success the pipe owns the memory and the tensor can no longer be used; on "
+     "kvpipe.Error it is unchanged."},
     {"recv_tensor", FN(pipe_recv_tensor), METH_VARARGS | METH_KEYWORDS,
      "recv_tensor(timeout=None) -> kvpipe.Tensor or None\n\nWait (timeout in seconds; None: no "
      "limit) for the next tensor. Ctrl-C interrupts the wait. Raises kvpipe.Error (status "

@@ -1,11 +1,18 @@
-/* kvpipe.Tensor: a received tensor, exported without a copy through DLPack
- * (__dlpack__ / __dlpack_device__) and the buffer protocol.
+/* kvpipe.Tensor: a tensor in CPU memory, exported without a copy through
+ * DLPack (__dlpack__ / __dlpack_device__) and the buffer protocol.
  *
  * The tensor views memory it does not allocate (for a Pipe: the managed buffer
- * the bytes were READ into) and keeps it alive through an owner context. Every
- * export holds a reference to the tensor, so the memory stays valid until the
- * last numpy array / torch tensor / memoryview made from it is gone; only then
- * does the owner's release run.
+ * the bytes were READ into, or one from Pipe.alloc_tensor()) and keeps it alive
+ * through an owner context. Every export holds a reference to the tensor, so
+ * the memory stays valid until the last numpy array / torch tensor / memoryview
+ * made from it is gone; only then does the owner's release run.
+ *
+ * A tensor from Pipe.alloc_tensor() may instead be handed over whole: the pipe
+ * takes the memory and frees it when the peer acknowledges, long before Python
+ * would. That is only safe while nothing else points into it, so the tensor
+ * counts its live exports (buffer views until released, DLPack managed tensors
+ * until their deleter runs) and a take is refused while any is alive. A taken
+ * tensor keeps its shape and dtype but refuses every export and data_ptr().
  */
 #include "kvpy.h"
 
@@ -24,6 +31,9 @@ typedef struct kvpy_tensor {
     Py_ssize_t *py_strides; /* bytes, for the buffer protocol */
     kvpy_release_fn release;
     void *ctx;
+    const void *take_tag; /* who may take the memory; NULL: nobody */
+    Py_ssize_t exports;   /* live buffer views and DLPack managed tensors */
+    enum { TENSOR_OWNED, TENSOR_TAKING, TENSOR_TAKEN } state;
 } kvpy_tensor;
 
 static PyTypeObject tensor_type;
@@ -79,6 +89,17 @@ const char *kvpy_dtype_name(DLDataType dtype)
     return i < 0 ? "unknown" : dtypes[i].name;
 }
 
+int kvpy_dtype_from_name(const char *name, DLDataType *out)
+{
+    for (size_t i = 0; i < N_DTYPES; i++) {
+        if (strcmp(dtypes[i].name, name) == 0) {
+            *out = (DLDataType){dtypes[i].code, dtypes[i].bits, 1};
+            return 0;
+        }
+    }
+    return -1;
+}
+
 /* ---- lifetime ------------------------------------------------------------------ */
 
 static void tensor_dealloc(kvpy_tensor *self)
@@ -111,7 +132,7 @@ static int tensor_set_shape(kvpy_tensor *t, int ndim, const int64_t *shape)
 }
 
 PyObject *kvpy_tensor_new(void *data, DLDataType dtype, int ndim, const int64_t *shape,
-                          kvpy_release_fn release, void *ctx)
+                          kvpy_release_fn release, void *ctx, const void *take_tag)
 {
     size_t itemsize = 0;
     if (!kvpy_dtype_format(dtype, &itemsize) || ndim < 0) {
@@ -134,6 +155,9 @@ PyObject *kvpy_tensor_new(void *data, DLDataType dtype, int ndim, const int64_t 
     t->py_shape = t->py_strides = NULL;
     t->release = release;
     t->ctx = ctx;
+    t->take_tag = take_tag;
+    t->exports = 0;
+    t->state = TENSOR_OWNED;
     size_t n = 1;
     for (int i = 0; i < ndim; i++)
         n *= (size_t)shape[i];
@@ -143,6 +167,94 @@ PyObject *kvpy_tensor_new(void *data, DLDataType dtype, int ndim, const int64_t 
         return PyErr_NoMemory();
     }
     return (PyObject *)t;
+}
+
+static PyObject *raise_taken(void)
+{
+    PyErr_SetString(PyExc_ValueError,
+                    "kvpipe.Tensor was sent by Pipe.send_tensor_take(); its memory belongs to the "
+                    "pipe now (only shape, dtype, ndim and nbytes can be read)");
+    return NULL;
+}
+
+/* Whether the memory of self can be exported now: a taken tensor's belongs to
+ * the pipe, and one being taken may be gone by the time the export is used.
+ * Returns -1 with the exception set, 0 when exports are fine. */
+static int check_exportable(kvpy_tensor *self)
+{
+    if (self->state == TENSOR_TAKEN) {
+        raise_taken();
+        return -1;
+    }
+    if (self->state == TENSOR_TAKING) {
+        PyErr_SetString(PyExc_BufferError,
+                        "kvpipe.Tensor is being sent by Pipe.send_tensor_take() in another thread");
+        return -1;
+    }
+    return 0;
+}
+
+void *kvpy_tensor_take_begin(PyObject *obj, const void *take_tag)
+{
+    if (!PyObject_TypeCheck(obj, &tensor_type)) {
+        PyErr_Format(PyExc_TypeError,
+                     "send_tensor_take: expected a kvpipe.Tensor from Pipe.alloc_tensor(), not "
+                     "%.100s (send_tensor() sends any tensor, with a copy)",
+                     Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    kvpy_tensor *t = (kvpy_tensor *)obj;
+    if (t->state == TENSOR_TAKEN) {
+        PyErr_SetString(PyExc_ValueError,
+                        "send_tensor_take: this kvpipe.Tensor was sent already; its memory "
+                        "belongs to the pipe now");
+        return NULL;
+    }
+    if (t->state == TENSOR_TAKING) {
+        PyErr_SetString(PyExc_ValueError,
+                        "send_tensor_take: this kvpipe.Tensor is being sent by another thread");
+        return NULL;
+    }
+    if (!t->take_tag) {
+        PyErr_SetString(PyExc_ValueError,
+                        "send_tensor_take: this kvpipe.Tensor did not come from "
+                        "Pipe.alloc_tensor() (a received one?); send it with send_tensor(), "
+                        "which copies");
+        return NULL;
+    }
+    if (t->take_tag != take_tag) {
+        PyErr_SetString(PyExc_ValueError,
+                        "send_tensor_take: this kvpipe.Tensor was allocated by another Pipe (or "
+                        "by this one before it was closed or reopened); send it with "
+                        "send_tensor(), which copies");
+        return NULL;
+    }
+    if (t->exports > 0) {
+        PyErr_Format(PyExc_BufferError,
+                     "send_tensor_take: %zd export(s) of this kvpipe.Tensor are alive (numpy "
+                     "arrays, memoryviews, DLPack capsules or torch tensors made from it); the "
+                     "pipe frees the memory once the peer acknowledges, so delete them first, "
+                     "or send with send_tensor(), which copies",
+                     t->exports);
+        return NULL;
+    }
+    t->state = TENSOR_TAKING;
+    return t->ctx;
+}
+
+void kvpy_tensor_take_end(PyObject *obj, int taken)
+{
+    kvpy_tensor *t = (kvpy_tensor *)obj;
+    if (!taken) {
+        t->state = TENSOR_OWNED;
+        return;
+    }
+    /* The memory is the taker's now: never released, never shown again. */
+    t->state = TENSOR_TAKEN;
+    t->release = NULL;
+    t->ctx = NULL;
+    t->take_tag = NULL;
+    t->data = NULL;
 }
 
 /* ---- DLPack ---------------------------------------------------------------------- */
@@ -158,20 +270,34 @@ static void fill_dltensor(kvpy_tensor *self, DLTensor *dl)
     dl->byte_offset = 0;
 }
 
+/* Every managed tensor counts as an export of its tensor until its deleter
+ * runs: by the consumer once done with the data, or by the capsule's
+ * destructor when nobody consumed it. */
+static kvpy_tensor *export_begin(kvpy_tensor *self)
+{
+    Py_INCREF(self);
+    self->exports++;
+    return self;
+}
+
 /* The deleter may run on any thread, with or without the GIL. */
-static void legacy_deleter(DLManagedTensor *mt)
+static void export_end(kvpy_tensor *self)
 {
     PyGILState_STATE g = PyGILState_Ensure();
-    Py_XDECREF((PyObject *)mt->manager_ctx);
+    self->exports--;
+    Py_DECREF(self);
     PyGILState_Release(g);
+}
+
+static void legacy_deleter(DLManagedTensor *mt)
+{
+    export_end(mt->manager_ctx);
     free(mt);
 }
 
 static void versioned_deleter(DLManagedTensorVersioned *mt)
 {
-    PyGILState_STATE g = PyGILState_Ensure();
-    Py_XDECREF((PyObject *)mt->manager_ctx);
-    PyGILState_Release(g);
+    export_end(mt->manager_ctx);
     free(mt);
 }
 
@@ -195,9 +321,8 @@ static PyObject *legacy_capsule(kvpy_tensor *self)
     DLManagedTensor *mt = calloc(1, sizeof *mt);
     if (!mt) return PyErr_NoMemory();
     fill_dltensor(self, &mt->dl_tensor);
-    mt->manager_ctx = self;
+    mt->manager_ctx = export_begin(self);
     mt->deleter = legacy_deleter;
-    Py_INCREF(self);
     PyObject *capsule = PyCapsule_New(mt, "dltensor", legacy_capsule_free);
     if (!capsule) legacy_deleter(mt);
     return capsule;
@@ -209,10 +334,9 @@ static PyObject *versioned_capsule(kvpy_tensor *self, unsigned minor)
     if (!mt) return PyErr_NoMemory();
     mt->version = (DLPackVersion){KVPY_DLPACK_MAJOR, minor};
     fill_dltensor(self, &mt->dl_tensor);
-    mt->manager_ctx = self;
+    mt->manager_ctx = export_begin(self);
     mt->deleter = versioned_deleter;
     mt->flags = 0; /* writable, not a copy */
-    Py_INCREF(self);
     PyObject *capsule = PyCapsule_New(mt, "dltensor_versioned", versioned_capsule_free);
     if (!capsule) versioned_deleter(mt);
     return capsule;
@@ -236,7 +360,7 @@ static PyObject *tensor_dlpack(kvpy_tensor *self, PyObject *args, PyObject *kwds
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOO:__dlpack__", kwlist, &stream, &max_version,
                                      &dl_device, &copy))
         return NULL;
-    if (check_dl_device(dl_device)) return NULL;
+    if (check_exportable(self) || check_dl_device(dl_device)) return NULL;
     if (copy == Py_True) {
         PyErr_SetString(PyExc_BufferError, "kvpipe.Tensor exports without copying (copy=True "
                                            "is not supported)");
@@ -261,11 +385,16 @@ static PyObject *tensor_dlpack_device(kvpy_tensor *self, PyObject *noargs)
 
 static int tensor_getbuffer(kvpy_tensor *self, Py_buffer *view, int flags)
 {
+    if (check_exportable(self)) {
+        view->obj = NULL;
+        return -1;
+    }
     size_t itemsize = 0;
     const char *format = kvpy_dtype_format(self->dtype, &itemsize);
     view->buf = self->nbytes ? self->data : (void *)empty_data;
     view->obj = (PyObject *)self;
     Py_INCREF(self);
+    self->exports++;
     view->len = (Py_ssize_t)self->nbytes;
     view->readonly = 0;
     view->itemsize = (Py_ssize_t)itemsize;
@@ -280,8 +409,16 @@ static int tensor_getbuffer(kvpy_tensor *self, Py_buffer *view, int flags)
     return 0;
 }
 
+/* PyBuffer_Release() calls this before it drops the view's reference. */
+static void tensor_releasebuffer(kvpy_tensor *self, Py_buffer *view)
+{
+    (void)view;
+    self->exports--;
+}
+
 static PyBufferProcs tensor_as_buffer = {
     .bf_getbuffer = (getbufferproc)tensor_getbuffer,
+    .bf_releasebuffer = (releasebufferproc)tensor_releasebuffer,
 };
 
 /* ---- attributes --------------------------------------------------------------------------- */
@@ -322,6 +459,7 @@ static PyObject *tensor_get_ndim(kvpy_tensor *self, void *closure)
 static PyObject *tensor_data_ptr(kvpy_tensor *self, PyObject *noargs)
 {
     (void)noargs;
+    if (self->state == TENSOR_TAKEN) return raise_taken();
     return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)self->data);
 }
 
@@ -357,8 +495,9 @@ static PyTypeObject tensor_type = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvpipe.Tensor",
     .tp_basicsize = sizeof(kvpy_tensor),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A received tensor in CPU memory. Take it without a copy with "
-              "torch.from_dlpack(t), numpy.from_dlpack(t) or memoryview(t) / numpy.asarray(t).",
+    .tp_doc = "A tensor in CPU memory, from Pipe.recv_tensor() or Pipe.alloc_tensor(). Take it "
+              "without a copy with torch.from_dlpack(t), numpy.from_dlpack(t) or memoryview(t) / "
+              "numpy.asarray(t).",
     .tp_dealloc = (destructor)tensor_dealloc,
     .tp_repr = (reprfunc)tensor_repr,
     .tp_as_buffer = &tensor_as_buffer,

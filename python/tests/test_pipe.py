@@ -1,10 +1,12 @@
 """kvpipe.Pipe: round trips of numpy arrays, None, DLPack producers; zero copy;
-errors; Ctrl-C; a Python pipe talking to a C pipe and to another Python process."""
+sending in place (alloc_tensor + send_tensor_take); errors; Ctrl-C; a Python pipe
+talking to a C pipe and to another Python process."""
 import _thread
 import ctypes
 import os
 import sys
 import threading
+import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -30,6 +32,13 @@ def random_array(dtype, shape, rng):
         return rng.standard_normal(size=shape).astype(dtype)
     info = np.iinfo(dtype)
     return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+
+
+def fill_bytes(t, rng):
+    """Fill t with random bytes through a numpy view (dropped again); return them."""
+    raw = rng.integers(0, 256, size=t.nbytes, dtype=np.uint8)
+    np.asarray(t).reshape(-1).view(np.uint8)[:] = raw
+    return raw.tobytes()
 
 
 def as_numpy(t):
@@ -267,6 +276,303 @@ class PairTests(unittest.TestCase):
         self.assertTrue(torch.equal(x, y))
 
 
+class SendTakeTests(unittest.TestCase):
+    """alloc_tensor + send_tensor_take: sending from registered memory, no copy."""
+
+    def setUp(self):
+        self.cfg = tu.pipe_config()
+        self.prefill = kvpipe.Pipe(self.cfg, 0, 0)
+        self.decode = kvpipe.Pipe(self.cfg, 0, 1)
+        self.rng = np.random.default_rng(5)
+
+    def tearDown(self):
+        self.prefill.close()
+        self.decode.close()
+
+    def take(self, shape, dtype, pipe=None):
+        """Allocate, fill with random bytes, send in place; return what the peer must get."""
+        pipe = pipe or self.prefill
+        t = pipe.alloc_tensor(shape, dtype)
+        raw = fill_bytes(t, self.rng)
+        pipe.send_tensor_take(t)
+        return (dtype, tuple(shape), raw)
+
+    def assert_received(self, got, want):
+        if want is None:
+            self.assertIsNone(got)
+        else:
+            self.assertEqual((got.dtype, got.shape, bytes(memoryview(got))), want)
+
+    def test_alloc_shapes_and_dtypes(self):
+        t = self.prefill.alloc_tensor([])
+        self.assertEqual((t.dtype, t.shape, t.ndim, t.nbytes), ("uint8", (), 0, 1))
+        t = self.prefill.alloc_tensor((2, 0, 3), "float16")
+        self.assertEqual((t.shape, t.nbytes, memoryview(t).nbytes), ((2, 0, 3), 0, 0))
+        t = self.prefill.alloc_tensor(np.array([3, 4]), np.dtype("float32"))
+        self.assertEqual((t.dtype, t.shape, t.nbytes), ("float32", (3, 4), 48))
+        self.assertEqual(t.data_ptr() % 256, 0)
+        a = np.asarray(t)  # writable, and the tensor's own memory
+        self.assertTrue(a.flags.writeable)
+        self.assertEqual((a.dtype, a.ctypes.data), (np.float32, t.data_ptr()))
+        a[...] = 1.5
+        np.testing.assert_array_equal(np.from_dlpack(t), np.full((3, 4), 1.5, np.float32))
+        for dtype in NUMPY_DTYPES + ["bfloat16", "float8_e4m3fn", "float8_e5m2"]:
+            self.assertEqual(self.prefill.alloc_tensor((2,), dtype).dtype, dtype)
+        self.assertEqual(self.prefill.alloc_tensor((2,), np.dtype(bool)).dtype, "bool")
+        self.assertEqual(self.prefill.alloc_tensor((2,), dtype="torch.int16").dtype, "int16")
+
+    def test_alloc_rejects(self):
+        for dtype in ("complex64", np.dtype("complex64"), np.dtype(">f4"), "float", "f4x"):
+            with self.subTest(dtype=dtype):
+                with self.assertRaises(ValueError) as cm:
+                    self.prefill.alloc_tensor((2,), dtype)
+                self.assertIn(str(dtype), str(cm.exception))
+        with self.assertRaises(TypeError):
+            self.prefill.alloc_tensor(5)
+        with self.assertRaises(TypeError):
+            self.prefill.alloc_tensor(["a"])
+        with self.assertRaises(ValueError):
+            self.prefill.alloc_tensor((4, -1))
+        with self.assertRaises(ValueError):
+            self.prefill.alloc_tensor((1,) * 33)
+        with self.assertRaises(kvpipe.Error) as cm:  # the library's size check
+            self.prefill.alloc_tensor((1 << 62, 1 << 62))
+        self.assertEqual(cm.exception.status, kvpipe.EINVAL)
+
+    def test_take_interleaved_with_copies(self):
+        p, want = self.prefill, []
+        want.append(self.take((4, 33), "float32"))
+        x = np.arange(10, dtype=np.int16)
+        p.send_tensor(x)
+        want.append(("int16", (10,), x.tobytes()))
+        p.send_tensor(None)
+        want.append(None)
+        want.append(self.take((), "float64"))
+        want.append(self.take((0, 7), "int32"))
+        want.append(self.take((3, 5), "bfloat16"))
+        # send_tensor copies an allocated tensor and leaves it usable: take it after
+        c = p.alloc_tensor((6,), "int64")
+        np.asarray(c)[...] = np.arange(6)
+        p.send_tensor(c)
+        want.append(("int64", (6,), np.arange(6, dtype=np.int64).tobytes()))
+        np.asarray(c)[...] = -np.arange(6)
+        p.send_tensor_take(c)
+        want.append(("int64", (6,), (-np.arange(6, dtype=np.int64)).tobytes()))
+        want.append(self.take((8,), "float8_e4m3fn"))
+        want.append(self.take((3,), "bool"))
+        p.send_tensor(None)
+        want.append(None)
+        want.append(self.take((512, 1024), "uint8"))  # 512 KiB
+        for w in want:
+            self.assert_received(self.decode.recv_tensor(timeout=30), w)
+        p.flush(timeout=30)
+        st = p.stats()
+        self.assertEqual((st["sent"], st["acks"], st["inflight_count"]), (len(want),) * 2 + (0,))
+        # and the other way round
+        w = self.take((2, 2), "uint16", self.decode)
+        self.assert_received(p.recv_tensor(timeout=30), w)
+
+    def test_live_buffer_exports_refuse_the_take(self):
+        t = self.prefill.alloc_tensor((16,), "int32")
+        view = np.asarray(t)
+        view[...] = np.arange(16)
+        m = memoryview(t)
+        with self.assertRaises(BufferError) as cm:
+            self.prefill.send_tensor_take(t)
+        self.assertIn("2 export", str(cm.exception))
+        self.assertIn("send_tensor()", str(cm.exception))
+        part = m[4:]  # a slice of a memoryview shares its export
+        del m
+        with self.assertRaises(BufferError):
+            self.prefill.send_tensor_take(t)
+        del part
+        tail = view[3:]  # so does an array made from the array
+        del view
+        with self.assertRaises(BufferError) as cm:
+            self.prefill.send_tensor_take(t)
+        self.assertIn("1 export", str(cm.exception))
+        # refused: nothing sent, the tensor intact and still writable
+        self.assertEqual(self.prefill.stats()["sent"], 0)
+        np.testing.assert_array_equal(np.asarray(t), np.arange(16))
+        tail[0] = 99
+        del tail
+        self.prefill.send_tensor_take(t)
+        want = np.arange(16, dtype=np.int32)
+        want[3] = 99
+        np.testing.assert_array_equal(as_numpy(self.decode.recv_tensor(timeout=30)), want)
+
+    def test_live_dlpack_exports_refuse_the_take(self):
+        t = self.prefill.alloc_tensor((5,), "float32")
+        np.asarray(t)[...] = [1, 2, 3, 4, 5]
+        cap = t.__dlpack__()  # an unconsumed capsule
+        with self.assertRaises(BufferError):
+            self.prefill.send_tensor_take(t)
+        del cap
+        vcap = t.__dlpack__(max_version=(1, 0))
+        with self.assertRaises(BufferError):
+            self.prefill.send_tensor_take(t)
+        del vcap
+        a = np.from_dlpack(t)  # a consumed one, released with the array
+        with self.assertRaises(BufferError):
+            self.prefill.send_tensor_take(t)
+        del a
+        self.prefill.send_tensor_take(t)
+        np.testing.assert_array_equal(as_numpy(self.decode.recv_tensor(timeout=30)),
+                                      [1, 2, 3, 4, 5])
+
+    @unittest.skipUnless(torch is not None, "torch is not installed")
+    def test_torch_export_refuses_the_take(self):
+        t = self.prefill.alloc_tensor((2, 3), torch.bfloat16)
+        self.assertEqual(t.dtype, "bfloat16")
+        x = torch.from_dlpack(t)
+        self.assertEqual(x.data_ptr(), t.data_ptr())
+        x.fill_(1.5)
+        y = x[1:]
+        del x
+        with self.assertRaises(BufferError):
+            self.prefill.send_tensor_take(t)
+        del y
+        self.prefill.send_tensor_take(t)
+        got = torch.from_dlpack(self.decode.recv_tensor(timeout=30))
+        self.assertTrue(torch.equal(got, torch.full((2, 3), 1.5, dtype=torch.bfloat16)))
+
+    def test_taken_tensor_is_spent(self):
+        t = self.prefill.alloc_tensor((2, 3), "float32")
+        np.asarray(t)[...] = 7
+        self.prefill.send_tensor_take(t)
+        self.assertEqual((t.shape, t.dtype, t.ndim, t.nbytes), ((2, 3), "float32", 2, 24))
+        for name, use in (("memoryview", memoryview),
+                          ("__dlpack__", lambda x: x.__dlpack__()),
+                          ("__dlpack__ 1.0", lambda x: x.__dlpack__(max_version=(1, 0))),
+                          ("numpy.from_dlpack", np.from_dlpack),
+                          ("data_ptr", lambda x: x.data_ptr())):
+            with self.subTest(use=name):
+                with self.assertRaisesRegex(ValueError, "was sent"):
+                    use(t)
+        with self.assertRaisesRegex(ValueError, "sent already"):
+            self.prefill.send_tensor_take(t)
+        with self.assertRaises(ValueError):
+            self.prefill.send_tensor(t)  # the copying send cannot read it either
+        np.testing.assert_array_equal(as_numpy(self.decode.recv_tensor(timeout=30)),
+                                      np.full((2, 3), 7, np.float32))
+        self.prefill.flush(timeout=30)  # the ACK freed the memory: the Tensor must not
+        del t
+        self.assertEqual(self.prefill.stats()["sent"], 1)
+
+    def test_take_rejects_other_objects(self):
+        p, d = self.prefill, self.decode
+        for obj in (np.zeros(3, np.uint8), None, b"abc"):
+            with self.subTest(obj=type(obj).__name__):
+                with self.assertRaises(TypeError):
+                    p.send_tensor_take(obj)
+        d.send_tensor(np.arange(3, dtype=np.uint8))
+        received = p.recv_tensor(timeout=30)
+        with self.assertRaisesRegex(ValueError, "alloc_tensor"):
+            p.send_tensor_take(received)
+        other = d.alloc_tensor((3,), "uint8")
+        np.asarray(other)[...] = [7, 8, 9]
+        with self.assertRaisesRegex(ValueError, "another Pipe"):
+            p.send_tensor_take(other)
+        # nothing of the above was sent; the other pipe's tensor is still good there
+        p.send_tensor(np.array([1], dtype=np.uint8))
+        np.testing.assert_array_equal(as_numpy(d.recv_tensor(timeout=30)), [1])
+        d.send_tensor_take(other)
+        np.testing.assert_array_equal(as_numpy(p.recv_tensor(timeout=30)), [7, 8, 9])
+
+    def test_failed_take_leaves_the_tensor_usable(self):
+        cfg = tu.pipe_config()
+        with kvpipe.Pipe(cfg, 0, 0, send_timeout=0.3) as lone:
+            t = lone.alloc_tensor((1000,), "int64")
+            np.asarray(t)[...] = np.arange(1000)
+            with self.assertRaises(kvpipe.Error) as cm:  # no peer takes the announcement
+                lone.send_tensor_take(t)
+            self.assertEqual(cm.exception.status, kvpipe.ETIMEDOUT)
+            self.assertEqual(lone.stats()["sent"], 0)
+            np.testing.assert_array_equal(np.asarray(t), np.arange(1000))
+            self.assertEqual(t.data_ptr() % 256, 0)
+            with kvpipe.Pipe(cfg, 0, 1) as peer:
+                # the same tensor goes through once the peer has connected
+                for _ in range(100):
+                    try:
+                        lone.send_tensor_take(t)
+                        break
+                    except kvpipe.Error as e:
+                        self.assertEqual(e.status, kvpipe.ETIMEDOUT)
+                np.testing.assert_array_equal(as_numpy(peer.recv_tensor(timeout=30)),
+                                              np.arange(1000))
+                lone.flush(timeout=30)
+            with self.assertRaises(ValueError):
+                memoryview(t)
+
+    def test_tensor_being_sent_by_another_thread(self):
+        cfg = tu.pipe_config()
+        with kvpipe.Pipe(cfg, 0, 0, send_timeout=3.0) as lone:
+            t = lone.alloc_tensor((8,), "uint8")
+            np.asarray(t)[...] = np.arange(8)
+            start = threading.Barrier(3)
+            outcomes = []
+
+            def take():
+                start.wait()
+                try:
+                    lone.send_tensor_take(t)  # no peer: times out after 3 s
+                    outcomes.append("sent")
+                except kvpipe.Error as e:
+                    outcomes.append(kvpipe.strerror(e.status))
+                except ValueError as e:
+                    outcomes.append(str(e))
+
+            threads = [threading.Thread(target=take) for _ in range(2)]
+            for th in threads:
+                th.start()
+            start.wait()
+            time.sleep(1.0)  # one take is waiting for the peer now
+            with self.assertRaisesRegex(BufferError, "another thread"):
+                memoryview(t)
+            with self.assertRaisesRegex(kvpipe.Error, "another thread"):
+                lone.close()
+            for th in threads:
+                th.join(30)
+            self.assertEqual(sorted(outcomes),
+                             sorted([kvpipe.strerror(kvpipe.ETIMEDOUT),
+                                     "send_tensor_take: this kvpipe.Tensor is being sent by "
+                                     "another thread"]))
+            np.testing.assert_array_equal(np.asarray(t), np.arange(8))  # usable again
+
+    def test_closed_pipe(self):
+        t = self.prefill.alloc_tensor((4,), "uint8")
+        np.asarray(t)[...] = [1, 2, 3, 4]
+        self.prefill.close()
+        with self.assertRaises(kvpipe.Error):
+            self.prefill.alloc_tensor((4,))
+        with self.assertRaises(kvpipe.Error):
+            self.prefill.send_tensor_take(t)
+        # reopened, it is another pipe: the old tensor is not its to take
+        self.prefill.__init__(tu.pipe_config(), 0, 0)
+        with self.assertRaisesRegex(ValueError, "another Pipe"):
+            self.prefill.send_tensor_take(t)
+        self.assertEqual(bytes(memoryview(t)), b"\x01\x02\x03\x04")
+
+    def test_unsent_tensors_outlive_close(self):
+        vals = self.rng.standard_normal((64, 64)).astype(np.float32)
+        t = self.prefill.alloc_tensor((64, 64), "float32")
+        np.asarray(t)[...] = vals
+        a = np.asarray(t)
+        u = self.decode.alloc_tensor((8,), "uint8")
+        np.asarray(u)[...] = np.arange(8)
+        self.prefill.close()
+        self.decode.close()
+        np.testing.assert_array_equal(np.asarray(t), vals)
+        del t  # the array still holds the memory
+        a[0, 0] = 5.0
+        np.testing.assert_array_equal(a[1:], vals[1:])
+        self.assertEqual(a[0, 0], 5.0)
+        del a
+        np.asarray(u)[...] += 1
+        np.testing.assert_array_equal(np.asarray(u), np.arange(1, 9))
+        del u
+
+
 class ConfigTests(unittest.TestCase):
     def test_config_errors(self):
         with self.assertRaises(kvpipe.Error) as cm:
@@ -363,6 +669,39 @@ class CrossProcessTests(unittest.TestCase):
     def test_python_to_python_process_http_metadata(self):
         with tu.MetadataServer() as md:
             self.run_with_peer(self.py_peer, md.url)
+
+    def test_take_to_c_pipe(self):
+        cfg = tu.pipe_config()
+        path = tu.write_config(cfg)
+        rng = np.random.default_rng(13)
+        shapes = [((256, 1024), "float32"), None, ((7,), "bfloat16"), ((), "int64"),
+                  ((0, 5), "float16"), ((33,), "float8_e5m2")]
+        try:
+            peer = tu.Child(self.c_peer(path, len(shapes)))
+            try:
+                self.assertEqual(peer.readline(), "ready")
+                with kvpipe.Pipe(path, 0, 0) as pipe:
+                    want = []
+                    for s in shapes:
+                        if s is None:
+                            pipe.send_tensor(None)
+                            want.append(None)
+                            continue
+                        t = pipe.alloc_tensor(*s)
+                        want.append((s[1], s[0], fill_bytes(t, rng)))
+                        pipe.send_tensor_take(t)
+                    for w in want:
+                        got = pipe.recv_tensor(timeout=30)
+                        if w is None:
+                            self.assertIsNone(got)
+                        else:
+                            self.assertEqual((got.dtype, got.shape, bytes(memoryview(got))), w)
+                    pipe.flush(timeout=30)
+                    self.assertEqual(peer.wait(), 0, peer.stderr())
+            finally:
+                peer.close()
+        finally:
+            os.unlink(path)
 
     def test_peer_killed(self):
         cfg = tu.pipe_config()
