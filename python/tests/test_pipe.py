@@ -105,18 +105,24 @@ class DLPackBox:
 
 # ---- tests ---------------------------------------------------------------------------------
 
-class PairTests(unittest.TestCase):
+class PipePairCase(unittest.TestCase):
     """Both sides in this process: prefill (kv_rank 0) and decode (kv_rank 1)."""
+
+    seed = 7
 
     def setUp(self):
         self.cfg = tu.pipe_config()
         self.prefill = kvpipe.Pipe(self.cfg, 0, 0)
         self.decode = kvpipe.Pipe(self.cfg, 0, 1)
-        self.rng = np.random.default_rng(7)
+        self.rng = np.random.default_rng(self.seed)
 
     def tearDown(self):
         self.prefill.close()
         self.decode.close()
+
+
+class PairTests(PipePairCase):
+    """send_tensor / recv_tensor between the two sides."""
 
     def roundtrip(self, obj, src=None, dst=None):
         (src or self.prefill).send_tensor(obj)
@@ -276,18 +282,10 @@ class PairTests(unittest.TestCase):
         self.assertTrue(torch.equal(x, y))
 
 
-class SendTakeTests(unittest.TestCase):
+class SendTakeTests(PipePairCase):
     """alloc_tensor + send_tensor_take: sending from registered memory, no copy."""
 
-    def setUp(self):
-        self.cfg = tu.pipe_config()
-        self.prefill = kvpipe.Pipe(self.cfg, 0, 0)
-        self.decode = kvpipe.Pipe(self.cfg, 0, 1)
-        self.rng = np.random.default_rng(5)
-
-    def tearDown(self):
-        self.prefill.close()
-        self.decode.close()
+    seed = 5
 
     def take(self, shape, dtype, pipe=None):
         """Allocate, fill with random bytes, send in place; return what the peer must get."""
