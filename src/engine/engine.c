@@ -146,10 +146,8 @@ static kvp_status name_segment(kvp_engine *e)
 
 static kvp_status start_servers(kvp_engine *e)
 {
-    kvpi_server_ctx ctx = {.host = e->self.host,
-                           .registry = &e->registry,
-                           .timeout_ms = e->opts.timeout_ms,
-                           .data_port_out = &e->data_port};
+    kvpi_server_ctx ctx = {.host = e->self.host, .registry = &e->registry,
+                           .timeout_ms = e->opts.timeout_ms, .data_port_out = &e->data_port};
     for (size_t i = 0; kvpi_transports[i]; i++) {
         const kvpi_transport_ops *ops = kvpi_transports[i];
         kvp_status st = ops->server_start(&ctx, &e->servers[i]);
@@ -180,8 +178,8 @@ kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out)
     kvp_status st;
     if ((st = copy_opts(e, opts))) goto fail;
     if ((st = kvpi_meta_open(e->metadata_conn, e->opts.timeout_ms, &e->meta))) goto fail;
-    if ((st = kvpi_rpc_server_start(e->self.host, e->self.port, e->opts.timeout_ms, rpc_describe, e,
-                                    &e->rpc)))
+    if ((st = kvpi_rpc_server_start(e->self.host, e->self.port, e->opts.timeout_ms, rpc_describe,
+                                    e, &e->rpc)))
         goto fail;
     if ((st = name_segment(e))) goto fail;
     if ((st = start_servers(e))) goto fail;
@@ -201,13 +199,14 @@ kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out)
               e->metadata_conn);
     *out = e;
     return KVP_OK;
-fail : {
-    /* Keep the first failure's detail across the teardown's own calls. */
-    char detail[512];
-    snprintf(detail, sizeof detail, "%s", kvp_last_error());
-    kvp_engine_destroy(e);
-    return kvpi_error(st, "%s", detail);
-}
+fail:
+    {
+        /* Keep the first failure's detail across the teardown's own calls. */
+        char detail[512];
+        snprintf(detail, sizeof detail, "%s", kvp_last_error());
+        kvp_engine_destroy(e);
+        return kvpi_error(st, "%s", detail);
+    }
 }
 
 void kvp_engine_destroy(kvp_engine *e)
