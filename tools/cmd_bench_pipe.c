@@ -258,8 +258,7 @@ static kvp_pipe *open_pipe(const bp_opts *o, int kv_rank)
  * overlapped it (header room included). Were it wrong, the receiver's byte
  * check would fail the run. */
 #define FILLED_MAX 64
-#define HEADER_ROOM 2048          /* at least the pipe's header room in front of the data */
-#define NONE_VALUE (-150886311LL) /* vLLM's None marker */
+#define HEADER_ROOM 2048 /* at least the pipe's header room in front of the data */
 
 typedef struct filled_set {
     uintptr_t addr[FILLED_MAX]; /* data addresses holding the blocks */
@@ -303,7 +302,7 @@ static int send_in_place(kvp_pipe *pipe, filled_set *f, const uint8_t *ref, size
 
 static int send_none_in_place(kvp_pipe *pipe, filled_set *f)
 {
-    int64_t one = 1, none = NONE_VALUE;
+    int64_t one = 1, none = KVP_PIPE_NONE_VALUE;
     kvp_tensor *t;
     if (kvp_pipe_tensor_alloc(pipe, KVP_DTYPE_I64, 1, &one, &t) != KVP_OK) return -1;
     filled_touch(f, (uintptr_t)t->data, 8);

@@ -14,7 +14,7 @@
  *         managed buffer, reply with the 3-byte frame "ACK" (the sender then
  *         frees its buffer), and hand out a tensor whose data lives in that
  *         buffer — no copy out.
- *   None: sent as the int64 tensor [-150886311].
+ *   None: sent as the int64 tensor [KVP_PIPE_NONE_VALUE].
  *
  * Ports (from the mooncake config; "base" is the port in prefill_url or
  * decode_url, with decode's base +100 when both URLs are equal):
@@ -43,6 +43,10 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* vLLM's MooncakePipe sends None as the int64 tensor [KVP_PIPE_NONE_VALUE];
+ * kvp_pipe_recv() returns NULL for it. */
+#define KVP_PIPE_NONE_VALUE (-150886311LL)
 
 /* ---------------------------------------------------------------- config --- */
 

@@ -30,8 +30,6 @@
 #include "kvpipe/pipe.h"
 #include "pipe/safetensors.h"
 
-/* vLLM's MooncakePipe sends None as this int64 value. */
-#define NONE_INT (-150886311LL)
 #define ACK_TEXT "ACK"
 #define ACK_LEN 3
 /* Control frames are 8 bytes; a peer sending far larger ones is dropped by
@@ -129,6 +127,17 @@ static void release_held(void *owner, void *data)
     held *h = owner;
     kvp_engine_free(h->pipe->engine, h->buf);
     pipe_unref(h->pipe); /* kvp_tensor_free() frees h itself: t is its first member */
+}
+
+/* Make h->t a heap tensor that owns buf and holds a reference to p. */
+static kvp_tensor *hold(kvp_pipe *p, held *h, void *buf)
+{
+    h->t.release = release_held;
+    h->t.owner = h;
+    h->pipe = p;
+    h->buf = buf;
+    atomic_fetch_add(&p->refs, 1);
+    return &h->t;
 }
 
 /* ------------------------------------------------------------- sockets --- */
@@ -525,7 +534,7 @@ static kvp_status begin_send(kvp_pipe *p, size_t size, uint64_t deadline)
 kvp_status kvp_pipe_send(kvp_pipe *p, const kvp_tensor *t)
 {
     if (!p) return kvpi_error(KVP_EINVAL, "pipe send: NULL pipe");
-    int64_t none_value = NONE_INT, one = 1;
+    int64_t none_value = KVP_PIPE_NONE_VALUE, one = 1;
     kvp_tensor none;
     if (!t) {
         kvp_tensor_init(&none, KVP_DTYPE_I64, 1, &one, &none_value);
@@ -561,18 +570,15 @@ kvp_status kvp_pipe_tensor_alloc(kvp_pipe *p, kvp_dtype dtype, int ndim, const i
         return kvpi_error(KVP_ECLOSED, "pipe %s can no longer be used", p->ep.local_segment);
     held *h = calloc(1, sizeof *h);
     if (!h) return kvpi_error(KVP_ENOMEM, "pipe: out of memory");
-    if ((st = kvp_engine_alloc(p->engine, SEND_PREFIX + nbytes, &h->buf))) {
+    void *buf;
+    if ((st = kvp_engine_alloc(p->engine, SEND_PREFIX + nbytes, &buf))) {
         free(h);
         return st;
     }
-    kvp_tensor_init(&h->t, dtype, ndim, shape, (char *)h->buf + SEND_PREFIX);
-    h->t.release = release_held;
-    h->t.owner = h;
-    h->pipe = p;
+    kvp_tensor_init(&h->t, dtype, ndim, shape, (char *)buf + SEND_PREFIX);
     h->sendable = 1;
     h->room = nbytes;
-    atomic_fetch_add(&p->refs, 1);
-    *out = &h->t;
+    *out = hold(p, h, buf);
     return KVP_OK;
 }
 
@@ -749,7 +755,7 @@ static int is_none(const kvp_tensor *t)
     if (t->dtype != KVP_DTYPE_I64 || t->nbytes != 8) return 0;
     int64_t v;
     memcpy(&v, t->data, 8);
-    return v == NONE_INT;
+    return v == KVP_PIPE_NONE_VALUE;
 }
 
 /* Parse the message in place and hand out a tensor that owns the buffer. */
@@ -775,12 +781,7 @@ static kvp_status deliver(kvp_pipe *p, void *buf, size_t len, kvp_tensor **out)
         return kvpi_error(KVP_ENOMEM, "pipe: out of memory");
     }
     h->t = t;
-    h->t.release = release_held;
-    h->t.owner = h;
-    h->pipe = p;
-    h->buf = buf;
-    atomic_fetch_add(&p->refs, 1);
-    *out = &h->t;
+    *out = hold(p, h, buf);
     return KVP_OK;
 }
 
