@@ -285,15 +285,20 @@ static int filled_touch(filled_set *f, uintptr_t data, size_t len)
     return known;
 }
 
+/* Make data (size bytes) hold the blocks, writing them only if it may not. */
+static void fill_unless_known(filled_set *f, uint8_t *data, size_t size, const uint8_t *ref)
+{
+    if (filled_touch(f, (uintptr_t)data, size)) return;
+    fill_blocks(data, size, ref);
+    if (f->n < FILLED_MAX) f->addr[f->n++] = (uintptr_t)data;
+}
+
 static int send_in_place(kvp_pipe *pipe, filled_set *f, const uint8_t *ref, size_t size, uint64_t i)
 {
     int64_t n = (int64_t)size;
     kvp_tensor *t;
     if (kvp_pipe_tensor_alloc(pipe, KVP_DTYPE_U8, 1, &n, &t) != KVP_OK) return -1;
-    if (!filled_touch(f, (uintptr_t)t->data, size)) {
-        fill_blocks(t->data, size, ref);
-        if (f->n < FILLED_MAX) f->addr[f->n++] = (uintptr_t)t->data;
-    }
+    fill_unless_known(f, t->data, size, ref);
     stamp(t->data, size, i);
     if (kvp_pipe_send_take(pipe, t) == KVP_OK) return 0;
     kvp_tensor_free(t);
@@ -329,10 +334,7 @@ static int prewarm(kvp_pipe *pipe, const bp_opts *o, filled_set *f, const uint8_
             rc = -1;
             break;
         }
-        if (!filled_touch(f, (uintptr_t)held[i]->data, o->tensor_size)) {
-            fill_blocks(held[i]->data, o->tensor_size, ref);
-            if (f->n < FILLED_MAX) f->addr[f->n++] = (uintptr_t)held[i]->data;
-        }
+        fill_unless_known(f, held[i]->data, o->tensor_size, ref);
     }
     for (size_t i = 0; held && i < k; i++)
         kvp_tensor_free(held[i]);
