@@ -2,6 +2,8 @@
 #ifndef KVP_TOOLS_CLI_H
 #define KVP_TOOLS_CLI_H
 
+#include <stddef.h>
+
 typedef struct kvp_cli_command {
     const char *name;
     const char *summary;
@@ -13,6 +15,11 @@ int kvp_cmd_metadata_server(int argc, char **argv);
 int kvp_cmd_info(int argc, char **argv);
 int kvp_cmd_demo(int argc, char **argv);
 int kvp_cmd_bench_pipe(int argc, char **argv); /* kvp_cmd_bench hands --pipe runs here */
+
+/* Parse a byte count: decimal digits with an optional K, M or G suffix
+ * (powers of 1024, either case, optionally followed by "iB"). -1 for anything
+ * else or a value past SIZE_MAX; *out is written only on success. */
+int kvp_cli_parse_size(const char *s, size_t *out);
 
 /* Block SIGINT and SIGTERM in the calling thread (call before starting threads)
  * and wait for one of them; returns the signal number. */

@@ -54,19 +54,12 @@ static void usage(FILE *out)
             "SIGTERM; with --verify it exits 1 if any byte written to it is wrong.\n");
 }
 
+/* Sizes here must not be 0. */
 static int parse_size(const char *s, size_t *out)
 {
-    char *end;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (end == s) return -1;
-    switch (*end) {
-    case 'K': case 'k': v <<= 10; end++; break;
-    case 'M': case 'm': v <<= 20; end++; break;
-    case 'G': case 'g': v <<= 30; end++; break;
-    default: break;
-    }
-    if (*end || v == 0) return -1;
-    *out = (size_t)v;
+    size_t v;
+    if (kvp_cli_parse_size(s, &v) || v == 0) return -1;
+    *out = v;
     return 0;
 }
 

@@ -65,30 +65,14 @@ static void usage(FILE *out)
             "                        bytes, ops, errors\n");
 }
 
-static int parse_size(const char *s, size_t *out)
-{
-    char *end;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (end == s) return -1;
-    int shift = 0;
-    if (*end == 'K' || *end == 'k') shift = 10;
-    if (*end == 'M' || *end == 'm') shift = 20;
-    if (*end == 'G' || *end == 'g') shift = 30;
-    if (shift) end++;
-    if (*end == 'i' && end[1] == 'B') end += 2;
-    if (*end || v > (SIZE_MAX >> shift)) return -1;
-    *out = (size_t)(v << shift);
-    return 0;
-}
-
 static int parse_opt(bp_opts *o, int c, const char *arg)
 {
     char *end;
     switch (c) {
     case 's':
-        return parse_size(arg, &o->tensor_size);
+        return kvp_cli_parse_size(arg, &o->tensor_size);
     case 'b':
-        return parse_size(arg, &o->kv_buffer_size) || o->kv_buffer_size == 0 ? -1 : 0;
+        return kvp_cli_parse_size(arg, &o->kv_buffer_size) || o->kv_buffer_size == 0 ? -1 : 0;
     case 'c':
         o->count = strtol(arg, &end, 10);
         return *end || o->count < 1 ? -1 : 0;

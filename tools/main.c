@@ -1,6 +1,9 @@
 /* kvpipe: the command-line face of the library. */
+#include <errno.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
@@ -21,6 +24,24 @@ static void usage(FILE *out)
         fprintf(out, "  %-16s %s\n", commands[i].name, commands[i].summary);
     fprintf(out, "\n'kvpipe COMMAND --help' describes each command. Env KVPIPE_LOG=debug|info|"
                  "warn|error sets the log level.\n");
+}
+
+int kvp_cli_parse_size(const char *s, size_t *out)
+{
+    if (*s < '0' || *s > '9') return -1; /* no sign, no space: strtoull takes both */
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno == ERANGE) return -1;
+    int shift = 0;
+    if (*end == 'K' || *end == 'k') shift = 10;
+    if (*end == 'M' || *end == 'm') shift = 20;
+    if (*end == 'G' || *end == 'g') shift = 30;
+    if (shift) end++;
+    if (*end == 'i' && end[1] == 'B') end += 2;
+    if (*end || v > (SIZE_MAX >> shift)) return -1;
+    *out = (size_t)(v << shift);
+    return 0;
 }
 
 int kvp_cli_wait_for_signal(void)
