@@ -1267,6 +1267,18 @@ static void test_cli_bench_pipe(void)
     CHECK(run_cli(bad, out, sizeof out) == 2);
     char *bad_send[] = {"bench", "--pipe", "--tensor-size", "1M", "--send", "zero", NULL};
     CHECK(run_cli(bad_send, out, sizeof out) == 2);
+    /* Byte counts: no sign, no overflow (kvp_cli_parse_size). */
+    char *negative[] = {"bench", "--pipe", "--tensor-size", "-8", NULL};
+    CHECK(run_cli(negative, out, sizeof out) == 2);
+    char *huge[] = {"bench",        "--pipe", "--tensor-size", "1M", "--kv-buffer-size",
+                    "99999999999G", NULL};
+    CHECK(run_cli(huge, out, sizeof out) == 2);
+    /* Complete otherwise: with a valid size this runs and fails to reach the
+     * segment (exit 1), so only the size can make it a usage error. */
+    char *block[] = {"bench",       "--mode",       "initiator",    "--local-server-name",
+                     "127.0.0.1:0", "--segment-id", "127.0.0.1:1",  "--duration",
+                     "1",           "--block-size", "99999999999G", NULL};
+    CHECK(run_cli(block, out, sizeof out) == 2);
 }
 
 /* An optional argument runs only the cases whose name contains it. */
