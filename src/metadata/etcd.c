@@ -26,6 +26,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/net.h"
+#include "metadata/curl_common.h"
 #include "metadata/metadata.h"
 
 #define ETCD_SCHEME "etcd://"
@@ -42,12 +43,6 @@ typedef struct etcd_store {
     atomic_size_t preferred; /* the endpoint that last answered */
     int timeout_ms;
 } etcd_store;
-
-typedef struct etcd_body {
-    char *data;
-    size_t len, cap;
-    int too_big;
-} etcd_body;
 
 /* ---- base64 (RFC 4648, standard alphabet, padded) ---- */
 
@@ -180,32 +175,6 @@ static kvp_status format_addrs(etcd_store *s)
 
 /* ---- one request ---- */
 
-static size_t on_data(char *ptr, size_t size, size_t nmemb, void *userdata)
-{
-    etcd_body *b = userdata;
-    size_t n = size * nmemb;
-    if (n > ETCD_MAX_BODY - b->len) {
-        b->too_big = 1;
-        return 0; /* curl fails the transfer with CURLE_WRITE_ERROR */
-    }
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 4096;
-        while (cap < b->len + n + 1)
-            cap *= 2;
-        char *p = realloc(b->data, cap);
-        if (!p) {
-            b->too_big = 1;
-            return 0;
-        }
-        b->data = p;
-        b->cap = cap;
-    }
-    memcpy(b->data + b->len, ptr, n);
-    b->len += n;
-    b->data[b->len] = '\0';
-    return n;
-}
-
 /* Errors after which another endpoint may well answer. */
 static int is_connection_error(CURLcode rc)
 {
@@ -227,8 +196,8 @@ enum attempt_result { ATTEMPT_OK, ATTEMPT_RETRY, ATTEMPT_FAIL };
 
 /* POST body to one endpoint. On failure, appends a description to err. */
 static enum attempt_result attempt(const etcd_store *s, size_t idx, const char *path,
-                                   const char *body, etcd_body *resp, long *http_code, char *err,
-                                   size_t err_len)
+                                   const char *body, kvpi_curl_body *resp, long *http_code,
+                                   char *err, size_t err_len)
 {
     CURL *h = curl_easy_init();
     if (!h) {
@@ -238,15 +207,9 @@ static enum attempt_result attempt(const etcd_store *s, size_t idx, const char *
     char url[KVPI_HOST_MAX + 64], curl_err[CURL_ERROR_SIZE] = "";
     snprintf(url, sizeof url, "%s%s", s->urls[idx], path);
     struct curl_slist *hdrs = curl_slist_append(NULL, "Content-Type: application/json");
-    curl_easy_setopt(h, CURLOPT_URL, url);
+    kvpi_curl_setup(h, url, s->timeout_ms, resp, ETCD_MAX_BODY, curl_err);
     curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
     curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdrs);
-    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L); /* no SIGALRM from the resolver */
-    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)s->timeout_ms);
-    curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, (long)s->timeout_ms);
-    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_data);
-    curl_easy_setopt(h, CURLOPT_WRITEDATA, resp);
-    curl_easy_setopt(h, CURLOPT_ERRORBUFFER, curl_err);
     CURLcode rc = curl_easy_perform(h);
     curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, http_code);
     curl_slist_free_all(hdrs);
@@ -275,7 +238,7 @@ static kvp_status request(etcd_store *s, const char *path, const char *body, cJS
     size_t first = atomic_load(&s->preferred);
     for (size_t i = 0; i < s->n; i++) {
         size_t idx = (first + i) % s->n;
-        etcd_body resp = {0};
+        kvpi_curl_body resp = {0};
         long code = 0;
         enum attempt_result r = attempt(s, idx, path, body, &resp, &code, err, sizeof err);
         if (r == ATTEMPT_RETRY) {
@@ -345,20 +308,10 @@ static void etcd_close(void *store)
 
 static kvp_status etcd_get(void *store, const char *key, char **value);
 
-static pthread_once_t curl_once = PTHREAD_ONCE_INIT;
-static CURLcode curl_init_rc;
-
-static void curl_init(void)
-{
-    curl_init_rc = curl_global_init(CURL_GLOBAL_DEFAULT);
-}
-
 static kvp_status etcd_open(const char *conn, int timeout_ms, void **out)
 {
-    pthread_once(&curl_once, curl_init);
-    if (curl_init_rc != CURLE_OK)
-        return kvpi_error(KVP_EMETADATA, "etcd %s: curl_global_init failed: %s", conn,
-                          curl_easy_strerror(curl_init_rc));
+    kvp_status init = kvpi_curl_init(conn);
+    if (init) return init;
     etcd_store *s = calloc(1, sizeof *s);
     if (!s) return kvpi_error(KVP_ENOMEM, "etcd: out of memory");
     s->timeout_ms = timeout_ms > 0 ? timeout_ms : 5000;

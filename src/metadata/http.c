@@ -12,6 +12,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "metadata/curl_common.h"
 #include "metadata/metadata.h"
 
 #define HTTP_MAX_BODY ((size_t)16 << 20) /* same bound as the server's */
@@ -26,20 +27,6 @@ typedef struct http_store {
     CURL *idle[HTTP_IDLE_HANDLES];
     int n_idle;
 } http_store;
-
-typedef struct http_body {
-    char *data;
-    size_t len, cap;
-    int too_big;
-} http_body;
-
-static pthread_once_t curl_once = PTHREAD_ONCE_INIT;
-static CURLcode curl_init_rc;
-
-static void curl_init(void)
-{
-    curl_init_rc = curl_global_init(CURL_GLOBAL_DEFAULT);
-}
 
 static int http_accepts(const char *conn)
 {
@@ -66,29 +53,6 @@ static void handle_give(http_store *s, CURL *h)
     if (h) curl_easy_cleanup(h);
 }
 
-static size_t on_data(char *ptr, size_t size, size_t nmemb, void *userdata)
-{
-    http_body *b = userdata;
-    size_t n = size * nmemb;
-    if (n > HTTP_MAX_BODY - b->len) {
-        b->too_big = 1;
-        return 0; /* makes curl fail the transfer with CURLE_WRITE_ERROR */
-    }
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 4096;
-        while (cap < b->len + n + 1)
-            cap *= 2;
-        char *p = realloc(b->data, cap);
-        if (!p) return 0;
-        b->data = p;
-        b->cap = cap;
-    }
-    memcpy(b->data + b->len, ptr, n);
-    b->len += n;
-    b->data[b->len] = '\0';
-    return n;
-}
-
 static char *make_url(http_store *s, CURL *h, const char *key)
 {
     char *enc = curl_easy_escape(h, key, 0);
@@ -113,15 +77,9 @@ static void set_method(CURL *h, const char *method, const char *body)
     }
 }
 
-static void set_options(http_store *s, CURL *h, const char *url, http_body *resp, char *errbuf)
+static void set_options(http_store *s, CURL *h, const char *url, kvpi_curl_body *resp, char *errbuf)
 {
-    curl_easy_setopt(h, CURLOPT_URL, url);
-    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, (long)s->timeout_ms);
-    curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, (long)s->timeout_ms);
-    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, on_data);
-    curl_easy_setopt(h, CURLOPT_WRITEDATA, resp);
-    curl_easy_setopt(h, CURLOPT_ERRORBUFFER, errbuf);
+    kvpi_curl_setup(h, url, s->timeout_ms, resp, HTTP_MAX_BODY, errbuf);
     /* Metadata lives at the URL given; a redirect elsewhere is a misconfiguration. */
     curl_easy_setopt(h, CURLOPT_FOLLOWLOCATION, 0L);
 }
@@ -129,7 +87,7 @@ static void set_options(http_store *s, CURL *h, const char *url, http_body *resp
 /* One request. *code is the HTTP status; resp gets the body (NUL-terminated
  * when non-empty). Fails only when no HTTP answer came back. */
 static kvp_status http_do(http_store *s, const char *method, const char *key, const char *body,
-                          long *code, http_body *resp)
+                          long *code, kvpi_curl_body *resp)
 {
     CURL *h = handle_take(s);
     if (!h)
@@ -180,7 +138,7 @@ static kvp_status bad_status(http_store *s, const char *method, const char *key,
 static kvp_status http_get(void *store, const char *key, char **value)
 {
     http_store *s = store;
-    http_body resp = {0};
+    kvpi_curl_body resp = {0};
     long code = 0;
     kvp_status st = http_do(s, "GET", key, NULL, &code, &resp);
     if (st == KVP_OK && code == 404)
@@ -202,7 +160,7 @@ static kvp_status http_get(void *store, const char *key, char **value)
 static kvp_status http_put(void *store, const char *key, const char *value)
 {
     http_store *s = store;
-    http_body resp = {0};
+    kvpi_curl_body resp = {0};
     long code = 0;
     kvp_status st = http_do(s, "PUT", key, value, &code, &resp);
     free(resp.data);
@@ -213,7 +171,7 @@ static kvp_status http_put(void *store, const char *key, const char *value)
 static kvp_status http_del(void *store, const char *key)
 {
     http_store *s = store;
-    http_body resp = {0};
+    kvpi_curl_body resp = {0};
     long code = 0;
     kvp_status st = http_do(s, "DELETE", key, NULL, &code, &resp);
     free(resp.data);
@@ -246,10 +204,8 @@ static kvp_status probe(http_store *s)
 
 static kvp_status http_open(const char *conn, int timeout_ms, void **store)
 {
-    pthread_once(&curl_once, curl_init);
-    if (curl_init_rc != CURLE_OK)
-        return kvpi_error(KVP_EMETADATA, "metadata store %s: curl_global_init failed: %s", conn,
-                          curl_easy_strerror(curl_init_rc));
+    kvp_status init = kvpi_curl_init(conn);
+    if (init) return init;
     http_store *s = calloc(1, sizeof *s);
     if (!s) return kvpi_error(KVP_ENOMEM, "out of memory");
     s->base = strdup(conn);

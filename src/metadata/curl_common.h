@@ -1,0 +1,34 @@
+/* Internal: what the libcurl clients of the metadata stores (http.c, etcd.c)
+ * share — one global initialisation and the collection of a response body. */
+#ifndef KVPI_METADATA_CURL_COMMON_H
+#define KVPI_METADATA_CURL_COMMON_H
+
+#include <curl/curl.h>
+#include <stddef.h>
+
+#include "kvpipe/status.h"
+
+/* A response body, NUL-terminated once anything arrived; a body longer than
+ * max makes the transfer fail with too_big set. The caller frees data. */
+typedef struct kvpi_curl_body {
+    char *data;
+    size_t len, cap, max;
+    int too_big;
+} kvpi_curl_body;
+
+/* CURLOPT_WRITEFUNCTION collecting into the kvpi_curl_body given as
+ * CURLOPT_WRITEDATA. Returns 0 (curl then fails with CURLE_WRITE_ERROR) when
+ * the body passes max or memory runs out. */
+size_t kvpi_curl_on_data(char *ptr, size_t size, size_t nmemb, void *userdata);
+
+/* The options every metadata request sets on h: url, no signals, timeout_ms
+ * for connecting and for the whole request, the body into resp (at most
+ * max_body bytes), curl's error text into errbuf (CURL_ERROR_SIZE bytes). */
+void kvpi_curl_setup(CURL *h, const char *url, int timeout_ms, kvpi_curl_body *resp,
+                     size_t max_body, char *errbuf);
+
+/* curl_global_init(), once per process. KVP_EMETADATA naming who (a store's
+ * connection string) when it failed. */
+kvp_status kvpi_curl_init(const char *who);
+
+#endif
