@@ -65,8 +65,9 @@ static void usage(FILE *out)
             "                        bytes, ops, errors\n");
 }
 
-static int parse_opt(bp_opts *o, int c, const char *arg)
+static int parse_opt(void *opts, int c, const char *arg)
 {
+    bp_opts *o = opts;
     char *end;
     switch (c) {
     case 's':
@@ -133,19 +134,8 @@ static int parse_args(int argc, char **argv, bp_opts *o)
                    .metadata = "http",
                    .kv_rank = -1,
                    .kv_buffer_size = 1000000000u};
-    optind = 1;
-    int c;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        if (c == 'h') {
-            usage(stdout);
-            return 1;
-        }
-        if (c == '?' || parse_opt(o, c, optarg) != 0) {
-            if (c != '?') fprintf(stderr, "kvpipe bench --pipe: invalid value '%s'\n", optarg);
-            usage(stderr);
-            return 3;
-        }
-    }
+    int r = kvp_cli_getopt(argc, argv, opts, "kvpipe bench --pipe", usage, parse_opt, o);
+    if (r) return r;
     const char *bad = optind < argc ? "unexpected argument"
                       : o->tensor_size < 16 || o->tensor_size % 8
                           ? "--tensor-size must be a multiple of 8, at least 16"

@@ -74,8 +74,9 @@ static int parse_dtype(const char *s, kvp_dtype *out)
     return kvp_dtype_from_name(up, out) == KVP_OK ? 0 : -1;
 }
 
-static int parse_opt(demo_opts *o, int c, const char *arg)
+static int parse_opt(void *opts, int c, const char *arg)
 {
+    demo_opts *o = opts;
     switch (c) {
     case 't':
         return parse_int(arg, 1, 1 << 20, &o->tokens);
@@ -138,19 +139,8 @@ static int parse_args(int argc, char **argv, demo_opts *o)
                      .dtype = KVP_DTYPE_BF16,
                      .protocol = "tcp",
                      .metadata = "http"};
-    int c;
-    optind = 1;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        if (c == 'h') {
-            usage(stdout);
-            return 1;
-        }
-        if (c == '?' || parse_opt(o, c, optarg) != 0) {
-            if (c != '?') fprintf(stderr, "kvpipe demo: invalid value '%s'\n", optarg);
-            usage(stderr);
-            return 3;
-        }
-    }
+    int r = kvp_cli_getopt(argc, argv, opts, "kvpipe demo", usage, parse_opt, o);
+    if (r) return r;
     if (optind < argc) {
         fprintf(stderr, "kvpipe demo: unexpected argument '%s'\n", argv[optind]);
         return 3;

@@ -44,6 +44,26 @@ int kvp_cli_parse_size(const char *s, size_t *out)
     return 0;
 }
 
+int kvp_cli_getopt(int argc, char **argv, const struct option *opts, const char *cmd,
+                   void (*print_usage)(FILE *out),
+                   int (*parse_opt)(void *o, int c, const char *arg), void *o)
+{
+    optind = 1;
+    int c;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        if (c == 'h') {
+            print_usage(stdout);
+            return 1;
+        }
+        if (c == '?' || parse_opt(o, c, optarg) != 0) {
+            if (c != '?') fprintf(stderr, "%s: invalid value '%s'\n", cmd, optarg);
+            print_usage(stderr);
+            return 3;
+        }
+    }
+    return 0;
+}
+
 int kvp_cli_wait_for_signal(void)
 {
     sigset_t set;
