@@ -294,6 +294,17 @@ static char *request_body(const char *key, const char *value)
     return body;
 }
 
+/* POST {"key", "value" if non-NULL} to path; *resp as request(). */
+static kvp_status key_request(etcd_store *s, const char *path, const char *key, const char *value,
+                              cJSON **resp)
+{
+    char *body = request_body(key, value);
+    if (!body) return kvpi_error(KVP_ENOMEM, "etcd: out of memory");
+    kvp_status st = request(s, path, body, resp);
+    free(body);
+    return st;
+}
+
 /* ---- ops ---- */
 
 static void etcd_close(void *store)
@@ -354,11 +365,8 @@ static kvp_status decode_value(etcd_store *s, const char *key, const cJSON *kv, 
 static kvp_status etcd_get(void *store, const char *key, char **value)
 {
     etcd_store *s = store;
-    char *body = request_body(key, NULL);
-    if (!body) return kvpi_error(KVP_ENOMEM, "etcd: out of memory");
     cJSON *resp = NULL;
-    kvp_status st = request(s, "/v3/kv/range", body, &resp);
-    free(body);
+    kvp_status st = key_request(s, "/v3/kv/range", key, NULL, &resp);
     if (st) return st;
     const cJSON *kvs = cJSON_GetObjectItemCaseSensitive(resp, "kvs");
     const cJSON *kv = cJSON_IsArray(kvs) ? cJSON_GetArrayItem(kvs, 0) : NULL;
@@ -375,22 +383,16 @@ static kvp_status etcd_get(void *store, const char *key, char **value)
 
 static kvp_status etcd_put(void *store, const char *key, const char *value)
 {
-    char *body = request_body(key, value);
-    if (!body) return kvpi_error(KVP_ENOMEM, "etcd: out of memory");
     cJSON *resp = NULL;
-    kvp_status st = request(store, "/v3/kv/put", body, &resp);
-    free(body);
+    kvp_status st = key_request(store, "/v3/kv/put", key, value, &resp);
     cJSON_Delete(resp);
     return st;
 }
 
 static kvp_status etcd_del(void *store, const char *key)
 {
-    char *body = request_body(key, NULL);
-    if (!body) return kvpi_error(KVP_ENOMEM, "etcd: out of memory");
     cJSON *resp = NULL;
-    kvp_status st = request(store, "/v3/kv/deleterange", body, &resp);
-    free(body);
+    kvp_status st = key_request(store, "/v3/kv/deleterange", key, NULL, &resp);
     cJSON_Delete(resp);
     return st;
 }
