@@ -60,7 +60,12 @@ void kvpt_run(const char *name, void (*fn)(void), int timeout_s);
 #define RUN(fn) kvpt_run(#fn, fn, 120)
 #define RUN_T(fn, secs) kvpt_run(#fn, fn, secs)
 
-/* Print the summary line; returns the process exit code. */
+/* Exit code of a skipped case, and of a program all of whose cases skipped;
+ * ctest reports such a program as skipped (SKIP_RETURN_CODE). */
+#define KVPT_SKIP_EXIT 77
+
+/* Print the summary line; returns the process exit code: 1 if a case failed,
+ * KVPT_SKIP_EXIT if every case that ran skipped, else 0. */
 int kvpt_summary(void);
 
 /* Mark the current case skipped (with a reason) and return from it. */
