@@ -26,7 +26,6 @@
 #define RPC_DEFAULT_TIMEOUT_MS 5000
 #define RPC_MAX_CONNS 256 /* concurrent handshakes; more are refused */
 #define RPC_POLL_MS 1000  /* the listener re-checks for stop and reaps this often */
-#define RPC_HDR 9         /* u64 length + u8 type */
 
 typedef struct rpc_conn {
     struct kvpi_rpc_server *srv;
@@ -64,40 +63,57 @@ static kvp_status wrap(kvp_status st, const char *what, const char *addr)
     return kvpi_error(st, "%s %s: %s", what, addr, detail);
 }
 
+void kvpi_rpc_frame_header(int type, size_t json_len, uint8_t hdr[KVPI_RPC_HDR_LEN])
+{
+    kvpi_put_le64(hdr, (uint64_t)json_len + 1);
+    hdr[8] = (uint8_t)type;
+}
+
+kvp_status kvpi_rpc_frame_decode(const uint8_t *buf, size_t have, int *type, size_t *json_len)
+{
+    uint64_t len = kvpi_get_le64(buf);
+    if (len == 0 || len > KVPI_RPC_MAX_FRAME)
+        return kvpi_error(KVP_EPROTO, "frame length %llu is not in 1..%u", (unsigned long long)len,
+                          KVPI_RPC_MAX_FRAME);
+    if (have > 8 && !valid_type(buf[8]))
+        return kvpi_error(KVP_EPROTO, "unknown frame type %u", buf[8]);
+    *type = have > 8 ? buf[8] : -1;
+    *json_len = (size_t)len - 1;
+    return KVP_OK;
+}
+
 static kvp_status send_frame(int fd, int type, const char *json)
 {
     size_t n = strlen(json);
-    uint8_t hdr[RPC_HDR];
-    kvpi_put_le64(hdr, (uint64_t)n + 1);
-    hdr[8] = (uint8_t)type;
+    uint8_t hdr[KVPI_RPC_HDR_LEN];
+    kvpi_rpc_frame_header(type, n, hdr);
     kvp_status st = kvpi_send_all(fd, hdr, sizeof hdr);
     return st ? st : kvpi_send_all(fd, json, n);
 }
 
-/* Read one frame; *json is malloc'ed and NUL-terminated. */
+/* Read one frame; *json is malloc'ed and NUL-terminated. The length is
+ * checked before the type byte is waited for. */
 static kvp_status recv_frame(int fd, int *type, char **json)
 {
-    uint8_t hdr[RPC_HDR];
+    uint8_t hdr[KVPI_RPC_HDR_LEN];
+    int got;
+    size_t n;
     kvp_status st = kvpi_recv_all(fd, hdr, 8);
+    if (!st) st = kvpi_rpc_frame_decode(hdr, 8, &got, &n);
+    if (!st) st = kvpi_recv_all(fd, hdr + 8, 1);
+    if (!st) st = kvpi_rpc_frame_decode(hdr, sizeof hdr, &got, &n);
     if (st) return st;
-    uint64_t len = kvpi_get_le64(hdr);
-    if (len == 0 || len > KVPI_RPC_MAX_FRAME)
-        return kvpi_error(KVP_EPROTO, "frame length %llu is not in 1..%u", (unsigned long long)len,
-                          KVPI_RPC_MAX_FRAME);
-    st = kvpi_recv_all(fd, hdr + 8, 1);
-    if (st) return st;
-    if (!valid_type(hdr[8])) return kvpi_error(KVP_EPROTO, "unknown frame type %u", hdr[8]);
-    char *text = malloc(len);
+    char *text = malloc(n + 1);
     if (!text)
         return kvpi_error(KVP_ENOMEM, "out of memory for a %llu-byte frame",
-                          (unsigned long long)len);
-    st = kvpi_recv_all(fd, text, len - 1);
+                          (unsigned long long)n + 1);
+    st = kvpi_recv_all(fd, text, n);
     if (st) {
         free(text);
         return st;
     }
-    text[len - 1] = '\0';
-    *type = hdr[8];
+    text[n] = '\0';
+    *type = got;
     *json = text;
     return KVP_OK;
 }
