@@ -202,8 +202,8 @@ static kvp_status get_kind(kvpi_meta *m, const char *kind, const char *segment, 
     return st;
 }
 
-/* Validate rpc_meta text and take its host (malloc'ed). */
-static kvp_status parse_rpc_meta(kvpi_meta *m, const char *segment, const char *text, char **host)
+kvp_status kvpi_rpc_meta_parse(const char *text, const char *segment, const char *where,
+                               char **host)
 {
     cJSON *o = cJSON_Parse(text);
     const char *why = NULL;
@@ -221,7 +221,7 @@ static kvp_status parse_rpc_meta(kvpi_meta *m, const char *segment, const char *
     char *out = why ? NULL : strdup(h->valuestring);
     cJSON_Delete(o);
     if (why)
-        return kvpi_error(KVP_EPROTO, "rpc_meta of segment '%s' in %s: %s", segment, m->conn, why);
+        return kvpi_error(KVP_EPROTO, "rpc_meta of segment '%s' in %s: %s", segment, where, why);
     if (!out) return kvpi_error(KVP_ENOMEM, "out of memory");
     *host = out;
     return KVP_OK;
@@ -250,7 +250,7 @@ static kvp_status fetch_store(kvpi_meta *m, const char *segment, char **desc, ch
     if (st == KVP_ENOTFOUND)
         st = host_of_name(segment, &h);
     else if (st == KVP_OK)
-        st = parse_rpc_meta(m, segment, rpc, &h);
+        st = kvpi_rpc_meta_parse(rpc, segment, m->conn, &h);
     if (st) goto out;
     *desc = d;
     *host = h;

@@ -68,6 +68,12 @@ kvp_status kvpi_meta_remove(kvpi_meta *meta, const char *segment);
 kvp_status kvpi_meta_fetch(kvpi_meta *meta, const char *segment, const char *own_desc_json,
                            char **desc_json, char **rpc_host);
 
+/* Validate rpc_meta text ({"ip_or_host_name": non-empty str, "rpc_port":
+ * integer in 0..65535}) and take its host (malloc'ed). KVP_EPROTO naming the
+ * segment, the store (where) and the bad field otherwise. Pure; thread-safe. */
+kvp_status kvpi_rpc_meta_parse(const char *text, const char *segment, const char *where,
+                               char **host);
+
 /* The key under which kind ("ram" or "rpc_meta") of a segment is stored,
  * honouring env MC_METADATA_CLUSTER_ID. Returns malloc'ed text. */
 char *kvpi_meta_key(const char *kind, const char *segment);
