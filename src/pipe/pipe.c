@@ -28,6 +28,7 @@
 #include "common/log.h"
 #include "common/net.h"
 #include "kvpipe/pipe.h"
+#include "pipe/announce.h"
 #include "pipe/safetensors.h"
 
 #define ACK_TEXT "ACK"
@@ -472,9 +473,8 @@ static int zsend(void *s, const void *buf, size_t len, int flags, int timeout_ms
 /* The two-frame announcement: u64 big-endian address, u64 big-endian length. */
 static kvp_status announce(kvp_pipe *p, const void *buf, size_t len, uint64_t deadline)
 {
-    uint8_t addr[8], length[8];
-    kvpi_put_be64(addr, (uint64_t)(uintptr_t)buf);
-    kvpi_put_be64(length, len);
+    uint8_t addr[KVPI_ANNOUNCE_FRAME_LEN], length[KVPI_ANNOUNCE_FRAME_LEN];
+    kvpi_announce_encode((uint64_t)(uintptr_t)buf, len, addr, length);
     if (zsend(p->data_push, addr, 8, ZMQ_SNDMORE, remaining_ms(deadline)) < 0) {
         if (zmq_errno() != EAGAIN) return zmq_fail(p, "send");
         return kvpi_error(KVP_ETIMEDOUT,
@@ -673,59 +673,31 @@ static kvp_status wait_readable(kvp_pipe *p, int timeout_ms)
  * was taken (it then needs an ACK, good or bad). */
 static kvp_status take_announcement(kvp_pipe *p, uint64_t *addr, uint64_t *len, int *consumed)
 {
-    int frames = 0, bad_size = 0, more;
-    uint8_t f[2][8];
+    kvpi_announce_rx rx = {0};
+    int more;
     zmq_msg_t msg;
     zmq_msg_init(&msg);
     do {
         /* The parts of a message arrive together, so none of these waits. */
         if (zmq_msg_recv(&msg, p->data_pull, ZMQ_DONTWAIT) < 0) {
             zmq_msg_close(&msg);
-            if (frames == 0 && zmq_errno() == EAGAIN)
+            if (rx.frames == 0 && zmq_errno() == EAGAIN)
                 return kvpi_error(KVP_ETIMEDOUT, "pipe %s: no announcement", p->ep.local_segment);
             return zmq_fail(p, "receive");
         }
         *consumed = 1;
-        if (frames < 2 && zmq_msg_size(&msg) == 8)
-            memcpy(f[frames], zmq_msg_data(&msg), 8);
-        else if (frames < 2)
-            bad_size = 1;
-        frames++;
+        kvpi_announce_add_frame(&rx, zmq_msg_data(&msg), zmq_msg_size(&msg));
         more = zmq_msg_more(&msg);
     } while (more);
     zmq_msg_close(&msg);
-    if (frames != 2 || bad_size)
-        return kvpi_error(KVP_EPROTO,
-                          "pipe %s: malformed announcement from %s: %d frame(s)%s, want two "
-                          "8-byte frames (address, length)",
-                          p->ep.local_segment, p->ep.peer_segment, frames,
-                          bad_size ? " of the wrong size" : "");
-    *addr = kvpi_get_be64(f[0]);
-    *len = kvpi_get_be64(f[1]);
-    return KVP_OK;
-}
-
-static kvp_status check_announcement(kvp_pipe *p, uint64_t addr, uint64_t len)
-{
-    if (len == 0)
-        return kvpi_error(KVP_EPROTO, "pipe %s: announcement from %s has length 0",
-                          p->ep.local_segment, p->ep.peer_segment);
-    if (len > p->opts.max_message_bytes)
-        return kvpi_error(KVP_EPROTO,
-                          "pipe %s: announcement from %s of %llu bytes is above max_message_bytes "
-                          "(%zu)",
-                          p->ep.local_segment, p->ep.peer_segment, (unsigned long long)len,
-                          p->opts.max_message_bytes);
-    if (addr + len < addr)
-        return kvpi_error(KVP_ERANGE, "pipe %s: announced range 0x%llx+%llu wraps around",
-                          p->ep.local_segment, (unsigned long long)addr, (unsigned long long)len);
-    return KVP_OK;
+    return kvpi_announce_decode(&rx, p->ep.local_segment, p->ep.peer_segment, addr, len);
 }
 
 /* READ the announced range into a new local managed buffer. */
 static kvp_status fetch(kvp_pipe *p, uint64_t addr, uint64_t len, void **out)
 {
-    kvp_status st = check_announcement(p, addr, len);
+    kvp_status st = kvpi_announce_check(addr, len, p->opts.max_message_bytes, p->ep.local_segment,
+                                        p->ep.peer_segment);
     if (st) return st;
     if (!p->peer_open) {
         if ((st = kvp_engine_open_segment(p->engine, p->ep.peer_segment, &p->peer_seg))) return st;
