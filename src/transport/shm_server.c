@@ -130,10 +130,11 @@ static int copy_with_peer(pid_t peer, kvp_opcode op, uint64_t mine, uint64_t the
  * reach its memory: it names 8 bytes of its memory and their value. */
 static kvp_status serve_hello(shm_conn *c)
 {
-    uint8_t h[KVPI_SHM_HELLO_LEN];
-    kvp_status st = kvpi_recv_all(c->fd, h, sizeof h);
+    uint8_t raw[KVPI_SHM_HELLO_LEN];
+    kvpi_shm_hello h;
+    kvp_status st = kvpi_recv_all(c->fd, raw, sizeof raw);
     if (st) return st;
-    if (kvpi_get_le64(h) != ((uint64_t)KVPI_SHM_MAGIC << 32 | KVPI_SHM_VERSION)) {
+    if (kvpi_shm_hello_decode(raw, &h) != 0) {
         reply(c, KVP_EPROTO, 0);
         return kvpi_error(KVP_EPROTO, "shm server: bad hello from pid %d", (int)c->peer);
     }
@@ -145,9 +146,9 @@ static kvp_status serve_hello(shm_conn *c)
         return kvpi_error(KVP_ENOTSUP, "shm server: initiator is another user or pid namespace");
     }
     uint64_t probe = 0;
-    int err = copy_with_peer(c->peer, KVP_OP_WRITE, (uint64_t)(uintptr_t)&probe,
-                             kvpi_get_le64(h + 8), sizeof probe);
-    if (!err && probe != kvpi_get_le64(h + 16)) err = EFAULT;
+    int err = copy_with_peer(c->peer, KVP_OP_WRITE, (uint64_t)(uintptr_t)&probe, h.probe_addr,
+                             sizeof probe);
+    if (!err && probe != h.probe_value) err = EFAULT;
     if (err) {
         reply(c, KVP_ENOTSUP, err);
         return kvpi_error(KVP_ENOTSUP, "shm server: cannot reach the memory of pid %d: %s",
@@ -171,15 +172,17 @@ static kvp_status copy_status(int err, int *fatal)
  * failed copy is answered and the connection keeps serving. */
 static kvp_status serve_request(shm_conn *c)
 {
-    uint8_t h[KVPI_SHM_REQ_LEN];
-    kvp_status st = kvpi_recv_all(c->fd, h, sizeof h);
+    uint8_t raw[KVPI_SHM_REQ_LEN];
+    kvpi_shm_req r;
+    kvp_status st = kvpi_recv_all(c->fd, raw, sizeof raw);
     if (st) return st;
-    uint64_t remote = kvpi_get_le64(h), len = kvpi_get_le64(h + 8), local = kvpi_get_le64(h + 16);
-    uint8_t op = h[24];
-    if (op > KVP_OP_WRITE) {
+    if (kvpi_shm_req_decode(raw, &r) != 0) {
         reply(c, KVP_EPROTO, 0);
-        return kvpi_error(KVP_EPROTO, "shm server: bad opcode %u from pid %d", op, (int)c->peer);
+        return kvpi_error(KVP_EPROTO, "shm server: bad opcode %u from pid %d", r.opcode,
+                          (int)c->peer);
     }
+    uint64_t remote = r.remote, len = r.length, local = r.local;
+    uint8_t op = r.opcode;
     if (len == 0) return answer(c, KVP_OK, 0, 0);
     if (kvpi_registry_pin(c->srv->registry, remote, len) != KVP_OK) {
         KVPI_DEBUG("shm server: pid %d asked for [0x%" PRIx64 ", +%" PRIu64 ") outside registered "
