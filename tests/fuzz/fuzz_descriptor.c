@@ -1,0 +1,65 @@
+/* A peer's segment descriptor (src/engine/descriptor.c), as read from the
+ * metadata store or a P2P handshake. Invariants of an accepted one: a name,
+ * a port in 1..65535, regions sorted by address, non-empty ranges that neither
+ * wrap nor overlap; and building a descriptor from what was parsed and parsing
+ * that again gives the same regions and port. */
+#include <cjson/cJSON.h>
+
+#include "engine/descriptor.h"
+#include "fuzz.h"
+
+int LLVMFuzzerInitialize(int *argc, char ***argv)
+{
+    (void)argc;
+    (void)argv;
+    kvpf_quiet();
+    return 0;
+}
+
+static void check(const kvpi_descriptor *d)
+{
+    FUZZ_CHECK(d->json && d->name);
+    FUZZ_CHECK(d->tcp_data_port >= 1 && d->tcp_data_port <= 65535);
+    FUZZ_CHECK(d->tcp_proto_version >= 0 && d->tcp_proto_version <= 1000);
+    FUZZ_CHECK(d->n_regions == 0 || d->regions);
+    for (size_t i = 0; i < d->n_regions; i++) {
+        const kvpi_region *r = &d->regions[i];
+        FUZZ_CHECK(r->length <= UINT64_MAX - r->addr);
+        if (i) FUZZ_CHECK(d->regions[i - 1].addr + d->regions[i - 1].length <= r->addr);
+        /* The whole region is reachable, one byte past it is not, unless a
+         * neighbour starts right there. */
+        FUZZ_CHECK(kvpi_regions_contain(d->regions, d->n_regions, r->addr, r->length));
+    }
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    char *text = malloc(size + 1);
+    FUZZ_CHECK(text);
+    memcpy(text, data, size);
+    text[size] = '\0';
+    kvpi_descriptor d;
+    kvp_status st = kvpi_descriptor_parse(text, &d);
+    free(text);
+    FUZZ_CHECK(st == KVP_OK || st == KVP_EPROTO || st == KVP_ENOTSUP || st == KVP_ENOMEM);
+    if (st) return 0;
+    check(&d);
+
+    cJSON *built = kvpi_descriptor_build(d.name, d.tcp_data_port, d.regions, d.n_regions);
+    FUZZ_CHECK(built);
+    char *again = cJSON_PrintUnformatted(built);
+    cJSON_Delete(built);
+    FUZZ_CHECK(again);
+    kvpi_descriptor back;
+    FUZZ_CHECK(kvpi_descriptor_parse(again, &back) == KVP_OK);
+    free(again);
+    check(&back);
+    FUZZ_CHECK(strcmp(back.name, d.name) == 0 && back.tcp_data_port == d.tcp_data_port);
+    FUZZ_CHECK(back.tcp_proto_version == KVPI_TCP_PROTO_VERSION);
+    FUZZ_CHECK(back.n_regions == d.n_regions);
+    FUZZ_CHECK(d.n_regions == 0 ||
+               memcmp(back.regions, d.regions, d.n_regions * sizeof *d.regions) == 0);
+    kvpi_descriptor_free(&back);
+    kvpi_descriptor_free(&d);
+    return 0;
+}
