@@ -37,3 +37,13 @@ cmake --build build-asan -j"$jobs"
 ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1} \
 UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1} \
     ctest --test-dir build-asan --output-on-failure -j"$jobs"
+
+# ---- fuzzers (tests/fuzz, docs/fuzzing.md) ----
+# Each libFuzzer target for a short bounded time (KVP_FUZZ_SECONDS, default
+# 20 s) from its seed corpus; a crash, sanitizer report or broken invariant
+# fails the run. Needs clang; without it this step is skipped, and says so.
+if command -v clang >/dev/null; then
+    tests/fuzz/run.sh --short
+else
+    echo "fuzz: SKIPPED (clang not installed; scripts/install-deps.sh installs it)"
+fi
