@@ -225,6 +225,8 @@ def config():
         "bad_backend": j({**vllm, "metadata_backend": "consul"}),
         "port_type": '{"prefill_url":13003,"decode_url":"a:1","metadata_server":"x"}',
         "no_port": j({**vllm, "prefill_url": "192.168.0.137"}),
+        # Found by fuzz_config: host "[e02" would be written as "[e02:14000".
+        "bracket_in_host": j({**vllm, "decode_url": "[[e02]:14000"}),
     }
 
 
