@@ -1,6 +1,6 @@
 /* The embedded HTTP metadata store (src/metadata/http_server.c), driven as a
- * peer drives it: over loopback, one connection per request, against the real
- * server (libmicrohttpd, kvpipe's request handling and its table).
+ * peer drives it: over loopback, against the real server (libmicrohttpd,
+ * kvpipe's request handling and its table).
  *
  * The first input byte picks the mode:
  *  - even: one request whose method, URL, header lines and body come from the
@@ -9,15 +9,13 @@
  *    with an HTTP response and close.
  *  - odd: a list of requests, each u8 kind, u8 key length, key bytes, u16
  *    value length, value bytes, built as well-formed HTTP (plain, chunked,
- *    pipelined on one connection, HEAD, POST, no key, a declared body above
- *    16 MiB). The replies are checked against a model of the store: a PUT
- *    value comes back byte for byte from GET, DELETE removes it, a missing
- *    key is 404, other methods 405, no key 400, a too large body 413. Keys
- *    carry a random prefix of the run and the input's number, so no other
- *    input can touch them.
- * In both modes a canary value stored at start must still read back intact,
- * and the server must answer within REPLY_TIMEOUT_MS. The server restarts
- * every RESTART_EVERY inputs, which bounds its memory.
+ *    pipelined, HEAD, POST, no key, a declared body above 16 MiB) and sent on
+ *    one keep-alive connection (a new one after each reply that closes it). The replies are checked
+ * against a model of the store: a PUT value comes back byte for byte from GET, DELETE removes it, a
+ * missing key is 404, other methods 405, no key 400, a too large body 413. Keys carry a random
+ * prefix of the run and the input's number, so no other input can touch them. In both modes a
+ * canary value stored at start must still read back intact, and the server must answer within
+ * REPLY_TIMEOUT_MS. The server restarts every RESTART_EVERY inputs, which bounds its memory.
  *
  * Why not raw bytes on a socket: libmicrohttpd keeps a connection whose
  * client sent an incomplete request and half-closed until its idle timeout
@@ -155,6 +153,94 @@ static void exchange(const char *head, size_t head_len, const void *body, size_t
     if (body_len) send_some(fd, body, body_len);
     read_all(fd, r);
     close(fd);
+}
+
+/* The ops mode's keep-alive connection, with what was received but not yet
+ * taken as a response. */
+typedef struct conn {
+    int fd;
+    char *buf;
+    size_t len, cap;
+} conn;
+
+static void conn_close(conn *c)
+{
+    if (c->fd >= 0) close(c->fd);
+    c->fd = -1;
+    c->len = 0;
+}
+
+/* Receive more; 0 at end of stream. The server must answer in time. */
+static int conn_fill(conn *c)
+{
+    if (c->len == c->cap) {
+        FUZZ_CHECK(c->cap < MAX_REPLY);
+        c->cap = c->cap ? c->cap * 2 : 4096;
+        c->buf = realloc(c->buf, c->cap);
+        FUZZ_CHECK(c->buf);
+    }
+    for (;;) {
+        struct pollfd pfd = {.fd = c->fd, .events = POLLIN};
+        int rc = poll(&pfd, 1, REPLY_TIMEOUT_MS);
+        if (rc < 0 && errno == EINTR) continue;
+        FUZZ_CHECK(rc > 0);
+        ssize_t n = recv(c->fd, c->buf + c->len, c->cap - c->len, 0);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return 0;
+        c->len += (size_t)n;
+        return 1;
+    }
+}
+
+static int has_header(const char *head, size_t len, const char *line)
+{
+    size_t n = strlen(line);
+    for (const char *p = memchr(head, '\n', len); p && (size_t)(p - head) + 1 + n <= len;
+         p = memchr(p + 1, '\n', len - (size_t)(p + 1 - head)))
+        if (strncasecmp(p + 1, line, n) == 0) return 1;
+    return 0;
+}
+
+/* Take one response off the connection (with no body when head_only: a reply
+ * to HEAD). Returns 0 if the stream ended before it began, which a server may
+ * do to an idle keep-alive connection. */
+static int conn_read(conn *c, int head_only, reply *r)
+{
+    const char *end;
+    while (!(end = c->len ? memmem(c->buf, c->len, "\r\n\r\n", 4) : NULL)) {
+        size_t had = c->len;
+        if (!conn_fill(c)) {
+            FUZZ_CHECK(had == 0); /* not in the middle of a response */
+            return 0;
+        }
+    }
+    size_t head = (size_t)(end - c->buf) + 4;
+    FUZZ_CHECK(head >= 12 && memcmp(c->buf, "HTTP/1.", 7) == 0 && c->buf[8] == ' ');
+    int code = atoi(c->buf + 9);
+    FUZZ_CHECK(code >= 100 && code <= 599);
+    size_t need = head;
+    if (!head_only) {
+        const char *cl = NULL;
+        for (const char *p = memchr(c->buf, '\n', head); p && p < end;
+             p = memchr(p + 1, '\n', (size_t)(end - p)))
+            if (strncasecmp(p + 1, "Content-Length:", 15) == 0) cl = p + 16;
+        FUZZ_CHECK(cl);
+        need += strtoul(cl, NULL, 10);
+    }
+    while (c->len < need)
+        FUZZ_CHECK(conn_fill(c));
+    r->buf = malloc(need ? need : 1);
+    FUZZ_CHECK(r->buf);
+    memcpy(r->buf, c->buf, need);
+    r->len = need;
+    r->code = code;
+    r->body = r->buf + head;
+    r->body_len = need - head;
+    int closes = has_header(c->buf, head, "Connection: close");
+    memmove(c->buf, c->buf + need, c->len - need);
+    c->len -= need;
+    if (closes) conn_close(c);
+    return 1;
 }
 
 static void url_key(char *out, size_t cap, const uint8_t *key, size_t n)
@@ -363,14 +449,19 @@ static void build_request(text *t, enum kind kind, const char *k, const uint8_t 
         [K_TOO_LARGE] = "PUT", [K_HEAD] = "HEAD",       [K_PIPELINED] = "PUT"};
     text_printf(t, "%s /metadata?%s%s HTTP/1.1\r\nHost: x\r\n", methods[kind],
                 kind == K_NO_KEY ? "other=" : "key=", k);
+    /* The connection is kept across requests, except after the ones the
+     * server answers before reading their body. */
     switch (kind) {
     case K_PUT:
+        text_printf(t, "Content-Length: %zu\r\n\r\n", vlen);
+        text_add(t, v, vlen);
+        break;
     case K_POST:
         text_printf(t, "Content-Length: %zu\r\nConnection: close\r\n\r\n", vlen);
         text_add(t, v, vlen);
         break;
     case K_PUT_CHUNKED:
-        text_printf(t, "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n");
+        text_printf(t, "Transfer-Encoding: chunked\r\n\r\n");
         add_chunked(t, v, vlen);
         break;
     case K_TOO_LARGE:
@@ -379,10 +470,10 @@ static void build_request(text *t, enum kind kind, const char *k, const uint8_t 
     case K_PIPELINED:
         text_printf(t, "Content-Length: %zu\r\n\r\n", vlen);
         text_add(t, v, vlen);
-        text_printf(t, "GET /metadata?key=%s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", k);
+        text_printf(t, "GET /metadata?key=%s HTTP/1.1\r\nHost: x\r\n\r\n", k);
         break;
     default:
-        text_printf(t, "Connection: close\r\n\r\n");
+        text_printf(t, "\r\n");
         break;
     }
 }
@@ -399,26 +490,33 @@ static void model_put(model *m, model_entry *e, const char *key, const uint8_t *
     e->len = vlen;
 }
 
-static void run_op(model *m, enum kind kind, const uint8_t *key, size_t klen, const uint8_t *v,
-                   size_t vlen)
+/* Send the request and take its reply (two for K_PIPELINED). A connection
+ * the server closed while idle is opened again, once. */
+static void send_request(conn *c, enum kind kind, const text *req, reply *r, reply *second)
+{
+    for (int attempt = 0;; attempt++) {
+        if (c->fd < 0) c->fd = connect_server();
+        send_some(c->fd, req->p, req->len);
+        if (conn_read(c, kind == K_HEAD, r)) break;
+        conn_close(c);
+        FUZZ_CHECK(attempt == 0);
+    }
+    if (kind == K_PIPELINED) FUZZ_CHECK(c->fd >= 0 && conn_read(c, 0, second));
+    if (kind == K_POST || kind == K_TOO_LARGE) conn_close(c);
+}
+
+static void run_op(conn *c, model *m, enum kind kind, const uint8_t *key, size_t klen,
+                   const uint8_t *v, size_t vlen)
 {
     char k[3 * 256 + 64], mk[256];
     url_key(k, sizeof k, key, klen);
     model_key(mk, key, klen);
     text req = {0};
     build_request(&req, kind, k, v, vlen);
-    reply r;
-    exchange(req.p, req.len, NULL, 0, &r);
+    reply r, g = {0};
+    send_request(c, kind, &req, &r, &g);
     free(req.p);
     model_entry *e = model_find(m, mk);
-    if (kind == K_HEAD) {
-        /* Only a status line: a reply to HEAD carries no body. */
-        FUZZ_CHECK(r.len >= 12 && memcmp(r.buf, "HTTP/1.1 405", 12) == 0);
-        free(r.buf);
-        return;
-    }
-    size_t used = parse_response(r.buf, r.len, &r.code, &r.body, &r.body_len);
-    FUZZ_CHECK(used != 0);
     switch (kind) {
     case K_GET:
         if (e)
@@ -432,20 +530,18 @@ static void run_op(model *m, enum kind kind, const uint8_t *key, size_t klen, co
         FUZZ_CHECK(r.code == 200);
         model_put(m, e, mk, v, vlen);
         break;
-    case K_PIPELINED: {
+    case K_PIPELINED:
         FUZZ_CHECK(r.code == 200);
         model_put(m, e, mk, v, vlen);
-        reply g;
-        FUZZ_CHECK(parse_response(r.buf + used, r.len - used, &g.code, &g.body, &g.body_len));
         FUZZ_CHECK(g.code == 200 && g.body_len == vlen &&
                    (vlen == 0 || memcmp(g.body, v, vlen) == 0));
         break;
-    }
     case K_DELETE:
         FUZZ_CHECK(r.code == 200);
         if (e) *e = m->e[--m->n];
         break;
     case K_POST:
+    case K_HEAD:
         FUZZ_CHECK(r.code == 405);
         break;
     case K_NO_KEY:
@@ -458,12 +554,14 @@ static void run_op(model *m, enum kind kind, const uint8_t *key, size_t klen, co
         break;
     }
     free(r.buf);
+    free(g.buf);
 }
 
 static void run_structured(const uint8_t *data, size_t size)
 {
     kvpf_reader in = {data, size};
     model m = {.n = 0};
+    conn c = {.fd = -1};
     /* Every op costs at least 4 bytes, so an input has at most size / 4. */
     for (int ops = 0; in.left && ops < MAX_MODEL; ops++) {
         enum kind kind = (enum kind)(kvpf_take(&in, 1) % K_COUNT);
@@ -477,8 +575,10 @@ static void run_structured(const uint8_t *data, size_t size)
         const uint8_t *v = in.p;
         in.p += vlen;
         in.left -= vlen;
-        run_op(&m, kind, key, klen, v, vlen);
+        run_op(&c, &m, kind, key, klen, v, vlen);
     }
+    conn_close(&c);
+    free(c.buf);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
