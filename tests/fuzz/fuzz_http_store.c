@@ -70,8 +70,21 @@ static int connect_server(void)
     sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
-        fprintf(stderr, "fuzz_http_store: connect to port %d: %s\n", port, strerror(errno));
+    int err = connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0 ? 0 : errno;
+    if (err == EINTR) {
+        /* libFuzzer's timer signal: the connection goes on being made. */
+        struct pollfd pfd = {.fd = fd, .events = POLLOUT};
+        socklen_t len = sizeof err;
+        int rc;
+        while ((rc = poll(&pfd, 1, REPLY_TIMEOUT_MS)) < 0 && errno == EINTR) {
+        }
+        if (rc == 0)
+            err = ETIMEDOUT;
+        else if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0)
+            err = errno;
+    }
+    if (err) {
+        fprintf(stderr, "fuzz_http_store: connect to port %d: %s\n", port, strerror(err));
         abort();
     }
     return fd;
@@ -93,7 +106,9 @@ static void send_some(int fd, const void *buf, size_t len)
     const char *p = buf;
     while (len) {
         struct pollfd pfd = {.fd = fd, .events = POLLOUT};
-        if (poll(&pfd, 1, REPLY_TIMEOUT_MS) <= 0 || (pfd.revents & (POLLERR | POLLHUP))) return;
+        int rc = poll(&pfd, 1, REPLY_TIMEOUT_MS);
+        if (rc < 0 && errno == EINTR) continue;
+        if (rc <= 0 || (pfd.revents & (POLLERR | POLLHUP))) return;
         ssize_t n = send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
         if (n <= 0) return;
