@@ -41,7 +41,24 @@ install(FILES ${CMAKE_BINARY_DIR}/cmake/kvpipeConfig.cmake
 # kvpipe.pc: its prefix is the one installed to, known only at install time
 # (--prefix, DESTDIR and cpack choose it), so the file is written then, into a
 # folder of its own per destination so that two installs at once do not mix.
-string(REPLACE ";" " " KVP_PC_REQUIRES_PRIVATE "${KVP_PC_REQUIRES_PRIVATE}")
+# Libs.private names the libraries libkvpipe.a needs (as found here), not their
+# .pc modules: `pkg-config --static` would expand those into their own private
+# dependencies, which Debian's libzmq.pc lists wrongly (a libprotokit.a no
+# package ships).
+set(KVP_PC_LIBS_PRIVATE "")
+foreach(dep IN LISTS KVP_STATIC_DEPS)
+  string(REGEX REPLACE "=.*" "" prefix ${dep})
+  foreach(dir IN LISTS ${prefix}_LIBRARY_DIRS)
+    if(NOT dir IN_LIST CMAKE_C_IMPLICIT_LINK_DIRECTORIES AND NOT dir STREQUAL "/usr/lib")
+      list(APPEND KVP_PC_LIBS_PRIVATE -L${dir})
+    endif()
+  endforeach()
+  foreach(lib IN LISTS ${prefix}_LIBRARIES)
+    list(APPEND KVP_PC_LIBS_PRIVATE -l${lib})
+  endforeach()
+endforeach()
+list(REMOVE_DUPLICATES KVP_PC_LIBS_PRIVATE)
+string(REPLACE ";" " " KVP_PC_LIBS_PRIVATE "${KVP_PC_LIBS_PRIVATE}")
 set(KVP_PC_PREFIX "@KVP_PC_PREFIX@")
 configure_file(${CMAKE_CURRENT_LIST_DIR}/kvpipe.pc.in ${CMAKE_BINARY_DIR}/pkgconfig/kvpipe.pc.in
                @ONLY)

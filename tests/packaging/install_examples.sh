@@ -60,8 +60,12 @@ export PKG_CONFIG_PATH=$prefix/lib/pkgconfig
 [ "$(pkg-config --modversion kvpipe)" = "$version" ] || { echo "FAIL: pkg-config version"; exit 1; }
 [ "$(pkg-config --libs kvpipe | xargs)" = "-L$prefix/lib -lkvpipe" ] ||
     { echo "FAIL: pkg-config --libs is '$(pkg-config --libs kvpipe)'"; exit 1; }
-pkg-config --static --libs kvpipe | grep -q -- "-lzmq" ||
-    { echo "FAIL: pkg-config --static does not bring libkvpipe.a's dependencies"; exit 1; }
+# libkvpipe.a with what pkg-config --static adds (Libs.private).
+cc -o "$work/initiator-static" "$src/examples/initiator.c" $(pkg-config --cflags kvpipe) \
+    $(pkg-config --static --libs kvpipe | sed 's/-lkvpipe/-l:libkvpipe.a/') ||
+    { echo "FAIL: linking libkvpipe.a with pkg-config --static"; exit 1; }
+readelf -d "$work/initiator-static" | grep -q 'NEEDED.*libkvpipe' &&
+    { echo "FAIL: the static client links libkvpipe.so"; exit 1; }
 make -s -C "$src/examples" OUT="$work/pc" > "$work/make.log" 2>&1 ||
     { cat "$work/make.log"; echo "FAIL: examples with pkg-config"; exit 1; }
 needed=$(readelf -d "$work/pc/initiator" | sed -n 's/.*NEEDED.*\[\(.*\)\]/\1/p' | sort | tr '\n' ' ')
@@ -100,6 +104,8 @@ run_pair "target(pkg-config) <- initiator(find_package)" \
     "$work/pc/target" "127.0.0.1:$base" -- "$work/cm-shared/initiator" "127.0.0.1:$base"
 run_pair "target(static) <- initiator(pkg-config)" \
     "$work/cm-static/target" "127.0.0.1:$((base + 1))" -- "$work/pc/initiator" "127.0.0.1:$((base + 1))"
+run_pair "target(find_package) <- initiator(pkg-config --static)" \
+    "$work/cm-shared/target" "127.0.0.1:$((base + 2))" -- "$work/initiator-static" "127.0.0.1:$((base + 2))"
 cat > "$work/pipe.json" <<JSON
 {"prefill_url": "127.0.0.1:$((base + 20))", "decode_url": "127.0.0.1:$((base + 220))",
  "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}
