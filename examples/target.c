@@ -36,7 +36,8 @@ int main(int argc, char **argv)
     for (size_t i = 0; i < SIZE; i++)
         buf[i] = example_byte(1, i);
     buf[SIZE - 1] = 0; /* the "done" flag the initiator sets last */
-    if ((st = kvp_engine_register(engine, buf, SIZE))) return example_fail("kvp_engine_register", st);
+    if ((st = kvp_engine_register(engine, buf, SIZE)))
+        return example_fail("kvp_engine_register", st);
 
     printf("serving %u bytes at segment %s\n", SIZE, kvp_engine_segment_name(engine));
     fflush(stdout);
@@ -51,8 +52,9 @@ int main(int argc, char **argv)
     int ok = done;
     for (size_t i = SIZE / 2; ok && i < SIZE - 1; i++)
         ok = buf[i] == example_byte(2, i);
-    printf("target: %s\n", !done ? "no peer wrote in time" : ok ? "peer's write arrived intact"
-                                                                 : "peer's write is corrupt");
+    printf("target: %s\n", !done ? "no peer wrote in time"
+                           : ok  ? "peer's write arrived intact"
+                                 : "peer's write is corrupt");
 
     kvp_engine_unregister(engine, buf);
     kvp_engine_destroy(engine);

@@ -468,8 +468,7 @@ static kvp_status receive_preamble(const bp_opts *o, kvp_pipe *pipe)
     }
     kvp_tensor_free(t);
     if (st)
-        fprintf(stderr, "kvpipe bench --pipe: no start marker: %s\n",
-                why ? why : kvp_last_error());
+        fprintf(stderr, "kvpipe bench --pipe: no start marker: %s\n", why ? why : kvp_last_error());
     return st;
 }
 

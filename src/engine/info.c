@@ -89,8 +89,7 @@ static void fill_components(kvp_info *info)
     int major, minor, patch;
     zmq_version(&major, &minor, &patch);
     set_component(info, COMP_ZMQ, "libzmq", "the tensor pipe's control plane (ZeroMQ)", 1);
-    snprintf(info->versions[COMP_ZMQ], sizeof info->versions[0], "%d.%d.%d", major, minor,
-             patch);
+    snprintf(info->versions[COMP_ZMQ], sizeof info->versions[0], "%d.%d.%d", major, minor, patch);
 
     set_component(info, COMP_CJSON, "cJSON", "segment descriptors and configs (JSON)", 1);
     snprintf(info->versions[COMP_CJSON], sizeof info->versions[0], "%s", cJSON_Version());
@@ -119,8 +118,7 @@ static void fill_components(kvp_info *info)
 /* ------------------------------------------------------------ transports --- */
 
 /* Start and stop the transport's server on host, as an engine would. */
-static kvp_status probe_transport(const kvpi_transport_ops *ops, const char *host,
-                                  int timeout_ms)
+static kvp_status probe_transport(const kvpi_transport_ops *ops, const char *host, int timeout_ms)
 {
     kvpi_registry reg;
     kvpi_registry_init(&reg);
@@ -139,8 +137,8 @@ static void add_transport(kvp_info *info, const char *name, kvp_status st, const
 {
     size_t i = info->n_transports++;
     snprintf(info->details[i], INFO_DETAIL_MAX, "%s", st ? detail : "");
-    info->transports[i] = (kvp_transport_info){
-        .name = name, .status = st, .detail = info->details[i], .caps = caps};
+    info->transports[i] =
+        (kvp_transport_info){.name = name, .status = st, .detail = info->details[i], .caps = caps};
 }
 
 static void fill_transports(kvp_info *info, const char *host, int timeout_ms)
@@ -167,19 +165,16 @@ kvp_status kvp_info_get(const char *host, int timeout_ms, kvp_info **out)
     fill_transports(info, host ? host : "127.0.0.1",
                     timeout_ms > 0 ? timeout_ms : INFO_PROBE_TIMEOUT_MS);
     for (size_t i = 0; i < N_STORES; i++)
-        info->stores[i] = (kvp_store_info){.name = store_table[i].ops->name,
-                                           .syntax = store_table[i].syntax,
-                                           .status = store_table[i].built_in ? KVP_OK
-                                                                             : KVP_ENOTSUP,
-                                           .detail = store_table[i].built_in
-                                                         ? ""
-                                                         : store_table[i].option};
-    info->stores[N_STORES] =
-        (kvp_store_info){.name = "p2p",
-                         .syntax = KVPI_P2P_CONN,
-                         .status = KVP_OK,
-                         .detail = "",
-                         .flags = KVP_STORE_PEER_TO_PEER};
+        info->stores[i] =
+            (kvp_store_info){.name = store_table[i].ops->name,
+                             .syntax = store_table[i].syntax,
+                             .status = store_table[i].built_in ? KVP_OK : KVP_ENOTSUP,
+                             .detail = store_table[i].built_in ? "" : store_table[i].option};
+    info->stores[N_STORES] = (kvp_store_info){.name = "p2p",
+                                              .syntax = KVPI_P2P_CONN,
+                                              .status = KVP_OK,
+                                              .detail = "",
+                                              .flags = KVP_STORE_PEER_TO_PEER};
     fill_components(info);
     kvpi_error_clear();
     *out = info;
