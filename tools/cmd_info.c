@@ -76,7 +76,7 @@ static int check_store(const kvp_info *info, const char *conn, const char *segme
 {
     kvp_status st = kvp_info_store_check(conn, STORE_TIMEOUT_MS);
     if (st) {
-        printf("metadata store check failed: %s\n", kvp_last_error());
+        printf("metadata store check failed: %s: %s\n", kvp_strerror(st), kvp_last_error());
         return 1;
     }
     const kvp_store_info *store = kvp_info_store_for(info, conn);

@@ -11,11 +11,15 @@ arch=$(dpkg --print-architecture)
 
 (cd "$work" && cpack --config "$build/CPackConfig.cmake" -G DEB -B "$work/out" > cpack.log 2>&1) ||
     { cat "$work/cpack.log"; echo "FAIL: cpack"; exit 1; }
+for p in libkvpipe libkvpipe-dev kvpipe; do
+    [ -f "$work/out/${p}_${version}_${arch}.deb" ] ||
+        { ls "$work/out"; echo "FAIL: cpack made no ${p}_${version}_${arch}.deb"; exit 1; }
+done
 fail=0
 # contents PKG: the package's files (not folders), one a line, without the
 # leading "./"; symlinks as "path -> target".
 contents() {
-    dpkg-deb -c "$work/out/${1}_${version}_${arch}.deb" | grep -v '^d' |
+    dpkg-deb -c "$work/out/${1}_${version}_${arch}.deb" | { grep -v '^d' || true; } |
         awk '{ $1=$2=$3=$4=$5=""; sub(/^ +/, ""); print }' | sed 's|^\./||' | sort
 }
 check() { # PKG EXPECTED-LINES...: each line must be in PKG (a regex, whole line)

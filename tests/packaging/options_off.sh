@@ -18,28 +18,31 @@ case "$needed" in
 *curl* | *hiredis* | *microhttpd*) echo "FAIL: libkvpipe.so still needs: $needed"; fail=1 ;;
 esac
 cli=$work/b/kvpipe
-# expect_error NAME OPTION CMD...: CMD fails, naming OPTION and "not built in".
+# expect_error NAME OPTION STATUS CMD...: CMD fails with a line saying STATUS
+# (kvp_strerror's text; "" for a command that prints none), "not built in" and
+# OPTION.
 expect_error() {
-    local name=$1 option=$2; shift 2
+    local name=$1 option=$2 status=$3; shift 3
     local out rc=0
     out=$("$@" 2>&1) || rc=$?
     # The error itself ("... not built in: reconfigure ... -DOPTION=ON"), not
     # the list kvpipe info prints first.
     local line
     line=$(grep -E "not built in[:;].*-D$option=ON" <<<"$out" || true)
+    grep -q "$status" <<<"$line" || line=""
     if [ $rc = 0 ] || [ -z "$line" ]; then
         echo "FAIL: $name (rc $rc) does not say '$option ... not built in':"; echo "$out"; fail=1
     else
         echo "ok: $name: $line"
     fi
 }
-expect_error "redis store" KVP_WITH_REDIS "$cli" info --metadata-server redis://127.0.0.1:1
-expect_error "etcd store" KVP_WITH_ETCD "$cli" info --metadata-server etcd://127.0.0.1:1
-expect_error "bare h:p (etcd)" KVP_WITH_ETCD "$cli" info --metadata-server 127.0.0.1:1
-expect_error "http store" KVP_WITH_HTTP "$cli" info --metadata-server http://127.0.0.1:1/metadata
-expect_error "metadata server" KVP_WITH_HTTP_SERVER "$cli" metadata-server --port 0
-# An engine is refused with KVP_ENOTSUP ("not supported") too.
-expect_error "bench on redis" KVP_WITH_REDIS "$cli" bench --mode target \
+expect_error "redis store" KVP_WITH_REDIS "not supported" "$cli" info --metadata-server redis://127.0.0.1:1
+expect_error "etcd store" KVP_WITH_ETCD "not supported" "$cli" info --metadata-server etcd://127.0.0.1:1
+expect_error "bare h:p (etcd)" KVP_WITH_ETCD "not supported" "$cli" info --metadata-server 127.0.0.1:1
+expect_error "http store" KVP_WITH_HTTP "not supported" "$cli" info --metadata-server http://127.0.0.1:1/metadata
+expect_error "metadata server" KVP_WITH_HTTP_SERVER "not supported" "$cli" metadata-server --port 0
+# An engine is refused too.
+expect_error "bench on redis" KVP_WITH_REDIS "" "$cli" bench --mode target \
     --metadata-server redis://127.0.0.1:1 --local-server-name 127.0.0.1:0 --duration 1
 # What still works: P2PHANDSHAKE, and info lists what is left out.
 out=$("$cli" info --metadata-server P2PHANDSHAKE) || { echo "FAIL: info P2PHANDSHAKE"; fail=1; }
