@@ -3,10 +3,17 @@
 #   make demo       build and run `kvpipe demo` (the main job)
 #   make test       build and run every test, then again under ASan+UBSan
 #   make bench      the benchmark driver (bench/run.sh)
+#   make install    install the library, headers, CLI, pkg-config and CMake
+#                   files and docs under PREFIX (default /usr/local)
+#   make deb        the Debian packages libkvpipe, libkvpipe-dev, kvpipe
+#                   (build/packages/)
+#   make wheel      the Python wheel for $(PYTHON) (default python3) in dist/
 JOBS ?= 2
 CMAKE_FLAGS ?=
+PREFIX ?= /usr/local
+PYTHON ?= python3
 
-.PHONY: all build demo test test-fast asan bench clean
+.PHONY: all build demo test test-fast asan bench install deb wheel clean
 
 all: build
 
@@ -32,5 +39,14 @@ asan:
 bench: build
 	bench/run.sh --build build
 
+install: build
+	cmake --install build --prefix "$(PREFIX)"
+
+deb: build
+	cd build && cpack -G DEB
+
+wheel:
+	$(PYTHON) -m pip wheel --no-deps --no-index --wheel-dir dist .
+
 clean:
-	rm -rf build build-asan
+	rm -rf build build-asan build-wheel dist

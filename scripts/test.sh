@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build and run every test: first the normal build (-Werror), then a valgrind
+# Build and run every test: first the normal build (-Werror) and its packaging
+# checks, then a valgrind
 # pass over the single-process-heavy suites, then the whole suite again built
 # with AddressSanitizer and UndefinedBehaviorSanitizer. The tests start their
 # own servers (metadata store, redis-server, etcd) on free loopback ports.
@@ -10,7 +11,14 @@ jobs=${JOBS:-2}
 
 cmake -S . -B build -DKVP_WERROR=ON >/dev/null
 cmake --build build -j"$jobs"
-ctest --test-dir build --output-on-failure -j"$jobs"
+ctest --test-dir build --output-on-failure -j"$jobs" -LE packaging
+
+# ---- packaging: what a user installs (tests/packaging/, ctest label
+# "packaging"): the exported symbols; a prefix install with examples/ built
+# against it (pkg-config, find_package) and run against each other; a build
+# with every KVP_WITH_* off; the Python wheel in fresh venvs; the .debs
+# (dpkg -i / dpkg -r as root).
+ctest --test-dir build --output-on-failure -j"$jobs" -L packaging
 
 # valgrind: memory errors and definite leaks fail the run. The shm transport
 # is left out here: its bytes are written by the peer process

@@ -13,7 +13,6 @@
 #include <unistd.h>
 
 #include "cli.h"
-#include "common/clock.h"
 #include "kvpipe/kvpipe.h"
 #include "pattern.h"
 
@@ -225,7 +224,7 @@ static void *worker_main(void *arg)
         goto out;
     }
     uint64_t next = (uint64_t)w->id * o->batch_size;
-    while (kvpi_now_ns() < w->deadline_ns) {
+    while (kvp_cli_now_ns() < w->deadline_ns) {
         for (size_t i = 0; i < o->batch_size; i++) {
             offs[i] = (next++ % nblocks) * o->block_size;
             char *l = local + i * o->block_size;
@@ -287,7 +286,7 @@ static int run_initiator(const bench_opts *o)
     uint64_t span = rb.length < o->buffer_size ? rb.length : o->buffer_size;
     ws = calloc((size_t)o->threads, sizeof *ws);
     if (!ws) goto out;
-    uint64_t start = kvpi_now_ns();
+    uint64_t start = kvp_cli_now_ns();
     for (int i = 0; i < o->threads; i++) {
         ws[i] = (worker){.id = i, .o = o, .e = e, .seg = seg, .remote_base = rb.addr,
                          .remote_len = span,
@@ -302,7 +301,7 @@ static int run_initiator(const bench_opts *o)
         errors += ws[i].errors;
         mismatches += ws[i].mismatches;
     }
-    double secs = (double)(kvpi_now_ns() - start) / 1e9;
+    double secs = (double)(kvp_cli_now_ns() - start) / 1e9;
     double gbps = (double)bytes / secs / 1e9;
     printf("kvpipe bench: %s %zu B x %zu x %d threads via %s: %.3f GB/s, %" PRIu64 " ops, "
            "%" PRIu64 " errors%s\n",

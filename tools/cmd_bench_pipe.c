@@ -11,8 +11,6 @@
 #include <string.h>
 
 #include "cli.h"
-#include "common/clock.h"
-#include "common/error.h"
 #include "kvpipe/kvpipe.h"
 #include "kvpipe/pipe.h"
 #include "pattern.h"
@@ -444,24 +442,33 @@ static void report(const bp_opts *o, kvp_pipe *pipe, long ops, uint64_t errors, 
 
 /* Take the untimed warm-up tensors, then the None that starts the clock. The
  * last few warm-up tensors are held together, as the verification queue will
- * hold them, so that the pool already has that much memory. */
+ * hold them, so that the pool already has that much memory. Says on stderr
+ * what went wrong. */
 static kvp_status receive_preamble(const bp_opts *o, kvp_pipe *pipe)
 {
     kvp_tensor *held[VERIFY_QUEUE + 2] = {0}, *t = NULL;
     kvp_status st = KVP_OK;
+    const char *why = NULL;
     for (long i = 0; i < o->warmup && st == KVP_OK; i++) {
         kvp_tensor **slot = &held[i % (VERIFY_QUEUE + 2)];
         kvp_tensor_free(*slot);
         *slot = NULL;
         st = kvp_pipe_recv(pipe, START_TIMEOUT_MS, slot);
-        if (st == KVP_OK && (!*slot || (*slot)->nbytes != o->tensor_size))
-            st = kvpi_error(KVP_EPROTO, "warm-up tensor %ld has the wrong size", i);
+        if (st == KVP_OK && (!*slot || (*slot)->nbytes != o->tensor_size)) {
+            st = KVP_EPROTO;
+            why = "a warm-up tensor has the wrong size";
+        }
     }
     for (size_t i = 0; i < VERIFY_QUEUE + 2; i++)
         kvp_tensor_free(held[i]);
     if (st == KVP_OK) st = kvp_pipe_recv(pipe, START_TIMEOUT_MS, &t);
-    if (st == KVP_OK && t) st = kvpi_error(KVP_EPROTO, "expected None, got a tensor");
+    if (st == KVP_OK && t) {
+        st = KVP_EPROTO;
+        why = "expected None, got a tensor";
+    }
     kvp_tensor_free(t);
+    if (st)
+        fprintf(stderr, "kvpipe bench --pipe: no start marker: %s\n", why ? why : kvp_last_error());
     return st;
 }
 
@@ -476,12 +483,11 @@ static int run_receiver(const bp_opts *o)
     kvp_pattern_fill(v.ref, BLOCK, KVP_PATTERN_WRITE, 0);
     kvp_status st = receive_preamble(o, pipe);
     if (st) {
-        fprintf(stderr, "kvpipe bench --pipe: no start marker: %s\n", kvp_last_error());
         free(v.ref);
         kvp_pipe_close(pipe);
         return 1;
     }
-    uint64_t t0 = kvpi_now_ns(), t1 = t0;
+    uint64_t t0 = kvp_cli_now_ns(), t1 = t0;
     pthread_mutex_init(&v.lock, NULL);
     pthread_cond_init(&v.cond, NULL);
     pthread_t th;
@@ -496,7 +502,7 @@ static int run_receiver(const bp_opts *o)
             errors++;
             break;
         }
-        t1 = kvpi_now_ns();
+        t1 = kvp_cli_now_ns();
         verify_push(&v, t);
     }
     verify_finish(&v, th);

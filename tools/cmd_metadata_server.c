@@ -6,7 +6,6 @@
 #include <string.h>
 
 #include "cli.h"
-#include "common/net.h"
 #include "kvpipe/kvpipe.h"
 #include "kvpipe/metadata_server.h"
 
@@ -79,7 +78,7 @@ static int parse_args(int argc, char **argv, char *host, size_t host_len, int *p
 
 int kvp_cmd_metadata_server(int argc, char **argv)
 {
-    char host[KVPI_HOST_MAX] = "127.0.0.1";
+    char host[256] = "127.0.0.1";
     int port = 8080;
     int rc = parse_args(argc, argv, host, sizeof host, &port);
     if (rc >= 0) return rc;
@@ -89,9 +88,10 @@ int kvp_cmd_metadata_server(int argc, char **argv)
         fprintf(stderr, "kvpipe metadata-server: %s: %s\n", kvp_strerror(st), kvp_last_error());
         return 1;
     }
-    char hp[KVPI_HOST_MAX + 8];
-    kvpi_hostport_format(host, kvp_metadata_server_port(srv), hp, sizeof hp);
-    printf("kvpipe metadata-server listening on http://%s/metadata\n", hp);
+    /* An IPv6 literal goes in brackets in a URL. */
+    int v6 = strchr(host, ':') != NULL;
+    printf("kvpipe metadata-server listening on http://%s%s%s:%d/metadata\n", v6 ? "[" : "", host,
+           v6 ? "]" : "", kvp_metadata_server_port(srv));
     fflush(stdout);
     int sig = kvp_cli_wait_for_signal();
     fprintf(stderr, "kvpipe metadata-server: signal %d, stopping\n", sig);

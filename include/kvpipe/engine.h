@@ -19,6 +19,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvpipe/export.h"
 #include "kvpipe/status.h"
 
 #ifdef __cplusplus
@@ -65,48 +66,49 @@ typedef struct kvp_engine_opts {
 } kvp_engine_opts;
 
 /* Fill opts with the defaults above and NULL strings. */
-void kvp_engine_opts_init(kvp_engine_opts *opts);
+KVP_API void kvp_engine_opts_init(kvp_engine_opts *opts);
 
 /* Create an engine: bind its handshake port and data port, connect to the
  * metadata store and publish the (empty) segment. On failure nothing is left
  * behind and kvp_last_error() names the part that failed (for example the
  * metadata store and its address). */
-kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out);
+KVP_API kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out);
 
 /* Unpublish the segment, stop all threads, close connections, free managed
  * memory. Requests still running fail with KVP_ECLOSED first. NULL is a no-op. */
-void kvp_engine_destroy(kvp_engine *engine);
+KVP_API void kvp_engine_destroy(kvp_engine *engine);
 
 /* The segment name ("host:port"); owned by the engine. */
-const char *kvp_engine_segment_name(const kvp_engine *engine);
+KVP_API const char *kvp_engine_segment_name(const kvp_engine *engine);
 /* The handshake (RPC) port: the port of the segment name. */
-int kvp_engine_rpc_port(const kvp_engine *engine);
+KVP_API int kvp_engine_rpc_port(const kvp_engine *engine);
 /* The TCP data port peers connect to. */
-int kvp_engine_data_port(const kvp_engine *engine);
+KVP_API int kvp_engine_data_port(const kvp_engine *engine);
 
 /* Register [addr, addr+length) so that peers may READ and WRITE it, and publish
  * the updated segment. Regions must not overlap. The memory stays the caller's;
  * it must stay valid until kvp_engine_unregister(). */
-kvp_status kvp_engine_register(kvp_engine *engine, void *addr, size_t length);
+KVP_API kvp_status kvp_engine_register(kvp_engine *engine, void *addr, size_t length);
 
 /* Unregister the region that starts at addr and republish. Waits for server
  * requests that are touching the region to finish. KVP_ENOTFOUND if addr does
  * not start a registered region. */
-kvp_status kvp_engine_unregister(kvp_engine *engine, void *addr);
+KVP_API kvp_status kvp_engine_unregister(kvp_engine *engine, void *addr);
 
 /* Allocate length bytes (length > 0) of engine-owned registered memory. The
  * pool grows in chunks and reuses freed memory. */
-kvp_status kvp_engine_alloc(kvp_engine *engine, size_t length, void **out);
+KVP_API kvp_status kvp_engine_alloc(kvp_engine *engine, size_t length, void **out);
 
 /* Return a managed buffer; addr must come from kvp_engine_alloc(). NULL is a
  * no-op. KVP_EINVAL for an address the pool did not hand out. */
-kvp_status kvp_engine_free(kvp_engine *engine, void *addr);
+KVP_API kvp_status kvp_engine_free(kvp_engine *engine, void *addr);
 
 /* Open a peer's segment by name: fetch its descriptor from the metadata store
  * (or by handshake in P2PHANDSHAKE mode) and cache it. Opening the same name
  * again returns the same id. A transfer that fails with a connection error drops
  * the cached descriptor, so the next transfer looks the peer up again. */
-kvp_status kvp_engine_open_segment(kvp_engine *engine, const char *name, kvp_segment_id *out);
+KVP_API kvp_status kvp_engine_open_segment(kvp_engine *engine, const char *name,
+                                           kvp_segment_id *out);
 
 typedef struct kvp_remote_buffer {
     uint64_t addr;
@@ -117,12 +119,12 @@ typedef struct kvp_remote_buffer {
  * sorted by address: copies up to cap of them into out and sets *count to how
  * many there are. Looks the segment up again if its cached descriptor was
  * dropped. */
-kvp_status kvp_engine_segment_buffers(kvp_engine *engine, kvp_segment_id seg,
-                                      kvp_remote_buffer *out, size_t cap, size_t *count);
+KVP_API kvp_status kvp_engine_segment_buffers(kvp_engine *engine, kvp_segment_id seg,
+                                              kvp_remote_buffer *out, size_t cap, size_t *count);
 
 /* The transport that reaches an open segment ("tcp", "shm"), or NULL. Valid
  * until the engine is destroyed. */
-const char *kvp_engine_segment_transport(kvp_engine *engine, kvp_segment_id seg);
+KVP_API const char *kvp_engine_segment_transport(kvp_engine *engine, kvp_segment_id seg);
 
 typedef enum kvp_opcode {
     KVP_OP_READ = 0,  /* remote -> local */
@@ -139,30 +141,30 @@ typedef struct kvp_request {
 /* Submit n requests against one segment and return at once. The local memory of
  * each request must stay valid until the request completes or the batch is
  * freed. n may be 0. */
-kvp_status kvp_batch_submit(kvp_engine *engine, kvp_segment_id seg, const kvp_request *reqs,
-                            size_t n, kvp_batch **out);
+KVP_API kvp_status kvp_batch_submit(kvp_engine *engine, kvp_segment_id seg, const kvp_request *reqs,
+                                    size_t n, kvp_batch **out);
 
 /* Status of request i: KVP_EINPROGRESS while it runs, then KVP_OK or its error.
  * KVP_EINVAL for i out of range. Does not block. */
-kvp_status kvp_batch_request_status(const kvp_batch *batch, size_t i);
+KVP_API kvp_status kvp_batch_request_status(const kvp_batch *batch, size_t i);
 
 /* Number of requests of the batch not yet completed. Does not block. */
-size_t kvp_batch_pending(const kvp_batch *batch);
+KVP_API size_t kvp_batch_pending(const kvp_batch *batch);
 
 /* Wait until every request has completed or timeout_ms passed (negative: no
  * limit; the engine's I/O timeouts still bound each request). Returns KVP_OK
  * when all succeeded, KVP_ETIMEDOUT, or the first failed request's status. */
-kvp_status kvp_batch_wait(kvp_batch *batch, int timeout_ms);
+KVP_API kvp_status kvp_batch_wait(kvp_batch *batch, int timeout_ms);
 
 /* Release a batch. Requests not yet started are canceled; running ones are
  * waited for (bounded by the I/O timeout). NULL is a no-op. */
-void kvp_batch_free(kvp_batch *batch);
+KVP_API void kvp_batch_free(kvp_batch *batch);
 
 /* Synchronous single transfers: submit, wait without limit, free. */
-kvp_status kvp_engine_read(kvp_engine *engine, kvp_segment_id seg, void *local, uint64_t remote,
-                           size_t length);
-kvp_status kvp_engine_write(kvp_engine *engine, kvp_segment_id seg, const void *local,
-                            uint64_t remote, size_t length);
+KVP_API kvp_status kvp_engine_read(kvp_engine *engine, kvp_segment_id seg, void *local,
+                                   uint64_t remote, size_t length);
+KVP_API kvp_status kvp_engine_write(kvp_engine *engine, kvp_segment_id seg, const void *local,
+                                    uint64_t remote, size_t length);
 
 #ifdef __cplusplus
 }

@@ -10,6 +10,7 @@
 #ifndef KVPIPE_METADATA_SERVER_H
 #define KVPIPE_METADATA_SERVER_H
 
+#include "kvpipe/export.h"
 #include "kvpipe/status.h"
 
 #ifdef __cplusplus
@@ -19,13 +20,13 @@ extern "C" {
 typedef struct kvp_metadata_server kvp_metadata_server;
 
 /* Start serving on host:port (port 0: any free port; host NULL: 127.0.0.1). */
-kvp_status kvp_metadata_server_start(const char *host, int port, kvp_metadata_server **out);
+KVP_API kvp_status kvp_metadata_server_start(const char *host, int port, kvp_metadata_server **out);
 
 /* The port it listens on. */
-int kvp_metadata_server_port(const kvp_metadata_server *server);
+KVP_API int kvp_metadata_server_port(const kvp_metadata_server *server);
 
 /* Stop serving and free every stored value. NULL is a no-op. */
-void kvp_metadata_server_stop(kvp_metadata_server *server);
+KVP_API void kvp_metadata_server_stop(kvp_metadata_server *server);
 
 #ifdef __cplusplus
 }

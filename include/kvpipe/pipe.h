@@ -36,6 +36,7 @@
 
 #include <stddef.h>
 
+#include "kvpipe/export.h"
 #include "kvpipe/engine.h"
 #include "kvpipe/status.h"
 #include "kvpipe/tensor.h"
@@ -69,19 +70,19 @@ typedef struct kvp_pipe_config {
 
 /* Parse config JSON text of len bytes. KVP_ECONFIG with a message naming the
  * field and the problem (missing, wrong type, bad host:port, bad backend). */
-kvp_status kvp_pipe_config_parse(const char *json, size_t len, kvp_pipe_config **out);
+KVP_API kvp_status kvp_pipe_config_parse(const char *json, size_t len, kvp_pipe_config **out);
 
 /* Read and parse the file at path (at most 1 MiB). KVP_ECONFIG names the path. */
-kvp_status kvp_pipe_config_load(const char *path, kvp_pipe_config **out);
+KVP_API kvp_status kvp_pipe_config_load(const char *path, kvp_pipe_config **out);
 
 /* Load the file named by env MOONCAKE_CONFIG_PATH; KVP_ECONFIG when unset. */
-kvp_status kvp_pipe_config_load_env(kvp_pipe_config **out);
+KVP_API kvp_status kvp_pipe_config_load_env(kvp_pipe_config **out);
 
 /* Check every field as parsing does. */
-kvp_status kvp_pipe_config_check(const kvp_pipe_config *cfg);
+KVP_API kvp_status kvp_pipe_config_check(const kvp_pipe_config *cfg);
 
 /* Free a config from parse/load. NULL is a no-op. */
-void kvp_pipe_config_free(kvp_pipe_config *cfg);
+KVP_API void kvp_pipe_config_free(kvp_pipe_config *cfg);
 
 /* The engine's metadata connection string, as Mooncake builds it (malloc'ed,
  * the caller frees):
@@ -89,7 +90,7 @@ void kvp_pipe_config_free(kvp_pipe_config *cfg);
  *   metadata_server with "://" (any backend)    -> as given
  *   metadata_backend "etcd"|"redis", bare h:p    -> "<backend>://h:p"
  *   no backend, bare h:p                         -> "etcd://h:p" */
-kvp_status kvp_pipe_config_metadata_conn(const kvp_pipe_config *cfg, char **out);
+KVP_API kvp_status kvp_pipe_config_metadata_conn(const kvp_pipe_config *cfg, char **out);
 
 #define KVP_PIPE_NAME_MAX 272
 
@@ -110,8 +111,8 @@ typedef struct kvp_pipe_endpoints {
 /* Compute the ports of side kv_rank (0 prefill, 1 decode) for local_rank >= 0.
  * KVP_EINVAL for a bad rank; KVP_ECONFIG, naming the field, when a derived port
  * passes 65535. */
-kvp_status kvp_pipe_config_endpoints(const kvp_pipe_config *cfg, int local_rank, int kv_rank,
-                                     kvp_pipe_endpoints *out);
+KVP_API kvp_status kvp_pipe_config_endpoints(const kvp_pipe_config *cfg, int local_rank,
+                                             int kv_rank, kvp_pipe_endpoints *out);
 
 /* ------------------------------------------------------------------ pipe --- */
 
@@ -136,7 +137,7 @@ typedef struct kvp_pipe_opts {
 } kvp_pipe_opts;
 
 /* Fill opts with the defaults above. */
-void kvp_pipe_opts_init(kvp_pipe_opts *opts);
+KVP_API void kvp_pipe_opts_init(kvp_pipe_opts *opts);
 
 /* Open side kv_rank of the pipe: create the engine (segment "host:port" from
  * the config), bind the two PUSH sockets and connect the two PULL sockets. Does
@@ -144,8 +145,8 @@ void kvp_pipe_opts_init(kvp_pipe_opts *opts);
  * the peer is connected. opts NULL: defaults. Errors: KVP_ECONFIG for the
  * config, the engine's errors (metadata store unreachable, port in use), KVP_EIO
  * naming the ZeroMQ endpoint that failed to bind. */
-kvp_status kvp_pipe_open(const kvp_pipe_config *cfg, int local_rank, int kv_rank,
-                         const kvp_pipe_opts *opts, kvp_pipe **out);
+KVP_API kvp_status kvp_pipe_open(const kvp_pipe_config *cfg, int local_rank, int kv_rank,
+                                 const kvp_pipe_opts *opts, kvp_pipe **out);
 
 /* Send tensor t, or None when t is NULL. The tensor's bytes are copied (once)
  * before send returns, so the caller may reuse t at once. Blocks while in-flight
@@ -153,7 +154,7 @@ kvp_status kvp_pipe_open(const kvp_pipe_config *cfg, int local_rank, int kv_rank
  * connected, at most send_timeout_ms in all; then KVP_ETIMEDOUT naming the
  * peer. KVP_ENOMEM when the engine cannot allocate the buffer. On any error
  * nothing was sent and the pipe can go on. */
-kvp_status kvp_pipe_send(kvp_pipe *pipe, const kvp_tensor *t);
+KVP_API kvp_status kvp_pipe_send(kvp_pipe *pipe, const kvp_tensor *t);
 
 /* ------------------------------------------------ sending without a copy --- */
 
@@ -175,8 +176,8 @@ kvp_status kvp_pipe_send(kvp_pipe *pipe, const kvp_tensor *t);
  * memory is not cleared). Hand it to kvp_pipe_send_take(), or release it with
  * kvp_tensor_free(), also after kvp_pipe_close(). Errors: KVP_EINVAL for a bad
  * dtype or shape, KVP_ENOMEM, KVP_ECLOSED for an unusable pipe. */
-kvp_status kvp_pipe_tensor_alloc(kvp_pipe *pipe, kvp_dtype dtype, int ndim, const int64_t *shape,
-                                 kvp_tensor **out);
+KVP_API kvp_status kvp_pipe_tensor_alloc(kvp_pipe *pipe, kvp_dtype dtype, int ndim,
+                                         const int64_t *shape, kvp_tensor **out);
 
 /* Send t, a tensor from kvp_pipe_tensor_alloc() of this pipe, without copying
  * its bytes. Its dtype and shape may have been changed since the allocation as
@@ -185,7 +186,7 @@ kvp_status kvp_pipe_tensor_alloc(kvp_pipe *pipe, kvp_dtype dtype, int ndim, cons
  * acknowledges. On an error nothing was sent and t is still the caller's, data
  * intact, to retry or free. Waits and errors as kvp_pipe_send(), plus KVP_EINVAL
  * for a tensor that did not come from kvp_pipe_tensor_alloc() of this pipe. */
-kvp_status kvp_pipe_send_take(kvp_pipe *pipe, kvp_tensor *t);
+KVP_API kvp_status kvp_pipe_send_take(kvp_pipe *pipe, kvp_tensor *t);
 
 /* Receive the next tensor. *out is a heap tensor to release with
  * kvp_tensor_free(), or NULL for None. Its data lives in a managed buffer of the
@@ -209,16 +210,16 @@ kvp_status kvp_pipe_send_take(kvp_pipe *pipe, kvp_tensor *t);
  * After any of these the bad message has been consumed and dropped, and the
  * pipe can go on: call recv again. Only when kvp_pipe_usable() says 0 is the
  * pipe finished. */
-kvp_status kvp_pipe_recv(kvp_pipe *pipe, int timeout_ms, kvp_tensor **out);
+KVP_API kvp_status kvp_pipe_recv(kvp_pipe *pipe, int timeout_ms, kvp_tensor **out);
 
 /* Wait until every sent message has been acknowledged, at most timeout_ms
  * (negative: no limit). A sender should flush before closing, because closing
  * frees the buffers the peer may still be reading. KVP_ETIMEDOUT otherwise. */
-kvp_status kvp_pipe_flush(kvp_pipe *pipe, int timeout_ms);
+KVP_API kvp_status kvp_pipe_flush(kvp_pipe *pipe, int timeout_ms);
 
 /* Non-zero while the pipe works. 0 after an internal ZeroMQ failure, after
  * which every call fails with KVP_ECLOSED. */
-int kvp_pipe_usable(const kvp_pipe *pipe);
+KVP_API int kvp_pipe_usable(const kvp_pipe *pipe);
 
 /* Counters, for tools and tests. */
 typedef struct kvp_pipe_stats {
@@ -230,19 +231,19 @@ typedef struct kvp_pipe_stats {
     size_t inflight_bytes;               /* sent, not yet acknowledged */
     size_t inflight_count;
 } kvp_pipe_stats;
-void kvp_pipe_get_stats(kvp_pipe *pipe, kvp_pipe_stats *out);
+KVP_API void kvp_pipe_get_stats(kvp_pipe *pipe, kvp_pipe_stats *out);
 
 /* The ports this side uses. Valid until the pipe is closed. */
-const kvp_pipe_endpoints *kvp_pipe_get_endpoints(const kvp_pipe *pipe);
+KVP_API const kvp_pipe_endpoints *kvp_pipe_get_endpoints(const kvp_pipe *pipe);
 
 /* The pipe's engine, for inspection (segment name, transport to the peer).
  * Owned by the pipe; do not destroy it. */
-kvp_engine *kvp_pipe_engine(kvp_pipe *pipe);
+KVP_API kvp_engine *kvp_pipe_engine(kvp_pipe *pipe);
 
 /* Close the sockets at once (linger 0), stop the ACK thread, free the buffers
  * still awaiting ACKs, and release the engine once no received tensor uses it.
  * Never waits for the peer. NULL is a no-op. */
-void kvp_pipe_close(kvp_pipe *pipe);
+KVP_API void kvp_pipe_close(kvp_pipe *pipe);
 
 #ifdef __cplusplus
 }
