@@ -345,7 +345,15 @@ static void test_ipv6(void)
 /* ---- kvpi_meta over the HTTP store ---- */
 
 static const char *const desc = "{\"name\":\"127.0.0.1:17000\",\"protocol\":\"tcp\","
-                                "\"tcp_data_port\":17001,\"buffers\":[]}";
+                                "\"tcp_data_port\":17001,\"buffers\":[],"
+                                "\"kvpipe_instance\":\"t1\"}";
+
+/* An engine named seg with descriptor d, answering handshakes at host:port. */
+static kvpi_meta_self self_of(const char *seg, const char *d, const char *host, int port)
+{
+    return (kvpi_meta_self){
+        .segment = seg, .desc_json = d, .rpc_host = host, .rpc_port = port, .instance = "t1"};
+}
 
 static void check_rpc_meta(void *s, const char *key, const char *host, int port)
 {
@@ -368,7 +376,8 @@ static void test_meta_publish_fetch(void)
     REQUIRE_OK(kvpi_meta_open(url, 3000, &m));
     CHECK(!kvpi_meta_is_p2p(m));
     const char *seg = "127.0.0.1:17000";
-    REQUIRE_OK(kvpi_meta_publish(m, seg, desc, "10.1.2.3", 17000));
+    kvpi_meta_self me = self_of(seg, desc, "10.1.2.3", 17000);
+    REQUIRE_OK(kvpi_meta_claim(m, &me));
     CHECK(value_is(s, "mooncake/ram/127.0.0.1:17000", desc));
     check_rpc_meta(s, "mooncake/rpc_meta/127.0.0.1:17000", "10.1.2.3", 17000);
     char *d = NULL, *h = NULL;
@@ -377,19 +386,26 @@ static void test_meta_publish_fetch(void)
     CHECK(strcmp(h, "10.1.2.3") == 0);
     free(d);
     free(h);
-    /* Republish overwrites. */
-    CHECK_OK(kvpi_meta_publish(m, seg, "{\"v\":2}", "10.1.2.3", 17000));
-    CHECK(value_is(s, "mooncake/ram/127.0.0.1:17000", "{\"v\":2}"));
-    CHECK_OK(kvpi_meta_remove(m, seg));
+    /* A new descriptor rewrites only the ram key: the server refuses a second
+     * PUT of rpc_meta, so publishing must not send one. */
+    const char *v2 = "{\"name\":\"127.0.0.1:17000\",\"v\":2,\"kvpipe_instance\":\"t1\"}";
+    CHECK_OK(kvpi_meta_publish(m, seg, v2));
+    CHECK(value_is(s, "mooncake/ram/127.0.0.1:17000", v2));
+    check_rpc_meta(s, "mooncake/rpc_meta/127.0.0.1:17000", "10.1.2.3", 17000);
+    me.desc_json = v2;
+    CHECK_OK(kvpi_meta_release(m, &me));
     CHECK(value_is(s, "mooncake/ram/127.0.0.1:17000", NULL));
     CHECK(value_is(s, "mooncake/rpc_meta/127.0.0.1:17000", NULL));
     d = h = NULL;
     CHECK_ST(kvpi_meta_fetch(m, seg, NULL, &d, &h), KVP_ENOTFOUND);
     CHECK(d == NULL && h == NULL);
     CHECK(strstr(kvp_last_error(), seg) && strstr(kvp_last_error(), url));
-    CHECK_OK(kvpi_meta_remove(m, seg)); /* removing twice is fine */
-    CHECK_ST(kvpi_meta_publish(m, "", desc, "h", 1), KVP_EINVAL);
-    CHECK_ST(kvpi_meta_publish(m, seg, desc, "h", 70000), KVP_EINVAL);
+    CHECK_OK(kvpi_meta_release(m, &me)); /* releasing twice is fine */
+    kvpi_meta_self bad = self_of("", desc, "h", 1);
+    CHECK_ST(kvpi_meta_claim(m, &bad), KVP_EINVAL);
+    bad = self_of(seg, desc, "h", 70000);
+    CHECK_ST(kvpi_meta_claim(m, &bad), KVP_EINVAL);
+    CHECK_ST(kvpi_meta_publish(m, "", desc), KVP_EINVAL);
     kvpi_meta_close(m);
     kvpi_store_http.close(s);
     kvp_metadata_server_stop(server);
@@ -406,7 +422,8 @@ static void test_meta_cluster_id(void)
     free(k);
     kvpi_meta *m = NULL;
     REQUIRE_OK(kvpi_meta_open(url, 3000, &m));
-    REQUIRE_OK(kvpi_meta_publish(m, "h:1", desc, "127.0.0.1", 1));
+    kvpi_meta_self me = self_of("h:1", desc, "127.0.0.1", 1);
+    REQUIRE_OK(kvpi_meta_claim(m, &me));
     CHECK(value_is(s, "mooncake/clusterA/ram/h:1", desc));
     check_rpc_meta(s, "mooncake/clusterA/rpc_meta/h:1", "127.0.0.1", 1);
     CHECK(value_is(s, "mooncake/ram/h:1", NULL));
@@ -448,7 +465,8 @@ static void test_meta_rpc_meta_variants(void)
     CHECK(h && strcmp(h, "::1") == 0);
     free(d);
     free(h);
-    /* Malformed rpc_meta: a protocol error naming the segment. */
+    /* Malformed rpc_meta: a protocol error naming the segment. (The server
+     * keeps the first rpc_meta of a key: each is deleted before the next.) */
     static const char *const bad[] = {
         "not json",
         "[1,2]",
@@ -460,6 +478,7 @@ static void test_meta_rpc_meta_variants(void)
         "{\"ip_or_host_name\":\"h\",\"rpc_port\":70000}",
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        CHECK_OK(kvpi_store_http.del(s, "mooncake/rpc_meta/peer.example:9000"));
         CHECK_OK(kvpi_store_http.put(s, "mooncake/rpc_meta/peer.example:9000", bad[i]));
         d = h = NULL;
         CHECK_ST(kvpi_meta_fetch(m, "peer.example:9000", NULL, &d, &h), KVP_EPROTO);
@@ -487,9 +506,12 @@ static void test_meta_connection_strings(void)
     CHECK(kvpi_store_lookup("https://x/metadata") == &kvpi_store_http);
     REQUIRE_OK(kvpi_meta_open(KVPI_P2P_CONN, 1000, &m));
     CHECK(kvpi_meta_is_p2p(m));
-    /* P2P: nothing to publish or remove. */
-    CHECK_OK(kvpi_meta_publish(m, "127.0.0.1:1", desc, "127.0.0.1", 1));
-    CHECK_OK(kvpi_meta_remove(m, "127.0.0.1:1"));
+    /* P2P: nothing to claim, publish, repair or release. */
+    kvpi_meta_self me = self_of("127.0.0.1:1", desc, "127.0.0.1", 1);
+    CHECK_OK(kvpi_meta_claim(m, &me));
+    CHECK_OK(kvpi_meta_publish(m, "127.0.0.1:1", desc));
+    CHECK_OK(kvpi_meta_repair(m, &me));
+    CHECK_OK(kvpi_meta_release(m, &me));
     kvpi_meta_close(m);
     kvpi_meta_close(NULL);
 }
@@ -526,7 +548,8 @@ static void test_cli_server(void)
     snprintf(conn, sizeof conn, "http://127.0.0.1:%d/metadata", port);
     kvpi_meta *m = NULL;
     if (ok && kvpi_meta_open(conn, 3000, &m) == KVP_OK) {
-        CHECK_OK(kvpi_meta_publish(m, "127.0.0.1:5", desc, "127.0.0.1", 5));
+        kvpi_meta_self me = self_of("127.0.0.1:5", desc, "127.0.0.1", 5);
+        CHECK_OK(kvpi_meta_claim(m, &me));
         char *d = NULL, *h = NULL;
         CHECK_OK(kvpi_meta_fetch(m, "127.0.0.1:5", NULL, &d, &h));
         CHECK(d && strcmp(d, desc) == 0);

@@ -399,6 +399,7 @@ static kvp_status etcd_del(void *store, const char *key)
 
 const kvpi_store_ops kvpi_store_etcd = {
     .name = "etcd",
+    .newline_values = 1,
     .accepts = etcd_accepts,
     .open = etcd_open,
     .get = etcd_get,

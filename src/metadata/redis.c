@@ -355,6 +355,7 @@ static kvp_status redis_del(void *store, const char *key)
 
 const kvpi_store_ops kvpi_store_redis = {
     .name = "redis",
+    .newline_values = 1,
     .accepts = redis_accepts,
     .open = redis_open,
     .get = redis_get,
