@@ -264,7 +264,10 @@ static void test_malformed_requests(void)
     CHECK(raw(port, "PUT /metadata?key=k HTTP/1.1\r\nHost: x\r\n"
                     "Content-Length: 100000000\r\n\r\n") == 413);
     CHECK(raw(port, "GET /metadata?key=k HTTP/1.1\r\nHost: x\r\n\r\n") == 200);
-    CHECK(raw(port, "GET /anything/else?key=k HTTP/1.1\r\nHost: x\r\n\r\n") == 200);
+    /* Only /metadata (and /health) are served, as by Mooncake's server. */
+    CHECK(raw(port, "GET /anything/else?key=k HTTP/1.1\r\nHost: x\r\n\r\n") == 404);
+    CHECK(raw(port, "GET /?key=k HTTP/1.1\r\nHost: x\r\n\r\n") == 404);
+    CHECK(raw(port, "GET /metadata/?key=k HTTP/1.1\r\nHost: x\r\n\r\n") == 404);
     /* Garbage: a 4xx or a closed connection, never a crash. */
     int g = raw(port, "\x01\x02 garbage \xff\xfe\r\n\r\n");
     CHECK(g == 0 || (g >= 400 && g < 500));
@@ -288,6 +291,115 @@ static void test_malformed_requests(void)
     CHECK(value_is(s, "k", "v"));
     kvpi_store_http.close(s);
     kvp_metadata_server_stop(server);
+}
+
+/* Send raw bytes; return the whole answer (status line to body), malloc'ed. */
+static char *raw_answer(int port, const char *text)
+{
+    int fd;
+    if (kvpi_tcp_connect("127.0.0.1", port, 3000, &fd) != KVP_OK) return NULL;
+    kvpi_send_all(fd, text, strlen(text));
+    char *buf = calloc(1, 8192);
+    size_t got = 0;
+    while (buf && got < 8191) {
+        ssize_t n = recv(fd, buf + got, 8191 - got, 0);
+        if (n <= 0) break;
+        got += (size_t)n;
+    }
+    close(fd);
+    return buf;
+}
+
+/* Mooncake's server rules, over the wire, with its exact texts. */
+static void test_mooncake_rules(void)
+{
+    start_server();
+    int port = kvp_metadata_server_port(server);
+    void *s = open_store(url);
+    REQUIRE(s);
+    const char *rpc = "{\"ip_or_host_name\":\"10.0.0.1\",\"rpc_port\":17000}";
+    CHECK_OK(kvpi_store_http.put(s, "mooncake/rpc_meta/10.0.0.1:17000", rpc));
+    char *a = raw_answer(port, "PUT /metadata?key=mooncake%2Frpc_meta%2F10.0.0.1%3A17000 "
+                               "HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                               "Content-Length: 2\r\n\r\n{}");
+    CHECK(a && strncmp(a, "HTTP/1.1 400", 12) == 0 &&
+          strstr(a, "Duplicate rpc_meta key not allowed"));
+    free(a);
+    /* The client reports the refusal as the name being taken. */
+    CHECK_ST(kvpi_store_http.put(s, "mooncake/rpc_meta/10.0.0.1:17000", rpc), KVP_EBUSY);
+    CHECK(strstr(kvp_last_error(), "Duplicate rpc_meta key not allowed") != NULL);
+    CHECK(value_is(s, "mooncake/rpc_meta/10.0.0.1:17000", rpc));
+    CHECK_OK(kvpi_store_http.put(s, "mooncake/ram/10.0.0.1:17000", "{\"v\":1}"));
+    CHECK_OK(kvpi_store_http.put(s, "mooncake/ram/10.0.0.1:17000", "{\"v\":2}"));
+    /* DELETE of a missing key is 404 on the wire; the client takes it as done. */
+    CHECK(raw(port, "DELETE /metadata?key=gone HTTP/1.1\r\nHost: x\r\n\r\n") == 404);
+    CHECK_OK(kvpi_store_http.del(s, "gone"));
+    /* Health and listing (kvpipe extensions). */
+    a = raw_answer(port, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    CHECK(a && strncmp(a, "HTTP/1.1 200", 12) == 0 && strstr(a, "\r\n\r\nOK\n"));
+    free(a);
+    a = raw_answer(port, "GET /metadata?list=mooncake%2Fram%2F HTTP/1.1\r\nHost: x\r\n"
+                         "Connection: close\r\n\r\n");
+    CHECK(a && strncmp(a, "HTTP/1.1 200", 12) == 0 &&
+          strstr(a, "\r\n\r\n[\"mooncake/ram/10.0.0.1:17000\"]"));
+    CHECK(a && strstr(a, "application/json"));
+    free(a);
+    /* A client pointed at another path is told so. */
+    char other[128];
+    snprintf(other, sizeof other, "http://127.0.0.1:%d/", port);
+    void *wrong = NULL;
+    REQUIRE_OK(kvpi_store_http.open(other, 3000, &wrong)); /* a GET's 404 is "missing" */
+    CHECK_ST(kvpi_store_http.put(wrong, "k", "v"), KVP_EMETADATA);
+    CHECK(strstr(kvp_last_error(), "404") && strstr(kvp_last_error(), "/metadata"));
+    kvpi_store_http.close(wrong);
+    kvpi_store_http.close(s);
+    kvp_metadata_server_stop(server);
+}
+
+/* Configured limits: the value limit and the total budget. */
+static void test_limits(void)
+{
+    kvp_metadata_server_opts o;
+    kvp_metadata_server_opts_init(&o);
+    CHECK(o.max_value_bytes == (size_t)16 << 20 && o.max_total_bytes == (size_t)256 << 20);
+    CHECK(o.max_connections == 1024 && o.max_connections_per_ip == 256);
+    CHECK(o.idle_timeout_s == 15 && o.request_timeout_s == 30);
+    o.max_value_bytes = 100 << 10;
+    o.max_total_bytes = 1 << 20;
+    kvp_metadata_server *srv = NULL;
+    REQUIRE_OK(kvp_metadata_server_start_opts(&o, &srv));
+    char conn[128];
+    snprintf(conn, sizeof conn, "http://127.0.0.1:%d/metadata", kvp_metadata_server_port(srv));
+    void *s = open_store(conn);
+    REQUIRE(s);
+    char *v = malloc((100 << 10) + 2);
+    REQUIRE(v);
+    memset(v, 'x', (100 << 10) + 1);
+    v[(100 << 10) + 1] = '\0';
+    CHECK_ST(kvpi_store_http.put(s, "k", v), KVP_EMETADATA); /* 413 */
+    CHECK(strstr(kvp_last_error(), "413") != NULL);
+    v[100 << 10] = '\0';
+    size_t before = kvp_metadata_server_bytes_used(srv);
+    int stored = 0;
+    kvp_status st = KVP_OK;
+    for (int i = 0; i < 20 && st == KVP_OK; i++) {
+        char key[16];
+        snprintf(key, sizeof key, "k%d", i);
+        st = kvpi_store_http.put(s, key, v);
+        if (st == KVP_OK) stored++;
+    }
+    CHECK(stored == 10); /* ten 100 KiB values fit in 1 MiB; the eleventh does not */
+    CHECK(st == KVP_ENOMEM && strstr(kvp_last_error(), "507"));
+    CHECK(kvp_metadata_server_bytes_used(srv) <= (size_t)1 << 20);
+    CHECK(kvp_metadata_server_bytes_used(srv) > before + (size_t)stored * (100 << 10));
+    CHECK(value_is(s, "k0", v));
+    CHECK_OK(kvpi_store_http.del(s, "k0"));
+    CHECK_OK(kvpi_store_http.put(s, "k10", v)); /* room again */
+    free(v);
+    kvpi_store_http.close(s);
+    kvp_metadata_server_stop(srv);
+    o.port = 70000;
+    CHECK_ST(kvp_metadata_server_start_opts(&o, &srv), KVP_EINVAL);
 }
 
 static int count_fds(void)
@@ -391,6 +503,7 @@ static void test_meta_publish_fetch(void)
     const char *v2 = "{\"name\":\"127.0.0.1:17000\",\"v\":2,\"kvpipe_instance\":\"t1\"}";
     CHECK_OK(kvpi_meta_publish(m, seg, v2));
     CHECK(value_is(s, "mooncake/ram/127.0.0.1:17000", v2));
+    CHECK_ST(kvpi_store_http.put(s, "mooncake/rpc_meta/127.0.0.1:17000", "{}"), KVP_EBUSY);
     check_rpc_meta(s, "mooncake/rpc_meta/127.0.0.1:17000", "10.1.2.3", 17000);
     me.desc_json = v2;
     CHECK_OK(kvpi_meta_release(m, &me));
@@ -568,8 +681,25 @@ static void test_cli_ephemeral_port_and_flags(void)
 {
     char out[64];
     snprintf(out, sizeof out, "/tmp/kvpt-mds0-%d.out", (int)getpid());
-    char *argv[] = {
-        (char *)kvpt_cli(), "metadata-server", "--host", "127.0.0.1", "--port", "0", NULL};
+    char *argv[] = {(char *)kvpt_cli(),
+                    "metadata-server",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--max-value-bytes",
+                    "1K",
+                    "--max-total-bytes",
+                    "1M",
+                    "--max-connections",
+                    "8",
+                    "--max-connections-per-ip",
+                    "4",
+                    "--idle-timeout",
+                    "5",
+                    "--request-timeout",
+                    "10",
+                    NULL};
     pid_t pid = kvpt_spawn(argv, out);
     REQUIRE(pid > 0);
     int port = 0;
@@ -591,6 +721,12 @@ static void test_cli_ephemeral_port_and_flags(void)
         if (s) {
             CHECK_OK(kvpi_store_http.put(s, "k", "v"));
             CHECK(value_is(s, "k", "v"));
+            /* --max-value-bytes 1K took effect. */
+            char big[1100];
+            memset(big, 'b', sizeof big - 1);
+            big[sizeof big - 1] = '\0';
+            CHECK_ST(kvpi_store_http.put(s, "big", big), KVP_EMETADATA);
+            CHECK(strstr(kvp_last_error(), "413") != NULL);
             kvpi_store_http.close(s);
         }
     }
@@ -601,6 +737,18 @@ static void test_cli_ephemeral_port_and_flags(void)
     char *bad1[] = {(char *)kvpt_cli(), "metadata-server", "--port", "99999", NULL};
     char *bad2[] = {(char *)kvpt_cli(), "metadata-server", "--bogus", NULL};
     char *bad3[] = {(char *)kvpt_cli(), "metadata-server", "extra", NULL};
+    char *bad4[] = {(char *)kvpt_cli(), "metadata-server", "--max-total-bytes", "0", NULL};
+    char *bad5[] = {(char *)kvpt_cli(), "metadata-server", "--request-timeout", "soon", NULL};
+    char *bad6[] = {(char *)kvpt_cli(),
+                    "metadata-server",
+                    "--max-value-bytes",
+                    "2M",
+                    "--max-total-bytes",
+                    "1M",
+                    NULL};
+    CHECK(kvpt_wait_child(kvpt_spawn(bad4, "/dev/null"), 10000) == 2);
+    CHECK(kvpt_wait_child(kvpt_spawn(bad5, "/dev/null"), 10000) == 2);
+    CHECK(kvpt_wait_child(kvpt_spawn(bad6, "/dev/null"), 10000) == 2);
     char *help[] = {(char *)kvpt_cli(), "metadata-server", "--help", NULL};
     CHECK(kvpt_wait_child(kvpt_spawn(bad1, "/dev/null"), 10000) == 2);
     CHECK(kvpt_wait_child(kvpt_spawn(bad2, "/dev/null"), 10000) == 2);
@@ -627,6 +775,8 @@ int main(void)
     RUN(test_concurrent_clients);
     RUN(test_server_down);
     RUN(test_malformed_requests);
+    RUN(test_mooncake_rules);
+    RUN(test_limits);
     RUN(test_start_stop_no_leak);
     RUN(test_ipv6);
     RUN(test_meta_publish_fetch);
