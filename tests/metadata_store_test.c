@@ -6,6 +6,8 @@
 #include <curl/curl.h>
 #include <hiredis/hiredis.h>
 #include <pthread.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -329,8 +331,6 @@ static void meta_cluster_id_prefix(kvpt_server *srv, const kvpi_store_ops *ops)
     ops->close(raw);
 }
 
-/* ---- failure and recovery ---- */
-
 static int names(const char *msg, const char *a, const char *b)
 {
     int ok = strstr(msg, a) && (!b || strstr(msg, b));
@@ -339,6 +339,180 @@ static int names(const char *msg, const char *a, const char *b)
                 b ? b : "");
     return ok;
 }
+
+/* ---- names: stale and live owners ---- */
+
+#define SEG "127.0.0.1:12345"
+
+static const char *other_desc =
+    "{\"name\":\"127.0.0.1:12345\",\"protocol\":\"tcp\",\"tcp_data_port\":1,"
+    "\"buffers\":[{\"name\":\"x\",\"addr\":4096,\"length\":4096}],"
+    "\"kvpipe_instance\":\"other\"}";
+
+/* Plant a name's keys as another engine would have left them: rpc_meta
+ * pointing at host:port and that engine's descriptor. */
+static void plant(const kvpi_store_ops *ops, void *raw, int port, const char *desc)
+{
+    char *rk = kvpi_meta_key("rpc_meta", SEG), *dk = kvpi_meta_key("ram", SEG), rpc[96];
+    snprintf(rpc, sizeof rpc, "{\"ip_or_host_name\":\"127.0.0.1\",\"rpc_port\":%d}", port);
+    CHECK_OK(ops->put(raw, rk, rpc));
+    CHECK_OK(ops->put(raw, dk, desc));
+    free(rk);
+    free(dk);
+}
+
+static int key_is(const kvpi_store_ops *ops, void *raw, const char *kind, const char *want)
+{
+    char *key = kvpi_meta_key(kind, SEG), *got = NULL;
+    int ok = key && ops->get(raw, key, &got) == KVP_OK && same_json(got, want);
+    if (!ok) fprintf(stderr, "  %s is %.200s, want %.200s\n", kind, got ? got : "(none)", want);
+    free(key);
+    free(got);
+    return ok;
+}
+
+static const char *own_rpc = "{\"ip_or_host_name\":\"127.0.0.1\",\"rpc_port\":12345}";
+
+/* The engine that wrote the keys is gone (nothing answers at its rpc_meta's
+ * address): the keys are taken over, its buffers are gone at once. On the
+ * HTTP store, whose server refuses to overwrite rpc_meta, that takes a
+ * delete. */
+static void meta_claim_takes_stale_keys(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    void *raw = open_store(ops, srv->conn);
+    REQUIRE(raw);
+    plant(ops, raw, kvpt_free_port(), other_desc);
+    kvpi_meta *meta = NULL;
+    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, &meta));
+    kvpi_meta_self me = self_of(SEG, desc_json, "127.0.0.1", 12345, "me");
+    CHECK_OK(kvpi_meta_claim(meta, &me));
+    CHECK(key_is(ops, raw, "ram", desc_json));
+    CHECK(key_is(ops, raw, "rpc_meta", own_rpc));
+    /* An rpc_meta that is not even JSON holds no live engine either. */
+    char *rk = kvpi_meta_key("rpc_meta", SEG);
+    CHECK_OK(ops->del(raw, rk));
+    CHECK_OK(ops->put(raw, rk, "garbage"));
+    free(rk);
+    CHECK_OK(kvpi_meta_claim(meta, &me));
+    CHECK(key_is(ops, raw, "rpc_meta", own_rpc));
+    kvpi_meta_close(meta);
+    ops->close(raw);
+}
+
+/* Another live engine holds the name (it answers at its rpc_meta's address
+ * as this segment, with another instance id; or as Mooncake does, with null):
+ * refused, and its keys are left as they are. An engine of another name
+ * answering there means the keys are stale. */
+static void meta_claim_refuses_live_owner(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    static const struct {
+        const char *reply;
+        int live;
+    } owners[] = {
+        {"{\"name\":\"127.0.0.1:12345\",\"kvpipe_instance\":\"other\",\"buffers\":[]}", 1},
+        {"{\"name\":\"127.0.0.1:12345\",\"protocol\":\"tcp\",\"buffers\":[]}", 1},
+        {"null", 1},
+        {"{\"name\":\"10.9.9.9:1\",\"kvpipe_instance\":\"other\"}", 0},
+    };
+    void *raw = open_store(ops, srv->conn);
+    REQUIRE(raw);
+    kvpi_meta *meta = NULL;
+    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, &meta));
+    kvpi_meta_self me = self_of(SEG, desc_json, "127.0.0.1", 12345, "me");
+    for (size_t i = 0; i < sizeof owners / sizeof owners[0]; i++) {
+        int port = kvpt_free_port();
+        pid_t owner = kvpt_handshake_responder(port, owners[i].reply);
+        REQUIRE(owner > 0);
+        char *rk = kvpi_meta_key("rpc_meta", SEG), rpc[96];
+        CHECK_OK(ops->del(raw, rk));
+        free(rk);
+        plant(ops, raw, port, other_desc);
+        snprintf(rpc, sizeof rpc, "{\"ip_or_host_name\":\"127.0.0.1\",\"rpc_port\":%d}", port);
+        kvp_status st = kvpi_meta_claim(meta, &me);
+        if (owners[i].live) {
+            CHECK_ST(st, KVP_EBUSY);
+            CHECK(names(kvp_last_error(), "'127.0.0.1:12345' is in use", NULL));
+            char addr[32];
+            snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+            CHECK(names(kvp_last_error(), addr, srv->addr)); /* its address, and the store's */
+            if (i == 0) fprintf(stderr, "  refused: %s\n", kvp_last_error());
+            CHECK(key_is(ops, raw, "ram", other_desc));
+            CHECK(key_is(ops, raw, "rpc_meta", rpc));
+        } else {
+            CHECK_OK(st);
+            CHECK(key_is(ops, raw, "ram", desc_json));
+            CHECK(key_is(ops, raw, "rpc_meta", own_rpc));
+        }
+        kill(owner, SIGKILL);
+        waitpid(owner, NULL, 0);
+    }
+    kvpi_meta_close(meta);
+    ops->close(raw);
+}
+
+/* Release deletes only what is this engine's. */
+static void meta_release_leaves_foreign_keys(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    void *raw = open_store(ops, srv->conn);
+    REQUIRE(raw);
+    kvpi_meta *meta = NULL;
+    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, &meta));
+    kvpi_meta_self me = self_of(SEG, desc_json, "127.0.0.1", 12345, "me");
+    REQUIRE_OK(kvpi_meta_claim(meta, &me));
+    /* Another engine took the name meanwhile: both keys are its now. */
+    char *dk = kvpi_meta_key("ram", SEG);
+    CHECK_OK(ops->put(raw, dk, other_desc));
+    CHECK_OK(kvpi_meta_release(meta, &me));
+    CHECK(key_is(ops, raw, "ram", other_desc));
+    CHECK(key_is(ops, raw, "rpc_meta", own_rpc));
+    /* The descriptor is gone, rpc_meta points elsewhere: not ours either. */
+    CHECK_OK(ops->del(raw, dk));
+    char *rk = kvpi_meta_key("rpc_meta", SEG);
+    CHECK_OK(ops->del(raw, rk));
+    const char *elsewhere = "{\"ip_or_host_name\":\"10.0.0.9\",\"rpc_port\":12345}";
+    CHECK_OK(ops->put(raw, rk, elsewhere));
+    CHECK_OK(kvpi_meta_release(meta, &me));
+    CHECK(key_is(ops, raw, "rpc_meta", elsewhere));
+    free(dk);
+    free(rk);
+    kvpi_meta_close(meta);
+    ops->close(raw);
+}
+
+/* The keeper's repair puts back what the store lost, rewrites a descriptor of
+ * this instance that differs, and leaves keys another engine took. */
+static void meta_repair(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    void *raw = open_store(ops, srv->conn);
+    REQUIRE(raw);
+    kvpi_meta *meta = NULL;
+    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, &meta));
+    kvpi_meta_self me = self_of(SEG, desc_json, "127.0.0.1", 12345, "me");
+    REQUIRE_OK(kvpi_meta_claim(meta, &me));
+    CHECK_OK(kvpi_meta_repair(meta, &me)); /* nothing lost: nothing to do */
+    char *dk = kvpi_meta_key("ram", SEG), *rk = kvpi_meta_key("rpc_meta", SEG);
+    CHECK_OK(ops->del(raw, dk));
+    CHECK_OK(ops->del(raw, rk));
+    CHECK_OK(kvpi_meta_repair(meta, &me));
+    CHECK(key_is(ops, raw, "ram", desc_json));
+    CHECK(key_is(ops, raw, "rpc_meta", own_rpc));
+    const char *older = "{\"name\":\"127.0.0.1:12345\",\"kvpipe_instance\":\"me\",\"v\":0}";
+    CHECK_OK(ops->put(raw, dk, older));
+    CHECK_OK(kvpi_meta_repair(meta, &me));
+    CHECK(key_is(ops, raw, "ram", desc_json));
+    CHECK_OK(ops->put(raw, dk, other_desc));
+    CHECK_OK(ops->del(raw, rk));
+    CHECK_ST(kvpi_meta_repair(meta, &me), KVP_EBUSY);
+    CHECK(names(kvp_last_error(), "another engine", SEG));
+    CHECK(key_is(ops, raw, "ram", other_desc));
+    CHECK(missing(ops, raw, rk));
+    free(dk);
+    free(rk);
+    kvpi_meta_close(meta);
+    ops->close(raw);
+}
+
+/* ---- failure and recovery ---- */
 
 static void down_at_open(kvpt_server *srv, const kvpi_store_ops *ops)
 {
@@ -583,6 +757,10 @@ static const behaviour behaviours[] = {
     {"concurrent_threads", concurrent_threads, NULL},
     {"meta_publish_fetch_remove", meta_publish_fetch_remove, NULL},
     {"meta_cluster_id_prefix", meta_cluster_id_prefix, NULL},
+    {"meta_claim_takes_stale_keys", meta_claim_takes_stale_keys, NULL},
+    {"meta_claim_refuses_live_owner", meta_claim_refuses_live_owner, NULL},
+    {"meta_release_leaves_foreign_keys", meta_release_leaves_foreign_keys, NULL},
+    {"meta_repair", meta_repair, NULL},
     {"down_at_open", down_at_open, NULL},
     {"restart_in_use", restart_in_use, NULL},
     {"silent_server", silent_server, NULL},

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "kvpipe/metadata_server.h"
+#include "metadata/metadata.h"
 #include "servers.h"
 #include "test.h"
 
@@ -349,4 +350,30 @@ void kvpt_server_stop(kvpt_server *s)
     kvpt_server_down(s);
     if (s->dir[0]) nftw(s->dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
     s->dir[0] = '\0';
+}
+
+static char *responder_reply(void *ctx)
+{
+    return strdup(ctx);
+}
+
+pid_t kvpt_handshake_responder(int port, const char *reply)
+{
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        kvpi_rpc_server *srv;
+        if (kvpi_rpc_server_start("127.0.0.1", port, 2000, responder_reply, (void *)reply, &srv))
+            _exit(3);
+        for (;;)
+            pause();
+    }
+    if (pid < 0) return -1;
+    if (kvpt_wait_port("127.0.0.1", port, 10000) != 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        return -1;
+    }
+    return pid;
 }

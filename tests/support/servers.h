@@ -60,6 +60,13 @@ int kvpt_server_restart(kvpt_server *s);
 /* Stop the server and remove its directory. Safe on a zeroed struct. */
 void kvpt_server_stop(kvpt_server *s);
 
+/* A process that answers handshakes (Mooncake's P2P framing, as an engine's
+ * RPC port does) on 127.0.0.1:port, every metadata request with reply (a
+ * descriptor, or "null" as a Mooncake engine outside P2P mode answers).
+ * Returns its pid once it listens, or -1. Start it before the case has
+ * threads of its own (it forks). Stop it with kill + waitpid. */
+pid_t kvpt_handshake_responder(int port, const char *reply);
+
 /* Path of a program in PATH, /usr/bin or /usr/sbin (static buffer), or NULL. */
 const char *kvpt_find_binary(const char *name);
 
