@@ -742,6 +742,115 @@ static void redis_auth(kvpt_server *srv, const kvpi_store_ops *ops)
     if (s) ops->close(s);
 }
 
+/* Mooncake's MC_REDIS_* variables, against a redis-server started with a
+ * password (--requirepass): the same connection string works for Mooncake
+ * and kvpipe. */
+static void redis_env_password(kvpt_server *unused, const kvpi_store_ops *ops)
+{
+    (void)unused;
+    kvpt_server srv;
+    REQUIRE(kvpt_redis_start_auth(&srv, "pw-env") == KVPT_SERVER_OK);
+    unsetenv("MC_REDIS_PASSWORD");
+    unsetenv("MC_REDIS_USERNAME");
+    void *s = NULL;
+    CHECK_ST(ops->open(srv.conn, TIMEOUT_MS, &s), KVP_EMETADATA); /* NOAUTH */
+    CHECK(names(kvp_last_error(), "NOAUTH", srv.addr));
+    setenv("MC_REDIS_PASSWORD", "wrong", 1);
+    CHECK_ST(ops->open(srv.conn, TIMEOUT_MS, &s), KVP_EMETADATA);
+    CHECK(names(kvp_last_error(), "AUTH", srv.addr));
+    CHECK(strstr(kvp_last_error(), "wrong") == NULL); /* never the password */
+    setenv("MC_REDIS_PASSWORD", "pw-env", 1);
+    s = open_store(ops, srv.conn);
+    CHECK(s && ops->put(s, "k", "{\"by\":\"env\"}") == KVP_OK);
+    if (s) ops->close(s);
+    /* A password in the string wins over the variables. */
+    char conn[300];
+    snprintf(conn, sizeof conn, "redis://:wrong@%s", srv.addr);
+    CHECK_ST(ops->open(conn, TIMEOUT_MS, &s), KVP_EMETADATA);
+    setenv("MC_REDIS_PASSWORD", "wrong", 1);
+    snprintf(conn, sizeof conn, "redis://:pw-env@%s", srv.addr);
+    s = open_store(ops, conn);
+    CHECK(s && holds(ops, s, "k", "{\"by\":\"env\"}"));
+    if (s) ops->close(s);
+    /* An empty MC_REDIS_PASSWORD sends no AUTH, as in Mooncake. */
+    setenv("MC_REDIS_PASSWORD", "", 1);
+    CHECK_ST(ops->open(srv.conn, TIMEOUT_MS, &s), KVP_EMETADATA);
+    CHECK(names(kvp_last_error(), "NOAUTH", NULL));
+    /* The engine-level path: kvpi_meta over the same string. */
+    setenv("MC_REDIS_PASSWORD", "pw-env", 1);
+    kvpi_meta *meta = NULL;
+    CHECK_OK(kvpi_meta_open(srv.conn, TIMEOUT_MS, &meta));
+    kvpi_meta_close(meta);
+    unsetenv("MC_REDIS_PASSWORD");
+    kvpt_server_stop(&srv);
+}
+
+static void redis_env_username(kvpt_server *unused, const kvpi_store_ops *ops)
+{
+    (void)unused;
+    kvpt_server srv;
+    REQUIRE(kvpt_redis_start_auth(&srv, "admin-pw") == KVPT_SERVER_OK);
+    char conn[300];
+    snprintf(conn, sizeof conn, "redis://:admin-pw@%s", srv.addr);
+    void *admin = open_store(ops, conn);
+    REQUIRE(admin);
+    /* An ACL user that may only touch mooncake/ keys. */
+    redisContext *c = redisConnect("127.0.0.1", srv.port);
+    REQUIRE(c && !c->err);
+    redisReply *r = redisCommand(c, "AUTH admin-pw");
+    if (r) freeReplyObject(r);
+    r = redisCommand(c, "ACL SETUSER mc on >mc-pw ~mooncake/* +@all");
+    CHECK(r && r->type == REDIS_REPLY_STATUS);
+    if (r) freeReplyObject(r);
+    redisFree(c);
+    setenv("MC_REDIS_USERNAME", "mc", 1);
+    setenv("MC_REDIS_PASSWORD", "mc-pw", 1);
+    void *s = open_store(ops, srv.conn);
+    REQUIRE(s);
+    CHECK_OK(ops->put(s, "mooncake/ram/x:1", "{}"));
+    CHECK_ST(ops->put(s, "elsewhere", "{}"), KVP_EMETADATA); /* NOPERM: it is user mc */
+    CHECK(names(kvp_last_error(), "NOPERM", NULL));
+    ops->close(s);
+    /* A username without a password is not used (Mooncake's rule). */
+    unsetenv("MC_REDIS_PASSWORD");
+    CHECK_ST(ops->open(srv.conn, TIMEOUT_MS, &s), KVP_EMETADATA);
+    CHECK(names(kvp_last_error(), "NOAUTH", NULL));
+    unsetenv("MC_REDIS_USERNAME");
+    ops->close(admin);
+    kvpt_server_stop(&srv);
+}
+
+static void redis_env_db_index(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    char conn[300];
+    snprintf(conn, sizeof conn, "%s/3", srv->conn);
+    unsetenv("MC_REDIS_DB_INDEX");
+    void *db3 = open_store(ops, conn);
+    REQUIRE(db3);
+    setenv("MC_REDIS_DB_INDEX", "3", 1);
+    void *s = open_store(ops, srv->conn);
+    REQUIRE(s);
+    CHECK_OK(ops->put(s, "k", "{\"db\":3}"));
+    CHECK(holds(ops, db3, "k", "{\"db\":3}"));
+    ops->close(s);
+    /* The string's database wins. */
+    snprintf(conn, sizeof conn, "%s/0", srv->conn);
+    s = open_store(ops, conn);
+    CHECK(s && missing(ops, s, "k"));
+    if (s) ops->close(s);
+    /* A value Mooncake would warn about and replace with 0 is refused. */
+    static const char *const bad[] = {"x", "256", "-1", "", "3x"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        setenv("MC_REDIS_DB_INDEX", bad[i], 1);
+        s = (void *)0x1;
+        CHECK_ST(ops->open(srv->conn, TIMEOUT_MS, &s), KVP_EMETADATA);
+        CHECK(s == (void *)0x1);
+        CHECK(names(kvp_last_error(), "MC_REDIS_DB_INDEX", "0..255"));
+    }
+    unsetenv("MC_REDIS_DB_INDEX");
+    ops->close(db3);
+}
+
 /* ---- the table ---- */
 
 typedef struct behaviour {
@@ -770,6 +879,9 @@ static const behaviour behaviours[] = {
     {"non_text_values", redis_non_text_values, "redis"},
     {"db_select", redis_db_select, "redis"},
     {"auth", redis_auth, "redis"},
+    {"env_password", redis_env_password, "redis"},
+    {"env_username", redis_env_username, "redis"},
+    {"env_db_index", redis_env_db_index, "redis"},
 };
 
 int main(int argc, char **argv)

@@ -9,7 +9,8 @@
  *    the peer itself over its handshake port (p2p.c).
  *
  * Connection strings: "http://h:p/path", "etcd://h:p[,h:p]", a bare "h:p"
- * (etcd), "redis://[user:pass@]h:p[/db]", "P2PHANDSHAKE".
+ * (etcd), "redis://[user:pass@]h:p[/db]" (or credentials and db from Mooncake's
+ * MC_REDIS_PASSWORD, MC_REDIS_USERNAME, MC_REDIS_DB_INDEX), "P2PHANDSHAKE".
  *
  * Every function sets kvp_last_error() on failure, naming the store and its
  * address. All are thread-safe.
