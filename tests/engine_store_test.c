@@ -829,6 +829,45 @@ static void descriptor_as_mooncake_writes(fixture *f)
     free(desc);
 }
 
+/* Mooncake's MC_FORCE_TCP: an engine asked for "rdma" (what SGLang and vLLM's
+ * MooncakeConnector pass) runs over TCP; without it, creation says how to. */
+static void force_tcp_rdma_protocol(fixture *f)
+{
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
+    kvp_engine_opts o;
+    kvp_engine_opts_init(&o);
+    o.local_server_name = name;
+    o.metadata = f->srv.conn;
+    o.protocol = "rdma";
+    o.disable_shm = 1;
+    o.timeout_ms = ENGINE_TIMEOUT_MS;
+    kvp_engine *e = NULL;
+    static const char *const off[] = {NULL, "0", "FALSE", "no", ""};
+    for (size_t i = 0; i < sizeof off / sizeof off[0]; i++) {
+        if (off[i])
+            setenv("MC_FORCE_TCP", off[i], 1);
+        else
+            unsetenv("MC_FORCE_TCP");
+        CHECK_ST(kvp_engine_create(&o, &e), KVP_ENOTSUP);
+        CHECK(names(kvp_last_error(), "'rdma'", "MC_FORCE_TCP=1"));
+        CHECK(names(kvp_last_error(), "protocol 'tcp'", "\"protocol\": \"tcp\""));
+    }
+    setenv("MC_FORCE_TCP", "1", 1);
+    REQUIRE_OK(kvp_engine_create(&o, &e));
+    unsetenv("MC_FORCE_TCP");
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(e, f->tgt.name, &seg));
+    char *want = malloc(f->tgt.len);
+    REQUIRE(want);
+    kvpt_fill(want, f->tgt.len, 100);
+    CHECK(read_matches(e, seg, f->tgt.addr, want, f->tgt.len));
+    const char *via = kvp_engine_segment_transport(e, seg);
+    CHECK(via && strcmp(via, "tcp") == 0);
+    free(want);
+    kvp_engine_destroy(e);
+}
+
 /* ---- the table ---- */
 
 typedef struct behaviour {
@@ -848,6 +887,7 @@ static const behaviour behaviours[] = {
     {"restarted_peer_replaces_descriptor", restarted_peer_replaces_descriptor, 0},
     {"second_engine_same_name_refused", second_engine_same_name_refused, 0},
     {"descriptor_as_mooncake_writes", descriptor_as_mooncake_writes, 0},
+    {"force_tcp_rdma_protocol", force_tcp_rdma_protocol, 0},
     {"live_owner_elsewhere_then_gone", live_owner_elsewhere_then_gone, 1},
     {"destroy_leaves_foreign_keys", destroy_leaves_foreign_keys, 1},
 };

@@ -8,6 +8,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "engine/engine_internal.h"
+#include "engine/protocol.h"
 
 #define DEFAULT_TIMEOUT_MS 5000
 #define DEFAULT_WORKERS 4
@@ -157,12 +158,10 @@ static kvp_status copy_opts(kvp_engine *e, const kvp_engine_opts *o)
     if (e->opts.workers <= 0) e->opts.workers = DEFAULT_WORKERS;
     if (e->opts.conns_per_peer <= 0) e->opts.conns_per_peer = DEFAULT_CONNS;
     if (e->opts.slice_size == 0) e->opts.slice_size = DEFAULT_SLICE;
-    const char *proto = o->protocol && *o->protocol ? o->protocol : "tcp";
-    e->transport = kvpi_transport_lookup(proto);
-    if (!e->transport)
-        return kvpi_error(KVP_ENOTSUP, "protocol '%s' is not supported by this build (tcp, shm)",
-                          proto);
-    kvp_status st = kvpi_hostport_parse(o->local_server_name, -1, &e->self);
+    kvp_status st = kvpi_protocol_resolve(o->protocol, &e->transport);
+    if (st) return st;
+    const char *proto = e->transport->name;
+    st = kvpi_hostport_parse(o->local_server_name, -1, &e->self);
     if (st) return st;
     e->metadata_conn = strdup(o->metadata);
     e->protocol = strdup(proto);
