@@ -665,6 +665,29 @@ static void etcd_bad_conn(kvpt_server *srv, const kvpi_store_ops *ops)
     CHECK(kvpi_store_lookup("http://a:1/metadata") == &kvpi_store_http);
 }
 
+/* An HTTP metadata store given as a bare h:p (which means etcd, as in
+ * Mooncake): the error says what was assumed and what was probably meant. */
+static void etcd_bare_hp_at_http_store(kvpt_server *unused, const kvpi_store_ops *ops)
+{
+    (void)unused;
+    kvpt_server http;
+    REQUIRE(kvpt_http_start(&http) == KVPT_SERVER_OK);
+    kvpi_meta *meta = (kvpi_meta *)0x1;
+    CHECK(kvpi_store_lookup(http.addr) == ops);
+    CHECK_ST(kvpi_meta_open(http.addr, TIMEOUT_MS, &meta), KVP_EMETADATA);
+    CHECK(meta == (kvpi_meta *)0x1);
+    char want[128];
+    snprintf(want, sizeof want, "http://%s/metadata", http.addr);
+    CHECK(names(kvp_last_error(), "does not answer like etcd", want));
+    CHECK(names(kvp_last_error(), "without a scheme means etcd", "HTTP 404"));
+    fprintf(stderr, "  %s\n", kvp_last_error());
+    char conn[128];
+    snprintf(conn, sizeof conn, "etcd://%s", http.addr);
+    CHECK_ST(kvpi_meta_open(conn, TIMEOUT_MS, &meta), KVP_EMETADATA);
+    CHECK(names(kvp_last_error(), "etcd:// says so", want));
+    kvpt_server_stop(&http);
+}
+
 /* A raw hiredis connection to the fixture, for server-side setup. */
 static redisReply *redis_raw(const kvpt_server *srv, const char *cmd)
 {
@@ -875,6 +898,7 @@ static const behaviour behaviours[] = {
     {"silent_server", silent_server, NULL},
     {"failover", etcd_failover, "etcd"},
     {"bad_conn", etcd_bad_conn, "etcd"},
+    {"bare_hp_at_http_store", etcd_bare_hp_at_http_store, "etcd"},
     {"non_text_values", etcd_non_text_values, "etcd"},
     {"non_text_values", redis_non_text_values, "redis"},
     {"db_select", redis_db_select, "redis"},
