@@ -88,8 +88,20 @@ static kvp_status publish(kvp_engine *e)
     pthread_mutex_lock(&e->publish_lock);
     kvp_status st = render_locked(e);
     if (!st) st = kvpi_meta_publish(e->meta, e->name, e->desc_text);
+    /* The store missed this one (it may be down): the keeper renders and
+     * publishes anew once it answers. */
+    if (st) e->desc_stale = 1;
     pthread_mutex_unlock(&e->publish_lock);
     return st;
+}
+
+/* The rendered descriptor no longer matches the registry (a registration was
+ * rolled back after its publish failed): the keeper renders it again. */
+static void mark_stale(kvp_engine *e)
+{
+    pthread_mutex_lock(&e->publish_lock);
+    e->desc_stale = 1;
+    pthread_mutex_unlock(&e->publish_lock);
 }
 
 /* Take the segment's name in the store. Not under publish_lock: taking over a
@@ -125,8 +137,10 @@ static void *keeper_main(void *arg)
         if (e->keeper_stop) break;
         pthread_mutex_unlock(&e->keeper_lock);
         pthread_mutex_lock(&e->publish_lock);
+        kvp_status st = KVP_OK;
+        if (e->desc_stale && (st = render_locked(e)) == KVP_OK) e->desc_stale = 0;
         kvpi_meta_self me = self_locked(e);
-        kvp_status st = kvpi_meta_repair(e->meta, &me);
+        if (!st) st = kvpi_meta_repair(e->meta, &me);
         pthread_mutex_unlock(&e->publish_lock);
         /* Once per change of state, not every interval. */
         if (st && st != last)
@@ -337,7 +351,10 @@ kvp_status kvp_engine_register(kvp_engine *e, void *addr, size_t length)
     if (!e || !addr) return kvpi_error(KVP_EINVAL, "register: NULL argument");
     kvp_status st = kvpi_registry_add(&e->registry, (uint64_t)(uintptr_t)addr, length);
     if (st || !e->meta) return st;
-    if ((st = publish(e))) kvpi_registry_remove(&e->registry, (uint64_t)(uintptr_t)addr);
+    if ((st = publish(e))) {
+        kvpi_registry_remove(&e->registry, (uint64_t)(uintptr_t)addr);
+        mark_stale(e); /* the rendered descriptor still lists it */
+    }
     return st;
 }
 

@@ -62,6 +62,7 @@ struct kvp_engine {
     int claimed;       /* the name is taken in the store: release it at destroy */
     pthread_mutex_t publish_lock;
     char *desc_text; /* last rendered descriptor, for handshakes */
+    int desc_stale;  /* desc_text may list what the registry no longer has */
 
     pthread_mutex_t segments_lock;
     kvpi_segment **segments;

@@ -79,6 +79,9 @@ static pid_t spawn_logged(const kvpt_server *s, char *const argv[])
             dup2(fd, 2);
         }
         if (in >= 0) dup2(in, 0);
+        /* Nothing of the test's (pipes to other children) may stay open in a
+         * server that outlives them. */
+        close_range(3, ~0u, 0);
         execv(argv[0], argv);
         _exit(127);
     }
@@ -327,6 +330,16 @@ void kvpt_server_down(kvpt_server *s)
         kvpt_wait_child(s->pid, STOP_TIMEOUT_MS); /* SIGKILLs past the bound */
         s->pid = 0;
     }
+}
+
+void kvpt_server_kill(kvpt_server *s)
+{
+    if (s->pid > 0) {
+        kill(s->pid, SIGKILL);
+        kvpt_wait_child(s->pid, STOP_TIMEOUT_MS);
+        s->pid = 0;
+    }
+    kvpt_server_down(s);
 }
 
 int kvpt_server_restart(kvpt_server *s)

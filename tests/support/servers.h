@@ -54,6 +54,10 @@ void kvpt_server_down(kvpt_server *s);
  * the same data directory, so its keys survive; redis and http start empty). */
 int kvpt_server_up(kvpt_server *s);
 
+/* As kvpt_server_down(), but with SIGKILL: the server gets no chance to
+ * flush or say goodbye (an in-process http server is just stopped). */
+void kvpt_server_kill(kvpt_server *s);
+
 /* kvpt_server_down() then kvpt_server_up(). */
 int kvpt_server_restart(kvpt_server *s);
 
