@@ -69,12 +69,12 @@ static kvp_status render_locked(kvp_engine *e)
     return KVP_OK;
 }
 
-/* What the metadata layer needs to know of this engine; valid while
- * publish_lock is held (desc_text changes under it). */
-static kvpi_meta_self self_locked(const kvp_engine *e)
+/* What the metadata layer needs to know of this engine, with descriptor desc
+ * (e->desc_text only while publish_lock is held: it changes under it). */
+static kvpi_meta_self self_of(const kvp_engine *e, const char *desc)
 {
     return (kvpi_meta_self){.segment = e->name,
-                            .desc_json = e->desc_text,
+                            .desc_json = desc,
                             .rpc_host = e->self.host,
                             .rpc_port = e->self.port,
                             .instance = e->instance};
@@ -115,11 +115,35 @@ static kvp_status claim(kvp_engine *e)
     pthread_mutex_unlock(&e->publish_lock);
     if (st) return st;
     if (!text) return kvpi_error(KVP_ENOMEM, "engine: out of memory");
-    kvpi_meta_self me = self_locked(e);
-    me.desc_json = text;
+    kvpi_meta_self me = self_of(e, text);
     st = kvpi_meta_claim(e->meta, &me);
     free(text);
     if (st == KVP_OK) e->claimed = 1;
+    return st;
+}
+
+/* One look of the keeper: read the store without the publish lock (a slow
+ * store must not hold registrations up), write back under it. What is
+ * written is the descriptor current then, which is what the store should
+ * hold even if a registration published it meanwhile. */
+static kvp_status keep_once(kvp_engine *e)
+{
+    pthread_mutex_lock(&e->publish_lock);
+    kvp_status st = KVP_OK;
+    if (e->desc_stale && (st = render_locked(e)) == KVP_OK) e->desc_stale = 0;
+    char *text = st ? NULL : strdup(e->desc_text);
+    pthread_mutex_unlock(&e->publish_lock);
+    if (st) return st;
+    if (!text) return kvpi_error(KVP_ENOMEM, "engine: out of memory");
+    kvpi_meta_self me = self_of(e, text);
+    kvpi_meta_lost lost;
+    st = kvpi_meta_check(e->meta, &me, &lost);
+    free(text);
+    if (st || (!lost.rpc_meta && !lost.descriptor)) return st;
+    pthread_mutex_lock(&e->publish_lock);
+    me = self_of(e, e->desc_text);
+    st = kvpi_meta_restore(e->meta, &me, &lost);
+    pthread_mutex_unlock(&e->publish_lock);
     return st;
 }
 
@@ -136,12 +160,7 @@ static void *keeper_main(void *arg)
         pthread_cond_timedwait(&e->keeper_cond, &e->keeper_lock, &dl);
         if (e->keeper_stop) break;
         pthread_mutex_unlock(&e->keeper_lock);
-        pthread_mutex_lock(&e->publish_lock);
-        kvp_status st = KVP_OK;
-        if (e->desc_stale && (st = render_locked(e)) == KVP_OK) e->desc_stale = 0;
-        kvpi_meta_self me = self_locked(e);
-        if (!st) st = kvpi_meta_repair(e->meta, &me);
-        pthread_mutex_unlock(&e->publish_lock);
+        kvp_status st = keep_once(e);
         /* Once per change of state, not every interval. */
         if (st && st != last)
             KVPI_WARN("segment %s: metadata store: %s", e->name, kvp_last_error());
@@ -306,7 +325,7 @@ void kvp_engine_destroy(kvp_engine *e)
         pthread_join(e->keeper, NULL);
     }
     if (e->claimed) {
-        kvpi_meta_self me = self_locked(e);
+        kvpi_meta_self me = self_of(e, e->desc_text); /* every other thread has stopped */
         if (kvpi_meta_release(e->meta, &me))
             KVPI_INFO("segment %s: cannot remove its keys: %s", e->name, kvp_last_error());
     }

@@ -478,10 +478,11 @@ static kvp_status get_optional(kvpi_meta *m, const char *kind, const char *segme
     return st == KVP_ENOTFOUND ? KVP_OK : st;
 }
 
-kvp_status kvpi_meta_repair(kvpi_meta *meta, const kvpi_meta_self *self)
+kvp_status kvpi_meta_check(kvpi_meta *meta, const kvpi_meta_self *self, kvpi_meta_lost *lost)
 {
+    *lost = (kvpi_meta_lost){0};
     if (meta && !meta->ops) return KVP_OK;
-    kvp_status st = check_self(meta, self, "kvpi_meta_repair");
+    kvp_status st = check_self(meta, self, "kvpi_meta_check");
     if (st) return st;
     char *ram = NULL, *rpc = NULL;
     if ((st = get_optional(meta, "ram", self->segment, &ram)) ||
@@ -496,13 +497,29 @@ kvp_status kvpi_meta_repair(kvpi_meta *meta, const kvpi_meta_self *self)
                                                                  : "rpc_meta points elsewhere");
         goto out;
     }
-    if (!rpc && (st = put_rpc_meta(meta, self))) goto out;
-    if (!ram || !same_text(ram, self->desc_json))
-        st = put_kind(meta, "ram", self->segment, self->desc_json);
+    lost->rpc_meta = !rpc;
+    lost->descriptor = !ram || !same_text(ram, self->desc_json);
 out:
     free(ram);
     free(rpc);
     return st;
+}
+
+kvp_status kvpi_meta_restore(kvpi_meta *meta, const kvpi_meta_self *self,
+                             const kvpi_meta_lost *lost)
+{
+    if (meta && !meta->ops) return KVP_OK;
+    kvp_status st = check_self(meta, self, "kvpi_meta_restore");
+    if (!st && lost->rpc_meta) st = put_rpc_meta(meta, self);
+    if (!st && lost->descriptor) st = put_kind(meta, "ram", self->segment, self->desc_json);
+    return st;
+}
+
+kvp_status kvpi_meta_repair(kvpi_meta *meta, const kvpi_meta_self *self)
+{
+    kvpi_meta_lost lost;
+    kvp_status st = kvpi_meta_check(meta, self, &lost);
+    return st ? st : kvpi_meta_restore(meta, self, &lost);
 }
 
 kvp_status kvpi_meta_release(kvpi_meta *meta, const kvpi_meta_self *self)

@@ -93,10 +93,23 @@ kvp_status kvpi_meta_claim(kvpi_meta *meta, const kvpi_meta_self *self);
  * written, as Mooncake does on (un)registration. No-op in P2P mode. */
 kvp_status kvpi_meta_publish(kvpi_meta *meta, const char *segment, const char *desc_json);
 
-/* Put back what the store lost (a restarted store): each of the two keys that
- * is missing, and the descriptor when it is this instance's but differs from
- * desc_json. KVP_EBUSY (writing nothing) when the keys now belong to another
- * engine. No-op in P2P mode. */
+/* What of a claimed segment the store has lost (a restarted store). */
+typedef struct kvpi_meta_lost {
+    int rpc_meta;   /* missing */
+    int descriptor; /* missing, or this instance's but not self->desc_json */
+} kvpi_meta_lost;
+
+/* Look (only reads) at what the store lost. KVP_EBUSY when the keys now belong
+ * to another engine. *lost is all zero in P2P mode and on failure. */
+kvp_status kvpi_meta_check(kvpi_meta *meta, const kvpi_meta_self *self, kvpi_meta_lost *lost);
+
+/* Write back what lost says (self's rpc_meta, self's descriptor). Split from
+ * kvpi_meta_check so that a caller can read without holding the lock under
+ * which its descriptor changes, and write under it. No-op in P2P mode. */
+kvp_status kvpi_meta_restore(kvpi_meta *meta, const kvpi_meta_self *self,
+                             const kvpi_meta_lost *lost);
+
+/* kvpi_meta_check, then kvpi_meta_restore. */
 kvp_status kvpi_meta_repair(kvpi_meta *meta, const kvpi_meta_self *self);
 
 /* Remove the segment's keys, but only those that are this engine's: the
