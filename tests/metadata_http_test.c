@@ -524,6 +524,31 @@ static void test_meta_publish_fetch(void)
     kvp_metadata_server_stop(server);
 }
 
+/* A claim that fails half-way (the descriptor is refused after rpc_meta was
+ * written) leaves nothing behind, and says why. */
+static void test_meta_claim_half_way(void)
+{
+    kvp_metadata_server_opts o;
+    kvp_metadata_server_opts_init(&o);
+    o.max_value_bytes = 100; /* rpc_meta fits, the descriptor does not */
+    kvp_metadata_server *srv = NULL;
+    REQUIRE_OK(kvp_metadata_server_start_opts(&o, &srv));
+    char conn[128];
+    snprintf(conn, sizeof conn, "http://127.0.0.1:%d/metadata", kvp_metadata_server_port(srv));
+    void *s = open_store(conn);
+    REQUIRE(s);
+    kvpi_meta *m = NULL;
+    REQUIRE_OK(kvpi_meta_open(conn, 3000, &m));
+    kvpi_meta_self me = self_of("127.0.0.1:17000", desc, "127.0.0.1", 17000);
+    CHECK_ST(kvpi_meta_claim(m, &me), KVP_EMETADATA);
+    CHECK(strstr(kvp_last_error(), "413") && strstr(kvp_last_error(), "mooncake/ram/"));
+    CHECK(value_is(s, "mooncake/rpc_meta/127.0.0.1:17000", NULL));
+    CHECK(value_is(s, "mooncake/ram/127.0.0.1:17000", NULL));
+    kvpi_meta_close(m);
+    kvpi_store_http.close(s);
+    kvp_metadata_server_stop(srv);
+}
+
 static void test_meta_cluster_id(void)
 {
     setenv("MC_METADATA_CLUSTER_ID", "clusterA", 1); /* this case runs in its own child */
@@ -780,6 +805,7 @@ int main(void)
     RUN(test_start_stop_no_leak);
     RUN(test_ipv6);
     RUN(test_meta_publish_fetch);
+    RUN(test_meta_claim_half_way);
     RUN(test_meta_cluster_id);
     RUN(test_meta_rpc_meta_variants);
     RUN(test_meta_connection_strings);

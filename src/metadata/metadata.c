@@ -398,6 +398,17 @@ static kvpi_meta_owner probe_owner(kvpi_meta *m, const kvpi_meta_self *self, con
     return owner;
 }
 
+/* A claim failed half-way: delete the key it wrote, keeping the failure's
+ * message. */
+static void undo(kvpi_meta *m, const char *kind, const char *segment)
+{
+    char detail[512];
+    snprintf(detail, sizeof detail, "%s", kvp_last_error());
+    if (del_kind(m, kind, segment) != KVP_OK)
+        KVPI_INFO("segment %s: cannot remove its %s again: %s", segment, kind, kvp_last_error());
+    kvpi_error(KVP_OK, "%s", detail);
+}
+
 /* The name's keys are stale: replace them, the descriptor first. */
 static kvp_status take_over(kvpi_meta *m, const kvpi_meta_self *self, const char *rpc,
                             const char *where)
@@ -414,6 +425,7 @@ static kvp_status take_over(kvpi_meta *m, const kvpi_meta_self *self, const char
         st = del_kind(m, "rpc_meta", self->segment);
         if (!st) st = put_rpc_meta(m, self);
     }
+    if (st) undo(m, "ram", self->segment);
     return st;
 }
 
@@ -429,7 +441,10 @@ kvp_status kvpi_meta_claim(kvpi_meta *meta, const kvpi_meta_self *self)
         if (st == KVP_ENOTFOUND) {
             st = put_rpc_meta(meta, self);
             if (st == KVP_EBUSY) continue;
-            return st ? st : put_kind(meta, "ram", self->segment, self->desc_json);
+            if (st || (st = put_kind(meta, "ram", self->segment, self->desc_json)) == KVP_OK)
+                return st;
+            undo(meta, "rpc_meta", self->segment);
+            return st;
         }
         if (st) return st;
         char where[700];
