@@ -42,8 +42,10 @@ typedef struct kvp_engine_opts {
      * or "P2PHANDSHAKE". Required. */
     const char *metadata;
     /* Preferred transport: "tcp" (default) or "shm" (same host only); "rdma"
-     * is not supported in this build (kvp_engine_create: KVP_ENOTSUP).
-     * With "tcp", a same-host peer is still reached through shm unless
+     * is not supported in this build (kvp_engine_create: KVP_ENOTSUP, saying
+     * how to run over TCP). With env MC_FORCE_TCP set (Mooncake's; anything
+     * but "", "0", "false", "no", "off") the engine uses "tcp" whatever this
+     * says. With "tcp", a same-host peer is still reached through shm unless
      * disable_shm is set. */
     const char *protocol;
     /* RDMA device names, comma-separated; ignored by tcp and shm. May be NULL. */
@@ -69,13 +71,17 @@ typedef struct kvp_engine_opts {
 KVP_API void kvp_engine_opts_init(kvp_engine_opts *opts);
 
 /* Create an engine: bind its handshake port and data port, connect to the
- * metadata store and publish the (empty) segment. On failure nothing is left
- * behind and kvp_last_error() names the part that failed (for example the
- * metadata store and its address). */
+ * metadata store and publish the (empty) segment: rpc_meta once, then the
+ * descriptor (docs/metadata-segments.md). Keys a killed process of the same
+ * name left behind are taken over; a name a live engine holds is refused with
+ * KVP_EBUSY. On failure nothing is left behind (and no key another engine
+ * wrote is deleted) and kvp_last_error() names the part that failed (for
+ * example the metadata store and its address). */
 KVP_API kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out);
 
-/* Unpublish the segment, stop all threads, close connections, free managed
- * memory. Requests still running fail with KVP_ECLOSED first. NULL is a no-op. */
+/* Unpublish the segment (its keys, if they are still this engine's), stop all
+ * threads, close connections, free managed memory. Requests still running fail
+ * with KVP_ECLOSED first. NULL is a no-op. */
 KVP_API void kvp_engine_destroy(kvp_engine *engine);
 
 /* The segment name ("host:port"); owned by the engine. */
@@ -86,8 +92,8 @@ KVP_API int kvp_engine_rpc_port(const kvp_engine *engine);
 KVP_API int kvp_engine_data_port(const kvp_engine *engine);
 
 /* Register [addr, addr+length) so that peers may READ and WRITE it, and publish
- * the updated segment. Regions must not overlap. The memory stays the caller's;
- * it must stay valid until kvp_engine_unregister(). */
+ * the updated segment (its descriptor key only). Regions must not overlap. The
+ * memory stays the caller's; it must stay valid until kvp_engine_unregister(). */
 KVP_API kvp_status kvp_engine_register(kvp_engine *engine, void *addr, size_t length);
 
 /* Unregister the region that starts at addr and republish. Waits for server

@@ -118,7 +118,8 @@ kvp_status kvpi_tcp_listen(const char *host, int port, int *fd_out, int *port_ou
     }
     freeaddrinfo(res);
     if (fd < 0)
-        return kvpi_error(KVP_EIO, "cannot listen on %s:%d: %s", host, port, strerror(err));
+        return kvpi_error(err == EADDRINUSE ? KVP_EBUSY : KVP_EIO, "cannot listen on %s:%d: %s",
+                          host, port, strerror(err));
     struct sockaddr_storage ss;
     socklen_t sl = sizeof ss;
     getsockname(fd, (struct sockaddr *)&ss, &sl);

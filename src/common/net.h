@@ -28,7 +28,8 @@ kvp_status kvpi_hostport_parse(const char *text, int default_port, kvpi_hostport
 void kvpi_hostport_format(const char *host, int port, char *buf, size_t len);
 
 /* Listen on host:port (port 0: any free port); returns the fd and bound port.
- * SO_REUSEADDR is set so a restarted process can bind again at once. */
+ * SO_REUSEADDR is set so a restarted process can bind again at once.
+ * KVP_EBUSY when the address is in use, KVP_EIO for other failures. */
 kvp_status kvpi_tcp_listen(const char *host, int port, int *fd_out, int *port_out);
 
 /* Connect with a timeout; the socket gets TCP_NODELAY and I/O timeouts of
