@@ -1,12 +1,14 @@
 # The everyday face of the CMake build.
 #   make            build (build/)
 #   make demo       build and run `kvpipe demo` (the main job)
-#   make test       build and run every test, then again under ASan+UBSan
+#   make test       build and run every test, then again under ASan+UBSan and TSan
+#   make asan       build build-asan/ with AddressSanitizer + UndefinedBehaviorSanitizer
+#   make tsan       build build-tsan/ with ThreadSanitizer
 #   make bench      the benchmark driver (bench/run.sh)
 JOBS ?= 2
 CMAKE_FLAGS ?=
 
-.PHONY: all build demo test test-fast asan bench clean
+.PHONY: all build demo test test-fast asan tsan bench clean
 
 all: build
 
@@ -17,7 +19,7 @@ build:
 demo: build
 	./build/kvpipe demo
 
-# Every test: the normal build, then the sanitizer build.
+# Every test: the normal build, valgrind, then the ASan+UBSan and TSan builds.
 test:
 	scripts/test.sh
 
@@ -29,8 +31,12 @@ asan:
 	cmake -S . -B build-asan -DKVP_WERROR=ON -DKVP_SANITIZE=ON $(CMAKE_FLAGS) >/dev/null
 	cmake --build build-asan -j$(JOBS)
 
+tsan:
+	cmake -S . -B build-tsan -DKVP_WERROR=ON -DKVP_TSAN=ON $(CMAKE_FLAGS) >/dev/null
+	cmake --build build-tsan -j$(JOBS)
+
 bench: build
 	bench/run.sh --build build
 
 clean:
-	rm -rf build build-asan
+	rm -rf build build-asan build-tsan
