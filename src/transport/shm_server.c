@@ -21,6 +21,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "common/tsan.h"
 #include "common/net.h"
 #include "transport/shm_internal.h"
 
@@ -116,8 +117,10 @@ static int copy_with_peer(pid_t peer, kvp_opcode op, uint64_t mine, uint64_t the
         struct iovec local = {(void *)(uintptr_t)(mine + done), n};
         struct iovec remote = {(void *)(uintptr_t)(theirs + done), n};
         /* READ moves our registered bytes into the initiator, WRITE the reverse. */
+        KVPI_PEER_COPY_BEGIN();
         ssize_t k = op == KVP_OP_READ ? process_vm_writev(peer, &local, 1, &remote, 1, 0)
                                       : process_vm_readv(peer, &local, 1, &remote, 1, 0);
+        KVPI_PEER_COPY_END();
         if (k < 0 && errno == EINTR) continue;
         if (k < 0) return errno;
         if (k == 0) return EFAULT;

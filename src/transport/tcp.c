@@ -18,6 +18,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "common/tsan.h"
 #include "transport/tcp_wire.h"
 #include "transport/transport.h"
 
@@ -85,10 +86,14 @@ static int serve_request(tcp_server *srv, int fd, const kvpi_tcp_hdr *h)
         uint8_t frame[8];
         kvpi_tcp_status_encode(KVPI_TCP_STATUS_OK, frame);
         struct iovec iov[2] = {{frame, sizeof frame}, {mem, h->size}};
+        KVPI_PEER_COPY_BEGIN();
         st = h->v2 ? kvpi_sendv_all(fd, iov, 2) : kvpi_sendv_all(fd, iov + 1, 1);
+        KVPI_PEER_COPY_END();
         kvpi_registry_unpin(srv->registry);
     } else {
+        KVPI_PEER_COPY_BEGIN();
         st = kvpi_recv_all(fd, mem, h->size);
+        KVPI_PEER_COPY_END();
         kvpi_registry_unpin(srv->registry);
         if (st == KVP_OK && h->v2) st = send_status(fd, KVPI_TCP_STATUS_OK);
     }
