@@ -60,7 +60,7 @@ KVP_API void kvp_metadata_server_opts_init(kvp_metadata_server_opts *opts);
  * 0..65535, KVP_EIO when the address cannot be bound. *out is set only on
  * success. */
 KVP_API kvp_status kvp_metadata_server_start_opts(const kvp_metadata_server_opts *opts,
-                                          kvp_metadata_server **out);
+                                                  kvp_metadata_server **out);
 
 /* Start serving on host:port with the default limits (port 0: any free port;
  * host NULL: 127.0.0.1). */

@@ -22,3 +22,21 @@ void kvp_metadata_server_stop(kvp_metadata_server *server)
 {
     (void)server;
 }
+
+void kvp_metadata_server_opts_init(kvp_metadata_server_opts *opts)
+{
+    /* Zero fields mean the defaults; there is no server to apply them. */
+    if (opts) *opts = (kvp_metadata_server_opts){0};
+}
+
+kvp_status kvp_metadata_server_start_opts(const kvp_metadata_server_opts *opts,
+                                          kvp_metadata_server **out)
+{
+    return kvp_metadata_server_start(opts ? opts->host : NULL, opts ? opts->port : 0, out);
+}
+
+size_t kvp_metadata_server_bytes_used(const kvp_metadata_server *server)
+{
+    (void)server;
+    return 0;
+}
