@@ -17,6 +17,8 @@
 
 #define HTTP_MAX_BODY ((size_t)16 << 20) /* same bound as the server's */
 #define HTTP_IDLE_HANDLES 4
+/* Bodies from this size on ask the store first (Expect: 100-continue). */
+#define EXPECT_MIN_BODY ((size_t)64 << 10)
 #define HTTP_PROBE_KEY "kvpipe/probe"
 #define HTTP_DUPLICATE "Duplicate rpc_meta key" /* Mooncake's refusal, 400 */
 
@@ -106,8 +108,12 @@ static kvp_status http_do(http_store *s, const char *method, const char *key, co
     set_method(h, method, body);
     if (body) {
         hdrs = curl_slist_append(hdrs, "Content-Type: application/json");
-        /* Skip the 100-continue round trip for large values. */
-        hdrs = curl_slist_append(hdrs, "Expect:");
+        /* Small values go at once. A large one asks first (100-continue), so
+         * that a store refusing it (over its limits) answers before the body
+         * is sent: sent anyway, the refusal can reach us as a broken pipe
+         * instead of its status. */
+        hdrs = curl_slist_append(hdrs, strlen(body) >= EXPECT_MIN_BODY ? "Expect: 100-continue"
+                                                                       : "Expect:");
         curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdrs);
     }
     CURLcode rc = curl_easy_perform(h);
