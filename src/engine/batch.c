@@ -168,7 +168,7 @@ static void *worker_main(void *arg)
 kvp_status kvpi_workers_start(kvp_engine *e)
 {
     pthread_mutex_init(&e->queue.lock, NULL);
-    pthread_cond_init(&e->queue.cond, NULL);
+    kvpi_cond_init(&e->queue.cond);
     e->workers = calloc((size_t)e->opts.workers, sizeof *e->workers);
     if (!e->workers) return kvpi_error(KVP_ENOMEM, "engine: out of memory");
     for (int i = 0; i < e->opts.workers; i++) {
@@ -270,7 +270,7 @@ kvp_status kvp_batch_submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_requ
         return kvpi_error(KVP_ENOMEM, "batch_submit: out of memory");
     }
     pthread_mutex_init(&b->lock, NULL);
-    pthread_cond_init(&b->cond, NULL);
+    kvpi_cond_init(&b->cond);
     b->seg = seg;
     b->n = n;
     b->n_works = b->outstanding = n_works;

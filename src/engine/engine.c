@@ -174,7 +174,7 @@ kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out)
     pthread_mutex_init(&e->publish_lock, NULL);
     pthread_mutex_init(&e->segments_lock, NULL);
     pthread_mutex_init(&e->keeper_lock, NULL);
-    pthread_cond_init(&e->keeper_cond, NULL);
+    kvpi_cond_init(&e->keeper_cond);
     kvp_status st;
     if ((st = copy_opts(e, opts))) goto fail;
     if ((st = kvpi_meta_open(e->metadata_conn, e->opts.timeout_ms, &e->meta))) goto fail;

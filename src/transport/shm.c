@@ -219,7 +219,7 @@ static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
     shm_peer *p = calloc(1, sizeof *p);
     if (!p) return kvpi_error(KVP_ENOMEM, "shm: out of memory");
     pthread_mutex_init(&p->lock, NULL);
-    pthread_cond_init(&p->freed, NULL);
+    kvpi_cond_init(&p->freed);
     p->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : 5000;
     p->n_links = ctx->conns < 1 ? 1 : ctx->conns > MAX_LINKS ? MAX_LINKS : (size_t)ctx->conns;
     for (size_t i = 0; i < MAX_LINKS; i++) p->fds[i] = -1;
