@@ -62,6 +62,21 @@ typedef struct kvp_engine_opts {
      * beyond it are unmapped. 0: the default, 1 GiB. Fresh memory costs page
      * faults on first touch, so keep the memory a workload cycles through. */
     size_t pool_retain_bytes;
+    /* Connections each of the engine's listeners (TCP data port, shm socket,
+     * handshake port) serves at once (default 256). A new connection that
+     * finds a listener full evicts the connection idle the longest, else the
+     * one whose request or setup has been incomplete the longest; it is
+     * refused only when every connection is mid-transfer. */
+    int max_connections;
+    /* A server connection with no request in progress for this long is
+     * closed (default 60000 ms); kvpipe's clients then reconnect. The
+     * handshake port allows a request timeout_ms to begin instead. */
+    int idle_timeout_ms;
+    /* The slowest transfer rate, in bytes per second, that deadlines allow
+     * for (default 16 MiB/s): moving N bytes may take timeout_ms + N /
+     * min_transfer_rate, on either side (see timeout_ms). Lower it for links
+     * slower than that per connection. */
+    uint64_t min_transfer_rate;
 } kvp_engine_opts;
 
 /* Fill opts with the defaults above and NULL strings. */

@@ -22,6 +22,9 @@ void kvp_engine_opts_init(kvp_engine_opts *opts)
     opts->workers = DEFAULT_WORKERS;
     opts->conns_per_peer = DEFAULT_CONNS;
     opts->slice_size = DEFAULT_SLICE;
+    opts->max_connections = KVPI_CONN_MAX_DEFAULT;
+    opts->idle_timeout_ms = KVPI_CONN_IDLE_MS_DEFAULT;
+    opts->min_transfer_rate = KVPI_MIN_RATE_DEFAULT;
 }
 
 /* Build the descriptor from the registry and every transport's fields. */
@@ -116,6 +119,9 @@ static kvp_status copy_opts(kvp_engine *e, const kvp_engine_opts *o)
     if (e->opts.workers <= 0) e->opts.workers = DEFAULT_WORKERS;
     if (e->opts.conns_per_peer <= 0) e->opts.conns_per_peer = DEFAULT_CONNS;
     if (e->opts.slice_size == 0) e->opts.slice_size = DEFAULT_SLICE;
+    if (e->opts.max_connections <= 0) e->opts.max_connections = KVPI_CONN_MAX_DEFAULT;
+    if (e->opts.idle_timeout_ms <= 0) e->opts.idle_timeout_ms = KVPI_CONN_IDLE_MS_DEFAULT;
+    if (e->opts.min_transfer_rate == 0) e->opts.min_transfer_rate = KVPI_MIN_RATE_DEFAULT;
     const char *proto = o->protocol && *o->protocol ? o->protocol : "tcp";
     e->transport = kvpi_transport_lookup(proto);
     if (!e->transport)
@@ -146,8 +152,13 @@ static kvp_status name_segment(kvp_engine *e)
 
 static kvp_status start_servers(kvp_engine *e)
 {
-    kvpi_server_ctx ctx = {.host = e->self.host, .registry = &e->registry,
-                           .timeout_ms = e->opts.timeout_ms, .data_port_out = &e->data_port};
+    kvpi_server_ctx ctx = {.host = e->self.host,
+                           .registry = &e->registry,
+                           .timeout_ms = e->opts.timeout_ms,
+                           .idle_timeout_ms = e->opts.idle_timeout_ms,
+                           .max_conns = e->opts.max_connections,
+                           .min_rate = e->opts.min_transfer_rate,
+                           .data_port_out = &e->data_port};
     for (size_t i = 0; kvpi_transports[i]; i++) {
         const kvpi_transport_ops *ops = kvpi_transports[i];
         kvp_status st = ops->server_start(&ctx, &e->servers[i]);
@@ -178,8 +189,11 @@ kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out)
     kvp_status st;
     if ((st = copy_opts(e, opts))) goto fail;
     if ((st = kvpi_meta_open(e->metadata_conn, e->opts.timeout_ms, &e->meta))) goto fail;
-    if ((st = kvpi_rpc_server_start(e->self.host, e->self.port, e->opts.timeout_ms, rpc_describe,
-                                    e, &e->rpc)))
+    kvpi_conn_limits rpc_limits = {.timeout_ms = e->opts.timeout_ms,
+                                   .max_conns = e->opts.max_connections,
+                                   .min_rate = e->opts.min_transfer_rate};
+    if ((st = kvpi_rpc_server_start(e->self.host, e->self.port, &rpc_limits, rpc_describe, e,
+                                    &e->rpc)))
         goto fail;
     if ((st = name_segment(e))) goto fail;
     if ((st = start_servers(e))) goto fail;
@@ -259,7 +273,8 @@ int kvp_engine_data_port(const kvp_engine *e)
 kvp_status kvp_engine_register(kvp_engine *e, void *addr, size_t length)
 {
     if (!e || !addr) return kvpi_error(KVP_EINVAL, "register: NULL argument");
-    kvp_status st = kvpi_registry_add(&e->registry, (uint64_t)(uintptr_t)addr, length);
+    kvp_status st = length ? kvpi_memory_check_host(addr, length) : KVP_OK;
+    if (!st) st = kvpi_registry_add(&e->registry, (uint64_t)(uintptr_t)addr, length);
     if (st || !e->meta) return st;
     if ((st = publish(e))) kvpi_registry_remove(&e->registry, (uint64_t)(uintptr_t)addr);
     return st;
