@@ -76,6 +76,7 @@ struct kvpi_conn_server {
     kvpi_conn_stats stats;
     atomic_uint_fast64_t idle_closed;
     int warned_full, warned_fds;
+    uint64_t accept_failed_ns; /* the last accept failure */
 };
 
 kvpi_conn_limits kvpi_conn_limits_resolve(const kvpi_conn_limits *in)
@@ -398,8 +399,12 @@ static void *accept_main(void *arg)
         if (p[1].revents) break;
         int fd = accept4(srv->listen_fd, NULL, NULL, SOCK_CLOEXEC);
         if (fd >= 0) {
-            if (srv->warned_fds) KVPI_WARN("%s: accepting connections again", srv->name);
-            srv->warned_fds = 0;
+            /* Said once the failures have stopped for a second, not on every
+             * success between failures. */
+            if (srv->warned_fds && kvpi_now_ns() - srv->accept_failed_ns > 1000000000u) {
+                KVPI_WARN("%s: accepting connections again", srv->name);
+                srv->warned_fds = 0;
+            }
             backoff = 0;
             add_conn(srv, fd);
             continue;
@@ -411,6 +416,7 @@ static void *accept_main(void *arg)
         pthread_mutex_lock(&srv->lock);
         srv->stats.accept_errors++;
         pthread_mutex_unlock(&srv->lock);
+        srv->accept_failed_ns = kvpi_now_ns();
         if (!srv->warned_fds)
             KVPI_WARN("%s: accept: %s; backing off up to %d ms at a time%s", srv->name,
                       strerror(err), BACKOFF_MAX_MS,
