@@ -174,6 +174,13 @@ kvp_status kvpi_conn_next(kvpi_conn *c, void *hdr, size_t len)
     return kvpi_recv_all_by(c->fd, (char *)hdr + got, len - (size_t)got, c->deadline_ns);
 }
 
+int kvpi_conn_expect(kvpi_conn *c, uint64_t bytes)
+{
+    if (atomic_load(&c->state) == ST_EVICTED) return 0;
+    c->deadline_ns = kvpi_transfer_deadline(c->srv->lim.timeout_ms, c->srv->lim.min_rate, bytes);
+    return 1;
+}
+
 int kvpi_conn_busy(kvpi_conn *c, uint64_t bytes)
 {
     if (!enter(c, ST_BUSY)) return 0;
@@ -247,19 +254,25 @@ static void *conn_main(void *arg)
     return NULL;
 }
 
-/* The connection to push out: the longest idle one, else the one incomplete
- * (in setup, or mid-header) the longest. NULL when all are busy. Call with
- * the lock held. */
+/* The connection to push out: the longest idle one; else the one whose setup
+ * or request has been incomplete (waiting for the peer) the longest; else the
+ * one busy on one request the longest, if that is over timeout_ms (a slow
+ * reader, say). NULL when every connection is on a request younger than
+ * that. Call with the lock held. */
 static kvpi_conn *pick_victim(kvpi_conn_server *srv, int *state)
 {
     kvpi_conn *best = NULL;
-    int best_rank = 2;
+    int best_rank = 3;
     uint64_t best_since = 0;
+    uint64_t busy_before = kvpi_now_ns() - (uint64_t)srv->lim.timeout_ms * 1000000u;
     for (kvpi_conn *c = srv->conns; c; c = c->next) {
         int s = atomic_load(&c->state);
-        int rank = s == ST_IDLE ? 0 : s == ST_SETUP || s == ST_INCOMPLETE ? 1 : 2;
         uint64_t since = atomic_load(&c->since_ns);
-        if (rank < best_rank || (rank == best_rank && rank < 2 && since < best_since)) {
+        int rank = s == ST_IDLE                          ? 0
+                   : s == ST_SETUP || s == ST_INCOMPLETE ? 1
+                   : s == ST_BUSY && since < busy_before ? 2
+                                                         : 3;
+        if (rank < best_rank || (rank == best_rank && rank < 3 && since < best_since)) {
             best = c;
             best_rank = rank;
             best_since = since;
@@ -282,7 +295,9 @@ static int evict_one(kvpi_conn_server *srv)
         srv->n_live--;
         srv->stats.evicted++;
         KVPI_DEBUG("%s: evicted a connection %s for %llu ms to make room", srv->name,
-                   s == ST_IDLE ? "idle" : "incomplete",
+                   s == ST_IDLE   ? "idle"
+                   : s == ST_BUSY ? "busy on one request"
+                                  : "incomplete",
                    (unsigned long long)((kvpi_now_ns() - atomic_load(&c->since_ns)) / 1000000u));
         return 1;
     }
@@ -308,7 +323,8 @@ static void add_conn(kvpi_conn_server *srv, int fd)
     pthread_mutex_lock(&srv->lock);
     if (srv->n_live >= (size_t)srv->lim.max_conns && !evict_one(srv)) {
         char why[96];
-        snprintf(why, sizeof why, "all %d connections are mid-request", srv->lim.max_conns);
+        snprintf(why, sizeof why, "all %d connections are on requests younger than %d ms",
+                 srv->lim.max_conns, srv->lim.timeout_ms);
         refuse(srv, fd, why);
         pthread_mutex_unlock(&srv->lock);
         return;

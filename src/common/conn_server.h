@@ -20,12 +20,15 @@
  *  - A cap on connections (max_conns). When a new connection finds the server
  *    full, the server evicts the connection that has been idle (waiting for
  *    its next request) the longest; failing that, the one whose setup or
- *    request has been incomplete the longest; only when every connection is in
- *    the middle of a request whose bytes are moving is the new one refused.
- *    So a flood of idle or trickling connections cannot lock a legitimate
- *    peer out: each new connection pushes the oldest of them out, and a
- *    trickler is cut at its deadline anyway. A peer with an idle connection
- *    that was evicted reconnects (kvpipe's clients retry once).
+ *    request has been incomplete (waiting for the peer's bytes) the longest;
+ *    failing that, the one that has been busy on one request the longest, if
+ *    for more than timeout_ms (a reader that drains its READ slowly). Only
+ *    when every connection is on a request younger than timeout_ms that the
+ *    server is moving bytes for is the new one refused. So a flood of idle,
+ *    trickling or slow-reading connections cannot lock a legitimate peer out:
+ *    each new connection pushes the oldest of them out, and each is cut at its
+ *    deadline anyway. A peer with an idle connection that was evicted
+ *    reconnects (kvpipe's clients retry once).
  *  - Idle reaping: a connection waiting for its next request longer than
  *    idle_timeout_ms is closed.
  *  - Deadlines. Setup must finish within setup_timeout_ms of the accept; a
@@ -128,10 +131,17 @@ const kvpi_conn_limits *kvpi_conn_limits_of(const kvpi_conn *conn);
  * or the error that cut a header short (KVP_ETIMEDOUT, KVP_ECONNRESET). */
 kvp_status kvpi_conn_next(kvpi_conn *conn, void *hdr, size_t len);
 
-/* The request's header is complete and it moves bytes more: its deadline
- * becomes timeout_ms + bytes / min_rate from now, and the connection is busy
- * (never evicted) until the next kvpi_conn_next. Returns 0 if the connection
- * was evicted in the meantime (its I/O then fails). */
+/* The request's header is complete and the peer sends bytes more (a body):
+ * the deadline becomes timeout_ms + bytes / min_rate from now; the request
+ * stays incomplete (first in line for eviction after idle connections).
+ * Returns 0 if the connection was evicted meanwhile (its I/O then fails). */
+int kvpi_conn_expect(kvpi_conn *conn, uint64_t bytes);
+
+/* The request is complete and the server now moves bytes for it (a READ's
+ * data, a reply, a copy): the deadline becomes timeout_ms + bytes / min_rate
+ * from now, and the connection is busy, evicted only once it has been busy
+ * longer than timeout_ms and nothing idle or incomplete is left. Returns 0 if
+ * the connection was evicted meanwhile. */
 int kvpi_conn_busy(kvpi_conn *conn, uint64_t bytes);
 
 /* The current deadline, for I/O a handler does itself (kvpi_now_ns clock). */

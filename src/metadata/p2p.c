@@ -84,7 +84,10 @@ static void warn_once(kvpi_rpc_server *srv, const char *what)
 }
 
 /* Read the request frame under the connection's deadlines: its header within
- * timeout_ms of the first byte, its body within timeout_ms + length / min_rate. */
+ * timeout_ms of the first byte, its body within timeout_ms + length / min_rate.
+ * The request counts as incomplete until the whole frame is in, so a flood of
+ * connections that trickle their frames is evicted before anyone waiting for
+ * a reply. */
 static kvp_status serve_recv(kvpi_conn *c, int *type, char **json)
 {
     uint8_t hdr[RPC_HDR];
@@ -94,7 +97,7 @@ static kvp_status serve_recv(kvpi_conn *c, int *type, char **json)
     if ((st = check_length(len))) return st;
     if ((st = kvpi_conn_recv(c, hdr + 8, 1))) return st;
     if ((st = check_type(hdr[8]))) return st;
-    if (!kvpi_conn_busy(c, len)) return KVP_ECLOSED;
+    if (!kvpi_conn_expect(c, len)) return KVP_ECLOSED;
     char *text = malloc(len);
     if (!text)
         return kvpi_error(KVP_ENOMEM, "out of memory for a %llu-byte frame",

@@ -85,7 +85,11 @@ static void log_fault(kvpi_conn *c, const kvpi_tcp_hdr *h, const char *when)
 /* Serve one request; returns 0 to keep the connection, -1 to close it. */
 static int serve_request(kvpi_conn *c, tcp_server *srv, const kvpi_tcp_hdr *h)
 {
-    if (!kvpi_conn_busy(c, h->size)) return -1;
+    /* A READ is ours to send; a WRITE's body is the peer's to send, and the
+     * request is incomplete (first to be evicted) until it is in. */
+    int live =
+        h->opcode == KVPI_TCP_OP_READ ? kvpi_conn_busy(c, h->size) : kvpi_conn_expect(c, h->size);
+    if (!live) return -1;
     if (h->size == 0) return h->v2 && send_status(c, KVPI_TCP_STATUS_OK) ? -1 : 0;
     kvpi_pin pin;
     if (kvpi_registry_pin(srv->registry, h->addr, h->size, &pin) != KVP_OK) {
@@ -117,7 +121,8 @@ static int serve_request(kvpi_conn *c, tcp_server *srv, const kvpi_tcp_hdr *h)
             log_fault(c, h, "refused");
             return refuse(c, h);
         }
-        if (st == KVP_OK && h->v2) st = send_status(c, KVPI_TCP_STATUS_OK);
+        if (st == KVP_OK && h->v2)
+            st = kvpi_conn_busy(c, 8) ? send_status(c, KVPI_TCP_STATUS_OK) : KVP_ECLOSED;
     }
     if (st)
         KVPI_DEBUG("%s: connection dropped during %s of %llu bytes: %s", kvpi_conn_name(c),
