@@ -260,8 +260,16 @@ static void evicts_oldest_idle(void)
     REQUIRE(s);
     int a = dial(port), b = dial(port), c = dial(port);
     REQUIRE(a >= 0 && b >= 0 && c >= 0);
-    CHECK(echo_ok(a) && echo_ok(b) && echo_ok(c)); /* all idle now, a the longest */
-    CHECK(echo_ok(a));                             /* ... now b the longest */
+    /* Each server thread goes idle just after its reply: pause so that the
+     * order of going idle is the order of the replies, on a loaded machine too. */
+    CHECK(echo_ok(a));
+    usleep(100000);
+    CHECK(echo_ok(b));
+    usleep(100000);
+    CHECK(echo_ok(c));
+    usleep(100000);
+    CHECK(echo_ok(a)); /* now b has been idle the longest */
+    usleep(100000);
     CHECK(echo_fresh(port));
     CHECK(closed_within(b, 2000));
     CHECK(still_open(a) && still_open(c));
