@@ -415,13 +415,15 @@ static void *accept_main(void *arg)
         if (p[1].revents) break;
         int fd = accept4(srv->listen_fd, NULL, NULL, SOCK_CLOEXEC);
         if (fd >= 0) {
-            /* Said once the failures have stopped for a second, not on every
-             * success between failures. */
-            if (srv->warned_fds && kvpi_now_ns() - srv->accept_failed_ns > 1000000000u) {
-                KVPI_WARN("%s: accepting connections again", srv->name);
+            /* The back-off only ends once accepting has worked for a second:
+             * while descriptors stay short, each success (a descriptor freed
+             * by shedding) is followed by a longer pause, not by a new round
+             * of shedding every 10 ms. */
+            if (kvpi_now_ns() - srv->accept_failed_ns > 1000000000u) {
+                if (srv->warned_fds) KVPI_WARN("%s: accepting connections again", srv->name);
                 srv->warned_fds = 0;
+                backoff = 0;
             }
-            backoff = 0;
             add_conn(srv, fd);
             continue;
         }

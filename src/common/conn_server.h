@@ -9,8 +9,9 @@
  *    ENOBUFS, ENOMEM) the server sheds one waiting connection through a
  *    reserved descriptor (so its client hears a close instead of hanging in
  *    the backlog), evicts its own oldest idle connection, and sleeps 10 ms,
- *    doubling up to 1 s while the shortage lasts: never a busy loop, and it
- *    serves again as soon as descriptors free up.
+ *    doubling up to 1 s while the shortage lasts (the pause resets only after
+ *    a second without failures): never a busy loop, and it serves again as
+ *    soon as descriptors free up.
  *  - One thread per connection (a 256 KiB stack). Handlers move bytes with
  *    blocking calls straight between the socket and registered memory, and
  *    the shm handler copies with process_vm_readv/writev; an event loop would

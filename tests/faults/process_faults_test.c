@@ -45,9 +45,9 @@ static void *loop_main(void *arg)
                             ? kvp_engine_read(l->e, l->seg, l->local, l->remote, l->len)
                             : kvp_engine_write(l->e, l->seg, l->local, l->remote, l->len);
         if (st) {
-            atomic_store(&l->failed_at, (long long)kvpi_now_ms());
-            l->st = st;
+            l->st = st; /* read after the join */
             snprintf(l->why, sizeof l->why, "%s", kvp_last_error());
+            atomic_store(&l->failed_at, (long long)kvpi_now_ms());
             break;
         }
     }
@@ -94,11 +94,11 @@ static long target_fault(int sig, kvp_opcode op, kvp_status *st)
                 usleep(50000);
             long long failed = atomic_load(&l.failed_at);
             if (failed) took = (long)(failed - (long long)at);
+            if (sig == SIGSTOP) kill(t.pid, SIGKILL); /* frees the initiator's last waits */
+            loop_stop(&l);
             *st = l.st;
             fprintf(stderr, "  signal %d during %s: %s after %ld ms: %s\n", sig,
                     op == KVP_OP_READ ? "READs" : "WRITEs", kvp_strerror(l.st), took, l.why);
-            if (sig == SIGSTOP) kill(t.pid, SIGKILL); /* frees the initiator's last waits */
-            loop_stop(&l);
         }
         kvp_engine_destroy(e);
     }

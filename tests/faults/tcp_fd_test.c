@@ -119,7 +119,7 @@ static void exhaustion_backoff_and_recovery(void)
     usleep(500000);
     int64_t cpu = cpu_over(&t, 1000);
     fprintf(stderr, "  target CPU while out of descriptors: %lld ms in 1000 ms\n", (long long)cpu);
-    CHECK(cpu >= 0 && cpu < 300);
+    CHECK(cpu >= 0 && cpu < 500); /* spinning burns all of it (1000 ms) */
     CHECK(served_within(&t, 10000));
     char *reply = NULL;
     CHECK_OK(kvpi_rpc_call("127.0.0.1", t.rpc_port, KVPI_RPC_METADATA, "{}", 3000, &reply));
@@ -127,7 +127,7 @@ static void exhaustion_backoff_and_recovery(void)
     usleep(2000000); /* one more idle period: everything the flood left is reaped */
     int64_t fds_open = kvpt_ctarget_cmd(&t, KVPT_CT_FDS, 0, 3000);
     fprintf(stderr, "  target descriptors after reaping: %lld\n", (long long)fds_open);
-    CHECK(fds_open > 0 && fds_open < 100);
+    CHECK(fds_open > 0 && fds_open < 300); /* far from the 512 the flood held */
     unflood(fds, 700);
     CHECK(kvpt_ctarget_stop(&t) == 0);
 }
