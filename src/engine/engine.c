@@ -24,6 +24,9 @@ void kvp_engine_opts_init(kvp_engine_opts *opts)
     opts->workers = DEFAULT_WORKERS;
     opts->conns_per_peer = DEFAULT_CONNS;
     opts->slice_size = DEFAULT_SLICE;
+    opts->max_connections = KVPI_CONN_MAX_DEFAULT;
+    opts->idle_timeout_ms = KVPI_CONN_IDLE_MS_DEFAULT;
+    opts->min_transfer_rate = KVPI_MIN_RATE_DEFAULT;
 }
 
 /* Build the descriptor from the registry and every transport's fields. */
@@ -191,6 +194,9 @@ static kvp_status copy_opts(kvp_engine *e, const kvp_engine_opts *o)
     if (e->opts.workers <= 0) e->opts.workers = DEFAULT_WORKERS;
     if (e->opts.conns_per_peer <= 0) e->opts.conns_per_peer = DEFAULT_CONNS;
     if (e->opts.slice_size == 0) e->opts.slice_size = DEFAULT_SLICE;
+    if (e->opts.max_connections <= 0) e->opts.max_connections = KVPI_CONN_MAX_DEFAULT;
+    if (e->opts.idle_timeout_ms <= 0) e->opts.idle_timeout_ms = KVPI_CONN_IDLE_MS_DEFAULT;
+    if (e->opts.min_transfer_rate == 0) e->opts.min_transfer_rate = KVPI_MIN_RATE_DEFAULT;
     kvp_status st = kvpi_protocol_resolve(o->protocol, &e->transport);
     if (st) return st;
     const char *proto = e->transport->name;
@@ -226,8 +232,11 @@ static kvp_status draw_instance(kvp_engine *e)
  * another process - most likely an engine of the same name - serves there. */
 static kvp_status start_rpc(kvp_engine *e)
 {
-    kvp_status st = kvpi_rpc_server_start(e->self.host, e->self.port, e->opts.timeout_ms,
-                                          rpc_describe, e, &e->rpc);
+    kvpi_conn_limits limits = {.timeout_ms = e->opts.timeout_ms,
+                               .max_conns = e->opts.max_connections,
+                               .min_rate = e->opts.min_transfer_rate};
+    kvp_status st =
+        kvpi_rpc_server_start(e->self.host, e->self.port, &limits, rpc_describe, e, &e->rpc);
     if (st != KVP_EBUSY) return st;
     char detail[512];
     snprintf(detail, sizeof detail, "%s", kvp_last_error());
@@ -252,8 +261,13 @@ static kvp_status name_segment(kvp_engine *e)
 
 static kvp_status start_servers(kvp_engine *e)
 {
-    kvpi_server_ctx ctx = {.host = e->self.host, .registry = &e->registry,
-                           .timeout_ms = e->opts.timeout_ms, .data_port_out = &e->data_port};
+    kvpi_server_ctx ctx = {.host = e->self.host,
+                           .registry = &e->registry,
+                           .timeout_ms = e->opts.timeout_ms,
+                           .idle_timeout_ms = e->opts.idle_timeout_ms,
+                           .max_conns = e->opts.max_connections,
+                           .min_rate = e->opts.min_transfer_rate,
+                           .data_port_out = &e->data_port};
     for (size_t i = 0; kvpi_transports[i]; i++) {
         const kvpi_transport_ops *ops = kvpi_transports[i];
         kvp_status st = ops->server_start(&ctx, &e->servers[i]);
@@ -280,7 +294,7 @@ kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out)
     pthread_mutex_init(&e->publish_lock, NULL);
     pthread_mutex_init(&e->segments_lock, NULL);
     pthread_mutex_init(&e->keeper_lock, NULL);
-    pthread_cond_init(&e->keeper_cond, NULL);
+    kvpi_cond_init(&e->keeper_cond);
     kvp_status st;
     if ((st = copy_opts(e, opts))) goto fail;
     if ((st = kvpi_meta_open(e->metadata_conn, e->opts.timeout_ms, &e->meta))) goto fail;
@@ -368,7 +382,8 @@ int kvp_engine_data_port(const kvp_engine *e)
 kvp_status kvp_engine_register(kvp_engine *e, void *addr, size_t length)
 {
     if (!e || !addr) return kvpi_error(KVP_EINVAL, "register: NULL argument");
-    kvp_status st = kvpi_registry_add(&e->registry, (uint64_t)(uintptr_t)addr, length);
+    kvp_status st = length ? kvpi_memory_check_host(addr, length) : KVP_OK;
+    if (!st) st = kvpi_registry_add(&e->registry, (uint64_t)(uintptr_t)addr, length);
     if (st || !e->meta) return st;
     if ((st = publish(e))) {
         kvpi_registry_remove(&e->registry, (uint64_t)(uintptr_t)addr);

@@ -176,15 +176,20 @@ typedef char *(*kvpi_rpc_desc_fn)(void *ctx);
 /* Serve handshakes on host:port until stopped. A METADATA request is answered
  * with a METADATA frame holding desc_fn()'s text; other types with a frame of
  * the same type holding "{}". Malformed or oversized frames close that
- * connection only. */
-kvp_status kvpi_rpc_server_start(const char *host, int port, int timeout_ms,
+ * connection only. limits (NULL: defaults) caps connections and bounds each
+ * request (common/conn_server.h): it must begin and be read within
+ * timeout_ms (+ its length at min_rate). */
+struct kvpi_conn_limits;
+kvp_status kvpi_rpc_server_start(const char *host, int port, const struct kvpi_conn_limits *limits,
                                  kvpi_rpc_desc_fn desc_fn, void *ctx, kvpi_rpc_server **out);
 void kvpi_rpc_server_stop(kvpi_rpc_server *server);
 
 /* The port the server listens on (the one chosen when started with port 0). */
 int kvpi_rpc_server_port(const kvpi_rpc_server *server);
 
-/* One request/response exchange; *reply is malloc'ed JSON text. */
+/* One request/response exchange; *reply is malloc'ed JSON text. The whole
+ * exchange (connect, request, the complete reply) must finish within
+ * timeout_ms, else KVP_ETIMEDOUT. */
 kvp_status kvpi_rpc_call(const char *host, int port, int type, const char *json, int timeout_ms,
                          char **reply);
 

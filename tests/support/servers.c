@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "common/conn_server.h"
 #include "kvpipe/metadata_server.h"
 #include "metadata/metadata.h"
 #include "servers.h"
@@ -377,7 +378,8 @@ pid_t kvpt_handshake_responder(int port, const char *reply)
     if (pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         kvpi_rpc_server *srv;
-        if (kvpi_rpc_server_start("127.0.0.1", port, 2000, responder_reply, (void *)reply, &srv))
+        if (kvpi_rpc_server_start("127.0.0.1", port, &(kvpi_conn_limits){.timeout_ms = 2000},
+                                  responder_reply, (void *)reply, &srv))
             _exit(3);
         for (;;)
             pause();
