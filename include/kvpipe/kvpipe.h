@@ -4,6 +4,7 @@
 #define KVPIPE_KVPIPE_H
 
 #include "kvpipe/status.h"
+#include "kvpipe/log.h"
 #include "kvpipe/engine.h"
 #include "kvpipe/metadata_server.h"
 #include "kvpipe/pipe.h"
