@@ -54,6 +54,8 @@
 /* Inbound messages a PUSH socket buffers per connection. A PUSH never reads,
  * so this only bounds what a peer that sends to it can park there. */
 #define PUSH_RCVHWM 1
+/* See make_socket(). */
+#define ZAP_DOMAIN "kvpipe"
 #define DEFAULT_KV_BUFFER_SIZE 1000000000u
 #define DEFAULT_SEND_TIMEOUT_MS 30000
 #define DEFAULT_IO_TIMEOUT_MS 5000
@@ -199,7 +201,14 @@ static kvp_status zmq_fail(kvp_pipe *p, const char *what)
 
 /* Every socket of the pipe is made here, so that options that apply to all of
  * them (security mechanisms among them) have one place. linger_ms bounds how
- * long closing waits to hand queued messages over. */
+ * long closing waits to hand queued messages over.
+ *
+ * A ZAP domain, with no ZAP handler in the context, changes one thing:
+ * ZeroMQ refuses peers that speak the ZMTP 1.0 and 2.0 handshakes, which
+ * carry no socket type. Without it, any TCP client whose first byte is not
+ * 0xFF (a port scanner, an HTTP probe) passes for a ZMTP 1.0 peer, joins a
+ * PUSH socket's round-robin and takes announcements or ACKs that are then
+ * lost. Every ZeroMQ 4 peer (pyzmq's MooncakePipe included) speaks ZMTP 3. */
 static kvp_status make_socket(kvp_pipe *p, int type, int linger_ms, void **out)
 {
     void *s = zmq_socket(p->zctx, type);
@@ -209,6 +218,7 @@ static kvp_status make_socket(kvp_pipe *p, int type, int linger_ms, void **out)
     if (zmq_setsockopt(s, ZMQ_LINGER, &linger_ms, sizeof linger_ms) != 0 ||
         zmq_setsockopt(s, ZMQ_IPV6, &one, sizeof one) != 0 ||
         zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg) != 0 ||
+        zmq_setsockopt(s, ZMQ_ZAP_DOMAIN, ZAP_DOMAIN, strlen(ZAP_DOMAIN)) != 0 ||
         (type == ZMQ_PUSH && zmq_setsockopt(s, ZMQ_RCVHWM, &rcvhwm, sizeof rcvhwm) != 0)) {
         zmq_close(s);
         return zmq_fail(p, "setsockopt");
