@@ -3,26 +3,27 @@
  *
  * Sockets and threads. ZeroMQ sockets are not thread-safe, so each has one
  * user at a time:
- *   data_push (announce)  senders, under send_lock
- *   ack_push  (ACKs out)  receivers, under recv_lock
- *   data_in   (announce)  the control thread only
- *   ack_in    (ACKs in)   the control thread only
- * The control thread owns the two PULL sockets ("links", connected to the
- * peer) and their socket monitors. It checks every frame that comes in:
+ *   data_push   (announce)  senders, under send_lock
+ *   ack_push    (ACKs out)  receivers, under recv_lock
+ *   data_in     (announce)  receivers, under recv_lock
+ *   ack_in      (ACKs in)   the control thread
+ *   the monitors of data_in and ack_in: the control thread
+ * The two PULL sockets ("links", connected to the peer) check every message:
  * an announcement that is not two 8-byte frames and an ACK that is not the
- * 3-byte frame "ACK" are dropped, counted and logged (rate-limited). A good
- * announcement waits in a one-message slot for a receiver (the thread stops
- * reading the link while the slot is full, so ZeroMQ's flow control stays as
- * it was); an ACK frees the oldest buffer in flight. ZeroMQ closes a
- * connection whose peer broke the protocol (a frame above CONTROL_MAX_FRAME,
- * a bad handshake) and never reconnects it by itself; the monitor shows that
- * and the thread connects again, with a back-off.
+ * 3-byte frame "ACK" are dropped, counted and logged (rate-limited).
+ *
+ * ZeroMQ closes a connection whose peer broke the protocol (a frame above
+ * CONTROL_MAX_FRAME, a bad handshake) and never reconnects it by itself. The
+ * control thread reads both links' monitors (a monitor must be read all the
+ * time: a full one blocks ZeroMQ's I/O thread), tells such a close from one
+ * that ZeroMQ reconnects, and has the link connected again after a back-off.
+ * It does that itself for ack_in; for data_in, the socket of the receivers,
+ * it does it only when it can take recv_lock without waiting, and otherwise
+ * raises data_redial and wakes a receiver waiting in its poll (recv_wake_fd),
+ * which then does it; a receiver busy with a READ does it on its next wait.
  *
  * The FIFO of buffers awaiting ACK is shared by senders and the control
- * thread under `lock`; `room` is signalled whenever an ACK frees one. The slot
- * is shared by receivers and the control thread under `lock` too; `arrived`
- * is signalled when it fills, and a receiver that empties it while the
- * control thread is parked wakes it through wake_fd.
+ * thread under `lock`; `room` is signalled whenever an ACK frees one.
  *
  * Lifetime. The pipe struct and its engine are reference counted: one
  * reference for the open pipe, one per received tensor still alive, so a
@@ -73,6 +74,9 @@
 /* Messages the control thread takes off the ACK link before it looks at its
  * other sockets again. */
 #define ACK_BATCH 256
+/* How soon the control thread looks again at a data_in redial it handed to
+ * a receiver that is busy (with a READ, say). */
+#define HANDOFF_RETRY_MS 100
 
 typedef struct inflight {
     void *buf;
@@ -80,13 +84,15 @@ typedef struct inflight {
 } inflight;
 
 /* A PULL socket connected to one of the peer's PUSH ports, with the monitor
- * that shows its connection being closed. Control thread only. */
+ * that shows its connection being closed. The socket belongs to its reader
+ * (see the top of the file); the rest to the control thread, but for good. */
 typedef struct pull_link {
     const char *what; /* "announce" or "ACK", for the log */
     void *sock, *mon;
     char endpoint[KVP_PIPE_NAME_MAX + 16];
     uint64_t redial_at; /* kvpi_now_ms() when to connect again; 0: not due */
     int backoff_ms;
+    atomic_int good; /* the reader saw a well-formed message: back-off resets */
 } pull_link;
 
 struct kvp_pipe {
@@ -99,14 +105,16 @@ struct kvp_pipe {
     void *zctx;
     void *data_push, *ack_push;
     pull_link data_in, ack_in;
-    int wake_fd; /* eventfd: a receiver emptied the slot the control thread waits on */
+    int recv_wake_fd;       /* eventfd: wakes a receiver waiting on data_in */
+    atomic_int data_redial; /* data_in must be connected again, by whoever has it */
+    uint64_t handoff_at;    /* control thread: when to look at data_redial again */
     pthread_t ctl_thread;
     int ctl_started;
 
     pthread_mutex_t send_lock, recv_lock;
 
     pthread_mutex_t lock; /* guards everything below */
-    pthread_cond_t room, arrived;
+    pthread_cond_t room;
     inflight *q;
     size_t q_head, q_count, q_cap;
     size_t inflight_bytes;
@@ -117,11 +125,6 @@ struct kvp_pipe {
      * took its queue entry meanwhile; both under lock. */
     void *posting;
     int posting_acked;
-
-    /* The next announcement, taken off the link by the control thread. */
-    int slot_full;
-    uint64_t slot_addr, slot_len;
-    int ctl_parked; /* the control thread stopped reading the link: slot full */
 
     int peer_open; /* under recv_lock */
     kvp_segment_id peer_seg;
@@ -165,8 +168,7 @@ static void pipe_unref(kvp_pipe *p)
     pthread_mutex_destroy(&p->recv_lock);
     pthread_mutex_destroy(&p->lock);
     pthread_cond_destroy(&p->room);
-    pthread_cond_destroy(&p->arrived);
-    close(p->wake_fd);
+    close(p->recv_wake_fd);
     free(p);
 }
 
@@ -407,7 +409,7 @@ static void take_ack(kvp_pipe *p)
                           p->ep.local_segment, p->ep.peer_segment);
         return;
     }
-    p->ack_in.backoff_ms = REDIAL_FIRST_MS;
+    atomic_store(&p->ack_in.good, 1);
     if (e.buf) kvp_engine_free(p->engine, e.buf);
 }
 
@@ -438,35 +440,23 @@ static int take_acks(kvp_pipe *p)
     return 0;
 }
 
-/* An announcement is two 8-byte frames: u64 BE address, u64 BE length. A good
- * one goes to the slot (empty: the caller polled the link only then); anything
- * else is dropped unanswered, since no MooncakePipe sends it and no buffer of
- * the peer waits for its ACK. */
-static int take_announcement(kvp_pipe *p)
+/* An announcement is two 8-byte frames: u64 BE address, u64 BE length. */
+static int is_announcement(const control_msg *m)
 {
-    control_msg m;
-    int n = take_message(p->data_in.sock, &m);
-    if (n <= 0) return n;
-    int good = m.frames == 2 && m.size[0] == 8 && m.size[1] == 8;
+    return m->frames == 2 && m->size[0] == 8 && m->size[1] == 8;
+}
+
+/* Anything else on the data link is dropped unanswered, since no MooncakePipe
+ * sends it and no buffer of the peer waits for its ACK. */
+static void drop_announcement(kvp_pipe *p, const control_msg *m)
+{
     pthread_mutex_lock(&p->lock);
-    if (good) {
-        p->slot_addr = kvpi_get_be64(m.head[0]);
-        p->slot_len = kvpi_get_be64(m.head[1]);
-        p->slot_full = 1;
-        pthread_cond_signal(&p->arrived);
-    } else {
-        p->stats.bad_messages++;
-    }
+    p->stats.bad_messages++;
     pthread_mutex_unlock(&p->lock);
-    if (good) {
-        p->data_in.backoff_ms = REDIAL_FIRST_MS;
-        return 1;
-    }
     KVPI_WARN_LIMITED("pipe %s: dropped a malformed announcement from %s: %d frame(s) of %zu and "
                       "%zu bytes, want two 8-byte frames (address, length)",
-                      p->ep.local_segment, p->ep.peer_segment, m.frames, m.size[0],
-                      m.frames > 1 ? m.size[1] : 0);
-    return 1;
+                      p->ep.local_segment, p->ep.peer_segment, m->frames, m->size[0],
+                      m->frames > 1 ? m->size[1] : 0);
 }
 
 /* Read the link's monitor: a DISCONNECTED that no CONNECT_RETRIED follows is
@@ -482,80 +472,101 @@ static int link_events(pull_link *l)
         uint16_t event;
         memcpy(&event, ev, sizeof event);
         if (n != 6) continue;
-        if (event == ZMQ_EVENT_DISCONNECTED)
+        if (event == ZMQ_EVENT_DISCONNECTED) {
+            if (atomic_exchange(&l->good, 0)) l->backoff_ms = REDIAL_FIRST_MS;
             l->redial_at = kvpi_now_ms() + (uint64_t)l->backoff_ms;
-        else
+        } else {
             l->redial_at = 0; /* ZeroMQ is (re)connecting by itself */
+        }
     }
 }
 
-/* Connect a link again once its back-off has passed. */
-static void link_redial(kvp_pipe *p, pull_link *l, uint64_t now)
+/* Connect the link's socket again. Its owner only. The endpoint's dead
+ * session goes first: two live ones would share the peer's messages
+ * round-robin and could reorder them. */
+static void link_reconnect(kvp_pipe *p, pull_link *l)
 {
-    if (!l->redial_at || now < l->redial_at) return;
-    l->redial_at = 0;
-    /* The endpoint's dead session goes first: two live ones would share the
-     * peer's messages round-robin and could reorder them. */
     zmq_disconnect(l->sock, l->endpoint);
-    int ok = zmq_connect(l->sock, l->endpoint) == 0;
-    KVPI_WARN_LIMITED("pipe %s: ZeroMQ closed the %s link to %s (%s) after a protocol error: a "
-                      "frame above %d bytes or a malformed ZeroMQ stream; %s after %d ms",
-                      p->ep.local_segment, l->what, p->ep.peer_segment, l->endpoint,
-                      CONTROL_MAX_FRAME, ok ? "connected again" : "could not connect again",
-                      l->backoff_ms);
-    if (!ok) l->redial_at = now + (uint64_t)l->backoff_ms;
-    l->backoff_ms = l->backoff_ms * 2 > REDIAL_MAX_MS ? REDIAL_MAX_MS : l->backoff_ms * 2;
+    if (zmq_connect(l->sock, l->endpoint) != 0)
+        KVPI_WARN_LIMITED("pipe %s: cannot connect the %s link to %s again: %s",
+                          p->ep.local_segment, l->what, l->endpoint, zmq_strerror(zmq_errno()));
 }
 
-/* How long the control thread may sleep: until the next redial, or for ever. */
+/* Whether the link's back-off has passed; then it is logged and the next
+ * back-off doubles. */
+static int link_due(kvp_pipe *p, pull_link *l, uint64_t now)
+{
+    if (!l->redial_at || now < l->redial_at) return 0;
+    l->redial_at = 0;
+    KVPI_WARN_LIMITED("pipe %s: ZeroMQ closed the %s link to %s (%s) after a protocol error (a "
+                      "frame above %d bytes, or a malformed ZeroMQ stream); connecting again "
+                      "after %d ms",
+                      p->ep.local_segment, l->what, p->ep.peer_segment, l->endpoint,
+                      CONTROL_MAX_FRAME, l->backoff_ms);
+    l->backoff_ms = l->backoff_ms * 2 > REDIAL_MAX_MS ? REDIAL_MAX_MS : l->backoff_ms * 2;
+    return 1;
+}
+
+/* data_in is the receivers' socket: reconnect it here only when no receiver
+ * holds it; else a receiver waiting on it is woken to do it, and one busy
+ * with a READ does it when it next waits (looked at again after a while). */
+static void data_handoff(kvp_pipe *p, uint64_t now)
+{
+    if (!atomic_load(&p->data_redial) || now < p->handoff_at) return;
+    if (pthread_mutex_trylock(&p->recv_lock) == 0) {
+        if (atomic_exchange(&p->data_redial, 0)) link_reconnect(p, &p->data_in);
+        pthread_mutex_unlock(&p->recv_lock);
+        p->handoff_at = 0;
+        return;
+    }
+    uint64_t one = 1;
+    if (write(p->recv_wake_fd, &one, sizeof one) < 0 && errno != EAGAIN)
+        KVPI_WARN("pipe %s: cannot wake a receiver: %s", p->ep.local_segment, strerror(errno));
+    p->handoff_at = now + HANDOFF_RETRY_MS;
+}
+
+/* How long the control thread may sleep: until the next thing due, or for
+ * ever. */
 static long control_timeout(const kvp_pipe *p, uint64_t now)
 {
+    uint64_t due[] = {p->data_in.redial_at, p->ack_in.redial_at,
+                      atomic_load(&p->data_redial) ? p->handoff_at : 0};
     uint64_t next = 0;
-    const pull_link *links[] = {&p->data_in, &p->ack_in};
-    for (int i = 0; i < 2; i++)
-        if (links[i]->redial_at && (!next || links[i]->redial_at < next))
-            next = links[i]->redial_at;
-    if (!next) return -1;
+    for (size_t i = 0; i < sizeof due / sizeof due[0]; i++)
+        if (due[i] && (!next || due[i] < next)) next = due[i];
+    if (!next) return atomic_load(&p->data_redial) ? 0 : -1;
     return next > now ? (long)(next - now) : 0;
 }
 
 static void *control_main(void *arg)
 {
     kvp_pipe *p = arg;
-    enum { ACKS, ACK_MON, DATA_MON, WAKE, DATA };
+    enum { ACKS, ACK_MON, DATA_MON };
     for (;;) {
-        pthread_mutex_lock(&p->lock);
-        int want_data = !p->slot_full;
-        p->ctl_parked = !want_data;
-        pthread_mutex_unlock(&p->lock);
         zmq_pollitem_t it[] = {
             [ACKS] = {.socket = p->ack_in.sock, .events = ZMQ_POLLIN},
             [ACK_MON] = {.socket = p->ack_in.mon, .events = ZMQ_POLLIN},
             [DATA_MON] = {.socket = p->data_in.mon, .events = ZMQ_POLLIN},
-            [WAKE] = {.fd = p->wake_fd, .events = ZMQ_POLLIN},
-            [DATA] = {.socket = p->data_in.sock, .events = ZMQ_POLLIN},
         };
-        int r = zmq_poll(it, want_data ? DATA + 1 : DATA, control_timeout(p, kvpi_now_ms()));
+        int r = zmq_poll(it, 3, control_timeout(p, kvpi_now_ms()));
         if (r < 0 && zmq_errno() == EINTR) continue;
         if (r < 0) break; /* ETERM: the pipe is closing */
-        if (it[WAKE].revents) {
-            uint64_t v;
-            if (read(p->wake_fd, &v, sizeof v) < 0 && errno != EAGAIN) break;
-        }
         if ((it[ACK_MON].revents && link_events(&p->ack_in) < 0) ||
             (it[DATA_MON].revents && link_events(&p->data_in) < 0) ||
-            (it[ACKS].revents && take_acks(p) < 0) ||
-            (want_data && it[DATA].revents && take_announcement(p) < 0))
+            (it[ACKS].revents && take_acks(p) < 0))
             break;
         uint64_t now = kvpi_now_ms();
-        link_redial(p, &p->data_in, now);
-        link_redial(p, &p->ack_in, now);
+        if (link_due(p, &p->ack_in, now)) link_reconnect(p, &p->ack_in);
+        if (link_due(p, &p->data_in, now)) {
+            atomic_store(&p->data_redial, 1);
+            p->handoff_at = now;
+        }
+        data_handoff(p, now);
     }
-    /* Nothing takes ACKs or announcements any more: waiters must not wait. */
+    /* Nothing takes ACKs any more: senders must not wait for room. */
     pthread_mutex_lock(&p->lock);
     if (!atomic_load(&p->closing)) atomic_store(&p->broken, 1);
     pthread_cond_broadcast(&p->room);
-    pthread_cond_broadcast(&p->arrived);
     pthread_mutex_unlock(&p->lock);
     return NULL;
 }
@@ -605,16 +616,15 @@ static kvp_status check_opts(const kvp_pipe_opts *o)
 
 static kvp_status pipe_init_sync(kvp_pipe *p)
 {
-    p->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (p->wake_fd < 0) return kvpi_error(KVP_EIO, "pipe: eventfd: %s", strerror(errno));
+    p->recv_wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (p->recv_wake_fd < 0) return kvpi_error(KVP_EIO, "pipe: eventfd: %s", strerror(errno));
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     int err = pthread_cond_init(&p->room, &ca);
-    if (!err && (err = pthread_cond_init(&p->arrived, &ca))) pthread_cond_destroy(&p->room);
     pthread_condattr_destroy(&ca);
     if (err) {
-        close(p->wake_fd);
+        close(p->recv_wake_fd);
         return kvpi_error(KVP_EIO, "pipe: pthread_cond_init: %s", strerror(err));
     }
     pthread_mutex_init(&p->lock, NULL);
@@ -896,39 +906,40 @@ kvp_status kvp_pipe_flush(kvp_pipe *p, int timeout_ms)
 
 /* ---------------------------------------------------------------- recv --- */
 
-/* Take the next announcement from the slot, waiting for the control thread
- * to fill it up to timeout_ms (negative: no limit, 0: only look). */
+/* The next announcement off the data link, waiting up to timeout_ms
+ * (negative: no limit, 0: only what is there); malformed messages are
+ * dropped on the way. Caller holds recv_lock. */
 static kvp_status next_announcement(kvp_pipe *p, int timeout_ms, uint64_t *addr, uint64_t *len)
 {
     uint64_t deadline = kvpi_now_ms() + (uint64_t)(timeout_ms < 0 ? 0 : timeout_ms);
-    struct timespec ts = mono_deadline(deadline);
-    kvp_status st = KVP_OK;
-    pthread_mutex_lock(&p->lock);
-    while (!p->slot_full && kvp_pipe_usable(p) && timeout_ms != 0) {
-        if (timeout_ms < 0)
-            pthread_cond_wait(&p->arrived, &p->lock);
-        else if (pthread_cond_timedwait(&p->arrived, &p->lock, &ts) == ETIMEDOUT)
-            break;
+    for (;;) {
+        if (atomic_exchange(&p->data_redial, 0)) link_reconnect(p, &p->data_in);
+        control_msg m;
+        int n = take_message(p->data_in.sock, &m);
+        if (n < 0) return zmq_fail(p, "receive");
+        if (n > 0 && is_announcement(&m)) {
+            *addr = kvpi_get_be64(m.head[0]);
+            *len = kvpi_get_be64(m.head[1]);
+            atomic_store(&p->data_in.good, 1);
+            return KVP_OK;
+        }
+        if (n > 0) drop_announcement(p, &m);
+        /* A flood of garbage does not hold recv past its timeout. */
+        if (timeout_ms >= 0 && (n == 0 ? remaining_ms(deadline) == 0 : kvpi_now_ms() > deadline))
+            return kvpi_error(KVP_ETIMEDOUT, "pipe %s: nothing announced by %s within %d ms",
+                              p->ep.local_segment, p->ep.peer_segment, timeout_ms);
+        if (n > 0) continue;
+        zmq_pollitem_t it[2] = {
+            {.socket = p->data_in.sock, .events = ZMQ_POLLIN},
+            {.fd = p->recv_wake_fd, .events = ZMQ_POLLIN},
+        };
+        int r = zmq_poll(it, 2, timeout_ms < 0 ? -1 : remaining_ms(deadline));
+        if (r < 0 && zmq_errno() != EINTR) return zmq_fail(p, "poll");
+        uint64_t v;
+        if (r > 0 && it[1].revents && read(p->recv_wake_fd, &v, sizeof v) < 0 && errno != EAGAIN)
+            return kvpi_error(KVP_EIO, "pipe %s: eventfd: %s", p->ep.local_segment,
+                              strerror(errno));
     }
-    int wake = 0;
-    if (p->slot_full) {
-        *addr = p->slot_addr;
-        *len = p->slot_len;
-        p->slot_full = 0;
-        wake = p->ctl_parked;
-    } else if (!kvp_pipe_usable(p)) {
-        st = kvpi_error(KVP_ECLOSED, "pipe %s can no longer be used", p->ep.local_segment);
-    } else {
-        st = kvpi_error(KVP_ETIMEDOUT, "pipe %s: nothing announced by %s within %d ms",
-                        p->ep.local_segment, p->ep.peer_segment, timeout_ms);
-    }
-    pthread_mutex_unlock(&p->lock);
-    /* The control thread stopped reading the link while the slot was full. */
-    uint64_t one = 1;
-    if (wake && write(p->wake_fd, &one, sizeof one) < 0 && errno != EAGAIN)
-        KVPI_WARN("pipe %s: cannot wake the control thread: %s", p->ep.local_segment,
-                  strerror(errno));
-    return st;
 }
 
 static kvp_status check_announcement(kvp_pipe *p, uint64_t addr, uint64_t len)
@@ -1017,7 +1028,12 @@ kvp_status kvp_pipe_recv(kvp_pipe *p, int timeout_ms, kvp_tensor **out)
     pthread_mutex_lock(&p->recv_lock);
     uint64_t addr = 0, len = 0;
     void *buf = NULL;
-    kvp_status st = next_announcement(p, timeout_ms, &addr, &len);
+    kvp_status st = KVP_OK;
+    if (!kvp_pipe_usable(p)) {
+        st = kvpi_error(KVP_ECLOSED, "pipe %s can no longer be used", p->ep.local_segment);
+        goto out;
+    }
+    st = next_announcement(p, timeout_ms, &addr, &len);
     if (st) goto out;
     st = fetch(p, addr, len, &buf);
     /* One ACK per announcement taken, good or bad, once we are done with the
@@ -1069,7 +1085,6 @@ void kvp_pipe_close(kvp_pipe *p)
     pthread_mutex_lock(&p->lock);
     atomic_store(&p->closing, 1);
     pthread_cond_broadcast(&p->room);
-    pthread_cond_broadcast(&p->arrived);
     pthread_mutex_unlock(&p->lock);
     close_sockets(p);
     /* The control thread is gone: what is still queued will never be acknowledged. */

@@ -11,6 +11,7 @@
 typedef struct expect {
     int n_good, n_errors;
     uint64_t bad_messages; /* kvp_pipe_stats.bad_messages at the end */
+    raw_chan *pause;       /* non-NULL: after the first tensor, wait for a step */
 } expect;
 
 static void receive_expected(kvp_pipe *pipe, void *arg)
@@ -34,7 +35,8 @@ static void receive_expected(kvp_pipe *pipe, void *arg)
         if (!raw_tensor_check(t, good)) fprintf(stderr, "  decode: tensor %d is wrong\n", good);
         CHECK(raw_tensor_check(t, good));
         kvp_tensor_free(t);
-        good++;
+        /* Away from recv meanwhile: nobody waits on the link. */
+        if (good++ == 0 && e->pause) CHECK(raw_wait_step(e->pause, RAW_SIDE_MS) == 'g');
     }
     CHECK(good == e->n_good);
     CHECK(errors == e->n_errors);
@@ -135,6 +137,29 @@ static void test_oversized_frames(void)
     unlink(r.err);
 }
 
+/* The same while the receiver is not in recv: the pipe's own thread connects
+ * the link again, before any recv. */
+static void test_oversized_frame_while_away(void)
+{
+    raw_chan go;
+    REQUIRE(raw_chan_init(&go) == 0);
+    expect e = {.n_good = 2, .n_errors = 0, .bad_messages = 0, .pause = &go};
+    raw_prefill r = {0};
+    REQUIRE(prefill_start(&r, &e) == 0);
+    static uint8_t big[5000];
+    const void *f[1] = {big};
+    size_t sz[1] = {sizeof big};
+    good_round(&r, 0);
+    CHECK(raw_send_frames(r.push, f, sz, 1) == 0);
+    CHECK(raw_wait_event(r.mon, ZMQ_EVENT_DISCONNECTED, RAW_WAIT_MS) == 0);
+    CHECK(raw_wait_event(r.mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, RAW_WAIT_MS) == 0);
+    raw_step(&go, 'g');
+    good_round(&r, 1);
+    CHECK(prefill_finish(&r) == 0);
+    CHECK(raw_count_lines(r.err, "WARN") == 1);
+    unlink(r.err);
+}
+
 /* Malformed announcements within the size limit are dropped without an ACK
  * and without a recv error; well-formed ones with a bad address or length are
  * refused by recv (an error) and acknowledged, since their sender holds a
@@ -212,6 +237,7 @@ static void test_garbage_flood(void)
 int main(void)
 {
     RUN_T(test_oversized_frames, 180);
+    RUN_T(test_oversized_frame_while_away, 120);
     RUN_T(test_malformed_announcements, 120);
     RUN_T(test_garbage_flood, 180);
     return kvpt_summary();
