@@ -262,8 +262,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     if (!req) return begin(c, method, con_cls);
     if (*upload_size) {
         if (append_body(req, upload_data, *upload_size) != 0) {
-            KVPI_WARN("metadata server: dropping a connection whose body exceeds %zu bytes",
-                      MAX_BODY);
+            KVPI_WARN_LIMITED("metadata server: dropping a connection whose body exceeds %zu bytes",
+                              MAX_BODY);
             return MHD_NO;
         }
         *upload_size = 0;

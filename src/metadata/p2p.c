@@ -202,8 +202,8 @@ static void spawn_conn(kvpi_rpc_server *srv, int fd)
     }
     pthread_mutex_unlock(&srv->lock);
     if (fd >= 0) {
-        KVPI_WARN("handshake server %s: refusing a connection (%s)", srv->addr,
-                  full ? "too many open handshakes" : "cannot start a thread");
+        KVPI_WARN_LIMITED("handshake server %s: refusing a connection (%s)", srv->addr,
+                          full ? "too many open handshakes" : "cannot start a thread");
         close(fd);
     }
     free(c);

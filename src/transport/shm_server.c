@@ -237,7 +237,7 @@ static void conn_start(shm_server *srv, int fd)
     pthread_mutex_lock(&srv->lock);
     reap_done(srv);
     if (srv->n_conns >= MAX_CONNS) {
-        KVPI_WARN("shm server: %d connections already; refusing another", MAX_CONNS);
+        KVPI_WARN_LIMITED("shm server: %d connections already; refusing another", MAX_CONNS);
         goto refuse;
     }
     if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) goto refuse;

@@ -71,9 +71,9 @@ static int serve_request(tcp_server *srv, int fd, const kvpi_tcp_hdr *h)
 {
     if (h->size == 0) return h->v2 && send_status(fd, KVPI_TCP_STATUS_OK) ? -1 : 0;
     if (kvpi_registry_pin(srv->registry, h->addr, h->size) != KVP_OK) {
-        KVPI_WARN("tcp server: rejected %s of [0x%llx, +%llu): outside registered memory",
-                  h->opcode == KVPI_TCP_OP_READ ? "READ" : "WRITE",
-                  (unsigned long long)h->addr, (unsigned long long)h->size);
+        KVPI_WARN_LIMITED("tcp server: rejected %s of [0x%llx, +%llu): outside registered memory",
+                          h->opcode == KVPI_TCP_OP_READ ? "READ" : "WRITE",
+                          (unsigned long long)h->addr, (unsigned long long)h->size);
         if (h->v2 && send_status(fd, KVPI_TCP_STATUS_REJECTED) == KVP_OK &&
             h->opcode == KVPI_TCP_OP_WRITE)
             drain(fd, h->size);
@@ -119,7 +119,7 @@ static void *conn_main(void *arg)
     while (next_header(c->fd, raw) == 0) {
         kvpi_tcp_hdr h;
         if (kvpi_tcp_hdr_decode(raw, &h) != 0) {
-            KVPI_WARN("tcp server: unknown opcode 0x%02x, closing the connection", raw[16]);
+            KVPI_WARN_LIMITED("tcp server: unknown opcode 0x%02x, closing the connection", raw[16]);
             break;
         }
         if (serve_request(c->srv, c->fd, &h) != 0) break;
