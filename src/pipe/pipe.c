@@ -453,10 +453,15 @@ static void drop_announcement(kvp_pipe *p, const control_msg *m)
     pthread_mutex_lock(&p->lock);
     p->stats.bad_messages++;
     pthread_mutex_unlock(&p->lock);
-    KVPI_WARN_LIMITED("pipe %s: dropped a malformed announcement from %s: %d frame(s) of %zu and "
-                      "%zu bytes, want two 8-byte frames (address, length)",
-                      p->ep.local_segment, p->ep.peer_segment, m->frames, m->size[0],
-                      m->frames > 1 ? m->size[1] : 0);
+    char shape[64];
+    if (m->frames == 1)
+        snprintf(shape, sizeof shape, "1 frame of %zu bytes", m->size[0]);
+    else
+        snprintf(shape, sizeof shape, "%d frames, the first of %zu and %zu bytes", m->frames,
+                 m->size[0], m->size[1]);
+    KVPI_WARN_LIMITED("pipe %s: dropped a malformed announcement from %s (%s); an announcement is "
+                      "two 8-byte frames (address, length)",
+                      p->ep.local_segment, p->ep.peer_segment, shape);
 }
 
 /* Read the link's monitor: a DISCONNECTED that no CONNECT_RETRIED follows is
