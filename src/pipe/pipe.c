@@ -350,7 +350,7 @@ static void q_drop_tail(kvp_pipe *p)
     p->q_count--;
 }
 
-/* ------------------------------------------------- control thread ----- */
+/* --------------------------------------- the links and the control thread --- */
 
 /* One whole message off a link (its parts arrive together, so this does not
  * wait). Keeps the sizes of the first two frames and the first 8 bytes of
