@@ -91,7 +91,7 @@ KVP_API kvp_log_level kvp_log_get_level(void);
 KVP_API kvp_status kvp_log_level_parse(const char *name, kvp_log_level *out);
 
 /* "ERROR", "WARN", "INFO" or "DEBUG"; "?" outside the enum. */
-const char *kvp_log_level_name(kvp_log_level level);
+KVP_API const char *kvp_log_level_name(kvp_log_level level);
 
 #ifdef __cplusplus
 }
