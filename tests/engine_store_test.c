@@ -244,10 +244,19 @@ static int p2p_start(kvpt_server *out)
     return KVPT_SERVER_OK;
 }
 
+/* A redis that wants a password, given the way Mooncake users give it: in
+ * MC_REDIS_PASSWORD (inherited by the target processes), not in the string. */
+static int redis_auth_start(kvpt_server *out)
+{
+    setenv("MC_REDIS_PASSWORD", "engine-store-pw", 1);
+    return kvpt_redis_start_auth(out, "engine-store-pw");
+}
+
 static const store_kind kinds[] = {
     {"http", kvpt_http_start},
     {"etcd", kvpt_etcd_start},
     {"redis", kvpt_redis_start},
+    {"redis-password", redis_auth_start},
     {"p2p", p2p_start},
 };
 
@@ -578,10 +587,13 @@ static void store_down_at_create(fixture *f)
     kvp_engine_destroy(e);
 }
 
+/* Both engines' keys, both kinds, are in the store. */
 static int both_published(fixture *f)
 {
+    const char *ini = kvp_engine_segment_name(f->eng);
     return raw_lists(f, f->tgt.name, f->tgt.addr, f->tgt.len) &&
-           !raw_missing(f, "ram", kvp_engine_segment_name(f->eng));
+           !raw_missing(f, "rpc_meta", f->tgt.name) && !raw_missing(f, "ram", ini) &&
+           !raw_missing(f, "rpc_meta", ini);
 }
 
 /* The store restarts (redis and the HTTP store come back empty) while both
@@ -601,12 +613,15 @@ static void store_restart_while_running(fixture *f)
     /* Also drop the keys outright (etcd keeps them across a restart). */
     char *k1 = kvpi_meta_key("ram", t->name), *k2 = kvpi_meta_key("rpc_meta", t->name);
     char *k3 = kvpi_meta_key("ram", kvp_engine_segment_name(f->eng));
+    char *k4 = kvpi_meta_key("rpc_meta", kvp_engine_segment_name(f->eng));
     CHECK_OK(f->ops->del(f->raw, k1));
     CHECK_OK(f->ops->del(f->raw, k2));
     CHECK_OK(f->ops->del(f->raw, k3));
+    CHECK_OK(f->ops->del(f->raw, k4));
     free(k1);
     free(k2);
     free(k3);
+    free(k4);
     CHECK(poll_until(both_published, f, REPUBLISH_WAIT_MS));
 
     /* Transfers go on: the running initiator, and a fresh one. */
@@ -638,7 +653,13 @@ static void restarted_peer_replaces_descriptor(fixture *f)
     target_kill(t);
     REQUIRE(target_start(t, f->srv.conn, port, 1) == 0);
     REQUIRE(t->addr != old_addr);
-    if (f->ops) CHECK(raw_lists(f, t->name, t->addr, t->len));
+    /* It came back by itself over the stale keys, and its descriptor lists
+     * its own buffers only, not the dead process's. */
+    if (f->ops) {
+        CHECK(raw_lists(f, t->name, t->addr, t->len));
+        CHECK(!raw_lists(f, t->name, old_addr, t->len));
+        CHECK(!raw_missing(f, "rpc_meta", t->name));
+    }
 
     /* The stale descriptor points at a dead data connection: this fails... */
     char byte;
@@ -653,6 +674,198 @@ static void restarted_peer_replaces_descriptor(fixture *f)
     if (old_addr + t->len <= t->addr || t->addr + t->len <= old_addr)
         CHECK_ST(kvp_engine_read(f->eng, seg, &byte, old_addr, 1), KVP_ERANGE);
     free(want);
+}
+
+/* A second engine with a live engine's name is refused, with a message that
+ * says so, and the first one's keys and transfers are untouched. */
+static void second_engine_same_name_refused(fixture *f)
+{
+    target *t = &f->tgt, again;
+    char *before = NULL;
+    if (f->ops) {
+        char *key = kvpi_meta_key("ram", t->name);
+        REQUIRE(key && f->ops->get(f->raw, key, &before) == KVP_OK);
+        free(key);
+    }
+    CHECK(target_start(&again, f->srv.conn, t->port, 1) != 0);
+    CHECK(names(again.err, "is in use", t->name));
+    if (again.pid > 0) target_kill(&again);
+    if (f->ops) {
+        char *key = kvpi_meta_key("ram", t->name), *now = NULL;
+        CHECK(key && f->ops->get(f->raw, key, &now) == KVP_OK && strcmp(now, before) == 0);
+        free(key);
+        free(now);
+        CHECK(!raw_missing(f, "rpc_meta", t->name));
+    }
+    free(before);
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(f->eng, t->name, &seg));
+    char *want = malloc(t->len);
+    REQUIRE(want);
+    kvpt_fill(want, t->len, 100);
+    CHECK(read_matches(f->eng, seg, t->addr, want, t->len));
+    free(want);
+}
+
+static void put_raw(fixture *f, const char *kind, const char *seg, const char *value)
+{
+    char *key = kvpi_meta_key(kind, seg);
+    CHECK(key && f->ops->del(f->raw, key) == KVP_OK && f->ops->put(f->raw, key, value) == KVP_OK);
+    free(key);
+}
+
+static int raw_is(fixture *f, const char *kind, const char *seg, const char *want)
+{
+    char *key = kvpi_meta_key(kind, seg), *got = NULL;
+    int ok = key && f->ops->get(f->raw, key, &got) == KVP_OK && strstr(got, want);
+    if (!ok) fprintf(stderr, "  %s of %s: %.200s, want %s\n", kind, seg, got ? got : "-", want);
+    free(key);
+    free(got);
+    return ok;
+}
+
+/* The name's rpc_meta points at a live engine elsewhere that does not say its
+ * name (a Mooncake engine answers a metadata handshake with null): creation
+ * is refused and nothing is written or deleted. Once that engine is gone, the
+ * same start succeeds over its stale keys, without any cleanup. */
+static void live_owner_elsewhere_then_gone(fixture *f)
+{
+    int port = kvpt_free_port(), owner_port = kvpt_free_port();
+    char name[64], rpc[96], owner_addr[32];
+    snprintf(name, sizeof name, "127.0.0.1:%d", port);
+    snprintf(owner_addr, sizeof owner_addr, "127.0.0.1:%d", owner_port);
+    snprintf(rpc, sizeof rpc, "{\"ip_or_host_name\":\"127.0.0.1\",\"rpc_port\":%d}", owner_port);
+    pid_t owner = kvpt_handshake_responder(owner_port, "null");
+    REQUIRE(owner > 0);
+    put_raw(f, "rpc_meta", name, rpc);
+    put_raw(f, "ram", name, "{\"name\":\"mooncake-owned\",\"buffers\":[]}");
+    target t;
+    CHECK(target_start(&t, f->srv.conn, port, 2) != 0);
+    CHECK(names(t.err, "is in use", owner_addr));
+    if (t.pid > 0) target_kill(&t);
+    CHECK(raw_is(f, "rpc_meta", name, rpc));
+    CHECK(raw_is(f, "ram", name, "mooncake-owned"));
+    kill(owner, SIGKILL);
+    waitpid(owner, NULL, 0);
+    /* Now its keys are stale: taken over at once. */
+    REQUIRE(target_start(&t, f->srv.conn, port, 2) == 0);
+    CHECK(raw_lists(f, name, t.addr, t.len));
+    snprintf(rpc, sizeof rpc, "\"rpc_port\":%d", port);
+    CHECK(raw_is(f, "rpc_meta", name, rpc));
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(f->eng, name, &seg));
+    char *want = malloc(t.len);
+    REQUIRE(want);
+    kvpt_fill(want, t.len, 102);
+    CHECK(read_matches(f->eng, seg, t.addr, want, t.len));
+    free(want);
+    CHECK(target_quit(&t) == 0);
+    CHECK(raw_missing(f, "ram", name) && raw_missing(f, "rpc_meta", name));
+}
+
+/* A clean exit deletes only keys this engine wrote: once another engine has
+ * rewritten the name's descriptor, both keys stay. */
+static void destroy_leaves_foreign_keys(fixture *f)
+{
+    target *t = &f->tgt;
+    put_raw(f, "ram", t->name,
+            "{\"name\":\"x\",\"buffers\":[],\"kvpipe_instance\":\"someone-else\"}");
+    CHECK(target_quit(t) == 0);
+    CHECK(raw_is(f, "ram", t->name, "someone-else"));
+    CHECK(!raw_missing(f, "rpc_meta", t->name));
+}
+
+/* The published descriptor holds what Mooncake writes: each buffer named after
+ * the segment, a local timestamp with microseconds, and, to etcd and redis,
+ * a trailing newline; plus kvpipe's instance id, which a restarted process
+ * draws anew. */
+static void descriptor_as_mooncake_writes(fixture *f)
+{
+    target *t = &f->tgt;
+    char *desc = NULL;
+    REQUIRE_OK(lookup_desc(f->srv.conn, t->name, &desc));
+    cJSON *d = cJSON_Parse(desc);
+    REQUIRE(d);
+    const cJSON *b, *bufs = cJSON_GetObjectItemCaseSensitive(d, "buffers");
+    int n = 0;
+    cJSON_ArrayForEach(b, bufs)
+    {
+        const cJSON *name = cJSON_GetObjectItemCaseSensitive(b, "name");
+        CHECK(cJSON_IsString(name) && strcmp(name->valuestring, t->name) == 0);
+        n++;
+    }
+    CHECK(n == 1);
+    const cJSON *ts = cJSON_GetObjectItemCaseSensitive(d, "timestamp");
+    int y, mo, da, h, mi, se, us, used = 0;
+    CHECK(cJSON_IsString(ts) && strlen(ts->valuestring) == 26 &&
+          sscanf(ts->valuestring, "%4d-%2d-%2d %2d:%2d:%2d.%6d%n", &y, &mo, &da, &h, &mi, &se, &us,
+                 &used) == 7 &&
+          used == 26);
+    const cJSON *id = cJSON_GetObjectItemCaseSensitive(d, KVPI_INSTANCE_FIELD);
+    REQUIRE(cJSON_IsString(id) && strlen(id->valuestring) == 32);
+    CHECK(strspn(id->valuestring, "0123456789abcdef") == 32);
+    if (f->ops) {
+        char *key = kvpi_meta_key("ram", t->name), *raw = NULL;
+        REQUIRE(key && f->ops->get(f->raw, key, &raw) == KVP_OK);
+        size_t len = strlen(raw);
+        int newline = len && raw[len - 1] == '\n';
+        CHECK(newline == (strcmp(f->srv.kind, "http") != 0));
+        free(key);
+        free(raw);
+    }
+    char old_id[40];
+    snprintf(old_id, sizeof old_id, "%s", id->valuestring);
+    cJSON_Delete(d);
+    free(desc);
+    int port = t->port;
+    target_kill(t);
+    REQUIRE(target_start(t, f->srv.conn, port, 1) == 0);
+    desc = NULL;
+    REQUIRE_OK(lookup_desc(f->srv.conn, t->name, &desc));
+    d = cJSON_Parse(desc);
+    id = cJSON_GetObjectItemCaseSensitive(d, KVPI_INSTANCE_FIELD);
+    CHECK(cJSON_IsString(id) && strcmp(id->valuestring, old_id) != 0);
+    cJSON_Delete(d);
+    free(desc);
+}
+
+/* Mooncake's MC_FORCE_TCP: an engine asked for "rdma" (what SGLang and vLLM's
+ * MooncakeConnector pass) runs over TCP; without it, creation says how to. */
+static void force_tcp_rdma_protocol(fixture *f)
+{
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
+    kvp_engine_opts o;
+    kvp_engine_opts_init(&o);
+    o.local_server_name = name;
+    o.metadata = f->srv.conn;
+    o.protocol = "rdma";
+    o.disable_shm = 1;
+    o.timeout_ms = ENGINE_TIMEOUT_MS;
+    kvp_engine *e = NULL;
+    static const char *const off[] = {NULL, "0", "FALSE", "no", ""};
+    for (size_t i = 0; i < sizeof off / sizeof off[0]; i++) {
+        if (off[i])
+            setenv("MC_FORCE_TCP", off[i], 1);
+        else
+            unsetenv("MC_FORCE_TCP");
+        CHECK_ST(kvp_engine_create(&o, &e), KVP_ENOTSUP);
+        CHECK(names(kvp_last_error(), "'rdma'", "MC_FORCE_TCP=1"));
+        CHECK(names(kvp_last_error(), "protocol 'tcp'", "\"protocol\": \"tcp\""));
+    }
+    setenv("MC_FORCE_TCP", "1", 1);
+    REQUIRE_OK(kvp_engine_create(&o, &e));
+    unsetenv("MC_FORCE_TCP");
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(e, f->tgt.name, &seg));
+    char *want = malloc(f->tgt.len);
+    REQUIRE(want);
+    kvpt_fill(want, f->tgt.len, 100);
+    CHECK(read_matches(e, seg, f->tgt.addr, want, f->tgt.len));
+    const char *via = kvp_engine_segment_transport(e, seg);
+    CHECK(via && strcmp(via, "tcp") == 0);
+    free(want);
+    kvp_engine_destroy(e);
 }
 
 /* ---- the table ---- */
@@ -672,6 +885,11 @@ static const behaviour behaviours[] = {
     {"store_down_at_create", store_down_at_create, 1},
     {"store_restart_while_running", store_restart_while_running, 1},
     {"restarted_peer_replaces_descriptor", restarted_peer_replaces_descriptor, 0},
+    {"second_engine_same_name_refused", second_engine_same_name_refused, 0},
+    {"descriptor_as_mooncake_writes", descriptor_as_mooncake_writes, 0},
+    {"force_tcp_rdma_protocol", force_tcp_rdma_protocol, 0},
+    {"live_owner_elsewhere_then_gone", live_owner_elsewhere_then_gone, 1},
+    {"destroy_leaves_foreign_keys", destroy_leaves_foreign_keys, 1},
 };
 
 int main(int argc, char **argv)

@@ -1,7 +1,9 @@
 /* Unit tests of the engine's parts: buffer pool, registry, descriptor codec,
  * host:port parsing. */
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "common/net.h"
 #include "engine/buffer_pool.h"
@@ -58,8 +60,9 @@ static void pool_reuse(void)
     CHECK(a != b);
     CHECK(registered == 1);
     /* Every allocation lies in registered memory. */
-    CHECK(kvpi_registry_pin(&reg, (uint64_t)(uintptr_t)a, 1000) == KVP_OK);
-    kvpi_registry_unpin(&reg);
+    kvpi_pin pin;
+    CHECK(kvpi_registry_pin(&reg, (uint64_t)(uintptr_t)a, 1000, &pin) == KVP_OK);
+    kvpi_registry_unpin(&reg, pin);
     CHECK_OK(kvpi_pool_free(p, a));
     REQUIRE_OK(kvpi_pool_alloc(p, 900, &c));
     CHECK(c == a); /* freed memory is reused */
@@ -190,19 +193,75 @@ static void registry_ranges(void)
     CHECK_ST(kvpi_registry_add(&r, 5, 0), KVP_EINVAL);
     CHECK_ST(kvpi_registry_add(&r, UINT64_MAX - 5, 10), KVP_EINVAL);
     CHECK_OK(kvpi_registry_add(&r, 1100, 100)); /* adjacent is fine */
-    CHECK(kvpi_regions_contain(r.regions, r.count, 1000, 100));
-    CHECK(!kvpi_regions_contain(r.regions, r.count, 1000, 101)); /* spans two regions */
-    CHECK(!kvpi_regions_contain(r.regions, r.count, 1099, 2));
-    CHECK(kvpi_regions_contain(r.regions, r.count, 2099, 1));
-    CHECK(!kvpi_regions_contain(r.regions, r.count, 2099, 2));
-    CHECK(!kvpi_regions_contain(r.regions, r.count, 999, 1));
-    CHECK(!kvpi_regions_contain(r.regions, r.count, 2050, UINT64_MAX));
-    CHECK(kvpi_registry_pin(&r, 2000, 100) == KVP_OK);
-    kvpi_registry_unpin(&r);
-    CHECK(kvpi_registry_pin(&r, 3000, 1) == KVP_ERANGE);
+    kvpi_region *rs;
+    size_t rn;
+    REQUIRE_OK(kvpi_registry_snapshot(&r, &rs, &rn));
+    CHECK(rn == 3);
+    CHECK(kvpi_regions_contain(rs, rn, 1000, 100));
+    CHECK(!kvpi_regions_contain(rs, rn, 1000, 101)); /* spans two regions */
+    CHECK(!kvpi_regions_contain(rs, rn, 1099, 2));
+    CHECK(kvpi_regions_contain(rs, rn, 2099, 1));
+    CHECK(!kvpi_regions_contain(rs, rn, 2099, 2));
+    CHECK(!kvpi_regions_contain(rs, rn, 999, 1));
+    CHECK(!kvpi_regions_contain(rs, rn, 2050, UINT64_MAX));
+    free(rs);
+    kvpi_pin pin;
+    CHECK(kvpi_registry_pin(&r, 2000, 100, &pin) == KVP_OK);
+    kvpi_registry_unpin(&r, pin);
+    CHECK(kvpi_registry_pin(&r, 3000, 1, &pin) == KVP_ERANGE);
+    CHECK(kvpi_registry_pin(&r, 2050, UINT64_MAX, &pin) == KVP_ERANGE);
     CHECK_ST(kvpi_registry_remove(&r, 1001), KVP_ENOTFOUND);
     CHECK_OK(kvpi_registry_remove(&r, 1000));
-    CHECK(!kvpi_regions_contain(r.regions, r.count, 1000, 1));
+    CHECK(kvpi_registry_pin(&r, 1000, 1, &pin) == KVP_ERANGE);
+    kvpi_registry_destroy(&r);
+}
+
+/* A pin holds its own region only: other regions come and go meanwhile, and
+ * removing the pinned one refuses new pins at once and returns when the pin
+ * drops. */
+typedef struct remover {
+    kvpi_registry *r;
+    atomic_int done;
+} remover;
+
+static void *remove_main(void *arg)
+{
+    remover *m = arg;
+    kvpi_registry_remove(m->r, 1000);
+    atomic_store(&m->done, 1);
+    return NULL;
+}
+
+static void registry_pins(void)
+{
+    kvpi_registry r;
+    kvpi_registry_init(&r);
+    REQUIRE_OK(kvpi_registry_add(&r, 1000, 100));
+    kvpi_pin held, other;
+    REQUIRE_OK(kvpi_registry_pin(&r, 1010, 10, &held));
+    CHECK_OK(kvpi_registry_add(&r, 5000, 100)); /* would block behind a read lock before */
+    CHECK_OK(kvpi_registry_pin(&r, 5000, 100, &other));
+    kvpi_registry_unpin(&r, other);
+    CHECK_OK(kvpi_registry_remove(&r, 5000));
+    remover m = {.r = &r};
+    pthread_t t;
+    REQUIRE(pthread_create(&t, NULL, remove_main, &m) == 0);
+    kvpi_pin again;
+    kvp_status st;
+    while ((st = kvpi_registry_pin(&r, 1000, 1, &again)) == KVP_OK) /* until removal starts */
+        kvpi_registry_unpin(&r, again);
+    CHECK_ST(st, KVP_ERANGE);
+    usleep(100000);
+    CHECK(!atomic_load(&m.done)); /* still held by our pin */
+    CHECK_OK(kvpi_registry_add(&r, 7000, 100));
+    kvpi_region *rs;
+    size_t rn;
+    REQUIRE_OK(kvpi_registry_snapshot(&r, &rs, &rn));
+    CHECK(rn == 1 && rs[0].addr == 7000); /* the region being removed is not published */
+    free(rs);
+    kvpi_registry_unpin(&r, held);
+    pthread_join(t, NULL);
+    CHECK(atomic_load(&m.done));
     kvpi_registry_destroy(&r);
 }
 
@@ -330,6 +389,7 @@ int main(void)
     RUN(pool_bounds);
     RUN(pool_threads);
     RUN(registry_ranges);
+    RUN(registry_pins);
     RUN(descriptor_round_trip);
     RUN(descriptor_mooncake);
     RUN(descriptor_malformed);

@@ -264,7 +264,10 @@ static void test_malformed_requests(void)
     CHECK(raw(port, "PUT /metadata?key=k HTTP/1.1\r\nHost: x\r\n"
                     "Content-Length: 100000000\r\n\r\n") == 413);
     CHECK(raw(port, "GET /metadata?key=k HTTP/1.1\r\nHost: x\r\n\r\n") == 200);
-    CHECK(raw(port, "GET /anything/else?key=k HTTP/1.1\r\nHost: x\r\n\r\n") == 200);
+    /* Only /metadata (and /health) are served, as by Mooncake's server. */
+    CHECK(raw(port, "GET /anything/else?key=k HTTP/1.1\r\nHost: x\r\n\r\n") == 404);
+    CHECK(raw(port, "GET /?key=k HTTP/1.1\r\nHost: x\r\n\r\n") == 404);
+    CHECK(raw(port, "GET /metadata/?key=k HTTP/1.1\r\nHost: x\r\n\r\n") == 404);
     /* Garbage: a 4xx or a closed connection, never a crash. */
     int g = raw(port, "\x01\x02 garbage \xff\xfe\r\n\r\n");
     CHECK(g == 0 || (g >= 400 && g < 500));
@@ -288,6 +291,115 @@ static void test_malformed_requests(void)
     CHECK(value_is(s, "k", "v"));
     kvpi_store_http.close(s);
     kvp_metadata_server_stop(server);
+}
+
+/* Send raw bytes; return the whole answer (status line to body), malloc'ed. */
+static char *raw_answer(int port, const char *text)
+{
+    int fd;
+    if (kvpi_tcp_connect("127.0.0.1", port, 3000, &fd) != KVP_OK) return NULL;
+    kvpi_send_all(fd, text, strlen(text));
+    char *buf = calloc(1, 8192);
+    size_t got = 0;
+    while (buf && got < 8191) {
+        ssize_t n = recv(fd, buf + got, 8191 - got, 0);
+        if (n <= 0) break;
+        got += (size_t)n;
+    }
+    close(fd);
+    return buf;
+}
+
+/* Mooncake's server rules, over the wire, with its exact texts. */
+static void test_mooncake_rules(void)
+{
+    start_server();
+    int port = kvp_metadata_server_port(server);
+    void *s = open_store(url);
+    REQUIRE(s);
+    const char *rpc = "{\"ip_or_host_name\":\"10.0.0.1\",\"rpc_port\":17000}";
+    CHECK_OK(kvpi_store_http.put(s, "mooncake/rpc_meta/10.0.0.1:17000", rpc));
+    char *a = raw_answer(port, "PUT /metadata?key=mooncake%2Frpc_meta%2F10.0.0.1%3A17000 "
+                               "HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                               "Content-Length: 2\r\n\r\n{}");
+    CHECK(a && strncmp(a, "HTTP/1.1 400", 12) == 0 &&
+          strstr(a, "Duplicate rpc_meta key not allowed"));
+    free(a);
+    /* The client reports the refusal as the name being taken. */
+    CHECK_ST(kvpi_store_http.put(s, "mooncake/rpc_meta/10.0.0.1:17000", rpc), KVP_EBUSY);
+    CHECK(strstr(kvp_last_error(), "Duplicate rpc_meta key not allowed") != NULL);
+    CHECK(value_is(s, "mooncake/rpc_meta/10.0.0.1:17000", rpc));
+    CHECK_OK(kvpi_store_http.put(s, "mooncake/ram/10.0.0.1:17000", "{\"v\":1}"));
+    CHECK_OK(kvpi_store_http.put(s, "mooncake/ram/10.0.0.1:17000", "{\"v\":2}"));
+    /* DELETE of a missing key is 404 on the wire; the client takes it as done. */
+    CHECK(raw(port, "DELETE /metadata?key=gone HTTP/1.1\r\nHost: x\r\n\r\n") == 404);
+    CHECK_OK(kvpi_store_http.del(s, "gone"));
+    /* Health and listing (kvpipe extensions). */
+    a = raw_answer(port, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    CHECK(a && strncmp(a, "HTTP/1.1 200", 12) == 0 && strstr(a, "\r\n\r\nOK\n"));
+    free(a);
+    a = raw_answer(port, "GET /metadata?list=mooncake%2Fram%2F HTTP/1.1\r\nHost: x\r\n"
+                         "Connection: close\r\n\r\n");
+    CHECK(a && strncmp(a, "HTTP/1.1 200", 12) == 0 &&
+          strstr(a, "\r\n\r\n[\"mooncake/ram/10.0.0.1:17000\"]"));
+    CHECK(a && strstr(a, "application/json"));
+    free(a);
+    /* A client pointed at another path is told so. */
+    char other[128];
+    snprintf(other, sizeof other, "http://127.0.0.1:%d/", port);
+    void *wrong = NULL;
+    REQUIRE_OK(kvpi_store_http.open(other, 3000, &wrong)); /* a GET's 404 is "missing" */
+    CHECK_ST(kvpi_store_http.put(wrong, "k", "v"), KVP_EMETADATA);
+    CHECK(strstr(kvp_last_error(), "404") && strstr(kvp_last_error(), "/metadata"));
+    kvpi_store_http.close(wrong);
+    kvpi_store_http.close(s);
+    kvp_metadata_server_stop(server);
+}
+
+/* Configured limits: the value limit and the total budget. */
+static void test_limits(void)
+{
+    kvp_metadata_server_opts o;
+    kvp_metadata_server_opts_init(&o);
+    CHECK(o.max_value_bytes == (size_t)16 << 20 && o.max_total_bytes == (size_t)256 << 20);
+    CHECK(o.max_connections == 1024 && o.max_connections_per_ip == 256);
+    CHECK(o.idle_timeout_s == 15 && o.request_timeout_s == 30);
+    o.max_value_bytes = 100 << 10;
+    o.max_total_bytes = 1 << 20;
+    kvp_metadata_server *srv = NULL;
+    REQUIRE_OK(kvp_metadata_server_start_opts(&o, &srv));
+    char conn[128];
+    snprintf(conn, sizeof conn, "http://127.0.0.1:%d/metadata", kvp_metadata_server_port(srv));
+    void *s = open_store(conn);
+    REQUIRE(s);
+    char *v = malloc((100 << 10) + 2);
+    REQUIRE(v);
+    memset(v, 'x', (100 << 10) + 1);
+    v[(100 << 10) + 1] = '\0';
+    CHECK_ST(kvpi_store_http.put(s, "k", v), KVP_EMETADATA); /* 413 */
+    CHECK(strstr(kvp_last_error(), "413") != NULL);
+    v[100 << 10] = '\0';
+    size_t before = kvp_metadata_server_bytes_used(srv);
+    int stored = 0;
+    kvp_status st = KVP_OK;
+    for (int i = 0; i < 20 && st == KVP_OK; i++) {
+        char key[16];
+        snprintf(key, sizeof key, "k%d", i);
+        st = kvpi_store_http.put(s, key, v);
+        if (st == KVP_OK) stored++;
+    }
+    CHECK(stored == 10); /* ten 100 KiB values fit in 1 MiB; the eleventh does not */
+    CHECK(st == KVP_ENOMEM && strstr(kvp_last_error(), "507"));
+    CHECK(kvp_metadata_server_bytes_used(srv) <= (size_t)1 << 20);
+    CHECK(kvp_metadata_server_bytes_used(srv) > before + (size_t)stored * (100 << 10));
+    CHECK(value_is(s, "k0", v));
+    CHECK_OK(kvpi_store_http.del(s, "k0"));
+    CHECK_OK(kvpi_store_http.put(s, "k10", v)); /* room again */
+    free(v);
+    kvpi_store_http.close(s);
+    kvp_metadata_server_stop(srv);
+    o.port = 70000;
+    CHECK_ST(kvp_metadata_server_start_opts(&o, &srv), KVP_EINVAL);
 }
 
 static int count_fds(void)
@@ -345,7 +457,15 @@ static void test_ipv6(void)
 /* ---- kvpi_meta over the HTTP store ---- */
 
 static const char *const desc = "{\"name\":\"127.0.0.1:17000\",\"protocol\":\"tcp\","
-                                "\"tcp_data_port\":17001,\"buffers\":[]}";
+                                "\"tcp_data_port\":17001,\"buffers\":[],"
+                                "\"kvpipe_instance\":\"t1\"}";
+
+/* An engine named seg with descriptor d, answering handshakes at host:port. */
+static kvpi_meta_self self_of(const char *seg, const char *d, const char *host, int port)
+{
+    return (kvpi_meta_self){
+        .segment = seg, .desc_json = d, .rpc_host = host, .rpc_port = port, .instance = "t1"};
+}
 
 static void check_rpc_meta(void *s, const char *key, const char *host, int port)
 {
@@ -368,7 +488,8 @@ static void test_meta_publish_fetch(void)
     REQUIRE_OK(kvpi_meta_open(url, 3000, &m));
     CHECK(!kvpi_meta_is_p2p(m));
     const char *seg = "127.0.0.1:17000";
-    REQUIRE_OK(kvpi_meta_publish(m, seg, desc, "10.1.2.3", 17000));
+    kvpi_meta_self me = self_of(seg, desc, "10.1.2.3", 17000);
+    REQUIRE_OK(kvpi_meta_claim(m, &me));
     CHECK(value_is(s, "mooncake/ram/127.0.0.1:17000", desc));
     check_rpc_meta(s, "mooncake/rpc_meta/127.0.0.1:17000", "10.1.2.3", 17000);
     char *d = NULL, *h = NULL;
@@ -377,22 +498,55 @@ static void test_meta_publish_fetch(void)
     CHECK(strcmp(h, "10.1.2.3") == 0);
     free(d);
     free(h);
-    /* Republish overwrites. */
-    CHECK_OK(kvpi_meta_publish(m, seg, "{\"v\":2}", "10.1.2.3", 17000));
-    CHECK(value_is(s, "mooncake/ram/127.0.0.1:17000", "{\"v\":2}"));
-    CHECK_OK(kvpi_meta_remove(m, seg));
+    /* A new descriptor rewrites only the ram key: the server refuses a second
+     * PUT of rpc_meta, so publishing must not send one. */
+    const char *v2 = "{\"name\":\"127.0.0.1:17000\",\"v\":2,\"kvpipe_instance\":\"t1\"}";
+    CHECK_OK(kvpi_meta_publish(m, seg, v2));
+    CHECK(value_is(s, "mooncake/ram/127.0.0.1:17000", v2));
+    CHECK_ST(kvpi_store_http.put(s, "mooncake/rpc_meta/127.0.0.1:17000", "{}"), KVP_EBUSY);
+    check_rpc_meta(s, "mooncake/rpc_meta/127.0.0.1:17000", "10.1.2.3", 17000);
+    me.desc_json = v2;
+    CHECK_OK(kvpi_meta_release(m, &me));
     CHECK(value_is(s, "mooncake/ram/127.0.0.1:17000", NULL));
     CHECK(value_is(s, "mooncake/rpc_meta/127.0.0.1:17000", NULL));
     d = h = NULL;
     CHECK_ST(kvpi_meta_fetch(m, seg, NULL, &d, &h), KVP_ENOTFOUND);
     CHECK(d == NULL && h == NULL);
     CHECK(strstr(kvp_last_error(), seg) && strstr(kvp_last_error(), url));
-    CHECK_OK(kvpi_meta_remove(m, seg)); /* removing twice is fine */
-    CHECK_ST(kvpi_meta_publish(m, "", desc, "h", 1), KVP_EINVAL);
-    CHECK_ST(kvpi_meta_publish(m, seg, desc, "h", 70000), KVP_EINVAL);
+    CHECK_OK(kvpi_meta_release(m, &me)); /* releasing twice is fine */
+    kvpi_meta_self bad = self_of("", desc, "h", 1);
+    CHECK_ST(kvpi_meta_claim(m, &bad), KVP_EINVAL);
+    bad = self_of(seg, desc, "h", 70000);
+    CHECK_ST(kvpi_meta_claim(m, &bad), KVP_EINVAL);
+    CHECK_ST(kvpi_meta_publish(m, "", desc), KVP_EINVAL);
     kvpi_meta_close(m);
     kvpi_store_http.close(s);
     kvp_metadata_server_stop(server);
+}
+
+/* A claim that fails half-way (the descriptor is refused after rpc_meta was
+ * written) leaves nothing behind, and says why. */
+static void test_meta_claim_half_way(void)
+{
+    kvp_metadata_server_opts o;
+    kvp_metadata_server_opts_init(&o);
+    o.max_value_bytes = 100; /* rpc_meta fits, the descriptor does not */
+    kvp_metadata_server *srv = NULL;
+    REQUIRE_OK(kvp_metadata_server_start_opts(&o, &srv));
+    char conn[128];
+    snprintf(conn, sizeof conn, "http://127.0.0.1:%d/metadata", kvp_metadata_server_port(srv));
+    void *s = open_store(conn);
+    REQUIRE(s);
+    kvpi_meta *m = NULL;
+    REQUIRE_OK(kvpi_meta_open(conn, 3000, &m));
+    kvpi_meta_self me = self_of("127.0.0.1:17000", desc, "127.0.0.1", 17000);
+    CHECK_ST(kvpi_meta_claim(m, &me), KVP_EMETADATA);
+    CHECK(strstr(kvp_last_error(), "413") && strstr(kvp_last_error(), "mooncake/ram/"));
+    CHECK(value_is(s, "mooncake/rpc_meta/127.0.0.1:17000", NULL));
+    CHECK(value_is(s, "mooncake/ram/127.0.0.1:17000", NULL));
+    kvpi_meta_close(m);
+    kvpi_store_http.close(s);
+    kvp_metadata_server_stop(srv);
 }
 
 static void test_meta_cluster_id(void)
@@ -406,7 +560,8 @@ static void test_meta_cluster_id(void)
     free(k);
     kvpi_meta *m = NULL;
     REQUIRE_OK(kvpi_meta_open(url, 3000, &m));
-    REQUIRE_OK(kvpi_meta_publish(m, "h:1", desc, "127.0.0.1", 1));
+    kvpi_meta_self me = self_of("h:1", desc, "127.0.0.1", 1);
+    REQUIRE_OK(kvpi_meta_claim(m, &me));
     CHECK(value_is(s, "mooncake/clusterA/ram/h:1", desc));
     check_rpc_meta(s, "mooncake/clusterA/rpc_meta/h:1", "127.0.0.1", 1);
     CHECK(value_is(s, "mooncake/ram/h:1", NULL));
@@ -448,7 +603,8 @@ static void test_meta_rpc_meta_variants(void)
     CHECK(h && strcmp(h, "::1") == 0);
     free(d);
     free(h);
-    /* Malformed rpc_meta: a protocol error naming the segment. */
+    /* Malformed rpc_meta: a protocol error naming the segment. (The server
+     * keeps the first rpc_meta of a key: each is deleted before the next.) */
     static const char *const bad[] = {
         "not json",
         "[1,2]",
@@ -460,6 +616,7 @@ static void test_meta_rpc_meta_variants(void)
         "{\"ip_or_host_name\":\"h\",\"rpc_port\":70000}",
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        CHECK_OK(kvpi_store_http.del(s, "mooncake/rpc_meta/peer.example:9000"));
         CHECK_OK(kvpi_store_http.put(s, "mooncake/rpc_meta/peer.example:9000", bad[i]));
         d = h = NULL;
         CHECK_ST(kvpi_meta_fetch(m, "peer.example:9000", NULL, &d, &h), KVP_EPROTO);
@@ -487,9 +644,12 @@ static void test_meta_connection_strings(void)
     CHECK(kvpi_store_lookup("https://x/metadata") == &kvpi_store_http);
     REQUIRE_OK(kvpi_meta_open(KVPI_P2P_CONN, 1000, &m));
     CHECK(kvpi_meta_is_p2p(m));
-    /* P2P: nothing to publish or remove. */
-    CHECK_OK(kvpi_meta_publish(m, "127.0.0.1:1", desc, "127.0.0.1", 1));
-    CHECK_OK(kvpi_meta_remove(m, "127.0.0.1:1"));
+    /* P2P: nothing to claim, publish, repair or release. */
+    kvpi_meta_self me = self_of("127.0.0.1:1", desc, "127.0.0.1", 1);
+    CHECK_OK(kvpi_meta_claim(m, &me));
+    CHECK_OK(kvpi_meta_publish(m, "127.0.0.1:1", desc));
+    CHECK_OK(kvpi_meta_repair(m, &me));
+    CHECK_OK(kvpi_meta_release(m, &me));
     kvpi_meta_close(m);
     kvpi_meta_close(NULL);
 }
@@ -526,7 +686,8 @@ static void test_cli_server(void)
     snprintf(conn, sizeof conn, "http://127.0.0.1:%d/metadata", port);
     kvpi_meta *m = NULL;
     if (ok && kvpi_meta_open(conn, 3000, &m) == KVP_OK) {
-        CHECK_OK(kvpi_meta_publish(m, "127.0.0.1:5", desc, "127.0.0.1", 5));
+        kvpi_meta_self me = self_of("127.0.0.1:5", desc, "127.0.0.1", 5);
+        CHECK_OK(kvpi_meta_claim(m, &me));
         char *d = NULL, *h = NULL;
         CHECK_OK(kvpi_meta_fetch(m, "127.0.0.1:5", NULL, &d, &h));
         CHECK(d && strcmp(d, desc) == 0);
@@ -545,8 +706,25 @@ static void test_cli_ephemeral_port_and_flags(void)
 {
     char out[64];
     snprintf(out, sizeof out, "/tmp/kvpt-mds0-%d.out", (int)getpid());
-    char *argv[] = {
-        (char *)kvpt_cli(), "metadata-server", "--host", "127.0.0.1", "--port", "0", NULL};
+    char *argv[] = {(char *)kvpt_cli(),
+                    "metadata-server",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--max-value-bytes",
+                    "1K",
+                    "--max-total-bytes",
+                    "1M",
+                    "--max-connections",
+                    "8",
+                    "--max-connections-per-ip",
+                    "4",
+                    "--idle-timeout",
+                    "5",
+                    "--request-timeout",
+                    "10",
+                    NULL};
     pid_t pid = kvpt_spawn(argv, out);
     REQUIRE(pid > 0);
     int port = 0;
@@ -568,6 +746,12 @@ static void test_cli_ephemeral_port_and_flags(void)
         if (s) {
             CHECK_OK(kvpi_store_http.put(s, "k", "v"));
             CHECK(value_is(s, "k", "v"));
+            /* --max-value-bytes 1K took effect. */
+            char big[1100];
+            memset(big, 'b', sizeof big - 1);
+            big[sizeof big - 1] = '\0';
+            CHECK_ST(kvpi_store_http.put(s, "big", big), KVP_EMETADATA);
+            CHECK(strstr(kvp_last_error(), "413") != NULL);
             kvpi_store_http.close(s);
         }
     }
@@ -578,6 +762,18 @@ static void test_cli_ephemeral_port_and_flags(void)
     char *bad1[] = {(char *)kvpt_cli(), "metadata-server", "--port", "99999", NULL};
     char *bad2[] = {(char *)kvpt_cli(), "metadata-server", "--bogus", NULL};
     char *bad3[] = {(char *)kvpt_cli(), "metadata-server", "extra", NULL};
+    char *bad4[] = {(char *)kvpt_cli(), "metadata-server", "--max-total-bytes", "0", NULL};
+    char *bad5[] = {(char *)kvpt_cli(), "metadata-server", "--request-timeout", "soon", NULL};
+    char *bad6[] = {(char *)kvpt_cli(),
+                    "metadata-server",
+                    "--max-value-bytes",
+                    "2M",
+                    "--max-total-bytes",
+                    "1M",
+                    NULL};
+    CHECK(kvpt_wait_child(kvpt_spawn(bad4, "/dev/null"), 10000) == 2);
+    CHECK(kvpt_wait_child(kvpt_spawn(bad5, "/dev/null"), 10000) == 2);
+    CHECK(kvpt_wait_child(kvpt_spawn(bad6, "/dev/null"), 10000) == 2);
     char *help[] = {(char *)kvpt_cli(), "metadata-server", "--help", NULL};
     CHECK(kvpt_wait_child(kvpt_spawn(bad1, "/dev/null"), 10000) == 2);
     CHECK(kvpt_wait_child(kvpt_spawn(bad2, "/dev/null"), 10000) == 2);
@@ -604,9 +800,12 @@ int main(void)
     RUN(test_concurrent_clients);
     RUN(test_server_down);
     RUN(test_malformed_requests);
+    RUN(test_mooncake_rules);
+    RUN(test_limits);
     RUN(test_start_stop_no_leak);
     RUN(test_ipv6);
     RUN(test_meta_publish_fetch);
+    RUN(test_meta_claim_half_way);
     RUN(test_meta_cluster_id);
     RUN(test_meta_rpc_meta_variants);
     RUN(test_meta_connection_strings);

@@ -6,6 +6,8 @@
 #include <curl/curl.h>
 #include <hiredis/hiredis.h>
 #include <pthread.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -215,7 +217,7 @@ static void concurrent_threads(kvpt_server *srv, const kvpi_store_ops *ops)
 static const char *desc_json =
     "{\"name\":\"127.0.0.1:12345\",\"protocol\":\"tcp\",\"tcp_data_port\":23456,"
     "\"tcp_proto_version\":2,\"timestamp\":\"1700000000\",\"buffers\":[{\"name\":\"b0\","
-    "\"addr\":140000000000,\"length\":4096}]}";
+    "\"addr\":140000000000,\"length\":4096}],\"kvpipe_instance\":\"me\"}";
 
 static int same_json(const char *a, const char *b)
 {
@@ -226,7 +228,29 @@ static int same_json(const char *a, const char *b)
     return same;
 }
 
-/* Publish, read the raw keys through the store ops, fetch, remove. */
+static kvpi_meta_self self_of(const char *seg, const char *desc, const char *host, int port,
+                              const char *instance)
+{
+    return (kvpi_meta_self){.segment = seg,
+                            .desc_json = desc,
+                            .rpc_host = host,
+                            .rpc_port = port,
+                            .instance = instance};
+}
+
+/* Values as Mooncake writes them to this store: with a trailing newline to
+ * etcd and redis, without one to the HTTP store. */
+static int newline_as_mooncake(const kvpi_store_ops *ops, const char *got)
+{
+    size_t n = strlen(got);
+    int has = n && got[n - 1] == '\n';
+    int want = strcmp(ops->name, "http") != 0;
+    if (has != want)
+        fprintf(stderr, "  %s value %s a trailing newline\n", ops->name, has ? "has" : "lacks");
+    return has == want;
+}
+
+/* Claim, read the raw keys through the store ops, fetch, release. */
 static void meta_round_trip(kvpt_server *srv, const kvpi_store_ops *ops, const char *prefix)
 {
     const char *seg = "127.0.0.1:12345";
@@ -242,15 +266,17 @@ static void meta_round_trip(kvpt_server *srv, const kvpi_store_ops *ops, const c
     CHECK(!kvpi_meta_is_p2p(meta));
     void *raw = open_store(ops, srv->conn);
     REQUIRE(raw);
-    CHECK_OK(kvpi_meta_publish(meta, seg, desc_json, "127.0.0.1", 12345));
+    kvpi_meta_self me = self_of(seg, desc_json, "127.0.0.1", 12345, "me");
+    CHECK_OK(kvpi_meta_claim(meta, &me));
 
     char *got = NULL;
     CHECK_OK(ops->get(raw, ram, &got));
-    CHECK(got && same_json(got, desc_json));
+    CHECK(got && same_json(got, desc_json) && newline_as_mooncake(ops, got));
     free(got);
     got = NULL;
     CHECK_OK(ops->get(raw, rpc, &got));
     CHECK(got && same_json(got, "{\"ip_or_host_name\":\"127.0.0.1\",\"rpc_port\":12345}"));
+    CHECK(got && newline_as_mooncake(ops, got));
     free(got);
 
     char *desc = NULL, *host = NULL;
@@ -260,7 +286,7 @@ static void meta_round_trip(kvpt_server *srv, const kvpi_store_ops *ops, const c
     free(desc);
     free(host);
 
-    CHECK_OK(kvpi_meta_remove(meta, seg));
+    CHECK_OK(kvpi_meta_release(meta, &me));
     CHECK(missing(ops, raw, ram));
     CHECK(missing(ops, raw, rpc));
     desc = host = NULL;
@@ -285,7 +311,8 @@ static void meta_cluster_id_prefix(kvpt_server *srv, const kvpi_store_ops *ops)
     REQUIRE(raw);
     kvpi_meta *meta = NULL;
     REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, &meta));
-    CHECK_OK(kvpi_meta_publish(meta, "h:1", desc_json, "h", 1));
+    kvpi_meta_self me = self_of("h:1", desc_json, "h", 1, "me");
+    CHECK_OK(kvpi_meta_claim(meta, &me));
     CHECK(missing(ops, raw, "mooncake/ram/h:1"));
     char *got = NULL;
     CHECK_OK(ops->get(raw, "mooncake/clusterA/ram/h:1", &got));
@@ -295,11 +322,14 @@ static void meta_cluster_id_prefix(kvpt_server *srv, const kvpi_store_ops *ops)
     setenv("MC_METADATA_CLUSTER_ID", "clusterB", 1);
     char *d = NULL, *h = NULL;
     CHECK_ST(kvpi_meta_fetch(meta, "h:1", NULL, &d, &h), KVP_ENOTFOUND);
+    /* Mooncake adds the '/' only when the id lacks it. */
+    setenv("MC_METADATA_CLUSTER_ID", "clusterA/", 1);
+    CHECK_OK(kvpi_meta_fetch(meta, "h:1", NULL, &d, &h));
+    free(d);
+    free(h);
     kvpi_meta_close(meta);
     ops->close(raw);
 }
-
-/* ---- failure and recovery ---- */
 
 static int names(const char *msg, const char *a, const char *b)
 {
@@ -309,6 +339,180 @@ static int names(const char *msg, const char *a, const char *b)
                 b ? b : "");
     return ok;
 }
+
+/* ---- names: stale and live owners ---- */
+
+#define SEG "127.0.0.1:12345"
+
+static const char *other_desc =
+    "{\"name\":\"127.0.0.1:12345\",\"protocol\":\"tcp\",\"tcp_data_port\":1,"
+    "\"buffers\":[{\"name\":\"x\",\"addr\":4096,\"length\":4096}],"
+    "\"kvpipe_instance\":\"other\"}";
+
+/* Plant a name's keys as another engine would have left them: rpc_meta
+ * pointing at host:port and that engine's descriptor. */
+static void plant(const kvpi_store_ops *ops, void *raw, int port, const char *desc)
+{
+    char *rk = kvpi_meta_key("rpc_meta", SEG), *dk = kvpi_meta_key("ram", SEG), rpc[96];
+    snprintf(rpc, sizeof rpc, "{\"ip_or_host_name\":\"127.0.0.1\",\"rpc_port\":%d}", port);
+    CHECK_OK(ops->put(raw, rk, rpc));
+    CHECK_OK(ops->put(raw, dk, desc));
+    free(rk);
+    free(dk);
+}
+
+static int key_is(const kvpi_store_ops *ops, void *raw, const char *kind, const char *want)
+{
+    char *key = kvpi_meta_key(kind, SEG), *got = NULL;
+    int ok = key && ops->get(raw, key, &got) == KVP_OK && same_json(got, want);
+    if (!ok) fprintf(stderr, "  %s is %.200s, want %.200s\n", kind, got ? got : "(none)", want);
+    free(key);
+    free(got);
+    return ok;
+}
+
+static const char *own_rpc = "{\"ip_or_host_name\":\"127.0.0.1\",\"rpc_port\":12345}";
+
+/* The engine that wrote the keys is gone (nothing answers at its rpc_meta's
+ * address): the keys are taken over, its buffers are gone at once. On the
+ * HTTP store, whose server refuses to overwrite rpc_meta, that takes a
+ * delete. */
+static void meta_claim_takes_stale_keys(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    void *raw = open_store(ops, srv->conn);
+    REQUIRE(raw);
+    plant(ops, raw, kvpt_free_port(), other_desc);
+    kvpi_meta *meta = NULL;
+    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, &meta));
+    kvpi_meta_self me = self_of(SEG, desc_json, "127.0.0.1", 12345, "me");
+    CHECK_OK(kvpi_meta_claim(meta, &me));
+    CHECK(key_is(ops, raw, "ram", desc_json));
+    CHECK(key_is(ops, raw, "rpc_meta", own_rpc));
+    /* An rpc_meta that is not even JSON holds no live engine either. */
+    char *rk = kvpi_meta_key("rpc_meta", SEG);
+    CHECK_OK(ops->del(raw, rk));
+    CHECK_OK(ops->put(raw, rk, "garbage"));
+    free(rk);
+    CHECK_OK(kvpi_meta_claim(meta, &me));
+    CHECK(key_is(ops, raw, "rpc_meta", own_rpc));
+    kvpi_meta_close(meta);
+    ops->close(raw);
+}
+
+/* Another live engine holds the name (it answers at its rpc_meta's address
+ * as this segment, with another instance id; or as Mooncake does, with null):
+ * refused, and its keys are left as they are. An engine of another name
+ * answering there means the keys are stale. */
+static void meta_claim_refuses_live_owner(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    static const struct {
+        const char *reply;
+        int live;
+    } owners[] = {
+        {"{\"name\":\"127.0.0.1:12345\",\"kvpipe_instance\":\"other\",\"buffers\":[]}", 1},
+        {"{\"name\":\"127.0.0.1:12345\",\"protocol\":\"tcp\",\"buffers\":[]}", 1},
+        {"null", 1},
+        {"{\"name\":\"10.9.9.9:1\",\"kvpipe_instance\":\"other\"}", 0},
+    };
+    void *raw = open_store(ops, srv->conn);
+    REQUIRE(raw);
+    kvpi_meta *meta = NULL;
+    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, &meta));
+    kvpi_meta_self me = self_of(SEG, desc_json, "127.0.0.1", 12345, "me");
+    for (size_t i = 0; i < sizeof owners / sizeof owners[0]; i++) {
+        int port = kvpt_free_port();
+        pid_t owner = kvpt_handshake_responder(port, owners[i].reply);
+        REQUIRE(owner > 0);
+        char *rk = kvpi_meta_key("rpc_meta", SEG), rpc[96];
+        CHECK_OK(ops->del(raw, rk));
+        free(rk);
+        plant(ops, raw, port, other_desc);
+        snprintf(rpc, sizeof rpc, "{\"ip_or_host_name\":\"127.0.0.1\",\"rpc_port\":%d}", port);
+        kvp_status st = kvpi_meta_claim(meta, &me);
+        if (owners[i].live) {
+            CHECK_ST(st, KVP_EBUSY);
+            CHECK(names(kvp_last_error(), "'127.0.0.1:12345' is in use", NULL));
+            char addr[32];
+            snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+            CHECK(names(kvp_last_error(), addr, srv->addr)); /* its address, and the store's */
+            if (i == 0) fprintf(stderr, "  refused: %s\n", kvp_last_error());
+            CHECK(key_is(ops, raw, "ram", other_desc));
+            CHECK(key_is(ops, raw, "rpc_meta", rpc));
+        } else {
+            CHECK_OK(st);
+            CHECK(key_is(ops, raw, "ram", desc_json));
+            CHECK(key_is(ops, raw, "rpc_meta", own_rpc));
+        }
+        kill(owner, SIGKILL);
+        waitpid(owner, NULL, 0);
+    }
+    kvpi_meta_close(meta);
+    ops->close(raw);
+}
+
+/* Release deletes only what is this engine's. */
+static void meta_release_leaves_foreign_keys(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    void *raw = open_store(ops, srv->conn);
+    REQUIRE(raw);
+    kvpi_meta *meta = NULL;
+    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, &meta));
+    kvpi_meta_self me = self_of(SEG, desc_json, "127.0.0.1", 12345, "me");
+    REQUIRE_OK(kvpi_meta_claim(meta, &me));
+    /* Another engine took the name meanwhile: both keys are its now. */
+    char *dk = kvpi_meta_key("ram", SEG);
+    CHECK_OK(ops->put(raw, dk, other_desc));
+    CHECK_OK(kvpi_meta_release(meta, &me));
+    CHECK(key_is(ops, raw, "ram", other_desc));
+    CHECK(key_is(ops, raw, "rpc_meta", own_rpc));
+    /* The descriptor is gone, rpc_meta points elsewhere: not ours either. */
+    CHECK_OK(ops->del(raw, dk));
+    char *rk = kvpi_meta_key("rpc_meta", SEG);
+    CHECK_OK(ops->del(raw, rk));
+    const char *elsewhere = "{\"ip_or_host_name\":\"10.0.0.9\",\"rpc_port\":12345}";
+    CHECK_OK(ops->put(raw, rk, elsewhere));
+    CHECK_OK(kvpi_meta_release(meta, &me));
+    CHECK(key_is(ops, raw, "rpc_meta", elsewhere));
+    free(dk);
+    free(rk);
+    kvpi_meta_close(meta);
+    ops->close(raw);
+}
+
+/* The keeper's repair puts back what the store lost, rewrites a descriptor of
+ * this instance that differs, and leaves keys another engine took. */
+static void meta_repair(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    void *raw = open_store(ops, srv->conn);
+    REQUIRE(raw);
+    kvpi_meta *meta = NULL;
+    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, &meta));
+    kvpi_meta_self me = self_of(SEG, desc_json, "127.0.0.1", 12345, "me");
+    REQUIRE_OK(kvpi_meta_claim(meta, &me));
+    CHECK_OK(kvpi_meta_repair(meta, &me)); /* nothing lost: nothing to do */
+    char *dk = kvpi_meta_key("ram", SEG), *rk = kvpi_meta_key("rpc_meta", SEG);
+    CHECK_OK(ops->del(raw, dk));
+    CHECK_OK(ops->del(raw, rk));
+    CHECK_OK(kvpi_meta_repair(meta, &me));
+    CHECK(key_is(ops, raw, "ram", desc_json));
+    CHECK(key_is(ops, raw, "rpc_meta", own_rpc));
+    const char *older = "{\"name\":\"127.0.0.1:12345\",\"kvpipe_instance\":\"me\",\"v\":0}";
+    CHECK_OK(ops->put(raw, dk, older));
+    CHECK_OK(kvpi_meta_repair(meta, &me));
+    CHECK(key_is(ops, raw, "ram", desc_json));
+    CHECK_OK(ops->put(raw, dk, other_desc));
+    CHECK_OK(ops->del(raw, rk));
+    CHECK_ST(kvpi_meta_repair(meta, &me), KVP_EBUSY);
+    CHECK(names(kvp_last_error(), "another engine", SEG));
+    CHECK(key_is(ops, raw, "ram", other_desc));
+    CHECK(missing(ops, raw, rk));
+    free(dk);
+    free(rk);
+    kvpi_meta_close(meta);
+    ops->close(raw);
+}
+
+/* ---- failure and recovery ---- */
 
 static void down_at_open(kvpt_server *srv, const kvpi_store_ops *ops)
 {
@@ -461,6 +665,29 @@ static void etcd_bad_conn(kvpt_server *srv, const kvpi_store_ops *ops)
     CHECK(kvpi_store_lookup("http://a:1/metadata") == &kvpi_store_http);
 }
 
+/* An HTTP metadata store given as a bare h:p (which means etcd, as in
+ * Mooncake): the error says what was assumed and what was probably meant. */
+static void etcd_bare_hp_at_http_store(kvpt_server *unused, const kvpi_store_ops *ops)
+{
+    (void)unused;
+    kvpt_server http;
+    REQUIRE(kvpt_http_start(&http) == KVPT_SERVER_OK);
+    kvpi_meta *meta = (kvpi_meta *)0x1;
+    CHECK(kvpi_store_lookup(http.addr) == ops);
+    CHECK_ST(kvpi_meta_open(http.addr, TIMEOUT_MS, &meta), KVP_EMETADATA);
+    CHECK(meta == (kvpi_meta *)0x1);
+    char want[128];
+    snprintf(want, sizeof want, "http://%s/metadata", http.addr);
+    CHECK(names(kvp_last_error(), "does not answer like etcd", want));
+    CHECK(names(kvp_last_error(), "without a scheme means etcd", "HTTP 404"));
+    fprintf(stderr, "  %s\n", kvp_last_error());
+    char conn[128];
+    snprintf(conn, sizeof conn, "etcd://%s", http.addr);
+    CHECK_ST(kvpi_meta_open(conn, TIMEOUT_MS, &meta), KVP_EMETADATA);
+    CHECK(names(kvp_last_error(), "etcd:// says so", want));
+    kvpt_server_stop(&http);
+}
+
 /* A raw hiredis connection to the fixture, for server-side setup. */
 static redisReply *redis_raw(const kvpt_server *srv, const char *cmd)
 {
@@ -538,6 +765,115 @@ static void redis_auth(kvpt_server *srv, const kvpi_store_ops *ops)
     if (s) ops->close(s);
 }
 
+/* Mooncake's MC_REDIS_* variables, against a redis-server started with a
+ * password (--requirepass): the same connection string works for Mooncake
+ * and kvpipe. */
+static void redis_env_password(kvpt_server *unused, const kvpi_store_ops *ops)
+{
+    (void)unused;
+    kvpt_server srv;
+    REQUIRE(kvpt_redis_start_auth(&srv, "pw-env") == KVPT_SERVER_OK);
+    unsetenv("MC_REDIS_PASSWORD");
+    unsetenv("MC_REDIS_USERNAME");
+    void *s = NULL;
+    CHECK_ST(ops->open(srv.conn, TIMEOUT_MS, &s), KVP_EMETADATA); /* NOAUTH */
+    CHECK(names(kvp_last_error(), "NOAUTH", srv.addr));
+    setenv("MC_REDIS_PASSWORD", "wrong", 1);
+    CHECK_ST(ops->open(srv.conn, TIMEOUT_MS, &s), KVP_EMETADATA);
+    CHECK(names(kvp_last_error(), "AUTH", srv.addr));
+    CHECK(strstr(kvp_last_error(), "wrong") == NULL); /* never the password */
+    setenv("MC_REDIS_PASSWORD", "pw-env", 1);
+    s = open_store(ops, srv.conn);
+    CHECK(s && ops->put(s, "k", "{\"by\":\"env\"}") == KVP_OK);
+    if (s) ops->close(s);
+    /* A password in the string wins over the variables. */
+    char conn[300];
+    snprintf(conn, sizeof conn, "redis://:wrong@%s", srv.addr);
+    CHECK_ST(ops->open(conn, TIMEOUT_MS, &s), KVP_EMETADATA);
+    setenv("MC_REDIS_PASSWORD", "wrong", 1);
+    snprintf(conn, sizeof conn, "redis://:pw-env@%s", srv.addr);
+    s = open_store(ops, conn);
+    CHECK(s && holds(ops, s, "k", "{\"by\":\"env\"}"));
+    if (s) ops->close(s);
+    /* An empty MC_REDIS_PASSWORD sends no AUTH, as in Mooncake. */
+    setenv("MC_REDIS_PASSWORD", "", 1);
+    CHECK_ST(ops->open(srv.conn, TIMEOUT_MS, &s), KVP_EMETADATA);
+    CHECK(names(kvp_last_error(), "NOAUTH", NULL));
+    /* The engine-level path: kvpi_meta over the same string. */
+    setenv("MC_REDIS_PASSWORD", "pw-env", 1);
+    kvpi_meta *meta = NULL;
+    CHECK_OK(kvpi_meta_open(srv.conn, TIMEOUT_MS, &meta));
+    kvpi_meta_close(meta);
+    unsetenv("MC_REDIS_PASSWORD");
+    kvpt_server_stop(&srv);
+}
+
+static void redis_env_username(kvpt_server *unused, const kvpi_store_ops *ops)
+{
+    (void)unused;
+    kvpt_server srv;
+    REQUIRE(kvpt_redis_start_auth(&srv, "admin-pw") == KVPT_SERVER_OK);
+    char conn[300];
+    snprintf(conn, sizeof conn, "redis://:admin-pw@%s", srv.addr);
+    void *admin = open_store(ops, conn);
+    REQUIRE(admin);
+    /* An ACL user that may only touch mooncake/ keys. */
+    redisContext *c = redisConnect("127.0.0.1", srv.port);
+    REQUIRE(c && !c->err);
+    redisReply *r = redisCommand(c, "AUTH admin-pw");
+    if (r) freeReplyObject(r);
+    r = redisCommand(c, "ACL SETUSER mc on >mc-pw ~mooncake/* +@all");
+    CHECK(r && r->type == REDIS_REPLY_STATUS);
+    if (r) freeReplyObject(r);
+    redisFree(c);
+    setenv("MC_REDIS_USERNAME", "mc", 1);
+    setenv("MC_REDIS_PASSWORD", "mc-pw", 1);
+    void *s = open_store(ops, srv.conn);
+    REQUIRE(s);
+    CHECK_OK(ops->put(s, "mooncake/ram/x:1", "{}"));
+    CHECK_ST(ops->put(s, "elsewhere", "{}"), KVP_EMETADATA); /* NOPERM: it is user mc */
+    CHECK(names(kvp_last_error(), "NOPERM", NULL));
+    ops->close(s);
+    /* A username without a password is not used (Mooncake's rule). */
+    unsetenv("MC_REDIS_PASSWORD");
+    CHECK_ST(ops->open(srv.conn, TIMEOUT_MS, &s), KVP_EMETADATA);
+    CHECK(names(kvp_last_error(), "NOAUTH", NULL));
+    unsetenv("MC_REDIS_USERNAME");
+    ops->close(admin);
+    kvpt_server_stop(&srv);
+}
+
+static void redis_env_db_index(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    char conn[300];
+    snprintf(conn, sizeof conn, "%s/3", srv->conn);
+    unsetenv("MC_REDIS_DB_INDEX");
+    void *db3 = open_store(ops, conn);
+    REQUIRE(db3);
+    setenv("MC_REDIS_DB_INDEX", "3", 1);
+    void *s = open_store(ops, srv->conn);
+    REQUIRE(s);
+    CHECK_OK(ops->put(s, "k", "{\"db\":3}"));
+    CHECK(holds(ops, db3, "k", "{\"db\":3}"));
+    ops->close(s);
+    /* The string's database wins. */
+    snprintf(conn, sizeof conn, "%s/0", srv->conn);
+    s = open_store(ops, conn);
+    CHECK(s && missing(ops, s, "k"));
+    if (s) ops->close(s);
+    /* A value Mooncake would warn about and replace with 0 is refused. */
+    static const char *const bad[] = {"x", "256", "-1", "", "3x"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        setenv("MC_REDIS_DB_INDEX", bad[i], 1);
+        s = (void *)0x1;
+        CHECK_ST(ops->open(srv->conn, TIMEOUT_MS, &s), KVP_EMETADATA);
+        CHECK(s == (void *)0x1);
+        CHECK(names(kvp_last_error(), "MC_REDIS_DB_INDEX", "0..255"));
+    }
+    unsetenv("MC_REDIS_DB_INDEX");
+    ops->close(db3);
+}
+
 /* ---- the table ---- */
 
 typedef struct behaviour {
@@ -553,15 +889,23 @@ static const behaviour behaviours[] = {
     {"concurrent_threads", concurrent_threads, NULL},
     {"meta_publish_fetch_remove", meta_publish_fetch_remove, NULL},
     {"meta_cluster_id_prefix", meta_cluster_id_prefix, NULL},
+    {"meta_claim_takes_stale_keys", meta_claim_takes_stale_keys, NULL},
+    {"meta_claim_refuses_live_owner", meta_claim_refuses_live_owner, NULL},
+    {"meta_release_leaves_foreign_keys", meta_release_leaves_foreign_keys, NULL},
+    {"meta_repair", meta_repair, NULL},
     {"down_at_open", down_at_open, NULL},
     {"restart_in_use", restart_in_use, NULL},
     {"silent_server", silent_server, NULL},
     {"failover", etcd_failover, "etcd"},
     {"bad_conn", etcd_bad_conn, "etcd"},
+    {"bare_hp_at_http_store", etcd_bare_hp_at_http_store, "etcd"},
     {"non_text_values", etcd_non_text_values, "etcd"},
     {"non_text_values", redis_non_text_values, "redis"},
     {"db_select", redis_db_select, "redis"},
     {"auth", redis_auth, "redis"},
+    {"env_password", redis_env_password, "redis"},
+    {"env_username", redis_env_username, "redis"},
+    {"env_db_index", redis_env_db_index, "redis"},
 };
 
 int main(int argc, char **argv)

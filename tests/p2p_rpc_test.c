@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "common/conn_server.h"
 #include "common/net.h"
 #include "metadata/metadata.h"
 #include "test.h"
@@ -34,7 +35,8 @@ static kvpi_rpc_server *start(desc_ctx *ctx, int timeout_ms, int *port)
 {
     kvpi_rpc_server *srv = NULL;
     *port = kvpt_free_port();
-    if (kvpi_rpc_server_start("127.0.0.1", *port, timeout_ms, desc_fn, ctx, &srv) != KVP_OK) {
+    if (kvpi_rpc_server_start("127.0.0.1", *port, &(kvpi_conn_limits){.timeout_ms = timeout_ms},
+                              desc_fn, ctx, &srv) != KVP_OK) {
         fprintf(stderr, "  server start: %s\n", kvp_last_error());
         return NULL;
     }
@@ -118,7 +120,9 @@ static void test_cross_process(void)
     if (pid == 0) {
         desc_ctx ctx = {.desc = server_desc};
         kvpi_rpc_server *srv;
-        if (kvpi_rpc_server_start("127.0.0.1", port, 3000, desc_fn, &ctx, &srv) != KVP_OK) _exit(3);
+        if (kvpi_rpc_server_start("127.0.0.1", port, &(kvpi_conn_limits){.timeout_ms = 3000},
+                                  desc_fn, &ctx, &srv) != KVP_OK)
+            _exit(3);
         sleep(60); /* until the parent kills it */
         _exit(0);
     }
@@ -280,9 +284,12 @@ static void test_start_errors(void)
     kvpi_rpc_server *srv = start(&ctx, 3000, &port);
     REQUIRE(srv);
     kvpi_rpc_server *second = NULL;
-    CHECK(kvpi_rpc_server_start("127.0.0.1", port, 3000, desc_fn, &ctx, &second) != KVP_OK);
+    CHECK(kvpi_rpc_server_start("127.0.0.1", port, &(kvpi_conn_limits){.timeout_ms = 3000}, desc_fn,
+                                &ctx, &second) != KVP_OK);
     CHECK(second == NULL);
-    CHECK_ST(kvpi_rpc_server_start("127.0.0.1", 0, 3000, NULL, &ctx, &second), KVP_EINVAL);
+    CHECK_ST(kvpi_rpc_server_start("127.0.0.1", 0, &(kvpi_conn_limits){.timeout_ms = 3000}, NULL,
+                                   &ctx, &second),
+             KVP_EINVAL);
     kvpi_rpc_server_stop(srv);
 }
 
@@ -444,7 +451,8 @@ static void test_p2p_ipv6(void)
     desc_ctx ctx = {.desc = server_desc};
     kvpi_rpc_server *srv = NULL;
     int port = kvpt_free_port();
-    if (kvpi_rpc_server_start("::1", port, 3000, desc_fn, &ctx, &srv) != KVP_OK)
+    if (kvpi_rpc_server_start("::1", port, &(kvpi_conn_limits){.timeout_ms = 3000}, desc_fn, &ctx,
+                              &srv) != KVP_OK)
         SKIP("no IPv6 loopback");
     kvpi_meta *m = NULL;
     REQUIRE_OK(kvpi_meta_open(KVPI_P2P_CONN, 3000, &m));

@@ -4,7 +4,9 @@
 
 #include <getopt.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <time.h>
 
 typedef struct kvp_cli_command {
     const char *name;
@@ -36,5 +38,18 @@ int kvp_cli_getopt(int argc, char **argv, const struct option *opts, const char 
 /* Block SIGINT and SIGTERM in the calling thread (call before starting threads)
  * and wait for one of them; returns the signal number. */
 int kvp_cli_wait_for_signal(void);
+
+/* The monotonic clock, for timing runs and bounding waits. */
+static inline uint64_t kvp_cli_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static inline uint64_t kvp_cli_now_ms(void)
+{
+    return kvp_cli_now_ns() / 1000000u;
+}
 
 #endif

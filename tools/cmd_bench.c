@@ -13,14 +13,13 @@
 #include <unistd.h>
 
 #include "cli.h"
-#include "common/clock.h"
 #include "kvpipe/kvpipe.h"
 #include "pattern.h"
 
 typedef struct bench_opts {
     const char *mode, *metadata, *local_name, *segment, *protocol, *operation;
     size_t block_size, batch_size, buffer_size;
-    int threads, workers, conns;
+    int threads, workers, conns, timeout_ms;
     size_t slice_size;
     double duration;
     int verify, json, no_shm;
@@ -44,11 +43,13 @@ static void usage(FILE *out)
             "  --duration SECONDS     initiator run time (default 5)\n"
             "  --buffer-size BYTES    target buffer and span used (default 268435456)\n"
             "  --verify               target fills a pattern; initiator checks every byte\n"
-            "                         read and writes a pattern the target checks on exit\n"
+            "                         read, or writes a pattern the target checks on exit\n"
+            "                         and reads back every block it wrote, checking it\n"
             "  --json                 initiator: last stdout line is a JSON object\n"
             "  --workers N            engine worker threads (default 4)\n"
             "  --conns N              connections per peer (default 4)\n"
             "  --slice-size BYTES     requests above this are split (default 4M)\n"
+            "  --timeout-ms MS        the engine's I/O timeout (default 5000)\n"
             "Sizes accept K, M and G suffixes (powers of 1024).\n"
             "The target prints its segment name when it serves and runs until SIGINT or\n"
             "SIGTERM; with --verify it exits 1 if any byte written to it is wrong.\n");
@@ -74,7 +75,7 @@ static int parse_args(int argc, char **argv, bench_opts *o)
         {"buffer-size", required_argument, 0, 'S'},   {"verify", no_argument, 0, 'v'},
         {"json", no_argument, 0, 'j'},                {"no-shm", no_argument, 0, 'n'},
         {"workers", required_argument, 0, 'W'},       {"conns", required_argument, 0, 'C'},
-        {"slice-size", required_argument, 0, 'L'},
+        {"slice-size", required_argument, 0, 'L'},    {"timeout-ms", required_argument, 0, 'T'},
         {"help", no_argument, 0, 'h'},                {0, 0, 0, 0}};
     *o = (bench_opts){.metadata = "P2PHANDSHAKE", .protocol = "tcp", .operation = "read",
                       .block_size = 65536, .batch_size = 128, .buffer_size = 256u << 20,
@@ -101,6 +102,7 @@ static int parse_args(int argc, char **argv, bench_opts *o)
         case 'W': o->workers = atoi(optarg); bad = o->workers <= 0 || o->workers > 256; break;
         case 'C': o->conns = atoi(optarg); bad = o->conns <= 0 || o->conns > 256; break;
         case 'L': bad = parse_size(optarg, &o->slice_size); break;
+        case 'T': o->timeout_ms = atoi(optarg); bad = o->timeout_ms <= 0; break;
         case 'h': usage(stdout); exit(0);
         default: return -1;
         }
@@ -149,6 +151,7 @@ static kvp_status make_engine(const bench_opts *o, kvp_engine **out)
     if (o->workers) eo.workers = o->workers;
     if (o->conns) eo.conns_per_peer = o->conns;
     if (o->slice_size) eo.slice_size = o->slice_size;
+    if (o->timeout_ms) eo.timeout_ms = o->timeout_ms;
     kvp_status st = kvp_engine_create(&eo, out);
     if (st) fprintf(stderr, "kvpipe bench: cannot start the engine: %s\n", kvp_last_error());
     return st;
@@ -207,7 +210,8 @@ typedef struct worker {
     uint64_t remote_base, remote_len;
     uint64_t deadline_ns;
     uint64_t bytes, ops, errors, mismatches;
-    char error[256]; /* the first failure's detail */
+    uint8_t *written; /* write --verify: per block, 1 once a write of it succeeded */
+    char error[256];  /* the first failure's detail */
 } worker;
 
 static void *worker_main(void *arg)
@@ -225,7 +229,7 @@ static void *worker_main(void *arg)
         goto out;
     }
     uint64_t next = (uint64_t)w->id * o->batch_size;
-    while (kvpi_now_ns() < w->deadline_ns) {
+    while (kvp_cli_now_ns() < w->deadline_ns) {
         for (size_t i = 0; i < o->batch_size; i++) {
             offs[i] = (next++ % nblocks) * o->block_size;
             char *l = local + i * o->block_size;
@@ -245,6 +249,7 @@ static void *worker_main(void *arg)
                 }
                 w->ops++;
                 w->bytes += o->block_size;
+                if (w->written) w->written[offs[i] / o->block_size] = 1;
                 if (is_read && o->verify &&
                     kvp_pattern_check(local + i * o->block_size, o->block_size,
                                       KVP_PATTERN_TARGET, offs[i]))
@@ -262,6 +267,42 @@ out:
     free(reqs);
     free(offs);
     return NULL;
+}
+
+/* After a write --verify run: read back every block some worker wrote
+ * successfully and check that it holds what was written, so that a write
+ * reported done whose bytes never landed is caught (the target's own check on
+ * exit accepts its initial pattern). Returns the number of blocks that do not
+ * hold the written pattern, or -1 (with the reason in kvp_last_error()) when
+ * the read-back itself failed; *checked counts the blocks read back. */
+static int64_t read_back(const bench_opts *o, kvp_engine *e, kvp_segment_id seg, uint64_t base,
+                         const worker *ws, size_t nblocks, uint64_t *checked)
+{
+    char *local = malloc(o->block_size);
+    if (!local) {
+        fprintf(stderr, "kvpipe bench: out of memory for the read-back\n");
+        return -1;
+    }
+    int64_t lost = 0;
+    *checked = 0;
+    for (size_t k = 0; k < nblocks; k++) {
+        int wrote = 0;
+        for (int i = 0; i < o->threads && !wrote; i++)
+            wrote = ws[i].written[k];
+        if (!wrote) continue;
+        uint64_t off = (uint64_t)k * o->block_size;
+        if (kvp_engine_read(e, seg, local, base + off, o->block_size) != KVP_OK) {
+            lost = -1;
+            break;
+        }
+        (*checked)++;
+        if (kvp_pattern_check(local, o->block_size, KVP_PATTERN_WRITE, off)) {
+            if (!lost) fprintf(stderr, "kvpipe bench: block at %" PRIu64 " lost its write\n", off);
+            lost++;
+        }
+    }
+    free(local);
+    return lost;
 }
 
 static int run_initiator(const bench_opts *o)
@@ -285,13 +326,19 @@ static int run_initiator(const bench_opts *o)
         goto out;
     }
     uint64_t span = rb.length < o->buffer_size ? rb.length : o->buffer_size;
+    size_t nblocks = span / o->block_size;
+    int check_writes = o->verify && strcmp(o->operation, "write") == 0;
     ws = calloc((size_t)o->threads, sizeof *ws);
     if (!ws) goto out;
-    uint64_t start = kvpi_now_ns();
+    for (int i = 0; i < o->threads && check_writes; i++)
+        if (!(ws[i].written = calloc(nblocks, 1))) goto out;
+    uint64_t start = kvp_cli_now_ns();
     for (int i = 0; i < o->threads; i++) {
+        uint8_t *written = ws[i].written;
         ws[i] = (worker){.id = i, .o = o, .e = e, .seg = seg, .remote_base = rb.addr,
                          .remote_len = span,
                          .deadline_ns = start + (uint64_t)(o->duration * 1e9)};
+        ws[i].written = written;
         pthread_create(&ws[i].thread, NULL, worker_main, &ws[i]);
     }
     uint64_t bytes = 0, ops = 0, errors = 0, mismatches = 0;
@@ -302,8 +349,19 @@ static int run_initiator(const bench_opts *o)
         errors += ws[i].errors;
         mismatches += ws[i].mismatches;
     }
-    double secs = (double)(kvpi_now_ns() - start) / 1e9;
+    double secs = (double)(kvp_cli_now_ns() - start) / 1e9;
     double gbps = (double)bytes / secs / 1e9;
+    uint64_t checked = 0;
+    if (check_writes && !errors) {
+        int64_t lost = read_back(o, e, seg, rb.addr, ws, nblocks, &checked);
+        if (lost < 0) {
+            fprintf(stderr, "kvpipe bench: reading back the written blocks failed: %s\n",
+                    kvp_last_error());
+            errors++;
+        } else {
+            mismatches += (uint64_t)lost;
+        }
+    }
     printf("kvpipe bench: %s %zu B x %zu x %d threads via %s: %.3f GB/s, %" PRIu64 " ops, "
            "%" PRIu64 " errors%s\n",
            o->operation, o->block_size, o->batch_size, o->threads,
@@ -312,9 +370,9 @@ static int run_initiator(const bench_opts *o)
     if (o->json)
         printf("{\"gbps\": %.4f, \"bytes\": %" PRIu64 ", \"ops\": %" PRIu64 ", \"errors\": %" PRIu64
                ", \"mismatches\": %" PRIu64 ", \"seconds\": %.3f, \"operation\": \"%s\", "
-               "\"block_size\": %zu, \"transport\": \"%s\"}\n",
-               gbps, bytes, ops, errors + mismatches, mismatches, secs, o->operation,
-               o->block_size, kvp_engine_segment_transport(e, seg));
+               "\"block_size\": %zu, \"transport\": \"%s\", \"read_back\": %" PRIu64 "}\n",
+               gbps, bytes, ops, errors + mismatches, mismatches, secs, o->operation, o->block_size,
+               kvp_engine_segment_transport(e, seg), checked);
     for (int i = 0; i < o->threads; i++)
         if (ws[i].error[0]) {
             fprintf(stderr, "kvpipe bench: transfers failed: %s\n", ws[i].error);
@@ -322,6 +380,8 @@ static int run_initiator(const bench_opts *o)
         }
     rc = errors || mismatches || ops == 0 ? 1 : 0;
 out:
+    for (int i = 0; ws && i < o->threads; i++)
+        free(ws[i].written);
     free(ws);
     kvp_engine_destroy(e);
     return rc;

@@ -1,8 +1,9 @@
 /* kvpipe bench --pipe: tensor pipe throughput. Rank 0 sends --count tensors of
  * --tensor-size bytes; rank 1 receives them, checks them on a second thread
- * (each block's stamp; with --verify every byte) and reports GB/s from the
- * first send to the last receipt. Without --config both ranks run here as two
- * processes on loopback. */
+ * (each block's stamp; with --verify every byte), counts tensors lost,
+ * duplicated, reordered or corrupted, and reports GB/s from the first send to
+ * the last receipt. Without --config both ranks run here as two processes on
+ * loopback. */
 #include <getopt.h>
 #include <inttypes.h>
 #include <pthread.h>
@@ -11,8 +12,6 @@
 #include <string.h>
 
 #include "cli.h"
-#include "common/clock.h"
-#include "common/error.h"
 #include "kvpipe/kvpipe.h"
 #include "kvpipe/pipe.h"
 #include "pattern.h"
@@ -28,6 +27,7 @@ typedef struct bp_opts {
     long count, warmup; /* warmup < 0: choose */
     const char *protocol, *metadata, *config;
     int kv_rank, json, no_shm, port;
+    int timeout_ms; /* the engine's I/O timeout; 0: the pipe's default */
     int in_place; /* --send in-place: kvp_pipe_tensor_alloc + kvp_pipe_send_take */
     int verify;   /* compare every byte, not only the stamps */
 } bp_opts;
@@ -55,6 +55,8 @@ static void usage(FILE *out)
             "                        reordered and misplaced blocks)\n"
             "  --metadata M          two-process run: http (default), p2p, or a connection string\n"
             "  --kv-buffer-size B    bytes in flight before send waits (default 1e9)\n"
+            "  --timeout-ms MS       the engines' I/O timeout, which bounds each READ\n"
+            "                        (default 5000)\n"
             "  --warmup N            untimed tensors first, so that both engines' buffer\n"
             "                        pools hold their memory (default: kv-buffer-size worth,\n"
             "                        at most 32)\n"
@@ -62,7 +64,13 @@ static void usage(FILE *out)
             "  --kv-rank 0|1         the rank to run with --config (0 sends, 1 receives)\n"
             "  --port P              two-process run: base port (default: a free one)\n"
             "  --json                receiver: last stdout line is a JSON object with gbps,\n"
-            "                        bytes, ops, errors\n");
+            "                        bytes, ops, errors, lost, duplicated, reordered,\n"
+            "                        corrupt, failed\n"
+            "\n"
+            "The receiver reports tensors lost (never received intact), duplicated\n"
+            "(received again), reordered (received after a later one), corrupt (wrong\n"
+            "bytes, size or stamp) and failed (receipts that returned an error; the\n"
+            "receiver goes on after one). It exits 1 unless all of these are 0.\n");
 }
 
 static int parse_opt(void *opts, int c, const char *arg)
@@ -86,6 +94,11 @@ static int parse_opt(void *opts, int c, const char *arg)
     case 'P':
         o->port = (int)strtol(arg, &end, 10);
         return *end || o->port < 1 || o->port > 65000 ? -1 : 0;
+    case 'T': {
+        long ms = strtol(arg, &end, 10);
+        o->timeout_ms = (int)ms;
+        return *end || ms < 1 || ms > 86400000 ? -1 : 0;
+    }
     case 'p':
         o->protocol = arg;
         return 0;
@@ -126,7 +139,8 @@ static int parse_args(int argc, char **argv, bp_opts *o)
         {"no-shm", no_argument, 0, 'n'},         {"kv-buffer-size", required_argument, 0, 'b'},
         {"port", required_argument, 0, 'P'},     {"help", no_argument, 0, 'h'},
         {"warmup", required_argument, 0, 'w'},   {"send", required_argument, 0, 'S'},
-        {"verify", no_argument, 0, 'V'},         {0, 0, 0, 0},
+        {"verify", no_argument, 0, 'V'},         {"timeout-ms", required_argument, 0, 'T'},
+        {0, 0, 0, 0},
     };
     *o = (bp_opts){.count = 100,
                    .warmup = -1,
@@ -183,7 +197,18 @@ static void fill_blocks(uint8_t *buf, size_t n, const uint8_t *ref)
         memcpy(buf + off, ref, n - off < BLOCK ? n - off : BLOCK);
 }
 
-/* Check the stamps, and with full every byte. */
+/* The index the first block's stamp names, or -1 when it names none below
+ * count (a corrupt tensor). */
+static long index_of(const kvp_tensor *t, size_t n, long count)
+{
+    if (t->dtype != KVP_DTYPE_U8 || t->ndim != 1 || t->nbytes != n) return -1;
+    uint64_t v;
+    memcpy(&v, t->data, 8);
+    v ^= stamp_of(0, 0);
+    return (v & 0xffffffffu) == 0 && (v >> 32) < (uint64_t)count ? (long)(v >> 32) : -1;
+}
+
+/* Check the stamps of tensor i, and with full every byte. */
 static int check(const kvp_tensor *t, const uint8_t *ref, size_t n, uint64_t i, int full)
 {
     if (t->dtype != KVP_DTYPE_U8 || t->ndim != 1 || t->nbytes != n) return -1;
@@ -211,6 +236,7 @@ static kvp_pipe *open_pipe(const bp_opts *o, int kv_rank)
         kvp_pipe_opts_init(&po);
         po.disable_shm = o->no_shm;
         po.kv_buffer_size = o->kv_buffer_size;
+        if (o->timeout_ms) po.io_timeout_ms = o->timeout_ms;
         st = kvp_pipe_open(cfg, 0, kv_rank, &po, &pipe);
     }
     kvp_pipe_config_free(cfg);
@@ -361,6 +387,39 @@ static int run_sender(const bp_opts *o)
 
 /* ----------------------------------------------------------- receiver --- */
 
+/* What the receiver saw, tensor by tensor in arrival order. */
+typedef struct tally {
+    uint8_t *seen; /* per index: received intact */
+    long count;    /* tensors sent */
+    long highest;  /* highest index received intact so far, -1 before */
+    uint64_t intact, duplicated, reordered, corrupt;
+} tally;
+
+static void tally_add(tally *y, const kvp_tensor *t, const uint8_t *ref, size_t n, int full)
+{
+    long i = index_of(t, n, y->count);
+    if (i < 0 || check(t, ref, n, (uint64_t)i, full) != 0) {
+        if (!y->corrupt)
+            fprintf(stderr, "kvpipe bench --pipe: tensor %" PRIu64 " received: MISMATCH\n",
+                    y->intact + y->duplicated + y->corrupt);
+        y->corrupt++;
+    } else if (y->seen[i]) {
+        if (!y->duplicated) fprintf(stderr, "kvpipe bench --pipe: tensor %ld: DUPLICATE\n", i);
+        y->duplicated++;
+    } else {
+        y->seen[i] = 1;
+        y->intact++;
+        if (i < y->highest) {
+            if (!y->reordered)
+                fprintf(stderr, "kvpipe bench --pipe: tensor %ld after %ld: REORDERED\n", i,
+                        y->highest);
+            y->reordered++;
+        } else {
+            y->highest = i;
+        }
+    }
+}
+
 typedef struct verifier {
     pthread_mutex_t lock;
     pthread_cond_t cond;
@@ -368,9 +427,8 @@ typedef struct verifier {
     size_t head, count, n;
     uint8_t *ref; /* the reference block, BLOCK bytes */
     int full;     /* --verify */
-    long next;    /* index of the next tensor to check */
     int done;
-    uint64_t mismatches;
+    tally tally; /* the verifier thread's until verify_finish() */
 } verifier;
 
 static void *verify_main(void *arg)
@@ -389,11 +447,7 @@ static void *verify_main(void *arg)
         v->count--;
         pthread_cond_broadcast(&v->cond);
         pthread_mutex_unlock(&v->lock);
-        if (check(t, v->ref, v->n, (uint64_t)v->next++, v->full) != 0) {
-            if (!v->mismatches)
-                fprintf(stderr, "kvpipe bench --pipe: tensor %ld: MISMATCH\n", v->next - 1);
-            v->mismatches++;
-        }
+        tally_add(&v->tally, t, v->ref, v->n, v->full);
         kvp_tensor_free(t);
     }
 }
@@ -417,8 +471,12 @@ static void verify_finish(verifier *v, pthread_t th)
     pthread_join(th, NULL);
 }
 
-static void report(const bp_opts *o, kvp_pipe *pipe, long ops, uint64_t errors, double secs)
+/* ops: tensors received; failed: receipts that returned an error. */
+static void report(const bp_opts *o, kvp_pipe *pipe, long ops, uint64_t failed, const tally *y,
+                   double secs)
 {
+    uint64_t lost = (uint64_t)y->count - y->intact;
+    uint64_t errors = failed + lost + y->duplicated + y->reordered + y->corrupt;
     uint64_t bytes = (uint64_t)ops * o->tensor_size;
     double gbps = secs > 0 ? (double)bytes / secs / 1e9 : 0;
     kvp_segment_id seg;
@@ -427,84 +485,113 @@ static void report(const bp_opts *o, kvp_pipe *pipe, long ops, uint64_t errors, 
                                 &seg) == KVP_OK)
         tr = kvp_engine_segment_transport(kvp_pipe_engine(pipe), seg);
     printf("kvpipe bench --pipe: %ld x %zu B via %s, %s send: %.3f GB/s in %.3f s, %" PRIu64
-           " errors%s\n",
+           " errors (%" PRIu64 " lost, %" PRIu64 " duplicated, %" PRIu64 " reordered, %" PRIu64
+           " corrupt, %" PRIu64 " failed)%s\n",
            ops, o->tensor_size, tr ? tr : "?", o->in_place ? "in-place" : "copying", gbps, secs,
-           errors,
+           errors, lost, y->duplicated, y->reordered, y->corrupt, failed,
            errors      ? ""
            : o->verify ? ", every byte verified"
                        : ", every block's stamp verified");
     if (o->json)
         printf("{\"gbps\": %.4f, \"bytes\": %" PRIu64 ", \"ops\": %ld, \"errors\": %" PRIu64
+               ", \"lost\": %" PRIu64 ", \"duplicated\": %" PRIu64 ", \"reordered\": %" PRIu64
+               ", \"corrupt\": %" PRIu64 ", \"failed\": %" PRIu64
                ", \"seconds\": %.3f, \"tensor_size\": %zu, \"transport\": \"%s\", "
                "\"send\": \"%s\"}\n",
-               gbps, bytes, ops, errors, secs, o->tensor_size, tr ? tr : "?",
-               o->in_place ? "in-place" : "copy");
+               gbps, bytes, ops, errors, lost, y->duplicated, y->reordered, y->corrupt, failed,
+               secs, o->tensor_size, tr ? tr : "?", o->in_place ? "in-place" : "copy");
     fflush(stdout);
 }
 
 /* Take the untimed warm-up tensors, then the None that starts the clock. The
  * last few warm-up tensors are held together, as the verification queue will
- * hold them, so that the pool already has that much memory. */
+ * hold them, so that the pool already has that much memory. Says on stderr
+ * what went wrong. */
 static kvp_status receive_preamble(const bp_opts *o, kvp_pipe *pipe)
 {
     kvp_tensor *held[VERIFY_QUEUE + 2] = {0}, *t = NULL;
     kvp_status st = KVP_OK;
+    const char *why = NULL;
     for (long i = 0; i < o->warmup && st == KVP_OK; i++) {
         kvp_tensor **slot = &held[i % (VERIFY_QUEUE + 2)];
         kvp_tensor_free(*slot);
         *slot = NULL;
         st = kvp_pipe_recv(pipe, START_TIMEOUT_MS, slot);
-        if (st == KVP_OK && (!*slot || (*slot)->nbytes != o->tensor_size))
-            st = kvpi_error(KVP_EPROTO, "warm-up tensor %ld has the wrong size", i);
+        if (st == KVP_OK && (!*slot || (*slot)->nbytes != o->tensor_size)) {
+            st = KVP_EPROTO;
+            why = "a warm-up tensor has the wrong size";
+        }
     }
     for (size_t i = 0; i < VERIFY_QUEUE + 2; i++)
         kvp_tensor_free(held[i]);
     if (st == KVP_OK) st = kvp_pipe_recv(pipe, START_TIMEOUT_MS, &t);
-    if (st == KVP_OK && t) st = kvpi_error(KVP_EPROTO, "expected None, got a tensor");
+    if (st == KVP_OK && t) {
+        st = KVP_EPROTO;
+        why = "expected None, got a tensor";
+    }
     kvp_tensor_free(t);
+    if (st)
+        fprintf(stderr, "kvpipe bench --pipe: no start marker: %s\n", why ? why : kvp_last_error());
     return st;
 }
 
 static int run_receiver(const bp_opts *o)
 {
-    verifier v = {.n = o->tensor_size, .ref = malloc(BLOCK), .full = o->verify};
-    kvp_pipe *pipe = v.ref ? open_pipe(o, 1) : NULL;
+    verifier v = {.n = o->tensor_size,
+                  .ref = malloc(BLOCK),
+                  .full = o->verify,
+                  .tally = {.seen = calloc((size_t)o->count, 1), .count = o->count, .highest = -1}};
+    kvp_pipe *pipe = v.ref && v.tally.seen ? open_pipe(o, 1) : NULL;
     if (!pipe) {
         free(v.ref);
+        free(v.tally.seen);
         return 1;
     }
     kvp_pattern_fill(v.ref, BLOCK, KVP_PATTERN_WRITE, 0);
     kvp_status st = receive_preamble(o, pipe);
     if (st) {
-        fprintf(stderr, "kvpipe bench --pipe: no start marker: %s\n", kvp_last_error());
         free(v.ref);
+        free(v.tally.seen);
         kvp_pipe_close(pipe);
         return 1;
     }
-    uint64_t t0 = kvpi_now_ns(), t1 = t0;
+    uint64_t t0 = kvp_cli_now_ns(), t1 = t0;
     pthread_mutex_init(&v.lock, NULL);
     pthread_cond_init(&v.cond, NULL);
     pthread_t th;
     pthread_create(&th, NULL, verify_main, &v);
+    /* One receipt per tensor sent. A receipt that fails having taken the
+     * message (its READ failed: a lost tensor, reported) is counted and the
+     * next one is tried; one that took nothing (nothing announced in time, the
+     * pipe broken) ends the run. */
     long ops = 0;
-    uint64_t errors = 0;
-    for (; ops < o->count; ops++) {
+    uint64_t failed = 0;
+    while (ops + (long)failed < o->count) {
         kvp_tensor *t = NULL;
-        if ((st = kvp_pipe_recv(pipe, RECV_TIMEOUT_MS, &t)) != KVP_OK || !t) {
-            fprintf(stderr, "kvpipe bench --pipe: tensor %ld: %s\n", ops,
-                    st ? kvp_last_error() : "got None");
-            errors++;
-            break;
+        kvp_pipe_stats before, after;
+        kvp_pipe_get_stats(pipe, &before);
+        st = kvp_pipe_recv(pipe, RECV_TIMEOUT_MS, &t);
+        if (st == KVP_OK && t) {
+            ops++;
+            t1 = kvp_cli_now_ns();
+            verify_push(&v, t);
+            continue;
         }
-        t1 = kvpi_now_ns();
-        verify_push(&v, t);
+        fprintf(stderr, "kvpipe bench --pipe: receipt %ld: %s\n", ops + (long)failed,
+                st ? kvp_last_error() : "got None");
+        kvp_pipe_get_stats(pipe, &after);
+        failed++;
+        if (st != KVP_OK && after.bad_messages == before.bad_messages) break;
     }
     verify_finish(&v, th);
     free(v.ref);
-    errors += v.mismatches;
-    report(o, pipe, ops, errors, (double)(t1 - t0) / 1e9);
+    report(o, pipe, ops, failed, &v.tally, (double)(t1 - t0) / 1e9);
+    free(v.tally.seen);
     kvp_pipe_close(pipe);
-    return errors || ops < o->count ? 1 : 0;
+    return failed || v.tally.intact < (uint64_t)o->count || v.tally.duplicated ||
+                   v.tally.reordered || v.tally.corrupt
+               ? 1
+               : 0;
 }
 
 /* ------------------------------------------------------ both, locally --- */

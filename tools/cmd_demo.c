@@ -9,7 +9,6 @@
 #include <unistd.h>
 
 #include "cli.h"
-#include "common/clock.h"
 #include "kvpipe/kvpipe.h"
 #include "kvpipe/pipe.h"
 #include "pattern.h"
@@ -257,7 +256,7 @@ static int run_prefill(const demo_opts *o)
     for (int r = 0; r < o->requests && !rc; r++) {
         for (int k = 0; k < N_PARTS; k++)
             fill_part(bufs[k], p[k].nbytes, k, seed_of(r, k));
-        fprintf(report, "start %d %llu\n", r, (unsigned long long)kvpi_now_ns());
+        fprintf(report, "start %d %llu\n", r, (unsigned long long)kvp_cli_now_ns());
         for (int k = 0; k < N_PARTS && !rc; k++) {
             kvp_tensor t;
             kvp_tensor_init(&t, p[k].dtype, p[k].ndim, p[k].shape, bufs[k]);
@@ -302,7 +301,7 @@ static int receive_request(kvp_pipe *pipe, const part *p, int r, uint64_t *done_
             rc = 1;
         }
     }
-    *done_ns = kvpi_now_ns();
+    *done_ns = kvp_cli_now_ns();
     for (int k = 0; k < N_PARTS && !rc; k++) {
         kvp_tensor want;
         kvp_tensor_init(&want, p[k].dtype, p[k].ndim, p[k].shape, got[k]->data);

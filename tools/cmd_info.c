@@ -1,6 +1,6 @@
 /* kvpipe info: what this build offers, and what an operator needs to check a
  * deployment: can the transports start here, does the metadata store answer,
- * what does a segment's descriptor say. */
+ * what does a segment's descriptor say. All of it through include/kvpipe/info.h. */
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,75 +9,90 @@
 #include <cjson/cJSON.h>
 
 #include "cli.h"
-#include "engine/registry.h"
 #include "kvpipe/kvpipe.h"
-#include "metadata/metadata.h"
-#include "transport/transport.h"
+
+#define STORE_TIMEOUT_MS 5000
 
 static void usage(FILE *out)
 {
     fprintf(out, "usage: kvpipe info [--metadata-server S [--segment NAME]] [--host H]\n\n"
-                 "Lists the transports and metadata stores of this build and whether each\n"
-                 "transport can serve on host H (default 127.0.0.1).\n"
+                 "Lists the transports, metadata stores and libraries of this build and\n"
+                 "whether each transport can serve on host H (default 127.0.0.1).\n"
                  "  --metadata-server S  also check that the metadata store S answers\n"
                  "  --segment NAME       and print the descriptor it holds for segment NAME\n"
                  "                       (with P2PHANDSHAKE: ask the engine at NAME)\n"
                  "Exit status: 0 if every check asked for passed, 1 otherwise.\n");
 }
 
-/* Start and stop each transport's server, as an engine would. */
-static void list_transports(const char *host)
+static void list_transports(const kvp_info *info)
 {
     printf("transports:\n");
-    for (size_t i = 0; kvpi_transports[i]; i++) {
-        const kvpi_transport_ops *ops = kvpi_transports[i];
-        kvpi_registry reg;
-        kvpi_registry_init(&reg);
-        int port = 0;
-        kvpi_server_ctx ctx = {.host = host, .registry = &reg, .timeout_ms = 2000,
-                               .data_port_out = &port};
-        void *srv = NULL;
-        kvp_status st = ops->server_start(&ctx, &srv);
-        if (st == KVP_OK) {
-            ops->server_stop(srv);
-            printf("  %-5s available%s\n", ops->name,
-                   ops->caps & KVPI_TRANSPORT_SAME_HOST ? " (peers on this host)" : "");
-        } else {
-            printf("  %-5s unavailable: %s\n", ops->name, kvp_last_error());
-        }
-        kvpi_registry_destroy(&reg);
+    const kvp_transport_info *t;
+    for (size_t i = 0; (t = kvp_info_transport(info, i)); i++) {
+        if (t->status == KVP_OK)
+            printf("  %-5s available%s\n", t->name,
+                   t->caps & KVP_TRANSPORT_SAME_HOST ? " (peers on this host)" : "");
+        else if (t->status == KVP_ENOTSUP)
+            printf("  %-5s %s\n", t->name, t->detail);
+        else
+            printf("  %-5s unavailable: %s\n", t->name, t->detail);
     }
-    printf("  %-5s not supported in this build\n", "rdma");
 }
 
-static int check_store(const char *conn, const char *segment)
+static void list_stores(const kvp_info *info)
 {
-    kvpi_meta *meta;
-    kvp_status st = kvpi_meta_open(conn, 5000, &meta);
+    printf("metadata stores:\n");
+    const kvp_store_info *s;
+    for (size_t i = 0; (s = kvp_info_store(info, i)); i++) {
+        if (s->status == KVP_OK)
+            printf("  %-5s %s\n", s->name, s->syntax);
+        else
+            printf("  %-5s not built in (%s)\n", s->name, s->detail);
+    }
+}
+
+static void list_components(const kvp_info *info)
+{
+    printf("libraries:\n");
+    const kvp_component_info *c;
+    for (size_t i = 0; (c = kvp_info_component(info, i)); i++) {
+        if (c->status == KVP_OK)
+            printf("  %-13s %-8s %s\n", c->name, c->version, c->purpose);
+        else
+            printf("  %-13s %-8s %s: not built in\n", c->name, "-", c->purpose);
+    }
+}
+
+static void print_descriptor(const char *segment, const char *desc, const char *host)
+{
+    cJSON *doc = cJSON_Parse(desc);
+    char *pretty = doc ? cJSON_Print(doc) : NULL;
+    printf("segment %s (host %s):\n%s\n", segment, host, pretty ? pretty : desc);
+    free(pretty);
+    cJSON_Delete(doc);
+}
+
+static int check_store(const kvp_info *info, const char *conn, const char *segment)
+{
+    kvp_status st = kvp_info_store_check(conn, STORE_TIMEOUT_MS);
     if (st) {
-        printf("metadata store check failed: %s\n", kvp_last_error());
+        printf("metadata store check failed: %s: %s\n", kvp_strerror(st), kvp_last_error());
         return 1;
     }
-    printf("metadata store %s: %s\n", conn,
-           kvpi_meta_is_p2p(meta) ? "none (P2PHANDSHAKE)" : "answers");
-    int rc = 0;
-    if (segment) {
-        char *desc = NULL, *host = NULL;
-        if ((st = kvpi_meta_fetch(meta, segment, "{}", &desc, &host))) {
-            printf("segment %s: %s\n", segment, kvp_last_error());
-            rc = 1;
-        } else {
-            cJSON *doc = cJSON_Parse(desc);
-            char *pretty = doc ? cJSON_Print(doc) : NULL;
-            printf("segment %s (host %s):\n%s\n", segment, host, pretty ? pretty : desc);
-            free(pretty);
-            cJSON_Delete(doc);
-        }
-        free(desc);
-        free(host);
+    const kvp_store_info *store = kvp_info_store_for(info, conn);
+    printf("metadata store %s (%s): %s\n", conn, store ? store->name : "?",
+           store && store->flags & KVP_STORE_PEER_TO_PEER ? "none: descriptors come by handshake"
+                                                          : "answers");
+    if (!segment) return 0;
+    char *desc = NULL, *host = NULL;
+    if ((st = kvp_info_segment(conn, segment, STORE_TIMEOUT_MS, &desc, &host))) {
+        printf("segment %s: %s\n", segment, kvp_last_error());
+        return 1;
     }
-    kvpi_meta_close(meta);
-    return rc;
+    print_descriptor(segment, desc, host);
+    free(desc);
+    free(host);
+    return 0;
 }
 
 int kvp_cmd_info(int argc, char **argv)
@@ -103,9 +118,17 @@ int kvp_cmd_info(int argc, char **argv)
         usage(stderr);
         return 2;
     }
-    printf("kvpipe %s\n", KVP_VERSION_STRING);
-    list_transports(host);
-    printf("metadata stores: http://h:p/path, etcd://h:p[,h:p] (or h:p), "
-           "redis://[user:pass@]h:p[/db], P2PHANDSHAKE\n");
-    return conn ? check_store(conn, segment) : 0;
+    kvp_info *info;
+    kvp_status st = kvp_info_get(host, 0, &info);
+    if (st) {
+        fprintf(stderr, "kvpipe info: %s: %s\n", kvp_strerror(st), kvp_last_error());
+        return 1;
+    }
+    printf("kvpipe %s (library %s)\n", KVP_VERSION_STRING, kvp_version());
+    list_transports(info);
+    list_stores(info);
+    list_components(info);
+    int rc = conn ? check_store(info, conn, segment) : 0;
+    kvp_info_free(info);
+    return rc;
 }

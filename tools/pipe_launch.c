@@ -12,7 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "common/clock.h"
+#include "cli.h"
 #include "kvpipe/kvpipe.h"
 #include "pipe_launch.h"
 
@@ -130,13 +130,13 @@ static void kill_all(pid_t *pids, int n)
 int kvp_launch_wait(pid_t *pids, const char *const *names, int n, int timeout_ms)
 {
     int failed = 0, left = n;
-    uint64_t deadline = kvpi_now_ms() + (uint64_t)timeout_ms;
+    uint64_t deadline = kvp_cli_now_ms() + (uint64_t)timeout_ms;
     while (left > 0) {
         int status;
         pid_t r = waitpid(-1, &status, WNOHANG);
         if (r < 0 && errno != EINTR) break;
         if (r <= 0) {
-            if (kvpi_now_ms() > deadline) {
+            if (kvp_cli_now_ms() > deadline) {
                 fprintf(stderr, "kvpipe: the run took longer than %d s; stopping it\n",
                         timeout_ms / 1000);
                 kill_all(pids, n);

@@ -10,8 +10,8 @@
  * except kvp_engine_destroy(), which must be the last call on an engine. The
  * engine owns its worker and server threads.
  *
- * Blocking: functions block at most for the engine's I/O timeout (opts.timeout_ms)
- * per network round trip, or for the timeout they take.
+ * Blocking: functions block at most for the deadlines opts.timeout_ms sets (see
+ * there), or for the timeout they take.
  */
 #ifndef KVPIPE_ENGINE_H
 #define KVPIPE_ENGINE_H
@@ -19,6 +19,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvpipe/export.h"
 #include "kvpipe/status.h"
 
 #ifdef __cplusplus
@@ -41,13 +42,33 @@ typedef struct kvp_engine_opts {
      * or "P2PHANDSHAKE". Required. */
     const char *metadata;
     /* Preferred transport: "tcp" (default) or "shm" (same host only); "rdma"
-     * is not supported in this build (kvp_engine_create: KVP_ENOTSUP).
-     * With "tcp", a same-host peer is still reached through shm unless
+     * is not supported in this build (kvp_engine_create: KVP_ENOTSUP, saying
+     * how to run over TCP). With env MC_FORCE_TCP set (Mooncake's; anything
+     * but "", "0", "false", "no", "off") the engine uses "tcp" whatever this
+     * says. With "tcp", a same-host peer is still reached through shm unless
      * disable_shm is set. */
     const char *protocol;
     /* RDMA device names, comma-separated; ignored by tcp and shm. May be NULL. */
     const char *device_names;
-    /* Per-round-trip I/O and connect timeout in milliseconds (default 5000). */
+    /* The base of every deadline, in milliseconds (default 5000). Moving N
+     * bytes may take timeout_ms + N / min_transfer_rate, measured on the
+     * monotonic clock and bounding total progress, not the gap between bytes:
+     *  - initiator: each transfer a worker runs (one slice of at most
+     *    slice_size bytes, or a group of small requests moved together on one
+     *    connection) must finish within timeout_ms + its bytes /
+     *    min_transfer_rate of its start, connecting and waiting for a free
+     *    connection included, else it fails with KVP_ETIMEDOUT; with the
+     *    defaults a 4 MiB slice gets 5.25 s. A request fails with its first
+     *    failed slice, and once a batch lost its peer (timeout, reset,
+     *    refused) its requests not yet started fail with the same status, so a
+     *    stopped or dead target is reported within one such deadline;
+     *  - servers (TCP data port, shm socket, handshake port): a request's
+     *    header must arrive within timeout_ms of its first byte, and the whole
+     *    request within timeout_ms + its size / min_transfer_rate; a
+     *    connection's setup (the shm hello) within timeout_ms of its accept;
+     *  - a handshake (P2PHANDSHAKE lookup), reply included, within
+     *    timeout_ms; the metadata store's clients use it as their request
+     *    timeout (docs/metadata-*.md). */
     int timeout_ms;
     /* Worker threads that run transfers (default 4). */
     int workers;
@@ -62,51 +83,78 @@ typedef struct kvp_engine_opts {
      * beyond it are unmapped. 0: the default, 1 GiB. Fresh memory costs page
      * faults on first touch, so keep the memory a workload cycles through. */
     size_t pool_retain_bytes;
+    /* Connections each of the engine's listeners (TCP data port, shm socket,
+     * handshake port) serves at once (default 256). A new connection that
+     * finds a listener full evicts the connection idle the longest, else the
+     * one whose request or setup has been incomplete the longest; it is
+     * refused only when every connection is mid-transfer. */
+    int max_connections;
+    /* A server connection with no request in progress for this long is
+     * closed (default 60000 ms); kvpipe's clients then reconnect. The
+     * handshake port allows a request timeout_ms to begin instead. */
+    int idle_timeout_ms;
+    /* The slowest transfer rate, in bytes per second, that deadlines allow
+     * for (default 16 MiB/s): moving N bytes may take timeout_ms + N /
+     * min_transfer_rate, on either side (see timeout_ms). Lower it for links
+     * slower than that per connection. */
+    uint64_t min_transfer_rate;
 } kvp_engine_opts;
 
 /* Fill opts with the defaults above and NULL strings. */
-void kvp_engine_opts_init(kvp_engine_opts *opts);
+KVP_API void kvp_engine_opts_init(kvp_engine_opts *opts);
 
 /* Create an engine: bind its handshake port and data port, connect to the
- * metadata store and publish the (empty) segment. On failure nothing is left
- * behind and kvp_last_error() names the part that failed (for example the
- * metadata store and its address). */
-kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out);
+ * metadata store and publish the (empty) segment: rpc_meta once, then the
+ * descriptor (docs/metadata-segments.md). Keys a killed process of the same
+ * name left behind are taken over; a name a live engine holds is refused with
+ * KVP_EBUSY. On failure nothing is left behind (and no key another engine
+ * wrote is deleted) and kvp_last_error() names the part that failed (for
+ * example the metadata store and its address). */
+KVP_API kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out);
 
-/* Unpublish the segment, stop all threads, close connections, free managed
- * memory. Requests still running fail with KVP_ECLOSED first. NULL is a no-op. */
-void kvp_engine_destroy(kvp_engine *engine);
+/* Unpublish the segment (its keys, if they are still this engine's), stop all
+ * threads, close connections, free managed memory. Requests still running fail
+ * with KVP_ECLOSED first. NULL is a no-op. */
+KVP_API void kvp_engine_destroy(kvp_engine *engine);
 
 /* The segment name ("host:port"); owned by the engine. */
-const char *kvp_engine_segment_name(const kvp_engine *engine);
+KVP_API const char *kvp_engine_segment_name(const kvp_engine *engine);
 /* The handshake (RPC) port: the port of the segment name. */
-int kvp_engine_rpc_port(const kvp_engine *engine);
+KVP_API int kvp_engine_rpc_port(const kvp_engine *engine);
 /* The TCP data port peers connect to. */
-int kvp_engine_data_port(const kvp_engine *engine);
+KVP_API int kvp_engine_data_port(const kvp_engine *engine);
 
 /* Register [addr, addr+length) so that peers may READ and WRITE it, and publish
- * the updated segment. Regions must not overlap. The memory stays the caller's;
- * it must stay valid until kvp_engine_unregister(). */
-kvp_status kvp_engine_register(kvp_engine *engine, void *addr, size_t length);
+ * the updated segment (its descriptor key only). Regions must not overlap. The
+ * memory stays the caller's; it must stay valid until kvp_engine_unregister(). Only host (CPU)
+ * memory can be served: a range that is not mapped in this process, or whose first or last byte
+ * cannot be read (a GPU device pointer, PROT_NONE memory), is refused with KVP_EINVAL and a message
+ * saying so (the check costs about 15 us, whatever the size). Memory unmapped after registration
+ * fails the peers' requests that touch it ("address rejected"), never the engine. Does not wait for
+ * server requests on other regions. */
+KVP_API kvp_status kvp_engine_register(kvp_engine *engine, void *addr, size_t length);
 
-/* Unregister the region that starts at addr and republish. Waits for server
- * requests that are touching the region to finish. KVP_ENOTFOUND if addr does
+/* Unregister the region that starts at addr and republish. New server
+ * requests to the region are refused at once; the call waits for those
+ * already touching it, each of which ends by its deadline (timeout_ms + its
+ * size / min_transfer_rate), and for nothing else. KVP_ENOTFOUND if addr does
  * not start a registered region. */
-kvp_status kvp_engine_unregister(kvp_engine *engine, void *addr);
+KVP_API kvp_status kvp_engine_unregister(kvp_engine *engine, void *addr);
 
 /* Allocate length bytes (length > 0) of engine-owned registered memory. The
  * pool grows in chunks and reuses freed memory. */
-kvp_status kvp_engine_alloc(kvp_engine *engine, size_t length, void **out);
+KVP_API kvp_status kvp_engine_alloc(kvp_engine *engine, size_t length, void **out);
 
 /* Return a managed buffer; addr must come from kvp_engine_alloc(). NULL is a
  * no-op. KVP_EINVAL for an address the pool did not hand out. */
-kvp_status kvp_engine_free(kvp_engine *engine, void *addr);
+KVP_API kvp_status kvp_engine_free(kvp_engine *engine, void *addr);
 
 /* Open a peer's segment by name: fetch its descriptor from the metadata store
  * (or by handshake in P2PHANDSHAKE mode) and cache it. Opening the same name
  * again returns the same id. A transfer that fails with a connection error drops
  * the cached descriptor, so the next transfer looks the peer up again. */
-kvp_status kvp_engine_open_segment(kvp_engine *engine, const char *name, kvp_segment_id *out);
+KVP_API kvp_status kvp_engine_open_segment(kvp_engine *engine, const char *name,
+                                           kvp_segment_id *out);
 
 typedef struct kvp_remote_buffer {
     uint64_t addr;
@@ -117,12 +165,12 @@ typedef struct kvp_remote_buffer {
  * sorted by address: copies up to cap of them into out and sets *count to how
  * many there are. Looks the segment up again if its cached descriptor was
  * dropped. */
-kvp_status kvp_engine_segment_buffers(kvp_engine *engine, kvp_segment_id seg,
-                                      kvp_remote_buffer *out, size_t cap, size_t *count);
+KVP_API kvp_status kvp_engine_segment_buffers(kvp_engine *engine, kvp_segment_id seg,
+                                              kvp_remote_buffer *out, size_t cap, size_t *count);
 
 /* The transport that reaches an open segment ("tcp", "shm"), or NULL. Valid
  * until the engine is destroyed. */
-const char *kvp_engine_segment_transport(kvp_engine *engine, kvp_segment_id seg);
+KVP_API const char *kvp_engine_segment_transport(kvp_engine *engine, kvp_segment_id seg);
 
 typedef enum kvp_opcode {
     KVP_OP_READ = 0,  /* remote -> local */
@@ -139,30 +187,31 @@ typedef struct kvp_request {
 /* Submit n requests against one segment and return at once. The local memory of
  * each request must stay valid until the request completes or the batch is
  * freed. n may be 0. */
-kvp_status kvp_batch_submit(kvp_engine *engine, kvp_segment_id seg, const kvp_request *reqs,
-                            size_t n, kvp_batch **out);
+KVP_API kvp_status kvp_batch_submit(kvp_engine *engine, kvp_segment_id seg, const kvp_request *reqs,
+                                    size_t n, kvp_batch **out);
 
 /* Status of request i: KVP_EINPROGRESS while it runs, then KVP_OK or its error.
  * KVP_EINVAL for i out of range. Does not block. */
-kvp_status kvp_batch_request_status(const kvp_batch *batch, size_t i);
+KVP_API kvp_status kvp_batch_request_status(const kvp_batch *batch, size_t i);
 
 /* Number of requests of the batch not yet completed. Does not block. */
-size_t kvp_batch_pending(const kvp_batch *batch);
+KVP_API size_t kvp_batch_pending(const kvp_batch *batch);
 
 /* Wait until every request has completed or timeout_ms passed (negative: no
- * limit; the engine's I/O timeouts still bound each request). Returns KVP_OK
- * when all succeeded, KVP_ETIMEDOUT, or the first failed request's status. */
-kvp_status kvp_batch_wait(kvp_batch *batch, int timeout_ms);
+ * limit; the engine's deadlines still bound each request, see
+ * kvp_engine_opts.timeout_ms). Returns KVP_OK when all succeeded,
+ * KVP_ETIMEDOUT, or the first failed request's status. */
+KVP_API kvp_status kvp_batch_wait(kvp_batch *batch, int timeout_ms);
 
 /* Release a batch. Requests not yet started are canceled; running ones are
- * waited for (bounded by the I/O timeout). NULL is a no-op. */
-void kvp_batch_free(kvp_batch *batch);
+ * waited for (bounded by their deadlines). NULL is a no-op. */
+KVP_API void kvp_batch_free(kvp_batch *batch);
 
 /* Synchronous single transfers: submit, wait without limit, free. */
-kvp_status kvp_engine_read(kvp_engine *engine, kvp_segment_id seg, void *local, uint64_t remote,
-                           size_t length);
-kvp_status kvp_engine_write(kvp_engine *engine, kvp_segment_id seg, const void *local,
-                            uint64_t remote, size_t length);
+KVP_API kvp_status kvp_engine_read(kvp_engine *engine, kvp_segment_id seg, void *local,
+                                   uint64_t remote, size_t length);
+KVP_API kvp_status kvp_engine_write(kvp_engine *engine, kvp_segment_id seg, const void *local,
+                                    uint64_t remote, size_t length);
 
 #ifdef __cplusplus
 }

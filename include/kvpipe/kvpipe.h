@@ -4,11 +4,12 @@
 #define KVPIPE_KVPIPE_H
 
 #include "kvpipe/status.h"
+#include "kvpipe/version.h"
+#include "kvpipe/log.h"
 #include "kvpipe/engine.h"
+#include "kvpipe/info.h"
 #include "kvpipe/metadata_server.h"
 #include "kvpipe/pipe.h"
 #include "kvpipe/tensor.h"
-
-#define KVP_VERSION_STRING "0.1.0"
 
 #endif

@@ -29,13 +29,16 @@
  * that sends and one that receives. A process that alternates sends and
  * receives on one thread must not let its sends wait for ACKs that its peer
  * only sends after this process receives (keep within kv_buffer_size, or use
- * two threads). An internal thread receives ACKs and frees send buffers.
+ * two threads). An internal thread takes announcements and ACKs off the two
+ * ZeroMQ links, drops malformed ones (logged, rate-limited), frees send buffers
+ * on ACKs and reconnects a link that ZeroMQ closed for a protocol error.
  */
 #ifndef KVPIPE_PIPE_H
 #define KVPIPE_PIPE_H
 
 #include <stddef.h>
 
+#include "kvpipe/export.h"
 #include "kvpipe/engine.h"
 #include "kvpipe/status.h"
 #include "kvpipe/tensor.h"
@@ -69,19 +72,19 @@ typedef struct kvp_pipe_config {
 
 /* Parse config JSON text of len bytes. KVP_ECONFIG with a message naming the
  * field and the problem (missing, wrong type, bad host:port, bad backend). */
-kvp_status kvp_pipe_config_parse(const char *json, size_t len, kvp_pipe_config **out);
+KVP_API kvp_status kvp_pipe_config_parse(const char *json, size_t len, kvp_pipe_config **out);
 
 /* Read and parse the file at path (at most 1 MiB). KVP_ECONFIG names the path. */
-kvp_status kvp_pipe_config_load(const char *path, kvp_pipe_config **out);
+KVP_API kvp_status kvp_pipe_config_load(const char *path, kvp_pipe_config **out);
 
 /* Load the file named by env MOONCAKE_CONFIG_PATH; KVP_ECONFIG when unset. */
-kvp_status kvp_pipe_config_load_env(kvp_pipe_config **out);
+KVP_API kvp_status kvp_pipe_config_load_env(kvp_pipe_config **out);
 
 /* Check every field as parsing does. */
-kvp_status kvp_pipe_config_check(const kvp_pipe_config *cfg);
+KVP_API kvp_status kvp_pipe_config_check(const kvp_pipe_config *cfg);
 
 /* Free a config from parse/load. NULL is a no-op. */
-void kvp_pipe_config_free(kvp_pipe_config *cfg);
+KVP_API void kvp_pipe_config_free(kvp_pipe_config *cfg);
 
 /* The engine's metadata connection string, as Mooncake builds it (malloc'ed,
  * the caller frees):
@@ -89,7 +92,7 @@ void kvp_pipe_config_free(kvp_pipe_config *cfg);
  *   metadata_server with "://" (any backend)    -> as given
  *   metadata_backend "etcd"|"redis", bare h:p    -> "<backend>://h:p"
  *   no backend, bare h:p                         -> "etcd://h:p" */
-kvp_status kvp_pipe_config_metadata_conn(const kvp_pipe_config *cfg, char **out);
+KVP_API kvp_status kvp_pipe_config_metadata_conn(const kvp_pipe_config *cfg, char **out);
 
 #define KVP_PIPE_NAME_MAX 272
 
@@ -110,8 +113,8 @@ typedef struct kvp_pipe_endpoints {
 /* Compute the ports of side kv_rank (0 prefill, 1 decode) for local_rank >= 0.
  * KVP_EINVAL for a bad rank; KVP_ECONFIG, naming the field, when a derived port
  * passes 65535. */
-kvp_status kvp_pipe_config_endpoints(const kvp_pipe_config *cfg, int local_rank, int kv_rank,
-                                     kvp_pipe_endpoints *out);
+KVP_API kvp_status kvp_pipe_config_endpoints(const kvp_pipe_config *cfg, int local_rank,
+                                             int kv_rank, kvp_pipe_endpoints *out);
 
 /* ------------------------------------------------------------------ pipe --- */
 
@@ -136,7 +139,7 @@ typedef struct kvp_pipe_opts {
 } kvp_pipe_opts;
 
 /* Fill opts with the defaults above. */
-void kvp_pipe_opts_init(kvp_pipe_opts *opts);
+KVP_API void kvp_pipe_opts_init(kvp_pipe_opts *opts);
 
 /* Open side kv_rank of the pipe: create the engine (segment "host:port" from
  * the config), bind the two PUSH sockets and connect the two PULL sockets. Does
@@ -144,8 +147,8 @@ void kvp_pipe_opts_init(kvp_pipe_opts *opts);
  * the peer is connected. opts NULL: defaults. Errors: KVP_ECONFIG for the
  * config, the engine's errors (metadata store unreachable, port in use), KVP_EIO
  * naming the ZeroMQ endpoint that failed to bind. */
-kvp_status kvp_pipe_open(const kvp_pipe_config *cfg, int local_rank, int kv_rank,
-                         const kvp_pipe_opts *opts, kvp_pipe **out);
+KVP_API kvp_status kvp_pipe_open(const kvp_pipe_config *cfg, int local_rank, int kv_rank,
+                                 const kvp_pipe_opts *opts, kvp_pipe **out);
 
 /* Send tensor t, or None when t is NULL. The tensor's bytes are copied (once)
  * before send returns, so the caller may reuse t at once. Blocks while in-flight
@@ -153,7 +156,7 @@ kvp_status kvp_pipe_open(const kvp_pipe_config *cfg, int local_rank, int kv_rank
  * connected, at most send_timeout_ms in all; then KVP_ETIMEDOUT naming the
  * peer. KVP_ENOMEM when the engine cannot allocate the buffer. On any error
  * nothing was sent and the pipe can go on. */
-kvp_status kvp_pipe_send(kvp_pipe *pipe, const kvp_tensor *t);
+KVP_API kvp_status kvp_pipe_send(kvp_pipe *pipe, const kvp_tensor *t);
 
 /* ------------------------------------------------ sending without a copy --- */
 
@@ -175,8 +178,8 @@ kvp_status kvp_pipe_send(kvp_pipe *pipe, const kvp_tensor *t);
  * memory is not cleared). Hand it to kvp_pipe_send_take(), or release it with
  * kvp_tensor_free(), also after kvp_pipe_close(). Errors: KVP_EINVAL for a bad
  * dtype or shape, KVP_ENOMEM, KVP_ECLOSED for an unusable pipe. */
-kvp_status kvp_pipe_tensor_alloc(kvp_pipe *pipe, kvp_dtype dtype, int ndim, const int64_t *shape,
-                                 kvp_tensor **out);
+KVP_API kvp_status kvp_pipe_tensor_alloc(kvp_pipe *pipe, kvp_dtype dtype, int ndim,
+                                         const int64_t *shape, kvp_tensor **out);
 
 /* Send t, a tensor from kvp_pipe_tensor_alloc() of this pipe, without copying
  * its bytes. Its dtype and shape may have been changed since the allocation as
@@ -185,7 +188,7 @@ kvp_status kvp_pipe_tensor_alloc(kvp_pipe *pipe, kvp_dtype dtype, int ndim, cons
  * acknowledges. On an error nothing was sent and t is still the caller's, data
  * intact, to retry or free. Waits and errors as kvp_pipe_send(), plus KVP_EINVAL
  * for a tensor that did not come from kvp_pipe_tensor_alloc() of this pipe. */
-kvp_status kvp_pipe_send_take(kvp_pipe *pipe, kvp_tensor *t);
+KVP_API kvp_status kvp_pipe_send_take(kvp_pipe *pipe, kvp_tensor *t);
 
 /* Receive the next tensor. *out is a heap tensor to release with
  * kvp_tensor_free(), or NULL for None. Its data lives in a managed buffer of the
@@ -196,12 +199,14 @@ kvp_status kvp_pipe_send_take(kvp_pipe *pipe, kvp_tensor *t);
  * timeout_ms bounds the wait for an announcement (negative: no limit, 0: poll);
  * the READ that follows is bounded by the engine's I/O timeout.
  *
- * Every message taken from the peer is answered with one "ACK" — a malformed
- * one too, once recv is done with it — so the sender's FIFO of buffers stays
- * in step. Errors:
+ * Every announcement (two 8-byte frames) taken from the peer is answered with
+ * one "ACK" — a refused one too, once recv is done with it — so the sender's
+ * FIFO of buffers stays in step. A message that is not an announcement is
+ * dropped unanswered, counted in bad_messages and logged (rate-limited), and
+ * recv goes on waiting. Errors:
  *   KVP_ETIMEDOUT   nothing was announced in time; nothing consumed.
- *   KVP_EPROTO      a malformed announcement (frame count or size, length 0 or
- *                   above max_message_bytes) or malformed safetensors.
+ *   KVP_EPROTO      an announced length of 0 or above max_message_bytes, or
+ *                   malformed safetensors.
  *   KVP_ERANGE      the announced range lies outside the peer's registered
  *                   memory (the peer's server refused it).
  *   others          the engine's errors from opening the peer segment or the
@@ -209,40 +214,40 @@ kvp_status kvp_pipe_send_take(kvp_pipe *pipe, kvp_tensor *t);
  * After any of these the bad message has been consumed and dropped, and the
  * pipe can go on: call recv again. Only when kvp_pipe_usable() says 0 is the
  * pipe finished. */
-kvp_status kvp_pipe_recv(kvp_pipe *pipe, int timeout_ms, kvp_tensor **out);
+KVP_API kvp_status kvp_pipe_recv(kvp_pipe *pipe, int timeout_ms, kvp_tensor **out);
 
 /* Wait until every sent message has been acknowledged, at most timeout_ms
  * (negative: no limit). A sender should flush before closing, because closing
  * frees the buffers the peer may still be reading. KVP_ETIMEDOUT otherwise. */
-kvp_status kvp_pipe_flush(kvp_pipe *pipe, int timeout_ms);
+KVP_API kvp_status kvp_pipe_flush(kvp_pipe *pipe, int timeout_ms);
 
 /* Non-zero while the pipe works. 0 after an internal ZeroMQ failure, after
  * which every call fails with KVP_ECLOSED. */
-int kvp_pipe_usable(const kvp_pipe *pipe);
+KVP_API int kvp_pipe_usable(const kvp_pipe *pipe);
 
 /* Counters, for tools and tests. */
 typedef struct kvp_pipe_stats {
     uint64_t sent, received;             /* messages (None included) */
     uint64_t bytes_sent, bytes_received; /* encoded message bytes */
     uint64_t acks;                       /* ACKs received */
-    uint64_t bad_messages;               /* consumed messages recv refused */
-    uint64_t bad_acks;                   /* ACK frames that were not "ACK" or not expected */
+    uint64_t bad_messages;               /* announcements dropped (malformed) or refused */
+    uint64_t bad_acks;                   /* ACKs dropped: not the frame "ACK", or unexpected */
     size_t inflight_bytes;               /* sent, not yet acknowledged */
     size_t inflight_count;
 } kvp_pipe_stats;
-void kvp_pipe_get_stats(kvp_pipe *pipe, kvp_pipe_stats *out);
+KVP_API void kvp_pipe_get_stats(kvp_pipe *pipe, kvp_pipe_stats *out);
 
 /* The ports this side uses. Valid until the pipe is closed. */
-const kvp_pipe_endpoints *kvp_pipe_get_endpoints(const kvp_pipe *pipe);
+KVP_API const kvp_pipe_endpoints *kvp_pipe_get_endpoints(const kvp_pipe *pipe);
 
 /* The pipe's engine, for inspection (segment name, transport to the peer).
  * Owned by the pipe; do not destroy it. */
-kvp_engine *kvp_pipe_engine(kvp_pipe *pipe);
+KVP_API kvp_engine *kvp_pipe_engine(kvp_pipe *pipe);
 
 /* Close the sockets at once (linger 0), stop the ACK thread, free the buffers
  * still awaiting ACKs, and release the engine once no received tensor uses it.
  * Never waits for the peer. NULL is a no-op. */
-void kvp_pipe_close(kvp_pipe *pipe);
+KVP_API void kvp_pipe_close(kvp_pipe *pipe);
 
 #ifdef __cplusplus
 }

@@ -9,6 +9,8 @@
 #ifndef KVPIPE_STATUS_H
 #define KVPIPE_STATUS_H
 
+#include "kvpipe/export.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -35,12 +37,12 @@ typedef enum kvp_status {
 } kvp_status;
 
 /* Fixed English text for a status code; never NULL. Thread-safe. */
-const char *kvp_strerror(kvp_status status);
+KVP_API const char *kvp_strerror(kvp_status status);
 
 /* The detailed message of the most recent failure on the calling thread, or ""
  * if none. The string is thread-local and valid until the next kvpipe call on
  * the same thread. */
-const char *kvp_last_error(void);
+KVP_API const char *kvp_last_error(void);
 
 #ifdef __cplusplus
 }

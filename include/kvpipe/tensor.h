@@ -17,6 +17,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvpipe/export.h"
 #include "kvpipe/status.h"
 
 #ifdef __cplusplus
@@ -60,43 +61,44 @@ typedef struct kvp_tensor {
 } kvp_tensor;
 
 /* Bytes per element (1, 2, 4 or 8); 0 for an unknown dtype. */
-size_t kvp_dtype_size(kvp_dtype dtype);
+KVP_API size_t kvp_dtype_size(kvp_dtype dtype);
 
 /* The safetensors name ("F32"); NULL for an unknown dtype. */
-const char *kvp_dtype_name(kvp_dtype dtype);
+KVP_API const char *kvp_dtype_name(kvp_dtype dtype);
 
 /* Look a safetensors name up (exact, case-sensitive). KVP_EINVAL if unknown. */
-kvp_status kvp_dtype_from_name(const char *name, kvp_dtype *out);
+KVP_API kvp_status kvp_dtype_from_name(const char *name, kvp_dtype *out);
 
 /* Number of elements and bytes of a shape, with overflow checks: KVP_EINVAL
  * for an unknown dtype, ndim outside 0..KVP_TENSOR_MAX_NDIM, a negative
  * dimension, or a product that does not fit in size_t (even when a later
  * dimension is 0). numel may be NULL. */
-kvp_status kvp_tensor_size(kvp_dtype dtype, int ndim, const int64_t *shape, size_t *numel,
-                           size_t *nbytes);
+KVP_API kvp_status kvp_tensor_size(kvp_dtype dtype, int ndim, const int64_t *shape, size_t *numel,
+                                   size_t *nbytes);
 
 /* Fill *t to describe data (borrowed: release NULL). data may be NULL only when
  * the size is 0. *t is written only on success. */
-kvp_status kvp_tensor_init(kvp_tensor *t, kvp_dtype dtype, int ndim, const int64_t *shape,
-                           void *data);
+KVP_API kvp_status kvp_tensor_init(kvp_tensor *t, kvp_dtype dtype, int ndim, const int64_t *shape,
+                                   void *data);
 
 /* A heap tensor whose data is malloc'ed (zero-filled) and freed with it. */
-kvp_status kvp_tensor_alloc(kvp_dtype dtype, int ndim, const int64_t *shape, kvp_tensor **out);
+KVP_API kvp_status kvp_tensor_alloc(kvp_dtype dtype, int ndim, const int64_t *shape,
+                                    kvp_tensor **out);
 
 /* A heap tensor over caller memory; kvp_tensor_free() calls release(owner,
  * data) when release is not NULL. On failure release is not called. */
-kvp_status kvp_tensor_wrap(kvp_dtype dtype, int ndim, const int64_t *shape, void *data,
-                           kvp_tensor_release_fn release, void *owner, kvp_tensor **out);
+KVP_API kvp_status kvp_tensor_wrap(kvp_dtype dtype, int ndim, const int64_t *shape, void *data,
+                                   kvp_tensor_release_fn release, void *owner, kvp_tensor **out);
 
 /* Release the data through its release callback, then free the struct. Only for
  * heap tensors from this header or from kvp_pipe_recv(). NULL is a no-op. */
-void kvp_tensor_free(kvp_tensor *t);
+KVP_API void kvp_tensor_free(kvp_tensor *t);
 
 /* Number of elements (1 for 0-d). The tensor must be valid. */
-size_t kvp_tensor_numel(const kvp_tensor *t);
+KVP_API size_t kvp_tensor_numel(const kvp_tensor *t);
 
 /* Non-zero when a and b have the same dtype, shape and bytes. */
-int kvp_tensor_equal(const kvp_tensor *a, const kvp_tensor *b);
+KVP_API int kvp_tensor_equal(const kvp_tensor *a, const kvp_tensor *b);
 
 #ifdef __cplusplus
 }

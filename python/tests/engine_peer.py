@@ -1,8 +1,8 @@
 """The target side of the two-process engine tests.
 
-    engine_peer.py LOCAL_NAME METADATA SIZE
+    engine_peer.py LOCAL_NAME METADATA SIZE [PROTOCOL]
 
-Starts a TransferEngine, allocates a managed buffer of SIZE bytes and registers
+Starts a TransferEngine (PROTOCOL defaults to tcp), allocates a managed buffer of SIZE bytes and registers
 a ctypes buffer of SIZE bytes, fills both with pattern(seed 1 / seed 2), prints
 
     READY <rpc_port> <managed_addr> <registered_addr>
@@ -24,8 +24,9 @@ def pattern(seed, n):
 
 def main():
     name, metadata, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    protocol = sys.argv[4] if len(sys.argv) > 4 else "tcp"
     eng = kvpipe.TransferEngine()
-    if eng.initialize(name, metadata, "tcp", "") != 0:
+    if eng.initialize(name, metadata, protocol, "") != 0:
         print("FAILED", kvpipe.last_error(), flush=True)
         return 1
     managed = eng.allocate_managed_buffer(size)

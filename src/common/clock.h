@@ -1,7 +1,16 @@
-/* Internal: monotonic clock helpers. */
+/* Internal: the one clock every deadline uses.
+ *
+ * All deadlines in kvpipe are points on CLOCK_MONOTONIC, so a wall-clock step
+ * (NTP, an operator setting the date) never shortens or stretches a wait.
+ * kvpi_now_ns()/kvpi_now_ms() read it; condition variables that wait with a
+ * timeout are created with kvpi_cond_init(), which makes them measure timeouts
+ * on the same clock, and wait until a timespec from kvpi_timespec_at_ns() or
+ * kvpi_deadline_after_ms().
+ */
 #ifndef KVPI_COMMON_CLOCK_H
 #define KVPI_COMMON_CLOCK_H
 
+#include <pthread.h>
 #include <stdint.h>
 #include <time.h>
 
@@ -17,8 +26,27 @@ static inline uint64_t kvpi_now_ms(void)
     return kvpi_now_ns() / 1000000u;
 }
 
-/* An absolute CLOCK_REALTIME deadline timeout_ms from now, for
- * pthread_cond_timedwait on a default condition variable. */
+/* A deadline timeout_ms from now, in kvpi_now_ns() nanoseconds; a negative
+ * timeout gives 0, which deadline-taking functions read as "no deadline". */
+static inline uint64_t kvpi_deadline_ns(int64_t timeout_ms)
+{
+    return timeout_ms < 0 ? 0 : kvpi_now_ns() + (uint64_t)timeout_ms * 1000000u;
+}
+
+/* Milliseconds left until deadline_ns (kvpi_now_ns() clock), rounded up, so
+ * that a wait of the result never ends before the deadline; 0 once it passed;
+ * -1 for deadline_ns 0 (none). Capped at INT32_MAX. */
+int kvpi_remaining_ms(uint64_t deadline_ns);
+
+/* Initialise a condition variable whose timed waits run on CLOCK_MONOTONIC.
+ * Returns 0 or the pthread error. */
+int kvpi_cond_init(pthread_cond_t *cond);
+
+/* The absolute timespec of deadline_ns, for pthread_cond_timedwait on a
+ * condition variable made by kvpi_cond_init(). */
+struct timespec kvpi_timespec_at_ns(uint64_t deadline_ns);
+
+/* The same for a deadline timeout_ms from now (negative: now). */
 struct timespec kvpi_deadline_after_ms(int64_t timeout_ms);
 
 #endif

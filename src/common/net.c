@@ -12,6 +12,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/net.h"
 
@@ -122,7 +123,8 @@ kvp_status kvpi_tcp_listen(const char *host, int port, int *fd_out, int *port_ou
     }
     freeaddrinfo(res);
     if (fd < 0)
-        return kvpi_error(KVP_EIO, "cannot listen on %s:%d: %s", host, port, strerror(err));
+        return kvpi_error(err == EADDRINUSE ? KVP_EBUSY : KVP_EIO, "cannot listen on %s:%d: %s",
+                          host, port, strerror(err));
     struct sockaddr_storage ss;
     socklen_t sl = sizeof ss;
     getsockname(fd, (struct sockaddr *)&ss, &sl);
@@ -202,43 +204,88 @@ kvp_status kvpi_tcp_accept(int listen_fd, int timeout_ms, int *fd_out)
     return KVP_OK;
 }
 
-static kvp_status io_error(int err, const char *what)
+static kvp_status io_error(int err, const char *what, size_t left, size_t total,
+                           uint64_t deadline_ns)
 {
+    if ((err == EAGAIN || err == EWOULDBLOCK) && deadline_ns)
+        return kvpi_error(KVP_ETIMEDOUT, "%s: deadline passed with %zu of %zu bytes still to move",
+                          what, left, total);
     if (err == EAGAIN || err == EWOULDBLOCK)
         return kvpi_error(KVP_ETIMEDOUT, "%s: peer made no progress within the timeout", what);
     if (err == 0) return kvpi_error(KVP_ECONNRESET, "%s: peer closed the connection", what);
+    if (err == EFAULT)
+        return kvpi_error(KVP_EINVAL, "%s: %s (local memory not mapped)", what, strerror(err));
     return kvpi_error(KVP_ECONNRESET, "%s: %s", what, strerror(err));
+}
+
+/* Before a blocking call under a deadline: give the socket the time left as
+ * its timeout, which Linux counts over the whole call (a recv with
+ * MSG_WAITALL or a large send that waits several times still ends by it).
+ * Returns -1 (errno EAGAIN) once the deadline has passed. */
+static int arm(int fd, int opt, uint64_t deadline_ns)
+{
+    if (!deadline_ns) return 0;
+    int ms = kvpi_remaining_ms(deadline_ns);
+    if (ms == 0) {
+        errno = EAGAIN;
+        return -1;
+    }
+    struct timeval tv = {.tv_sec = ms / 1000, .tv_usec = (ms % 1000) * 1000};
+    setsockopt(fd, SOL_SOCKET, opt, &tv, sizeof tv);
+    return 0;
+}
+
+kvp_status kvpi_send_all_by(int fd, const void *buf, size_t len, uint64_t deadline_ns)
+{
+    const char *p = buf;
+    size_t left = len;
+    while (left > 0) {
+        ssize_t n = arm(fd, SO_SNDTIMEO, deadline_ns)
+                        ? -1
+                        : send(fd, p, left > INT_MAX ? INT_MAX : left, MSG_NOSIGNAL);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            if ((errno == EAGAIN || errno == EWOULDBLOCK) && deadline_ns &&
+                kvpi_remaining_ms(deadline_ns) > 0)
+                continue; /* the socket timeout rounded down: the deadline is not here yet */
+            return io_error(errno, "send", left, len, deadline_ns);
+        }
+        p += n;
+        left -= (size_t)n;
+    }
+    return KVP_OK;
+}
+
+kvp_status kvpi_recv_all_by(int fd, void *buf, size_t len, uint64_t deadline_ns)
+{
+    char *p = buf;
+    size_t left = len;
+    while (left > 0) {
+        ssize_t n = arm(fd, SO_RCVTIMEO, deadline_ns)
+                        ? -1
+                        : recv(fd, p, left > INT_MAX ? INT_MAX : left, MSG_WAITALL);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            if ((errno == EAGAIN || errno == EWOULDBLOCK) && deadline_ns &&
+                kvpi_remaining_ms(deadline_ns) > 0)
+                continue;
+            return io_error(errno, "recv", left, len, deadline_ns);
+        }
+        if (n == 0) return io_error(0, "recv", left, len, deadline_ns);
+        p += n;
+        left -= (size_t)n;
+    }
+    return KVP_OK;
 }
 
 kvp_status kvpi_send_all(int fd, const void *buf, size_t len)
 {
-    const char *p = buf;
-    while (len > 0) {
-        ssize_t n = send(fd, p, len > INT_MAX ? INT_MAX : len, MSG_NOSIGNAL);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            return io_error(errno, "send");
-        }
-        p += n;
-        len -= (size_t)n;
-    }
-    return KVP_OK;
+    return kvpi_send_all_by(fd, buf, len, 0);
 }
 
 kvp_status kvpi_recv_all(int fd, void *buf, size_t len)
 {
-    char *p = buf;
-    while (len > 0) {
-        ssize_t n = recv(fd, p, len > INT_MAX ? INT_MAX : len, MSG_WAITALL);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            return io_error(errno, "recv");
-        }
-        if (n == 0) return io_error(0, "recv");
-        p += n;
-        len -= (size_t)n;
-    }
-    return KVP_OK;
+    return kvpi_recv_all_by(fd, buf, len, 0);
 }
 
 /* Skip the first done bytes of an iovec list; returns the new start. */
@@ -260,37 +307,57 @@ static struct iovec *iov_advance(struct iovec *iov, int *n, size_t done)
 static size_t iov_total(const struct iovec *iov, int n)
 {
     size_t t = 0;
-    for (int i = 0; i < n; i++) t += iov[i].iov_len;
+    for (int i = 0; i < n; i++)
+        t += iov[i].iov_len;
     return t;
 }
 
-kvp_status kvpi_sendv_all(int fd, struct iovec *iov, int n)
+kvp_status kvpi_sendv_all_by(int fd, struct iovec *iov, int n, uint64_t deadline_ns)
 {
     iov = iov_advance(iov, &n, 0);
+    size_t total = iov_total(iov, n);
     while (n > 0) {
         struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)n};
-        ssize_t sent = sendmsg(fd, &m, MSG_NOSIGNAL);
+        ssize_t sent = arm(fd, SO_SNDTIMEO, deadline_ns) ? -1 : sendmsg(fd, &m, MSG_NOSIGNAL);
         if (sent < 0) {
             if (errno == EINTR) continue;
-            return io_error(errno, "send");
+            if ((errno == EAGAIN || errno == EWOULDBLOCK) && deadline_ns &&
+                kvpi_remaining_ms(deadline_ns) > 0)
+                continue;
+            return io_error(errno, "send", iov_total(iov, n), total, deadline_ns);
         }
         iov = iov_advance(iov, &n, (size_t)sent);
     }
     return KVP_OK;
 }
 
-kvp_status kvpi_recvv_all(int fd, struct iovec *iov, int n)
+kvp_status kvpi_recvv_all_by(int fd, struct iovec *iov, int n, uint64_t deadline_ns)
 {
     iov = iov_advance(iov, &n, 0);
+    size_t total = iov_total(iov, n);
     while (n > 0) {
         struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)n};
-        ssize_t got = recvmsg(fd, &m, MSG_WAITALL);
+        ssize_t got = arm(fd, SO_RCVTIMEO, deadline_ns) ? -1 : recvmsg(fd, &m, MSG_WAITALL);
         if (got < 0) {
             if (errno == EINTR) continue;
-            return io_error(errno, "recv");
+            if ((errno == EAGAIN || errno == EWOULDBLOCK) && deadline_ns &&
+                kvpi_remaining_ms(deadline_ns) > 0)
+                continue;
+            return io_error(errno, "recv", iov_total(iov, n), total, deadline_ns);
         }
-        if (got == 0 && iov_total(iov, n) > 0) return io_error(0, "recv");
+        if (got == 0 && iov_total(iov, n) > 0)
+            return io_error(0, "recv", iov_total(iov, n), total, deadline_ns);
         iov = iov_advance(iov, &n, (size_t)got);
     }
     return KVP_OK;
+}
+
+kvp_status kvpi_sendv_all(int fd, struct iovec *iov, int n)
+{
+    return kvpi_sendv_all_by(fd, iov, n, 0);
+}
+
+kvp_status kvpi_recvv_all(int fd, struct iovec *iov, int n)
+{
+    return kvpi_recvv_all_by(fd, iov, n, 0);
 }

@@ -2,7 +2,8 @@
  *
  * All sockets here are blocking with SO_RCVTIMEO/SO_SNDTIMEO set, so a peer that
  * stops making progress surfaces as KVP_ETIMEDOUT after the timeout, and a peer
- * that dies surfaces as KVP_ECONNRESET at once. Functions set kvp_last_error().
+ * that dies surfaces as KVP_ECONNRESET at once. The *_by functions bound a
+ * whole exchange by a deadline instead. Functions set kvp_last_error().
  */
 #ifndef KVPI_COMMON_NET_H
 #define KVPI_COMMON_NET_H
@@ -28,7 +29,8 @@ kvp_status kvpi_hostport_parse(const char *text, int default_port, kvpi_hostport
 void kvpi_hostport_format(const char *host, int port, char *buf, size_t len);
 
 /* Listen on host:port (port 0: any free port); returns the fd and bound port.
- * SO_REUSEADDR is set so a restarted process can bind again at once. */
+ * SO_REUSEADDR is set so a restarted process can bind again at once.
+ * KVP_EBUSY when the address is in use, KVP_EIO for other failures. */
 kvp_status kvpi_tcp_listen(const char *host, int port, int *fd_out, int *port_out);
 
 /* Connect with a timeout; the socket gets TCP_NODELAY and I/O timeouts of
@@ -42,7 +44,8 @@ kvp_status kvpi_tcp_accept(int listen_fd, int timeout_ms, int *fd_out);
 void kvpi_socket_set_timeout(int fd, int timeout_ms);
 
 /* Send or receive exactly len bytes. KVP_ECONNRESET when the peer closed,
- * KVP_ETIMEDOUT when no byte moved for the socket's timeout. */
+ * KVP_ETIMEDOUT when no byte moved for the socket's timeout, KVP_EINVAL when
+ * the kernel could not read or write buf (EFAULT: the memory is not mapped). */
 kvp_status kvpi_send_all(int fd, const void *buf, size_t len);
 kvp_status kvpi_recv_all(int fd, void *buf, size_t len);
 
@@ -52,6 +55,19 @@ kvp_status kvpi_recv_all(int fd, void *buf, size_t len);
 struct iovec;
 kvp_status kvpi_sendv_all(int fd, struct iovec *iov, int n);
 kvp_status kvpi_recvv_all(int fd, struct iovec *iov, int n);
+
+/* The same under a deadline on the whole call: deadline_ns is a point on
+ * kvpi_now_ns()'s clock (common/clock.h) by which every byte must have moved,
+ * however the peer paces them, else KVP_ETIMEDOUT saying how many bytes were
+ * left. A trickling peer cannot stretch it: it bounds total progress, not the
+ * gap between bytes. deadline_ns 0: only the socket's own timeouts apply
+ * (the functions above). These set the socket's SO_SNDTIMEO / SO_RCVTIMEO to
+ * the time left before each system call, so a socket used with them keeps
+ * the last such value. */
+kvp_status kvpi_send_all_by(int fd, const void *buf, size_t len, uint64_t deadline_ns);
+kvp_status kvpi_recv_all_by(int fd, void *buf, size_t len, uint64_t deadline_ns);
+kvp_status kvpi_sendv_all_by(int fd, struct iovec *iov, int n, uint64_t deadline_ns);
+kvp_status kvpi_recvv_all_by(int fd, struct iovec *iov, int n, uint64_t deadline_ns);
 
 /* Little-endian and big-endian integer codecs for wire headers. */
 static inline void kvpi_put_le64(uint8_t *p, uint64_t v)

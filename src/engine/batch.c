@@ -36,8 +36,17 @@ struct kvp_batch {
     size_t pending;     /* requests not completed */
     size_t outstanding; /* works not completed */
     atomic_int canceled;
+    /* The first connection-level failure (the peer timed out, reset or
+     * refused): works not started yet fail with it instead of each waiting
+     * out its own deadline against a dead or stopped peer. */
+    kvp_status conn_error;
     char detail[256]; /* kvp_last_error() of the first failure, from its worker */
 };
+
+static int connection_level(kvp_status st)
+{
+    return st == KVP_ETIMEDOUT || st == KVP_ECONNRESET || st == KVP_ECONNREFUSED;
+}
 
 static void complete(kvpi_work *w, kvp_status st)
 {
@@ -48,6 +57,7 @@ static void complete(kvpi_work *w, kvp_status st)
     if (st != KVP_OK && !b->detail[0])
         snprintf(b->detail, sizeof b->detail, "%s",
                  *kvp_last_error() ? kvp_last_error() : kvp_strerror(st));
+    if (connection_level(st) && b->conn_error == KVP_OK) b->conn_error = st;
     if (--r->slices_left == 0) {
         r->status = r->first_error;
         b->pending--;
@@ -104,6 +114,19 @@ static kvp_status acquire_for(kvp_engine *e, kvpi_segment *seg, kvpi_work **live
     return kvpi_segment_acquire(e, seg, out);
 }
 
+/* Why a work need not run: its batch was freed, its request already failed
+ * (a request fails with its first failed slice), or its batch lost the peer.
+ * KVP_OK to run it. */
+static kvp_status skip_reason(kvpi_work *w)
+{
+    kvp_batch *b = w->batch;
+    if (atomic_load(&b->canceled)) return kvpi_error(KVP_ECANCELED, "the batch was freed");
+    pthread_mutex_lock(&b->lock);
+    kvp_status st = b->conn_error ? b->conn_error : b->reqs[w->req].first_error;
+    pthread_mutex_unlock(&b->lock);
+    return st;
+}
+
 static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
 {
     kvpi_segment *seg = group[0]->batch->seg;
@@ -111,8 +134,9 @@ static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
     kvpi_work *live[GROUP_MAX];
     size_t m = 0;
     for (size_t i = 0; i < n; i++) {
-        if (atomic_load(&group[i]->batch->canceled))
-            complete(group[i], kvpi_error(KVP_ECANCELED, "the batch was freed"));
+        kvp_status skip = skip_reason(group[i]);
+        if (skip)
+            complete(group[i], skip);
         else
             live[m++] = group[i];
     }
@@ -168,7 +192,7 @@ static void *worker_main(void *arg)
 kvp_status kvpi_workers_start(kvp_engine *e)
 {
     pthread_mutex_init(&e->queue.lock, NULL);
-    pthread_cond_init(&e->queue.cond, NULL);
+    kvpi_cond_init(&e->queue.cond);
     e->workers = calloc((size_t)e->opts.workers, sizeof *e->workers);
     if (!e->workers) return kvpi_error(KVP_ENOMEM, "engine: out of memory");
     for (int i = 0; i < e->opts.workers; i++) {
@@ -270,7 +294,7 @@ kvp_status kvp_batch_submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_requ
         return kvpi_error(KVP_ENOMEM, "batch_submit: out of memory");
     }
     pthread_mutex_init(&b->lock, NULL);
-    pthread_cond_init(&b->cond, NULL);
+    kvpi_cond_init(&b->cond);
     b->seg = seg;
     b->n = n;
     b->n_works = b->outstanding = n_works;

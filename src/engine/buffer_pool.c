@@ -21,6 +21,7 @@ typedef struct chunk {
     extent *free; /* sorted by off, coalesced */
     size_t n_free, cap_free;
     size_t used; /* bytes allocated from it */
+    struct chunk *next_release; /* taken out of the pool, to release unlocked */
 } chunk;
 
 typedef struct allocation {
@@ -79,12 +80,14 @@ kvp_status kvpi_pool_create(const kvpi_pool_opts *opts, const kvpi_pool_hooks *h
     return KVP_OK;
 }
 
+/* Unregister and unmap a chunk that is no longer in the pool's list. Called
+ * without the pool's lock: unregistering waits for server requests that still
+ * touch the chunk, which must not hold up allocations from other chunks. */
 static void chunk_release(kvpi_pool *p, chunk *c)
 {
     KVPI_DEBUG("buffer pool: releasing a chunk of %zu bytes", c->size);
     p->hooks.unregister_chunk(p->hooks.ctx, c->base);
     munmap(c->base, c->size);
-    p->mapped -= c->size;
     free(c->free);
     free(c);
 }
@@ -92,7 +95,10 @@ static void chunk_release(kvpi_pool *p, chunk *c)
 void kvpi_pool_destroy(kvpi_pool *p)
 {
     if (!p) return;
-    for (size_t i = 0; i < p->n_chunks; i++) chunk_release(p, p->chunks[i]);
+    for (size_t i = 0; i < p->n_chunks; i++) {
+        p->mapped -= p->chunks[i]->size;
+        chunk_release(p, p->chunks[i]);
+    }
     free(p->chunks);
     free(p->allocs);
     pthread_mutex_destroy(&p->lock);
@@ -245,25 +251,31 @@ out:
     return st;
 }
 
-/* Release fully free chunks beyond the retention budget, largest last used. */
-static void trim(kvpi_pool *p)
+/* Take fully free chunks beyond the retention budget out of the pool;
+ * returns them as a list for chunk_release() once the lock is dropped. */
+static chunk *trim(kvpi_pool *p)
 {
     size_t retained = 0;
+    chunk *out = NULL;
     for (size_t i = 0; i < p->n_chunks;) {
         chunk *c = p->chunks[i];
         if (c->used == 0 && retained + c->size > p->opts.retain_bytes) {
-            chunk_release(p, c);
+            p->mapped -= c->size;
+            c->next_release = out;
+            out = c;
             p->chunks[i] = p->chunks[--p->n_chunks];
             continue;
         }
         if (c->used == 0) retained += c->size;
         i++;
     }
+    return out;
 }
 
 kvp_status kvpi_pool_free(kvpi_pool *p, void *addr)
 {
     kvp_status st = KVP_OK;
+    chunk *released = NULL;
     pthread_mutex_lock(&p->lock);
     size_t i = alloc_index(p, (uintptr_t)addr);
     if (i == p->n_allocs || p->allocs[i].addr != (uintptr_t)addr) {
@@ -278,9 +290,14 @@ kvp_status kvpi_pool_free(kvpi_pool *p, void *addr)
     memmove(&p->allocs[i], &p->allocs[i + 1], (p->n_allocs - i - 1) * sizeof *p->allocs);
     p->n_allocs--;
     p->allocated -= a.len;
-    trim(p);
+    released = trim(p);
 out:
     pthread_mutex_unlock(&p->lock);
+    while (released) {
+        chunk *next = released->next_release;
+        chunk_release(p, released);
+        released = next;
+    }
     return st;
 }
 

@@ -17,15 +17,25 @@ static int add_u64(cJSON *obj, const char *key, uint64_t v)
     return cJSON_AddRawToObject(obj, key, text) != NULL;
 }
 
+/* Local time with microseconds, as Mooncake's getCurrentDateTime() writes it:
+ * "2025-01-31 17:04:05.012345". */
+static void timestamp(char *out, size_t len)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    struct tm tm;
+    char secs[24];
+    strftime(secs, sizeof secs, "%Y-%m-%d %H:%M:%S", localtime_r(&now.tv_sec, &tm));
+    snprintf(out, len, "%s.%06d", secs, (int)(now.tv_nsec / 1000) % 1000000);
+}
+
 cJSON *kvpi_descriptor_build(const char *name, int tcp_data_port, const kvpi_region *regions,
                              size_t n_regions)
 {
     cJSON *doc = cJSON_CreateObject();
     cJSON *buffers = NULL;
-    char stamp[32];
-    time_t now = time(NULL);
-    struct tm tm;
-    strftime(stamp, sizeof stamp, "%Y-%m-%d %H:%M:%S", localtime_r(&now, &tm));
+    char stamp[64];
+    timestamp(stamp, sizeof stamp);
     if (!doc || !cJSON_AddStringToObject(doc, "name", name) ||
         !cJSON_AddStringToObject(doc, "protocol", "tcp") ||
         !cJSON_AddNumberToObject(doc, "tcp_data_port", tcp_data_port) ||
@@ -37,7 +47,8 @@ cJSON *kvpi_descriptor_build(const char *name, int tcp_data_port, const kvpi_reg
         cJSON *b = cJSON_CreateObject();
         if (!b) goto fail;
         cJSON_AddItemToArray(buffers, b);
-        if (!cJSON_AddStringToObject(b, "name", "cpu:0") || !add_u64(b, "addr", regions[i].addr) ||
+        /* Mooncake's TCP transport names each buffer after its segment. */
+        if (!cJSON_AddStringToObject(b, "name", name) || !add_u64(b, "addr", regions[i].addr) ||
             !add_u64(b, "length", regions[i].length))
             goto fail;
     }

@@ -1,9 +1,13 @@
 /* Internal: the segment descriptor, Mooncake's JSON form of a segment.
  *
  *   {"name": "h:p", "protocol": "tcp", "tcp_data_port": N, "tcp_proto_version": 2,
- *    "timestamp": "...", "buffers": [{"name": "cpu:0", "addr": A, "length": L}, ...]}
+ *    "timestamp": "2025-01-31 17:04:05.012345",
+ *    "buffers": [{"name": "h:p", "addr": A, "length": L}, ...]}
  *
- * Readers ignore unknown fields, so transports add their own (shm does). Numbers
+ * As Mooncake writes it: each buffer is named after the segment (Mooncake's
+ * TCP transport), the timestamp is local time with microseconds.
+ * Readers ignore unknown fields, so transports add their own (shm does), and
+ * the engine its instance id (KVPI_INSTANCE_FIELD). Numbers
  * are written exactly (as integer text); on reading, addresses and lengths must
  * be non-negative integers below 2^53, the exactness limit of the JSON parser.
  */

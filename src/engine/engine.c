@@ -2,11 +2,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "engine/engine_internal.h"
+#include "engine/protocol.h"
 
 #define DEFAULT_TIMEOUT_MS 5000
 #define DEFAULT_WORKERS 4
@@ -22,6 +24,9 @@ void kvp_engine_opts_init(kvp_engine_opts *opts)
     opts->workers = DEFAULT_WORKERS;
     opts->conns_per_peer = DEFAULT_CONNS;
     opts->slice_size = DEFAULT_SLICE;
+    opts->max_connections = KVPI_CONN_MAX_DEFAULT;
+    opts->idle_timeout_ms = KVPI_CONN_IDLE_MS_DEFAULT;
+    opts->min_transfer_rate = KVPI_MIN_RATE_DEFAULT;
 }
 
 /* Build the descriptor from the registry and every transport's fields. */
@@ -33,6 +38,10 @@ static char *descriptor_render(kvp_engine *e)
     cJSON *doc = kvpi_descriptor_build(e->name, e->data_port, regions, n);
     free(regions);
     if (!doc) return NULL;
+    if (!cJSON_AddStringToObject(doc, KVPI_INSTANCE_FIELD, e->instance)) {
+        cJSON_Delete(doc);
+        return NULL;
+    }
     for (size_t i = 0; kvpi_transports[i]; i++)
         if (e->servers[i]) kvpi_transports[i]->server_describe(e->servers[i], doc);
     char *text = cJSON_PrintUnformatted(doc);
@@ -53,44 +62,113 @@ static char *rpc_describe(void *ctx)
     return kvpi_engine_descriptor_text(ctx);
 }
 
-/* Render and publish; the lock keeps concurrent registrations from publishing
+/* Render the descriptor anew into e->desc_text; called with publish_lock. */
+static kvp_status render_locked(kvp_engine *e)
+{
+    char *text = descriptor_render(e);
+    if (!text) return kvpi_error(KVP_ENOMEM, "cannot render the segment descriptor");
+    free(e->desc_text);
+    e->desc_text = text;
+    return KVP_OK;
+}
+
+/* What the metadata layer needs to know of this engine, with descriptor desc
+ * (e->desc_text only while publish_lock is held: it changes under it). */
+static kvpi_meta_self self_of(const kvp_engine *e, const char *desc)
+{
+    return (kvpi_meta_self){.segment = e->name,
+                            .desc_json = desc,
+                            .rpc_host = e->self.host,
+                            .rpc_port = e->self.port,
+                            .instance = e->instance};
+}
+
+/* Render and publish the descriptor (only its ram key: rpc_meta was written
+ * once, at creation); the lock keeps concurrent registrations from publishing
  * out of order. */
 static kvp_status publish(kvp_engine *e)
 {
     pthread_mutex_lock(&e->publish_lock);
-    kvp_status st = KVP_OK;
-    char *text = descriptor_render(e);
-    if (!text) {
-        st = kvpi_error(KVP_ENOMEM, "cannot render the segment descriptor");
-        goto out;
-    }
-    free(e->desc_text);
-    e->desc_text = text;
-    st = kvpi_meta_publish(e->meta, e->name, text, e->self.host, e->self.port);
-out:
+    kvp_status st = render_locked(e);
+    if (!st) st = kvpi_meta_publish(e->meta, e->name, e->desc_text);
+    /* The store missed this one (it may be down): the keeper renders and
+     * publishes anew once it answers. */
+    if (st) e->desc_stale = 1;
     pthread_mutex_unlock(&e->publish_lock);
     return st;
 }
 
-/* Re-publish when the store lost our segment (a restarted store, an expired
- * entry), so that peers can find us again without a restart on our side. */
+/* The rendered descriptor no longer matches the registry (a registration was
+ * rolled back after its publish failed): the keeper renders it again. */
+static void mark_stale(kvp_engine *e)
+{
+    pthread_mutex_lock(&e->publish_lock);
+    e->desc_stale = 1;
+    pthread_mutex_unlock(&e->publish_lock);
+}
+
+/* Take the segment's name in the store. Not under publish_lock: taking over a
+ * stale name asks the rpc_meta's address who answers there, and that may be
+ * this engine's own handshake server, which reads the descriptor under it. */
+static kvp_status claim(kvp_engine *e)
+{
+    pthread_mutex_lock(&e->publish_lock);
+    kvp_status st = render_locked(e);
+    char *text = st ? NULL : strdup(e->desc_text);
+    pthread_mutex_unlock(&e->publish_lock);
+    if (st) return st;
+    if (!text) return kvpi_error(KVP_ENOMEM, "engine: out of memory");
+    kvpi_meta_self me = self_of(e, text);
+    st = kvpi_meta_claim(e->meta, &me);
+    free(text);
+    if (st == KVP_OK) e->claimed = 1;
+    return st;
+}
+
+/* One look of the keeper: read the store without the publish lock (a slow
+ * store must not hold registrations up), write back under it. What is
+ * written is the descriptor current then, which is what the store should
+ * hold even if a registration published it meanwhile. */
+static kvp_status keep_once(kvp_engine *e)
+{
+    pthread_mutex_lock(&e->publish_lock);
+    kvp_status st = KVP_OK;
+    if (e->desc_stale && (st = render_locked(e)) == KVP_OK) e->desc_stale = 0;
+    char *text = st ? NULL : strdup(e->desc_text);
+    pthread_mutex_unlock(&e->publish_lock);
+    if (st) return st;
+    if (!text) return kvpi_error(KVP_ENOMEM, "engine: out of memory");
+    kvpi_meta_self me = self_of(e, text);
+    kvpi_meta_lost lost;
+    st = kvpi_meta_check(e->meta, &me, &lost);
+    free(text);
+    if (st || (!lost.rpc_meta && !lost.descriptor)) return st;
+    pthread_mutex_lock(&e->publish_lock);
+    me = self_of(e, e->desc_text);
+    st = kvpi_meta_restore(e->meta, &me, &lost);
+    pthread_mutex_unlock(&e->publish_lock);
+    return st;
+}
+
+/* Put back what the store lost (a restarted store comes back empty), so that
+ * peers find this engine again without a restart on its side. Keys another
+ * engine took are left to it. */
 static void *keeper_main(void *arg)
 {
     kvp_engine *e = arg;
-    int warned = 0;
+    kvp_status last = KVP_OK;
     pthread_mutex_lock(&e->keeper_lock);
     while (!e->keeper_stop) {
         struct timespec dl = kvpi_deadline_after_ms(KEEPER_INTERVAL_MS);
         pthread_cond_timedwait(&e->keeper_cond, &e->keeper_lock, &dl);
         if (e->keeper_stop) break;
         pthread_mutex_unlock(&e->keeper_lock);
-        char *desc = NULL, *host = NULL;
-        kvp_status st = kvpi_meta_fetch(e->meta, e->name, NULL, &desc, &host);
-        if (st == KVP_ENOTFOUND) st = publish(e);
-        if (st && !warned) KVPI_WARN("segment %s: metadata store: %s", e->name, kvp_last_error());
-        warned = st != KVP_OK;
-        free(desc);
-        free(host);
+        kvp_status st = keep_once(e);
+        /* Once per change of state, not every interval. */
+        if (st && st != last)
+            KVPI_WARN("segment %s: metadata store: %s", e->name, kvp_last_error());
+        if (!st && last) KVPI_INFO("segment %s: published again in the metadata store", e->name);
+        last = st;
         pthread_mutex_lock(&e->keeper_lock);
     }
     pthread_mutex_unlock(&e->keeper_lock);
@@ -116,12 +194,13 @@ static kvp_status copy_opts(kvp_engine *e, const kvp_engine_opts *o)
     if (e->opts.workers <= 0) e->opts.workers = DEFAULT_WORKERS;
     if (e->opts.conns_per_peer <= 0) e->opts.conns_per_peer = DEFAULT_CONNS;
     if (e->opts.slice_size == 0) e->opts.slice_size = DEFAULT_SLICE;
-    const char *proto = o->protocol && *o->protocol ? o->protocol : "tcp";
-    e->transport = kvpi_transport_lookup(proto);
-    if (!e->transport)
-        return kvpi_error(KVP_ENOTSUP, "protocol '%s' is not supported by this build (tcp, shm)",
-                          proto);
-    kvp_status st = kvpi_hostport_parse(o->local_server_name, -1, &e->self);
+    if (e->opts.max_connections <= 0) e->opts.max_connections = KVPI_CONN_MAX_DEFAULT;
+    if (e->opts.idle_timeout_ms <= 0) e->opts.idle_timeout_ms = KVPI_CONN_IDLE_MS_DEFAULT;
+    if (e->opts.min_transfer_rate == 0) e->opts.min_transfer_rate = KVPI_MIN_RATE_DEFAULT;
+    kvp_status st = kvpi_protocol_resolve(o->protocol, &e->transport);
+    if (st) return st;
+    const char *proto = e->transport->name;
+    st = kvpi_hostport_parse(o->local_server_name, -1, &e->self);
     if (st) return st;
     e->metadata_conn = strdup(o->metadata);
     e->protocol = strdup(proto);
@@ -130,6 +209,42 @@ static kvp_status copy_opts(kvp_engine *e, const kvp_engine_opts *o)
     e->opts.protocol = e->protocol;
     e->opts.device_names = NULL;
     return KVP_OK;
+}
+
+/* A random id that tells this engine's descriptor from one an earlier process
+ * of the same name left in the store. */
+static kvp_status draw_instance(kvp_engine *e)
+{
+    unsigned char raw[16];
+    size_t got = 0;
+    while (got < sizeof raw) {
+        ssize_t n = getrandom(raw + got, sizeof raw - got, 0);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) return kvpi_error(KVP_EIO, "engine: getrandom: %s", strerror(errno));
+        got += (size_t)n;
+    }
+    for (size_t i = 0; i < sizeof raw; i++)
+        snprintf(e->instance + 2 * i, 3, "%02x", raw[i]);
+    return KVP_OK;
+}
+
+/* Serve handshakes on the port of the segment name. That port taken means
+ * another process - most likely an engine of the same name - serves there. */
+static kvp_status start_rpc(kvp_engine *e)
+{
+    kvpi_conn_limits limits = {.timeout_ms = e->opts.timeout_ms,
+                               .max_conns = e->opts.max_connections,
+                               .min_rate = e->opts.min_transfer_rate};
+    kvp_status st =
+        kvpi_rpc_server_start(e->self.host, e->self.port, &limits, rpc_describe, e, &e->rpc);
+    if (st != KVP_EBUSY) return st;
+    char detail[512];
+    snprintf(detail, sizeof detail, "%s", kvp_last_error());
+    return kvpi_error(KVP_EBUSY,
+                      "segment name '%s' is in use on this host: its handshake port is taken, "
+                      "by another engine of this name or another program (%s); stop it or "
+                      "choose another local_server_name",
+                      e->opts.local_server_name, detail);
 }
 
 /* The segment name is host:port of the handshake server, whose port may have
@@ -146,8 +261,13 @@ static kvp_status name_segment(kvp_engine *e)
 
 static kvp_status start_servers(kvp_engine *e)
 {
-    kvpi_server_ctx ctx = {.host = e->self.host, .registry = &e->registry,
-                           .timeout_ms = e->opts.timeout_ms, .data_port_out = &e->data_port};
+    kvpi_server_ctx ctx = {.host = e->self.host,
+                           .registry = &e->registry,
+                           .timeout_ms = e->opts.timeout_ms,
+                           .idle_timeout_ms = e->opts.idle_timeout_ms,
+                           .max_conns = e->opts.max_connections,
+                           .min_rate = e->opts.min_transfer_rate,
+                           .data_port_out = &e->data_port};
     for (size_t i = 0; kvpi_transports[i]; i++) {
         const kvpi_transport_ops *ops = kvpi_transports[i];
         kvp_status st = ops->server_start(&ctx, &e->servers[i]);
@@ -174,20 +294,19 @@ kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out)
     pthread_mutex_init(&e->publish_lock, NULL);
     pthread_mutex_init(&e->segments_lock, NULL);
     pthread_mutex_init(&e->keeper_lock, NULL);
-    pthread_cond_init(&e->keeper_cond, NULL);
+    kvpi_cond_init(&e->keeper_cond);
     kvp_status st;
     if ((st = copy_opts(e, opts))) goto fail;
     if ((st = kvpi_meta_open(e->metadata_conn, e->opts.timeout_ms, &e->meta))) goto fail;
-    if ((st = kvpi_rpc_server_start(e->self.host, e->self.port, e->opts.timeout_ms, rpc_describe,
-                                    e, &e->rpc)))
-        goto fail;
+    if ((st = draw_instance(e))) goto fail;
+    if ((st = start_rpc(e))) goto fail;
     if ((st = name_segment(e))) goto fail;
     if ((st = start_servers(e))) goto fail;
     kvpi_pool_opts popts = {.retain_bytes = e->opts.pool_retain_bytes};
     kvpi_pool_hooks hooks = {e, pool_register, pool_unregister};
     if ((st = kvpi_pool_create(&popts, &hooks, &e->pool))) goto fail;
     if ((st = kvpi_workers_start(e))) goto fail;
-    if ((st = publish(e))) goto fail;
+    if ((st = claim(e))) goto fail;
     if (!kvpi_meta_is_p2p(e->meta)) {
         if (pthread_create(&e->keeper, NULL, keeper_main, e) != 0) {
             st = kvpi_error(KVP_EIO, "engine: cannot start a thread: %s", strerror(errno));
@@ -219,7 +338,11 @@ void kvp_engine_destroy(kvp_engine *e)
         pthread_mutex_unlock(&e->keeper_lock);
         pthread_join(e->keeper, NULL);
     }
-    if (e->meta && e->desc_text) kvpi_meta_remove(e->meta, e->name);
+    if (e->claimed) {
+        kvpi_meta_self me = self_of(e, e->desc_text); /* every other thread has stopped */
+        if (kvpi_meta_release(e->meta, &me))
+            KVPI_INFO("segment %s: cannot remove its keys: %s", e->name, kvp_last_error());
+    }
     kvpi_workers_stop(e);
     kvpi_segments_destroy(e);
     kvpi_rpc_server_stop(e->rpc);
@@ -259,9 +382,13 @@ int kvp_engine_data_port(const kvp_engine *e)
 kvp_status kvp_engine_register(kvp_engine *e, void *addr, size_t length)
 {
     if (!e || !addr) return kvpi_error(KVP_EINVAL, "register: NULL argument");
-    kvp_status st = kvpi_registry_add(&e->registry, (uint64_t)(uintptr_t)addr, length);
+    kvp_status st = length ? kvpi_memory_check_host(addr, length) : KVP_OK;
+    if (!st) st = kvpi_registry_add(&e->registry, (uint64_t)(uintptr_t)addr, length);
     if (st || !e->meta) return st;
-    if ((st = publish(e))) kvpi_registry_remove(&e->registry, (uint64_t)(uintptr_t)addr);
+    if ((st = publish(e))) {
+        kvpi_registry_remove(&e->registry, (uint64_t)(uintptr_t)addr);
+        mark_stale(e); /* the rendered descriptor still lists it */
+    }
     return st;
 }
 

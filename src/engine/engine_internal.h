@@ -58,8 +58,11 @@ struct kvp_engine {
     int data_port;
     kvpi_pool *pool;
 
+    char instance[33]; /* KVPI_INSTANCE_FIELD: random hex, drawn at creation */
+    int claimed;       /* the name is taken in the store: release it at destroy */
     pthread_mutex_t publish_lock;
-    char *desc_text; /* last published descriptor, for handshakes */
+    char *desc_text; /* last rendered descriptor, for handshakes */
+    int desc_stale;  /* desc_text may list what the registry no longer has */
 
     pthread_mutex_t segments_lock;
     kvpi_segment **segments;

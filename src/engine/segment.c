@@ -105,7 +105,8 @@ static kvp_status peer_connect(kvp_engine *e, kvpi_peer *peer, const char *segna
 {
     kvpi_peer_ctx ctx = {.host = peer->host, .desc = peer->desc.json,
                          .regions = peer->desc.regions, .n_regions = peer->desc.n_regions,
-                         .timeout_ms = e->opts.timeout_ms, .conns = e->opts.conns_per_peer};
+                         .timeout_ms = e->opts.timeout_ms,
+                         .min_rate = e->opts.min_transfer_rate, .conns = e->opts.conns_per_peer};
     for (size_t i = 0; kvpi_transports[i]; i++) {
         const kvpi_transport_ops *ops = kvpi_transports[i];
         if (!transport_allowed(e, ops)) continue;

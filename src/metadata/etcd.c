@@ -42,6 +42,7 @@ typedef struct etcd_store {
     size_t n;
     atomic_size_t preferred; /* the endpoint that last answered */
     int timeout_ms;
+    int bare; /* the connection string had no scheme: etcd was assumed */
 } etcd_store;
 
 /* ---- base64 (RFC 4648, standard alphabet, padded) ---- */
@@ -230,6 +231,23 @@ static enum attempt_result attempt(const etcd_store *s, size_t idx, const char *
     return ATTEMPT_OK;
 }
 
+/* etcd's gateway serves every /v3/kv/ path with POST: a 404 or 405 there is
+ * another kind of server, most likely an HTTP metadata store given without
+ * its scheme. Say what was assumed and what was probably meant. */
+static void not_etcd_hint(const etcd_store *s, size_t idx, long code, char *out, size_t len)
+{
+    out[0] = '\0';
+    if (code != 404 && code != 405) return;
+    const char *addr = s->urls[idx] + strlen("http://");
+    snprintf(out, len,
+             "; this does not answer like etcd: %s was taken as etcd endpoints (%s); for an HTTP "
+             "metadata store (Mooncake's or `kvpipe metadata-server`) write http://%s/metadata",
+             s->addrs,
+             s->bare ? "a connection string without a scheme means etcd, as in Mooncake"
+                     : "etcd:// says so",
+             addr);
+}
+
 /* POST to the preferred endpoint, failing over to the others in order. *resp
  * gets the body of a 2xx answer (malloc'ed). */
 static kvp_status request(etcd_store *s, const char *path, const char *body, cJSON **resp_out)
@@ -257,9 +275,14 @@ static kvp_status request(etcd_store *s, const char *path, const char *body, cJS
         kvp_status st = KVP_OK;
         if (code / 100 != 2) {
             const cJSON *msg = cJSON_GetObjectItemCaseSensitive(json, "error");
-            st = kvpi_error(
-                KVP_EMETADATA, "etcd at %s: %s: HTTP %ld: %s", s->urls[idx] + 7, path, code,
-                cJSON_IsString(msg) ? msg->valuestring : (resp.data ? resp.data : "(empty body)"));
+            char hint[512];
+            not_etcd_hint(s, idx, code, hint, sizeof hint);
+            const char *text = cJSON_IsString(msg) ? msg->valuestring
+                               : resp.data         ? resp.data
+                                                   : "(empty body)";
+            size_t n = strcspn(text, "\r\n");
+            st = kvpi_error(KVP_EMETADATA, "etcd at %s: %s: HTTP %ld: %.*s%s", s->urls[idx] + 7,
+                            path, code, (int)(n < 200 ? n : 200), text, hint);
         } else if (!cJSON_IsObject(json)) {
             st = kvpi_error(KVP_EMETADATA, "etcd at %s: %s: answer is not a JSON object",
                             s->urls[idx] + 7, path);
@@ -326,6 +349,7 @@ static kvp_status etcd_open(const char *conn, int timeout_ms, void **out)
     etcd_store *s = calloc(1, sizeof *s);
     if (!s) return kvpi_error(KVP_ENOMEM, "etcd: out of memory");
     s->timeout_ms = timeout_ms > 0 ? timeout_ms : 5000;
+    s->bare = strncasecmp(conn, ETCD_SCHEME, strlen(ETCD_SCHEME)) != 0;
     kvp_status st = parse_endpoints(s, conn);
     if (!st) st = format_addrs(s);
     if (st) goto fail;
@@ -399,6 +423,7 @@ static kvp_status etcd_del(void *store, const char *key)
 
 const kvpi_store_ops kvpi_store_etcd = {
     .name = "etcd",
+    .newline_values = 1,
     .accepts = etcd_accepts,
     .open = etcd_open,
     .get = etcd_get,

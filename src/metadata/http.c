@@ -17,7 +17,10 @@
 
 #define HTTP_MAX_BODY ((size_t)16 << 20) /* same bound as the server's */
 #define HTTP_IDLE_HANDLES 4
+/* Bodies from this size on ask the store first (Expect: 100-continue). */
+#define EXPECT_MIN_BODY ((size_t)64 << 10)
 #define HTTP_PROBE_KEY "kvpipe/probe"
+#define HTTP_DUPLICATE "Duplicate rpc_meta key" /* Mooncake's refusal, 400 */
 
 typedef struct http_store {
     char *base;     /* the connection string, as given */
@@ -105,8 +108,12 @@ static kvp_status http_do(http_store *s, const char *method, const char *key, co
     set_method(h, method, body);
     if (body) {
         hdrs = curl_slist_append(hdrs, "Content-Type: application/json");
-        /* Skip the 100-continue round trip for large values. */
-        hdrs = curl_slist_append(hdrs, "Expect:");
+        /* Small values go at once. A large one asks first (100-continue), so
+         * that a store refusing it (over its limits) answers before the body
+         * is sent: sent anyway, the refusal can reach us as a broken pipe
+         * instead of its status. */
+        hdrs = curl_slist_append(hdrs, strlen(body) >= EXPECT_MIN_BODY ? "Expect: 100-continue"
+                                                                       : "Expect:");
         curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdrs);
     }
     CURLcode rc = curl_easy_perform(h);
@@ -129,10 +136,33 @@ out:
     return st;
 }
 
-static kvp_status bad_status(http_store *s, const char *method, const char *key, long code)
+/* The first line of a server's answer, for a message ("" when none). */
+static void answer_text(const kvpi_curl_body *resp, char *out, size_t len)
 {
-    return kvpi_error(KVP_EMETADATA, "metadata store %s answered HTTP %ld to %s of key '%s'",
-                      s->base, code, method, key);
+    out[0] = '\0';
+    if (!resp->data) return;
+    size_t n = strcspn(resp->data, "\r\n");
+    if (n > 200) n = 200;
+    snprintf(out, len, ": %.*s", (int)n, resp->data);
+    if (strlen(out) == 2) out[0] = '\0';
+}
+
+static kvp_status bad_status(http_store *s, const char *method, const char *key, long code,
+                             const kvpi_curl_body *resp)
+{
+    char text[256];
+    answer_text(resp, text, sizeof text);
+    /* Mooncake's servers refuse to overwrite an rpc_meta key: the segment
+     * name is taken (see kvpi_store_ops.put). */
+    kvp_status st = code == 400 && resp->data && strstr(resp->data, HTTP_DUPLICATE) ? KVP_EBUSY
+                    : code == 507                                                   ? KVP_ENOMEM
+                                                                                    : KVP_EMETADATA;
+    const char *hint = code == 404 && strcmp(method, "GET") != 0
+                           ? " (is the path right? Mooncake's servers and kvpipe's serve "
+                             "/metadata)"
+                           : "";
+    return kvpi_error(st, "metadata store %s answered HTTP %ld to %s of key '%s'%s%s", s->base,
+                      code, method, key, text, hint);
 }
 
 static kvp_status http_get(void *store, const char *key, char **value)
@@ -144,7 +174,7 @@ static kvp_status http_get(void *store, const char *key, char **value)
     if (st == KVP_OK && code == 404)
         st = kvpi_error(KVP_ENOTFOUND, "key '%s' not found in metadata store %s", key, s->base);
     else if (st == KVP_OK && code != 200)
-        st = bad_status(s, "GET", key, code);
+        st = bad_status(s, "GET", key, code, &resp);
     if (st == KVP_OK && !resp.data) {
         resp.data = strdup("");
         if (!resp.data) st = kvpi_error(KVP_ENOMEM, "out of memory");
@@ -163,8 +193,8 @@ static kvp_status http_put(void *store, const char *key, const char *value)
     kvpi_curl_body resp = {0};
     long code = 0;
     kvp_status st = http_do(s, "PUT", key, value, &code, &resp);
+    if (st == KVP_OK && (code < 200 || code > 299)) st = bad_status(s, "PUT", key, code, &resp);
     free(resp.data);
-    if (st == KVP_OK && (code < 200 || code > 299)) st = bad_status(s, "PUT", key, code);
     return st;
 }
 
@@ -174,10 +204,10 @@ static kvp_status http_del(void *store, const char *key)
     kvpi_curl_body resp = {0};
     long code = 0;
     kvp_status st = http_do(s, "DELETE", key, NULL, &code, &resp);
-    free(resp.data);
-    /* Deleting a missing key succeeds, whatever a third-party server answers. */
+    /* Deleting a missing key succeeds (Mooncake's servers answer 404). */
     if (st == KVP_OK && code != 404 && (code < 200 || code > 299))
-        st = bad_status(s, "DELETE", key, code);
+        st = bad_status(s, "DELETE", key, code, &resp);
+    free(resp.data);
     return st;
 }
 
@@ -228,6 +258,7 @@ static kvp_status http_open(const char *conn, int timeout_ms, void **store)
 
 const kvpi_store_ops kvpi_store_http = {
     .name = "http",
+    .newline_values = 0, /* Mooncake's HTTP client writes none */
     .accepts = http_accepts,
     .open = http_open,
     .get = http_get,

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "common/error.h"
 #include "common/log.h"
@@ -67,17 +68,31 @@ static kvp_status open_store(kvpi_meta *m, const char *conn)
                           "redis://, host:port or " KVPI_P2P_CONN ")",
                           m->conn);
     kvp_status st = m->ops->open(conn, m->timeout_ms, &m->store);
-    if (st == KVP_OK || st == KVP_ENOMEM) return st;
+    /* A store left out of this build says so itself (store_absent.c). */
+    if (st == KVP_OK || st == KVP_ENOMEM || st == KVP_ENOTSUP) return st;
     if (strstr(kvp_last_error(), conn)) return KVP_EMETADATA; /* the detail names it already */
     char prefix[512];
     snprintf(prefix, sizeof prefix, "cannot open %s metadata store %s", m->ops->name, m->conn);
     return wrap(KVP_EMETADATA, prefix);
 }
 
+/* "p2phandshake" would be taken as an etcd host: say so rather than trying. */
+static kvp_status check_p2p_spelling(const char *conn)
+{
+    if (strcasecmp(conn, KVPI_P2P_CONN) != 0 || strcmp(conn, KVPI_P2P_CONN) == 0) return KVP_OK;
+    return kvpi_error(KVP_EINVAL,
+                      "metadata connection string '%s' would name an etcd host (a string "
+                      "without '://' lists etcd endpoints, as in Mooncake); did you mean "
+                      "'" KVPI_P2P_CONN "'? It must be written in upper case",
+                      conn);
+}
+
 kvp_status kvpi_meta_open(const char *conn, int timeout_ms, kvpi_meta **out)
 {
     if (!conn || !*conn) return kvpi_error(KVP_EINVAL, "empty metadata connection string");
     if (!out) return kvpi_error(KVP_EINVAL, "kvpi_meta_open: out is NULL");
+    kvp_status st = check_p2p_spelling(conn);
+    if (st) return st;
     kvpi_meta *m = calloc(1, sizeof *m);
     if (!m || !(m->conn = mask_credentials(conn))) {
         free(m);
@@ -85,7 +100,7 @@ kvp_status kvpi_meta_open(const char *conn, int timeout_ms, kvpi_meta **out)
     }
     m->timeout_ms = timeout_ms > 0 ? timeout_ms : META_DEFAULT_TIMEOUT_MS;
     if (strcmp(conn, KVPI_P2P_CONN) != 0) {
-        kvp_status st = open_store(m, conn);
+        st = open_store(m, conn);
         if (st) {
             free(m->conn);
             free(m);
@@ -112,15 +127,17 @@ int kvpi_meta_is_p2p(const kvpi_meta *meta)
 char *kvpi_meta_key(const char *kind, const char *segment)
 {
     const char *cluster = getenv("MC_METADATA_CLUSTER_ID");
-    int has = cluster && *cluster;
-    size_t n = strlen("mooncake/") + (has ? strlen(cluster) + 1 : 0) + strlen(kind) + 1 +
-               strlen(segment) + 1;
+    size_t clen = cluster ? strlen(cluster) : 0;
+    /* Mooncake adds the '/' after the cluster id only when it lacks one. */
+    const char *csep = clen && cluster[clen - 1] != '/' ? "/" : "";
+    /* Mooncake's getFullMetadataKey: a descriptor of a name with a '/' in it
+     * lives at the name itself, below the prefix. */
+    int bare = strcmp(kind, "ram") == 0 && strchr(segment, '/');
+    size_t n = strlen("mooncake/") + clen + 1 + strlen(kind) + 1 + strlen(segment) + 1;
     char *key = malloc(n);
     if (!key) return NULL;
-    if (has)
-        snprintf(key, n, "mooncake/%s/%s/%s", cluster, kind, segment);
-    else
-        snprintf(key, n, "mooncake/%s/%s", kind, segment);
+    snprintf(key, n, "mooncake/%s%s%s%s%s", clen ? cluster : "", csep, bare ? "" : kind,
+             bare ? "" : "/", segment);
     return key;
 }
 
@@ -141,34 +158,19 @@ static char *rpc_meta_json(const char *host, int port)
     return text;
 }
 
-/* Put one key; kind names it in the message. */
+/* ---- one key ---- */
+
 static kvp_status put_kind(kvpi_meta *m, const char *kind, const char *segment, const char *value)
 {
     char *key = kvpi_meta_key(kind, segment);
-    if (!key) return kvpi_error(KVP_ENOMEM, "out of memory");
-    kvp_status st = m->ops->put(m->store, key, value);
+    char *text = NULL;
+    if (key && m->ops->newline_values && (text = malloc(strlen(value) + 2)))
+        snprintf(text, strlen(value) + 2, "%s\n", value);
+    kvp_status st = !key || (m->ops->newline_values && !text)
+                        ? kvpi_error(KVP_ENOMEM, "out of memory")
+                        : m->ops->put(m->store, key, text ? text : value);
+    free(text);
     free(key);
-    return st;
-}
-
-kvp_status kvpi_meta_publish(kvpi_meta *meta, const char *segment, const char *desc_json,
-                             const char *rpc_host, int rpc_port)
-{
-    if (!meta) return kvpi_error(KVP_EINVAL, "kvpi_meta_publish: meta is NULL");
-    if (!meta->ops) return KVP_OK; /* P2P: peers ask this process directly */
-    kvp_status st = check_segment(segment);
-    if (st) return st;
-    if (!desc_json || !rpc_host || !*rpc_host || rpc_port < 0 || rpc_port > 65535)
-        return kvpi_error(KVP_EINVAL,
-                          "publish of segment '%s': descriptor, rpc host and a port "
-                          "in 0..65535 are required",
-                          segment);
-    char *rpc = rpc_meta_json(rpc_host, rpc_port);
-    if (!rpc) return kvpi_error(KVP_ENOMEM, "out of memory");
-    /* rpc_meta first: a reader that finds the descriptor then finds its host. */
-    st = put_kind(meta, "rpc_meta", segment, rpc);
-    if (st == KVP_OK) st = put_kind(meta, "ram", segment, desc_json);
-    free(rpc);
     return st;
 }
 
@@ -181,18 +183,6 @@ static kvp_status del_kind(kvpi_meta *m, const char *kind, const char *segment)
     return st;
 }
 
-kvp_status kvpi_meta_remove(kvpi_meta *meta, const char *segment)
-{
-    if (!meta) return kvpi_error(KVP_EINVAL, "kvpi_meta_remove: meta is NULL");
-    if (!meta->ops) return KVP_OK;
-    kvp_status st = check_segment(segment);
-    if (st) return st;
-    /* The descriptor first, so no reader finds it without its rpc_meta. */
-    st = del_kind(meta, "ram", segment);
-    kvp_status st2 = del_kind(meta, "rpc_meta", segment);
-    return st ? st : st2;
-}
-
 static kvp_status get_kind(kvpi_meta *m, const char *kind, const char *segment, char **value)
 {
     char *key = kvpi_meta_key(kind, segment);
@@ -202,8 +192,7 @@ static kvp_status get_kind(kvpi_meta *m, const char *kind, const char *segment, 
     return st;
 }
 
-kvp_status kvpi_rpc_meta_parse(const char *text, const char *segment, const char *where,
-                               char **host)
+kvp_status kvpi_rpc_meta_parse(const char *text, char host[KVPI_HOST_MAX], int *port)
 {
     cJSON *o = cJSON_Parse(text);
     const char *why = NULL;
@@ -218,13 +207,26 @@ kvp_status kvpi_rpc_meta_parse(const char *text, const char *segment, const char
         why = "'rpc_port' is not an integer in 0..65535";
     else if (strlen(h->valuestring) >= KVPI_HOST_MAX)
         why = "'ip_or_host_name' is too long";
-    char *out = why ? NULL : strdup(h->valuestring);
+    if (!why) {
+        snprintf(host, KVPI_HOST_MAX, "%s", h->valuestring);
+        *port = (int)p->valuedouble;
+    }
     cJSON_Delete(o);
-    if (why)
-        return kvpi_error(KVP_EPROTO, "rpc_meta of segment '%s' in %s: %s", segment, where, why);
-    if (!out) return kvpi_error(KVP_ENOMEM, "out of memory");
-    *host = out;
-    return KVP_OK;
+    return why ? kvpi_error(KVP_EPROTO, "%s", why) : KVP_OK;
+}
+
+/* Validate rpc_meta text and take its host (malloc'ed). */
+static kvp_status parse_rpc_meta(kvpi_meta *m, const char *segment, const char *text, char **host)
+{
+    char h[KVPI_HOST_MAX];
+    int port;
+    if (kvpi_rpc_meta_parse(text, h, &port) != KVP_OK) {
+        char prefix[512];
+        snprintf(prefix, sizeof prefix, "rpc_meta of segment '%.200s' in %.200s", segment, m->conn);
+        return wrap(KVP_EPROTO, prefix);
+    }
+    *host = strdup(h);
+    return *host ? KVP_OK : kvpi_error(KVP_ENOMEM, "out of memory");
 }
 
 /* No rpc_meta (a writer that only publishes descriptors): the segment name is
@@ -250,7 +252,7 @@ static kvp_status fetch_store(kvpi_meta *m, const char *segment, char **desc, ch
     if (st == KVP_ENOTFOUND)
         st = host_of_name(segment, &h);
     else if (st == KVP_OK)
-        st = kvpi_rpc_meta_parse(rpc, segment, m->conn, &h);
+        st = parse_rpc_meta(m, segment, rpc, &h);
     if (st) goto out;
     *desc = d;
     *host = h;
@@ -293,4 +295,267 @@ kvp_status kvpi_meta_fetch(kvpi_meta *meta, const char *segment, const char *own
     if (st) return st;
     if (!meta->ops) return fetch_p2p(meta, segment, own_desc_json, desc_json, rpc_host);
     return fetch_store(meta, segment, desc_json, rpc_host);
+}
+
+/* ---- an engine's own keys: claim, publish, repair, release ---- */
+
+char *kvpi_meta_instance_of(const char *desc_json)
+{
+    cJSON *d = desc_json ? cJSON_Parse(desc_json) : NULL;
+    const cJSON *id = cJSON_GetObjectItemCaseSensitive(d, KVPI_INSTANCE_FIELD);
+    char *out = cJSON_IsString(id) ? strdup(id->valuestring) : NULL;
+    cJSON_Delete(d);
+    return out;
+}
+
+/* 1 if desc_json is the descriptor of this instance. */
+static int is_own_desc(const char *desc_json, const char *instance)
+{
+    char *id = kvpi_meta_instance_of(desc_json);
+    int own = id && strcmp(id, instance) == 0;
+    free(id);
+    return own;
+}
+
+/* 1 if rpc_meta text is self's address. */
+static int is_own_rpc(const char *text, const kvpi_meta_self *self)
+{
+    char host[KVPI_HOST_MAX];
+    int port;
+    return kvpi_rpc_meta_parse(text, host, &port) == KVP_OK && strcmp(host, self->rpc_host) == 0 &&
+           port == self->rpc_port;
+}
+
+kvpi_meta_owner kvpi_meta_judge_owner(kvp_status st, const char *reply, const char *segment,
+                                      const char *instance)
+{
+    if (st != KVP_OK) return KVPI_OWNER_GONE;
+    cJSON *d = reply ? cJSON_Parse(reply) : NULL;
+    const cJSON *name = cJSON_GetObjectItemCaseSensitive(d, "name");
+    const cJSON *id = cJSON_GetObjectItemCaseSensitive(d, KVPI_INSTANCE_FIELD);
+    kvpi_meta_owner owner;
+    if (!d || (!cJSON_IsNull(d) && !cJSON_IsObject(d)))
+        owner = KVPI_OWNER_GONE; /* whatever answers there is no engine */
+    else if (!cJSON_IsString(name))
+        owner = KVPI_OWNER_LIVE; /* an engine that does not say its name */
+    else if (strcmp(name->valuestring, segment) != 0)
+        owner = KVPI_OWNER_ELSE;
+    else if (cJSON_IsString(id) && instance && strcmp(id->valuestring, instance) == 0)
+        owner = KVPI_OWNER_SELF;
+    else
+        owner = KVPI_OWNER_LIVE;
+    cJSON_Delete(d);
+    return owner;
+}
+
+static kvp_status check_self(const kvpi_meta *m, const kvpi_meta_self *self, const char *what)
+{
+    if (!m || !self || !self->desc_json || !self->rpc_host || !*self->rpc_host || !self->instance ||
+        self->rpc_port < 0 || self->rpc_port > 65535)
+        return kvpi_error(KVP_EINVAL,
+                          "%s: meta, descriptor, instance, rpc host and a port in 0..65535 are "
+                          "required",
+                          what);
+    return check_segment(self->segment);
+}
+
+static kvp_status put_rpc_meta(kvpi_meta *m, const kvpi_meta_self *self)
+{
+    char *rpc = rpc_meta_json(self->rpc_host, self->rpc_port);
+    if (!rpc) return kvpi_error(KVP_ENOMEM, "out of memory");
+    kvp_status st = put_kind(m, "rpc_meta", self->segment, rpc);
+    free(rpc);
+    return st;
+}
+
+/* Ask the engine at a stale-looking rpc_meta who it is. */
+static kvpi_meta_owner probe_owner(kvpi_meta *m, const kvpi_meta_self *self, const char *rpc,
+                                   char *where, size_t where_len)
+{
+    char host[KVPI_HOST_MAX];
+    int port;
+    if (kvpi_rpc_meta_parse(rpc, host, &port) != KVP_OK) {
+        snprintf(where, where_len, "a malformed rpc_meta (%s)", kvp_last_error());
+        return KVPI_OWNER_GONE; /* it holds no address anyone could use */
+    }
+    char *reply = NULL;
+    kvp_status st =
+        kvpi_rpc_call(host, port, KVPI_RPC_METADATA, self->desc_json, m->timeout_ms, &reply);
+    kvpi_meta_owner owner = kvpi_meta_judge_owner(st, reply, self->segment, self->instance);
+    char *id = owner == KVPI_OWNER_LIVE ? kvpi_meta_instance_of(reply) : NULL;
+    char hp[KVPI_HOST_MAX + 8];
+    kvpi_hostport_format(host, port, hp, sizeof hp);
+    if (st)
+        snprintf(where, where_len, "%s, where no engine answers (%.200s)", hp, kvp_last_error());
+    else if (owner == KVPI_OWNER_LIVE)
+        snprintf(where, where_len, "%s, where an engine of this name answers (%s%.64s)", hp,
+                 id ? "instance " : "one that does not say its instance, as Mooncake's",
+                 id ? id : "");
+    else
+        snprintf(where, where_len, "%s, which now answers as %s", hp,
+                 owner == KVPI_OWNER_SELF ? "this engine" : "another segment");
+    free(id);
+    free(reply);
+    return owner;
+}
+
+/* A claim failed half-way: delete the key it wrote, keeping the failure's
+ * message. */
+static void undo(kvpi_meta *m, const char *kind, const char *segment)
+{
+    char detail[512];
+    snprintf(detail, sizeof detail, "%s", kvp_last_error());
+    if (del_kind(m, kind, segment) != KVP_OK)
+        KVPI_INFO("segment %s: cannot remove its %s again: %s", segment, kind, kvp_last_error());
+    kvpi_error(KVP_OK, "%s", detail);
+}
+
+/* The name's keys are stale: replace them, the descriptor first. */
+static kvp_status take_over(kvpi_meta *m, const kvpi_meta_self *self, const char *rpc,
+                            const char *where)
+{
+    KVPI_INFO("segment %s: taking the name over from a dead engine: its rpc_meta in %s pointed "
+              "at %s",
+              self->segment, m->conn, where);
+    kvp_status st = put_kind(m, "ram", self->segment, self->desc_json);
+    if (st || is_own_rpc(rpc, self)) return st;
+    st = put_rpc_meta(m, self);
+    if (st == KVP_EBUSY) {
+        /* The store refuses to overwrite rpc_meta (Mooncake's HTTP servers):
+         * the key is proven stale, so it is deleted and written anew. */
+        st = del_kind(m, "rpc_meta", self->segment);
+        if (!st) st = put_rpc_meta(m, self);
+    }
+    if (st) undo(m, "ram", self->segment);
+    return st;
+}
+
+kvp_status kvpi_meta_claim(kvpi_meta *meta, const kvpi_meta_self *self)
+{
+    if (meta && !meta->ops) return KVP_OK;
+    kvp_status st = check_self(meta, self, "kvpi_meta_claim");
+    if (st) return st;
+    /* Twice: another engine may write the key between our look and our write. */
+    for (int attempt = 0; attempt < 2; attempt++) {
+        char *rpc = NULL;
+        st = get_kind(meta, "rpc_meta", self->segment, &rpc);
+        if (st == KVP_ENOTFOUND) {
+            st = put_rpc_meta(meta, self);
+            if (st == KVP_EBUSY) continue;
+            if (st || (st = put_kind(meta, "ram", self->segment, self->desc_json)) == KVP_OK)
+                return st;
+            undo(meta, "rpc_meta", self->segment);
+            return st;
+        }
+        if (st) return st;
+        char where[700];
+        kvpi_meta_owner owner = probe_owner(meta, self, rpc, where, sizeof where);
+        if (owner == KVPI_OWNER_LIVE)
+            st = kvpi_error(KVP_EBUSY,
+                            "segment name '%s' is in use: its rpc_meta in %s points at %s; stop "
+                            "that engine or choose another local_server_name",
+                            self->segment, meta->conn, where);
+        else
+            st = take_over(meta, self, rpc, where);
+        free(rpc);
+        return st;
+    }
+    return kvpi_error(KVP_EBUSY,
+                      "segment name '%s': its rpc_meta in %s keeps changing; is "
+                      "another engine starting with this name?",
+                      self->segment, meta->conn);
+}
+
+kvp_status kvpi_meta_publish(kvpi_meta *meta, const char *segment, const char *desc_json)
+{
+    if (!meta) return kvpi_error(KVP_EINVAL, "kvpi_meta_publish: meta is NULL");
+    if (!meta->ops) return KVP_OK; /* P2P: peers ask this process directly */
+    kvp_status st = check_segment(segment);
+    if (st) return st;
+    if (!desc_json)
+        return kvpi_error(KVP_EINVAL, "publish of segment '%s': no descriptor", segment);
+    return put_kind(meta, "ram", segment, desc_json);
+}
+
+/* text without the trailing whitespace a store's writer may add equals want. */
+static int same_text(const char *text, const char *want)
+{
+    size_t n = strlen(text), w = strlen(want);
+    while (n > w && (text[n - 1] == '\n' || text[n - 1] == '\r' || text[n - 1] == ' '))
+        n--;
+    return n == w && memcmp(text, want, n) == 0;
+}
+
+/* Look a key up; a missing one is not an error (*value stays NULL). */
+static kvp_status get_optional(kvpi_meta *m, const char *kind, const char *segment, char **value)
+{
+    *value = NULL;
+    kvp_status st = get_kind(m, kind, segment, value);
+    return st == KVP_ENOTFOUND ? KVP_OK : st;
+}
+
+kvp_status kvpi_meta_check(kvpi_meta *meta, const kvpi_meta_self *self, kvpi_meta_lost *lost)
+{
+    *lost = (kvpi_meta_lost){0};
+    if (meta && !meta->ops) return KVP_OK;
+    kvp_status st = check_self(meta, self, "kvpi_meta_check");
+    if (st) return st;
+    char *ram = NULL, *rpc = NULL;
+    if ((st = get_optional(meta, "ram", self->segment, &ram)) ||
+        (st = get_optional(meta, "rpc_meta", self->segment, &rpc)))
+        goto out;
+    if ((ram && !is_own_desc(ram, self->instance)) || (rpc && !is_own_rpc(rpc, self))) {
+        st = kvpi_error(KVP_EBUSY,
+                        "segment %s: its keys in %s now belong to another engine (%s); this "
+                        "engine no longer publishes them",
+                        self->segment, meta->conn,
+                        ram && !is_own_desc(ram, self->instance) ? "another descriptor"
+                                                                 : "rpc_meta points elsewhere");
+        goto out;
+    }
+    lost->rpc_meta = !rpc;
+    lost->descriptor = !ram || !same_text(ram, self->desc_json);
+out:
+    free(ram);
+    free(rpc);
+    return st;
+}
+
+kvp_status kvpi_meta_restore(kvpi_meta *meta, const kvpi_meta_self *self,
+                             const kvpi_meta_lost *lost)
+{
+    if (meta && !meta->ops) return KVP_OK;
+    kvp_status st = check_self(meta, self, "kvpi_meta_restore");
+    if (!st && lost->rpc_meta) st = put_rpc_meta(meta, self);
+    if (!st && lost->descriptor) st = put_kind(meta, "ram", self->segment, self->desc_json);
+    return st;
+}
+
+kvp_status kvpi_meta_repair(kvpi_meta *meta, const kvpi_meta_self *self)
+{
+    kvpi_meta_lost lost;
+    kvp_status st = kvpi_meta_check(meta, self, &lost);
+    return st ? st : kvpi_meta_restore(meta, self, &lost);
+}
+
+kvp_status kvpi_meta_release(kvpi_meta *meta, const kvpi_meta_self *self)
+{
+    if (meta && !meta->ops) return KVP_OK;
+    kvp_status st = check_self(meta, self, "kvpi_meta_release");
+    if (st) return st;
+    char *ram = NULL, *rpc = NULL;
+    if ((st = get_optional(meta, "ram", self->segment, &ram))) return st;
+    if (ram && !is_own_desc(ram, self->instance)) {
+        KVPI_INFO("segment %s: leaving its keys in %s alone: another engine has written them",
+                  self->segment, meta->conn);
+        free(ram);
+        return KVP_OK;
+    }
+    /* The descriptor first, so no reader finds it without its rpc_meta. */
+    if (ram) st = del_kind(meta, "ram", self->segment);
+    if (!st) st = get_optional(meta, "rpc_meta", self->segment, &rpc);
+    if (!st && rpc && is_own_rpc(rpc, self)) st = del_kind(meta, "rpc_meta", self->segment);
+    free(ram);
+    free(rpc);
+    return st;
 }

@@ -9,7 +9,8 @@
  *    the peer itself over its handshake port (p2p.c).
  *
  * Connection strings: "http://h:p/path", "etcd://h:p[,h:p]", a bare "h:p"
- * (etcd), "redis://[user:pass@]h:p[/db]", "P2PHANDSHAKE".
+ * (etcd), "redis://[user:pass@]h:p[/db]" (or credentials and db from Mooncake's
+ * MC_REDIS_PASSWORD, MC_REDIS_USERNAME, MC_REDIS_DB_INDEX), "P2PHANDSHAKE".
  *
  * Every function sets kvp_last_error() on failure, naming the store and its
  * address. All are thread-safe.
@@ -20,10 +21,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/net.h"
 #include "kvpipe/status.h"
 
 typedef struct kvpi_store_ops {
     const char *name; /* "http", "etcd", "redis" */
+    /* Mooncake writes its values to this store with a trailing newline (its
+     * jsoncpp FastWriter does; its HTTP client does not), and so does kvpipe. */
+    int newline_values;
     /* Non-zero if this store handles the connection string. */
     int (*accepts)(const char *conn);
     /* Connect (or prepare to). Must fail with KVP_EMETADATA, naming the address,
@@ -31,6 +36,8 @@ typedef struct kvpi_store_ops {
     kvp_status (*open)(const char *conn, int timeout_ms, void **store);
     /* *value is malloc'ed text owned by the caller. KVP_ENOTFOUND if missing. */
     kvp_status (*get)(void *store, const char *key, char **value);
+    /* KVP_EBUSY when the store refuses to overwrite an existing key (Mooncake's
+     * HTTP servers do so for rpc_meta keys); KVP_ENOMEM when it is full. */
     kvp_status (*put)(void *store, const char *key, const char *value);
     /* Deleting a missing key succeeds. */
     kvp_status (*del)(void *store, const char *key);
@@ -48,18 +55,71 @@ typedef struct kvpi_meta kvpi_meta;
 
 #define KVPI_P2P_CONN "P2PHANDSHAKE"
 
+/* The descriptor field in which a kvpipe engine writes its instance id: a
+ * random token drawn at creation, which tells this engine's descriptor from
+ * that of an earlier process with the same segment name. Mooncake readers
+ * ignore it. */
+#define KVPI_INSTANCE_FIELD "kvpipe_instance"
+
 kvp_status kvpi_meta_open(const char *conn, int timeout_ms, kvpi_meta **out);
 void kvpi_meta_close(kvpi_meta *meta);
 
 /* Non-zero in P2PHANDSHAKE mode (no store; descriptors come by handshake). */
 int kvpi_meta_is_p2p(const kvpi_meta *meta);
 
-/* Publish a segment's descriptor (JSON text) and its rpc_meta. No-op in P2P. */
-kvp_status kvpi_meta_publish(kvpi_meta *meta, const char *segment, const char *desc_json,
-                             const char *rpc_host, int rpc_port);
+/* An engine, as its keys show it. */
+typedef struct kvpi_meta_self {
+    const char *segment;   /* the segment name */
+    const char *desc_json; /* its current descriptor, holding instance */
+    const char *rpc_host;  /* where it answers handshakes */
+    int rpc_port;
+    const char *instance; /* its KVPI_INSTANCE_FIELD */
+} kvpi_meta_self;
 
-/* Remove both keys of a segment. No-op in P2P. */
-kvp_status kvpi_meta_remove(kvpi_meta *meta, const char *segment);
+/* Take the segment's name in the store and publish it, as Mooncake does when
+ * an engine starts: rpc_meta is written here, once, and the descriptor after
+ * it. When an rpc_meta of the name exists already, its owner is asked for its
+ * descriptor by handshake at the rpc_meta's address:
+ *   - nobody answers, or the answer is not an engine's descriptor of this
+ *     name, or it is this engine's own (the address is now this engine's): the
+ *     keys are stale (their engine died): this engine replaces them - the
+ *     descriptor first, so the dead process's buffers are gone at once, then
+ *     rpc_meta if it differs (on a store that refuses to overwrite rpc_meta,
+ *     by deleting it and writing it anew);
+ *   - a descriptor of this name from another instance, or an answer without a
+ *     name (Mooncake answers a metadata handshake with null outside P2P
+ *     mode): a live engine holds the name: KVP_EBUSY, and nothing is written.
+ * Handshakes are bounded by the store's timeout. No-op in P2P mode. */
+kvp_status kvpi_meta_claim(kvpi_meta *meta, const kvpi_meta_self *self);
+
+/* Publish a new descriptor of a claimed segment: only its descriptor key is
+ * written, as Mooncake does on (un)registration. No-op in P2P mode. */
+kvp_status kvpi_meta_publish(kvpi_meta *meta, const char *segment, const char *desc_json);
+
+/* What of a claimed segment the store has lost (a restarted store). */
+typedef struct kvpi_meta_lost {
+    int rpc_meta;   /* missing */
+    int descriptor; /* missing, or this instance's but not self->desc_json */
+} kvpi_meta_lost;
+
+/* Look (only reads) at what the store lost. KVP_EBUSY when the keys now belong
+ * to another engine. *lost is all zero in P2P mode and on failure. */
+kvp_status kvpi_meta_check(kvpi_meta *meta, const kvpi_meta_self *self, kvpi_meta_lost *lost);
+
+/* Write back what lost says (self's rpc_meta, self's descriptor). Split from
+ * kvpi_meta_check so that a caller can read without holding the lock under
+ * which its descriptor changes, and write under it. No-op in P2P mode. */
+kvp_status kvpi_meta_restore(kvpi_meta *meta, const kvpi_meta_self *self,
+                             const kvpi_meta_lost *lost);
+
+/* kvpi_meta_check, then kvpi_meta_restore. */
+kvp_status kvpi_meta_repair(kvpi_meta *meta, const kvpi_meta_self *self);
+
+/* Remove the segment's keys, but only those that are this engine's: the
+ * descriptor when it holds self->instance, and rpc_meta when it is self's
+ * address and the descriptor was this engine's or is gone. Keys another
+ * engine wrote are left alone. No-op in P2P mode. */
+kvp_status kvpi_meta_release(kvpi_meta *meta, const kvpi_meta_self *self);
 
 /* Fetch a peer segment's descriptor (malloc'ed JSON text) and the host its RPC
  * and data ports listen on (malloc'ed). In P2P mode this is a handshake to the
@@ -68,15 +128,37 @@ kvp_status kvpi_meta_remove(kvpi_meta *meta, const char *segment);
 kvp_status kvpi_meta_fetch(kvpi_meta *meta, const char *segment, const char *own_desc_json,
                            char **desc_json, char **rpc_host);
 
-/* Validate rpc_meta text ({"ip_or_host_name": non-empty str, "rpc_port":
- * integer in 0..65535}) and take its host (malloc'ed). KVP_EPROTO naming the
- * segment, the store (where) and the bad field otherwise. Pure; thread-safe. */
-kvp_status kvpi_rpc_meta_parse(const char *text, const char *segment, const char *where,
-                               char **host);
-
-/* The key under which kind ("ram" or "rpc_meta") of a segment is stored,
- * honouring env MC_METADATA_CLUSTER_ID. Returns malloc'ed text. */
+/* The key under which kind ("ram" or "rpc_meta") of a segment is stored, as
+ * Mooncake names it: "mooncake/[CLUSTER/]ram/<segment>" (a segment name that
+ * holds a '/' is used as the rest of the key: "mooncake/[CLUSTER/]<segment>"),
+ * "mooncake/[CLUSTER/]rpc_meta/<segment>", where CLUSTER is env
+ * MC_METADATA_CLUSTER_ID (one trailing '/' of it is not doubled). Returns
+ * malloc'ed text, NULL when out of memory. */
 char *kvpi_meta_key(const char *kind, const char *segment);
+
+/* ---- Pure parsers and decisions (no I/O), for tests and fuzzers ---- */
+
+/* Parse rpc_meta text {"ip_or_host_name": str, "rpc_port": int}; other fields
+ * are ignored. host gets a NUL-terminated copy. KVP_EPROTO naming the bad
+ * field. */
+kvp_status kvpi_rpc_meta_parse(const char *text, char host[KVPI_HOST_MAX], int *port);
+
+/* The owner of an rpc_meta, judged from the handshake with its address:
+ * st is the handshake's status, reply its answer (when st is KVP_OK). */
+typedef enum kvpi_meta_owner {
+    KVPI_OWNER_GONE, /* nothing (or no engine) answers there: stale */
+    KVPI_OWNER_SELF, /* this very engine answers: stale */
+    KVPI_OWNER_ELSE, /* an engine of another name answers: stale */
+    KVPI_OWNER_LIVE, /* another engine of this name, or one that does not
+                        say its name: live */
+} kvpi_meta_owner;
+
+kvpi_meta_owner kvpi_meta_judge_owner(kvp_status st, const char *reply, const char *segment,
+                                      const char *instance);
+
+/* The KVPI_INSTANCE_FIELD of descriptor text (malloc'ed), or NULL when it has
+ * none or is not JSON. */
+char *kvpi_meta_instance_of(const char *desc_json);
 
 /* ---- Handshake (RPC) port: p2p.c ----
  * Frame: u64 little-endian length (type byte + JSON), u8 type, JSON text.
@@ -108,15 +190,20 @@ typedef char *(*kvpi_rpc_desc_fn)(void *ctx);
 /* Serve handshakes on host:port until stopped. A METADATA request is answered
  * with a METADATA frame holding desc_fn()'s text; other types with a frame of
  * the same type holding "{}". Malformed or oversized frames close that
- * connection only. */
-kvp_status kvpi_rpc_server_start(const char *host, int port, int timeout_ms,
+ * connection only. limits (NULL: defaults) caps connections and bounds each
+ * request (common/conn_server.h): it must begin and be read within
+ * timeout_ms (+ its length at min_rate). */
+struct kvpi_conn_limits;
+kvp_status kvpi_rpc_server_start(const char *host, int port, const struct kvpi_conn_limits *limits,
                                  kvpi_rpc_desc_fn desc_fn, void *ctx, kvpi_rpc_server **out);
 void kvpi_rpc_server_stop(kvpi_rpc_server *server);
 
 /* The port the server listens on (the one chosen when started with port 0). */
 int kvpi_rpc_server_port(const kvpi_rpc_server *server);
 
-/* One request/response exchange; *reply is malloc'ed JSON text. */
+/* One request/response exchange; *reply is malloc'ed JSON text. The whole
+ * exchange (connect, request, the complete reply) must finish within
+ * timeout_ms, else KVP_ETIMEDOUT. */
 kvp_status kvpi_rpc_call(const char *host, int port, int type, const char *json, int timeout_ms,
                          char **reply);
 

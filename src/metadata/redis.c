@@ -1,5 +1,7 @@
 /* The Redis metadata store over hiredis: plain SET, GET and DEL of a key to
- * its JSON text, as Mooncake's redis backend does.
+ * its JSON text, as Mooncake's redis backend does. Credentials and database
+ * come from the connection string, else from Mooncake's MC_REDIS_PASSWORD,
+ * MC_REDIS_USERNAME and MC_REDIS_DB_INDEX.
  *
  * One connection per store, guarded by a mutex (a redisContext is not
  * thread-safe). A command that fails with an I/O error (the server restarted,
@@ -103,6 +105,42 @@ static kvp_status parse_db(redis_store *s, const char *conn, const char *text)
     return KVP_OK;
 }
 
+/* Mooncake's environment variables (transfer_metadata_plugin.cpp), for what
+ * the connection string leaves out: MC_REDIS_PASSWORD (AUTH when not empty),
+ * MC_REDIS_USERNAME (with a password only, as in Mooncake) and
+ * MC_REDIS_DB_INDEX (0..255). */
+static kvp_status env_credentials(redis_store *s)
+{
+    const char *pw = getenv("MC_REDIS_PASSWORD"), *user = getenv("MC_REDIS_USERNAME");
+    if (!pw || !*pw) return KVP_OK;
+    if (strlen(pw) >= sizeof s->password || (user && strlen(user) >= sizeof s->user))
+        return kvpi_error(KVP_EMETADATA,
+                          "redis at %s: MC_REDIS_USERNAME or MC_REDIS_PASSWORD "
+                          "is longer than %d bytes",
+                          s->addr, REDIS_CRED_MAX - 1);
+    snprintf(s->password, sizeof s->password, "%s", pw);
+    snprintf(s->user, sizeof s->user, "%s", user ? user : "");
+    return KVP_OK;
+}
+
+/* Mooncake warns and uses database 0 for a bad value; kvpipe refuses it, since
+ * engines writing to another database than meant would silently miss each
+ * other. */
+static kvp_status env_db(redis_store *s)
+{
+    const char *text = getenv("MC_REDIS_DB_INDEX");
+    if (!text) return KVP_OK;
+    char *end;
+    errno = 0;
+    long db = strtol(text, &end, 10);
+    if (!*text || *end || errno || db < 0 || db > 255)
+        return kvpi_error(KVP_EMETADATA,
+                          "redis at %s: MC_REDIS_DB_INDEX '%s' is not a database number in 0..255",
+                          s->addr, text);
+    s->db = (int)db;
+    return KVP_OK;
+}
+
 static kvp_status parse_conn(redis_store *s, const char *conn)
 {
     const char *rest = conn + strlen(REDIS_SCHEME);
@@ -128,8 +166,9 @@ static kvp_status parse_conn(redis_store *s, const char *conn)
         return kvpi_error(KVP_EMETADATA, "redis connection string '%s': %s", conn,
                           kvp_last_error());
     kvpi_hostport_format(s->hp.host, s->hp.port, s->addr, sizeof s->addr);
-    if (slash && slash[1]) st = parse_db(s, conn, slash + 1);
-    return st;
+    /* What the string says wins; Mooncake's variables fill in the rest. */
+    if (!at && (st = env_credentials(s))) return st;
+    return slash && slash[1] ? parse_db(s, conn, slash + 1) : env_db(s);
 }
 
 /* ---- SIGPIPE ----
@@ -355,6 +394,7 @@ static kvp_status redis_del(void *store, const char *key)
 
 const kvpi_store_ops kvpi_store_redis = {
     .name = "redis",
+    .newline_values = 1,
     .accepts = redis_accepts,
     .open = redis_open,
     .get = redis_get,

@@ -1,11 +1,14 @@
-/* Internal: the pipe's announcement, vLLM MooncakePipe's data control message.
+/* Internal: the pipe's control messages, as vLLM's MooncakePipe sends them.
  *
- * One ZeroMQ message of two 8-byte frames: the big-endian address and the
- * big-endian length of the sender's managed buffer, which the receiver READs
- * and then acknowledges. The receiver takes the frames of a message one by
- * one into a kvpi_announce_rx, then decodes and checks it; all of this is pure
- * (no sockets), so that it can be fuzzed. Errors are KVP_EPROTO (KVP_ERANGE for
- * a range that wraps) with a message naming both pipe ends.
+ *   announcement (data link): one ZeroMQ message of two 8-byte frames, the
+ *       big-endian address and the big-endian length of the sender's managed
+ *       buffer, which the receiver READs and then acknowledges;
+ *   ACK (ACK link): one message of the one 3-byte frame "ACK".
+ *
+ * A reader takes the frames of one message into a kvpi_control_msg, then asks
+ * whether it is an announcement or an ACK; anything else is dropped by the
+ * caller. All of this is pure (no sockets, no logging), so that it can be
+ * fuzzed; thread-safe.
  */
 #ifndef KVPI_PIPE_ANNOUNCE_H
 #define KVPI_PIPE_ANNOUNCE_H
@@ -16,30 +19,36 @@
 #include "kvpipe/status.h"
 
 #define KVPI_ANNOUNCE_FRAME_LEN 8
+#define KVPI_ACK_TEXT "ACK"
+#define KVPI_ACK_LEN 3
 
-/* The frames of one message so far: how many, whether one of the first two
- * was not 8 bytes, and the first two. Start from {0}. */
-typedef struct kvpi_announce_rx {
+/* One message as it arrived: its frame count, the sizes of its first two
+ * frames and the first 8 bytes of each (fewer when shorter; the rest is
+ * unspecified). Start from {0}. */
+typedef struct kvpi_control_msg {
     int frames;
-    int bad_size;
-    uint8_t f[2][KVPI_ANNOUNCE_FRAME_LEN];
-} kvpi_announce_rx;
+    size_t size[2];
+    uint8_t head[2][KVPI_ANNOUNCE_FRAME_LEN];
+} kvpi_control_msg;
+
+/* Take the next frame of a message (size bytes at data). */
+void kvpi_control_add_frame(kvpi_control_msg *m, const void *data, size_t size);
 
 /* The two frames announcing len bytes at addr. */
 void kvpi_announce_encode(uint64_t addr, uint64_t len, uint8_t addr_frame[KVPI_ANNOUNCE_FRAME_LEN],
                           uint8_t len_frame[KVPI_ANNOUNCE_FRAME_LEN]);
 
-/* Take the next frame of a message (size bytes at data). */
-void kvpi_announce_add_frame(kvpi_announce_rx *rx, const void *data, size_t size);
-
-/* The address and length of a whole message: KVP_EPROTO unless it was two
- * 8-byte frames. local and peer name the pipe's ends in the message. */
-kvp_status kvpi_announce_decode(const kvpi_announce_rx *rx, const char *local, const char *peer,
-                                uint64_t *addr, uint64_t *len);
+/* 1 if m is an announcement (exactly two 8-byte frames), with *addr and *len
+ * set; 0 otherwise, outputs untouched. */
+int kvpi_announce_decode(const kvpi_control_msg *m, uint64_t *addr, uint64_t *len);
 
 /* Whether a receiver takes the announced range: not empty, at most max_bytes,
- * and not wrapping around. */
+ * and not wrapping around. KVP_EPROTO (KVP_ERANGE for a wrap) with a message
+ * naming both pipe ends (local, peer) otherwise. */
 kvp_status kvpi_announce_check(uint64_t addr, uint64_t len, size_t max_bytes, const char *local,
                                const char *peer);
+
+/* 1 if m is an ACK (the one 3-byte frame "ACK"), else 0. */
+int kvpi_ack_is_valid(const kvpi_control_msg *m);
 
 #endif

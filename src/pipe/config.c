@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "common/net.h"
+#include "engine/protocol.h"
 #include "kvpipe/pipe.h"
 #include "metadata/metadata.h"
 
@@ -55,12 +56,15 @@ kvp_status kvp_pipe_config_check(const kvp_pipe_config *cfg)
                           cfg->metadata_backend);
     if (!cfg->protocol || !cfg->protocol[0])
         return kvpi_error(KVP_ECONFIG, "config field 'protocol' is empty");
-    for (const char *p = cfg->protocol; *p; p++)
-        if (!islower((unsigned char)*p) && !isdigit((unsigned char)*p) && *p != '_')
-            return kvpi_error(KVP_ECONFIG,
-                              "config field 'protocol': '%.64s' is not a protocol name "
-                              "(tcp, shm, rdma)",
-                              cfg->protocol);
+    for (const char *p = cfg->protocol; *p; p++) {
+        if (islower((unsigned char)*p) || isdigit((unsigned char)*p) || *p == '_') continue;
+        char names[128];
+        kvpi_protocol_names(names, sizeof names);
+        return kvpi_error(KVP_ECONFIG,
+                          "config field 'protocol': '%.64s' is not a protocol name (this build "
+                          "serves %s)",
+                          cfg->protocol, names);
+    }
     if (!cfg->device_name) return kvpi_error(KVP_ECONFIG, "config field 'device_name' is NULL");
     return KVP_OK;
 }

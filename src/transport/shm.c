@@ -20,6 +20,7 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "common/conn_server.h"
 #include "common/log.h"
 #include "common/net.h"
 #include "transport/shm_internal.h"
@@ -33,6 +34,7 @@ typedef struct shm_peer {
     kvpi_region *regions; /* the descriptor's, for the early range check */
     size_t n_regions;
     int timeout_ms;
+    uint64_t min_rate;
     pid_t target;
     char name[KVPI_SHM_SOCKET_MAX];
     pthread_mutex_t lock; /* guards busy[], fds[] of idle links */
@@ -117,14 +119,14 @@ static void allow_attach_once(void)
         KVPI_WARN("shm: prctl(PR_SET_PTRACER): %s", strerror(errno));
 }
 
-static kvp_status hello(const shm_peer *p, int fd)
+static kvp_status hello(const shm_peer *p, int fd, uint64_t deadline)
 {
     uint8_t h[KVPI_SHM_HELLO_LEN], s[KVPI_SHM_STATUS_LEN];
     kvpi_shm_hello_encode(&(kvpi_shm_hello){.probe_addr = (uint64_t)(uintptr_t)&probe_value,
                                             .probe_value = probe_value},
                           h);
-    kvp_status st = kvpi_send_all(fd, h, sizeof h);
-    if (!st) st = kvpi_recv_all(fd, s, sizeof s);
+    kvp_status st = kvpi_send_all_by(fd, h, sizeof h, deadline);
+    if (!st) st = kvpi_recv_all_by(fd, s, sizeof s, deadline);
     kvp_status remote;
     int err = 0;
     if (!st) st = kvpi_shm_get_status(s, &remote, &err);
@@ -144,13 +146,12 @@ static kvp_status hello(const shm_peer *p, int fd)
 /* Connect one link. Errors are KVP_ECONNREFUSED when nothing listens (the
  * peer is gone, or in another network namespace) and KVP_ENOTSUP when the
  * peer cannot use our memory. */
-static kvp_status link_connect(const shm_peer *p, int *out)
+static kvp_status link_connect(const shm_peer *p, uint64_t deadline, int *out)
 {
     struct sockaddr_un sa;
     socklen_t len = kvpi_shm_sockaddr(p->name, &sa);
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return kvpi_error(KVP_EIO, "shm: socket: %s", strerror(errno));
-    kvpi_socket_set_timeout(fd, p->timeout_ms);
     kvp_status st = KVP_OK;
     struct ucred cred;
     socklen_t cl = sizeof cred;
@@ -162,7 +163,7 @@ static kvp_status link_connect(const shm_peer *p, int *out)
         st = kvpi_error(KVP_ENOTSUP, "shm: @%s is served by pid %d, the descriptor says %d",
                         p->name, (int)cred.pid, (int)p->target);
     } else {
-        st = hello(p, fd);
+        st = hello(p, fd, deadline);
     }
     if (st) {
         close(fd);
@@ -219,8 +220,9 @@ static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
     shm_peer *p = calloc(1, sizeof *p);
     if (!p) return kvpi_error(KVP_ENOMEM, "shm: out of memory");
     pthread_mutex_init(&p->lock, NULL);
-    pthread_cond_init(&p->freed, NULL);
-    p->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : 5000;
+    kvpi_cond_init(&p->freed);
+    p->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : KVPI_CONN_TIMEOUT_MS_DEFAULT;
+    p->min_rate = ctx->min_rate ? ctx->min_rate : KVPI_MIN_RATE_DEFAULT;
     p->n_links = ctx->conns < 1 ? 1 : ctx->conns > MAX_LINKS ? MAX_LINKS : (size_t)ctx->conns;
     for (size_t i = 0; i < MAX_LINKS; i++) p->fds[i] = -1;
     kvp_status st = parse_endpoint(ctx->desc, p);
@@ -234,7 +236,7 @@ static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
     p->n_regions = ctx->n_regions;
     pthread_once(&once, allow_attach_once);
     /* One link now proves the peer reachable; the rest connect on demand. */
-    if ((st = link_connect(p, &p->fds[0])) == KVP_ECONNREFUSED) {
+    if ((st = link_connect(p, kvpi_deadline_ns(p->timeout_ms), &p->fds[0])) == KVP_ECONNREFUSED) {
         char why[256]; /* kvpi_error must not format its own buffer */
         snprintf(why, sizeof why, "%s", kvp_last_error());
         st = kvpi_error(KVP_ENOTSUP, "%s (not reachable through shm)", why);
@@ -249,12 +251,12 @@ fail:
 
 /* ---- transferring ---- */
 
-/* Take an idle link, waiting up to the timeout; -1 if none came free. One
- * link per call: the engine already spreads slices over its workers, so a
+/* Take an idle link, waiting until the call's deadline; -1 if none came free.
+ * One link per call: the engine already spreads slices over its workers, so a
  * call that took more would only make the others wait. */
-static int link_acquire(shm_peer *p)
+static int link_acquire(shm_peer *p, uint64_t deadline_ns)
 {
-    struct timespec deadline = kvpi_deadline_after_ms(p->timeout_ms);
+    struct timespec deadline = kvpi_timespec_at_ns(deadline_ns);
     int got = -1;
     pthread_mutex_lock(&p->lock);
     while (got < 0) {
@@ -300,7 +302,7 @@ static size_t check_slices(const shm_peer *p, kvpi_slice *const *slices, size_t 
     return todo;
 }
 
-static kvp_status link_send(int fd, kvpi_slice *const *win, size_t n)
+static kvp_status link_send(int fd, kvpi_slice *const *win, size_t n, uint64_t deadline)
 {
     uint8_t buf[WINDOW * KVPI_SHM_REQ_LEN];
     for (size_t j = 0; j < n; j++)
@@ -309,16 +311,17 @@ static kvp_status link_send(int fd, kvpi_slice *const *win, size_t n)
                                             .local = (uint64_t)(uintptr_t)win[j]->local,
                                             .opcode = (uint8_t)win[j]->opcode},
                             buf + j * KVPI_SHM_REQ_LEN);
-    return kvpi_send_all(fd, buf, n * KVPI_SHM_REQ_LEN);
+    return kvpi_send_all_by(fd, buf, n * KVPI_SHM_REQ_LEN, deadline);
 }
 
-static kvp_status link_collect(const shm_peer *p, int fd, kvpi_slice *const *win, size_t n)
+static kvp_status link_collect(const shm_peer *p, int fd, kvpi_slice *const *win, size_t n,
+                               uint64_t deadline)
 {
     for (size_t j = 0; j < n; j++) {
         uint8_t s[KVPI_SHM_STATUS_LEN];
         kvp_status remote;
         int err = 0;
-        kvp_status st = kvpi_recv_all(fd, s, sizeof s);
+        kvp_status st = kvpi_recv_all_by(fd, s, sizeof s, deadline);
         if (!st) st = kvpi_shm_get_status(s, &remote, &err);
         if (st) return st;
         win[j]->status = remote;
@@ -346,27 +349,47 @@ static kvp_status link_failed(shm_peer *p, int i, kvp_status st, kvpi_slice *con
     return conn;
 }
 
-/* Slices go out WINDOW at a time on one link, their statuses read after. */
+/* Slices go out WINDOW at a time on one link, their statuses read after. The
+ * whole call, waiting for a link included, has one deadline: timeout_ms plus
+ * its bytes at min_rate. */
 static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
 {
     shm_peer *p = peer;
     if (check_slices(p, slices, n) == 0) return KVP_OK;
-    int l = link_acquire(p);
+    uint64_t bytes = 0;
+    for (size_t j = 0; j < n; j++)
+        if (slices[j]->status == KVP_EINPROGRESS) bytes += slices[j]->length;
+    uint64_t start = kvpi_now_ns();
+    uint64_t deadline = kvpi_transfer_deadline(p->timeout_ms, p->min_rate, bytes);
+    int l = link_acquire(p, deadline);
+    kvp_status st = KVP_OK;
     if (l < 0) {
-        kvp_status st = kvpi_error(KVP_ETIMEDOUT, "shm peer @%s: no idle connection within %d ms",
-                                   p->name, p->timeout_ms);
+        st = kvpi_error(KVP_ETIMEDOUT, "no idle connection came free");
+    } else {
+        if (p->fds[l] < 0) st = link_connect(p, deadline, &p->fds[l]);
+        for (size_t next = 0; !st && next < n;) {
+            kvpi_slice *win[WINDOW];
+            size_t k = 0;
+            for (; next < n && k < WINDOW; next++)
+                if (slices[next]->status == KVP_EINPROGRESS) win[k++] = slices[next];
+            if (k) st = link_send(p->fds[l], win, k, deadline);
+            if (k && !st) st = link_collect(p, p->fds[l], win, k, deadline);
+        }
+    }
+    if (st == KVP_ETIMEDOUT) {
+        char detail[256];
+        snprintf(detail, sizeof detail, "%s", kvp_last_error());
+        kvpi_error(st,
+                   "shm peer pid %d: %llu bytes (%zu requests) not done within %llu ms "
+                   "(timeout_ms %d + the bytes at %llu bytes/s): %s",
+                   (int)p->target, (unsigned long long)bytes, n,
+                   (unsigned long long)((deadline - start) / 1000000u), p->timeout_ms,
+                   (unsigned long long)p->min_rate, detail);
+    }
+    if (l < 0) {
         for (size_t j = 0; j < n; j++)
             if (slices[j]->status == KVP_EINPROGRESS) slices[j]->status = st;
         return st;
-    }
-    kvp_status st = p->fds[l] < 0 ? link_connect(p, &p->fds[l]) : KVP_OK;
-    for (size_t next = 0; !st && next < n;) {
-        kvpi_slice *win[WINDOW];
-        size_t k = 0;
-        for (; next < n && k < WINDOW; next++)
-            if (slices[next]->status == KVP_EINPROGRESS) win[k++] = slices[next];
-        if (k) st = link_send(p->fds[l], win, k);
-        if (k && !st) st = link_collect(p, p->fds[l], win, k);
     }
     if (st) st = link_failed(p, l, st, slices, n);
     link_release(p, l);

@@ -1,23 +1,28 @@
 /* TCP transport: Mooncake's data plane (see tcp_wire.h).
  *
- * Server: one accept thread and one thread per connection; every request is
- * checked against the registry and the region stays pinned while its bytes
- * move, straight between the socket and registered memory.
+ * Server: a connection server (common/conn_server.h) with one thread per
+ * connection; every request is checked against the registry and the region
+ * stays pinned while its bytes move, straight between the socket and
+ * registered memory, under the request's deadline.
  * Client: a small pool of persistent connections per peer; a group of slices
- * is pipelined on one connection (all headers first for READs).
+ * is pipelined on one connection (all headers first for READs), under one
+ * deadline for the whole group.
  */
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
-#include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "common/clock.h"
+#include "common/conn_server.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "common/tsan.h"
 #include "transport/tcp_wire.h"
 #include "transport/transport.h"
 
@@ -25,197 +30,153 @@
 
 /* ------------------------------------------------------------------ server */
 
-typedef struct tcp_conn {
-    struct tcp_server *srv;
-    int fd;
-    pthread_t thread;
-    atomic_int done;
-    struct tcp_conn *next;
-} tcp_conn;
-
 typedef struct tcp_server {
-    int listen_fd;
-    int port;
-    int wake[2];
     kvpi_registry *registry;
-    int timeout_ms;
-    pthread_t accept_thread;
-    pthread_mutex_t lock;
-    tcp_conn *conns;
-    int stopping;
+    kvpi_conn_server *conns;
+    int port;
 } tcp_server;
 
-static kvp_status send_status(int fd, uint32_t code)
+static const char *op_name(const kvpi_tcp_hdr *h)
+{
+    return h->opcode == KVPI_TCP_OP_READ ? "READ" : "WRITE";
+}
+
+static kvp_status send_status(kvpi_conn *c, uint32_t code)
 {
     uint8_t frame[8];
     kvpi_tcp_status_encode(code, frame);
-    return kvpi_send_all(fd, frame, sizeof frame);
+    return kvpi_conn_send(c, frame, sizeof frame);
 }
 
-/* After rejecting a WRITE, let the client finish sending so that it reads our
- * status frame instead of a reset, within bounds. */
-static void drain(int fd, uint64_t size)
+/* After refusing a WRITE, let the client finish sending so that it reads our
+ * status frame instead of a reset: read and drop what it sends, up to what
+ * the request still owed and 64 MiB, until it closes or the deadline. */
+static void drain(kvpi_conn *c, uint64_t size)
 {
     char sink[65536];
     uint64_t left = size < DRAIN_LIMIT ? size : DRAIN_LIMIT;
-    shutdown(fd, SHUT_WR);
+    shutdown(kvpi_conn_fd(c), SHUT_WR);
     while (left > 0) {
-        ssize_t n = recv(fd, sink, left < sizeof sink ? left : sizeof sink, 0);
-        if (n <= 0) break;
-        left -= (uint64_t)n;
+        size_t n = left < sizeof sink ? (size_t)left : sizeof sink;
+        if (kvpi_conn_recv(c, sink, n) != KVP_OK) break;
+        left -= n;
     }
 }
 
-/* Serve one request; returns 0 to keep the connection, -1 to close it. */
-static int serve_request(tcp_server *srv, int fd, const kvpi_tcp_hdr *h)
+/* Refuse a request: v2 answers status 1 ("address rejected", the only error
+ * Mooncake defines) and, for a WRITE, drains its payload; then the
+ * connection closes. Returns -1. */
+static int refuse(kvpi_conn *c, const kvpi_tcp_hdr *h)
 {
-    if (h->size == 0) return h->v2 && send_status(fd, KVPI_TCP_STATUS_OK) ? -1 : 0;
-    if (kvpi_registry_pin(srv->registry, h->addr, h->size) != KVP_OK) {
-        KVPI_WARN("tcp server: rejected %s of [0x%llx, +%llu): outside registered memory",
-                  h->opcode == KVPI_TCP_OP_READ ? "READ" : "WRITE",
-                  (unsigned long long)h->addr, (unsigned long long)h->size);
-        if (h->v2 && send_status(fd, KVPI_TCP_STATUS_REJECTED) == KVP_OK &&
-            h->opcode == KVPI_TCP_OP_WRITE)
-            drain(fd, h->size);
-        return -1;
+    if (h->v2 && send_status(c, KVPI_TCP_STATUS_REJECTED) == KVP_OK &&
+        h->opcode == KVPI_TCP_OP_WRITE)
+        drain(c, h->size);
+    return -1;
+}
+
+static void log_fault(kvpi_conn *c, const kvpi_tcp_hdr *h, const char *when)
+{
+    KVPI_WARN_LIMITED("%s: %s of [0x%llx, +%llu) %s: registered memory is not mapped or not "
+                      "readable (EFAULT); was it freed without kvp_engine_unregister()?%s",
+                      kvpi_conn_name(c), op_name(h), (unsigned long long)h->addr,
+                      (unsigned long long)h->size, when,
+                      h->v2 ? " The peer gets status 1 (address rejected)." : "");
+}
+
+/* Serve one request; returns 0 to keep the connection, -1 to close it. */
+static int serve_request(kvpi_conn *c, tcp_server *srv, const kvpi_tcp_hdr *h)
+{
+    /* A READ is ours to send; a WRITE's body is the peer's to send, and the
+     * request is incomplete (first to be evicted) until it is in. */
+    int live =
+        h->opcode == KVPI_TCP_OP_READ ? kvpi_conn_busy(c, h->size) : kvpi_conn_expect(c, h->size);
+    if (!live) return -1;
+    if (h->size == 0) return h->v2 && send_status(c, KVPI_TCP_STATUS_OK) ? -1 : 0;
+    kvpi_pin pin;
+    if (kvpi_registry_pin(srv->registry, h->addr, h->size, &pin) != KVP_OK) {
+        KVPI_WARN_LIMITED("%s: rejected %s of [0x%llx, +%llu): outside registered memory",
+                          kvpi_conn_name(c), op_name(h), (unsigned long long)h->addr,
+                          (unsigned long long)h->size);
+        return refuse(c, h);
     }
     kvp_status st;
     void *mem = (void *)(uintptr_t)h->addr;
     if (h->opcode == KVPI_TCP_OP_READ) {
+        /* v2 promises a status before the data: memory freed behind our back
+         * must be found now, while status 1 can still be sent. */
+        if (h->v2 && !kvpi_memory_mapped(mem, h->size)) {
+            kvpi_registry_unpin(srv->registry, pin);
+            log_fault(c, h, "refused");
+            return refuse(c, h);
+        }
         uint8_t frame[8];
         kvpi_tcp_status_encode(KVPI_TCP_STATUS_OK, frame);
         struct iovec iov[2] = {{frame, sizeof frame}, {mem, h->size}};
-        st = h->v2 ? kvpi_sendv_all(fd, iov, 2) : kvpi_sendv_all(fd, iov + 1, 1);
-        kvpi_registry_unpin(srv->registry);
+        KVPI_PEER_COPY_BEGIN();
+        st = h->v2 ? kvpi_conn_sendv(c, iov, 2) : kvpi_conn_sendv(c, iov + 1, 1);
+        KVPI_PEER_COPY_END();
+        kvpi_registry_unpin(srv->registry, pin);
+        if (st == KVP_EINVAL) log_fault(c, h, "cut short"); /* unmapped mid-send */
     } else {
-        st = kvpi_recv_all(fd, mem, h->size);
-        kvpi_registry_unpin(srv->registry);
-        if (st == KVP_OK && h->v2) st = send_status(fd, KVPI_TCP_STATUS_OK);
+        KVPI_PEER_COPY_BEGIN();
+        st = kvpi_conn_recv(c, mem, h->size);
+        KVPI_PEER_COPY_END();
+        kvpi_registry_unpin(srv->registry, pin);
+        if (st == KVP_EINVAL) {
+            log_fault(c, h, "refused");
+            return refuse(c, h);
+        }
+        if (st == KVP_OK && h->v2)
+            st = kvpi_conn_busy(c, 8) ? send_status(c, KVPI_TCP_STATUS_OK) : KVP_ECLOSED;
     }
-    if (st) KVPI_DEBUG("tcp server: connection dropped: %s", kvp_last_error());
+    if (st)
+        KVPI_DEBUG("%s: connection dropped during %s of %llu bytes: %s", kvpi_conn_name(c),
+                   op_name(h), (unsigned long long)h->size, kvp_last_error());
     return st ? -1 : 0;
 }
 
-/* Read the next header. Idle connections wait without a timeout (stop shuts
- * the socket down); a header already queued is read without polling. Returns
- * 0, or -1 when the connection is closed or broken. */
-static int next_header(int fd, uint8_t raw[KVPI_TCP_HDR_LEN])
+static void serve(kvpi_conn *c)
 {
-    for (;;) {
-        ssize_t n = recv(fd, raw, KVPI_TCP_HDR_LEN, MSG_DONTWAIT);
-        if (n == KVPI_TCP_HDR_LEN) return 0;
-        if (n > 0) return kvpi_recv_all(fd, raw + n, KVPI_TCP_HDR_LEN - (size_t)n) ? -1 : 0;
-        if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return -1;
-        struct pollfd p = {.fd = fd, .events = POLLIN};
-        if (poll(&p, 1, -1) < 0 && errno != EINTR) return -1;
-        if (p.revents & (POLLERR | POLLNVAL)) return -1;
-    }
-}
-
-static void *conn_main(void *arg)
-{
-    tcp_conn *c = arg;
+    tcp_server *srv = kvpi_conn_ctx(c);
     uint8_t raw[KVPI_TCP_HDR_LEN];
-    while (next_header(c->fd, raw) == 0) {
+    kvp_status st;
+    while ((st = kvpi_conn_next(c, raw, sizeof raw)) == KVP_OK) {
         kvpi_tcp_hdr h;
         if (kvpi_tcp_hdr_decode(raw, &h) != 0) {
-            KVPI_WARN("tcp server: unknown opcode 0x%02x, closing the connection", raw[16]);
-            break;
+            KVPI_WARN_LIMITED("%s: unknown opcode 0x%02x, closing the connection",
+                              kvpi_conn_name(c), raw[16]);
+            return;
         }
-        if (serve_request(c->srv, c->fd, &h) != 0) break;
+        if (serve_request(c, srv, &h) != 0) return;
     }
-    shutdown(c->fd, SHUT_RDWR);
-    atomic_store(&c->done, 1);
-    return NULL;
+    if (st != KVP_ECLOSED)
+        KVPI_DEBUG("%s: a request header was cut short: %s", kvpi_conn_name(c), kvp_last_error());
 }
 
-/* Join connection threads that have finished; with all = 1, every one. */
-static void reap(tcp_server *srv, int all)
-{
-    pthread_mutex_lock(&srv->lock);
-    tcp_conn **link = &srv->conns;
-    while (*link) {
-        tcp_conn *c = *link;
-        if (all) shutdown(c->fd, SHUT_RDWR);
-        if (!all && !atomic_load(&c->done)) {
-            link = &c->next;
-            continue;
-        }
-        *link = c->next;
-        pthread_mutex_unlock(&srv->lock);
-        pthread_join(c->thread, NULL);
-        close(c->fd);
-        free(c);
-        pthread_mutex_lock(&srv->lock);
-        link = &srv->conns;
-    }
-    pthread_mutex_unlock(&srv->lock);
-}
-
-static void *accept_main(void *arg)
-{
-    tcp_server *srv = arg;
-    for (;;) {
-        struct pollfd p[2] = {{.fd = srv->listen_fd, .events = POLLIN},
-                              {.fd = srv->wake[0], .events = POLLIN}};
-        if (poll(p, 2, -1) < 0) {
-            if (errno == EINTR) continue;
-            break;
-        }
-        if (p[1].revents) break;
-        int fd;
-        if (kvpi_tcp_accept(srv->listen_fd, srv->timeout_ms, &fd) != KVP_OK) continue;
-        reap(srv, 0);
-        tcp_conn *c = calloc(1, sizeof *c);
-        if (!c) {
-            close(fd);
-            continue;
-        }
-        c->srv = srv;
-        c->fd = fd;
-        pthread_mutex_lock(&srv->lock);
-        if (pthread_create(&c->thread, NULL, conn_main, c) != 0) {
-            pthread_mutex_unlock(&srv->lock);
-            KVPI_WARN("tcp server: cannot start a connection thread");
-            close(fd);
-            free(c);
-            continue;
-        }
-        c->next = srv->conns;
-        srv->conns = c;
-        pthread_mutex_unlock(&srv->lock);
-    }
-    return NULL;
-}
+static const kvpi_conn_handler tcp_handler = {.serve = serve};
 
 static kvp_status tcp_server_start(const kvpi_server_ctx *ctx, void **out)
 {
     tcp_server *srv = calloc(1, sizeof *srv);
     if (!srv) return kvpi_error(KVP_ENOMEM, "tcp server: out of memory");
     srv->registry = ctx->registry;
-    srv->timeout_ms = ctx->timeout_ms;
-    srv->wake[0] = srv->wake[1] = -1;
-    pthread_mutex_init(&srv->lock, NULL);
-    kvp_status st = kvpi_tcp_listen(ctx->host, 0, &srv->listen_fd, &srv->port);
-    if (st) goto fail;
-    if (pipe2(srv->wake, O_CLOEXEC) != 0) {
-        st = kvpi_error(KVP_EIO, "tcp server: pipe: %s", strerror(errno));
-        goto fail;
+    int fd;
+    kvp_status st = kvpi_tcp_listen(ctx->host, 0, &fd, &srv->port);
+    if (st) {
+        free(srv);
+        return st;
     }
-    if (pthread_create(&srv->accept_thread, NULL, accept_main, srv) != 0) {
-        st = kvpi_error(KVP_EIO, "tcp server: cannot start a thread");
-        goto fail;
+    char name[KVPI_HOST_MAX + 32], hp[KVPI_HOST_MAX + 8];
+    kvpi_hostport_format(ctx->host, srv->port, hp, sizeof hp);
+    snprintf(name, sizeof name, "tcp data server %s", hp);
+    kvpi_conn_limits lim = kvpi_server_limits(ctx);
+    if ((st = kvpi_conn_server_start(fd, name, &lim, &tcp_handler, srv, &srv->conns))) {
+        free(srv);
+        return st;
     }
     if (ctx->data_port_out) *ctx->data_port_out = srv->port;
     *out = srv;
     return KVP_OK;
-fail:
-    if (srv->listen_fd > 0) close(srv->listen_fd);
-    if (srv->wake[0] >= 0) close(srv->wake[0]);
-    if (srv->wake[1] >= 0) close(srv->wake[1]);
-    pthread_mutex_destroy(&srv->lock);
-    free(srv);
-    return st;
 }
 
 static void tcp_server_describe(void *server, cJSON *desc)
@@ -229,14 +190,7 @@ static void tcp_server_stop(void *server)
 {
     tcp_server *srv = server;
     if (!srv) return;
-    ssize_t w = write(srv->wake[1], "x", 1);
-    (void)w;
-    pthread_join(srv->accept_thread, NULL);
-    reap(srv, 1);
-    close(srv->listen_fd);
-    close(srv->wake[0]);
-    close(srv->wake[1]);
-    pthread_mutex_destroy(&srv->lock);
+    kvpi_conn_server_stop(srv->conns);
     free(srv);
 }
 
@@ -247,6 +201,7 @@ typedef struct tcp_peer {
     int port;
     int v2;
     int timeout_ms;
+    uint64_t min_rate;
     int max_idle;
     pthread_mutex_t lock;
     int *idle;
@@ -270,7 +225,8 @@ static kvp_status tcp_peer_open(const kvpi_peer_ctx *ctx, void **out)
     strcpy(p->host, ctx->host);
     p->port = port->valueint;
     p->v2 = cJSON_IsNumber(ver) && ver->valuedouble >= 2;
-    p->timeout_ms = ctx->timeout_ms;
+    p->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : KVPI_CONN_TIMEOUT_MS_DEFAULT;
+    p->min_rate = ctx->min_rate ? ctx->min_rate : KVPI_MIN_RATE_DEFAULT;
     p->max_idle = conns;
     pthread_mutex_init(&p->lock, NULL);
     *out = p;
@@ -286,15 +242,17 @@ static void tcp_peer_close(void *peer)
     free(p);
 }
 
-/* An idle connection (*reused = 1) or a new one. */
-static kvp_status conn_take(tcp_peer *p, int *fd, int *reused)
+/* An idle connection (*reused = 1) or a new one, by the deadline. */
+static kvp_status conn_take(tcp_peer *p, uint64_t deadline, int *fd, int *reused)
 {
     pthread_mutex_lock(&p->lock);
     *reused = p->n_idle > 0;
     if (*reused) *fd = p->idle[--p->n_idle];
     pthread_mutex_unlock(&p->lock);
     if (*reused) return KVP_OK;
-    return kvpi_tcp_connect(p->host, p->port, p->timeout_ms, fd);
+    int left = kvpi_remaining_ms(deadline);
+    if (left == 0) return kvpi_error(KVP_ETIMEDOUT, "connect: deadline passed");
+    return kvpi_tcp_connect(p->host, p->port, left < p->timeout_ms ? left : p->timeout_ms, fd);
 }
 
 static void conn_give(tcp_peer *p, int fd)
@@ -313,19 +271,24 @@ static kvp_status status_error(tcp_peer *p, const uint8_t frame[8], const kvpi_s
     int64_t code = kvpi_tcp_status_decode(frame);
     if (code == KVPI_TCP_STATUS_OK) return KVP_OK;
     if (code == KVPI_TCP_STATUS_REJECTED)
-        return kvpi_error(KVP_ERANGE, "%s:%d rejected [0x%llx, +%zu): outside its registered memory",
-                          p->host, p->port, (unsigned long long)s->remote, s->length);
+        return kvpi_error(KVP_ERANGE,
+                          "%s:%d rejected %s of [0x%llx, +%zu) (status 1, address rejected): "
+                          "outside its registered memory, or registered memory it can no "
+                          "longer read (its log says which)",
+                          p->host, p->port, s->opcode == KVP_OP_READ ? "READ" : "WRITE",
+                          (unsigned long long)s->remote, s->length);
     return kvpi_error(KVP_EPROTO, "%s:%d sent a malformed status frame", p->host, p->port);
 }
 
-static kvp_status recv_status(tcp_peer *p, int fd, kvpi_slice *s)
+static kvp_status recv_status(tcp_peer *p, int fd, kvpi_slice *s, uint64_t deadline)
 {
     uint8_t frame[8];
-    kvp_status st = kvpi_recv_all(fd, frame, sizeof frame);
+    kvp_status st = kvpi_recv_all_by(fd, frame, sizeof frame, deadline);
     return st ? st : status_error(p, frame, s);
 }
 
-static kvp_status send_headers(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n)
+static kvp_status send_headers(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n,
+                               uint64_t deadline)
 {
     uint8_t buf[64 * KVPI_TCP_HDR_LEN];
     size_t off = 0;
@@ -336,7 +299,7 @@ static kvp_status send_headers(tcp_peer *p, int fd, kvpi_slice *const *s, size_t
         kvpi_tcp_hdr_encode(&h, buf + off);
         off += KVPI_TCP_HDR_LEN;
         if (off == sizeof buf || i + 1 == n) {
-            kvp_status st = kvpi_send_all(fd, buf, off);
+            kvp_status st = kvpi_send_all_by(fd, buf, off, deadline);
             if (st) return st;
             off = 0;
         }
@@ -346,21 +309,22 @@ static kvp_status send_headers(tcp_peer *p, int fd, kvpi_slice *const *s, size_t
 
 /* Pipelined READs: every header, then each status and payload in order.
  * *done counts slices completed (successfully or rejected). */
-static kvp_status run_reads(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n, size_t *done)
+static kvp_status run_reads(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n, uint64_t deadline,
+                            size_t *done)
 {
-    kvp_status st = send_headers(p, fd, s, n);
+    kvp_status st = send_headers(p, fd, s, n, deadline);
     for (size_t i = 0; st == KVP_OK && i < n; i++) {
         if (p->v2) {
             /* Status and payload in one call; a rejection is followed by a
              * close, so the payload read then ends early. */
             uint8_t frame[8];
             struct iovec iov[2] = {{frame, sizeof frame}, {s[i]->local, s[i]->length}};
-            if ((st = kvpi_recvv_all(fd, iov, 2)) == KVP_ECONNRESET && iov[0].iov_len == 0 &&
-                kvpi_tcp_status_decode(frame) == KVPI_TCP_STATUS_REJECTED)
+            if ((st = kvpi_recvv_all_by(fd, iov, 2, deadline)) == KVP_ECONNRESET &&
+                iov[0].iov_len == 0 && kvpi_tcp_status_decode(frame) == KVPI_TCP_STATUS_REJECTED)
                 st = status_error(p, frame, s[i]);
             if (st == KVP_OK) st = status_error(p, frame, s[i]);
         } else {
-            st = kvpi_recv_all(fd, s[i]->local, s[i]->length);
+            st = kvpi_recv_all_by(fd, s[i]->local, s[i]->length, deadline);
         }
         if (st == KVP_ERANGE) s[*done = i]->status = KVP_ERANGE;
         if (st) return st;
@@ -373,7 +337,8 @@ static kvp_status run_reads(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n,
 /* Pipelined WRITEs: each header and payload, then every status. A peer that
  * rejects a WRITE closes after its status frame, so a failed send is followed
  * by reading what statuses did arrive. */
-static kvp_status run_writes(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n, size_t *done)
+static kvp_status run_writes(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n, uint64_t deadline,
+                             size_t *done)
 {
     kvp_status st = KVP_OK;
     size_t sent = 0;
@@ -382,7 +347,7 @@ static kvp_status run_writes(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n
         kvpi_tcp_hdr h = {s[sent]->length, s[sent]->remote, KVPI_TCP_OP_WRITE, p->v2};
         kvpi_tcp_hdr_encode(&h, hdr);
         struct iovec iov[2] = {{hdr, sizeof hdr}, {s[sent]->local, s[sent]->length}};
-        if ((st = kvpi_sendv_all(fd, iov, 2))) break;
+        if ((st = kvpi_sendv_all_by(fd, iov, 2, deadline))) break;
     }
     if (!p->v2) {
         for (size_t i = 0; i < sent; i++) s[i]->status = KVP_OK;
@@ -391,7 +356,7 @@ static kvp_status run_writes(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n
     }
     kvp_status send_err = st;
     for (size_t i = 0; i < n; i++) {
-        kvp_status r = recv_status(p, fd, s[i]);
+        kvp_status r = recv_status(p, fd, s[i], deadline);
         if (r == KVP_ERANGE) {
             s[*done = i]->status = KVP_ERANGE;
             return r;
@@ -403,19 +368,42 @@ static kvp_status run_writes(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n
     return send_err;
 }
 
+/* Say what the deadline was when it passed. */
+static kvp_status deadline_error(tcp_peer *p, kvpi_slice *const *s, size_t n, uint64_t bytes,
+                                 uint64_t start, uint64_t deadline)
+{
+    char detail[256];
+    snprintf(detail, sizeof detail, "%s", kvp_last_error());
+    return kvpi_error(KVP_ETIMEDOUT,
+                      "tcp peer %s:%d: %s of %llu bytes (%zu requests) not done within %llu ms "
+                      "(timeout_ms %d + the bytes at %llu bytes/s): %s",
+                      p->host, p->port, s[0]->opcode == KVP_OP_READ ? "READ" : "WRITE",
+                      (unsigned long long)bytes, n,
+                      (unsigned long long)((deadline - start) / 1000000u), p->timeout_ms,
+                      (unsigned long long)p->min_rate, detail);
+}
+
 static kvp_status tcp_peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
 {
     tcp_peer *p = peer;
+    uint64_t bytes = 0;
+    for (size_t k = 0; k < n; k++)
+        bytes += slices[k]->length;
+    /* One deadline for the whole call, whatever pace the peer keeps. */
+    uint64_t start = kvpi_now_ns();
+    uint64_t deadline = kvpi_transfer_deadline(p->timeout_ms, p->min_rate, bytes);
     kvp_status result = KVP_OK;
     size_t i = 0;
     int retried = 0;
     while (i < n) {
         int fd, reused;
-        kvp_status st = conn_take(p, &fd, &reused);
-        if (st) return st;
+        kvp_status st = conn_take(p, deadline, &fd, &reused);
+        if (st)
+            return st == KVP_ETIMEDOUT ? deadline_error(p, slices, n, bytes, start, deadline) : st;
         size_t done = 0;
-        st = slices[i]->opcode == KVP_OP_READ ? run_reads(p, fd, slices + i, n - i, &done)
-                                              : run_writes(p, fd, slices + i, n - i, &done);
+        st = slices[i]->opcode == KVP_OP_READ
+                 ? run_reads(p, fd, slices + i, n - i, deadline, &done)
+                 : run_writes(p, fd, slices + i, n - i, deadline, &done);
         if (st == KVP_OK) {
             conn_give(p, fd);
             return result;
@@ -428,12 +416,13 @@ static kvp_status tcp_peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
             i += done + 1;
             continue;
         }
-        if (reused && done == 0 && !retried) {
-            /* An idle connection the peer had closed: retry once on a new one. */
+        if (st == KVP_ECONNRESET && reused && done == 0 && !retried) {
+            /* An idle connection the peer had closed (servers reap idle
+             * connections): retry once on a new one, by the same deadline. */
             retried = 1;
             continue;
         }
-        return st;
+        return st == KVP_ETIMEDOUT ? deadline_error(p, slices, n, bytes, start, deadline) : st;
     }
     return result;
 }

@@ -19,6 +19,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "common/conn_server.h"
 #include "engine/registry.h"
 #include "kvpipe/engine.h"
 
@@ -34,7 +35,11 @@ typedef struct kvpi_slice {
 typedef struct kvpi_server_ctx {
     const char *host;        /* the engine's host, to bind on */
     kvpi_registry *registry; /* check every request against it */
+    /* The listener's limits (common/conn_server.h; 0: its default). */
     int timeout_ms;
+    int idle_timeout_ms;
+    int max_conns;
+    uint64_t min_rate;
     /* A transport that serves Mooncake's TCP data port stores its port here;
      * the engine publishes it as tcp_data_port. */
     int *data_port_out;
@@ -45,9 +50,23 @@ typedef struct kvpi_peer_ctx {
     const cJSON *desc;  /* the peer's parsed segment descriptor */
     const kvpi_region *regions; /* the descriptor's buffers */
     size_t n_regions;
+    /* Each peer_xfer call must finish within timeout_ms + its bytes /
+     * min_rate (bytes per second; 0: the default), waiting for a connection
+     * included. */
     int timeout_ms;
+    uint64_t min_rate;
     int conns;          /* connections to keep */
 } kvpi_peer_ctx;
+
+/* The connection-server limits of a listener started with ctx. */
+static inline kvpi_conn_limits kvpi_server_limits(const kvpi_server_ctx *ctx)
+{
+    kvpi_conn_limits l = {.timeout_ms = ctx->timeout_ms,
+                          .idle_timeout_ms = ctx->idle_timeout_ms,
+                          .max_conns = ctx->max_conns,
+                          .min_rate = ctx->min_rate};
+    return l;
+}
 
 /* Capability flags. */
 #define KVPI_TRANSPORT_SAME_HOST 0x1u /* only reaches peers on this host */

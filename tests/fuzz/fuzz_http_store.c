@@ -11,11 +11,13 @@
  *    value length, value bytes, built as well-formed HTTP (plain, chunked,
  *    pipelined, HEAD, POST, no key, a declared body above 16 MiB) and sent on
  *    one keep-alive connection (a new one after each reply that closes it).
- *    The replies are checked against a model of the store: a PUT value comes
- *    back byte for byte from GET, DELETE removes it, a missing key is 404,
- *    other methods 405, no key 400, a too large body 413. Keys carry a random
- *    prefix of the run and the input's number, so no other input can touch
- *    them.
+ *    The replies are checked against a model of the store, Mooncake's rules
+ *    (docs/metadata-http.md): a PUT value comes back byte for byte from GET,
+ *    DELETE removes it, a missing key is 404 to GET and DELETE, a second PUT
+ *    of a key holding "rpc_meta" is 400 and keeps the first value, other
+ *    methods 405, no key 400, a too large body 413; ?list= of the input's
+ *    prefix lists exactly the model's keys. Keys carry a random prefix of the
+ *    run and the input's number, so no other input can touch them.
  * In both modes a canary value stored at start must still read back intact,
  * and the server must answer within REPLY_TIMEOUT_MS. The server restarts
  * every RESTART_EVERY inputs, which bounds its memory. Since the server holds
@@ -37,6 +39,8 @@
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
+#include <cjson/cJSON.h>
 
 #include "fuzz.h"
 #include "kvpipe/metadata_server.h"
@@ -424,6 +428,7 @@ enum kind {
     K_TOO_LARGE,
     K_HEAD,
     K_PIPELINED, /* PUT then GET of the key on one connection */
+    K_LIST,      /* GET ?list= of the input's prefix (the key is not sent) */
     K_COUNT
 };
 
@@ -478,11 +483,14 @@ static void add_chunked(text *t, const uint8_t *v, size_t n)
 static void build_request(text *t, enum kind kind, const char *k, const uint8_t *v, size_t vlen)
 {
     static const char *const methods[K_COUNT] = {
-        [K_GET] = "GET",       [K_PUT] = "PUT",         [K_DELETE] = "DELETE",
-        [K_POST] = "POST",     [K_PUT_CHUNKED] = "PUT", [K_NO_KEY] = "GET",
-        [K_TOO_LARGE] = "PUT", [K_HEAD] = "HEAD",       [K_PIPELINED] = "PUT"};
-    text_printf(t, "%s /metadata?%s%s HTTP/1.1\r\nHost: x\r\n", methods[kind],
-                kind == K_NO_KEY ? "other=" : "key=", k);
+        [K_GET] = "GET",         [K_PUT] = "PUT",    [K_DELETE] = "DELETE", [K_POST] = "POST",
+        [K_PUT_CHUNKED] = "PUT", [K_NO_KEY] = "GET", [K_TOO_LARGE] = "PUT", [K_HEAD] = "HEAD",
+        [K_PIPELINED] = "PUT",   [K_LIST] = "GET"};
+    if (kind == K_LIST)
+        text_printf(t, "GET /metadata?list=%s HTTP/1.1\r\nHost: x\r\n", input_prefix);
+    else
+        text_printf(t, "%s /metadata?%s%s HTTP/1.1\r\nHost: x\r\n", methods[kind],
+                    kind == K_NO_KEY ? "other=" : "key=", k);
     /* The connection is kept across requests, except after the ones the
      * server answers before reading their body. */
     switch (kind) {
@@ -524,9 +532,12 @@ static void model_put(model *m, model_entry *e, const char *key, const uint8_t *
     e->len = vlen;
 }
 
-/* Send the request and take its reply (two for K_PIPELINED). A connection
- * the server closed while idle is opened again, once. */
-static void send_request(conn *c, enum kind kind, const text *req, reply *r, reply *second)
+/* Send the request and take its reply (two for K_PIPELINED; when the server
+ * refused the PUT before its body and closed, the GET goes again on a new
+ * connection). A connection the server closed while idle is opened again,
+ * once. */
+static void send_request(conn *c, enum kind kind, const text *req, const char *k, reply *r,
+                         reply *second)
 {
     for (int attempt = 0;; attempt++) {
         if (c->fd < 0) c->fd = connect_server();
@@ -535,8 +546,54 @@ static void send_request(conn *c, enum kind kind, const text *req, reply *r, rep
         conn_close(c);
         FUZZ_CHECK(attempt == 0);
     }
+    if (kind == K_PIPELINED && c->fd < 0) {
+        FUZZ_CHECK(r->code != 200);
+        text get = {0};
+        text_printf(&get, "GET /metadata?key=%s HTTP/1.1\r\nHost: x\r\n\r\n", k);
+        c->fd = connect_server();
+        send_some(c->fd, get.p, get.len);
+        free(get.p);
+    }
     if (kind == K_PIPELINED) FUZZ_CHECK(c->fd >= 0 && conn_read(c, 0, second));
     if (kind == K_POST || kind == K_TOO_LARGE) conn_close(c);
+}
+
+/* Mooncake's rule: a key holding "rpc_meta" is written once. */
+static int put_refused(const model_entry *e, const char *key)
+{
+    return e && strstr(key, "rpc_meta") != NULL;
+}
+
+static int printable(const char *key)
+{
+    for (const unsigned char *p = (const unsigned char *)key; *p; p++)
+        if (*p < 0x20 || *p >= 0x7f || *p == '"' || *p == '\\') return 0;
+    return 1;
+}
+
+/* The listing of the input's prefix: a JSON array of exactly the model's
+ * keys (those of plain ASCII compared by name, the others counted). */
+static void check_list(const model *m, const reply *r)
+{
+    FUZZ_CHECK(r->code == 200);
+    cJSON *a = cJSON_ParseWithLength(r->body, r->body_len);
+    FUZZ_CHECK(cJSON_IsArray(a) && (size_t)cJSON_GetArraySize(a) == m->n);
+    size_t plen = strlen(input_prefix);
+    const cJSON *item;
+    cJSON_ArrayForEach(item, a)
+    {
+        FUZZ_CHECK(cJSON_IsString(item) && strncmp(item->valuestring, input_prefix, plen) == 0);
+    }
+    for (size_t i = 0; i < m->n; i++) {
+        if (!printable(m->e[i].key)) continue;
+        int found = 0;
+        cJSON_ArrayForEach(item, a)
+        {
+            found |= strcmp(item->valuestring, m->e[i].key) == 0;
+        }
+        FUZZ_CHECK(found);
+    }
+    cJSON_Delete(a);
 }
 
 static void run_op(conn *c, model *m, enum kind kind, const uint8_t *key, size_t klen,
@@ -548,7 +605,7 @@ static void run_op(conn *c, model *m, enum kind kind, const uint8_t *key, size_t
     text req = {0};
     build_request(&req, kind, k, v, vlen);
     reply r, g = {0};
-    send_request(c, kind, &req, &r, &g);
+    send_request(c, kind, &req, k, &r, &g);
     free(req.p);
     model_entry *e = model_find(m, mk);
     switch (kind) {
@@ -561,18 +618,30 @@ static void run_op(conn *c, model *m, enum kind kind, const uint8_t *key, size_t
         break;
     case K_PUT:
     case K_PUT_CHUNKED:
+        if (put_refused(e, mk)) {
+            FUZZ_CHECK(r.code == 400);
+            break;
+        }
         FUZZ_CHECK(r.code == 200);
         model_put(m, e, mk, v, vlen);
         break;
     case K_PIPELINED:
-        FUZZ_CHECK(r.code == 200);
-        model_put(m, e, mk, v, vlen);
-        FUZZ_CHECK(g.code == 200 && g.body_len == vlen &&
-                   (vlen == 0 || memcmp(g.body, v, vlen) == 0));
+        if (put_refused(e, mk)) {
+            FUZZ_CHECK(r.code == 400);
+        } else {
+            FUZZ_CHECK(r.code == 200);
+            model_put(m, e, mk, v, vlen);
+            e = model_find(m, mk);
+        }
+        FUZZ_CHECK(e && g.code == 200 && g.body_len == e->len &&
+                   (e->len == 0 || memcmp(g.body, e->value, e->len) == 0));
         break;
     case K_DELETE:
-        FUZZ_CHECK(r.code == 200);
+        FUZZ_CHECK(r.code == (e ? 200 : 404));
         if (e) *e = m->e[--m->n];
+        break;
+    case K_LIST:
+        check_list(m, &r);
         break;
     case K_POST:
     case K_HEAD:

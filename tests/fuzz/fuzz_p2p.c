@@ -1,7 +1,7 @@
 /* The P2P handshake frame (src/metadata/p2p.c): u64 LE length | u8 type | JSON,
  * read by the handshake server from any client and by an initiator from the
  * peer it asks. The input is the byte stream as it arrives; it is checked the
- * way recv_frame does (the length word first, then the type byte), and the
+ * way serve_recv and call_on do (the length word first, then the type byte), and the
  * JSON of a complete METADATA frame goes on to the descriptor parser, as a
  * reply does in kvpi_meta_fetch. Invariants: the length word is accepted iff
  * it is in 1..1 MiB, the type iff it is 0..3, and encoding the decoded header
@@ -39,7 +39,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     FUZZ_CHECK(memcmp(hdr, data, sizeof hdr) == 0);
     if (size - KVPI_RPC_HDR_LEN < n || type != KVPI_RPC_METADATA) return 0;
 
-    /* As recv_frame hands it on: NUL-terminated text. */
+    /* As serve_recv and call_on hand it on: NUL-terminated text. */
     char *json = malloc(n + 1);
     FUZZ_CHECK(json);
     memcpy(json, data + KVPI_RPC_HDR_LEN, n);

@@ -53,17 +53,21 @@ static inline void kvpf_regions_build(kvpf_regions *r, kvpf_reader *in)
         FUZZ_CHECK(ok == model_ok);
         if (ok) r->model[r->n++] = (kvpi_region){addr, len};
     }
-    FUZZ_CHECK(r->reg.count == r->n);
-    for (size_t i = 1; i < r->reg.count; i++)
-        FUZZ_CHECK(r->reg.regions[i - 1].addr + r->reg.regions[i - 1].length <=
-                   r->reg.regions[i].addr);
+    kvpi_region *snap = NULL;
+    size_t count = 0;
+    FUZZ_CHECK(kvpi_registry_snapshot(&r->reg, &snap, &count) == KVP_OK);
+    FUZZ_CHECK(count == r->n);
+    for (size_t i = 1; i < count; i++)
+        FUZZ_CHECK(snap[i - 1].addr + snap[i - 1].length <= snap[i].addr);
+    free(snap);
 }
 
 /* The server's decision for a non-empty request, checked against the model. */
 static inline void kvpf_regions_check_pin(kvpf_regions *r, uint64_t addr, uint64_t len)
 {
-    int pinned = kvpi_registry_pin(&r->reg, addr, len) == KVP_OK;
-    if (pinned) kvpi_registry_unpin(&r->reg);
+    kvpi_pin pin;
+    int pinned = kvpi_registry_pin(&r->reg, addr, len, &pin) == KVP_OK;
+    if (pinned) kvpi_registry_unpin(&r->reg, pin);
     FUZZ_CHECK(pinned == kvpf_model_inside(r, addr, len));
 }
 

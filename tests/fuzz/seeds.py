@@ -248,18 +248,22 @@ def pipe_announce():
         "three_frames": msg(default_max, BE(0x1000), BE(8), b"ACK"),
         "short_frame": msg(default_max, b"\x01\x02\x03\x04", BE(8)),
         "ack_on_data": msg(default_max, b"ACK"),
+        "ack_lower": msg(default_max, b"ack"),
+        "ack_long": msg(default_max, b"ACKS"),
+        "ack_two_frames": msg(default_max, b"ACK", b"ACK"),
     }
 
 
 def http_store():
     # Odd first byte: ops of u8 kind, u8 key length, key, u16 LE value length, value.
     kinds = {"get": 0, "put": 1, "delete": 2, "post": 3, "chunked": 4, "no_key": 5,
-             "too_large": 6, "head": 7, "pipelined": 8}
+             "too_large": 6, "head": 7, "pipelined": 8, "list": 9}
 
     def ops(*items):
         out = b"\x01"
         for kind, key, value in items:
-            key, value = key.encode(), value.encode()
+            key = key if isinstance(key, bytes) else key.encode()
+            value = value.encode()
             out += bytes([kinds[kind], len(key)]) + key + struct.pack("<H", len(value)) + value
         return out
 
@@ -278,6 +282,14 @@ def http_store():
         "ops_pipelined": ops(("pipelined", "k", desc), ("get", "k", "")),
         "ops_refused": ops(("post", "k", "x"), ("no_key", "", ""), ("too_large", "k", ""),
                            ("head", "k", "")),
+        "ops_rpc_meta_twice": ops(("put", "mooncake/rpc_meta/h:1", "{}"),
+                                  ("pipelined", "mooncake/rpc_meta/h:1", "x"),
+                                  ("delete", "mooncake/rpc_meta/h:1", ""),
+                                  ("delete", "mooncake/rpc_meta/h:1", ""),
+                                  ("put", "mooncake/rpc_meta/h:1", "y"), ("list", "", "")),
+        "ops_list": ops(("put", "mooncake/ram/b", "1"), ("put", "mooncake/ram/a", "2"),
+                        ("put", b"\xff\x01", "3"), ("list", "", ""), ("delete", "mooncake/ram/a", ""),
+                        ("list", "", "")),
         "ops_odd_keys": ops(("put", "a b/c?d&e=f%", "v"), ("get", "a b/c?d&e=f%", ""),
                             ("put", "x\0y", "nul"), ("get", "x", ""), ("put", "", "empty")),
         "req_get": req("GET", "/metadata?key=mooncake/ram/127.0.0.1:17100"),

@@ -15,7 +15,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "common/conn_server.h"
 #include "kvpipe/metadata_server.h"
+#include "metadata/metadata.h"
 #include "servers.h"
 #include "test.h"
 
@@ -78,6 +80,9 @@ static pid_t spawn_logged(const kvpt_server *s, char *const argv[])
             dup2(fd, 2);
         }
         if (in >= 0) dup2(in, 0);
+        /* Nothing of the test's (pipes to other children) may stay open in a
+         * server that outlives them. */
+        close_range(3, ~0u, 0);
         execv(argv[0], argv);
         _exit(127);
     }
@@ -94,11 +99,15 @@ static int exited(kvpt_server *s)
     return 0;
 }
 
-static int redis_ping(int port)
+static int redis_ping(const kvpt_server *s)
 {
     struct timeval tv = {1, 0};
-    redisContext *c = redisConnectWithTimeout("127.0.0.1", port, tv);
+    redisContext *c = redisConnectWithTimeout("127.0.0.1", s->port, tv);
     int ok = 0;
+    if (c && !c->err && s->password[0]) {
+        redisReply *r = redisCommand(c, "AUTH %s", s->password);
+        if (r) freeReplyObject(r);
+    }
     if (c && !c->err) {
         redisReply *r = redisCommand(c, "PING");
         ok = r && r->type == REDIS_REPLY_STATUS && strcmp(r->str, "PONG") == 0;
@@ -118,9 +127,8 @@ static size_t sink(char *ptr, size_t size, size_t nmemb, void *userdata)
     return n;
 }
 
-/* etcd listens before it has elected itself leader; /health says when it can
- * serve. */
-static int etcd_healthy(int port)
+/* GET http://127.0.0.1:port/health; 1 if the body holds want. */
+static int health_says(int port, const char *want)
 {
     char url[64], body[256] = "";
     snprintf(url, sizeof url, "http://127.0.0.1:%d/health", port);
@@ -133,10 +141,22 @@ static int etcd_healthy(int port)
     curl_easy_setopt(h, CURLOPT_WRITEDATA, body);
     CURLcode rc = curl_easy_perform(h);
     curl_easy_cleanup(h);
-    return rc == CURLE_OK && strstr(body, "\"health\":\"true\"") != NULL;
+    return rc == CURLE_OK && strstr(body, want) != NULL;
 }
 
-static int wait_ready(kvpt_server *s, int (*ready)(int port))
+/* etcd listens before it has elected itself leader; /health says when it can
+ * serve. */
+static int etcd_healthy(const kvpt_server *s)
+{
+    return health_says(s->port, "\"health\":\"true\"");
+}
+
+static int http_healthy(const kvpt_server *s)
+{
+    return health_says(s->port, "OK");
+}
+
+static int wait_ready(kvpt_server *s, int (*ready)(const kvpt_server *s))
 {
     for (int waited = 0; waited < START_TIMEOUT_MS; waited += 50) {
         if (exited(s)) {
@@ -145,7 +165,7 @@ static int wait_ready(kvpt_server *s, int (*ready)(int port))
             return fail(s, KVPT_SERVER_FAILED, "%s on port %d exited at start: %s", s->kind,
                         s->port, tail);
         }
-        if (ready(s->port)) return KVPT_SERVER_OK;
+        if (ready(s)) return KVPT_SERVER_OK;
         usleep(50000);
     }
     kvpt_server_down(s);
@@ -159,8 +179,13 @@ static int redis_launch(kvpt_server *s)
     if (!bin) return fail(s, KVPT_SERVER_ABSENT, "redis-server not found in PATH or /usr/bin");
     char port[16];
     snprintf(port, sizeof port, "%d", s->port);
-    char *argv[] = {(char *)bin,    "--port", port,    "--bind", "127.0.0.1",   "--save", "",
-                    "--appendonly", "no",     "--dir", s->dir,   "--daemonize", "no",     NULL};
+    char *argv[] = {(char *)bin, "--port",       port, "--bind", "127.0.0.1", "--save",
+                    "",          "--appendonly", "no", "--dir",  s->dir,      "--daemonize",
+                    "no",        NULL,           NULL, NULL};
+    if (s->password[0]) {
+        argv[13] = "--requirepass";
+        argv[14] = (char *)s->password;
+    }
     s->pid = spawn_logged(s, argv);
     if (s->pid < 0) return fail(s, KVPT_SERVER_FAILED, "fork: %s", strerror(errno));
     return wait_ready(s, redis_ping);
@@ -189,8 +214,24 @@ static int etcd_launch(kvpt_server *s)
     return wait_ready(s, etcd_healthy);
 }
 
+/* kvpipe metadata-server as a process of its own, with s->args. */
+static int http_cli_launch(kvpt_server *s)
+{
+    char port[16];
+    snprintf(port, sizeof port, "%d", s->port);
+    char *argv[40] = {(char *)kvpt_cli(), "metadata-server", "--port", port};
+    size_t n = 4;
+    for (size_t i = 0; s->args && s->args[i] && n < 39; i++)
+        argv[n++] = (char *)s->args[i];
+    argv[n] = NULL;
+    s->pid = spawn_logged(s, argv);
+    if (s->pid < 0) return fail(s, KVPT_SERVER_FAILED, "fork: %s", strerror(errno));
+    return wait_ready(s, http_healthy);
+}
+
 static int http_launch(kvpt_server *s)
 {
+    if (s->cli) return http_cli_launch(s);
     kvp_metadata_server *srv;
     kvp_status st = kvp_metadata_server_start("127.0.0.1", s->port, &srv);
     if (st)
@@ -213,12 +254,17 @@ static int make_dir(kvpt_server *s)
 
 static int start(kvpt_server *out, const char *kind, const char *scheme, const char *suffix)
 {
+    kvpt_server keep = *out; /* the options the caller set */
     memset(out, 0, sizeof *out);
+    out->cli = keep.cli;
+    out->args = keep.args;
+    memcpy(out->password, keep.password, sizeof out->password);
     out->kind = kind;
     out->port = kvpt_free_port();
     snprintf(out->addr, sizeof out->addr, "127.0.0.1:%d", out->port);
     snprintf(out->conn, sizeof out->conn, "%s%s%s", scheme, out->addr, suffix);
-    if (strcmp(kind, "http") != 0 && make_dir(out) != KVPT_SERVER_OK) return KVPT_SERVER_FAILED;
+    if ((strcmp(kind, "http") != 0 || out->cli) && make_dir(out) != KVPT_SERVER_OK)
+        return KVPT_SERVER_FAILED;
     if (strcmp(kind, "etcd") == 0) {
         do
             out->peer_port = kvpt_free_port();
@@ -236,16 +282,34 @@ static int start(kvpt_server *out, const char *kind, const char *scheme, const c
 
 int kvpt_redis_start(kvpt_server *out)
 {
+    memset(out, 0, sizeof *out);
+    return start(out, "redis", "redis://", "");
+}
+
+int kvpt_redis_start_auth(kvpt_server *out, const char *password)
+{
+    memset(out, 0, sizeof *out);
+    snprintf(out->password, sizeof out->password, "%s", password);
     return start(out, "redis", "redis://", "");
 }
 
 int kvpt_etcd_start(kvpt_server *out)
 {
+    memset(out, 0, sizeof *out);
     return start(out, "etcd", "etcd://", "");
 }
 
 int kvpt_http_start(kvpt_server *out)
 {
+    memset(out, 0, sizeof *out);
+    return start(out, "http", "http://", "/metadata");
+}
+
+int kvpt_http_cli_start(kvpt_server *out, const char *const *args)
+{
+    memset(out, 0, sizeof *out);
+    out->cli = 1;
+    out->args = args;
     return start(out, "http", "http://", "/metadata");
 }
 
@@ -269,6 +333,16 @@ void kvpt_server_down(kvpt_server *s)
     }
 }
 
+void kvpt_server_kill(kvpt_server *s)
+{
+    if (s->pid > 0) {
+        kill(s->pid, SIGKILL);
+        kvpt_wait_child(s->pid, STOP_TIMEOUT_MS);
+        s->pid = 0;
+    }
+    kvpt_server_down(s);
+}
+
 int kvpt_server_restart(kvpt_server *s)
 {
     kvpt_server_down(s);
@@ -290,4 +364,31 @@ void kvpt_server_stop(kvpt_server *s)
     kvpt_server_down(s);
     if (s->dir[0]) nftw(s->dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
     s->dir[0] = '\0';
+}
+
+static char *responder_reply(void *ctx)
+{
+    return strdup(ctx);
+}
+
+pid_t kvpt_handshake_responder(int port, const char *reply)
+{
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        kvpi_rpc_server *srv;
+        if (kvpi_rpc_server_start("127.0.0.1", port, &(kvpi_conn_limits){.timeout_ms = 2000},
+                                  responder_reply, (void *)reply, &srv))
+            _exit(3);
+        for (;;)
+            pause();
+    }
+    if (pid < 0) return -1;
+    if (kvpt_wait_port("127.0.0.1", port, 10000) != 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        return -1;
+    }
+    return pid;
 }

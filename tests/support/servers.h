@@ -4,8 +4,8 @@
  * binaries (found in PATH, then /usr/bin and /usr/sbin) in a fresh mkdtemp
  * directory, with their output in <dir>/log, and wait (bounded) until they
  * answer. kvpt_http_start() runs kvpipe's own HTTP metadata server in this
- * process. Each fills a connection string, so a suite can treat all stores
- * alike.
+ * process, kvpt_http_cli_start() as `kvpipe metadata-server` in another. Each fills a connection
+ * string, so a suite can treat all stores alike.
  *
  * Not thread-safe; call from the test's main thread. A fixture left running by
  * a failed case dies with the case's process group (see kvpt_run).
@@ -28,13 +28,23 @@ typedef struct kvpt_server {
     int peer_port;    /* etcd's peer port; 0 otherwise */
     pid_t pid;        /* server process; 0 when stopped or in-process */
     char dir[256];    /* data and log directory; "" for http */
-    void *http;       /* kvp_metadata_server * for http */
+    void *http;       /* kvp_metadata_server * for an in-process http */
+    int cli;          /* http: a `kvpipe metadata-server` process instead */
+    const char *const *args; /* its extra flags, NULL-terminated (caller's) */
+    char password[64];       /* redis: started with --requirepass this */
     char why[512];    /* reason of the last failure, for SKIP or a message */
 } kvpt_server;
 
 int kvpt_redis_start(kvpt_server *out);
+/* A redis-server that wants a password (--requirepass); conn holds none. */
+int kvpt_redis_start_auth(kvpt_server *out, const char *password);
 int kvpt_etcd_start(kvpt_server *out);
+/* kvpipe's HTTP metadata server in this process. */
 int kvpt_http_start(kvpt_server *out);
+/* kvpipe's HTTP metadata server as a process of its own (`kvpipe
+ * metadata-server --port P ARGS...`; args NULL-terminated, may be NULL, and
+ * must outlive the server); pid is its process. */
+int kvpt_http_cli_start(kvpt_server *out, const char *const *args);
 
 /* Stop the server (SIGTERM, then SIGKILL after a bound) but keep its port,
  * directory and connection string, so it can be started again. */
@@ -44,11 +54,22 @@ void kvpt_server_down(kvpt_server *s);
  * the same data directory, so its keys survive; redis and http start empty). */
 int kvpt_server_up(kvpt_server *s);
 
+/* As kvpt_server_down(), but with SIGKILL: the server gets no chance to
+ * flush or say goodbye (an in-process http server is just stopped). */
+void kvpt_server_kill(kvpt_server *s);
+
 /* kvpt_server_down() then kvpt_server_up(). */
 int kvpt_server_restart(kvpt_server *s);
 
 /* Stop the server and remove its directory. Safe on a zeroed struct. */
 void kvpt_server_stop(kvpt_server *s);
+
+/* A process that answers handshakes (Mooncake's P2P framing, as an engine's
+ * RPC port does) on 127.0.0.1:port, every metadata request with reply (a
+ * descriptor, or "null" as a Mooncake engine outside P2P mode answers).
+ * Returns its pid once it listens, or -1. Start it before the case has
+ * threads of its own (it forks). Stop it with kill + waitpid. */
+pid_t kvpt_handshake_responder(int port, const char *reply);
 
 /* Path of a program in PATH, /usr/bin or /usr/sbin (static buffer), or NULL. */
 const char *kvpt_find_binary(const char *name);

@@ -1,3 +1,5 @@
+#include <fcntl.h>
+#include <inttypes.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,6 +11,18 @@
 
 #include "target.h"
 #include "test.h"
+
+/* The target child is a fresh exec of the test program, not a bare fork: the
+ * test may run threads already (an initiator engine), and starting an engine
+ * in a fork of a threaded process is unsafe (a lock another thread held at
+ * the fork stays held in the child) and refused by ThreadSanitizer. The
+ * program learns that it is a target child before main runs, from
+ * CHILD_ENV, and maps the buffer (a memfd) at the parent's address, so that
+ * the test's view of the buffer and the address peers use stay one. */
+#define CHILD_ENV "KVPT_TARGET_CHILD"     /* "mem_fd ready_fd ctl_fd addr len shm_off" */
+#define CHILD_ENV_NAME "KVPT_TARGET_NAME" /* segment name */
+#define CHILD_ENV_META "KVPT_TARGET_METADATA"
+#define CHILD_ENV_PROTO "KVPT_TARGET_PROTOCOL" /* unset: the default */
 
 static void target_child(const kvpt_target_opts *o, kvpt_target *t, int ready_fd, int ctl_fd)
 {
@@ -37,24 +51,96 @@ static void target_child(const kvpt_target_opts *o, kvpt_target *t, int ready_fd
     _exit(0);
 }
 
+__attribute__((constructor)) static void target_child_entry(void)
+{
+    const char *spec = getenv(CHILD_ENV);
+    if (!spec) return;
+    int mem_fd, ready_fd, ctl_fd, shm_off;
+    uint64_t addr, len;
+    if (sscanf(spec, "%d %d %d %" SCNx64 " %" SCNu64 " %d", &mem_fd, &ready_fd, &ctl_fd, &addr,
+               &len, &shm_off) != 6) {
+        fprintf(stderr, "target: bad %s '%s'\n", CHILD_ENV, spec);
+        _exit(2);
+    }
+    kvpt_target t = {.len = len};
+    snprintf(t.name, sizeof t.name, "%s", getenv(CHILD_ENV_NAME));
+    kvpt_target_opts o = {.metadata = getenv(CHILD_ENV_META),
+                          .protocol = getenv(CHILD_ENV_PROTO),
+                          .len = len,
+                          .disable_shm = shm_off};
+    t.buf = mmap((void *)(uintptr_t)addr, len, PROT_READ | PROT_WRITE,
+                 MAP_SHARED | MAP_FIXED_NOREPLACE, mem_fd, 0);
+    if (t.buf != (void *)(uintptr_t)addr) {
+        perror("target: mapping the buffer at the parent's address");
+        _exit(6);
+    }
+    close(mem_fd);
+    target_child(&o, &t, ready_fd, ctl_fd);
+}
+
+/* The environment of the child: ours and the CHILD_ENV* variables. NULL on
+ * failure; free the strings from index first_own on, and the array. */
+static char **child_env(const kvpt_target_opts *o, const kvpt_target *t, int mem_fd, int ready_fd,
+                        int ctl_fd, size_t *first_own)
+{
+    extern char **environ;
+    size_t n = 0;
+    while (environ[n])
+        n++;
+    char **env = calloc(n + 5, sizeof *env);
+    if (!env) return NULL;
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (strncmp(environ[i], "KVPT_TARGET_", strlen("KVPT_TARGET_")) != 0) env[k++] = environ[i];
+    *first_own = k;
+    int ok = asprintf(&env[k++], "%s=%d %d %d %" PRIx64 " %zu %d", CHILD_ENV, mem_fd, ready_fd,
+                      ctl_fd, (uint64_t)(uintptr_t)t->buf, t->len, o->disable_shm) > 0;
+    ok = ok && asprintf(&env[k++], "%s=%s", CHILD_ENV_NAME, t->name) > 0;
+    ok = ok && asprintf(&env[k++], "%s=%s", CHILD_ENV_META, o->metadata) > 0;
+    if (ok && o->protocol) ok = asprintf(&env[k++], "%s=%s", CHILD_ENV_PROTO, o->protocol) > 0;
+    if (ok) return env;
+    for (size_t i = *first_own; i < k; i++)
+        free(env[i]);
+    free(env);
+    return NULL;
+}
+
 int kvpt_target_start(const kvpt_target_opts *o, kvpt_target *t)
 {
     memset(t, 0, sizeof *t);
     t->len = o->len;
     snprintf(t->name, sizeof t->name, "127.0.0.1:%d", o->port ? o->port : kvpt_free_port());
-    t->buf = mmap(NULL, o->len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    char exe[4096];
+    ssize_t exe_len = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    int mem_fd = memfd_create("kvpt-target", MFD_CLOEXEC);
+    if (exe_len <= 0 || mem_fd < 0 || ftruncate(mem_fd, (off_t)o->len) != 0) return -1;
+    exe[exe_len] = '\0';
+    t->buf = mmap(NULL, o->len, PROT_READ | PROT_WRITE, MAP_SHARED, mem_fd, 0);
     if (t->buf == MAP_FAILED) return -1;
     kvpt_fill(t->buf, o->len, o->seed);
+    /* Close-on-exec everywhere, so that a target holds no other target's
+     * control pipe; the child clears it on the three it keeps. */
     int ready[2], ctl[2];
-    if (pipe(ready) || pipe(ctl)) return -1;
+    if (pipe2(ready, O_CLOEXEC) || pipe2(ctl, O_CLOEXEC)) return -1;
+    size_t first_own;
+    char **env = child_env(o, t, mem_fd, ready[1], ctl[0], &first_own);
+    if (!env) return -1;
     fflush(NULL);
     t->pid = fork();
     if (t->pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
-        close(ready[0]);
-        close(ctl[1]);
-        target_child(o, t, ready[1], ctl[0]);
+        int keep[] = {mem_fd, ready[1], ctl[0]};
+        for (size_t i = 0; i < 3; i++)
+            fcntl(keep[i], F_SETFD, 0);
+        char *argv[] = {exe, NULL};
+        execve(exe, argv, env);
+        perror(exe);
+        _exit(127);
     }
+    for (size_t i = first_own; env[i]; i++)
+        free(env[i]);
+    free(env);
+    close(mem_fd);
     close(ready[1]);
     close(ctl[0]);
     t->ctl = ctl[1];

@@ -1,0 +1,242 @@
+/* kvp_info: what this build and host offer (include/kvpipe/info.h), and the
+ * library's version. Transports are probed by starting their servers as an
+ * engine would; stores and components are known at build time (KVP_HAVE_*). */
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <zmq.h>
+
+#if KVP_HAVE_HTTP || KVP_HAVE_ETCD
+#include <curl/curl.h>
+#endif
+#if KVP_HAVE_REDIS
+#include <hiredis/hiredis.h>
+#endif
+#if KVP_HAVE_HTTP_SERVER
+#include <microhttpd.h>
+#endif
+
+#include "common/error.h"
+#include "engine/registry.h"
+#include "kvpipe/info.h"
+#include "kvpipe/version.h"
+#include "metadata/metadata.h"
+#include "transport/transport.h"
+
+#define INFO_PROBE_TIMEOUT_MS 2000
+#define INFO_STORE_TIMEOUT_MS 5000
+#define INFO_MAX_TRANSPORTS 8
+#define INFO_DETAIL_MAX 512
+
+const char *kvp_version(void)
+{
+    return KVP_VERSION_STRING;
+}
+
+unsigned kvp_version_number(void)
+{
+    return KVP_VERSION_NUMBER;
+}
+
+/* ---------------------------------------------------------------- stores --- */
+
+/* Each store's ops table exists in every build: a store left out of the build
+ * has one whose open() says so (store_absent.c). */
+static const struct {
+    const kvpi_store_ops *ops;
+    const char *syntax;
+    int built_in;
+    const char *option;
+} store_table[] = {
+    {&kvpi_store_http, "http://h:p/path", KVP_HAVE_HTTP,
+     "configure with -DKVP_WITH_HTTP=ON (needs libcurl)"},
+    {&kvpi_store_etcd, "etcd://h:p[,h:p] (or h:p)", KVP_HAVE_ETCD,
+     "configure with -DKVP_WITH_ETCD=ON (needs libcurl)"},
+    {&kvpi_store_redis, "redis://[user:pass@]h:p[/db]", KVP_HAVE_REDIS,
+     "configure with -DKVP_WITH_REDIS=ON (needs hiredis)"},
+};
+#define N_STORES (sizeof store_table / sizeof store_table[0])
+
+/* ------------------------------------------------------------ components --- */
+
+enum { COMP_KVPIPE, COMP_ZMQ, COMP_CJSON, COMP_CURL, COMP_HIREDIS, COMP_MHD, N_COMPONENTS };
+
+struct kvp_info {
+    kvp_transport_info transports[INFO_MAX_TRANSPORTS + 1];
+    char details[INFO_MAX_TRANSPORTS + 1][INFO_DETAIL_MAX];
+    size_t n_transports;
+    kvp_store_info stores[N_STORES + 1];
+    kvp_component_info components[N_COMPONENTS];
+    char versions[N_COMPONENTS][32];
+};
+
+static void set_component(kvp_info *info, int i, const char *name, const char *purpose,
+                          int built_in)
+{
+    kvp_component_info *c = &info->components[i];
+    c->name = name;
+    c->purpose = purpose;
+    c->status = built_in ? KVP_OK : KVP_ENOTSUP;
+    c->version = info->versions[i];
+}
+
+static void fill_components(kvp_info *info)
+{
+    set_component(info, COMP_KVPIPE, "kvpipe", "this library", 1);
+    snprintf(info->versions[COMP_KVPIPE], sizeof info->versions[0], "%s", kvp_version());
+
+    int major, minor, patch;
+    zmq_version(&major, &minor, &patch);
+    set_component(info, COMP_ZMQ, "libzmq", "the tensor pipe's control plane (ZeroMQ)", 1);
+    snprintf(info->versions[COMP_ZMQ], sizeof info->versions[0], "%d.%d.%d", major, minor, patch);
+
+    set_component(info, COMP_CJSON, "cJSON", "segment descriptors and configs (JSON)", 1);
+    snprintf(info->versions[COMP_CJSON], sizeof info->versions[0], "%s", cJSON_Version());
+
+    set_component(info, COMP_CURL, "libcurl", "the http and etcd store clients",
+                  KVP_HAVE_HTTP || KVP_HAVE_ETCD);
+#if KVP_HAVE_HTTP || KVP_HAVE_ETCD
+    snprintf(info->versions[COMP_CURL], sizeof info->versions[0], "%s",
+             curl_version_info(CURLVERSION_NOW)->version);
+#endif
+
+    /* hiredis has no run-time version call: the headers built against. */
+    set_component(info, COMP_HIREDIS, "hiredis", "the redis store client", KVP_HAVE_REDIS);
+#if KVP_HAVE_REDIS
+    snprintf(info->versions[COMP_HIREDIS], sizeof info->versions[0], "%d.%d.%d", HIREDIS_MAJOR,
+             HIREDIS_MINOR, HIREDIS_PATCH);
+#endif
+
+    set_component(info, COMP_MHD, "libmicrohttpd", "the embedded HTTP metadata server",
+                  KVP_HAVE_HTTP_SERVER);
+#if KVP_HAVE_HTTP_SERVER
+    snprintf(info->versions[COMP_MHD], sizeof info->versions[0], "%s", MHD_get_version());
+#endif
+}
+
+/* ------------------------------------------------------------ transports --- */
+
+/* Start and stop the transport's server on host, as an engine would. */
+static kvp_status probe_transport(const kvpi_transport_ops *ops, const char *host, int timeout_ms)
+{
+    kvpi_registry reg;
+    kvpi_registry_init(&reg);
+    int port = 0;
+    kvpi_server_ctx ctx = {
+        .host = host, .registry = &reg, .timeout_ms = timeout_ms, .data_port_out = &port};
+    void *srv = NULL;
+    kvp_status st = ops->server_start(&ctx, &srv);
+    if (st == KVP_OK) ops->server_stop(srv);
+    kvpi_registry_destroy(&reg);
+    return st;
+}
+
+static void add_transport(kvp_info *info, const char *name, kvp_status st, const char *detail,
+                          unsigned caps)
+{
+    size_t i = info->n_transports++;
+    snprintf(info->details[i], INFO_DETAIL_MAX, "%s", st ? detail : "");
+    info->transports[i] =
+        (kvp_transport_info){.name = name, .status = st, .detail = info->details[i], .caps = caps};
+}
+
+static void fill_transports(kvp_info *info, const char *host, int timeout_ms)
+{
+    for (size_t i = 0; kvpi_transports[i] && info->n_transports < INFO_MAX_TRANSPORTS; i++) {
+        const kvpi_transport_ops *ops = kvpi_transports[i];
+        kvp_status st = probe_transport(ops, host, timeout_ms);
+        add_transport(info, ops->name, st, kvp_last_error(),
+                      ops->caps & KVPI_TRANSPORT_SAME_HOST ? KVP_TRANSPORT_SAME_HOST : 0);
+    }
+    /* The protocol Mooncake users configure most; an engine refuses it with
+     * KVP_ENOTSUP until a build has a transport of that name. */
+    if (!kvpi_transport_lookup("rdma"))
+        add_transport(info, "rdma", KVP_ENOTSUP, "not supported in this build", 0);
+}
+
+/* ------------------------------------------------------------------ info --- */
+
+kvp_status kvp_info_get(const char *host, int timeout_ms, kvp_info **out)
+{
+    if (!out) return kvpi_error(KVP_EINVAL, "kvp_info_get: out is NULL");
+    kvp_info *info = calloc(1, sizeof *info);
+    if (!info) return kvpi_error(KVP_ENOMEM, "kvp_info_get: out of memory");
+    fill_transports(info, host ? host : "127.0.0.1",
+                    timeout_ms > 0 ? timeout_ms : INFO_PROBE_TIMEOUT_MS);
+    for (size_t i = 0; i < N_STORES; i++)
+        info->stores[i] =
+            (kvp_store_info){.name = store_table[i].ops->name,
+                             .syntax = store_table[i].syntax,
+                             .status = store_table[i].built_in ? KVP_OK : KVP_ENOTSUP,
+                             .detail = store_table[i].built_in ? "" : store_table[i].option};
+    info->stores[N_STORES] = (kvp_store_info){.name = "p2p",
+                                              .syntax = KVPI_P2P_CONN,
+                                              .status = KVP_OK,
+                                              .detail = "",
+                                              .flags = KVP_STORE_PEER_TO_PEER};
+    fill_components(info);
+    kvpi_error_clear();
+    *out = info;
+    return KVP_OK;
+}
+
+void kvp_info_free(kvp_info *info)
+{
+    free(info);
+}
+
+const kvp_transport_info *kvp_info_transport(const kvp_info *info, size_t i)
+{
+    return info && i < info->n_transports ? &info->transports[i] : NULL;
+}
+
+const kvp_store_info *kvp_info_store(const kvp_info *info, size_t i)
+{
+    return info && i < N_STORES + 1 ? &info->stores[i] : NULL;
+}
+
+const kvp_component_info *kvp_info_component(const kvp_info *info, size_t i)
+{
+    return info && i < N_COMPONENTS ? &info->components[i] : NULL;
+}
+
+const kvp_store_info *kvp_info_store_for(const kvp_info *info, const char *conn)
+{
+    if (!info || !conn) return NULL;
+    if (strcmp(conn, KVPI_P2P_CONN) == 0) return &info->stores[N_STORES];
+    const kvpi_store_ops *ops = kvpi_store_lookup(conn);
+    for (size_t i = 0; ops && i < N_STORES; i++)
+        if (store_table[i].ops == ops) return &info->stores[i];
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- checks --- */
+
+kvp_status kvp_info_store_check(const char *conn, int timeout_ms)
+{
+    kvpi_meta *meta;
+    kvp_status st =
+        kvpi_meta_open(conn, timeout_ms > 0 ? timeout_ms : INFO_STORE_TIMEOUT_MS, &meta);
+    if (st == KVP_OK) kvpi_meta_close(meta);
+    return st;
+}
+
+kvp_status kvp_info_segment(const char *conn, const char *segment, int timeout_ms,
+                            char **descriptor, char **host)
+{
+    if (!descriptor || !host)
+        return kvpi_error(KVP_EINVAL, "kvp_info_segment: descriptor or host is NULL");
+    kvpi_meta *meta;
+    kvp_status st =
+        kvpi_meta_open(conn, timeout_ms > 0 ? timeout_ms : INFO_STORE_TIMEOUT_MS, &meta);
+    if (st) return st;
+    char *desc = NULL, *rpc_host = NULL;
+    /* A P2P handshake sends our own descriptor; an inspecting tool has none. */
+    st = kvpi_meta_fetch(meta, segment, "{}", &desc, &rpc_host);
+    kvpi_meta_close(meta);
+    if (st) return st;
+    *descriptor = desc;
+    *host = rpc_host;
+    return KVP_OK;
+}

@@ -1,0 +1,90 @@
+/* Network faults: random packet loss between two network namespaces.
+ *
+ * An nftables rule in each namespace drops LOSS_PERCENT % of the packets it
+ * receives, at random. TCP retransmits what was lost, so the expected outcome
+ * is a clean run, only slower: the engine bench's READs and WRITEs and the
+ * pipe bench complete with 0 errors, 0 wrong bytes and every tensor received
+ * once and in order; the rules' counters prove that packets were dropped.
+ * See docs/reliability.md. */
+#include "netbench.h"
+#include "netns.h"
+#include "test.h"
+
+#define LOSS_PERCENT 5
+/* The engines' timeout: a request must finish within it (plus its bytes at
+ * the engine's floor rate). Under 5 % loss in both directions TCP sometimes
+ * loses a segment's retransmissions several times running, and its backoff
+ * (0.2, 0.4, 0.8, 1.6, 3.2, 6.4 s ...) then stalls a connection for over 10 s:
+ * seen once in an ASan run with 10 s. 30 s covers seven losses in a row. */
+#define TIMEOUT_MS 30000
+#define DURATION_S 3.0   /* engine bench */
+#define BOUND_MS 90000   /* a run that takes longer than this has hung */
+
+/* The pair with the loss rules in place; skips where nftables is missing. */
+static int lossy_pair(kvpt_netns *n)
+{
+    const char *why = kvpt_netns_unavailable();
+    if (why) kvpt_skip("%s", why);
+    if (kvpt_netns_create(n)) {
+        fprintf(stderr, "  %s\n", n->why);
+        return -1;
+    }
+    if ((why = kvpt_net_loss_unavailable(n))) kvpt_skip("%s", why);
+    if (kvpt_net_loss(n, LOSS_PERCENT)) {
+        fprintf(stderr, "  %s\n", n->why);
+        return -1;
+    }
+    return 0;
+}
+
+static void engine_case(const char *operation)
+{
+    kvpt_netns n;
+    REQUIRE(lossy_pair(&n) == 0);
+    kvpt_engine_bench b = {
+        .operation = operation, .duration_s = DURATION_S, .timeout_ms = TIMEOUT_MS};
+    int started = kvpt_engine_bench_start(&b, &n) == 0 && kvpt_engine_bench_run(&b) == 0;
+    CHECK(started);
+    if (started) {
+        kvpt_engine_bench_wait(&b, BOUND_MS);
+        kvpt_engine_bench_check_clean(&b);
+    }
+    long dropped = kvpt_net_loss_dropped(&n);
+    fprintf(stderr, "  %ld packets dropped\n", dropped);
+    CHECK(dropped > 0);
+    CHECK(kvpt_engine_bench_stop(&b) == 0);
+    CHECK(b.written >= 0);
+    kvpt_netns_destroy(&n);
+}
+
+static void test_loss_engine_read(void)
+{
+    engine_case("read");
+}
+
+static void test_loss_engine_write(void)
+{
+    engine_case("write");
+}
+
+static void test_loss_pipe(void)
+{
+    kvpt_netns n;
+    REQUIRE(lossy_pair(&n) == 0);
+    kvpt_pipe_bench b = {.tensor_size = "256K", .count = 40, .timeout_ms = TIMEOUT_MS};
+    CHECK(kvpt_pipe_bench_start(&b, &n) == 0);
+    kvpt_pipe_bench_wait(&b, BOUND_MS);
+    kvpt_pipe_bench_check_clean(&b);
+    long dropped = kvpt_net_loss_dropped(&n);
+    fprintf(stderr, "  %ld packets dropped\n", dropped);
+    CHECK(dropped > 0);
+    kvpt_netns_destroy(&n);
+}
+
+int main(void)
+{
+    RUN_T(test_loss_engine_read, 150);
+    RUN_T(test_loss_engine_write, 150);
+    RUN_T(test_loss_pipe, 150);
+    return kvpt_summary();
+}

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Install the build into a fresh prefix, check what landed, build examples/
+# against the installed package (pkg-config; find_package shared and static)
+# and run the programs of one build against those of another.
+#   install_examples.sh BUILD_DIR SOURCE_DIR VERSION SOVERSION
+set -euo pipefail
+build=$1 src=$2 version=$3 soversion=$4
+work=$(mktemp -d /tmp/kvpipe-install.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+. "$(dirname "$0")/lib.sh"
+prefix=$work/prefix
+
+cmake --install "$build" --prefix "$prefix" > "$work/install.log"
+
+# What an install holds, exactly (docs and examples by pattern).
+(cd "$prefix" && find . -type f -o -type l | sed 's|^\./||' | grep -v '^share/doc/kvpipe/' |
+    sed 's/-[a-z]*\.cmake$/-CONFIG.cmake/' | sort) > "$work/files"
+cat > "$work/expected" <<LIST
+bin/kvpipe
+include/kvpipe/engine.h
+include/kvpipe/export.h
+include/kvpipe/info.h
+include/kvpipe/kvpipe.h
+include/kvpipe/metadata_server.h
+include/kvpipe/pipe.h
+include/kvpipe/status.h
+include/kvpipe/tensor.h
+include/kvpipe/version.h
+lib/cmake/kvpipe/kvpipeConfig.cmake
+lib/cmake/kvpipe/kvpipeConfigVersion.cmake
+lib/cmake/kvpipe/kvpipeStaticTargets-CONFIG.cmake
+lib/cmake/kvpipe/kvpipeStaticTargets.cmake
+lib/cmake/kvpipe/kvpipeTargets-CONFIG.cmake
+lib/cmake/kvpipe/kvpipeTargets.cmake
+lib/libkvpipe.a
+lib/libkvpipe.so
+lib/libkvpipe.so.$soversion
+lib/libkvpipe.so.$version
+lib/pkgconfig/kvpipe.pc
+LIST
+# Public headers in the tree must all be installed (a new one needs no edit
+# here only if it lands in include/kvpipe/).
+for h in "$src"/include/kvpipe/*.h; do
+    grep -qx "include/kvpipe/$(basename "$h")" "$work/expected" ||
+        echo "include/kvpipe/$(basename "$h")" >> "$work/expected"
+done
+sort -o "$work/expected" "$work/expected"
+if ! diff -u "$work/expected" "$work/files"; then
+    echo "FAIL: installed files differ from the expected list (- expected, + installed)"; exit 1
+fi
+for f in README.md CHANGELOG.md LICENSE engine.md pipe.md examples/target.c examples/Makefile \
+         examples/CMakeLists.txt examples/common.h; do
+    [ -f "$prefix/share/doc/kvpipe/$f" ] || { echo "FAIL: share/doc/kvpipe/$f not installed"; exit 1; }
+done
+echo "ok: install holds the expected files"
+"$prefix/bin/kvpipe" --version | grep -qx "kvpipe $version" || { echo "FAIL: installed CLI"; exit 1; }
+
+# pkg-config: the version, and a client that links -lkvpipe alone.
+export PKG_CONFIG_PATH=$prefix/lib/pkgconfig
+[ "$(pkg-config --modversion kvpipe)" = "$version" ] || { echo "FAIL: pkg-config version"; exit 1; }
+[ "$(pkg-config --libs kvpipe | xargs)" = "-L$prefix/lib -lkvpipe" ] ||
+    { echo "FAIL: pkg-config --libs is '$(pkg-config --libs kvpipe)'"; exit 1; }
+# libkvpipe.a with what pkg-config --static adds (Libs.private).
+cc -o "$work/initiator-static" "$src/examples/initiator.c" $(pkg-config --cflags kvpipe) \
+    $(pkg-config --static --libs kvpipe | sed 's/-lkvpipe/-l:libkvpipe.a/') ||
+    { echo "FAIL: linking libkvpipe.a with pkg-config --static"; exit 1; }
+readelf -d "$work/initiator-static" | grep -q 'NEEDED.*libkvpipe' &&
+    { echo "FAIL: the static client links libkvpipe.so"; exit 1; }
+make -s -C "$src/examples" OUT="$work/pc" > "$work/make.log" 2>&1 ||
+    { cat "$work/make.log"; echo "FAIL: examples with pkg-config"; exit 1; }
+needed=$(readelf -d "$work/pc/initiator" | sed -n 's/.*NEEDED.*\[\(.*\)\]/\1/p' | sort | tr '\n' ' ')
+[ "$needed" = "libc.so.6 libkvpipe.so.$soversion " ] ||
+    { echo "FAIL: a pkg-config client needs '$needed', not just libkvpipe"; exit 1; }
+echo "ok: examples built with pkg-config; a client needs only libkvpipe.so.$soversion"
+
+# find_package: kvpipe::kvpipe, and kvpipe::kvpipe_static; the version file
+# refuses another minor version.
+unset PKG_CONFIG_PATH
+for variant in shared static; do
+    static=OFF; [ $variant = static ] && static=ON
+    cmake -S "$src/examples" -B "$work/cm-$variant" -DCMAKE_PREFIX_PATH="$prefix" \
+        -DKVP_EXAMPLES_STATIC=$static > "$work/cm-$variant.log" 2>&1 &&
+    cmake --build "$work/cm-$variant" >> "$work/cm-$variant.log" 2>&1 ||
+        { cat "$work/cm-$variant.log"; echo "FAIL: examples with find_package ($variant)"; exit 1; }
+done
+readelf -d "$work/cm-static/target" | grep -q 'NEEDED.*libkvpipe' &&
+    { echo "FAIL: the static example links libkvpipe.so"; exit 1; }
+mkdir -p "$work/badver"
+cat > "$work/badver/CMakeLists.txt" <<CM
+cmake_minimum_required(VERSION 3.18)
+project(v LANGUAGES C)
+find_package(kvpipe 99.0 QUIET)
+if(kvpipe_FOUND)
+  message(FATAL_ERROR "kvpipe 99.0 found")
+endif()
+CM
+cmake -S "$work/badver" -B "$work/badver/b" -DCMAKE_PREFIX_PATH="$prefix" > "$work/badver.log" 2>&1 ||
+    { cat "$work/badver.log"; echo "FAIL: the version file accepts 99.0"; exit 1; }
+echo "ok: examples built with find_package (kvpipe::kvpipe, kvpipe::kvpipe_static)"
+
+# Programs of different builds against each other, over P2PHANDSHAKE.
+base=$(free_port_block 400)
+run_pair "target(pkg-config) <- initiator(find_package)" \
+    "$work/pc/target" "127.0.0.1:$base" -- "$work/cm-shared/initiator" "127.0.0.1:$base"
+run_pair "target(static) <- initiator(pkg-config)" \
+    "$work/cm-static/target" "127.0.0.1:$((base + 1))" -- "$work/pc/initiator" "127.0.0.1:$((base + 1))"
+run_pair "target(find_package) <- initiator(pkg-config --static)" \
+    "$work/cm-shared/target" "127.0.0.1:$((base + 2))" -- "$work/initiator-static" "127.0.0.1:$((base + 2))"
+cat > "$work/pipe.json" <<JSON
+{"prefill_url": "127.0.0.1:$((base + 20))", "decode_url": "127.0.0.1:$((base + 220))",
+ "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}
+JSON
+run_pair "pipe_receiver(pkg-config) <- pipe_sender(find_package)" \
+    "$work/pc/pipe_receiver" "$work/pipe.json" 50 -- "$work/cm-shared/pipe_sender" "$work/pipe.json" 50
+echo "ok: install, examples and their runs"

@@ -1,0 +1,273 @@
+#include "netns.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "servers.h"
+#include "test.h"
+
+#define TOOL_TIMEOUT_MS 20000
+
+static int fail(kvpt_netns *n, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int fail(kvpt_netns *n, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(n->why, sizeof n->why, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+const char *kvpt_netns_unavailable(void)
+{
+    if (geteuid() != 0) return "network namespaces need root";
+    if (!kvpt_find_binary("ip")) return "ip (iproute2) not found";
+    return NULL;
+}
+
+/* Run fn(arg) with the calling thread in side's namespace, then return home.
+ * A failure to return home is fatal: the rest of the case would run in the
+ * wrong namespace. */
+static int in_ns(kvpt_netns *n, int side, int (*fn)(void *), void *arg)
+{
+    if (setns(n->fd[side], CLONE_NEWNET) != 0)
+        return fail(n, "setns into side %d: %s", side, strerror(errno));
+    int r = fn(arg);
+    if (setns(n->home, CLONE_NEWNET) != 0) {
+        perror("kvpt_netns: setns back home");
+        abort();
+    }
+    return r;
+}
+
+typedef struct spawn_args {
+    char *const *argv;
+    const char *out_path;
+    pid_t pid;
+} spawn_args;
+
+static int do_spawn(void *arg)
+{
+    spawn_args *a = arg;
+    a->pid = kvpt_spawn(a->argv, a->out_path);
+    return a->pid < 0 ? -1 : 0;
+}
+
+pid_t kvpt_netns_spawn(kvpt_netns *n, int side, char *const argv[], const char *out_path)
+{
+    spawn_args a = {argv, out_path, -1};
+    if (in_ns(n, side, do_spawn, &a) != 0) return -1;
+    return a.pid;
+}
+
+int kvpt_netns_run(kvpt_netns *n, int side, const char *tool, const char *const args[],
+                   const char *out_path)
+{
+    const char *found = kvpt_find_binary(tool);
+    if (!found) return fail(n, "%s not found", tool);
+    char path[4096], *argv[32] = {path};
+    snprintf(path, sizeof path, "%s", found);
+    size_t k = 1;
+    for (size_t i = 0; args[i] && k < 31; i++)
+        argv[k++] = (char *)args[i];
+    argv[k] = NULL;
+    pid_t pid = kvpt_netns_spawn(n, side, argv, out_path);
+    if (pid < 0) return fail(n, "cannot start %s: %s", tool, strerror(errno));
+    int rc = kvpt_wait_child(pid, TOOL_TIMEOUT_MS);
+    if (rc != 0) {
+        char cmd[400] = "";
+        for (size_t i = 0; args[i]; i++) {
+            strncat(cmd, " ", sizeof cmd - strlen(cmd) - 1);
+            strncat(cmd, args[i], sizeof cmd - strlen(cmd) - 1);
+        }
+        fail(n, "side %d: %s%s: %s %d", side, tool, cmd, rc < 0 ? "timed out" : "exit status", rc);
+    }
+    return rc;
+}
+
+/* Run a tool and fail (-1) unless it exits 0. */
+static int run_ok(kvpt_netns *n, int side, const char *tool, const char *const args[])
+{
+    return kvpt_netns_run(n, side, tool, args, NULL) == 0 ? 0 : -1;
+}
+
+typedef struct port_args {
+    const char *host;
+    int port, timeout_ms;
+} port_args;
+
+static int do_wait_port(void *arg)
+{
+    port_args *a = arg;
+    return kvpt_wait_port(a->host, a->port, a->timeout_ms);
+}
+
+int kvpt_netns_wait_port(kvpt_netns *n, int side, const char *host, int port, int timeout_ms)
+{
+    port_args a = {host, port, timeout_ms};
+    return in_ns(n, side, do_wait_port, &a);
+}
+
+/* A new namespace, held by a descriptor; the thread stays home. */
+static int new_ns(kvpt_netns *n)
+{
+    if (unshare(CLONE_NEWNET) != 0) return fail(n, "unshare(CLONE_NEWNET): %s", strerror(errno));
+    int fd = open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
+    int err = errno;
+    if (setns(n->home, CLONE_NEWNET) != 0) {
+        perror("kvpt_netns: setns back home");
+        abort();
+    }
+    if (fd < 0) return fail(n, "open the new namespace: %s", strerror(err));
+    return fd;
+}
+
+int kvpt_netns_create(kvpt_netns *n)
+{
+    *n = (kvpt_netns){.fd = {-1, -1}, .home = -1};
+    n->home = open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
+    if (n->home < 0) return fail(n, "open this namespace: %s", strerror(errno));
+    for (int i = 0; i < 2; i++) {
+        if ((n->fd[i] = new_ns(n)) < 0) return -1;
+        snprintf(n->ifname[i], sizeof n->ifname[i], "kvpf%d%c", (int)getpid() % 100000, 'a' + i);
+        snprintf(n->addr[i], sizeof n->addr[i], "10.77.0.%d", i + 1);
+    }
+    /* ip names the peer's namespace by a path it can open: our descriptor. */
+    char peer_ns[64];
+    snprintf(peer_ns, sizeof peer_ns, "/proc/%d/fd/%d", (int)getpid(), n->fd[1]);
+    const char *add[] = {"link", "add",        n->ifname[0], "type",  "veth", "peer",
+                         "name", n->ifname[1], "netns",      peer_ns, NULL};
+    if (run_ok(n, 0, "ip", add)) return -1;
+    for (int i = 0; i < 2; i++) {
+        char cidr[32];
+        snprintf(cidr, sizeof cidr, "%s/24", n->addr[i]);
+        const char *lo[] = {"link", "set", "lo", "up", NULL};
+        const char *addr[] = {"addr", "add", cidr, "dev", n->ifname[i], NULL};
+        const char *up[] = {"link", "set", n->ifname[i], "up", NULL};
+        if (run_ok(n, i, "ip", lo) || run_ok(n, i, "ip", addr) || run_ok(n, i, "ip", up)) return -1;
+    }
+    return 0;
+}
+
+void kvpt_netns_destroy(kvpt_netns *n)
+{
+    for (int i = 0; i < 2; i++)
+        if (n->fd[i] >= 0) {
+            close(n->fd[i]);
+            n->fd[i] = -1;
+        }
+    if (n->home >= 0) {
+        close(n->home);
+        n->home = -1;
+    }
+}
+
+/* ---------------------------------------------------------------- faults --- */
+
+#define NFT_TABLE "kvpt_fault"
+
+const char *kvpt_net_loss_unavailable(kvpt_netns *n)
+{
+    static char why[600];
+    if (!kvpt_find_binary("nft")) return "nft (nftables) not found";
+    const char *probe[] = {"add", "table", "inet", NFT_TABLE "_probe", NULL};
+    const char *drop[] = {"delete", "table", "inet", NFT_TABLE "_probe", NULL};
+    if (run_ok(n, 0, "nft", probe) != 0) {
+        snprintf(why, sizeof why, "nftables not usable here: %s", n->why);
+        return why;
+    }
+    return run_ok(n, 0, "nft", drop) ? n->why : NULL;
+}
+
+int kvpt_net_loss(kvpt_netns *n, int percent)
+{
+    char pct[16];
+    snprintf(pct, sizeof pct, "%d", percent);
+    for (int i = 0; i < 2; i++) {
+        const char *table[] = {"add", "table", "inet", NFT_TABLE, NULL};
+        const char *chain[] = {"add",     "chain", "inet",
+                               NFT_TABLE, "input", "{ type filter hook input priority 0 ; }",
+                               NULL};
+        const char *rule[] = {"add", "rule", "inet", NFT_TABLE, "input",   "numgen", "random",
+                              "mod", "100",  "<",    pct,       "counter", "drop",   NULL};
+        if (run_ok(n, i, "nft", table) || run_ok(n, i, "nft", chain) || run_ok(n, i, "nft", rule))
+            return -1;
+    }
+    return 0;
+}
+
+long kvpt_net_loss_dropped(kvpt_netns *n)
+{
+    char dir[] = "/tmp/kvpt-nft-XXXXXX";
+    if (!mkdtemp(dir)) return fail(n, "mkdtemp: %s", strerror(errno));
+    char path[64];
+    snprintf(path, sizeof path, "%s/out", dir);
+    long total = 0;
+    for (int i = 0; i < 2 && total >= 0; i++) {
+        const char *list[] = {"list", "table", "inet", NFT_TABLE, NULL};
+        if (kvpt_netns_run(n, i, "nft", list, path) != 0) {
+            total = -1;
+            break;
+        }
+        FILE *f = fopen(path, "r");
+        char line[512];
+        long got = -1;
+        while (f && fgets(line, sizeof line, f)) {
+            const char *p = strstr(line, "counter packets ");
+            if (p) got = strtol(p + strlen("counter packets "), NULL, 10);
+        }
+        if (f) fclose(f);
+        total = got < 0 ? fail(n, "side %d: no counter in the nft table", i) : total + got;
+    }
+    unlink(path);
+    rmdir(dir);
+    return total;
+}
+
+const char *kvpt_net_rate_unavailable(kvpt_netns *n)
+{
+    static char why[600];
+    if (!kvpt_find_binary("tc")) return "tc (iproute2) not found";
+    const char *probe[] = {"qdisc", "add",   "dev",  "lo",      "root",  "tbf", "rate",
+                           "1mbit", "burst", "32kb", "latency", "400ms", NULL};
+    const char *drop[] = {"qdisc", "del", "dev", "lo", "root", NULL};
+    if (run_ok(n, 0, "tc", probe) != 0) {
+        snprintf(why, sizeof why, "tc tbf not usable here: %s", n->why);
+        return why;
+    }
+    return run_ok(n, 0, "tc", drop) ? n->why : NULL;
+}
+
+int kvpt_net_rate(kvpt_netns *n, int rate_kbit)
+{
+    char rate[32];
+    snprintf(rate, sizeof rate, "%dkbit", rate_kbit);
+    for (int i = 0; i < 2; i++) {
+        const char *tbf[] = {"qdisc", "add",   "dev",  n->ifname[i], "root",  "tbf", "rate",
+                             rate,    "burst", "32kb", "latency",    "400ms", NULL};
+        if (run_ok(n, i, "tc", tbf)) return -1;
+    }
+    return 0;
+}
+
+static int link_set(kvpt_netns *n, const char *state)
+{
+    const char *set[] = {"link", "set", "dev", n->ifname[0], state, NULL};
+    return run_ok(n, 0, "ip", set);
+}
+
+int kvpt_net_link_down(kvpt_netns *n)
+{
+    return link_set(n, "down");
+}
+
+int kvpt_net_link_up(kvpt_netns *n)
+{
+    return link_set(n, "up");
+}
