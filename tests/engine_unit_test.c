@@ -1,40 +1,59 @@
-/* Unit tests of the engine's parts: buffer pool, registry, descriptor codec,
- * host:port parsing. */
+/* Unit tests of the engine's parts: buffer pool, region table, descriptor
+ * codec, host:port parsing. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <unistd.h>
 
 #include "common/net.h"
+#include "common/region.h"
 #include "engine/buffer_pool.h"
 #include "engine/descriptor.h"
-#include "engine/registry.h"
 #include "test.h"
 
-/* Pool hooks that record registrations in a registry, as the engine does. */
-static kvpi_registry reg;
+/* Add and activate, or remove whole, as the engine does around its
+ * transports' registrations. */
+static kvp_status region_add(kvpi_region_table *t, uint64_t addr, uint64_t len)
+{
+    kvpi_region r = {.addr = addr, .length = len, .kind = KVP_MEM_HOST};
+    kvpi_region_entry *e;
+    kvp_status st = kvpi_region_add(t, &r, &e);
+    if (!st) kvpi_region_activate(t, e);
+    return st;
+}
+
+static kvp_status region_remove(kvpi_region_table *t, uint64_t addr)
+{
+    kvpi_region_entry *e;
+    kvp_status st = kvpi_region_remove_begin(t, addr, &e);
+    if (!st) kvpi_region_remove_end(t, e);
+    return st;
+}
+
+/* Pool hooks that record registrations in a region table, as the engine does. */
+static kvpi_region_table reg;
 static int registered, unregistered;
 
 static kvp_status hook_reg(void *ctx, void *addr, size_t len)
 {
     (void)ctx;
     registered++;
-    return kvpi_registry_add(&reg, (uint64_t)(uintptr_t)addr, len);
+    return region_add(&reg, (uint64_t)(uintptr_t)addr, len);
 }
 
 static void hook_unreg(void *ctx, void *addr)
 {
     (void)ctx;
     unregistered++;
-    kvpi_registry_remove(&reg, (uint64_t)(uintptr_t)addr);
+    region_remove(&reg, (uint64_t)(uintptr_t)addr);
 }
 
 static kvpi_pool *make_pool(size_t chunk, size_t retain, size_t max)
 {
-    kvpi_registry_init(&reg);
+    kvpi_region_table_init(&reg);
     registered = unregistered = 0;
     kvpi_pool_opts o = {chunk, retain, max};
-    kvpi_pool_hooks h = {NULL, hook_reg, hook_unreg};
+    kvpi_pool_hooks h = {.register_chunk = hook_reg, .unregister_chunk = hook_unreg};
     kvpi_pool *p = NULL;
     kvpi_pool_create(&o, &h, &p);
     return p;
@@ -61,8 +80,8 @@ static void pool_reuse(void)
     CHECK(registered == 1);
     /* Every allocation lies in registered memory. */
     kvpi_pin pin;
-    CHECK(kvpi_registry_pin(&reg, (uint64_t)(uintptr_t)a, 1000, &pin) == KVP_OK);
-    kvpi_registry_unpin(&reg, pin);
+    CHECK(kvpi_region_pin(&reg, (uint64_t)(uintptr_t)a, 1000, KVPI_MEM_HOST_BIT, &pin) == KVP_OK);
+    kvpi_region_unpin(&reg, pin);
     CHECK_OK(kvpi_pool_free(p, a));
     REQUIRE_OK(kvpi_pool_alloc(p, 900, &c));
     CHECK(c == a); /* freed memory is reused */
@@ -77,7 +96,7 @@ static void pool_reuse(void)
     kvpi_pool_destroy(p);
     CHECK(unregistered == 1);
     CHECK(reg.count == 0);
-    kvpi_registry_destroy(&reg);
+    kvpi_region_table_destroy(&reg);
 }
 
 /* Free every other block, then the rest: extents must coalesce so that one
@@ -106,7 +125,7 @@ static void pool_fragmentation(void)
     CHECK(s.chunks == 1 && registered == 2);
     CHECK_OK(kvpi_pool_free(p, big));
     kvpi_pool_destroy(p);
-    kvpi_registry_destroy(&reg);
+    kvpi_region_table_destroy(&reg);
 }
 
 static void pool_bounds(void)
@@ -126,7 +145,7 @@ static void pool_bounds(void)
     REQUIRE_OK(kvpi_pool_alloc(p, 4u << 20, &b));
     CHECK_OK(kvpi_pool_free(p, b));
     kvpi_pool_destroy(p);
-    kvpi_registry_destroy(&reg);
+    kvpi_region_table_destroy(&reg);
 }
 
 typedef struct pool_thread {
@@ -178,96 +197,141 @@ static void pool_threads(void)
     CHECK(s.allocations == 0 && s.allocated == 0);
     CHECK(s.mapped <= (8u << 20)); /* freed chunks went back beyond retention */
     kvpi_pool_destroy(p);
-    kvpi_registry_destroy(&reg);
+    kvpi_region_table_destroy(&reg);
 }
 
 static void registry_ranges(void)
 {
-    kvpi_registry r;
-    kvpi_registry_init(&r);
-    CHECK_OK(kvpi_registry_add(&r, 1000, 100));
-    CHECK_OK(kvpi_registry_add(&r, 2000, 100));
-    CHECK_ST(kvpi_registry_add(&r, 1050, 10), KVP_EINVAL);
-    CHECK_ST(kvpi_registry_add(&r, 900, 101), KVP_EINVAL);
-    CHECK_ST(kvpi_registry_add(&r, 1099, 2), KVP_EINVAL);
-    CHECK_ST(kvpi_registry_add(&r, 5, 0), KVP_EINVAL);
-    CHECK_ST(kvpi_registry_add(&r, UINT64_MAX - 5, 10), KVP_EINVAL);
-    CHECK_OK(kvpi_registry_add(&r, 1100, 100)); /* adjacent is fine */
-    kvpi_region *rs;
+    kvpi_region_table r;
+    kvpi_region_table_init(&r);
+    CHECK_OK(region_add(&r, 1000, 100));
+    CHECK_OK(region_add(&r, 2000, 100));
+    CHECK_ST(region_add(&r, 1050, 10), KVP_EINVAL);
+    CHECK_ST(region_add(&r, 900, 101), KVP_EINVAL);
+    CHECK_ST(region_add(&r, 1099, 2), KVP_EINVAL);
+    CHECK_ST(region_add(&r, 5, 0), KVP_EINVAL);
+    CHECK_ST(region_add(&r, UINT64_MAX - 5, 10), KVP_EINVAL);
+    CHECK_OK(region_add(&r, 1100, 100)); /* adjacent is fine */
+    kvpi_pin *pins;
     size_t rn;
-    REQUIRE_OK(kvpi_registry_snapshot(&r, &rs, &rn));
-    CHECK(rn == 3);
+    REQUIRE_OK(kvpi_region_pin_all(&r, &pins, &rn));
+    REQUIRE(rn == 3);
+    kvpi_region rs[3];
+    for (size_t i = 0; i < rn; i++)
+        rs[i] = *kvpi_pin_region(pins[i]);
+    kvpi_region_unpin_all(&r, pins, rn);
     CHECK(kvpi_regions_contain(rs, rn, 1000, 100));
     CHECK(!kvpi_regions_contain(rs, rn, 1000, 101)); /* spans two regions */
     CHECK(!kvpi_regions_contain(rs, rn, 1099, 2));
     CHECK(kvpi_regions_contain(rs, rn, 2099, 1));
+    CHECK(kvpi_regions_find(rs, rn, 2099, 1) == 2);
+    CHECK(kvpi_regions_find(rs, rn, 1100, 100) == 1);
     CHECK(!kvpi_regions_contain(rs, rn, 2099, 2));
     CHECK(!kvpi_regions_contain(rs, rn, 999, 1));
     CHECK(!kvpi_regions_contain(rs, rn, 2050, UINT64_MAX));
-    free(rs);
     kvpi_pin pin;
-    CHECK(kvpi_registry_pin(&r, 2000, 100, &pin) == KVP_OK);
-    kvpi_registry_unpin(&r, pin);
-    CHECK(kvpi_registry_pin(&r, 3000, 1, &pin) == KVP_ERANGE);
-    CHECK(kvpi_registry_pin(&r, 2050, UINT64_MAX, &pin) == KVP_ERANGE);
-    CHECK_ST(kvpi_registry_remove(&r, 1001), KVP_ENOTFOUND);
-    CHECK_OK(kvpi_registry_remove(&r, 1000));
-    CHECK(kvpi_registry_pin(&r, 1000, 1, &pin) == KVP_ERANGE);
-    kvpi_registry_destroy(&r);
+    CHECK(kvpi_region_pin(&r, 2000, 100, KVPI_MEM_HOST_BIT, &pin) == KVP_OK);
+    kvpi_region_unpin(&r, pin);
+    CHECK(kvpi_region_pin(&r, 3000, 1, KVPI_MEM_HOST_BIT, &pin) == KVP_ERANGE);
+    CHECK(kvpi_region_pin(&r, 2050, UINT64_MAX, KVPI_MEM_HOST_BIT, &pin) == KVP_ERANGE);
+    CHECK_ST(region_remove(&r, 1001), KVP_ENOTFOUND);
+    CHECK_OK(region_remove(&r, 1000));
+    CHECK(kvpi_region_pin(&r, 1000, 1, KVPI_MEM_HOST_BIT, &pin) == KVP_ERANGE);
+    kvpi_region_table_destroy(&r);
+}
+
+/* A reserved region blocks overlapping adds but is neither pinnable nor
+ * listed until activated; a server that moves only some kinds of memory
+ * cannot pin the others. */
+static void registry_phases_and_kinds(void)
+{
+    kvpi_region_table r;
+    kvpi_region_table_init(&r);
+    kvpi_region cuda = {.addr = 1000, .length = 100, .kind = KVP_MEM_CUDA, .device = 3};
+    kvpi_region_entry *entry;
+    REQUIRE_OK(kvpi_region_add(&r, &cuda, &entry));
+    kvpi_region_of(entry)->handle[2] = &cuda;
+    CHECK_ST(region_add(&r, 1050, 10), KVP_EINVAL);
+    kvpi_pin pin;
+    unsigned all = KVPI_MEM_HOST_BIT | KVPI_MEM_BIT(KVP_MEM_CUDA);
+    CHECK_ST(kvpi_region_pin(&r, 1000, 10, all, &pin), KVP_ERANGE);
+    kvpi_pin *pins;
+    size_t n;
+    REQUIRE_OK(kvpi_region_pin_all(&r, &pins, &n));
+    CHECK(n == 0);
+    kvpi_region_unpin_all(&r, pins, n);
+    int dev = -1;
+    CHECK(kvpi_region_kind_at(&r, 1000, 10, &dev) == KVP_MEM_HOST && dev == 0);
+    kvpi_region_activate(&r, entry);
+    CHECK(kvpi_region_kind_at(&r, 1000, 10, &dev) == KVP_MEM_CUDA && dev == 3);
+    CHECK(kvpi_region_kind_at(&r, 1000, 101, &dev) == KVP_MEM_HOST);
+    CHECK_ST(kvpi_region_pin(&r, 1000, 10, KVPI_MEM_HOST_BIT, &pin), KVP_ERANGE);
+    REQUIRE_OK(kvpi_region_pin(&r, 1000, 10, all, &pin));
+    CHECK(kvpi_pin_region(pin)->handle[2] == &cuda && kvpi_pin_region(pin)->device == 3);
+    kvpi_region_unpin(&r, pin);
+    CHECK_OK(region_remove(&r, 1000));
+    CHECK(kvpi_region_kind_at(&r, 1000, 10, &dev) == KVP_MEM_HOST);
+    /* Discarding a reserved entry frees its range. */
+    REQUIRE_OK(kvpi_region_add(&r, &cuda, &entry));
+    kvpi_region_discard(&r, entry);
+    CHECK_OK(region_add(&r, 1000, 100));
+    kvpi_region_table_destroy(&r);
 }
 
 /* A pin holds its own region only: other regions come and go meanwhile, and
  * removing the pinned one refuses new pins at once and returns when the pin
  * drops. */
 typedef struct remover {
-    kvpi_registry *r;
+    kvpi_region_table *r;
     atomic_int done;
 } remover;
 
 static void *remove_main(void *arg)
 {
     remover *m = arg;
-    kvpi_registry_remove(m->r, 1000);
+    region_remove(m->r, 1000);
     atomic_store(&m->done, 1);
     return NULL;
 }
 
 static void registry_pins(void)
 {
-    kvpi_registry r;
-    kvpi_registry_init(&r);
-    REQUIRE_OK(kvpi_registry_add(&r, 1000, 100));
+    kvpi_region_table r;
+    kvpi_region_table_init(&r);
+    REQUIRE_OK(region_add(&r, 1000, 100));
     kvpi_pin held, other;
-    REQUIRE_OK(kvpi_registry_pin(&r, 1010, 10, &held));
-    CHECK_OK(kvpi_registry_add(&r, 5000, 100)); /* would block behind a read lock before */
-    CHECK_OK(kvpi_registry_pin(&r, 5000, 100, &other));
-    kvpi_registry_unpin(&r, other);
-    CHECK_OK(kvpi_registry_remove(&r, 5000));
+    REQUIRE_OK(kvpi_region_pin(&r, 1010, 10, KVPI_MEM_HOST_BIT, &held));
+    CHECK_OK(region_add(&r, 5000, 100)); /* would block behind a read lock before */
+    CHECK_OK(kvpi_region_pin(&r, 5000, 100, KVPI_MEM_HOST_BIT, &other));
+    kvpi_region_unpin(&r, other);
+    CHECK_OK(region_remove(&r, 5000));
     remover m = {.r = &r};
     pthread_t t;
     REQUIRE(pthread_create(&t, NULL, remove_main, &m) == 0);
     kvpi_pin again;
     kvp_status st;
-    while ((st = kvpi_registry_pin(&r, 1000, 1, &again)) == KVP_OK) /* until removal starts */
-        kvpi_registry_unpin(&r, again);
+    while ((st = kvpi_region_pin(&r, 1000, 1, KVPI_MEM_HOST_BIT, &again)) == KVP_OK)
+        kvpi_region_unpin(&r, again); /* until removal starts */
     CHECK_ST(st, KVP_ERANGE);
     usleep(100000);
     CHECK(!atomic_load(&m.done)); /* still held by our pin */
-    CHECK_OK(kvpi_registry_add(&r, 7000, 100));
-    kvpi_region *rs;
+    CHECK_OK(region_add(&r, 7000, 100));
+    kvpi_pin *pins;
     size_t rn;
-    REQUIRE_OK(kvpi_registry_snapshot(&r, &rs, &rn));
-    CHECK(rn == 1 && rs[0].addr == 7000); /* the region being removed is not published */
-    free(rs);
-    kvpi_registry_unpin(&r, held);
+    REQUIRE_OK(kvpi_region_pin_all(&r, &pins, &rn));
+    /* the region being removed is not published */
+    CHECK(rn == 1 && kvpi_pin_region(pins[0])->addr == 7000);
+    kvpi_region_unpin_all(&r, pins, rn);
+    kvpi_region_unpin(&r, held);
     pthread_join(t, NULL);
     CHECK(atomic_load(&m.done));
-    kvpi_registry_destroy(&r);
+    kvpi_region_table_destroy(&r);
 }
 
 static void descriptor_round_trip(void)
 {
-    kvpi_region regions[2] = {{0x7f0000001000ull, 4096}, {0x1fffffffffffffull, 1}};
+    kvpi_region regions[2] = {{.addr = 0x7f0000001000ull, .length = 4096},
+                              {.addr = 0x1fffffffffffffull, .length = 1}};
     cJSON *doc = kvpi_descriptor_build("127.0.0.1:1234", 4321, regions, 2);
     REQUIRE(doc);
     char *text = cJSON_PrintUnformatted(doc);
@@ -384,6 +448,7 @@ int main(void)
     RUN(pool_bounds);
     RUN(pool_threads);
     RUN(registry_ranges);
+    RUN(registry_phases_and_kinds);
     RUN(registry_pins);
     RUN(descriptor_round_trip);
     RUN(descriptor_mooncake);

@@ -29,6 +29,13 @@ extern "C" {
 typedef struct kvp_engine kvp_engine;
 typedef struct kvp_batch kvp_batch;
 
+/* What memory a registered region is, which decides which transports can
+ * move it. Values are append-only, never renumbered. */
+typedef enum kvp_mem_kind {
+    KVP_MEM_HOST = 0, /* CPU memory: malloc'ed, mmap'ed, kvp_engine_alloc() */
+    KVP_MEM_CUDA = 1, /* CUDA device memory; device is the CUDA device ordinal */
+} kvp_mem_kind;
+
 /* A peer segment opened with kvp_engine_open_segment(); valid until the engine
  * is destroyed. */
 typedef uint32_t kvp_segment_id;

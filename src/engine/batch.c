@@ -152,13 +152,14 @@ static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
     size_t k = 0;
     for (size_t i = 0; i < m; i++) {
         kvpi_slice *s = &live[i]->slice;
-        if (!kvpi_regions_contain(peer->desc.regions, peer->desc.n_regions, s->remote,
-                                  s->length)) {
+        long r = kvpi_regions_find(peer->desc.regions, peer->desc.n_regions, s->remote, s->length);
+        if (r < 0) {
             kvpi_error(KVP_ERANGE, "segment %s: [0x%llx, +%zu) is outside its registered buffers",
                        seg->name, (unsigned long long)s->remote, s->length);
             complete(live[i], KVP_ERANGE);
             continue;
         }
+        s->remote_region = (size_t)r;
         s->status = KVP_EINPROGRESS;
         live[k] = live[i];
         slices[k++] = s;
@@ -267,8 +268,11 @@ static void build_works(kvp_batch *b, const kvp_request *reqs, size_t slice_size
             work->batch = b;
             work->req = i;
             size_t len = r->length - off < slice_size ? r->length - off : slice_size;
-            work->slice = (kvpi_slice){r->opcode, (char *)r->local + off, r->remote + off, len,
-                                       KVP_EINPROGRESS};
+            work->slice = (kvpi_slice){.opcode = r->opcode,
+                                       .local = (char *)r->local + off,
+                                       .remote = r->remote + off,
+                                       .length = len,
+                                       .status = KVP_EINPROGRESS};
             w++;
         }
     }

@@ -72,10 +72,16 @@ static kvp_status get_u64(const cJSON *obj, const char *key, const char *where, 
     return KVP_OK;
 }
 
-static int region_cmp(const void *a, const void *b)
+/* A buffer and its entry, sorted together. */
+typedef struct parsed_buffer {
+    kvpi_region region;
+    const cJSON *json;
+} parsed_buffer;
+
+static int buffer_cmp(const void *a, const void *b)
 {
-    const kvpi_region *x = a, *y = b;
-    return x->addr < y->addr ? -1 : x->addr > y->addr;
+    const parsed_buffer *x = a, *y = b;
+    return x->region.addr < y->region.addr ? -1 : x->region.addr > y->region.addr;
 }
 
 static kvp_status parse_buffers(const cJSON *buffers, kvpi_descriptor *d)
@@ -83,28 +89,46 @@ static kvp_status parse_buffers(const cJSON *buffers, kvpi_descriptor *d)
     if (!cJSON_IsArray(buffers))
         return kvpi_error(KVP_EPROTO, "segment descriptor: 'buffers' missing or not an array");
     size_t n = (size_t)cJSON_GetArraySize(buffers);
+    parsed_buffer *p = calloc(n ? n : 1, sizeof *p);
     d->regions = calloc(n ? n : 1, sizeof *d->regions);
-    if (!d->regions) return kvpi_error(KVP_ENOMEM, "segment descriptor: out of memory");
+    d->buffers = calloc(n ? n : 1, sizeof *d->buffers);
+    kvp_status st = KVP_OK;
+    if (!p || !d->regions || !d->buffers) {
+        st = kvpi_error(KVP_ENOMEM, "segment descriptor: out of memory");
+        goto out;
+    }
     size_t i = 0;
     const cJSON *b;
     cJSON_ArrayForEach(b, buffers)
     {
-        kvp_status st;
-        if (!cJSON_IsObject(b))
-            return kvpi_error(KVP_EPROTO, "segment descriptor: buffers[%zu] is not an object", i);
-        if ((st = get_u64(b, "addr", "buffers[]", &d->regions[i].addr)) ||
-            (st = get_u64(b, "length", "buffers[]", &d->regions[i].length)))
-            return st;
-        if (d->regions[i].length > UINT64_MAX - d->regions[i].addr)
-            return kvpi_error(KVP_EPROTO, "segment descriptor: buffers[%zu] wraps around", i);
+        if (!cJSON_IsObject(b)) {
+            st = kvpi_error(KVP_EPROTO, "segment descriptor: buffers[%zu] is not an object", i);
+            goto out;
+        }
+        if ((st = get_u64(b, "addr", "buffers[]", &p[i].region.addr)) ||
+            (st = get_u64(b, "length", "buffers[]", &p[i].region.length)))
+            goto out;
+        if (p[i].region.length > UINT64_MAX - p[i].region.addr) {
+            st = kvpi_error(KVP_EPROTO, "segment descriptor: buffers[%zu] wraps around", i);
+            goto out;
+        }
+        p[i].json = b;
         i++;
     }
+    qsort(p, n, sizeof *p, buffer_cmp);
+    for (i = 0; i < n; i++) {
+        d->regions[i] = p[i].region;
+        d->buffers[i] = p[i].json;
+    }
     d->n_regions = n;
-    qsort(d->regions, n, sizeof *d->regions, region_cmp);
     for (i = 1; i < n; i++)
-        if (d->regions[i - 1].addr + d->regions[i - 1].length > d->regions[i].addr)
-            return kvpi_error(KVP_EPROTO, "segment descriptor: buffers overlap");
-    return KVP_OK;
+        if (d->regions[i - 1].addr + d->regions[i - 1].length > d->regions[i].addr) {
+            st = kvpi_error(KVP_EPROTO, "segment descriptor: buffers overlap");
+            goto out;
+        }
+out:
+    free(p);
+    return st;
 }
 
 kvp_status kvpi_descriptor_parse(const char *text, kvpi_descriptor *out)
@@ -156,5 +180,6 @@ void kvpi_descriptor_free(kvpi_descriptor *desc)
 {
     cJSON_Delete(desc->json);
     free(desc->regions);
+    free(desc->buffers);
     memset(desc, 0, sizeof *desc);
 }

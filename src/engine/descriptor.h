@@ -16,7 +16,7 @@
 
 #include <cjson/cJSON.h>
 
-#include "engine/registry.h"
+#include "common/region.h"
 
 #define KVPI_TCP_PROTO_VERSION 2
 
@@ -26,6 +26,7 @@ typedef struct kvpi_descriptor {
     int tcp_data_port;     /* 0 when absent */
     int tcp_proto_version; /* 1 when absent (Mooncake before v2) */
     kvpi_region *regions;  /* sorted by addr, non-overlapping */
+    const cJSON **buffers; /* the entry of each region in json, aligned with regions */
     size_t n_regions;
 } kvpi_descriptor;
 

@@ -29,23 +29,28 @@ void kvp_engine_opts_init(kvp_engine_opts *opts)
     opts->min_transfer_rate = KVPI_MIN_RATE_DEFAULT;
 }
 
-/* Build the descriptor from the registry and every transport's fields. */
+/* Build the descriptor from the region table and every transport's fields.
+ * The regions stay pinned meanwhile, so that their handles stay valid. */
 static char *descriptor_render(kvp_engine *e)
 {
-    kvpi_region *regions;
+    kvpi_pin *pins;
     size_t n;
-    if (kvpi_registry_snapshot(&e->registry, &regions, &n)) return NULL;
-    cJSON *doc = kvpi_descriptor_build(e->name, e->data_port, regions, n);
-    free(regions);
-    if (!doc) return NULL;
-    if (!cJSON_AddStringToObject(doc, KVPI_INSTANCE_FIELD, e->instance)) {
-        cJSON_Delete(doc);
-        return NULL;
-    }
+    if (kvpi_region_pin_all(&e->regions, &pins, &n)) return NULL;
+    kvpi_region *regions = malloc((n ? n : 1) * sizeof *regions);
+    cJSON *doc = NULL;
+    char *text = NULL;
+    if (!regions) goto out;
+    for (size_t i = 0; i < n; i++)
+        regions[i] = *kvpi_pin_region(pins[i]);
+    doc = kvpi_descriptor_build(e->name, e->data_port, regions, n);
+    if (!doc || !cJSON_AddStringToObject(doc, KVPI_INSTANCE_FIELD, e->instance)) goto out;
     for (size_t i = 0; kvpi_transports[i]; i++)
-        if (e->servers[i]) kvpi_transports[i]->server_describe(e->servers[i], doc);
-    char *text = cJSON_PrintUnformatted(doc);
+        if (e->servers[i] && kvpi_transports[i]->server_describe(e->servers[i], doc)) goto out;
+    text = cJSON_PrintUnformatted(doc);
+out:
     cJSON_Delete(doc);
+    free(regions);
+    kvpi_region_unpin_all(&e->regions, pins, n);
     return text;
 }
 
@@ -98,7 +103,7 @@ static kvp_status publish(kvp_engine *e)
     return st;
 }
 
-/* The rendered descriptor no longer matches the registry (a registration was
+/* The rendered descriptor no longer matches the region table (a registration was
  * rolled back after its publish failed): the keeper renders it again. */
 static void mark_stale(kvp_engine *e)
 {
@@ -185,6 +190,41 @@ static void pool_unregister(void *ctx, void *addr)
     kvp_engine_unregister(ctx, addr);
 }
 
+/* The running server whose transport maps the pool's chunks, if any. */
+static size_t pool_mapper(const kvp_engine *e)
+{
+    size_t i = 0;
+    for (; kvpi_transports[i]; i++)
+        if (e->servers[i] && kvpi_transports[i]->chunk_map) break;
+    return i;
+}
+
+static kvp_status pool_map(void *ctx, size_t length, void **addr)
+{
+    kvp_engine *e = ctx;
+    size_t i = pool_mapper(e);
+    return kvpi_transports[i]->chunk_map(e->servers[i], length, addr);
+}
+
+static void pool_unmap(void *ctx, void *addr, size_t length)
+{
+    kvp_engine *e = ctx;
+    size_t i = pool_mapper(e);
+    kvpi_transports[i]->chunk_unmap(e->servers[i], addr, length);
+}
+
+static kvp_status start_pool(kvp_engine *e)
+{
+    kvpi_pool_opts popts = {.retain_bytes = e->opts.pool_retain_bytes, .kind = KVP_MEM_HOST};
+    kvpi_pool_hooks hooks = {
+        .ctx = e, .register_chunk = pool_register, .unregister_chunk = pool_unregister};
+    if (kvpi_transports[pool_mapper(e)]) {
+        hooks.map_chunk = pool_map;
+        hooks.unmap_chunk = pool_unmap;
+    }
+    return kvpi_pool_create(&popts, &hooks, &e->pool);
+}
+
 static kvp_status copy_opts(kvp_engine *e, const kvp_engine_opts *o)
 {
     if (!o->local_server_name || !o->metadata)
@@ -208,6 +248,8 @@ static kvp_status copy_opts(kvp_engine *e, const kvp_engine_opts *o)
     e->opts.metadata = e->metadata_conn;
     e->opts.protocol = e->protocol;
     e->opts.device_names = NULL;
+    if (o->device_names && !(e->opts.device_names = e->device_names = strdup(o->device_names)))
+        return kvpi_error(KVP_ENOMEM, "engine: out of memory");
     return KVP_OK;
 }
 
@@ -261,21 +303,27 @@ static kvp_status name_segment(kvp_engine *e)
 
 static kvp_status start_servers(kvp_engine *e)
 {
-    kvpi_server_ctx ctx = {.host = e->self.host,
-                           .registry = &e->registry,
+    kvpi_server_ctx ctx = {.segment = e->name,
+                           .host = e->self.host,
+                           .regions = &e->regions,
+                           .device_names = e->opts.device_names,
                            .timeout_ms = e->opts.timeout_ms,
                            .idle_timeout_ms = e->opts.idle_timeout_ms,
                            .max_conns = e->opts.max_connections,
-                           .min_rate = e->opts.min_transfer_rate,
-                           .data_port_out = &e->data_port};
+                           .min_rate = e->opts.min_transfer_rate};
     for (size_t i = 0; kvpi_transports[i]; i++) {
         const kvpi_transport_ops *ops = kvpi_transports[i];
-        kvp_status st = ops->server_start(&ctx, &e->servers[i]);
-        if (st == KVP_OK) continue;
+        kvp_status st = kvpi_transport_check(ops);
+        if (!st) st = ops->server_start(&ctx, &e->servers[i]);
+        if (st == KVP_OK) {
+            if (ops->mooncake_protocol && !e->data_port && ops->server_port)
+                e->data_port = ops->server_port(e->servers[i]);
+            continue;
+        }
         e->servers[i] = NULL;
-        /* A same-host transport is an optimisation: its absence is not fatal
-         * unless it is the protocol asked for. */
-        if ((ops->caps & KVPI_TRANSPORT_SAME_HOST) && ops != e->transport) {
+        /* Mooncake's wire always serves, and the protocol asked for must;
+         * any other transport is an addition whose absence is not fatal. */
+        if (!ops->mooncake_protocol && ops != e->transport) {
             KVPI_INFO("engine %s: %s transport unavailable: %s", e->name, ops->name,
                       kvp_last_error());
             continue;
@@ -285,12 +333,29 @@ static kvp_status start_servers(kvp_engine *e)
     return KVP_OK;
 }
 
+static kvp_status region_remove(kvp_engine *e, uint64_t addr);
+
+/* Unregister what the application left registered. */
+static void unregister_all(kvp_engine *e)
+{
+    kvpi_pin *pins;
+    size_t n;
+    if (kvpi_region_pin_all(&e->regions, &pins, &n)) return;
+    uint64_t *addrs = malloc((n ? n : 1) * sizeof *addrs);
+    for (size_t i = 0; addrs && i < n; i++)
+        addrs[i] = kvpi_pin_region(pins[i])->addr;
+    kvpi_region_unpin_all(&e->regions, pins, n);
+    for (size_t i = 0; addrs && i < n; i++)
+        region_remove(e, addrs[i]);
+    free(addrs);
+}
+
 kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out)
 {
     if (!opts || !out) return kvpi_error(KVP_EINVAL, "engine: NULL argument");
     kvp_engine *e = calloc(1, sizeof *e);
     if (!e) return kvpi_error(KVP_ENOMEM, "engine: out of memory");
-    kvpi_registry_init(&e->registry);
+    kvpi_region_table_init(&e->regions);
     pthread_mutex_init(&e->publish_lock, NULL);
     pthread_mutex_init(&e->segments_lock, NULL);
     pthread_mutex_init(&e->keeper_lock, NULL);
@@ -302,9 +367,7 @@ kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out)
     if ((st = start_rpc(e))) goto fail;
     if ((st = name_segment(e))) goto fail;
     if ((st = start_servers(e))) goto fail;
-    kvpi_pool_opts popts = {.retain_bytes = e->opts.pool_retain_bytes};
-    kvpi_pool_hooks hooks = {e, pool_register, pool_unregister};
-    if ((st = kvpi_pool_create(&popts, &hooks, &e->pool))) goto fail;
+    if ((st = start_pool(e))) goto fail;
     if ((st = kvpi_workers_start(e))) goto fail;
     if ((st = claim(e))) goto fail;
     if (!kvpi_meta_is_p2p(e->meta)) {
@@ -346,13 +409,16 @@ void kvp_engine_destroy(kvp_engine *e)
     kvpi_workers_stop(e);
     kvpi_segments_destroy(e);
     kvpi_rpc_server_stop(e->rpc);
-    for (size_t i = 0; kvpi_transports[i]; i++)
-        if (e->servers[i]) kvpi_transports[i]->server_stop(e->servers[i]);
-    /* The pool unregisters its chunks through the engine: no publishing now. */
+    /* The pool unregisters its chunks through the engine: no publishing now.
+     * Every region is unregistered from the transports before their servers
+     * stop, since a server may own what its registrations use. */
     kvpi_meta_close(e->meta);
     e->meta = NULL;
     kvpi_pool_destroy(e->pool);
-    kvpi_registry_destroy(&e->registry);
+    unregister_all(e);
+    for (size_t i = 0; kvpi_transports[i]; i++)
+        if (e->servers[i]) kvpi_transports[i]->server_stop(e->servers[i]);
+    kvpi_region_table_destroy(&e->regions);
     pthread_mutex_destroy(&e->publish_lock);
     pthread_mutex_destroy(&e->segments_lock);
     pthread_mutex_destroy(&e->keeper_lock);
@@ -361,6 +427,7 @@ void kvp_engine_destroy(kvp_engine *e)
     free(e->name);
     free(e->metadata_conn);
     free(e->protocol);
+    free(e->device_names);
     free(e);
 }
 
@@ -379,14 +446,28 @@ int kvp_engine_data_port(const kvp_engine *e)
     return e->data_port;
 }
 
+/* Take the region starting at addr out of the table, once its pins dropped. */
+static kvp_status region_remove(kvp_engine *e, uint64_t addr)
+{
+    kvpi_region_entry *entry;
+    kvp_status st = kvpi_region_remove_begin(&e->regions, addr, &entry);
+    if (st) return st;
+    kvpi_region_remove_end(&e->regions, entry);
+    return KVP_OK;
+}
+
 kvp_status kvp_engine_register(kvp_engine *e, void *addr, size_t length)
 {
     if (!e || !addr) return kvpi_error(KVP_EINVAL, "register: NULL argument");
     kvp_status st = length ? kvpi_memory_check_host(addr, length) : KVP_OK;
-    if (!st) st = kvpi_registry_add(&e->registry, (uint64_t)(uintptr_t)addr, length);
-    if (st || !e->meta) return st;
+    kvpi_region r = {.addr = (uint64_t)(uintptr_t)addr, .length = length, .kind = KVP_MEM_HOST};
+    kvpi_region_entry *entry;
+    if (!st) st = kvpi_region_add(&e->regions, &r, &entry);
+    if (st) return st;
+    kvpi_region_activate(&e->regions, entry);
+    if (!e->meta) return KVP_OK;
     if ((st = publish(e))) {
-        kvpi_registry_remove(&e->registry, (uint64_t)(uintptr_t)addr);
+        region_remove(e, r.addr);
         mark_stale(e); /* the rendered descriptor still lists it */
     }
     return st;
@@ -395,7 +476,7 @@ kvp_status kvp_engine_register(kvp_engine *e, void *addr, size_t length)
 kvp_status kvp_engine_unregister(kvp_engine *e, void *addr)
 {
     if (!e) return kvpi_error(KVP_EINVAL, "unregister: NULL engine");
-    kvp_status st = kvpi_registry_remove(&e->registry, (uint64_t)(uintptr_t)addr);
+    kvp_status st = region_remove(e, (uint64_t)(uintptr_t)addr);
     if (st || !e->meta) return st;
     return publish(e);
 }

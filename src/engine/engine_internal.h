@@ -10,9 +10,9 @@
 #include <stdatomic.h>
 
 #include "common/net.h"
+#include "common/region.h"
 #include "engine/buffer_pool.h"
 #include "engine/descriptor.h"
-#include "engine/registry.h"
 #include "kvpipe/engine.h"
 #include "metadata/metadata.h"
 #include "transport/transport.h"
@@ -48,13 +48,13 @@ typedef struct kvpi_queue {
 
 struct kvp_engine {
     kvp_engine_opts opts; /* strings below are owned copies */
-    char *name, *metadata_conn, *protocol;
+    char *name, *metadata_conn, *protocol, *device_names;
     kvpi_hostport self;
     const kvpi_transport_ops *transport; /* the protocol's transport */
     kvpi_meta *meta;
     kvpi_rpc_server *rpc;
-    kvpi_registry registry;
-    void *servers[8]; /* per entry of kvpi_transports[] */
+    kvpi_region_table regions;
+    void *servers[KVPI_MAX_TRANSPORTS]; /* per entry of kvpi_transports[] */
     int data_port;
     kvpi_pool *pool;
 
@@ -62,7 +62,7 @@ struct kvp_engine {
     int claimed;       /* the name is taken in the store: release it at destroy */
     pthread_mutex_t publish_lock;
     char *desc_text; /* last rendered descriptor, for handshakes */
-    int desc_stale;  /* desc_text may list what the registry no longer has */
+    int desc_stale;  /* desc_text may list regions no longer registered */
 
     pthread_mutex_t segments_lock;
     kvpi_segment **segments;

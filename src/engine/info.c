@@ -18,7 +18,7 @@
 #endif
 
 #include "common/error.h"
-#include "engine/registry.h"
+#include "common/region.h"
 #include "kvpipe/info.h"
 #include "kvpipe/version.h"
 #include "metadata/metadata.h"
@@ -120,15 +120,14 @@ static void fill_components(kvp_info *info)
 /* Start and stop the transport's server on host, as an engine would. */
 static kvp_status probe_transport(const kvpi_transport_ops *ops, const char *host, int timeout_ms)
 {
-    kvpi_registry reg;
-    kvpi_registry_init(&reg);
-    int port = 0;
+    kvpi_region_table regions;
+    kvpi_region_table_init(&regions);
     kvpi_server_ctx ctx = {
-        .host = host, .registry = &reg, .timeout_ms = timeout_ms, .data_port_out = &port};
+        .segment = "kvpipe info", .host = host, .regions = &regions, .timeout_ms = timeout_ms};
     void *srv = NULL;
     kvp_status st = ops->server_start(&ctx, &srv);
     if (st == KVP_OK) ops->server_stop(srv);
-    kvpi_registry_destroy(&reg);
+    kvpi_region_table_destroy(&regions);
     return st;
 }
 
@@ -147,7 +146,7 @@ static void fill_transports(kvp_info *info, const char *host, int timeout_ms)
         const kvpi_transport_ops *ops = kvpi_transports[i];
         kvp_status st = probe_transport(ops, host, timeout_ms);
         add_transport(info, ops->name, st, kvp_last_error(),
-                      ops->caps & KVPI_TRANSPORT_SAME_HOST ? KVP_TRANSPORT_SAME_HOST : 0);
+                      ops->caps & KVPI_CAP_SAME_HOST ? KVP_TRANSPORT_SAME_HOST : 0);
     }
     /* The protocol Mooncake users configure most; an engine refuses it with
      * KVP_ENOTSUP until a build has a transport of that name. */

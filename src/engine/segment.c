@@ -97,19 +97,25 @@ static void peer_put(kvpi_peer *peer)
 static int transport_allowed(const kvp_engine *e, const kvpi_transport_ops *ops)
 {
     if (ops == e->transport) return 1;
-    if (e->transport->caps & KVPI_TRANSPORT_SAME_HOST) return 0;
-    return (ops->caps & KVPI_TRANSPORT_SAME_HOST) && !e->opts.disable_shm;
+    if (e->transport->caps & KVPI_CAP_SAME_HOST) return 0;
+    return (ops->caps & KVPI_CAP_SAME_HOST) && !e->opts.disable_shm;
 }
 
 static kvp_status peer_connect(kvp_engine *e, kvpi_peer *peer, const char *segname)
 {
-    kvpi_peer_ctx ctx = {.host = peer->host, .desc = peer->desc.json,
-                         .regions = peer->desc.regions, .n_regions = peer->desc.n_regions,
+    kvpi_peer_ctx ctx = {.segment = segname,
+                         .host = peer->host,
+                         .desc = peer->desc.json,
+                         .regions = peer->desc.regions,
+                         .buffers = peer->desc.buffers,
+                         .n_regions = peer->desc.n_regions,
                          .timeout_ms = e->opts.timeout_ms,
-                         .min_rate = e->opts.min_transfer_rate, .conns = e->opts.conns_per_peer};
+                         .min_rate = e->opts.min_transfer_rate,
+                         .conns = e->opts.conns_per_peer};
     for (size_t i = 0; kvpi_transports[i]; i++) {
         const kvpi_transport_ops *ops = kvpi_transports[i];
         if (!transport_allowed(e, ops)) continue;
+        ctx.server = e->servers[i];
         kvp_status st = ops->peer_open(&ctx, &peer->handle);
         if (st == KVP_OK) {
             peer->ops = ops;
