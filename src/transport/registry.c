@@ -9,6 +9,9 @@
  * where its protocol allows (see engine/segment.c). */
 const kvpi_transport_ops *const kvpi_transports[] = {
     &kvpi_transport_shm,
+#if KVP_HAVE_UCX
+    &kvpi_transport_ucx,
+#endif
     &kvpi_transport_tcp,
     NULL,
 };
@@ -26,8 +29,13 @@ static const struct {
 } protocols[] = {
     {"tcp", &kvpi_transport_tcp, NULL},
     {"shm", &kvpi_transport_shm, NULL},
+#if KVP_HAVE_UCX
+    {"rdma", &kvpi_transport_ucx, NULL},
+    {"ucx", &kvpi_transport_ucx, NULL},
+#else
     {"rdma", NULL, NO_UCX},
     {"ucx", NULL, NO_UCX},
+#endif
 };
 
 const kvpi_transport_ops *kvpi_transport_lookup(const char *name)

@@ -225,6 +225,7 @@ typedef struct kvpi_transport_ops {
 
 extern const kvpi_transport_ops kvpi_transport_tcp;
 extern const kvpi_transport_ops kvpi_transport_shm;
+extern const kvpi_transport_ops kvpi_transport_ucx; /* where built (KVP_HAVE_UCX) */
 
 /* This build's transports, in order of preference for a peer (same-host
  * ones first); NULL-terminated, at most KVPI_MAX_TRANSPORTS. */
