@@ -29,29 +29,65 @@ void kvp_engine_opts_init(kvp_engine_opts *opts)
     opts->min_transfer_rate = KVPI_MIN_RATE_DEFAULT;
 }
 
+/* The descriptor's "protocol": the first running transport whose wire
+ * Mooncake speaks says what it is. */
+static const char *mooncake_protocol(const kvp_engine *e)
+{
+    for (size_t i = 0; kvpi_transports[i]; i++)
+        if (e->servers[i] && kvpi_transports[i]->mooncake_protocol)
+            return kvpi_transports[i]->mooncake_protocol;
+    return NULL;
+}
+
+/* Every running transport's fields: its own top-level ones, then its fields
+ * of each buffer (entries in the order of regions). */
+static kvp_status describe_transports(kvp_engine *e, cJSON *doc, const kvpi_region *regions)
+{
+    cJSON *buffers = cJSON_GetObjectItemCaseSensitive(doc, "buffers");
+    for (size_t i = 0; kvpi_transports[i]; i++) {
+        const kvpi_transport_ops *ops = kvpi_transports[i];
+        if (!e->servers[i]) continue;
+        kvp_status st = ops->server_describe(e->servers[i], doc);
+        if (st) return st;
+        if (!ops->buffer_describe) continue;
+        const kvpi_region *r = regions;
+        cJSON *b;
+        cJSON_ArrayForEach(b, buffers)
+        {
+            if ((st = ops->buffer_describe(e->servers[i], r, r->handle[i], b))) return st;
+            r++;
+        }
+    }
+    return KVP_OK;
+}
+
 /* Build the descriptor from the region table and every transport's fields.
  * The regions stay pinned meanwhile, so that their handles stay valid. */
-static char *descriptor_render(kvp_engine *e)
+static kvp_status descriptor_render(kvp_engine *e, char **out)
 {
     kvpi_pin *pins;
     size_t n;
-    if (kvpi_region_pin_all(&e->regions, &pins, &n)) return NULL;
+    kvp_status st = kvpi_region_pin_all(&e->regions, &pins, &n);
+    if (st) return st;
     kvpi_region *regions = malloc((n ? n : 1) * sizeof *regions);
     cJSON *doc = NULL;
     char *text = NULL;
-    if (!regions) goto out;
-    for (size_t i = 0; i < n; i++)
-        regions[i] = *kvpi_pin_region(pins[i]);
-    doc = kvpi_descriptor_build(e->name, e->data_port, regions, n);
-    if (!doc || !cJSON_AddStringToObject(doc, KVPI_INSTANCE_FIELD, e->instance)) goto out;
-    for (size_t i = 0; kvpi_transports[i]; i++)
-        if (e->servers[i] && kvpi_transports[i]->server_describe(e->servers[i], doc)) goto out;
-    text = cJSON_PrintUnformatted(doc);
-out:
+    if (regions) {
+        for (size_t i = 0; i < n; i++)
+            regions[i] = *kvpi_pin_region(pins[i]);
+        doc = kvpi_descriptor_build(e->name, mooncake_protocol(e), regions, n);
+    }
+    st = doc && cJSON_AddStringToObject(doc, KVPI_INSTANCE_FIELD, e->instance)
+             ? KVP_OK
+             : kvpi_error(KVP_ENOMEM, "cannot render the segment descriptor: out of memory");
+    if (!st) st = describe_transports(e, doc, regions);
+    if (!st && !(text = cJSON_PrintUnformatted(doc)))
+        st = kvpi_error(KVP_ENOMEM, "cannot render the segment descriptor: out of memory");
     cJSON_Delete(doc);
     free(regions);
     kvpi_region_unpin_all(&e->regions, pins, n);
-    return text;
+    if (!st) *out = text;
+    return st;
 }
 
 char *kvpi_engine_descriptor_text(kvp_engine *e)
@@ -70,8 +106,9 @@ static char *rpc_describe(void *ctx)
 /* Render the descriptor anew into e->desc_text; called with publish_lock. */
 static kvp_status render_locked(kvp_engine *e)
 {
-    char *text = descriptor_render(e);
-    if (!text) return kvpi_error(KVP_ENOMEM, "cannot render the segment descriptor");
+    char *text;
+    kvp_status st = descriptor_render(e, &text);
+    if (st) return st;
     free(e->desc_text);
     e->desc_text = text;
     return KVP_OK;
