@@ -9,6 +9,7 @@
 #include "common/region.h"
 #include "engine/buffer_pool.h"
 #include "engine/descriptor.h"
+#include "transport/transport.h"
 #include "test.h"
 
 /* Add and activate, or remove whole, as the engine does around its
@@ -330,38 +331,94 @@ static void registry_pins(void)
 
 static void descriptor_round_trip(void)
 {
-    kvpi_region regions[2] = {{.addr = 0x7f0000001000ull, .length = 4096},
-                              {.addr = 0x1fffffffffffffull, .length = 1}};
-    cJSON *doc = kvpi_descriptor_build("127.0.0.1:1234", 4321, regions, 2);
+    kvpi_region regions[3] = {
+        {.addr = 0x7f0000001000ull, .length = 4096},
+        {.addr = 0x7f0000100000ull, .length = 64, .kind = KVP_MEM_CUDA, .device = 2},
+        {.addr = 0x1fffffffffffffull, .length = 1}};
+    cJSON *doc = kvpi_descriptor_build("127.0.0.1:1234", "tcp", regions, 3);
     REQUIRE(doc);
     char *text = cJSON_PrintUnformatted(doc);
     cJSON_Delete(doc);
-    /* Addresses are written as exact integers. */
+    /* Addresses are written as exact integers; the core writes no transport's
+     * fields, and only non-host memory says its kind. */
     CHECK(strstr(text, "\"addr\":139637976731648") != NULL);
     CHECK(strstr(text, "\"addr\":9007199254740991") != NULL);
-    CHECK(strstr(text, "\"tcp_proto_version\":2") != NULL);
+    CHECK(strstr(text, "\"protocol\":\"tcp\"") != NULL);
+    CHECK(strstr(text, "tcp_data_port") == NULL && strstr(text, "tcp_proto_version") == NULL);
+    CHECK(strstr(text, "\"kind\":\"cuda\",\"device\":2") != NULL);
+    CHECK(strstr(text, "\"kind\":\"host\"") == NULL);
     kvpi_descriptor d;
     REQUIRE_OK(kvpi_descriptor_parse(text, &d));
     free(text);
-    CHECK(strcmp(d.name, "127.0.0.1:1234") == 0);
-    CHECK(d.tcp_data_port == 4321 && d.tcp_proto_version == 2 && d.n_regions == 2);
-    CHECK(d.regions[0].addr == regions[0].addr && d.regions[0].length == 4096);
-    CHECK(d.regions[1].addr == regions[1].addr);
+    CHECK(strcmp(d.name, "127.0.0.1:1234") == 0 && strcmp(d.protocol, "tcp") == 0);
+    REQUIRE(d.n_regions == 3);
+    for (size_t i = 0; i < 3; i++) {
+        CHECK(d.regions[i].addr == regions[i].addr && d.regions[i].length == regions[i].length);
+        CHECK(d.regions[i].kind == regions[i].kind && d.regions[i].device == regions[i].device);
+        const cJSON *name = cJSON_GetObjectItemCaseSensitive(d.buffers[i], "name");
+        CHECK(cJSON_IsString(name) && strcmp(name->valuestring, "127.0.0.1:1234") == 0);
+    }
     kvpi_descriptor_free(&d);
+}
+
+/* A peer context for the tcp and shm transports' peer_open over d. */
+static kvpi_peer_ctx peer_ctx_of(const kvpi_descriptor *d)
+{
+    return (kvpi_peer_ctx){.segment = d->name,
+                           .host = "127.0.0.1",
+                           .desc = d->json,
+                           .regions = d->regions,
+                           .buffers = d->buffers,
+                           .n_regions = d->n_regions,
+                           .timeout_ms = 1000,
+                           .conns = 1};
 }
 
 static void descriptor_mooncake(void)
 {
     /* A Mooncake TCP descriptor: no tcp_proto_version (v1), extra fields,
-     * buffers out of order. */
+     * buffers out of order; each buffer's entry stays with its region. */
     const char *mc = "{\"name\":\"10.0.0.1:12345\",\"protocol\":\"tcp\",\"tcp_data_port\":15000,"
                      "\"timestamp\":\"2024\",\"devices\":[],\"priority_matrix\":{},"
                      "\"buffers\":[{\"name\":\"cpu:0\",\"addr\":8192,\"length\":100,\"rkey\":[]},"
                      "{\"name\":\"cpu:0\",\"addr\":4096,\"length\":10}]}";
     kvpi_descriptor d;
     REQUIRE_OK(kvpi_descriptor_parse(mc, &d));
-    CHECK(d.tcp_proto_version == 1 && d.tcp_data_port == 15000);
     CHECK(d.n_regions == 2 && d.regions[0].addr == 4096 && d.regions[1].addr == 8192);
+    CHECK(cJSON_GetObjectItemCaseSensitive(d.buffers[0], "rkey") == NULL);
+    CHECK(cJSON_GetObjectItemCaseSensitive(d.buffers[1], "rkey") != NULL);
+    CHECK(d.regions[0].kind == KVP_MEM_HOST && d.regions[1].kind == KVP_MEM_HOST);
+    kvpi_peer_ctx ctx = peer_ctx_of(&d);
+    void *peer = NULL;
+    REQUIRE_OK(kvpi_transport_tcp.peer_open(&ctx, &peer));
+    kvpi_transport_tcp.peer_close(peer);
+    kvpi_descriptor_free(&d);
+}
+
+/* What Mooncake's RDMA transport publishes parses; tcp refuses it saying
+ * how to reach that peer, and shm finds no endpoint of its own. */
+static void descriptor_mooncake_rdma(void)
+{
+    const char *mc =
+        "{\"name\":\"10.0.0.2:12345\",\"protocol\":\"rdma\","
+        "\"devices\":[{\"name\":\"mlx5_0\",\"lid\":0,\"gid\":\"fe80:0000:0000:0000:0000:0000:0000:"
+        "0001\"}],\"priority_matrix\":{\"cpu:0\":[[\"mlx5_0\"],[]]},"
+        "\"timestamp\":\"2025-01-31 17:04:05.012345\","
+        "\"buffers\":[{\"name\":\"cuda:1\",\"addr\":1048576,\"length\":4096,\"rkey\":[7],"
+        "\"lkey\":[7]},{\"name\":\"cpu:0\",\"addr\":4096,\"length\":4096,\"rkey\":[5],"
+        "\"lkey\":[5]}]}";
+    kvpi_descriptor d;
+    REQUIRE_OK(kvpi_descriptor_parse(mc, &d));
+    CHECK(strcmp(d.protocol, "rdma") == 0 && d.n_regions == 2);
+    CHECK(d.regions[0].kind == KVP_MEM_HOST);
+    CHECK(d.regions[1].kind == KVP_MEM_CUDA && d.regions[1].device == 1);
+    kvpi_peer_ctx ctx = peer_ctx_of(&d);
+    void *peer = NULL;
+    CHECK_ST(kvpi_transport_tcp.peer_open(&ctx, &peer), KVP_ENOTSUP);
+    CHECK(strstr(kvp_last_error(), "segment 10.0.0.2:12345 is a Mooncake rdma segment") != NULL);
+    CHECK(strstr(kvp_last_error(), "protocol tcp or MC_FORCE_TCP=1") != NULL);
+    CHECK_ST(kvpi_transport_shm.peer_open(&ctx, &peer), KVP_ENOTSUP);
+    CHECK(strstr(kvp_last_error(), "kvpipe_shm") != NULL);
     kvpi_descriptor_free(&d);
 }
 
@@ -373,24 +430,27 @@ static void descriptor_malformed(void)
     } bad[] = {
         {"", KVP_EPROTO},
         {"[1]", KVP_EPROTO},
-        {"{\"protocol\":\"tcp\",\"tcp_data_port\":1,\"buffers\":[]}", KVP_EPROTO},
-        {"{\"name\":\"a\",\"tcp_data_port\":1,\"buffers\":[]}", KVP_EPROTO},
-        {"{\"name\":\"a\",\"protocol\":\"rdma\",\"buffers\":[]}", KVP_ENOTSUP},
-        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":0,\"buffers\":[]}", KVP_EPROTO},
-        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":70000,\"buffers\":[]}", KVP_EPROTO},
-        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":\"1\",\"buffers\":[]}", KVP_EPROTO},
-        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":1}", KVP_EPROTO},
-        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":1,\"buffers\":[1]}", KVP_EPROTO},
-        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":1,\"buffers\":"
-         "[{\"addr\":-1,\"length\":1}]}", KVP_EPROTO},
-        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":1,\"buffers\":"
-         "[{\"addr\":1.5,\"length\":1}]}", KVP_EPROTO},
-        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":1,\"buffers\":"
-         "[{\"addr\":1e300,\"length\":1}]}", KVP_EPROTO},
-        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":1,\"buffers\":"
-         "[{\"addr\":100,\"length\":50},{\"addr\":120,\"length\":5}]}", KVP_EPROTO},
-        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":1,\"buffers\":"
-         "[{\"addr\":100}]}", KVP_EPROTO},
+        {"{\"protocol\":\"tcp\",\"buffers\":[]}", KVP_EPROTO},
+        {"{\"name\":\"a\",\"buffers\":[]}", KVP_EPROTO},
+        {"{\"name\":\"a\",\"protocol\":7,\"buffers\":[]}", KVP_EPROTO},
+        {"{\"name\":\"a\",\"protocol\":\"tcp\"}", KVP_EPROTO},
+        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"buffers\":[1]}", KVP_EPROTO},
+        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"buffers\":[{\"addr\":-1,\"length\":1}]}",
+         KVP_EPROTO},
+        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"buffers\":[{\"addr\":1.5,\"length\":1}]}",
+         KVP_EPROTO},
+        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"buffers\":[{\"addr\":1e300,\"length\":1}]}",
+         KVP_EPROTO},
+        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"buffers\":"
+         "[{\"addr\":100,\"length\":50},{\"addr\":120,\"length\":5}]}",
+         KVP_EPROTO},
+        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"buffers\":[{\"addr\":100}]}", KVP_EPROTO},
+        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"buffers\":"
+         "[{\"addr\":100,\"length\":1,\"kind\":3}]}",
+         KVP_EPROTO},
+        {"{\"name\":\"a\",\"protocol\":\"tcp\",\"buffers\":"
+         "[{\"addr\":100,\"length\":1,\"kind\":\"cuda\",\"device\":-1}]}",
+         KVP_EPROTO},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         kvpi_descriptor d;
@@ -398,6 +458,40 @@ static void descriptor_malformed(void)
         if (st != bad[i].want) fprintf(stderr, "  case %zu: got %d\n", i, (int)st);
         CHECK(st == bad[i].want);
         CHECK(*kvp_last_error() != '\0');
+    }
+    /* A kind this build does not know parses, as memory nothing here moves. */
+    kvpi_descriptor d;
+    REQUIRE_OK(kvpi_descriptor_parse("{\"name\":\"a\",\"protocol\":\"tcp\",\"buffers\":"
+                                     "[{\"addr\":100,\"length\":1,\"kind\":\"rocm\"}]}",
+                                     &d));
+    CHECK(d.regions[0].kind == KVPI_MEM_KIND_UNKNOWN);
+    kvpi_descriptor_free(&d);
+}
+
+/* tcp reads its own fields: a tcp descriptor without a usable port is
+ * malformed (not "another protocol"). */
+static void tcp_fields_malformed(void)
+{
+    static const char *const bad[] = {
+        "{\"name\":\"a\",\"protocol\":\"tcp\",\"buffers\":[]}",
+        "{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":0,\"buffers\":[]}",
+        "{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":70000,\"buffers\":[]}",
+        "{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":\"1\",\"buffers\":[]}",
+        "{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":1.5,\"buffers\":[]}",
+        "{\"name\":\"a\",\"protocol\":\"rdma\",\"tcp_data_port\":-4,\"buffers\":[]}",
+        "{\"name\":\"a\",\"protocol\":\"tcp\",\"tcp_data_port\":1,\"tcp_proto_version\":\"2\","
+        "\"buffers\":[]}",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kvpi_descriptor d;
+        REQUIRE_OK(kvpi_descriptor_parse(bad[i], &d));
+        kvpi_peer_ctx ctx = peer_ctx_of(&d);
+        void *peer = NULL;
+        kvp_status st = kvpi_transport_tcp.peer_open(&ctx, &peer);
+        if (st != KVP_EPROTO) fprintf(stderr, "  case %zu: got %d\n", i, (int)st);
+        CHECK_ST(st, KVP_EPROTO);
+        CHECK(strstr(kvp_last_error(), "segment a") != NULL);
+        kvpi_descriptor_free(&d);
     }
 }
 
@@ -452,7 +546,9 @@ int main(void)
     RUN(registry_pins);
     RUN(descriptor_round_trip);
     RUN(descriptor_mooncake);
+    RUN(descriptor_mooncake_rdma);
     RUN(descriptor_malformed);
+    RUN(tcp_fields_malformed);
     RUN(hostport);
     RUN(status_text);
     return kvpt_summary();

@@ -132,14 +132,30 @@ KVP_API int kvp_engine_rpc_port(const kvp_engine *engine);
 KVP_API int kvp_engine_data_port(const kvp_engine *engine);
 
 /* Register [addr, addr+length) so that peers may READ and WRITE it, and publish
- * the updated segment (its descriptor key only). Regions must not overlap. The
- * memory stays the caller's; it must stay valid until kvp_engine_unregister(). Only host (CPU)
- * memory can be served: a range that is not mapped in this process, or whose first or last byte
- * cannot be read (a GPU device pointer, PROT_NONE memory), is refused with KVP_EINVAL and a message
- * saying so (the check costs about 15 us, whatever the size). Memory unmapped after registration
- * fails the peers' requests that touch it ("address rejected"), never the engine. Does not wait for
- * server requests on other regions. */
+ * the updated segment (its descriptor key only): kvp_engine_register_mem() for
+ * host memory (KVP_MEM_HOST, device 0). Regions must not overlap. The memory
+ * stays the caller's; it must stay valid until kvp_engine_unregister(). A range
+ * that is not mapped in this process, or whose first or last byte cannot be
+ * read (a GPU device pointer, PROT_NONE memory), is refused with KVP_EINVAL and
+ * a message saying so (the check costs about 15 us, whatever the size). Memory
+ * unmapped after registration fails the peers' requests that touch it
+ * ("address rejected"), never the engine. Does not wait for server requests on
+ * other regions. */
 KVP_API kvp_status kvp_engine_register(kvp_engine *engine, void *addr, size_t length);
+
+/* Register [addr, addr+length) of memory of the given kind: device is the CUDA
+ * device ordinal for KVP_MEM_CUDA, 0 for host memory. Each of the engine's
+ * transports that can move that kind registers the region (an RDMA transport
+ * pins it and publishes a remote key for it) before any peer can see it; when
+ * one fails, the registrations already made are undone and the call fails with
+ * that transport's status, leaving nothing registered or published. Errors:
+ * KVP_ENOTSUP naming the kind when none of the engine's transports can move it
+ * (in this build they move host memory only); KVP_EINVAL for an unknown kind, a
+ * negative device, or host memory kvp_engine_register() refuses; otherwise as
+ * kvp_engine_register(). Thread-safe; blocks for the transports' registration
+ * and the publish. */
+KVP_API kvp_status kvp_engine_register_mem(kvp_engine *engine, void *addr, size_t length,
+                                           kvp_mem_kind kind, int device);
 
 /* Unregister the region that starts at addr and republish. New server
  * requests to the region are refused at once; the call waits for those

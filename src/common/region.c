@@ -310,9 +310,11 @@ static int readable(int fd, const void *p)
 
 kvp_status kvpi_memory_check_host(const void *addr, size_t length)
 {
-    static const char *const what = "kvpipe serves host (CPU) memory only: malloc'ed or "
-                                    "mmap'ed memory, or kvp_engine_alloc() buffers, not GPU "
-                                    "device pointers (copy a GPU cache to host memory first)";
+    static const char *const what =
+        "kvp_engine_register() takes host (CPU) memory: malloc'ed or mmap'ed memory, or "
+        "kvp_engine_alloc() buffers, not GPU device pointers (register those with "
+        "kvp_engine_register_mem() and KVP_MEM_CUDA where a transport moves them, or copy a "
+        "GPU cache to host memory)";
     if (!kvpi_memory_mapped(addr, length))
         return kvpi_error(KVP_EINVAL, "register: [%p, +%zu) is not mapped in this process; %s",
                           addr, length, what);

@@ -50,6 +50,10 @@ typedef struct kvpi_region {
     void *handle[KVPI_MAX_TRANSPORTS];
 } kvpi_region;
 
+/* A kind a peer's descriptor names that this build does not know; no
+ * transport's mem_kinds holds it. */
+#define KVPI_MEM_KIND_UNKNOWN ((kvp_mem_kind)31)
+
 /* "host", "cuda"; "unknown" for a value this build does not know. */
 const char *kvpi_mem_kind_name(kvp_mem_kind kind);
 

@@ -16,6 +16,7 @@ struct kvpi_work {
     kvpi_work *next;
     kvp_batch *batch;
     size_t req;
+    kvp_mem_kind local_kind; /* of the request's local memory */
     kvpi_slice slice;
 };
 
@@ -70,7 +71,8 @@ static void complete(kvpi_work *w, kvp_status st)
 static int groupable(const kvpi_work *first, const kvpi_work *next, size_t bytes, size_t limit)
 {
     return next && next->batch->seg == first->batch->seg &&
-           next->slice.opcode == first->slice.opcode && bytes + next->slice.length <= limit;
+           next->slice.opcode == first->slice.opcode && next->local_kind == first->local_kind &&
+           bytes + next->slice.length <= limit;
 }
 
 /* Pop a group of works; returns its size, 0 when stopping with nothing left. */
@@ -127,6 +129,55 @@ static kvp_status skip_reason(kvpi_work *w)
     return st;
 }
 
+/* For a transport that wants local memory registered with it: pin the
+ * local region of each slice and hand the slice its handle (NULL where the
+ * memory is not registered). pins[i] is NULL where nothing was pinned. */
+static void local_handles(kvp_engine *e, const kvpi_link *l, kvpi_slice **slices, size_t n,
+                          kvpi_pin *pins)
+{
+    for (size_t i = 0; i < n; i++) {
+        pins[i] = NULL;
+        slices[i]->local_handle = NULL;
+        if (!(l->ops->caps & KVPI_CAP_NEEDS_LOCAL_REG)) continue;
+        if (kvpi_region_pin(&e->regions, (uint64_t)(uintptr_t)slices[i]->local, slices[i]->length,
+                            l->ops->mem_kinds, &pins[i]) == KVP_OK)
+            slices[i]->local_handle = kvpi_pin_region(pins[i])->handle[l->slot];
+        else
+            pins[i] = NULL;
+    }
+}
+
+/* Move n checked slices whose memory is of the kinds in mask kinds through
+ * the peer's link for them; every slice gets its final status. Returns the
+ * connection-level error, if any. */
+static kvp_status run_slices(kvp_engine *e, kvpi_peer *peer, unsigned kinds, kvpi_work **works,
+                             kvpi_slice **slices, size_t n)
+{
+    kvpi_link *link;
+    kvp_status st = kvpi_peer_select(e, peer, kinds, &link);
+    if (st) {
+        for (size_t i = 0; i < n; i++)
+            complete(works[i], st);
+        return KVP_OK; /* nothing wrong with the connection */
+    }
+    kvpi_pin pins[GROUP_MAX];
+    local_handles(e, link, slices, n, pins);
+    st = link->ops->peer_xfer(link->handle, slices, n);
+    for (size_t i = 0; i < n; i++)
+        if (pins[i]) kvpi_region_unpin(&e->regions, pins[i]);
+    for (size_t i = 0; i < n; i++)
+        complete(works[i],
+                 slices[i]->status == KVP_EINPROGRESS ? (st ? st : KVP_EIO) : slices[i]->status);
+    return st;
+}
+
+/* The kinds of memory a checked slice touches: its local and its remote. */
+static unsigned kinds_of(const kvpi_peer *peer, const kvpi_work *w)
+{
+    return KVPI_MEM_BIT(w->local_kind) |
+           KVPI_MEM_BIT(peer->desc.regions[w->slice.remote_region].kind);
+}
+
 static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
 {
     kvpi_segment *seg = group[0]->batch->seg;
@@ -147,8 +198,10 @@ static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
         for (size_t i = 0; i < m; i++) complete(live[i], st);
         return;
     }
-    /* Check against the peer's published buffers before sending anything; the
-     * peer checks again, since its descriptor may have changed since. */
+    /* Check against the peer's published buffers before sending anything;
+     * the peer checks again, since its descriptor may have changed since -
+     * except a one-sided (KVPI_CAP_RDMA) transport's, whose target checks
+     * nothing: for it this is the only check. */
     size_t k = 0;
     for (size_t i = 0; i < m; i++) {
         kvpi_slice *s = &live[i]->slice;
@@ -161,15 +214,33 @@ static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
         }
         s->remote_region = (size_t)r;
         s->status = KVP_EINPROGRESS;
-        live[k] = live[i];
-        slices[k++] = s;
+        live[k++] = live[i];
     }
-    st = k ? peer->ops->peer_xfer(peer->handle, slices, k) : KVP_OK;
+    /* Slices go by the kinds of memory they touch (all the same, but for a
+     * group that spans remote buffers of different kinds). */
+    st = KVP_OK;
+    while (k > 0) {
+        unsigned kinds = kinds_of(peer, live[0]);
+        kvpi_work *same[GROUP_MAX];
+        size_t ns = 0, rest = 0;
+        for (size_t i = 0; i < k; i++) {
+            if (kinds_of(peer, live[i]) == kinds) {
+                same[ns] = live[i];
+                slices[ns++] = &live[i]->slice;
+            } else {
+                live[rest++] = live[i];
+            }
+        }
+        k = rest;
+        if (st) { /* the peer's connection failed: so do the rest */
+            for (size_t i = 0; i < ns; i++)
+                complete(same[i], st);
+            continue;
+        }
+        st = run_slices(e, peer, kinds, same, slices, ns);
+    }
     kvpi_segment_release(seg, peer, st != KVP_OK);
     kvpi_segment_note(seg, st);
-    for (size_t i = 0; i < k; i++)
-        complete(live[i], slices[i]->status == KVP_EINPROGRESS ? (st ? st : KVP_EIO)
-                                                              : slices[i]->status);
 }
 
 static void *worker_main(void *arg)
@@ -254,12 +325,15 @@ static void enqueue(kvp_engine *e, kvpi_work *first, kvpi_work *last)
     pthread_mutex_unlock(&q->lock);
 }
 
-static void build_works(kvp_batch *b, const kvp_request *reqs, size_t slice_size)
+static void build_works(kvp_engine *e, kvp_batch *b, const kvp_request *reqs, size_t slice_size)
 {
     size_t w = 0;
     for (size_t i = 0; i < b->n; i++) {
         const kvp_request *r = &reqs[i];
         size_t count = slices_of(r, slice_size);
+        int device;
+        kvp_mem_kind kind =
+            kvpi_region_kind_at(&e->regions, (uint64_t)(uintptr_t)r->local, r->length, &device);
         b->reqs[i] = (req_state){count ? KVP_EINPROGRESS : KVP_OK, KVP_OK, count};
         if (count) b->pending++;
         for (size_t off = 0; off < r->length; off += slice_size) {
@@ -267,6 +341,7 @@ static void build_works(kvp_batch *b, const kvp_request *reqs, size_t slice_size
             work->next = w + 1 < b->n_works ? &b->works[w + 1] : NULL;
             work->batch = b;
             work->req = i;
+            work->local_kind = kind;
             size_t len = r->length - off < slice_size ? r->length - off : slice_size;
             work->slice = (kvpi_slice){.opcode = r->opcode,
                                        .local = (char *)r->local + off,
@@ -302,7 +377,7 @@ kvp_status kvp_batch_submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_requ
     b->seg = seg;
     b->n = n;
     b->n_works = b->outstanding = n_works;
-    build_works(b, reqs, e->opts.slice_size);
+    build_works(e, b, reqs, e->opts.slice_size);
     if (n_works) enqueue(e, &b->works[0], &b->works[n_works - 1]);
     *out = b;
     return KVP_OK;

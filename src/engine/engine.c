@@ -29,29 +29,65 @@ void kvp_engine_opts_init(kvp_engine_opts *opts)
     opts->min_transfer_rate = KVPI_MIN_RATE_DEFAULT;
 }
 
+/* The descriptor's "protocol": the first running transport whose wire
+ * Mooncake speaks says what it is. */
+static const char *mooncake_protocol(const kvp_engine *e)
+{
+    for (size_t i = 0; e->transports[i]; i++)
+        if (e->servers[i] && e->transports[i]->mooncake_protocol)
+            return e->transports[i]->mooncake_protocol;
+    return NULL;
+}
+
+/* Every running transport's fields: its own top-level ones, then its fields
+ * of each buffer (entries in the order of regions). */
+static kvp_status describe_transports(kvp_engine *e, cJSON *doc, const kvpi_region *regions)
+{
+    cJSON *buffers = cJSON_GetObjectItemCaseSensitive(doc, "buffers");
+    for (size_t i = 0; e->transports[i]; i++) {
+        const kvpi_transport_ops *ops = e->transports[i];
+        if (!e->servers[i]) continue;
+        kvp_status st = ops->server_describe(e->servers[i], doc);
+        if (st) return st;
+        if (!ops->buffer_describe) continue;
+        const kvpi_region *r = regions;
+        cJSON *b;
+        cJSON_ArrayForEach(b, buffers)
+        {
+            if ((st = ops->buffer_describe(e->servers[i], r, r->handle[i], b))) return st;
+            r++;
+        }
+    }
+    return KVP_OK;
+}
+
 /* Build the descriptor from the region table and every transport's fields.
  * The regions stay pinned meanwhile, so that their handles stay valid. */
-static char *descriptor_render(kvp_engine *e)
+static kvp_status descriptor_render(kvp_engine *e, char **out)
 {
     kvpi_pin *pins;
     size_t n;
-    if (kvpi_region_pin_all(&e->regions, &pins, &n)) return NULL;
+    kvp_status st = kvpi_region_pin_all(&e->regions, &pins, &n);
+    if (st) return st;
     kvpi_region *regions = malloc((n ? n : 1) * sizeof *regions);
     cJSON *doc = NULL;
     char *text = NULL;
-    if (!regions) goto out;
-    for (size_t i = 0; i < n; i++)
-        regions[i] = *kvpi_pin_region(pins[i]);
-    doc = kvpi_descriptor_build(e->name, e->data_port, regions, n);
-    if (!doc || !cJSON_AddStringToObject(doc, KVPI_INSTANCE_FIELD, e->instance)) goto out;
-    for (size_t i = 0; kvpi_transports[i]; i++)
-        if (e->servers[i] && kvpi_transports[i]->server_describe(e->servers[i], doc)) goto out;
-    text = cJSON_PrintUnformatted(doc);
-out:
+    if (regions) {
+        for (size_t i = 0; i < n; i++)
+            regions[i] = *kvpi_pin_region(pins[i]);
+        doc = kvpi_descriptor_build(e->name, mooncake_protocol(e), regions, n);
+    }
+    st = doc && cJSON_AddStringToObject(doc, KVPI_INSTANCE_FIELD, e->instance)
+             ? KVP_OK
+             : kvpi_error(KVP_ENOMEM, "cannot render the segment descriptor: out of memory");
+    if (!st) st = describe_transports(e, doc, regions);
+    if (!st && !(text = cJSON_PrintUnformatted(doc)))
+        st = kvpi_error(KVP_ENOMEM, "cannot render the segment descriptor: out of memory");
     cJSON_Delete(doc);
     free(regions);
     kvpi_region_unpin_all(&e->regions, pins, n);
-    return text;
+    if (!st) *out = text;
+    return st;
 }
 
 char *kvpi_engine_descriptor_text(kvp_engine *e)
@@ -70,8 +106,9 @@ static char *rpc_describe(void *ctx)
 /* Render the descriptor anew into e->desc_text; called with publish_lock. */
 static kvp_status render_locked(kvp_engine *e)
 {
-    char *text = descriptor_render(e);
-    if (!text) return kvpi_error(KVP_ENOMEM, "cannot render the segment descriptor");
+    char *text;
+    kvp_status st = descriptor_render(e, &text);
+    if (st) return st;
     free(e->desc_text);
     e->desc_text = text;
     return KVP_OK;
@@ -91,7 +128,7 @@ static kvpi_meta_self self_of(const kvp_engine *e, const char *desc)
 /* Render and publish the descriptor (only its ram key: rpc_meta was written
  * once, at creation); the lock keeps concurrent registrations from publishing
  * out of order. */
-static kvp_status publish(kvp_engine *e)
+kvp_status kvpi_engine_publish(kvp_engine *e)
 {
     pthread_mutex_lock(&e->publish_lock);
     kvp_status st = render_locked(e);
@@ -105,7 +142,7 @@ static kvp_status publish(kvp_engine *e)
 
 /* The rendered descriptor no longer matches the region table (a registration was
  * rolled back after its publish failed): the keeper renders it again. */
-static void mark_stale(kvp_engine *e)
+void kvpi_engine_mark_stale(kvp_engine *e)
 {
     pthread_mutex_lock(&e->publish_lock);
     e->desc_stale = 1;
@@ -180,51 +217,6 @@ static void *keeper_main(void *arg)
     return NULL;
 }
 
-static kvp_status pool_register(void *ctx, void *addr, size_t length)
-{
-    return kvp_engine_register(ctx, addr, length);
-}
-
-static void pool_unregister(void *ctx, void *addr)
-{
-    kvp_engine_unregister(ctx, addr);
-}
-
-/* The running server whose transport maps the pool's chunks, if any. */
-static size_t pool_mapper(const kvp_engine *e)
-{
-    size_t i = 0;
-    for (; kvpi_transports[i]; i++)
-        if (e->servers[i] && kvpi_transports[i]->chunk_map) break;
-    return i;
-}
-
-static kvp_status pool_map(void *ctx, size_t length, void **addr)
-{
-    kvp_engine *e = ctx;
-    size_t i = pool_mapper(e);
-    return kvpi_transports[i]->chunk_map(e->servers[i], length, addr);
-}
-
-static void pool_unmap(void *ctx, void *addr, size_t length)
-{
-    kvp_engine *e = ctx;
-    size_t i = pool_mapper(e);
-    kvpi_transports[i]->chunk_unmap(e->servers[i], addr, length);
-}
-
-static kvp_status start_pool(kvp_engine *e)
-{
-    kvpi_pool_opts popts = {.retain_bytes = e->opts.pool_retain_bytes, .kind = KVP_MEM_HOST};
-    kvpi_pool_hooks hooks = {
-        .ctx = e, .register_chunk = pool_register, .unregister_chunk = pool_unregister};
-    if (kvpi_transports[pool_mapper(e)]) {
-        hooks.map_chunk = pool_map;
-        hooks.unmap_chunk = pool_unmap;
-    }
-    return kvpi_pool_create(&popts, &hooks, &e->pool);
-}
-
 static kvp_status copy_opts(kvp_engine *e, const kvp_engine_opts *o)
 {
     if (!o->local_server_name || !o->metadata)
@@ -239,6 +231,16 @@ static kvp_status copy_opts(kvp_engine *e, const kvp_engine_opts *o)
     if (e->opts.min_transfer_rate == 0) e->opts.min_transfer_rate = KVPI_MIN_RATE_DEFAULT;
     kvp_status st = kvpi_protocol_resolve(o->protocol, &e->transport);
     if (st) return st;
+    size_t n = 0;
+    while (e->transports[n] && e->transports[n] != e->transport)
+        n++;
+    if (!e->transports[n])
+        return kvpi_error(KVP_ENOTSUP, "engine: the %s transport is not among this engine's",
+                          e->transport->name);
+    for (n = 0; e->transports[n]; n++)
+        if (n == KVPI_MAX_TRANSPORTS)
+            return kvpi_error(KVP_EINVAL, "engine: more than %d transports", KVPI_MAX_TRANSPORTS);
+    e->n_transports = n;
     const char *proto = e->transport->name;
     st = kvpi_hostport_parse(o->local_server_name, -1, &e->self);
     if (st) return st;
@@ -311,8 +313,8 @@ static kvp_status start_servers(kvp_engine *e)
                            .idle_timeout_ms = e->opts.idle_timeout_ms,
                            .max_conns = e->opts.max_connections,
                            .min_rate = e->opts.min_transfer_rate};
-    for (size_t i = 0; kvpi_transports[i]; i++) {
-        const kvpi_transport_ops *ops = kvpi_transports[i];
+    for (size_t i = 0; e->transports[i]; i++) {
+        const kvpi_transport_ops *ops = e->transports[i];
         kvp_status st = kvpi_transport_check(ops);
         if (!st) st = ops->server_start(&ctx, &e->servers[i]);
         if (st == KVP_OK) {
@@ -333,28 +335,18 @@ static kvp_status start_servers(kvp_engine *e)
     return KVP_OK;
 }
 
-static kvp_status region_remove(kvp_engine *e, uint64_t addr);
-
-/* Unregister what the application left registered. */
-static void unregister_all(kvp_engine *e)
-{
-    kvpi_pin *pins;
-    size_t n;
-    if (kvpi_region_pin_all(&e->regions, &pins, &n)) return;
-    uint64_t *addrs = malloc((n ? n : 1) * sizeof *addrs);
-    for (size_t i = 0; addrs && i < n; i++)
-        addrs[i] = kvpi_pin_region(pins[i])->addr;
-    kvpi_region_unpin_all(&e->regions, pins, n);
-    for (size_t i = 0; addrs && i < n; i++)
-        region_remove(e, addrs[i]);
-    free(addrs);
-}
-
 kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out)
 {
-    if (!opts || !out) return kvpi_error(KVP_EINVAL, "engine: NULL argument");
+    return kvpi_engine_create_with(opts, kvpi_transports, out);
+}
+
+kvp_status kvpi_engine_create_with(const kvp_engine_opts *opts,
+                                   const kvpi_transport_ops *const *transports, kvp_engine **out)
+{
+    if (!opts || !out || !transports) return kvpi_error(KVP_EINVAL, "engine: NULL argument");
     kvp_engine *e = calloc(1, sizeof *e);
     if (!e) return kvpi_error(KVP_ENOMEM, "engine: out of memory");
+    e->transports = transports;
     kvpi_region_table_init(&e->regions);
     pthread_mutex_init(&e->publish_lock, NULL);
     pthread_mutex_init(&e->segments_lock, NULL);
@@ -367,7 +359,7 @@ kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out)
     if ((st = start_rpc(e))) goto fail;
     if ((st = name_segment(e))) goto fail;
     if ((st = start_servers(e))) goto fail;
-    if ((st = start_pool(e))) goto fail;
+    if ((st = kvpi_engine_pool_start(e))) goto fail;
     if ((st = kvpi_workers_start(e))) goto fail;
     if ((st = claim(e))) goto fail;
     if (!kvpi_meta_is_p2p(e->meta)) {
@@ -415,9 +407,9 @@ void kvp_engine_destroy(kvp_engine *e)
     kvpi_meta_close(e->meta);
     e->meta = NULL;
     kvpi_pool_destroy(e->pool);
-    unregister_all(e);
-    for (size_t i = 0; kvpi_transports[i]; i++)
-        if (e->servers[i]) kvpi_transports[i]->server_stop(e->servers[i]);
+    kvpi_engine_unregister_all(e);
+    for (size_t i = 0; e->transports[i]; i++)
+        if (e->servers[i]) e->transports[i]->server_stop(e->servers[i]);
     kvpi_region_table_destroy(&e->regions);
     pthread_mutex_destroy(&e->publish_lock);
     pthread_mutex_destroy(&e->segments_lock);
@@ -444,52 +436,4 @@ int kvp_engine_rpc_port(const kvp_engine *e)
 int kvp_engine_data_port(const kvp_engine *e)
 {
     return e->data_port;
-}
-
-/* Take the region starting at addr out of the table, once its pins dropped. */
-static kvp_status region_remove(kvp_engine *e, uint64_t addr)
-{
-    kvpi_region_entry *entry;
-    kvp_status st = kvpi_region_remove_begin(&e->regions, addr, &entry);
-    if (st) return st;
-    kvpi_region_remove_end(&e->regions, entry);
-    return KVP_OK;
-}
-
-kvp_status kvp_engine_register(kvp_engine *e, void *addr, size_t length)
-{
-    if (!e || !addr) return kvpi_error(KVP_EINVAL, "register: NULL argument");
-    kvp_status st = length ? kvpi_memory_check_host(addr, length) : KVP_OK;
-    kvpi_region r = {.addr = (uint64_t)(uintptr_t)addr, .length = length, .kind = KVP_MEM_HOST};
-    kvpi_region_entry *entry;
-    if (!st) st = kvpi_region_add(&e->regions, &r, &entry);
-    if (st) return st;
-    kvpi_region_activate(&e->regions, entry);
-    if (!e->meta) return KVP_OK;
-    if ((st = publish(e))) {
-        region_remove(e, r.addr);
-        mark_stale(e); /* the rendered descriptor still lists it */
-    }
-    return st;
-}
-
-kvp_status kvp_engine_unregister(kvp_engine *e, void *addr)
-{
-    if (!e) return kvpi_error(KVP_EINVAL, "unregister: NULL engine");
-    kvp_status st = region_remove(e, (uint64_t)(uintptr_t)addr);
-    if (st || !e->meta) return st;
-    return publish(e);
-}
-
-kvp_status kvp_engine_alloc(kvp_engine *e, size_t length, void **out)
-{
-    if (!e || !out) return kvpi_error(KVP_EINVAL, "alloc: NULL argument");
-    return kvpi_pool_alloc(e->pool, length, out);
-}
-
-kvp_status kvp_engine_free(kvp_engine *e, void *addr)
-{
-    if (!e) return kvpi_error(KVP_EINVAL, "free: NULL engine");
-    if (!addr) return KVP_OK;
-    return kvpi_pool_free(e->pool, addr);
 }

@@ -180,9 +180,10 @@ static kvp_status tcp_server_start(const kvpi_server_ctx *ctx, void **out)
 
 static kvp_status tcp_server_describe(void *server, cJSON *desc)
 {
-    /* tcp_data_port and tcp_proto_version are part of the base descriptor. */
-    (void)server;
-    (void)desc;
+    tcp_server *srv = server;
+    if (!cJSON_AddNumberToObject(desc, "tcp_data_port", srv->port) ||
+        !cJSON_AddNumberToObject(desc, "tcp_proto_version", KVPI_TCP_PROTO_VERSION))
+        return kvpi_error(KVP_ENOMEM, "tcp server: out of memory");
     return KVP_OK;
 }
 
@@ -213,12 +214,40 @@ typedef struct tcp_peer {
     int n_idle;
 } tcp_peer;
 
-static kvp_status tcp_peer_open(const kvpi_peer_ctx *ctx, void **out)
+/* The peer's data port and protocol version from its descriptor. Without a
+ * port, the segment is served by another of Mooncake's transports. */
+static kvp_status read_fields(const kvpi_peer_ctx *ctx, int *port_out, int *v2)
 {
     const cJSON *port = cJSON_GetObjectItemCaseSensitive(ctx->desc, "tcp_data_port");
     const cJSON *ver = cJSON_GetObjectItemCaseSensitive(ctx->desc, "tcp_proto_version");
-    if (!cJSON_IsNumber(port) || port->valueint <= 0 || port->valueint > 65535)
-        return kvpi_error(KVP_EPROTO, "peer descriptor has no valid tcp_data_port");
+    const cJSON *proto = cJSON_GetObjectItemCaseSensitive(ctx->desc, "protocol");
+    const char *p = cJSON_IsString(proto) ? proto->valuestring : "";
+    if (!port && strcmp(p, "tcp") != 0)
+        return kvpi_error(KVP_ENOTSUP,
+                          "segment %s is a Mooncake %s segment (it publishes no tcp_data_port); "
+                          "kvpipe reaches Mooncake peers over tcp only - run them with protocol "
+                          "tcp or MC_FORCE_TCP=1",
+                          ctx->segment, p);
+    double d = cJSON_IsNumber(port) ? port->valuedouble : 0;
+    if (!(d >= 1 && d <= 65535) || d != (int)d)
+        return kvpi_error(KVP_EPROTO,
+                          "segment %s: its descriptor's tcp_data_port is missing or not a port "
+                          "number",
+                          ctx->segment);
+    if (ver && !cJSON_IsNumber(ver))
+        return kvpi_error(KVP_EPROTO,
+                          "segment %s: its descriptor's tcp_proto_version is not a number",
+                          ctx->segment);
+    *port_out = (int)d;
+    *v2 = ver && ver->valuedouble >= 2;
+    return KVP_OK;
+}
+
+static kvp_status tcp_peer_open(const kvpi_peer_ctx *ctx, void **out)
+{
+    int port = 0, v2 = 0;
+    kvp_status st = read_fields(ctx, &port, &v2);
+    if (st) return st;
     if (strlen(ctx->host) >= KVPI_HOST_MAX)
         return kvpi_error(KVP_EINVAL, "peer host name too long");
     tcp_peer *p = calloc(1, sizeof *p);
@@ -228,8 +257,8 @@ static kvp_status tcp_peer_open(const kvpi_peer_ctx *ctx, void **out)
         return kvpi_error(KVP_ENOMEM, "tcp peer: out of memory");
     }
     strcpy(p->host, ctx->host);
-    p->port = port->valueint;
-    p->v2 = cJSON_IsNumber(ver) && ver->valuedouble >= 2;
+    p->port = port;
+    p->v2 = v2;
     p->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : KVPI_CONN_TIMEOUT_MS_DEFAULT;
     p->min_rate = ctx->min_rate ? ctx->min_rate : KVPI_MIN_RATE_DEFAULT;
     p->max_idle = conns;
