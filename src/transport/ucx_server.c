@@ -1,18 +1,20 @@
-/* The ucx transport's target side: the engine's UCP context, the worker peers
- * reach, the progress thread, registrations and the initiators' connections.
+/* The ucx transport's engine-wide part: the UCP context, the progress thread
+ * that owns every worker, the worker peers reach, registrations and the
+ * initiators' connections.
  *
  * With one-sided RMA the target's code sees no request. On RDMA hardware the
  * NIC checks each against the rkey it names; over UCX's own transports (tcp,
  * shared memory) UCX emulates RMA with active messages that this process's
- * progress thread must serve, and serves any address a peer names. So the
- * target cannot refuse a request: what keeps peers inside its registered
- * memory is their own range check against the descriptor, and what keeps
- * them out of memory it deregisters is the REVOKE exchange below, backed by
- * cutting off a peer that does not answer it in time (docs/transport-ucx.md).
+ * progress thread serves, at any address a peer names. So the target cannot
+ * refuse a request: what keeps peers inside its registered memory is their
+ * own range check against the descriptor, and what keeps them out of memory
+ * it deregisters is the REVOKE exchange below, backed by cutting off a peer
+ * that does not answer it in time (docs/transport-ucx.md).
  */
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,13 +31,16 @@
 #include "transport/ucx_internal.h"
 
 /* After its last piece of work the progress thread keeps polling this long
- * before it sleeps on the workers' event descriptors, so that a stream of
- * emulated RMA requests is served without a wake-up per request. */
-#define SPIN_NS (2 * 1000 * 1000)
+ * (yielding the CPU between rounds) before it sleeps on the workers' event
+ * descriptors, so that a stream of requests is served without a wake-up
+ * each. */
+#define SPIN_NS (1000 * 1000)
 /* Progress calls per worker per round of the thread. */
 #define ROUNDS 64
 /* The thread's longest sleep, so that failed connections are reaped. */
 #define SLEEP_MS 1000
+/* How long a retired worker's closing endpoint may take. */
+#define CLOSE_MS 1000
 #define DEFAULT_TIMEOUT_MS 5000
 
 typedef struct ucx_reg {
@@ -45,16 +50,27 @@ typedef struct ucx_reg {
 } ucx_reg;
 
 /* An initiator that said HELLO: the endpoint to it is the one its requests
- * arrive on (UCP paired them). */
+ * arrive on (UCP paired them). The progress thread owns it; id, acked and
+ * dead are also read by a deregistration waiting for acknowledgements, so
+ * they change under conns_lock, as does the list. */
 typedef struct ucx_conn {
     struct ucx_conn *next;
     kvpi_ucx_server *server;
-    ucp_ep_h ep;    /* NULL once closed */
+    ucp_ep_h ep; /* NULL once closed */
     uint64_t id;
     uint64_t acked; /* the highest REVOKE serial it acknowledged */
     int dead;       /* failed or cut off: nothing more is sent to it */
-    int refs;       /* holders besides the list (a deregistration's) */
 } ucx_conn;
+
+/* A worker whose endpoint is closing. */
+typedef struct ucx_retiree {
+    struct ucx_retiree *next;
+    ucp_worker_h worker;
+    void *req;
+    uint64_t deadline;
+    void (*done)(void *arg);
+    void *arg;
+} ucx_retiree;
 
 struct kvpi_ucx_server {
     ucp_context_h ctx;
@@ -66,13 +82,17 @@ struct kvpi_ucx_server {
     pthread_t thread;
     int thread_started;
     int epfd, evfd;
-    /* Held by the thread while it serves the pollees. */
-    pthread_mutex_t poll_lock;
-    kvpi_ucx_pollee *pollees;
-    atomic_int stop, sleeping;
-    atomic_long busy;
 
-    pthread_mutex_t conns_lock; /* conns, epoch, log; never held across a UCX call */
+    pthread_mutex_t queue_lock; /* the queue, sleeping and stop */
+    kvpi_ucx_cmd *queue, **queue_tail;
+    int sleeping, stop;
+
+    /* The progress thread's own. */
+    kvpi_ucx_pollee *pollees;
+    ucx_retiree *retirees;
+    long busy;
+
+    pthread_mutex_t conns_lock; /* never held across a UCX call */
     pthread_cond_t conns_cond;  /* an acknowledgement came, or a connection failed */
     ucx_conn *conns;
     uint64_t next_id;
@@ -83,7 +103,7 @@ struct kvpi_ucx_server {
     pthread_mutex_t dereg_lock; /* one deregistration at a time */
 };
 
-/* ---- small helpers shared with ucx.c ---- */
+/* ---- small helpers ---- */
 
 kvp_status kvpi_ucx_status(ucs_status_t st)
 {
@@ -186,97 +206,88 @@ void kvpi_ucx_ep_close_force(ucp_ep_h ep)
     if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
 }
 
-/* ---- the progress thread ---- */
-
-static void wake(kvpi_ucx_server *s)
+kvp_status kvpi_ucx_set_handler(ucp_worker_h w, unsigned id, ucp_am_recv_callback_t cb, void *arg)
 {
+    ucp_am_handler_param_t hp = {.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                                               UCP_AM_HANDLER_PARAM_FIELD_CB |
+                                               UCP_AM_HANDLER_PARAM_FIELD_ARG |
+                                               UCP_AM_HANDLER_PARAM_FIELD_FLAGS,
+                                 .id = id,
+                                 .flags = UCP_AM_FLAG_WHOLE_MSG,
+                                 .cb = cb,
+                                 .arg = arg};
+    ucs_status_t st = ucp_worker_set_am_recv_handler(w, &hp);
+    if (st != UCS_OK)
+        return kvpi_error(kvpi_ucx_status(st), "ucx: ucp_worker_set_am_recv_handler: %s",
+                          ucs_status_string(st));
+    return KVP_OK;
+}
+
+kvp_status kvpi_ucx_worker_create(kvpi_ucx_server *s, ucp_worker_h *out)
+{
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_SINGLE};
+    ucs_status_t st = ucp_worker_create(s->ctx, &wp, out);
+    if (st != UCS_OK)
+        return kvpi_error(kvpi_ucx_status(st), "ucx: ucp_worker_create: %s",
+                          ucs_status_string(st));
+    return KVP_OK;
+}
+
+/* ---- handing work to the progress thread ---- */
+
+void kvpi_ucx_submit(kvpi_ucx_server *s, kvpi_ucx_cmd *cmd)
+{
+    cmd->next = NULL;
+    pthread_mutex_lock(&s->queue_lock);
+    *s->queue_tail = cmd;
+    s->queue_tail = &cmd->next;
+    int wake = s->sleeping;
+    s->sleeping = 0;
+    pthread_mutex_unlock(&s->queue_lock);
     uint64_t one = 1;
-    if (atomic_load(&s->sleeping) && write(s->evfd, &one, sizeof one) < 0 && errno != EAGAIN)
+    if (wake && write(s->evfd, &one, sizeof one) < 0 && errno != EAGAIN)
         KVPI_WARN("ucx: cannot wake the progress thread: %s", strerror(errno));
+}
+
+typedef struct ucx_call {
+    kvpi_ucx_cmd cmd; /* first */
+    void (*fn)(kvpi_ucx_server *s, void *arg);
+    void *arg;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    int done;
+} ucx_call;
+
+static void call_run(kvpi_ucx_server *s, kvpi_ucx_cmd *cmd)
+{
+    ucx_call *c = (ucx_call *)cmd;
+    c->fn(s, c->arg);
+    pthread_mutex_lock(&c->lock);
+    c->done = 1;
+    pthread_cond_signal(&c->cond);
+    pthread_mutex_unlock(&c->lock);
+}
+
+void kvpi_ucx_call(kvpi_ucx_server *s, void (*fn)(kvpi_ucx_server *s, void *arg), void *arg)
+{
+    /* The thread runs each command in a bounded time (UCP calls that do not
+     * block), so the wait is bounded too. */
+    ucx_call c = {.cmd = {.run = call_run}, .fn = fn, .arg = arg};
+    pthread_mutex_init(&c.lock, NULL);
+    pthread_cond_init(&c.cond, NULL);
+    kvpi_ucx_submit(s, &c.cmd);
+    pthread_mutex_lock(&c.lock);
+    while (!c.done)
+        pthread_cond_wait(&c.cond, &c.lock);
+    pthread_mutex_unlock(&c.lock);
+    pthread_cond_destroy(&c.cond);
+    pthread_mutex_destroy(&c.lock);
 }
 
 void kvpi_ucx_busy_add(kvpi_ucx_server *s, long n)
 {
-    atomic_fetch_add(&s->busy, n);
-    if (n > 0) wake(s);
-}
-
-static unsigned drain(ucp_worker_h w)
-{
-    unsigned n = 0, did;
-    for (int i = 0; i < ROUNDS && (did = ucp_worker_progress(w)) != 0; i++)
-        n += did;
-    return n;
-}
-
-/* Close the endpoints of failed connections nobody else holds. */
-static unsigned reap(kvpi_ucx_server *s)
-{
-    ucx_conn *gone = NULL;
-    pthread_mutex_lock(&s->conns_lock);
-    for (ucx_conn **pc = &s->conns; *pc;) {
-        ucx_conn *c = *pc;
-        if (c->dead && c->refs == 0) {
-            *pc = c->next;
-            c->next = gone;
-            gone = c;
-        } else {
-            pc = &c->next;
-        }
-    }
-    pthread_mutex_unlock(&s->conns_lock);
-    unsigned n = 0;
-    while (gone) {
-        ucx_conn *c = gone;
-        gone = c->next;
-        if (c->ep) kvpi_ucx_ep_close_force(c->ep);
-        free(c);
-        n++;
-    }
-    return n;
-}
-
-/* Arm every worker and sleep until one has an event, or SLEEP_MS. */
-static void sleep_once(kvpi_ucx_server *s)
-{
-    atomic_store(&s->sleeping, 1);
-    int busy = ucp_worker_arm(s->worker) == UCS_ERR_BUSY;
-    pthread_mutex_lock(&s->poll_lock);
-    for (kvpi_ucx_pollee *p = s->pollees; p; p = p->next)
-        busy |= ucp_worker_arm(p->worker) == UCS_ERR_BUSY;
-    pthread_mutex_unlock(&s->poll_lock);
-    if (!busy && atomic_load(&s->busy) == 0 && !atomic_load(&s->stop)) {
-        struct epoll_event ev[8];
-        int n = epoll_wait(s->epfd, ev, 8, SLEEP_MS);
-        for (int i = 0; i < n; i++) {
-            uint64_t v;
-            if (ev[i].data.ptr == NULL && read(s->evfd, &v, sizeof v) < 0 && errno != EAGAIN)
-                KVPI_WARN("ucx: progress thread: read: %s", strerror(errno));
-        }
-    }
-    atomic_store(&s->sleeping, 0);
-}
-
-static void *progress_main(void *arg)
-{
-    kvpi_ucx_server *s = arg;
-    uint64_t idle_since = kvpi_now_ns();
-    while (!atomic_load(&s->stop)) {
-        unsigned did = drain(s->worker);
-        pthread_mutex_lock(&s->poll_lock);
-        for (kvpi_ucx_pollee *p = s->pollees; p; p = p->next)
-            did += drain(p->worker) + p->service(p);
-        pthread_mutex_unlock(&s->poll_lock);
-        did += reap(s);
-        uint64_t now = kvpi_now_ns();
-        if (did || atomic_load(&s->busy) > 0) {
-            idle_since = now;
-        } else if (now - idle_since >= SPIN_NS) {
-            sleep_once(s);
-            idle_since = kvpi_now_ns();
-        }
-    }
-    return NULL;
+    s->busy += n;
 }
 
 kvp_status kvpi_ucx_poll_add(kvpi_ucx_server *s, kvpi_ucx_pollee *p)
@@ -286,28 +297,170 @@ kvp_status kvpi_ucx_poll_add(kvpi_ucx_server *s, kvpi_ucx_pollee *p)
         return kvpi_error(kvpi_ucx_status(st), "ucx: ucp_worker_get_efd: %s",
                           ucs_status_string(st));
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = p};
-    pthread_mutex_lock(&s->poll_lock);
-    int rc = epoll_ctl(s->epfd, EPOLL_CTL_ADD, p->efd, &ev);
-    if (rc == 0) {
-        p->next = s->pollees;
-        s->pollees = p;
-    }
-    pthread_mutex_unlock(&s->poll_lock);
-    if (rc != 0) return kvpi_error(KVP_EIO, "ucx: epoll_ctl: %s", strerror(errno));
-    wake(s);
+    if (epoll_ctl(s->epfd, EPOLL_CTL_ADD, p->efd, &ev) != 0)
+        return kvpi_error(KVP_EIO, "ucx: epoll_ctl: %s", strerror(errno));
+    p->next = s->pollees;
+    s->pollees = p;
     return KVP_OK;
 }
 
 void kvpi_ucx_poll_remove(kvpi_ucx_server *s, kvpi_ucx_pollee *p)
 {
-    pthread_mutex_lock(&s->poll_lock);
     for (kvpi_ucx_pollee **pp = &s->pollees; *pp; pp = &(*pp)->next)
         if (*pp == p) {
             *pp = p->next;
             epoll_ctl(s->epfd, EPOLL_CTL_DEL, p->efd, NULL);
-            break;
+            return;
         }
-    pthread_mutex_unlock(&s->poll_lock);
+}
+
+void kvpi_ucx_retire(kvpi_ucx_server *s, ucp_worker_h w, void *req, void (*done)(void *arg),
+                     void *arg)
+{
+    ucx_retiree *r = calloc(1, sizeof *r);
+    if (!r) {
+        /* No room to wait: end it now. */
+        if (req) ucp_request_free(req);
+        ucp_worker_destroy(w);
+        if (done) done(arg);
+        return;
+    }
+    *r = (ucx_retiree){.next = s->retirees, .worker = w, .req = req,
+                       .deadline = kvpi_deadline_ns(CLOSE_MS), .done = done, .arg = arg};
+    s->retirees = r;
+}
+
+/* ---- the progress thread ---- */
+
+static unsigned drain(ucp_worker_h w)
+{
+    unsigned n = 0, did;
+    for (int i = 0; i < ROUNDS && (did = ucp_worker_progress(w)) != 0; i++)
+        n += did;
+    return n;
+}
+
+static unsigned run_queue(kvpi_ucx_server *s)
+{
+    pthread_mutex_lock(&s->queue_lock);
+    kvpi_ucx_cmd *cmd = s->queue;
+    s->queue = NULL;
+    s->queue_tail = &s->queue;
+    pthread_mutex_unlock(&s->queue_lock);
+    unsigned n = 0;
+    while (cmd) {
+        kvpi_ucx_cmd *next = cmd->next; /* run may free cmd */
+        cmd->run(s, cmd);
+        cmd = next;
+        n++;
+    }
+    return n;
+}
+
+static void retiree_end(ucx_retiree *r)
+{
+    if (r->req) ucp_request_free(r->req);
+    ucp_worker_destroy(r->worker);
+    if (r->done) r->done(r->arg);
+    free(r);
+}
+
+static unsigned serve_retirees(kvpi_ucx_server *s)
+{
+    unsigned n = 0;
+    for (ucx_retiree **pr = &s->retirees; *pr;) {
+        ucx_retiree *r = *pr;
+        n += drain(r->worker);
+        if (r->req && ucp_request_check_status(r->req) == UCS_INPROGRESS &&
+            kvpi_now_ns() < r->deadline) {
+            pr = &r->next;
+            continue;
+        }
+        *pr = r->next;
+        retiree_end(r);
+        n++;
+    }
+    return n;
+}
+
+/* Close the endpoints of failed connections and forget them. */
+static unsigned reap(kvpi_ucx_server *s)
+{
+    ucx_conn *gone = NULL;
+    pthread_mutex_lock(&s->conns_lock);
+    for (ucx_conn **pc = &s->conns; *pc;) {
+        ucx_conn *c = *pc;
+        if (c->dead) {
+            *pc = c->next;
+            c->next = gone;
+            gone = c;
+        } else {
+            pc = &c->next;
+        }
+    }
+    pthread_mutex_unlock(&s->conns_lock);
+    unsigned n = 0;
+    for (ucx_conn *c = gone, *next; c; c = next, n++) {
+        next = c->next;
+        if (c->ep) kvpi_ucx_ep_close_force(c->ep);
+        free(c);
+    }
+    return n;
+}
+
+/* Arm every worker and sleep until one has an event, work is queued, or
+ * SLEEP_MS passed. */
+static void sleep_once(kvpi_ucx_server *s)
+{
+    int busy = ucp_worker_arm(s->worker) == UCS_ERR_BUSY;
+    for (kvpi_ucx_pollee *p = s->pollees; p; p = p->next)
+        busy |= ucp_worker_arm(p->worker) == UCS_ERR_BUSY;
+    pthread_mutex_lock(&s->queue_lock);
+    busy |= s->queue != NULL || s->stop;
+    s->sleeping = !busy;
+    pthread_mutex_unlock(&s->queue_lock);
+    if (busy) return;
+    struct epoll_event ev[8];
+    int n = epoll_wait(s->epfd, ev, 8, SLEEP_MS);
+    for (int i = 0; i < n; i++) {
+        uint64_t v;
+        if (ev[i].data.ptr == NULL && read(s->evfd, &v, sizeof v) < 0 && errno != EAGAIN)
+            KVPI_WARN("ucx: progress thread: read: %s", strerror(errno));
+    }
+    pthread_mutex_lock(&s->queue_lock);
+    s->sleeping = 0;
+    pthread_mutex_unlock(&s->queue_lock);
+}
+
+static int stopping(kvpi_ucx_server *s)
+{
+    pthread_mutex_lock(&s->queue_lock);
+    int stop = s->stop && !s->queue;
+    pthread_mutex_unlock(&s->queue_lock);
+    return stop;
+}
+
+static void *progress_main(void *arg)
+{
+    kvpi_ucx_server *s = arg;
+    uint64_t idle_since = kvpi_now_ns();
+    while (!stopping(s)) {
+        unsigned did = run_queue(s) + drain(s->worker);
+        for (kvpi_ucx_pollee *p = s->pollees; p; p = p->next)
+            did += drain(p->worker) + p->service(s, p);
+        did += serve_retirees(s) + reap(s);
+        uint64_t now = kvpi_now_ns();
+        if (did) {
+            idle_since = now;
+        } else if (s->busy > 0 || s->retirees || now - idle_since < SPIN_NS) {
+            /* Waiting on a peer: let other threads have the CPU meanwhile. */
+            sched_yield();
+        } else {
+            sleep_once(s);
+            idle_since = kvpi_now_ns();
+        }
+    }
+    return NULL;
 }
 
 /* ---- connections from initiators ---- */
@@ -319,12 +472,40 @@ static void conn_failed(void *arg, ucp_ep_h ep, ucs_status_t st)
     kvpi_ucx_server *s = c->server;
     KVPI_DEBUG("ucx %s: connection %" PRIu64 " from an initiator failed: %s", s->segment, c->id,
                ucs_status_string(st));
-    /* c outlives its endpoint's callbacks: reap() and eviction close the
-     * endpoint before they let c go. */
     pthread_mutex_lock(&s->conns_lock);
     c->dead = 1;
     pthread_cond_broadcast(&s->conns_cond);
     pthread_mutex_unlock(&s->conns_lock);
+}
+
+/* The answer to a HELLO of epoch, with the ranges deregistered since; adds
+ * c to the connections when it is OK. Called with conns_lock. */
+static uint8_t *hello_answer(kvpi_ucx_server *s, ucx_conn *c, int paired, uint64_t epoch,
+                             unsigned *status, size_t *len)
+{
+    uint64_t n = 0;
+    if (!paired)
+        *status = KVPI_UCX_HELLO_UNPAIRED;
+    else if (epoch > s->epoch || s->epoch - epoch > KVPI_UCX_REVOKE_LOG)
+        *status = KVPI_UCX_HELLO_STALE;
+    else
+        *status = KVPI_UCX_HELLO_OK, n = s->epoch - epoch;
+    *len = KVPI_UCX_HELLO_ACK_LEN + 16 * n;
+    uint8_t *ack = malloc(*len);
+    if (!ack) return NULL;
+    if (*status == KVPI_UCX_HELLO_OK) {
+        c->id = ++s->next_id;
+        c->next = s->conns;
+        s->conns = c;
+    }
+    kvpi_put_le64(ack, KVPI_UCX_MAGIC | (uint64_t)*status << 32 | n << 48);
+    kvpi_put_le64(ack + 8, c->id);
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t e = (epoch + 1 + i) % KVPI_UCX_REVOKE_LOG;
+        kvpi_put_le64(ack + 16 + 16 * i, s->log[e].addr);
+        kvpi_put_le64(ack + 24 + 16 * i, s->log[e].length);
+    }
+    return ack;
 }
 
 static ucs_status_t on_hello(void *arg, const void *header, size_t header_length, void *data,
@@ -341,7 +522,6 @@ static ucs_status_t on_hello(void *arg, const void *header, size_t header_length
         KVPI_DEBUG("ucx %s: ignored a malformed HELLO (%zu bytes)", s->segment, length);
         return UCS_OK;
     }
-    uint64_t epoch = kvpi_get_le64(d + 8);
     ucx_conn *c = calloc(1, sizeof *c);
     if (!c) return UCS_OK; /* the initiator's HELLO times out */
     c->server = s;
@@ -359,43 +539,24 @@ static ucs_status_t on_hello(void *arg, const void *header, size_t header_length
         return UCS_OK;
     }
     unsigned status;
-    uint64_t n = 0;
+    size_t len;
     pthread_mutex_lock(&s->conns_lock);
-    if (c->ep != param->reply_ep)
-        status = KVPI_UCX_HELLO_UNPAIRED;
-    else if (epoch > s->epoch || s->epoch - epoch > KVPI_UCX_REVOKE_LOG)
-        status = KVPI_UCX_HELLO_STALE;
-    else
-        status = KVPI_UCX_HELLO_OK, n = s->epoch - epoch;
-    uint8_t *ack = malloc(KVPI_UCX_HELLO_ACK_LEN + 16 * n);
-    if (ack) {
-        if (status == KVPI_UCX_HELLO_OK) {
-            c->id = ++s->next_id;
-            c->next = s->conns;
-            s->conns = c;
-        }
-        kvpi_put_le64(ack, KVPI_UCX_MAGIC | (uint64_t)status << 32 | n << 48);
-        kvpi_put_le64(ack + 8, c->id);
-        for (uint64_t i = 0; i < n; i++) {
-            uint64_t e = epoch + 1 + i;
-            kvpi_put_le64(ack + 16 + 16 * i, s->log[e % KVPI_UCX_REVOKE_LOG].addr);
-            kvpi_put_le64(ack + 24 + 16 * i, s->log[e % KVPI_UCX_REVOKE_LOG].length);
-        }
-    }
+    uint8_t *ack = hello_answer(s, c, c->ep == param->reply_ep, kvpi_get_le64(d + 8), &status,
+                                &len);
     pthread_mutex_unlock(&s->conns_lock);
-    if (ack) kvpi_ucx_am_send(c->ep, KVPI_UCX_AM_HELLO_ACK, ack, KVPI_UCX_HELLO_ACK_LEN + 16 * n, 0);
+    if (ack) kvpi_ucx_am_send(c->ep, KVPI_UCX_AM_HELLO_ACK, ack, len, 0);
     free(ack);
-    if (!ack || status != KVPI_UCX_HELLO_OK) {
-        if (ack) KVPI_INFO("ucx %s: refused an initiator (%s)", s->segment,
-                           status == KVPI_UCX_HELLO_STALE ? "its descriptor is too old"
-                                                          : "its endpoint could not be paired");
-        /* Closed after the answer went out; a closed endpoint calls no
-         * error callback, so c can go. */
-        ucp_request_param_t prm = {0};
-        ucs_status_ptr_t r = ucp_ep_close_nbx(c->ep, &prm);
-        if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
-        free(c);
-    }
+    if (ack && status == KVPI_UCX_HELLO_OK) return UCS_OK;
+    if (ack)
+        KVPI_INFO("ucx %s: refused an initiator (%s)", s->segment,
+                  status == KVPI_UCX_HELLO_STALE ? "its descriptor is too old"
+                                                 : "its endpoint could not be paired");
+    /* Closed after the answer went out; a closed endpoint calls no error
+     * callback, so c can go. */
+    ucp_request_param_t prm = {0};
+    ucs_status_ptr_t r = ucp_ep_close_nbx(c->ep, &prm);
+    if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
+    free(c);
     return UCS_OK;
 }
 
@@ -434,8 +595,9 @@ kvp_status kvpi_ucx_mem_reg(void *server, const kvpi_region *region, void **hand
     ucs_status_t st = ucp_mem_map(s->ctx, &mp, &r->memh);
     if (st != UCS_OK) {
         free(r);
-        return kvpi_error(kvpi_ucx_status(st), "ucx: ucp_mem_map of %" PRIu64 " bytes at 0x%" PRIx64
-                          ": %s", region->length, region->addr, ucs_status_string(st));
+        return kvpi_error(kvpi_ucx_status(st),
+                          "ucx: ucp_mem_map of %" PRIu64 " bytes at 0x%" PRIx64 ": %s",
+                          region->length, region->addr, ucs_status_string(st));
     }
     void *rkey;
     size_t rkey_len;
@@ -455,84 +617,79 @@ kvp_status kvpi_ucx_mem_reg(void *server, const kvpi_region *region, void **hand
     return KVP_OK;
 }
 
-/* Wait until every connection of snap acknowledged serial, failed, or the
- * deadline passed; cut off (and return) those that did not answer. */
-static size_t revoke_wait(kvpi_ucx_server *s, ucx_conn **snap, size_t n, uint64_t serial,
-                          ucp_ep_h *cut)
+/* A deregistration as the progress thread sees it. */
+typedef struct ucx_dereg {
+    ucx_reg *reg;
+    uint64_t serial;  /* its REVOKE serial (= the epoch it ends) */
+    uint64_t last_id; /* connections up to this id were told */
+} ucx_dereg;
+
+/* From now on a HELLO learns of the range from its answer; every connection
+ * made before is sent a REVOKE. */
+static void dereg_begin(kvpi_ucx_server *s, void *arg)
 {
-    struct timespec dl = kvpi_deadline_after_ms(s->timeout_ms);
-    size_t n_cut = 0;
+    ucx_dereg *d = arg;
     pthread_mutex_lock(&s->conns_lock);
-    for (;;) {
-        size_t waiting = 0;
-        for (size_t i = 0; i < n; i++)
-            waiting += !snap[i]->dead && snap[i]->acked < serial;
-        if (!waiting) break;
-        if (pthread_cond_timedwait(&s->conns_cond, &s->conns_lock, &dl) == ETIMEDOUT) {
-            for (size_t i = 0; i < n; i++) {
-                ucx_conn *c = snap[i];
-                if (c->dead || c->acked >= serial) continue;
-                c->dead = 1;
-                cut[n_cut++] = c->ep;
-                c->ep = NULL;
-            }
-            break;
-        }
-    }
+    d->serial = ++s->epoch;
+    s->log[d->serial % KVPI_UCX_REVOKE_LOG].addr = d->reg->addr;
+    s->log[d->serial % KVPI_UCX_REVOKE_LOG].length = d->reg->length;
+    d->last_id = s->next_id;
     pthread_mutex_unlock(&s->conns_lock);
-    return n_cut;
+    uint8_t msg[KVPI_UCX_REVOKE_LEN];
+    kvpi_put_le64(msg, KVPI_UCX_MAGIC);
+    kvpi_put_le64(msg + 8, d->serial);
+    kvpi_put_le64(msg + 16, d->reg->addr);
+    kvpi_put_le64(msg + 24, d->reg->length);
+    /* Only this thread changes the list or a connection's endpoint. */
+    for (ucx_conn *c = s->conns; c; c = c->next)
+        if (!c->dead && c->ep) kvpi_ucx_am_send(c->ep, KVPI_UCX_AM_REVOKE, msg, sizeof msg, 0);
+    s->busy++;
+}
+
+/* Is a connection told of d still to answer? conns_lock held. */
+static int unanswered(const ucx_conn *c, const ucx_dereg *d)
+{
+    return c->id <= d->last_id && !c->dead && c->acked < d->serial;
+}
+
+/* Cut off every connection that did not answer. */
+static void dereg_end(kvpi_ucx_server *s, void *arg)
+{
+    ucx_dereg *d = arg;
+    s->busy--;
+    pthread_mutex_lock(&s->conns_lock);
+    for (ucx_conn *c = s->conns; c; c = c->next)
+        if (unanswered(c, d)) {
+            KVPI_WARN("ucx %s: a peer did not confirm the deregistration of 0x%" PRIx64
+                      " within %d ms: cut off", s->segment, d->reg->addr, s->timeout_ms);
+            c->dead = 1; /* reap() closes its endpoint */
+        }
+    pthread_mutex_unlock(&s->conns_lock);
+    reap(s);
 }
 
 void kvpi_ucx_mem_dereg(void *server, void *handle)
 {
     kvpi_ucx_server *s = server;
-    ucx_reg *r = handle;
+    ucx_dereg d = {.reg = handle};
     pthread_mutex_lock(&s->dereg_lock);
-    /* From here on, a HELLO learns of this range from its acknowledgement,
-     * and every connection already made is in the snapshot. */
+    kvpi_ucx_call(s, dereg_begin, &d);
+    struct timespec dl = kvpi_deadline_after_ms(s->timeout_ms);
     pthread_mutex_lock(&s->conns_lock);
-    uint64_t serial = ++s->epoch;
-    s->log[serial % KVPI_UCX_REVOKE_LOG].addr = r->addr;
-    s->log[serial % KVPI_UCX_REVOKE_LOG].length = r->length;
-    size_t n = 0;
-    for (ucx_conn *c = s->conns; c; c = c->next)
-        n += !c->dead;
-    ucx_conn **snap = calloc(n ? n : 1, sizeof *snap);
-    ucp_ep_h *cut = calloc(n ? n : 1, sizeof *cut);
-    size_t got = 0;
-    for (ucx_conn *c = s->conns; c && snap && cut; c = c->next)
-        if (!c->dead) {
-            c->refs++;
-            snap[got++] = c;
-        }
-    pthread_mutex_unlock(&s->conns_lock);
-    if (n && (!snap || !cut))
-        KVPI_ERROR("ucx %s: out of memory while revoking 0x%" PRIx64 "; peers are not told",
-                   s->segment, r->addr);
-    uint8_t msg[KVPI_UCX_REVOKE_LEN];
-    kvpi_put_le64(msg, KVPI_UCX_MAGIC);
-    kvpi_put_le64(msg + 8, serial);
-    kvpi_put_le64(msg + 16, r->addr);
-    kvpi_put_le64(msg + 24, r->length);
-    kvpi_ucx_busy_add(s, 1);
-    for (size_t i = 0; i < got; i++)
-        kvpi_ucx_am_send(snap[i]->ep, KVPI_UCX_AM_REVOKE, msg, sizeof msg, 0);
-    size_t n_cut = got ? revoke_wait(s, snap, got, serial, cut) : 0;
-    kvpi_ucx_busy_add(s, -1);
-    for (size_t i = 0; i < n_cut; i++) {
-        KVPI_WARN("ucx %s: a peer did not confirm the deregistration of 0x%" PRIx64
-                  " within %d ms: cut off", s->segment, r->addr, s->timeout_ms);
-        kvpi_ucx_ep_close_force(cut[i]);
+    for (;;) {
+        int waiting = 0;
+        for (ucx_conn *c = s->conns; c && !waiting; c = c->next)
+            waiting = unanswered(c, &d);
+        if (!waiting || pthread_cond_timedwait(&s->conns_cond, &s->conns_lock, &dl) == ETIMEDOUT)
+            break;
     }
-    pthread_mutex_lock(&s->conns_lock);
-    for (size_t i = 0; i < got; i++)
-        snap[i]->refs--;
     pthread_mutex_unlock(&s->conns_lock);
-    free(snap);
-    free(cut);
-    ucp_mem_unmap(s->ctx, r->memh);
-    free(r->rkey_hex);
-    free(r);
+    kvpi_ucx_call(s, dereg_end, &d);
+    /* No peer can reach the memory now: those told refuse it and flushed,
+     * the others are cut off. */
+    ucp_mem_unmap(s->ctx, d.reg->memh);
+    free(d.reg->rkey_hex);
+    free(d.reg);
     pthread_mutex_unlock(&s->dereg_lock);
 }
 
@@ -689,19 +846,32 @@ static kvp_status config_set(ucp_config_t *cfg, const char *name, const char *va
     return KVP_OK;
 }
 
+/* Might UCX_TLS let UCX use its shared-memory transports? */
+static int may_use_mm(void)
+{
+    static const char *const mm[] = {"all", "sm", "shm", "mm", "posix", "sysv"};
+    const char *tls = getenv("UCX_TLS");
+    if (!tls || tls[0] == '^') return 1;
+    for (size_t i = 0; i < sizeof mm / sizeof mm[0]; i++)
+        if (strstr(tls, mm[i])) return 1;
+    return 0;
+}
+
 /* UCX's configuration: its environment (UCX_*), plus what kvpipe needs
- * where the environment says nothing: peer failure handling on the shared-
- * memory transports (off by default in UCX 1.13, and without it UCP refuses
- * them for endpoints that handle peer failure), and the devices. */
+ * where the environment says nothing:
+ *  - peer failure handling on the shared-memory transports (posix, sysv):
+ *    off in UCX 1.13, and without it UCP refuses them for endpoints that
+ *    handle peer failure, as every endpoint here does;
+ *  - keepalive every second (UCX: 20 s), so that a dead same-host peer fails
+ *    its endpoint well within an engine's deadline;
+ *  - the devices, from device_name. */
 static kvp_status configure(const kvpi_server_ctx *ctx, ucp_config_t *cfg)
 {
     kvp_status st = KVP_OK;
-    static const char *const eh[] = {"POSIX_ERROR_HANDLING", "SYSV_ERROR_HANDLING"};
-    for (size_t i = 0; i < sizeof eh / sizeof eh[0] && !st; i++) {
-        char env[64];
-        snprintf(env, sizeof env, "UCX_%s", eh[i]);
-        if (!getenv(env)) st = config_set(cfg, eh[i], "y");
-    }
+    if (may_use_mm() && !getenv("UCX_POSIX_ERROR_HANDLING") &&
+        !getenv("UCX_SYSV_ERROR_HANDLING") && !getenv("UCX_MM_ERROR_HANDLING"))
+        st = config_set(cfg, "MM_ERROR_HANDLING", "y");
+    if (!st && !getenv("UCX_KEEPALIVE_INTERVAL")) st = config_set(cfg, "KEEPALIVE_INTERVAL", "1s");
     if (st || !ctx->device_names || !*ctx->device_names) return st;
     if (getenv("UCX_NET_DEVICES")) {
         KVPI_INFO("ucx %s: UCX_NET_DEVICES=%s is set: device_name '%s' is not used",
@@ -715,47 +885,6 @@ static kvp_status configure(const kvpi_server_ctx *ctx, ucp_config_t *cfg)
     st = config_set(cfg, "NET_DEVICES", devices);
     free(devices);
     return st;
-}
-
-ucp_context_h kvpi_ucx_context(const kvpi_ucx_server *s)
-{
-    return s->ctx;
-}
-
-kvp_status kvpi_ucx_worker_create(kvpi_ucx_server *s, ucp_worker_h *out)
-{
-    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
-                              .thread_mode = UCS_THREAD_MODE_MULTI};
-    ucp_worker_h w;
-    ucs_status_t st = ucp_worker_create(s->ctx, &wp, &w);
-    if (st != UCS_OK)
-        return kvpi_error(kvpi_ucx_status(st), "ucx: ucp_worker_create: %s",
-                          ucs_status_string(st));
-    ucp_worker_attr_t attr = {.field_mask = UCP_WORKER_ATTR_FIELD_THREAD_MODE};
-    if (ucp_worker_query(w, &attr) != UCS_OK || attr.thread_mode != UCS_THREAD_MODE_MULTI) {
-        ucp_worker_destroy(w);
-        return kvpi_error(KVP_ENOTSUP, "ucx: this UCX has no multi-threaded workers (built "
-                          "without --enable-mt)");
-    }
-    *out = w;
-    return KVP_OK;
-}
-
-kvp_status kvpi_ucx_set_handler(ucp_worker_h w, unsigned id, ucp_am_recv_callback_t cb, void *arg)
-{
-    ucp_am_handler_param_t hp = {.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
-                                               UCP_AM_HANDLER_PARAM_FIELD_CB |
-                                               UCP_AM_HANDLER_PARAM_FIELD_ARG |
-                                               UCP_AM_HANDLER_PARAM_FIELD_FLAGS,
-                                 .id = id,
-                                 .flags = UCP_AM_FLAG_WHOLE_MSG,
-                                 .cb = cb,
-                                 .arg = arg};
-    ucs_status_t st = ucp_worker_set_am_recv_handler(w, &hp);
-    if (st != UCS_OK)
-        return kvpi_error(kvpi_ucx_status(st), "ucx: ucp_worker_set_am_recv_handler: %s",
-                          ucs_status_string(st));
-    return KVP_OK;
 }
 
 static kvp_status start_context(kvpi_ucx_server *s, const kvpi_server_ctx *ctx)
@@ -784,7 +913,10 @@ static kvp_status start_context(kvpi_ucx_server *s, const kvpi_server_ctx *ctx)
 static kvp_status start_worker(kvpi_ucx_server *s)
 {
     kvp_status st = kvpi_ucx_worker_create(s, &s->worker);
-    if (st) return st;
+    if (st) {
+        s->worker = NULL;
+        return st;
+    }
     ucp_address_t *addr;
     size_t len;
     ucs_status_t ust = ucp_worker_get_address(s->worker, &addr, &len);
@@ -798,6 +930,7 @@ static kvp_status start_worker(kvpi_ucx_server *s)
     return kvpi_ucx_set_handler(s->worker, KVPI_UCX_AM_REVOKE_ACK, on_revoke_ack, s);
 }
 
+/* The worker is created here, then only the progress thread touches it. */
 static kvp_status start_thread(kvpi_ucx_server *s)
 {
     int wefd;
@@ -824,7 +957,8 @@ kvp_status kvpi_ucx_server_start(const kvpi_server_ctx *ctx, void **server)
     kvpi_ucx_server *s = calloc(1, sizeof *s);
     if (!s) return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
     s->epfd = s->evfd = -1;
-    pthread_mutex_init(&s->poll_lock, NULL);
+    s->queue_tail = &s->queue;
+    pthread_mutex_init(&s->queue_lock, NULL);
     pthread_mutex_init(&s->conns_lock, NULL);
     pthread_mutex_init(&s->dereg_lock, NULL);
     kvpi_cond_init(&s->conns_cond);
@@ -850,17 +984,26 @@ void kvpi_ucx_server_stop(void *server)
     kvpi_ucx_server *s = server;
     if (!s) return;
     if (s->thread_started) {
-        atomic_store(&s->stop, 1);
-        atomic_store(&s->sleeping, 1);
-        wake(s);
+        pthread_mutex_lock(&s->queue_lock);
+        s->stop = 1;
+        pthread_mutex_unlock(&s->queue_lock);
+        uint64_t one = 1;
+        if (write(s->evfd, &one, sizeof one) < 0)
+            KVPI_WARN("ucx: cannot wake the progress thread: %s", strerror(errno));
         pthread_join(s->thread, NULL);
     }
-    /* Every peer was closed and every region deregistered before; what is
-     * left are connections from initiators. */
+    /* The thread is gone: this one owns the workers now. Every peer was
+     * closed and every region deregistered before; what is left are the
+     * connections from initiators and workers still closing. */
     for (ucx_conn *c = s->conns, *next; c; c = next) {
         next = c->next;
         if (c->ep) kvpi_ucx_ep_close_force(c->ep);
         free(c);
+    }
+    while (s->retirees) {
+        ucx_retiree *r = s->retirees;
+        s->retirees = r->next;
+        retiree_end(r);
     }
     if (s->worker) {
         drain(s->worker);
@@ -872,7 +1015,7 @@ void kvpi_ucx_server_stop(void *server)
     pthread_cond_destroy(&s->conns_cond);
     pthread_mutex_destroy(&s->dereg_lock);
     pthread_mutex_destroy(&s->conns_lock);
-    pthread_mutex_destroy(&s->poll_lock);
+    pthread_mutex_destroy(&s->queue_lock);
     free(s->worker_hex);
     free(s->segment);
     free(s);
