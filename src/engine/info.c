@@ -150,8 +150,12 @@ static void fill_transports(kvp_info *info, const char *host, int timeout_ms)
     }
     /* The protocol Mooncake users configure most; an engine refuses it with
      * KVP_ENOTSUP until a build has a transport of that name. */
-    if (!kvpi_transport_lookup("rdma"))
-        add_transport(info, "rdma", KVP_ENOTSUP, "not supported in this build", 0);
+    if (!kvpi_transport_lookup("rdma")) {
+        char why[160];
+        snprintf(why, sizeof why, "not supported in this build (%s)",
+                 kvpi_transport_missing("rdma"));
+        add_transport(info, "rdma", KVP_ENOTSUP, why, 0);
+    }
 }
 
 /* ------------------------------------------------------------------ info --- */
