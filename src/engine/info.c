@@ -219,8 +219,8 @@ const kvp_store_info *kvp_info_store_for(const kvp_info *info, const char *conn)
 kvp_status kvp_info_store_check(const char *conn, int timeout_ms)
 {
     kvpi_meta *meta;
-    kvp_status st =
-        kvpi_meta_open(conn, timeout_ms > 0 ? timeout_ms : INFO_STORE_TIMEOUT_MS, &meta);
+    kvp_status st = kvpi_meta_open(conn, timeout_ms > 0 ? timeout_ms : INFO_STORE_TIMEOUT_MS, NULL,
+                                   NULL, &meta);
     if (st == KVP_OK) kvpi_meta_close(meta);
     return st;
 }
@@ -231,12 +231,12 @@ kvp_status kvp_info_segment(const char *conn, const char *segment, int timeout_m
     if (!descriptor || !host)
         return kvpi_error(KVP_EINVAL, "kvp_info_segment: descriptor or host is NULL");
     kvpi_meta *meta;
-    kvp_status st =
-        kvpi_meta_open(conn, timeout_ms > 0 ? timeout_ms : INFO_STORE_TIMEOUT_MS, &meta);
+    kvp_status st = kvpi_meta_open(conn, timeout_ms > 0 ? timeout_ms : INFO_STORE_TIMEOUT_MS, NULL,
+                                   NULL, &meta);
     if (st) return st;
     char *desc = NULL, *rpc_host = NULL;
     /* A P2P handshake sends our own descriptor; an inspecting tool has none. */
-    st = kvpi_meta_fetch(meta, segment, "{}", &desc, &rpc_host);
+    st = kvpi_meta_fetch(meta, segment, &desc, &rpc_host);
     kvpi_meta_close(meta);
     if (st) return st;
     *descriptor = desc;
