@@ -527,11 +527,32 @@ static void hostport(void)
     CHECK(strcmp(buf, "a.b:5") == 0);
 }
 
+/* The status table: values run 0, 1, 2, ... (append-only, no holes), every
+ * code has its own text and kvp_strerror() gives it. */
 static void status_text(void)
 {
+    static const struct {
+        kvp_status code;
+        int value;
+        const char *text;
+    } table[] = {
+#define ROW(name, value, text) {name, value, text},
+        KVP_STATUS_LIST(ROW)
+#undef ROW
+    };
+    size_t n = sizeof table / sizeof table[0];
+    CHECK(n >= 18 && table[17].code == KVP_EINTR); /* codes are never taken away */
+    for (size_t i = 0; i < n; i++) {
+        CHECK(table[i].value == (int)i && (int)table[i].code == table[i].value);
+        CHECK(strcmp(kvp_strerror(table[i].code), table[i].text) == 0);
+        CHECK(strcmp(table[i].text, "unknown status") != 0 && table[i].text[0]);
+        for (size_t k = 0; k < i; k++)
+            CHECK(strcmp(table[i].text, table[k].text) != 0);
+    }
     CHECK(strcmp(kvp_strerror(KVP_OK), "success") == 0);
+    CHECK(strcmp(kvp_strerror((kvp_status)n), "unknown status") == 0);
     CHECK(strcmp(kvp_strerror((kvp_status)9999), "unknown status") == 0);
-    for (int s = 0; s <= KVP_EINTR; s++) CHECK(strcmp(kvp_strerror((kvp_status)s), "unknown status"));
+    CHECK(strcmp(kvp_strerror((kvp_status)-1), "unknown status") == 0);
 }
 
 int main(void)

@@ -354,7 +354,8 @@ kvp_status kvpi_engine_create_with(const kvp_engine_opts *opts,
     kvpi_cond_init(&e->keeper_cond);
     kvp_status st;
     if ((st = copy_opts(e, opts))) goto fail;
-    if ((st = kvpi_meta_open(e->metadata_conn, e->opts.timeout_ms, &e->meta))) goto fail;
+    if ((st = kvpi_meta_open(e->metadata_conn, e->opts.timeout_ms, rpc_describe, e, &e->meta)))
+        goto fail;
     if ((st = draw_instance(e))) goto fail;
     if ((st = start_rpc(e))) goto fail;
     if ((st = name_segment(e))) goto fail;

@@ -150,8 +150,12 @@ static void fill_transports(kvp_info *info, const char *host, int timeout_ms)
     }
     /* The protocol Mooncake users configure most; an engine refuses it with
      * KVP_ENOTSUP until a build has a transport of that name. */
-    if (!kvpi_transport_lookup("rdma"))
-        add_transport(info, "rdma", KVP_ENOTSUP, "not supported in this build", 0);
+    if (!kvpi_transport_lookup("rdma")) {
+        char why[160];
+        snprintf(why, sizeof why, "not supported in this build (%s)",
+                 kvpi_transport_missing("rdma"));
+        add_transport(info, "rdma", KVP_ENOTSUP, why, 0);
+    }
 }
 
 /* ------------------------------------------------------------------ info --- */
@@ -215,8 +219,8 @@ const kvp_store_info *kvp_info_store_for(const kvp_info *info, const char *conn)
 kvp_status kvp_info_store_check(const char *conn, int timeout_ms)
 {
     kvpi_meta *meta;
-    kvp_status st =
-        kvpi_meta_open(conn, timeout_ms > 0 ? timeout_ms : INFO_STORE_TIMEOUT_MS, &meta);
+    kvp_status st = kvpi_meta_open(conn, timeout_ms > 0 ? timeout_ms : INFO_STORE_TIMEOUT_MS, NULL,
+                                   NULL, &meta);
     if (st == KVP_OK) kvpi_meta_close(meta);
     return st;
 }
@@ -227,12 +231,12 @@ kvp_status kvp_info_segment(const char *conn, const char *segment, int timeout_m
     if (!descriptor || !host)
         return kvpi_error(KVP_EINVAL, "kvp_info_segment: descriptor or host is NULL");
     kvpi_meta *meta;
-    kvp_status st =
-        kvpi_meta_open(conn, timeout_ms > 0 ? timeout_ms : INFO_STORE_TIMEOUT_MS, &meta);
+    kvp_status st = kvpi_meta_open(conn, timeout_ms > 0 ? timeout_ms : INFO_STORE_TIMEOUT_MS, NULL,
+                                   NULL, &meta);
     if (st) return st;
     char *desc = NULL, *rpc_host = NULL;
     /* A P2P handshake sends our own descriptor; an inspecting tool has none. */
-    st = kvpi_meta_fetch(meta, segment, "{}", &desc, &rpc_host);
+    st = kvpi_meta_fetch(meta, segment, &desc, &rpc_host);
     kvpi_meta_close(meta);
     if (st) return st;
     *descriptor = desc;

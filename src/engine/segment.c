@@ -207,10 +207,8 @@ static kvp_status peer_lookup(kvp_engine *e, const char *name, kvpi_peer **out)
     if (!peer) return kvpi_error(KVP_ENOMEM, "segment lookup: out of memory");
     pthread_mutex_init(&peer->lock, NULL);
     atomic_init(&peer->refs, 1);
-    char *own = kvpi_engine_descriptor_text(e);
     char *text = NULL;
-    kvp_status st = kvpi_meta_fetch(e->meta, name, own, &text, &peer->host);
-    free(own);
+    kvp_status st = kvpi_meta_fetch(e->meta, name, &text, &peer->host);
     if (!st) {
         st = kvpi_descriptor_parse(text, &peer->desc);
         free(text);

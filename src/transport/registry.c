@@ -16,9 +16,7 @@ const kvpi_transport_ops *const kvpi_transports[] = {
     NULL,
 };
 
-#define NO_UCX                                                                                     \
-    "this build has no UCX transport (configured without KVP_WITH_UCX, or libucx-dev was not "     \
-    "found)"
+#define NO_UCX "built without UCX: KVP_WITH_UCX was off or libucx-dev was not found"
 
 /* Protocol names, as kvp_engine_opts.protocol and a Mooncake config's
  * "protocol" give them. A name with no ops says why it is missing here. */
