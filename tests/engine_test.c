@@ -1,4 +1,4 @@
-/* Engine conformance: the same cases on every transport (tcp, shm) and with
+/* Engine conformance: the same cases on every transport (tcp, shm, ucx) and with
  * the HTTP store and P2PHANDSHAKE. The target runs in a child process; this
  * process is the initiator. (etcd and Redis run the store-level cases in
  * engine_store_test.c.) */
@@ -21,6 +21,8 @@ typedef struct mode {
      * lacks skips its rows. */
     const char *protocol;
     int p2p;
+    /* ucx rows: UCX_TLS for both engines (the target inherits it) */
+    const char *ucx_tls;
 } mode;
 
 static const mode *M;
@@ -48,6 +50,7 @@ static int setup(void)
         kvpt_skip("%s transport not built", M->protocol); /* does not return */
         return -1;
     }
+    if (M->ucx_tls) setenv("UCX_TLS", M->ucx_tls, 1); /* each case runs in a child */
     if (M->p2p) {
         snprintf(meta, sizeof meta, "P2PHANDSHAKE");
         return 0;
@@ -365,14 +368,18 @@ static void create_errors(void)
     kvp_engine_destroy(e);
 }
 
+/* ucx runs on UCX's own transports here: tcp, and shared memory (UCX 1.13's
+ * "sm": posix and sysv for messages, cma; self for loopback). */
 #define MODES(X)                                                                             \
-    X(tcp_http, "tcp", 0) X(tcp_p2p, "tcp", 1) X(shm_http, "shm", 0) X(shm_p2p, "shm", 1)
+    X(tcp_http, "tcp", 0, NULL) X(tcp_p2p, "tcp", 1, NULL) X(shm_http, "shm", 0, NULL)       \
+    X(shm_p2p, "shm", 1, NULL) X(ucx_tcp_http, "rdma", 0, "tcp") X(ucx_tcp_p2p, "ucx", 1, "tcp") \
+    X(ucx_sm_http, "rdma", 0, "sm,self") X(ucx_sm_p2p, "ucx", 1, "sm,self")
 
 #define CASES(X, m)                                                                          \
     X(m, sizes) X(m, batches) X(m, out_of_range) X(m, target_killed) X(m, target_restarted)  \
     X(m, managed_buffers) X(m, threads) X(m, unknown_segment)
 
-#define DEFINE_MODE(m, proto, p2p_) static const mode mode_##m = {proto, p2p_};
+#define DEFINE_MODE(m, proto, p2p_, tls) static const mode mode_##m = {proto, p2p_, tls};
 MODES(DEFINE_MODE)
 
 #define DEFINE_CASE(m, c)                                                                    \
@@ -381,11 +388,11 @@ MODES(DEFINE_MODE)
         M = &mode_##m;                                                                       \
         c();                                                                                 \
     }
-#define DEFINE_MODE_CASES(m, proto, p2p_) CASES(DEFINE_CASE, m)
+#define DEFINE_MODE_CASES(m, proto, p2p_, tls) CASES(DEFINE_CASE, m)
 MODES(DEFINE_MODE_CASES)
 
 #define RUN_CASE(m, c) RUN(m##__##c);
-#define RUN_MODE_CASES(m, proto, p2p_) CASES(RUN_CASE, m)
+#define RUN_MODE_CASES(m, proto, p2p_, tls) CASES(RUN_CASE, m)
 
 int main(void)
 {

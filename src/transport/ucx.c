@@ -25,7 +25,11 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/net.h"
+#include "transport/shm_internal.h"
 #include "transport/ucx_internal.h"
+
+/* How often a busy peer on this host is checked for being alive. */
+#define ALIVE_CHECK_NS (100 * 1000 * 1000)
 
 /* A REVOKE being answered. */
 typedef struct ucx_revoke {
@@ -54,6 +58,10 @@ typedef struct ucx_peer {
     ucx_revoke *revokes, **revokes_tail;
     uint64_t conn_id;
     int awaiting_hello;
+    long inflight;        /* requests issued and not completed */
+    pid_t target_pid;     /* on this host; 0 where not, or unknown */
+    unsigned long long target_start;
+    uint64_t next_check;
 
     atomic_int ep_status; /* the ucs_status_t the endpoint failed with; 0 while fine */
     atomic_int timed_out; /* closed by us after a deadline passed */
@@ -144,6 +152,50 @@ static ucs_status_t on_nothing(void *arg, const void *header, size_t header_leng
     return UCS_OK;
 }
 
+/* The state letter and start time of process pid, from /proc; -1 if it
+ * has none. */
+static int proc_stat(pid_t pid, char *state, unsigned long long *start)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "re");
+    if (!f) return -1;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    /* "pid (comm) S ppid ...": the state is field 3, the start time 22. */
+    char *p = strrchr(buf, ')');
+    if (!p || p[1] != ' ' || !p[2]) return -1;
+    *state = p[2];
+    p += 3; /* the space before field 4 */
+    for (int i = 4; i < 22 && p; i++)
+        p = strchr(p + 1, ' ');
+    return p && sscanf(p, " %llu", start) == 1 ? 0 : -1;
+}
+
+/* A same-host target that died is a zombie until reaped, and its shared
+ * memory stays: UCX's keepalive (which compares start times) sees it alive. */
+static int target_gone(const ucx_peer *p)
+{
+    char state;
+    unsigned long long start;
+    if (proc_stat(p->target_pid, &state, &start)) return 1;
+    return state == 'Z' || state == 'X' || start != p->target_start;
+}
+
+static void check_alive(ucx_peer *p)
+{
+    uint64_t now = kvpi_now_ns();
+    if (!p->target_pid || !p->ep || !p->inflight || now < p->next_check) return;
+    p->next_check = now + ALIVE_CHECK_NS;
+    if (!target_gone(p)) return;
+    int fine = 0;
+    atomic_compare_exchange_strong(&p->ep_status, &fine, (int)UCS_ERR_CONNECTION_RESET);
+    KVPI_DEBUG("ucx peer %s: process %d is gone", p->segment, (int)p->target_pid);
+    kvpi_ucx_ep_close_force(p->ep); /* its requests complete, canceled */
+    p->ep = NULL;
+}
+
 /* After each round of progress: flush behind each new REVOKE, and answer
  * them in order once flushed, so that the target may read an answer as
  * covering every earlier serial. */
@@ -152,6 +204,7 @@ static unsigned peer_service(kvpi_ucx_server *s, kvpi_ucx_pollee *poll)
     (void)s;
     ucx_peer *p = (ucx_peer *)poll;
     unsigned did = 0;
+    check_alive(p);
     for (ucx_revoke *rv = p->revokes; rv; rv = rv->next) {
         if (rv->issued) continue;
         rv->issued = 1;
@@ -369,6 +422,20 @@ size_t kvpi_ucx_peer_lanes(void *peer, char *buf, size_t len)
 /* ---- opening ---- */
 
 /* The target's worker address and epoch, from its "ucx" field. */
+/* The target's process, if it runs on this host. */
+static void parse_process(ucx_peer *p, const cJSON *o)
+{
+    const cJSON *host = cJSON_GetObjectItemCaseSensitive(o, "host_id");
+    const cJSON *pid = cJSON_GetObjectItemCaseSensitive(o, "pid");
+    char ours[KVPI_SHM_HOST_ID_MAX], state;
+    if (!cJSON_IsString(host) || !cJSON_IsNumber(pid) || pid->valuedouble < 1 ||
+        pid->valuedouble > 0x7fffffff || kvpi_shm_host_id(ours, sizeof ours) ||
+        strcmp(ours, host->valuestring) != 0)
+        return;
+    p->target_pid = (pid_t)pid->valuedouble;
+    if (proc_stat(p->target_pid, &state, &p->target_start)) p->target_pid = 0;
+}
+
 static kvp_status parse_endpoint(const kvpi_peer_ctx *ctx, void **addr, uint64_t *epoch)
 {
     const cJSON *o = ctx->desc ? cJSON_GetObjectItemCaseSensitive(ctx->desc, KVPI_UCX_FIELD) : NULL;
@@ -466,6 +533,7 @@ static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
     pthread_mutex_init(&p->lock, NULL);
     kvpi_cond_init(&p->answered);
     if (!(st = peer_init(p, ctx))) {
+        parse_process(p, cJSON_GetObjectItemCaseSensitive(ctx->desc, KVPI_UCX_FIELD));
         open_args a = {.p = p, .addr = addr, .epoch = epoch};
         kvpi_ucx_call(p->server, open_run, &a);
         if ((st = p->open_status)) kvpi_error(st, "%s", p->open_error);
@@ -553,6 +621,7 @@ static void request_done(void *request, ucs_status_t st, void *user_data)
     it->status = st;
     ucp_request_free(request);
     kvpi_ucx_busy_add(x->p->server, -1);
+    x->p->inflight--;
     xfer_settle(x, -1);
 }
 
@@ -561,6 +630,7 @@ static void issued(ucx_xfer *x, ucx_item *it, ucs_status_ptr_t r)
 {
     if (UCS_PTR_IS_PTR(r)) {
         kvpi_ucx_busy_add(x->p->server, 1);
+        x->p->inflight++;
         pthread_mutex_lock(&x->lock);
         x->pending++;
         pthread_mutex_unlock(&x->lock);

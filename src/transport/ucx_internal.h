@@ -19,9 +19,12 @@
  *
  * Descriptor fields (kvpipe's own; Mooncake peers ignore them, "protocol"
  * stays "tcp"): a top-level object
- *   "ucx": {"version": 1, "worker": "<hex worker address>", "epoch": N}
+ *   "ucx": {"version": 1, "worker": "<hex worker address>", "epoch": N,
+ *           "host_id": "<as shm's>", "pid": P}
  * and, in each buffer entry, "ucx_rkey": "<hex packed rkey>". epoch counts the
  * server's deregistrations up to the moment the descriptor was rendered.
+ * host_id and pid let a peer on the same host see that the process died while
+ * UCX cannot (shared memory outlives it; a zombie keeps its pid).
  *
  * Control messages: UCP active messages with no header part, their data a
  * sequence of little-endian u64 words, word 0 = KVPI_UCX_MAGIC | aux << 32:

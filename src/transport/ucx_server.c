@@ -28,6 +28,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/net.h"
+#include "transport/shm_internal.h"
 #include "transport/ucx_internal.h"
 
 /* After its last piece of work the progress thread keeps polling this long
@@ -77,6 +78,7 @@ struct kvpi_ucx_server {
     ucp_worker_h worker;
     char *worker_hex;
     char *segment;
+    char host_id[KVPI_SHM_HOST_ID_MAX]; /* "" where unknown */
     int timeout_ms;
 
     pthread_t thread;
@@ -704,7 +706,9 @@ kvp_status kvpi_ucx_server_describe(void *server, cJSON *doc)
     cJSON *o = cJSON_AddObjectToObject(doc, KVPI_UCX_FIELD);
     if (!o || !cJSON_AddNumberToObject(o, "version", KVPI_UCX_VERSION) ||
         !cJSON_AddStringToObject(o, "worker", s->worker_hex) ||
-        !cJSON_AddNumberToObject(o, "epoch", epoch))
+        !cJSON_AddNumberToObject(o, "epoch", epoch) ||
+        (s->host_id[0] && (!cJSON_AddStringToObject(o, "host_id", s->host_id) ||
+                           !cJSON_AddNumberToObject(o, "pid", (double)getpid()))))
         return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
     return KVP_OK;
 }
@@ -966,6 +970,7 @@ kvp_status kvpi_ucx_server_start(const kvpi_server_ctx *ctx, void **server)
     kvp_status st = KVP_OK;
     if (!(s->segment = strdup(ctx->segment ? ctx->segment : "")))
         st = kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+    if (!st && kvpi_shm_host_id(s->host_id, sizeof s->host_id)) s->host_id[0] = '\0';
     if (!st) st = start_context(s, ctx);
     if (!st) st = start_worker(s);
     if (!st) st = start_thread(s);
