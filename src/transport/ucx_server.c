@@ -724,6 +724,11 @@ kvp_status kvpi_ucx_buffer_describe(void *server, const kvpi_region *region, voi
     return KVP_OK;
 }
 
+/* The end of a message saying why the ucx transport cannot run here. */
+#define TCP_HINT                                                                                   \
+    "; protocol 'rdma' (and 'ucx') cannot run here: to run over TCP, ask for protocol 'tcp' (in a " \
+    "mooncake config file: \"protocol\": \"tcp\") or set MC_FORCE_TCP=1"
+
 /* ---- devices ---- */
 
 typedef struct dev_list {
@@ -820,7 +825,7 @@ static kvp_status map_devices(const char *names, char **out)
                 used += (size_t)snprintf(list + used, sizeof list - used, "%s%s", i ? ", " : "",
                                          have.names[i]);
             st = kvpi_error(KVP_ENOTSUP, "ucx: device '%s' (device_name) is not a network device "
-                            "UCX finds here; it finds: %s", tok, have.n ? list : "none");
+                            "UCX finds here (it finds: %s)" TCP_HINT, tok, have.n ? list : "none");
         }
     }
     size_t total = 1;
@@ -905,7 +910,7 @@ static kvp_status start_context(kvpi_ucx_server *s, const kvpi_server_ctx *ctx)
                           .mt_workers_shared = 1};
         if ((ust = ucp_init(&p, cfg, &s->ctx)) != UCS_OK) {
             s->ctx = NULL;
-            st = kvpi_error(KVP_ENOTSUP, "ucx: UCX cannot start here (UCX_TLS=%s): %s",
+            st = kvpi_error(KVP_ENOTSUP, "ucx: UCX cannot start here (UCX_TLS=%s): %s" TCP_HINT,
                             getenv("UCX_TLS") ? getenv("UCX_TLS") : "all",
                             ucs_status_string(ust));
         }
