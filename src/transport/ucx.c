@@ -346,7 +346,13 @@ static void close_run(kvpi_ucx_server *s, void *arg)
     if (p->ep && atomic_load(&p->ep_status)) {
         kvpi_ucx_ep_close_force(p->ep);
     } else if (p->ep) {
-        ucp_request_param_t prm = {0}; /* politely: the target learns we left */
+        if (p->conn_id) {
+            uint8_t bye[KVPI_UCX_BYE_LEN];
+            kvpi_put_le64(bye, KVPI_UCX_MAGIC);
+            kvpi_put_le64(bye + 8, p->conn_id);
+            kvpi_ucx_am_send(p->ep, KVPI_UCX_AM_BYE, bye, sizeof bye, 0);
+        }
+        ucp_request_param_t prm = {0}; /* flushes the BYE out first */
         ucs_status_ptr_t r = ucp_ep_close_nbx(p->ep, &prm);
         if (UCS_PTR_IS_PTR(r)) req = r;
     }

@@ -42,6 +42,9 @@
  *   REVOKE_ACK initiator -> target; words: connection id, serial: no request
  *              of ours touches that range any more (refused from now on, and
  *              those issued before are flushed).
+ *   BYE        initiator -> target; words: connection id: the initiator
+ *              closes its endpoint (over shared memory UCX may not tell the
+ *              target, whose deregistrations would then wait for it).
  */
 #ifndef KVPI_TRANSPORT_UCX_INTERNAL_H
 #define KVPI_TRANSPORT_UCX_INTERNAL_H
@@ -63,6 +66,7 @@ enum kvpi_ucx_am {
     KVPI_UCX_AM_HELLO_ACK = 2,
     KVPI_UCX_AM_REVOKE = 3,
     KVPI_UCX_AM_REVOKE_ACK = 4,
+    KVPI_UCX_AM_BYE = 5,
 };
 
 enum kvpi_ucx_hello_status {
@@ -75,6 +79,7 @@ enum kvpi_ucx_hello_status {
 #define KVPI_UCX_HELLO_ACK_LEN 16
 #define KVPI_UCX_REVOKE_LEN 32
 #define KVPI_UCX_REVOKE_ACK_LEN 24
+#define KVPI_UCX_BYE_LEN 16
 /* Deregistrations whose ranges a HELLO_ACK can still report. */
 #define KVPI_UCX_REVOKE_LOG 256
 

@@ -581,6 +581,25 @@ static ucs_status_t on_revoke_ack(void *arg, const void *header, size_t header_l
     return UCS_OK;
 }
 
+static ucs_status_t on_bye(void *arg, const void *header, size_t header_length, void *data,
+                           size_t length, const ucp_am_recv_param_t *param)
+{
+    (void)header;
+    (void)header_length;
+    (void)param;
+    kvpi_ucx_server *s = arg;
+    const uint8_t *d = data;
+    if (length != KVPI_UCX_BYE_LEN || (uint32_t)kvpi_get_le64(d) != KVPI_UCX_MAGIC)
+        return UCS_OK;
+    uint64_t id = kvpi_get_le64(d + 8);
+    pthread_mutex_lock(&s->conns_lock);
+    for (ucx_conn *c = s->conns; c; c = c->next)
+        if (c->id == id) c->dead = 1; /* reap() closes it */
+    pthread_cond_broadcast(&s->conns_cond);
+    pthread_mutex_unlock(&s->conns_lock);
+    return UCS_OK;
+}
+
 /* ---- registrations ---- */
 
 kvp_status kvpi_ucx_mem_reg(void *server, const kvpi_region *region, void **handle)
@@ -935,7 +954,9 @@ static kvp_status start_worker(kvpi_ucx_server *s)
     s->worker_hex = kvpi_ucx_hex(addr, len);
     ucp_worker_release_address(s->worker, addr);
     if (!s->worker_hex) return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
-    if ((st = kvpi_ucx_set_handler(s->worker, KVPI_UCX_AM_HELLO, on_hello, s))) return st;
+    if ((st = kvpi_ucx_set_handler(s->worker, KVPI_UCX_AM_HELLO, on_hello, s)) ||
+        (st = kvpi_ucx_set_handler(s->worker, KVPI_UCX_AM_BYE, on_bye, s)))
+        return st;
     return kvpi_ucx_set_handler(s->worker, KVPI_UCX_AM_REVOKE_ACK, on_revoke_ack, s);
 }
 
