@@ -2,13 +2,15 @@
 # kvpipe benchmark driver: every figure is a ratio against a baseline measured
 # in the same run on the same machine.
 #
-#   bench/run.sh [--build DIR] [--duration SECONDS] [--repeat N] [--only tcp|shm|pipe]
+#   bench/run.sh [--build DIR] [--duration SECONDS] [--repeat N] [--only tcp|shm|pipe|ucx]
 #
 # Sections:
 #   tcp   kvpipe bench READ/WRITE over TCP vs raw loopback TCP (bench/raw_tcp.c)
 #   shm   kvpipe bench READ/WRITE over shm vs single-thread memcpy (bench/memcpy_baseline.c)
 #   pipe  kvpipe bench --pipe (copying and in-place send) vs engine READ of the
 #         same size, and vs memcpy
+#   ucx   kvpipe bench READ/WRITE over ucx (protocol rdma) vs ucx_perftest
+#         ucp_get/ucp_put_bw (Debian ucx-utils), each UCX_TLS of this host
 # Each pair runs back to back and the median of --repeat runs is kept, which
 # damps noise from other load. Results go to stdout and bench/results/latest.md
 # (latest-SECTION.md for an --only run).
@@ -24,7 +26,7 @@ while [ $# -gt 0 ]; do
     --duration) duration=$2; shift 2 ;;
     --repeat) repeat=$2; shift 2 ;;
     --only) only=$2; shift 2 ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "bench/run.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
@@ -147,7 +149,76 @@ section_pipe() {
     echo
 }
 
-for s in tcp shm pipe; do
+# ---- ucx: the same UCX_TLS and UCX settings for kvpipe and ucx_perftest:
+# endpoints with peer error handling (-e; kvpipe's always have it), which
+# UCX 1.13's shared-memory transports serve only with their ERROR_HANDLING
+# on, and kvpipe's 1 s keepalive. UCX_TLS sets to measure: UCX's tcp and
+# shared memory here; on RDMA hosts add e.g. "rc,sm,self" or "dc,sm,self".
+ucx_tls_sets=${KVP_BENCH_UCX_TLS:-"tcp sm,self"}
+ucx_env() {
+    export UCX_TLS=$1 UCX_POSIX_ERROR_HANDLING=y UCX_SYSV_ERROR_HANDLING=y \
+        UCX_KEEPALIVE_INTERVAL=1s UCX_WARN_UNUSED_ENV_VARS=n
+}
+
+# perftest_once TEST SIZE ITERS: decimal GB/s of one ucx_perftest run (its
+# MB/s are MiB/s)
+perftest_once() {
+    local test=$1 size=$2 iters=$3 port; port=$(free_port)
+    ucx_perftest -p "$port" -e > "$tmp/perftest-server.out" 2>&1 &
+    local srv=$!
+    for _ in $(seq 100); do ss -ltn "sport = :$port" | grep -q LISTEN && break; sleep 0.05; done
+    ucx_perftest 127.0.0.1 -p "$port" -e -t "$test" -s "$size" -n "$iters" \
+        -w $(( iters / 10 + 1 )) -f 2> "$tmp/perftest-client.err" |
+        awk 'NF >= 8 && $1 ~ /^[0-9]+$/ { v = $6 } END { if (v != "") printf "%.4f", v * 1048576 / 1e9 }'
+    wait "$srv" 2>/dev/null || true
+}
+
+# baseline_perftest TEST SIZE: ucx_perftest for about --duration seconds
+baseline_perftest() {
+    local test=$1 size=$2 n gbps
+    n=$(( (64 << 20) / size )); [ $n -lt 4 ] && n=4
+    gbps=$(perftest_once "$test" "$size" "$n")
+    n=$(awk -v g="${gbps:-0}" -v s="$size" -v d="$duration" \
+        'BEGIN { n = int(g * 1e9 * d / s); if (n < 10) n = 10; if (n > 200000) n = 200000; print n }')
+    perftest_once "$test" "$size" "$n"
+}
+
+section_ucx() {
+    echo "## ucx (protocol rdma) vs ucx_perftest on the same UCX_TLS"
+    echo
+    if ! command -v ucx_perftest > /dev/null; then
+        echo "skipped: ucx_perftest not found (Debian package ucx-utils)"; echo; return
+    fi
+    if ! "$kvpipe" info 2>/dev/null | grep -q '^  ucx '; then
+        echo "skipped: this kvpipe has no ucx transport (KVP_WITH_UCX)"; echo; return
+    fi
+    echo "ucx_perftest -e (peer error handling, as kvpipe's endpoints): ucp_get (1 request in"
+    echo "flight) and ucp_put_bw (32 in flight); kvpipe: --batch-size requests per batch, 2 threads."
+    echo
+    echo "| UCX_TLS | block | ucp_get GB/s | READ GB/s | READ / ucp_get | ucp_put_bw GB/s | WRITE GB/s | WRITE / ucp_put_bw |"
+    echo "|---|---|---|---|---|---|---|---|"
+    for tls in $ucx_tls_sets; do
+        ucx_env "$tls"
+        start_target rdma --no-shm
+        for block in 65536 1048576 16777216; do
+            local gets=() puts=() reads=() writes=()
+            for _ in $(seq "$repeat"); do
+                gets+=("$(baseline_perftest ucp_get "$block")")
+                reads+=("$(initiator rdma read "$block" --no-shm)")
+                puts+=("$(baseline_perftest ucp_put_bw "$block")")
+                writes+=("$(initiator rdma write "$block" --no-shm)")
+            done
+            local get put read write
+            get=$(med "${gets[@]}"); put=$(med "${puts[@]}")
+            read=$(med "${reads[@]}"); write=$(med "${writes[@]}")
+            echo "| $tls | $(human "$block") | $get | $read | $(ratio "$read" "$get") | $put | $write | $(ratio "$write" "$put") |"
+        done
+        stop_target
+    done
+    echo
+}
+
+for s in tcp shm pipe ucx; do
     [ -n "$only" ] && [ "$only" != "$s" ] && continue
     "section_$s" | tee -a "$out"
 done

@@ -1031,6 +1031,7 @@ void kvpi_ucx_server_stop(void *server)
         if (c->ep) kvpi_ucx_ep_close_force(c->ep);
         free(c);
     }
+    s->conns = NULL; /* the handlers still run while the worker drains */
     while (s->retirees) {
         ucx_retiree *r = s->retirees;
         s->retirees = r->next;

@@ -170,7 +170,9 @@ static void deregistered_while_peer_frozen(void)
     outcomes(p[0], BOUND_MS + 2000, &ok, &range, &other);
     fprintf(stderr, "  UCX_TLS=%s: unregister %lld ms; thawed writer: %d ok, %d out of range, "
             "%d failed\n", tls, (long long)ms, ok, range, other);
-    CHECK(ok <= 1); /* one WRITE may have been complete at the freeze */
+    /* One report may have been in the pipe before the freeze, one WRITE
+     * complete at the target but not yet at the writer. */
+    CHECK(ok <= 2);
     CHECK(range + other > 0);
     CHECK(target_alive(&t));
     kill(r, SIGKILL);
