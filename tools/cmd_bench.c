@@ -34,7 +34,7 @@ static void usage(FILE *out)
             "                         http://h:p/metadata, etcd://h:p, redis://h:p\n"
             "  --local-server-name H:P  this engine's segment name (required)\n"
             "  --segment-id NAME      the target's segment name (initiator; required)\n"
-            "  --protocol P           tcp (default) or shm\n"
+            "  --protocol P           tcp (default), shm, or rdma/ucx (where built)\n"
             "  --no-shm               never use shm automatically for a same-host peer\n"
             "  --operation read|write initiator operation (default read)\n"
             "  --block-size BYTES     bytes per request (default 65536)\n"

@@ -48,14 +48,19 @@ typedef struct kvp_engine_opts {
     /* "http://h:p/metadata", "etcd://h:p[,h:p]", "h:p" (etcd), "redis://h:p",
      * or "P2PHANDSHAKE". Required. */
     const char *metadata;
-    /* Preferred transport: "tcp" (default) or "shm" (same host only); "rdma"
-     * is not supported in this build (kvp_engine_create: KVP_ENOTSUP, saying
-     * how to run over TCP). With env MC_FORCE_TCP set (Mooncake's; anything
-     * but "", "0", "false", "no", "off") the engine uses "tcp" whatever this
-     * says. With "tcp", a same-host peer is still reached through shm unless
-     * disable_shm is set. */
+    /* Preferred transport: "tcp" (default), "shm" (same host only), or
+     * "rdma" (alias "ucx"): one-sided RMA through UCX in a build with UCX
+     * (KVP_WITH_UCX; without it kvp_engine_create fails with KVP_ENOTSUP,
+     * saying how to run over TCP), for peers that publish a ucx endpoint,
+     * TCP for others (docs/transport-ucx.md). With env MC_FORCE_TCP set
+     * (Mooncake's; anything but "", "0", "false", "no", "off") the engine
+     * uses "tcp" whatever this says. With "tcp" or "rdma", a same-host peer
+     * is still reached through shm unless disable_shm is set. */
     const char *protocol;
-    /* RDMA device names, comma-separated; ignored by tcp and shm. May be NULL. */
+    /* Network devices for the ucx transport, comma-separated, as Mooncake's
+     * device_name ("mlx5_0,mlx5_1"; "eth0"): UCX_NET_DEVICES, unless that is
+     * set; a name UCX does not find fails kvp_engine_create with
+     * KVP_ENOTSUP. Ignored by tcp and shm. May be NULL. */
     const char *device_names;
     /* The base of every deadline, in milliseconds (default 5000). Moving N
      * bytes may take timeout_ms + N / min_transfer_rate, measured on the
