@@ -34,7 +34,7 @@ if command -v valgrind >/dev/null; then
     # (Possible leaks are libraries' own, libnl's as UCX loads it among them.)
     vg=(valgrind -q --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite
         --show-possibly-lost=no)
-    for t in engine_unit_test safetensors_test pipe_config_test tcp_wire_test \
+    for t in engine_unit_test engine_transport_ops_test safetensors_test pipe_config_test tcp_wire_test \
              metadata_http_test metadata_kvtable_test metadata_names_test p2p_rpc_test; do
         echo "valgrind: $t"
         "${vg[@]}" "build/tests/$t" >/dev/null

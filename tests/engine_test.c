@@ -12,6 +12,7 @@
 #include "common/clock.h"
 #include "target.h"
 #include "test.h"
+#include "metadata/metadata.h"
 #include "transport/transport.h"
 
 typedef struct mode {
@@ -368,6 +369,35 @@ static void create_errors(void)
     kvp_engine_destroy(e);
 }
 
+/* A Mooncake segment of protocol rdma in the store (as Mooncake's RDMA
+ * transport writes it: no tcp_data_port, devices, rkeys): opening it fails
+ * with KVP_ENOTSUP saying how to reach it, not as a malformed descriptor. */
+static void mooncake_rdma_segment(void)
+{
+    char url[160];
+    REQUIRE(kvpt_http_store_start(url, sizeof url) > 0);
+    const char *seg = "127.0.0.1:1";
+    const char *desc =
+        "{\"name\":\"127.0.0.1:1\",\"protocol\":\"rdma\",\"devices\":[{\"name\":"
+        "\"mlx5_0\",\"lid\":0,\"gid\":\"fe80:0000:0000:0000:0000:0000:0000:0001\"}],"
+        "\"priority_matrix\":{},\"timestamp\":\"2025-01-31 17:04:05.012345\","
+        "\"buffers\":[{\"name\":\"cpu:0\",\"addr\":4096,\"length\":4096,\"rkey\":[5],"
+        "\"lkey\":[5]}]}";
+    void *store;
+    REQUIRE_OK(kvpi_store_http.open(url, 3000, &store));
+    char *key = kvpi_meta_key("ram", seg);
+    REQUIRE_OK(kvpi_store_http.put(store, key, desc));
+    free(key);
+    kvpi_store_http.close(store);
+    kvp_engine *e;
+    REQUIRE(kvpt_engine_start(url, "tcp", 0, &e) == 0);
+    kvp_segment_id id;
+    CHECK_ST(kvp_engine_open_segment(e, seg, &id), KVP_ENOTSUP);
+    CHECK(strstr(kvp_last_error(), "is a Mooncake rdma segment") != NULL);
+    CHECK(strstr(kvp_last_error(), "protocol tcp or MC_FORCE_TCP=1") != NULL);
+    kvp_engine_destroy(e);
+}
+
 /* ucx runs on UCX's own transports here: tcp, and shared memory (UCX 1.13's
  * "sm": posix and sysv for messages, cma; self for loopback). */
 #define MODES(X)                                                                             \
@@ -398,6 +428,7 @@ int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
     RUN(create_errors);
+    RUN(mooncake_rdma_segment);
     MODES(RUN_MODE_CASES)
     return kvpt_summary();
 }

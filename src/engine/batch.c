@@ -218,7 +218,7 @@ static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
     }
     /* Slices go by the kinds of memory they touch (all the same, but for a
      * group that spans remote buffers of different kinds). */
-    st = KVP_OK;
+    kvp_status last = KVP_OK, conn = KVP_OK;
     while (k > 0) {
         unsigned kinds = kinds_of(peer, live[0]);
         kvpi_work *same[GROUP_MAX];
@@ -232,15 +232,19 @@ static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
             }
         }
         k = rest;
-        if (st) { /* the peer's connection failed: so do the rest */
+        if (conn) { /* the peer's connection failed: so do the rest */
             for (size_t i = 0; i < ns; i++)
-                complete(same[i], st);
+                complete(same[i], conn);
             continue;
         }
-        st = run_slices(e, peer, kinds, same, slices, ns);
+        kvp_status sub = run_slices(e, peer, kinds, same, slices, ns);
+        if (sub) last = sub;
+        if (connection_level(sub)) conn = sub;
     }
-    kvpi_segment_release(seg, peer, st != KVP_OK);
-    kvpi_segment_note(seg, st);
+    /* Any failure the transport reports (a refused slice included: the
+     * peer's registrations changed) drops the peer, to look it up again. */
+    kvpi_segment_release(seg, peer, last != KVP_OK);
+    kvpi_segment_note(seg, last);
 }
 
 static void *worker_main(void *arg)

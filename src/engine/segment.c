@@ -134,12 +134,15 @@ static kvp_status link_open(kvp_engine *e, kvpi_peer *peer, const char *segname,
     return st;
 }
 
-/* Append "name: why" of a refusal to the list in buf. */
+/* Append "name: why" of a refusal to the list in buf (why alone where it
+ * starts with the name already). */
 static void note_refusal(char *buf, size_t len, const kvpi_link *l, const char *why)
 {
-    size_t used = strlen(buf);
+    size_t used = strlen(buf), n = strlen(l->ops->name);
+    int named = strncmp(why, l->ops->name, n) == 0 && why[n] == ':';
     if (used < len)
-        snprintf(buf + used, len - used, "%s%s: %s", used ? "; " : "", l->ops->name, why);
+        snprintf(buf + used, len - used, "%s%s%s%s", used ? "; " : "", named ? "" : l->ops->name,
+                 named ? "" : ": ", why);
 }
 
 /* The allowed transports, in preference order; then open the first that

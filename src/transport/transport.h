@@ -213,11 +213,13 @@ typedef struct kvpi_transport_ops {
     /* Required. Run n slices (all READ or all WRITE, n <= 64, at most
      * group_bytes together unless n == 1) against the peer, in order or
      * overlapped, within one deadline (see kvpi_peer_ctx), and set every
-     * slice's status. Returns KVP_OK, or the connection-level error that
-     * failed some slices (KVP_ECONNRESET, KVP_ECONNREFUSED, KVP_ETIMEDOUT),
-     * after which the engine closes this peer and looks the segment up
-     * again. A slice the peer refused (outside its registered memory now) is
-     * KVP_ERANGE and is not a connection-level error. */
+     * slice's status. Returns KVP_OK; the connection-level error that failed
+     * some slices (KVP_ECONNRESET, KVP_ECONNREFUSED, KVP_ETIMEDOUT), which
+     * also fails the batch's requests not yet started; or KVP_ERANGE when the
+     * peer refused a slice (outside its registered memory now: its
+     * registrations changed) and the others still ran. After any of these
+     * the engine closes this peer (once no worker uses it) and looks the
+     * segment up again before the next transfer. */
     kvp_status (*peer_xfer)(void *peer, kvpi_slice *const *slices, size_t n);
     /* Required. Close and free; no peer_xfer runs on it any more. */
     void (*peer_close)(void *peer);
