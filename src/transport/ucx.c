@@ -552,7 +552,7 @@ static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
         peer_close(p);
         return kvpi_error(st, "%s", why);
     }
-    if (kvpi_log_enabled(KVPI_LOG_INFO)) {
+    if (kvpi_log_enabled(KVP_LOG_INFO)) {
         char lanes[512];
         kvpi_ucx_peer_lanes(p, lanes, sizeof lanes);
         KVPI_INFO("ucx peer %s: lanes %s", p->segment, lanes);

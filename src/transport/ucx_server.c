@@ -535,8 +535,8 @@ static ucs_status_t on_hello(void *arg, const void *header, size_t header_length
                           .err_handler = {.cb = conn_failed, .arg = c}};
     ucs_status_t ust = ucp_ep_create(s->worker, &ep, &c->ep);
     if (ust != UCS_OK) {
-        KVPI_WARN("ucx %s: cannot connect back to an initiator: %s", s->segment,
-                  ucs_status_string(ust));
+        KVPI_WARN_LIMITED("ucx %s: cannot connect back to an initiator: %s", s->segment,
+                          ucs_status_string(ust));
         free(c);
         return UCS_OK;
     }
@@ -681,8 +681,9 @@ static void dereg_end(kvpi_ucx_server *s, void *arg)
     pthread_mutex_lock(&s->conns_lock);
     for (ucx_conn *c = s->conns; c; c = c->next)
         if (unanswered(c, d)) {
-            KVPI_WARN("ucx %s: a peer did not confirm the deregistration of 0x%" PRIx64
-                      " within %d ms: cut off", s->segment, d->reg->addr, s->timeout_ms);
+            KVPI_WARN_LIMITED("ucx %s: a peer did not confirm the deregistration of 0x%" PRIx64
+                              " within %d ms: cut off",
+                              s->segment, d->reg->addr, s->timeout_ms);
             c->dead = 1; /* reap() closes its endpoint */
         }
     pthread_mutex_unlock(&s->conns_lock);
