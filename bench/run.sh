@@ -2,7 +2,7 @@
 # kvpipe benchmark driver: every figure is a ratio against a baseline measured
 # in the same run on the same machine.
 #
-#   bench/run.sh [--build DIR] [--duration SECONDS] [--repeat N] [--only tcp|shm|pipe|ucx]
+#   bench/run.sh [--build DIR] [--duration SECONDS] [--repeat N] [--only tcp|shm|pipe|ucx|samehost]
 #
 # Sections:
 #   tcp   kvpipe bench READ/WRITE over TCP vs raw loopback TCP (bench/raw_tcp.c)
@@ -11,6 +11,7 @@
 #         same size, and vs memcpy
 #   ucx   kvpipe bench READ/WRITE over ucx (protocol rdma) vs ucx_perftest
 #         ucp_get/ucp_put_bw (Debian ucx-utils), each UCX_TLS of this host
+#   samehost  kvpipe READ/WRITE over shm vs over ucx on UCX's shared memory
 # Each pair runs back to back and the median of --repeat runs is kept, which
 # damps noise from other load. Results go to stdout and bench/results/latest.md
 # (latest-SECTION.md for an --only run).
@@ -26,7 +27,7 @@ while [ $# -gt 0 ]; do
     --duration) duration=$2; shift 2 ;;
     --repeat) repeat=$2; shift 2 ;;
     --only) only=$2; shift 2 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "bench/run.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
@@ -49,22 +50,32 @@ human() { awk -v b="$1" 'BEGIN { if (b >= 1048576) printf "%d MiB", b/1048576; e
 start_target() {
     local proto=$1; shift
     local port; port=$(free_port)
+    local log="$tmp/target-$port.out"
     "$kvpipe" bench --mode target --local-server-name "127.0.0.1:$port" --protocol "$proto" \
-        --buffer-size 512M "$@" > "$tmp/target.out" 2>&1 &
+        --buffer-size 512M "$@" > "$log" 2>&1 &
     pids+=($!)
-    for _ in $(seq 100); do grep -q serving "$tmp/target.out" && break; sleep 0.1; done
-    grep -q serving "$tmp/target.out" || { cat "$tmp/target.out" >&2; exit 1; }
+    for _ in $(seq 100); do grep -q serving "$log" && break; sleep 0.1; done
+    grep -q serving "$log" || { cat "$log" >&2; exit 1; }
     segment="127.0.0.1:$port"
 }
 stop_target() { kill "${pids[-1]}"; wait "${pids[-1]}" 2>/dev/null || true; unset 'pids[-1]'; }
 
-# initiator PROTO OP BLOCK EXTRA... : prints gbps
+# initiator PROTO OP BLOCK EXTRA... : prints gbps; fails unless the transport
+# that moved the bytes is the one PROTO asks for (rdma: ucx), so a row never
+# measures a fallback
 initiator() {
     local proto=$1 op=$2 block=$3; shift 3
     local batch=$(( (64 << 20) / block )); [ $batch -gt 128 ] && batch=128; [ $batch -lt 2 ] && batch=2
+    local want=$proto; [ "$proto" = rdma ] && want=ucx
     "$kvpipe" bench --mode initiator --local-server-name "127.0.0.1:$(free_port)" \
         --segment-id "$segment" --protocol "$proto" --operation "$op" --block-size "$block" \
-        --batch-size "$batch" --buffer-size 512M --duration "$duration" --json "$@" | gbps_of
+        --batch-size "$batch" --buffer-size 512M --duration "$duration" --json "$@" \
+        > "$tmp/initiator.out"
+    local used; used=$(sed -n 's/.*"transport": *"\([a-z]*\)".*/\1/p' "$tmp/initiator.out" | tail -n 1)
+    if [ "$used" != "$want" ]; then
+        echo "bench/run.sh: $proto $op of $block bytes ran over '$used', not $want" >&2; exit 1
+    fi
+    gbps_of < "$tmp/initiator.out"
 }
 
 out="$here/results/latest${only:+-$only}.md" # a partial run does not overwrite the full one
@@ -218,7 +229,40 @@ section_ucx() {
     echo
 }
 
-for s in tcp shm pipe ucx; do
+# Which of shm and ucx serves a same-host peer better: kvpipe READ and WRITE
+# over shm against ucx on UCX's shared memory, back to back (the reason shm
+# comes first for same-host peers, docs/transport-ucx.md).
+section_samehost() {
+    echo "## Same host: shm vs ucx on UCX's shared memory"
+    echo
+    if ! "$kvpipe" info 2>/dev/null | grep -q '^  ucx '; then
+        echo "skipped: this kvpipe has no ucx transport (KVP_WITH_UCX)"; echo; return
+    fi
+    echo "kvpipe over shm against kvpipe over ucx with UCX_TLS=sm,self (--no-shm), back to back."
+    echo
+    echo "| block | shm READ GB/s | ucx READ GB/s | ucx / shm READ | shm WRITE GB/s | ucx WRITE GB/s | ucx / shm WRITE |"
+    echo "|---|---|---|---|---|---|---|"
+    ucx_env "sm,self"
+    start_target shm; local shm_seg=$segment
+    start_target rdma --no-shm; local ucx_seg=$segment
+    for block in 1048576 16777216; do
+        local sr=() ur=() sw=() uw=()
+        for _ in $(seq "$repeat"); do
+            segment=$shm_seg; sr+=("$(initiator shm read "$block")")
+            segment=$ucx_seg; ur+=("$(initiator rdma read "$block" --no-shm)")
+            segment=$shm_seg; sw+=("$(initiator shm write "$block")")
+            segment=$ucx_seg; uw+=("$(initiator rdma write "$block" --no-shm)")
+        done
+        local a b c d
+        a=$(med "${sr[@]}"); b=$(med "${ur[@]}"); c=$(med "${sw[@]}"); d=$(med "${uw[@]}")
+        echo "| $(human "$block") | $a | $b | $(ratio "$b" "$a") | $c | $d | $(ratio "$d" "$c") |"
+    done
+    stop_target
+    stop_target
+    echo
+}
+
+for s in tcp shm pipe ucx samehost; do
     [ -n "$only" ] && [ "$only" != "$s" ] && continue
     "section_$s" | tee -a "$out"
 done
