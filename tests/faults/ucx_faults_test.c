@@ -19,6 +19,9 @@
 #include "ctarget.h"
 #include "test.h"
 #include "transport/transport.h"
+#if KVP_HAVE_UCX
+#include <ucp/api/ucp.h>
+#endif
 
 #define SEED 0x3c
 #define MIB ((size_t)1 << 20)
@@ -46,6 +49,19 @@ static int start_initiator(const kvpt_ctarget *t, kvp_engine **e, kvp_segment_id
     if (kvpt_initiator_start("rdma", 1, TIMEOUT_MS, e) != 0) return -1;
     if (kvp_engine_open_segment(*e, t->name, seg) != KVP_OK) return -1;
     return strcmp(kvp_engine_segment_transport(*e, *seg), "ucx") == 0 ? 0 : -1;
+}
+
+/* Is the UCX this runs with older than major.minor? */
+static int ucx_older_than(unsigned major, unsigned minor)
+{
+#if KVP_HAVE_UCX
+    unsigned ma, mi, rel;
+    ucp_get_version(&ma, &mi, &rel);
+    return ma < major || (ma == major && mi < minor);
+#else
+    (void)major, (void)minor;
+    return 0; /* every case skips */
+#endif
 }
 
 /* Is the target alive and answering? */
@@ -97,6 +113,7 @@ static pid_t peer_child(const kvpt_ctarget *t, kvp_opcode op, int fd)
     pid_t pid = fork();
     if (pid != 0) return pid;
     prctl(PR_SET_PDEATHSIG, SIGKILL);
+    close(t->cmd); /* the target's command pipe: it ends when the test closes it */
     kvp_engine *e;
     kvp_segment_id seg;
     if (start_initiator(t, &e, &seg) != 0) _exit(3);
@@ -175,10 +192,16 @@ static void deregistered_while_peer_frozen(void)
     CHECK(ok <= 2);
     CHECK(range + other > 0);
     CHECK(target_alive(&t));
+    /* UCX 1.13 over tcp aborts the target (its own assertion, "got REP
+     * message", removed in UCX 1.14: docs/transport-ucx.md) when a writer
+     * that connected again after being cut off dies: there the target stops
+     * first. */
+    int ucx_bug = strcmp(tls, "tcp") == 0 && ucx_older_than(1, 14);
+    if (ucx_bug) CHECK(kvpt_ctarget_stop(&t) == 0);
     kill(r, SIGKILL);
     waitpid(r, NULL, 0);
     close(p[0]);
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    if (!ucx_bug) CHECK(kvpt_ctarget_stop(&t) == 0);
 }
 
 /* A killed initiator does not hold the target's deregistration up. */
