@@ -33,7 +33,8 @@ static kvp_status region_remove(kvpi_region_table *t, uint64_t addr)
 
 /* Pool hooks that record registrations in a region table, as the engine does. */
 static kvpi_region_table reg;
-static int registered, unregistered;
+/* The pool calls its hooks outside its lock, from whichever thread frees. */
+static _Atomic int registered, unregistered;
 
 static kvp_status hook_reg(void *ctx, void *addr, size_t len)
 {
