@@ -42,9 +42,9 @@ if command -v valgrind >/dev/null; then
     echo "valgrind: engine_test (tcp cases: the tcp transport's and ucx over UCX's tcp)"
     # Its targets are fresh execs of the test program: follow them.
     KVPT_FILTER=tcp_ "${vg[@]}" --trace-children=yes build/tests/engine_test >/dev/null
-    echo "valgrind: pipe_test (one-process cases)"
-    for c in no_peer ack_while_announcing; do
-        "${vg[@]}" build/tests/pipe_test "$c" >/dev/null
+    echo "valgrind: pipe_test (one-process cases; not the shm row's)"
+    for c in {,ucx_tcp/,ucx_sm/}test_{no_peer,ack_while_announcing}; do
+        "${vg[@]}" build/tests/pipe_test "=$c" >/dev/null
     done
     took valgrind
 fi

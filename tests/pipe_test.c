@@ -59,12 +59,14 @@ typedef struct setup {
 
 /* A row of the suite: the protocol of the config (a mooncake.json's
  * "protocol") both sides read, and for ucx rows, UCX_TLS. The tcp row runs
- * every case; the ucx rows (UCX's tcp and shared-memory transports) run
- * those that do not start the CLI. */
+ * every case; the shm and ucx rows (UCX's tcp and shared-memory transports)
+ * run those that do not start the CLI, and the ucx rows the demo over
+ * rdma. */
 typedef struct row {
     const char *prefix, *protocol, *ucx_tls;
 } row;
 static const row rows[] = {{"", "tcp", NULL},
+                           {"shm/", "shm", NULL},
                            {"ucx_tcp/", "rdma", "tcp"},
                            {"ucx_sm/", "rdma", "sm,self"}};
 static const row *R = &rows[0];
@@ -1314,7 +1316,7 @@ static void test_cli_bench_pipe(void)
 }
 
 /* An optional argument runs only the cases whose name (with its row's
- * prefix) contains it. */
+ * prefix) contains it, or, given as "=NAME", the case of that exact name. */
 static const char *only;
 
 static void skip_unbuilt(void)
@@ -1326,7 +1328,7 @@ static void run_case(const char *name, void (*fn)(void), int secs)
 {
     char full[128];
     snprintf(full, sizeof full, "%s%s", R->prefix, name);
-    if (only && !strstr(full, only)) return;
+    if (only && (only[0] == '=' ? strcmp(full, only + 1) != 0 : !strstr(full, only))) return;
     kvpt_run(full, kvpi_transport_lookup(R->protocol) ? fn : skip_unbuilt, secs);
 }
 #define CASE(fn, secs) run_case(#fn, fn, secs)
@@ -1354,10 +1356,10 @@ int main(int argc, char **argv)
         CASE(test_send_in_place_shm, 120);
         CASE(test_send_in_place_no_peer, 60);
         CASE(test_ack_while_announcing, 60);
-        if (!R->ucx_tls) {
+        if (R == &rows[0]) {
             CASE(test_cli_demo, 120);
             CASE(test_cli_bench_pipe, 120);
-        } else {
+        } else if (R->ucx_tls) {
             CASE(test_cli_demo_rdma, 120);
         }
         CASE(test_stress_500_rounds, 240);
