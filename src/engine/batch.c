@@ -17,12 +17,14 @@ struct kvpi_work {
     kvp_batch *batch;
     size_t req;
     kvpi_slice slice;
+    const kvpi_transport_ops *ops; /* that ran it, for the metrics */
 };
 
 typedef struct req_state {
     kvp_status status; /* KVP_EINPROGRESS until its last slice completes */
     kvp_status first_error;
     size_t slices_left;
+    size_t length;
 } req_state;
 
 struct kvp_batch {
@@ -41,6 +43,8 @@ struct kvp_batch {
      * out its own deadline against a dead or stopped peer. */
     kvp_status conn_error;
     char detail[256]; /* kvp_last_error() of the first failure, from its worker */
+    kvpi_engine_metrics *metrics;
+    uint64_t submit_ns;
 };
 
 static int connection_level(kvp_status st)
@@ -58,13 +62,22 @@ static void complete(kvpi_work *w, kvp_status st)
         snprintf(b->detail, sizeof b->detail, "%s",
                  *kvp_last_error() ? kvp_last_error() : kvp_strerror(st));
     if (connection_level(st) && b->conn_error == KVP_OK) b->conn_error = st;
-    if (--r->slices_left == 0) {
+    int done = --r->slices_left == 0;
+    if (done) {
         r->status = r->first_error;
         b->pending--;
     }
+    /* The batch (w with it) may be freed once the lock is let go: copies. */
+    kvp_status req_st = r->status;
+    size_t req_len = r->length;
+    kvp_opcode op = w->slice.opcode;
+    const kvpi_transport_ops *ops = w->ops;
+    kvpi_engine_metrics *metrics = b->metrics;
+    uint64_t submit_ns = b->submit_ns;
     b->outstanding--;
     pthread_cond_broadcast(&b->cond);
     pthread_mutex_unlock(&b->lock);
+    if (done) kvpi_metrics_request_done(metrics, op, req_len, ops, req_st, submit_ns);
 }
 
 static int groupable(const kvpi_work *first, const kvpi_work *next, size_t bytes, size_t limit)
@@ -160,6 +173,7 @@ static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
             continue;
         }
         s->status = KVP_EINPROGRESS;
+        live[i]->ops = peer->ops;
         live[k] = live[i];
         slices[k++] = s;
     }
@@ -253,14 +267,17 @@ static void enqueue(kvp_engine *e, kvpi_work *first, kvpi_work *last)
     pthread_mutex_unlock(&q->lock);
 }
 
-static void build_works(kvp_batch *b, const kvp_request *reqs, size_t slice_size)
+/* Returns the bytes of the requests. */
+static uint64_t build_works(kvp_batch *b, const kvp_request *reqs, size_t slice_size)
 {
     size_t w = 0;
+    uint64_t bytes = 0;
     for (size_t i = 0; i < b->n; i++) {
         const kvp_request *r = &reqs[i];
         size_t count = slices_of(r, slice_size);
-        b->reqs[i] = (req_state){count ? KVP_EINPROGRESS : KVP_OK, KVP_OK, count};
+        b->reqs[i] = (req_state){count ? KVP_EINPROGRESS : KVP_OK, KVP_OK, count, r->length};
         if (count) b->pending++;
+        bytes += r->length;
         for (size_t off = 0; off < r->length; off += slice_size) {
             kvpi_work *work = &b->works[w];
             work->next = w + 1 < b->n_works ? &b->works[w + 1] : NULL;
@@ -272,6 +289,7 @@ static void build_works(kvp_batch *b, const kvp_request *reqs, size_t slice_size
             w++;
         }
     }
+    return bytes;
 }
 
 kvp_status kvp_batch_submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request *reqs,
@@ -298,7 +316,11 @@ kvp_status kvp_batch_submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_requ
     b->seg = seg;
     b->n = n;
     b->n_works = b->outstanding = n_works;
-    build_works(b, reqs, e->opts.slice_size);
+    b->metrics = &e->metrics;
+    b->submit_ns = kvpi_now_ns();
+    uint64_t bytes = build_works(b, reqs, e->opts.slice_size);
+    kvpi_gauge_add(&e->metrics.inflight_requests, (int64_t)b->pending);
+    kvpi_gauge_add(&e->metrics.inflight_bytes, (int64_t)bytes);
     if (n_works) enqueue(e, &b->works[0], &b->works[n_works - 1]);
     *out = b;
     return KVP_OK;
