@@ -67,17 +67,13 @@ static void complete(kvpi_work *w, kvp_status st)
         r->status = r->first_error;
         b->pending--;
     }
-    /* The batch (w with it) may be freed once the lock is let go: copies. */
-    kvp_status req_st = r->status;
-    size_t req_len = r->length;
-    kvp_opcode op = w->slice.opcode;
-    const kvpi_transport_ops *ops = w->ops;
-    kvpi_engine_metrics *metrics = b->metrics;
-    uint64_t submit_ns = b->submit_ns;
+    /* Counted before a waiter can see the request done. */
+    if (done)
+        kvpi_metrics_request_done(b->metrics, w->slice.opcode, r->length, w->ops, r->status,
+                                  b->submit_ns);
     b->outstanding--;
     pthread_cond_broadcast(&b->cond);
     pthread_mutex_unlock(&b->lock);
-    if (done) kvpi_metrics_request_done(metrics, op, req_len, ops, req_st, submit_ns);
 }
 
 static int groupable(const kvpi_work *first, const kvpi_work *next, size_t bytes, size_t limit)
