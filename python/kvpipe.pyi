@@ -4,7 +4,7 @@
 import enum
 import os
 from types import TracebackType
-from typing import Any, Dict, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Type, Union
 
 __version__: str
 
@@ -34,6 +34,9 @@ class Error(RuntimeError):
 
 def last_error() -> str: ...
 def strerror(code: int) -> str: ...
+def set_log_handler(handler: Optional[Callable[[int, str, str], Any]]) -> None: ...
+def set_log_level(level: Union[str, int]) -> None: ...
+def get_log_level() -> int: ...
 
 class TransferOpcode(enum.IntEnum):
     Read = 0

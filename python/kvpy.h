@@ -2,7 +2,8 @@
  *
  * The module is one extension, `kvpipe`, made of: kvpipe_module.c (module,
  * exceptions, helpers), engine_py.c (TransferEngine), tensor_py.c (the tensor
- * object: DLPack + buffer protocol) and pipe_py.c (Pipe).
+ * object: DLPack + buffer protocol), pipe_py.c (Pipe) and log_py.c (the log
+ * handler and level).
  *
  * Everything here runs with the GIL held unless a comment says otherwise.
  */
@@ -91,5 +92,7 @@ extern PyTypeObject kvpy_engine_type;
 int kvpy_engine_init_type(PyObject *module);
 int kvpy_tensor_init_type(PyObject *module);
 int kvpy_pipe_init_type(PyObject *module);
+/* kvpipe.set_log_handler(), set_log_level(), get_log_level() (log_py.c). */
+int kvpy_log_init(PyObject *module);
 
 #endif

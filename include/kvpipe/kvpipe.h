@@ -5,6 +5,7 @@
 
 #include "kvpipe/status.h"
 #include "kvpipe/version.h"
+#include "kvpipe/log.h"
 #include "kvpipe/engine.h"
 #include "kvpipe/info.h"
 #include "kvpipe/metadata_server.h"

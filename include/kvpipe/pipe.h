@@ -29,7 +29,9 @@
  * that sends and one that receives. A process that alternates sends and
  * receives on one thread must not let its sends wait for ACKs that its peer
  * only sends after this process receives (keep within kv_buffer_size, or use
- * two threads). An internal thread receives ACKs and frees send buffers.
+ * two threads). An internal thread takes announcements and ACKs off the two
+ * ZeroMQ links, drops malformed ones (logged, rate-limited), frees send buffers
+ * on ACKs and reconnects a link that ZeroMQ closed for a protocol error.
  */
 #ifndef KVPIPE_PIPE_H
 #define KVPIPE_PIPE_H
@@ -197,12 +199,14 @@ KVP_API kvp_status kvp_pipe_send_take(kvp_pipe *pipe, kvp_tensor *t);
  * timeout_ms bounds the wait for an announcement (negative: no limit, 0: poll);
  * the READ that follows is bounded by the engine's I/O timeout.
  *
- * Every message taken from the peer is answered with one "ACK" — a malformed
- * one too, once recv is done with it — so the sender's FIFO of buffers stays
- * in step. Errors:
+ * Every announcement (two 8-byte frames) taken from the peer is answered with
+ * one "ACK" — a refused one too, once recv is done with it — so the sender's
+ * FIFO of buffers stays in step. A message that is not an announcement is
+ * dropped unanswered, counted in bad_messages and logged (rate-limited), and
+ * recv goes on waiting. Errors:
  *   KVP_ETIMEDOUT   nothing was announced in time; nothing consumed.
- *   KVP_EPROTO      a malformed announcement (frame count or size, length 0 or
- *                   above max_message_bytes) or malformed safetensors.
+ *   KVP_EPROTO      an announced length of 0 or above max_message_bytes, or
+ *                   malformed safetensors.
  *   KVP_ERANGE      the announced range lies outside the peer's registered
  *                   memory (the peer's server refused it).
  *   others          the engine's errors from opening the peer segment or the
@@ -226,8 +230,8 @@ typedef struct kvp_pipe_stats {
     uint64_t sent, received;             /* messages (None included) */
     uint64_t bytes_sent, bytes_received; /* encoded message bytes */
     uint64_t acks;                       /* ACKs received */
-    uint64_t bad_messages;               /* consumed messages recv refused */
-    uint64_t bad_acks;                   /* ACK frames that were not "ACK" or not expected */
+    uint64_t bad_messages;               /* announcements dropped (malformed) or refused */
+    uint64_t bad_acks;                   /* ACKs dropped: not the frame "ACK", or unexpected */
     size_t inflight_bytes;               /* sent, not yet acknowledged */
     size_t inflight_count;
 } kvp_pipe_stats;

@@ -3,12 +3,27 @@
  *
  * Sockets and threads. ZeroMQ sockets are not thread-safe, so each has one
  * user at a time:
- *   data_push (announce)  senders, under send_lock
- *   ack_pull  (ACKs in)   the ACK thread only
- *   data_pull (announce)  receivers, under recv_lock
- *   ack_push  (ACKs out)  receivers, under recv_lock
- * The FIFO of buffers awaiting ACK is shared by senders and the ACK thread
- * under `lock`; `room` is signalled whenever an ACK frees one.
+ *   data_push   (announce)  senders, under send_lock
+ *   ack_push    (ACKs out)  receivers, under recv_lock
+ *   data_in     (announce)  receivers, under recv_lock
+ *   ack_in      (ACKs in)   the control thread
+ *   the monitors of data_in and ack_in: the control thread
+ * The two PULL sockets ("links", connected to the peer) check every message:
+ * an announcement that is not two 8-byte frames and an ACK that is not the
+ * 3-byte frame "ACK" are dropped, counted and logged (rate-limited).
+ *
+ * ZeroMQ closes a connection whose peer broke the protocol (a frame above
+ * CONTROL_MAX_FRAME, a bad handshake) and never reconnects it by itself. The
+ * control thread reads both links' monitors (a monitor must be read all the
+ * time: a full one blocks ZeroMQ's I/O thread), tells such a close from one
+ * that ZeroMQ reconnects, and has the link connected again after a back-off.
+ * It does that itself for ack_in; for data_in, the socket of the receivers,
+ * it does it only when it can take recv_lock without waiting, and otherwise
+ * raises data_redial and wakes a receiver waiting in its poll (recv_wake_fd),
+ * which then does it; a receiver busy with a READ does it on its next wait.
+ *
+ * The FIFO of buffers awaiting ACK is shared by senders and the control
+ * thread under `lock`; `room` is signalled whenever an ACK frees one.
  *
  * Lifetime. The pipe struct and its engine are reference counted: one
  * reference for the open pipe, one per received tensor still alive, so a
@@ -21,6 +36,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 #include <zmq.h>
 
 #include "common/clock.h"
@@ -32,9 +49,14 @@
 
 #define ACK_TEXT "ACK"
 #define ACK_LEN 3
-/* Control frames are 8 bytes; a peer sending far larger ones is dropped by
- * ZeroMQ before they are buffered. */
+/* Control frames are 8 bytes (3 for an ACK); ZeroMQ drops the connection of a
+ * peer that sends a larger frame than this before buffering it. */
 #define CONTROL_MAX_FRAME 4096
+/* Inbound messages a PUSH socket buffers per connection. A PUSH never reads,
+ * so this only bounds what a peer that sends to it can park there. */
+#define PUSH_RCVHWM 1
+/* See make_socket(). */
+#define ZAP_DOMAIN "kvpipe"
 #define DEFAULT_KV_BUFFER_SIZE 1000000000u
 #define DEFAULT_SEND_TIMEOUT_MS 30000
 #define DEFAULT_IO_TIMEOUT_MS 5000
@@ -43,11 +65,35 @@
 #define ACK_SEND_TIMEOUT_MS 2000
 /* Longest close waits for queued ACKs to leave. */
 #define ACK_LINGER_MS 500
+/* Reconnecting a link that ZeroMQ closed for a protocol error: the first wait
+ * (also long enough for ZeroMQ to show that it reconnects by itself, after a
+ * plain connection error), doubled after each such close up to the last,
+ * back to the first after a good frame. */
+#define REDIAL_FIRST_MS 200
+#define REDIAL_MAX_MS 5000
+/* Messages the control thread takes off the ACK link before it looks at its
+ * other sockets again. */
+#define ACK_BATCH 256
+/* How soon the control thread looks again at a data_in redial it handed to
+ * a receiver that is busy (with a READ, say). */
+#define HANDOFF_RETRY_MS 100
 
 typedef struct inflight {
     void *buf;
     size_t len;
 } inflight;
+
+/* A PULL socket connected to one of the peer's PUSH ports, with the monitor
+ * that shows its connection being closed. The socket belongs to its reader
+ * (see the top of the file); the rest to the control thread, but for good. */
+typedef struct pull_link {
+    const char *what; /* "announce" or "ACK", for the log */
+    void *sock, *mon;
+    char endpoint[KVP_PIPE_NAME_MAX + 16];
+    uint64_t redial_at; /* kvpi_now_ms() when to connect again; 0: not due */
+    int backoff_ms;
+    atomic_int good; /* the reader saw a well-formed message: back-off resets */
+} pull_link;
 
 struct kvp_pipe {
     atomic_int refs;
@@ -57,9 +103,13 @@ struct kvp_pipe {
     kvp_pipe_opts opts;
 
     void *zctx;
-    void *data_push, *ack_push, *data_pull, *ack_pull;
-    pthread_t ack_thread;
-    int ack_thread_started;
+    void *data_push, *ack_push;
+    pull_link data_in, ack_in;
+    int recv_wake_fd;       /* eventfd: wakes a receiver waiting on data_in */
+    atomic_int data_redial; /* data_in must be connected again, by whoever has it */
+    uint64_t handoff_at;    /* control thread: when to look at data_redial again */
+    pthread_t ctl_thread;
+    int ctl_started;
 
     pthread_mutex_t send_lock, recv_lock;
 
@@ -118,6 +168,7 @@ static void pipe_unref(kvp_pipe *p)
     pthread_mutex_destroy(&p->recv_lock);
     pthread_mutex_destroy(&p->lock);
     pthread_cond_destroy(&p->room);
+    close(p->recv_wake_fd);
     free(p);
 }
 
@@ -150,16 +201,27 @@ static kvp_status zmq_fail(kvp_pipe *p, const char *what)
                       p->ep.local_segment, what, zmq_strerror(err));
 }
 
-/* linger_ms bounds how long closing waits to hand queued messages over. */
+/* Every socket of the pipe is made here, so that options that apply to all of
+ * them (security mechanisms among them) have one place. linger_ms bounds how
+ * long closing waits to hand queued messages over.
+ *
+ * A ZAP domain, with no ZAP handler in the context, changes one thing:
+ * ZeroMQ refuses peers that speak the ZMTP 1.0 and 2.0 handshakes, which
+ * carry no socket type. Without it, any TCP client whose first byte is not
+ * 0xFF (a port scanner, an HTTP probe) passes for a ZMTP 1.0 peer, joins a
+ * PUSH socket's round-robin and takes announcements or ACKs that are then
+ * lost. Every ZeroMQ 4 peer (pyzmq's MooncakePipe included) speaks ZMTP 3. */
 static kvp_status make_socket(kvp_pipe *p, int type, int linger_ms, void **out)
 {
     void *s = zmq_socket(p->zctx, type);
     if (!s) return zmq_fail(p, "socket");
-    int one = 1;
+    int one = 1, rcvhwm = PUSH_RCVHWM;
     int64_t maxmsg = CONTROL_MAX_FRAME;
     if (zmq_setsockopt(s, ZMQ_LINGER, &linger_ms, sizeof linger_ms) != 0 ||
         zmq_setsockopt(s, ZMQ_IPV6, &one, sizeof one) != 0 ||
-        zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg) != 0) {
+        zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg) != 0 ||
+        zmq_setsockopt(s, ZMQ_ZAP_DOMAIN, ZAP_DOMAIN, strlen(ZAP_DOMAIN)) != 0 ||
+        (type == ZMQ_PUSH && zmq_setsockopt(s, ZMQ_RCVHWM, &rcvhwm, sizeof rcvhwm) != 0)) {
         zmq_close(s);
         return zmq_fail(p, "setsockopt");
     }
@@ -189,14 +251,30 @@ static kvp_status bind_socket(kvp_pipe *p, void *s, int port)
                       ep, zmq_strerror(zmq_errno()));
 }
 
-static kvp_status connect_socket(kvp_pipe *p, void *s, int port)
+/* The events that tell a connection ZeroMQ gave up on (DISCONNECTED with no
+ * reconnect after it) from one it reconnects by itself (CONNECT_RETRIED). */
+#define LINK_EVENTS                                                                                \
+    (ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_CONNECT_RETRIED | ZMQ_EVENT_CONNECT_DELAYED |              \
+     ZMQ_EVENT_CONNECTED)
+
+/* A PULL socket connected to the peer's port, with its monitor. */
+static kvp_status open_link(kvp_pipe *p, pull_link *l, const char *what, int port)
 {
-    char hp[KVP_PIPE_NAME_MAX + 8], ep[KVP_PIPE_NAME_MAX + 16];
+    kvp_status st;
+    l->what = what;
+    l->backoff_ms = REDIAL_FIRST_MS;
+    char hp[KVP_PIPE_NAME_MAX + 8], mon_ep[64];
     kvpi_hostport_format(p->ep.peer_host, port, hp, sizeof hp);
-    snprintf(ep, sizeof ep, "tcp://%s", hp);
-    if (zmq_connect(s, ep) == 0) return KVP_OK;
+    snprintf(l->endpoint, sizeof l->endpoint, "tcp://%s", hp);
+    /* The context is the pipe's own, so the name needs to be unique only in it. */
+    snprintf(mon_ep, sizeof mon_ep, "inproc://kvpipe-monitor-%s", what);
+    if ((st = make_socket(p, ZMQ_PULL, 0, &l->sock))) return st;
+    if (zmq_socket_monitor(l->sock, mon_ep, LINK_EVENTS) != 0) return zmq_fail(p, "monitor");
+    if ((st = make_socket(p, ZMQ_PAIR, 0, &l->mon))) return st;
+    if (zmq_connect(l->mon, mon_ep) != 0) return zmq_fail(p, "monitor connect");
+    if (zmq_connect(l->sock, l->endpoint) == 0) return KVP_OK;
     return kvpi_error(KVP_EIO, "pipe %s: cannot connect ZeroMQ endpoint %s: %s",
-                      p->ep.local_segment, ep, zmq_strerror(zmq_errno()));
+                      p->ep.local_segment, l->endpoint, zmq_strerror(zmq_errno()));
 }
 
 static kvp_status open_sockets(kvp_pipe *p)
@@ -208,25 +286,25 @@ static kvp_status open_sockets(kvp_pipe *p)
      * after its last recv still releases the sender's buffers. */
     if ((st = make_socket(p, ZMQ_PUSH, 0, &p->data_push))) return st;
     if ((st = make_socket(p, ZMQ_PUSH, ACK_LINGER_MS, &p->ack_push))) return st;
-    if ((st = make_socket(p, ZMQ_PULL, 0, &p->data_pull))) return st;
-    if ((st = make_socket(p, ZMQ_PULL, 0, &p->ack_pull))) return st;
     if ((st = bind_socket(p, p->data_push, p->ep.data_port))) return st;
     if ((st = bind_socket(p, p->ack_push, p->ep.ack_port))) return st;
-    if ((st = connect_socket(p, p->data_pull, p->ep.peer_data_port))) return st;
-    return connect_socket(p, p->ack_pull, p->ep.peer_ack_port);
+    if ((st = open_link(p, &p->data_in, "announce", p->ep.peer_data_port))) return st;
+    return open_link(p, &p->ack_in, "ACK", p->ep.peer_ack_port);
 }
 
-/* Stop the ACK thread and close every socket and the context. Safe on a
+/* Stop the control thread and close every socket and the context. Safe on a
  * half-opened pipe. */
 static void close_sockets(kvp_pipe *p)
 {
     if (!p->zctx) return;
-    /* Shutdown makes the ACK thread's blocking receive return ETERM. */
+    /* Shutdown makes the control thread's poll return ETERM. */
     zmq_ctx_shutdown(p->zctx);
-    if (p->ack_thread_started) pthread_join(p->ack_thread, NULL);
-    p->ack_thread_started = 0;
-    void **socks[] = {&p->data_push, &p->ack_push, &p->data_pull, &p->ack_pull};
-    for (size_t i = 0; i < 4; i++) {
+    if (p->ctl_started) pthread_join(p->ctl_thread, NULL);
+    p->ctl_started = 0;
+    /* The monitored sockets first: closing one ends its monitor. */
+    void **socks[] = {&p->data_push,   &p->ack_push,    &p->data_in.sock,
+                      &p->ack_in.sock, &p->data_in.mon, &p->ack_in.mon};
+    for (size_t i = 0; i < sizeof socks / sizeof socks[0]; i++) {
         if (*socks[i]) zmq_close(*socks[i]);
         *socks[i] = NULL;
     }
@@ -234,7 +312,7 @@ static void close_sockets(kvp_pipe *p)
     p->zctx = NULL;
 }
 
-/* ---------------------------------------------------------- ACK thread --- */
+/* ------------------------------------------------------- the FIFO ----- */
 
 static int q_push(kvp_pipe *p, void *buf, size_t len)
 {
@@ -272,11 +350,46 @@ static void q_drop_tail(kvp_pipe *p)
     p->q_count--;
 }
 
-/* One ACK message: the oldest buffer in flight is free. Like vLLM, any single
- * message on the ACK socket counts; one that is not "ACK" is logged. An ACK
- * that pops the buffer still being announced leaves it to its sender (post()),
- * which may yet have to take it back. */
-static void handle_ack(kvp_pipe *p, int frames, int ok)
+/* --------------------------------------- the links and the control thread --- */
+
+/* One whole message off a link (its parts arrive together, so this does not
+ * wait). Keeps the sizes of the first two frames and the first 8 bytes of
+ * each. Returns the frame count, 0 when none was waiting, -1 on ETERM. */
+typedef struct control_msg {
+    int frames;
+    size_t size[2];
+    uint8_t head[2][8];
+} control_msg;
+
+static int take_message(void *sock, control_msg *m)
+{
+    zmq_msg_t part;
+    zmq_msg_init(&part);
+    m->frames = 0;
+    int more;
+    do {
+        if (zmq_msg_recv(&part, sock, ZMQ_DONTWAIT) < 0) {
+            int err = zmq_errno();
+            zmq_msg_close(&part);
+            if (m->frames > 0 || err == EAGAIN || err == EINTR) return m->frames;
+            return -1;
+        }
+        if (m->frames < 2) {
+            size_t n = zmq_msg_size(&part);
+            m->size[m->frames] = n;
+            memcpy(m->head[m->frames], zmq_msg_data(&part), n < 8 ? n : 8);
+        }
+        m->frames++;
+        more = zmq_msg_more(&part);
+    } while (more);
+    zmq_msg_close(&part);
+    return m->frames;
+}
+
+/* One well-formed ACK: the oldest buffer in flight is free. An ACK that pops
+ * the buffer still being announced leaves it to its sender (post()), which
+ * may yet have to take it back. */
+static void take_ack(kvp_pipe *p)
 {
     pthread_mutex_lock(&p->lock);
     int have = p->q_count > 0;
@@ -285,42 +398,182 @@ static void handle_ack(kvp_pipe *p, int frames, int ok)
         p->posting_acked = 1;
         e.buf = NULL;
     }
-    if (!ok || frames != 1 || !have) p->stats.bad_acks++;
-    if (have) p->stats.acks++;
+    if (have)
+        p->stats.acks++;
+    else
+        p->stats.bad_acks++;
     pthread_cond_broadcast(&p->room);
     pthread_mutex_unlock(&p->lock);
-    if (!have)
-        KVPI_WARN("pipe %s: ACK from %s with nothing in flight, ignored", p->ep.local_segment,
-                  p->ep.peer_segment);
-    else if (!ok || frames != 1)
-        KVPI_WARN("pipe %s: malformed ACK from %s (%d frames), taken as an ACK",
-                  p->ep.local_segment, p->ep.peer_segment, frames);
+    if (!have) {
+        KVPI_WARN_LIMITED("pipe %s: dropped an ACK from %s with nothing in flight",
+                          p->ep.local_segment, p->ep.peer_segment);
+        return;
+    }
+    atomic_store(&p->ack_in.good, 1);
     if (e.buf) kvp_engine_free(p->engine, e.buf);
 }
 
-static void *ack_main(void *arg)
+/* Only the 3-byte frame "ACK" frees a buffer (every MooncakePipe sends just
+ * that): anything else could free one the peer is still reading. */
+static void handle_ack(kvp_pipe *p, const control_msg *m)
+{
+    if (m->frames == 1 && m->size[0] == ACK_LEN && memcmp(m->head[0], ACK_TEXT, ACK_LEN) == 0) {
+        take_ack(p);
+        return;
+    }
+    pthread_mutex_lock(&p->lock);
+    p->stats.bad_acks++;
+    pthread_mutex_unlock(&p->lock);
+    KVPI_WARN_LIMITED("pipe %s: dropped a malformed ACK from %s (%d frame(s), the first of %zu "
+                      "bytes; an ACK is the one 3-byte frame \"ACK\")",
+                      p->ep.local_segment, p->ep.peer_segment, m->frames, m->size[0]);
+}
+
+static int take_acks(kvp_pipe *p)
+{
+    for (int i = 0; i < ACK_BATCH; i++) {
+        control_msg m;
+        int n = take_message(p->ack_in.sock, &m);
+        if (n <= 0) return n;
+        handle_ack(p, &m);
+    }
+    return 0;
+}
+
+/* An announcement is two 8-byte frames: u64 BE address, u64 BE length. */
+static int is_announcement(const control_msg *m)
+{
+    return m->frames == 2 && m->size[0] == 8 && m->size[1] == 8;
+}
+
+/* Anything else on the data link is dropped unanswered, since no MooncakePipe
+ * sends it and no buffer of the peer waits for its ACK. */
+static void drop_announcement(kvp_pipe *p, const control_msg *m)
+{
+    pthread_mutex_lock(&p->lock);
+    p->stats.bad_messages++;
+    pthread_mutex_unlock(&p->lock);
+    char shape[64];
+    if (m->frames == 1)
+        snprintf(shape, sizeof shape, "1 frame of %zu bytes", m->size[0]);
+    else
+        snprintf(shape, sizeof shape, "%d frames, the first of %zu and %zu bytes", m->frames,
+                 m->size[0], m->size[1]);
+    KVPI_WARN_LIMITED("pipe %s: dropped a malformed announcement from %s (%s); an announcement is "
+                      "two 8-byte frames (address, length)",
+                      p->ep.local_segment, p->ep.peer_segment, shape);
+}
+
+/* Read the link's monitor: a DISCONNECTED that no CONNECT_RETRIED follows is
+ * a connection ZeroMQ closed for a protocol error and will not reconnect. */
+static int link_events(pull_link *l)
+{
+    for (;;) {
+        uint8_t ev[6];
+        char addr[256];
+        int n = zmq_recv(l->mon, ev, sizeof ev, ZMQ_DONTWAIT);
+        if (n < 0) return zmq_errno() == EAGAIN || zmq_errno() == EINTR ? 0 : -1;
+        if (zmq_recv(l->mon, addr, sizeof addr, 0) < 0) return -1;
+        uint16_t event;
+        memcpy(&event, ev, sizeof event);
+        if (n != 6) continue;
+        if (event == ZMQ_EVENT_DISCONNECTED) {
+            if (atomic_exchange(&l->good, 0)) l->backoff_ms = REDIAL_FIRST_MS;
+            l->redial_at = kvpi_now_ms() + (uint64_t)l->backoff_ms;
+        } else {
+            l->redial_at = 0; /* ZeroMQ is (re)connecting by itself */
+        }
+    }
+}
+
+/* Connect the link's socket again. Its owner only. The endpoint's dead
+ * session goes first: two live ones would share the peer's messages
+ * round-robin and could reorder them. */
+static void link_reconnect(kvp_pipe *p, pull_link *l)
+{
+    zmq_disconnect(l->sock, l->endpoint);
+    if (zmq_connect(l->sock, l->endpoint) != 0)
+        KVPI_WARN_LIMITED("pipe %s: cannot connect the %s link to %s again: %s",
+                          p->ep.local_segment, l->what, l->endpoint, zmq_strerror(zmq_errno()));
+}
+
+/* Whether the link's back-off has passed; then it is logged and the next
+ * back-off doubles. */
+static int link_due(kvp_pipe *p, pull_link *l, uint64_t now)
+{
+    if (!l->redial_at || now < l->redial_at) return 0;
+    l->redial_at = 0;
+    KVPI_WARN_LIMITED("pipe %s: ZeroMQ closed the %s link to %s (%s) after a protocol error (a "
+                      "frame above %d bytes, or a malformed ZeroMQ stream); connecting again "
+                      "after %d ms",
+                      p->ep.local_segment, l->what, p->ep.peer_segment, l->endpoint,
+                      CONTROL_MAX_FRAME, l->backoff_ms);
+    l->backoff_ms = l->backoff_ms * 2 > REDIAL_MAX_MS ? REDIAL_MAX_MS : l->backoff_ms * 2;
+    return 1;
+}
+
+/* data_in is the receivers' socket: reconnect it here only when no receiver
+ * holds it; else a receiver waiting on it is woken to do it, and one busy
+ * with a READ does it when it next waits (looked at again after a while). */
+static void data_handoff(kvp_pipe *p, uint64_t now)
+{
+    if (!atomic_load(&p->data_redial) || now < p->handoff_at) return;
+    if (pthread_mutex_trylock(&p->recv_lock) == 0) {
+        if (atomic_exchange(&p->data_redial, 0)) link_reconnect(p, &p->data_in);
+        pthread_mutex_unlock(&p->recv_lock);
+        p->handoff_at = 0;
+        return;
+    }
+    uint64_t one = 1;
+    if (write(p->recv_wake_fd, &one, sizeof one) < 0 && errno != EAGAIN)
+        KVPI_WARN("pipe %s: cannot wake a receiver: %s", p->ep.local_segment, strerror(errno));
+    p->handoff_at = now + HANDOFF_RETRY_MS;
+}
+
+/* How long the control thread may sleep: until the next thing due, or for
+ * ever. */
+static long control_timeout(const kvp_pipe *p, uint64_t now)
+{
+    uint64_t due[] = {p->data_in.redial_at, p->ack_in.redial_at,
+                      atomic_load(&p->data_redial) ? p->handoff_at : 0};
+    uint64_t next = 0;
+    for (size_t i = 0; i < sizeof due / sizeof due[0]; i++)
+        if (due[i] && (!next || due[i] < next)) next = due[i];
+    if (!next) return atomic_load(&p->data_redial) ? 0 : -1;
+    return next > now ? (long)(next - now) : 0;
+}
+
+static void *control_main(void *arg)
 {
     kvp_pipe *p = arg;
+    enum { ACKS, ACK_MON, DATA_MON };
     for (;;) {
-        zmq_msg_t msg;
-        zmq_msg_init(&msg);
-        int frames = 0, ok = 1, more;
-        do {
-            if (zmq_msg_recv(&msg, p->ack_pull, 0) < 0) {
-                int err = zmq_errno();
-                zmq_msg_close(&msg);
-                if (err == EINTR) goto next;
-                return NULL; /* ETERM: the pipe is closing */
-            }
-            frames++;
-            if (frames == 1)
-                ok = zmq_msg_size(&msg) == ACK_LEN && memcmp(zmq_msg_data(&msg), ACK_TEXT, 3) == 0;
-            more = zmq_msg_more(&msg);
-        } while (more);
-        zmq_msg_close(&msg);
-        handle_ack(p, frames, ok);
-    next:;
+        zmq_pollitem_t it[] = {
+            [ACKS] = {.socket = p->ack_in.sock, .events = ZMQ_POLLIN},
+            [ACK_MON] = {.socket = p->ack_in.mon, .events = ZMQ_POLLIN},
+            [DATA_MON] = {.socket = p->data_in.mon, .events = ZMQ_POLLIN},
+        };
+        int r = zmq_poll(it, 3, control_timeout(p, kvpi_now_ms()));
+        if (r < 0 && zmq_errno() == EINTR) continue;
+        if (r < 0) break; /* ETERM: the pipe is closing */
+        if ((it[ACK_MON].revents && link_events(&p->ack_in) < 0) ||
+            (it[DATA_MON].revents && link_events(&p->data_in) < 0) ||
+            (it[ACKS].revents && take_acks(p) < 0))
+            break;
+        uint64_t now = kvpi_now_ms();
+        if (link_due(p, &p->ack_in, now)) link_reconnect(p, &p->ack_in);
+        if (link_due(p, &p->data_in, now)) {
+            atomic_store(&p->data_redial, 1);
+            p->handoff_at = now;
+        }
+        data_handoff(p, now);
     }
+    /* Nothing takes ACKs any more: senders must not wait for room. */
+    pthread_mutex_lock(&p->lock);
+    if (!atomic_load(&p->closing)) atomic_store(&p->broken, 1);
+    pthread_cond_broadcast(&p->room);
+    pthread_mutex_unlock(&p->lock);
+    return NULL;
 }
 
 /* ---------------------------------------------------------------- open --- */
@@ -368,12 +621,17 @@ static kvp_status check_opts(const kvp_pipe_opts *o)
 
 static kvp_status pipe_init_sync(kvp_pipe *p)
 {
+    p->recv_wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (p->recv_wake_fd < 0) return kvpi_error(KVP_EIO, "pipe: eventfd: %s", strerror(errno));
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     int err = pthread_cond_init(&p->room, &ca);
     pthread_condattr_destroy(&ca);
-    if (err) return kvpi_error(KVP_EIO, "pipe: pthread_cond_init: %s", strerror(err));
+    if (err) {
+        close(p->recv_wake_fd);
+        return kvpi_error(KVP_EIO, "pipe: pthread_cond_init: %s", strerror(err));
+    }
     pthread_mutex_init(&p->lock, NULL);
     pthread_mutex_init(&p->send_lock, NULL);
     pthread_mutex_init(&p->recv_lock, NULL);
@@ -404,12 +662,12 @@ kvp_status kvp_pipe_open(const kvp_pipe_config *cfg, int local_rank, int kv_rank
     p->opts = o;
     if ((st = create_engine(p, cfg))) goto fail;
     if ((st = open_sockets(p))) goto fail;
-    int err = pthread_create(&p->ack_thread, NULL, ack_main, p);
+    int err = pthread_create(&p->ctl_thread, NULL, control_main, p);
     if (err) {
-        st = kvpi_error(KVP_EIO, "pipe: cannot start the ACK thread: %s", strerror(err));
+        st = kvpi_error(KVP_EIO, "pipe: cannot start the control thread: %s", strerror(err));
         goto fail;
     }
-    p->ack_thread_started = 1;
+    p->ctl_started = 1;
     KVPI_INFO("pipe %s open (kv_rank %d, peer %s): ZeroMQ data %d ack %d", ep.local_segment,
               kv_rank, ep.peer_segment, ep.data_port, ep.ack_port);
     *out = p;
@@ -653,56 +911,40 @@ kvp_status kvp_pipe_flush(kvp_pipe *p, int timeout_ms)
 
 /* ---------------------------------------------------------------- recv --- */
 
-/* Wait until an announcement can be read. */
-static kvp_status wait_readable(kvp_pipe *p, int timeout_ms)
+/* The next announcement off the data link, waiting up to timeout_ms
+ * (negative: no limit, 0: only what is there); malformed messages are
+ * dropped on the way. Caller holds recv_lock. */
+static kvp_status next_announcement(kvp_pipe *p, int timeout_ms, uint64_t *addr, uint64_t *len)
 {
     uint64_t deadline = kvpi_now_ms() + (uint64_t)(timeout_ms < 0 ? 0 : timeout_ms);
     for (;;) {
-        zmq_pollitem_t item = {.socket = p->data_pull, .events = ZMQ_POLLIN};
-        int wait = timeout_ms < 0 ? -1 : remaining_ms(deadline);
-        int r = zmq_poll(&item, 1, wait);
-        if (r > 0) return KVP_OK;
-        if (r < 0 && zmq_errno() != EINTR) return zmq_fail(p, "poll");
-        if (r == 0 && timeout_ms >= 0 && remaining_ms(deadline) == 0)
+        if (atomic_exchange(&p->data_redial, 0)) link_reconnect(p, &p->data_in);
+        control_msg m;
+        int n = take_message(p->data_in.sock, &m);
+        if (n < 0) return zmq_fail(p, "receive");
+        if (n > 0 && is_announcement(&m)) {
+            *addr = kvpi_get_be64(m.head[0]);
+            *len = kvpi_get_be64(m.head[1]);
+            atomic_store(&p->data_in.good, 1);
+            return KVP_OK;
+        }
+        if (n > 0) drop_announcement(p, &m);
+        /* A flood of garbage does not hold recv past its timeout. */
+        if (timeout_ms >= 0 && (n == 0 ? remaining_ms(deadline) == 0 : kvpi_now_ms() > deadline))
             return kvpi_error(KVP_ETIMEDOUT, "pipe %s: nothing announced by %s within %d ms",
                               p->ep.local_segment, p->ep.peer_segment, timeout_ms);
+        if (n > 0) continue;
+        zmq_pollitem_t it[2] = {
+            {.socket = p->data_in.sock, .events = ZMQ_POLLIN},
+            {.fd = p->recv_wake_fd, .events = ZMQ_POLLIN},
+        };
+        int r = zmq_poll(it, 2, timeout_ms < 0 ? -1 : remaining_ms(deadline));
+        if (r < 0 && zmq_errno() != EINTR) return zmq_fail(p, "poll");
+        uint64_t v;
+        if (r > 0 && it[1].revents && read(p->recv_wake_fd, &v, sizeof v) < 0 && errno != EAGAIN)
+            return kvpi_error(KVP_EIO, "pipe %s: eventfd: %s", p->ep.local_segment,
+                              strerror(errno));
     }
-}
-
-/* Take one whole message off the data socket. *consumed says whether a message
- * was taken (it then needs an ACK, good or bad). */
-static kvp_status take_announcement(kvp_pipe *p, uint64_t *addr, uint64_t *len, int *consumed)
-{
-    int frames = 0, bad_size = 0, more;
-    uint8_t f[2][8];
-    zmq_msg_t msg;
-    zmq_msg_init(&msg);
-    do {
-        /* The parts of a message arrive together, so none of these waits. */
-        if (zmq_msg_recv(&msg, p->data_pull, ZMQ_DONTWAIT) < 0) {
-            zmq_msg_close(&msg);
-            if (frames == 0 && zmq_errno() == EAGAIN)
-                return kvpi_error(KVP_ETIMEDOUT, "pipe %s: no announcement", p->ep.local_segment);
-            return zmq_fail(p, "receive");
-        }
-        *consumed = 1;
-        if (frames < 2 && zmq_msg_size(&msg) == 8)
-            memcpy(f[frames], zmq_msg_data(&msg), 8);
-        else if (frames < 2)
-            bad_size = 1;
-        frames++;
-        more = zmq_msg_more(&msg);
-    } while (more);
-    zmq_msg_close(&msg);
-    if (frames != 2 || bad_size)
-        return kvpi_error(KVP_EPROTO,
-                          "pipe %s: malformed announcement from %s: %d frame(s)%s, want two "
-                          "8-byte frames (address, length)",
-                          p->ep.local_segment, p->ep.peer_segment, frames,
-                          bad_size ? " of the wrong size" : "");
-    *addr = kvpi_get_be64(f[0]);
-    *len = kvpi_get_be64(f[1]);
-    return KVP_OK;
 }
 
 static kvp_status check_announcement(kvp_pipe *p, uint64_t addr, uint64_t len)
@@ -746,8 +988,8 @@ static void send_ack(kvp_pipe *p)
     if (zsend(p->ack_push, ACK_TEXT, ACK_LEN, 0, ACK_SEND_TIMEOUT_MS) == ACK_LEN) return;
     /* The data is here already; only the sender's buffer release depends on the
      * ACK, and a sender that does not take it is gone or not listening. */
-    KVPI_WARN("pipe %s: could not send ACK to %s: %s", p->ep.local_segment, p->ep.peer_segment,
-              zmq_strerror(zmq_errno()));
+    KVPI_WARN_LIMITED("pipe %s: could not send ACK to %s within %d ms: %s", p->ep.local_segment,
+                      p->ep.peer_segment, ACK_SEND_TIMEOUT_MS, zmq_strerror(zmq_errno()));
 }
 
 static int is_none(const kvp_tensor *t)
@@ -789,25 +1031,25 @@ kvp_status kvp_pipe_recv(kvp_pipe *p, int timeout_ms, kvp_tensor **out)
 {
     if (!p || !out) return kvpi_error(KVP_EINVAL, "pipe recv: NULL argument");
     pthread_mutex_lock(&p->recv_lock);
-    kvp_status st;
-    int consumed = 0;
     uint64_t addr = 0, len = 0;
     void *buf = NULL;
+    kvp_status st = KVP_OK;
     if (!kvp_pipe_usable(p)) {
         st = kvpi_error(KVP_ECLOSED, "pipe %s can no longer be used", p->ep.local_segment);
         goto out;
     }
-    if ((st = wait_readable(p, timeout_ms))) goto out;
-    if ((st = take_announcement(p, &addr, &len, &consumed)) == KVP_OK)
-        st = fetch(p, addr, len, &buf);
-    /* One ACK per message taken, once we are done with the sender's buffer. */
-    if (consumed) send_ack(p);
+    st = next_announcement(p, timeout_ms, &addr, &len);
+    if (st) goto out;
+    st = fetch(p, addr, len, &buf);
+    /* One ACK per announcement taken, good or bad, once we are done with the
+     * sender's buffer: the sender holds one for each. */
+    send_ack(p);
     if (st == KVP_OK) st = deliver(p, buf, (size_t)len, out);
     pthread_mutex_lock(&p->lock);
     if (st == KVP_OK) {
         p->stats.received++;
         p->stats.bytes_received += len;
-    } else if (consumed) {
+    } else {
         p->stats.bad_messages++;
     }
     pthread_mutex_unlock(&p->lock);
@@ -850,7 +1092,7 @@ void kvp_pipe_close(kvp_pipe *p)
     pthread_cond_broadcast(&p->room);
     pthread_mutex_unlock(&p->lock);
     close_sockets(p);
-    /* The ACK thread is gone: what is still queued will never be acknowledged. */
+    /* The control thread is gone: what is still queued will never be acknowledged. */
     while (p->q_count > 0)
         kvp_engine_free(p->engine, q_pop_head(p).buf);
     KVPI_INFO("pipe %s closed", p->ep.local_segment);

@@ -79,11 +79,11 @@ static int refuse(kvpi_conn *c, const kvpi_tcp_hdr *h)
 
 static void log_fault(kvpi_conn *c, const kvpi_tcp_hdr *h, const char *when)
 {
-    KVPI_WARN("%s: %s of [0x%llx, +%llu) %s: registered memory is not mapped or not readable "
-              "(EFAULT); was it freed without kvp_engine_unregister()?%s",
-              kvpi_conn_name(c), op_name(h), (unsigned long long)h->addr,
-              (unsigned long long)h->size, when,
-              h->v2 ? " The peer gets status 1 (address rejected)." : "");
+    KVPI_WARN_LIMITED("%s: %s of [0x%llx, +%llu) %s: registered memory is not mapped or not "
+                      "readable (EFAULT); was it freed without kvp_engine_unregister()?%s",
+                      kvpi_conn_name(c), op_name(h), (unsigned long long)h->addr,
+                      (unsigned long long)h->size, when,
+                      h->v2 ? " The peer gets status 1 (address rejected)." : "");
 }
 
 /* Serve one request; returns 0 to keep the connection, -1 to close it. */
@@ -97,9 +97,9 @@ static int serve_request(kvpi_conn *c, tcp_server *srv, const kvpi_tcp_hdr *h)
     if (h->size == 0) return h->v2 && send_status(c, KVPI_TCP_STATUS_OK) ? -1 : 0;
     kvpi_pin pin;
     if (kvpi_registry_pin(srv->registry, h->addr, h->size, &pin) != KVP_OK) {
-        KVPI_WARN("%s: rejected %s of [0x%llx, +%llu): outside registered memory",
-                  kvpi_conn_name(c), op_name(h), (unsigned long long)h->addr,
-                  (unsigned long long)h->size);
+        KVPI_WARN_LIMITED("%s: rejected %s of [0x%llx, +%llu): outside registered memory",
+                          kvpi_conn_name(c), op_name(h), (unsigned long long)h->addr,
+                          (unsigned long long)h->size);
         return refuse(c, h);
     }
     kvp_status st;
@@ -148,8 +148,8 @@ static void serve(kvpi_conn *c)
     while ((st = kvpi_conn_next(c, raw, sizeof raw)) == KVP_OK) {
         kvpi_tcp_hdr h;
         if (kvpi_tcp_hdr_decode(raw, &h) != 0) {
-            KVPI_WARN("%s: unknown opcode 0x%02x, closing the connection", kvpi_conn_name(c),
-                      raw[16]);
+            KVPI_WARN_LIMITED("%s: unknown opcode 0x%02x, closing the connection",
+                              kvpi_conn_name(c), raw[16]);
             return;
         }
         if (serve_request(c, srv, &h) != 0) return;

@@ -1,0 +1,244 @@
+/* A hostile or broken sender on a receiver's announce link: a raw peer (a
+ * real engine plus bare libzmq sockets on prefill's ports) sends a real
+ * decode pipe oversized frames, malformed announcements, bad addresses and
+ * lengths and floods of garbage between good tensors. The pipe must drop the
+ * garbage, log it a bounded number of times, and go on: every good tensor
+ * arrives intact, in order, exactly once, and is acknowledged exactly once. */
+#include "pipe_raw.h"
+
+/* What the decode side expects: n_good tensors 0..n_good-1 in order, with
+ * exactly n_errors recv errors among them, then nothing more. */
+typedef struct expect {
+    int n_good, n_errors;
+    uint64_t bad_messages; /* kvp_pipe_stats.bad_messages at the end */
+    raw_chan *pause;       /* non-NULL: after the first tensor, wait for a step */
+} expect;
+
+static void receive_expected(kvp_pipe *pipe, void *arg)
+{
+    const expect *e = arg;
+    int good = 0, errors = 0;
+    while (good < e->n_good && errors <= e->n_errors) {
+        kvp_tensor *t = NULL;
+        kvp_status st = kvp_pipe_recv(pipe, RAW_WAIT_MS, &t);
+        if (st == KVP_ETIMEDOUT) {
+            fprintf(stderr, "  decode: tensor %d did not come: %s\n", good, kvp_last_error());
+            kvpt_failures++;
+            return;
+        }
+        if (st) {
+            fprintf(stderr, "  decode: recv error: %s\n", kvp_last_error());
+            errors++;
+            CHECK(kvp_pipe_usable(pipe));
+            continue;
+        }
+        if (!raw_tensor_check(t, good)) fprintf(stderr, "  decode: tensor %d is wrong\n", good);
+        CHECK(raw_tensor_check(t, good));
+        kvp_tensor_free(t);
+        /* Away from recv meanwhile: nobody waits on the link. */
+        if (good++ == 0 && e->pause) CHECK(raw_wait_step(e->pause, RAW_SIDE_MS) == 'g');
+    }
+    CHECK(good == e->n_good);
+    CHECK(errors == e->n_errors);
+    /* Exactly once: nothing follows. */
+    kvp_tensor *t = NULL;
+    CHECK_ST(kvp_pipe_recv(pipe, 500, &t), KVP_ETIMEDOUT);
+    kvp_pipe_stats s;
+    kvp_pipe_get_stats(pipe, &s);
+    if (s.bad_messages != e->bad_messages)
+        fprintf(stderr, "  decode: bad_messages %llu, want %llu\n",
+                (unsigned long long)s.bad_messages, (unsigned long long)e->bad_messages);
+    CHECK(s.received == (uint64_t)e->n_good);
+    CHECK(s.bad_messages == e->bad_messages);
+    usleep(300000); /* let the last ACK leave */
+}
+
+/* The raw prefill: its engine, a PUSH bound on prefill's data port (watched
+ * by a monitor) and a PULL connected to decode's ACK port. */
+typedef struct raw_prefill {
+    raw_setup s;
+    kvp_engine *engine;
+    void *ctx, *push, *pull, *mon;
+    char err[128];
+    pid_t decode;
+} raw_prefill;
+
+static int prefill_start(raw_prefill *r, expect *e)
+{
+    if (raw_setup_init(&r->s)) return -1;
+    raw_err_path(r->err, sizeof r->err, "announce_decode");
+    r->decode = raw_spawn_side(&r->s, 1, receive_expected, e, r->err);
+    if (raw_engine(&r->s, 0, &r->engine)) return -1;
+    r->ctx = zmq_ctx_new();
+    r->push = raw_socket(r->ctx, ZMQ_PUSH);
+    r->pull = raw_socket(r->ctx, ZMQ_PULL);
+    r->mon = raw_monitor(r->ctx, r->push, "push");
+    if (!r->mon || raw_bind(r->push, r->s.side[0].data_port) ||
+        raw_connect(r->pull, r->s.side[1].ack_port))
+        return -1;
+    /* The decode pipe's PULL is connected once the handshake is done. */
+    return raw_wait_event(r->mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, RAW_WAIT_MS);
+}
+
+/* Wait for the decode side; 0 when it passed. */
+static int prefill_finish(raw_prefill *r)
+{
+    int rc = kvpt_wait_child(r->decode, RAW_SIDE_MS);
+    if (rc != 0) {
+        fprintf(stderr, "  decode side exit %d; its stderr:\n", rc);
+        raw_show(r->err, "decode");
+    }
+    zmq_close(r->mon);
+    zmq_close(r->push);
+    zmq_close(r->pull);
+    zmq_ctx_term(r->ctx);
+    kvp_engine_destroy(r->engine);
+    return rc;
+}
+
+/* One good tensor, and its ACK. */
+static void good_round(raw_prefill *r, int i)
+{
+    CHECK(raw_announce_good(r->engine, r->push, i) == 0);
+    CHECK(raw_count_acks(r->pull, 1, RAW_WAIT_MS) == 1);
+}
+
+/* Frames above ZMQ_MAXMSGSIZE (4096): ZeroMQ cuts the connection; the pipe
+ * must connect again and take the announcements that follow. */
+static void test_oversized_frames(void)
+{
+    expect e = {.n_good = 4, .n_errors = 0, .bad_messages = 0};
+    raw_prefill r = {0};
+    REQUIRE(prefill_start(&r, &e) == 0);
+    static uint8_t big[5000];
+    uint8_t b8[8] = {0};
+    good_round(&r, 0);
+    for (int round = 1; round < 4; round++) {
+        /* One frame of 5000 bytes; then the second frame of an announcement. */
+        const void *f[2] = {round == 2 ? (const void *)b8 : big, big};
+        size_t sz[2] = {round == 2 ? 8 : sizeof big, sizeof big};
+        CHECK(raw_send_frames(r.push, f, sz, round == 2 ? 2 : 1) == 0);
+        /* ZeroMQ on the pipe's side drops the connection ... */
+        CHECK(raw_wait_event(r.mon, ZMQ_EVENT_DISCONNECTED, RAW_WAIT_MS) == 0);
+        /* ... and the pipe must come back (ZeroMQ itself never does after a
+         * protocol error). */
+        int back = raw_wait_event(r.mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, RAW_WAIT_MS);
+        if (back != 0) fprintf(stderr, "  the pipe did not reconnect after round %d\n", round);
+        CHECK(back == 0);
+        if (back != 0) break;
+        good_round(&r, round);
+    }
+    /* Nothing acknowledged twice. */
+    CHECK(raw_count_acks(r.pull, 1, 300) == 0);
+    CHECK(prefill_finish(&r) == 0);
+    /* Logged, but not once per frame. */
+    int lines = raw_count_lines(r.err, "WARN");
+    CHECK(lines >= 1 && lines <= 3);
+    unlink(r.err);
+}
+
+/* The same while the receiver is not in recv: the pipe's own thread connects
+ * the link again, before any recv. */
+static void test_oversized_frame_while_away(void)
+{
+    raw_chan go;
+    REQUIRE(raw_chan_init(&go) == 0);
+    expect e = {.n_good = 2, .n_errors = 0, .bad_messages = 0, .pause = &go};
+    raw_prefill r = {0};
+    REQUIRE(prefill_start(&r, &e) == 0);
+    static uint8_t big[5000];
+    const void *f[1] = {big};
+    size_t sz[1] = {sizeof big};
+    good_round(&r, 0);
+    CHECK(raw_send_frames(r.push, f, sz, 1) == 0);
+    CHECK(raw_wait_event(r.mon, ZMQ_EVENT_DISCONNECTED, RAW_WAIT_MS) == 0);
+    CHECK(raw_wait_event(r.mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, RAW_WAIT_MS) == 0);
+    raw_step(&go, 'g');
+    good_round(&r, 1);
+    CHECK(prefill_finish(&r) == 0);
+    CHECK(raw_count_lines(r.err, "WARN") == 1);
+    unlink(r.err);
+}
+
+/* Malformed announcements within the size limit are dropped without an ACK
+ * and without a recv error; well-formed ones with a bad address or length are
+ * refused by recv (an error) and acknowledged, since their sender holds a
+ * buffer for each. */
+static void test_malformed_announcements(void)
+{
+    expect e = {.n_good = 3, .n_errors = 4, .bad_messages = 8 + 4};
+    raw_prefill r = {0};
+    REQUIRE(prefill_start(&r, &e) == 0);
+    static uint8_t b4096[4096];
+    uint8_t b8[8] = {0}, b9[9] = {0};
+    struct {
+        int n;
+        size_t sz[3];
+        const void *f[3];
+    } bad[] = {
+        {1, {8}, {b8}},               /* one frame */
+        {3, {8, 8, 8}, {b8, b8, b8}}, /* three frames */
+        {2, {8, 7}, {b8, b8}},        /* a 7-byte length */
+        {2, {8, 0}, {b8, b8}},        /* an empty length */
+        {2, {0, 8}, {b8, b8}},        /* an empty address */
+        {2, {9, 8}, {b9, b8}},        /* a 9-byte address */
+        {1, {4096}, {b4096}},         /* one frame at the size limit */
+        {2, {8, 4096}, {b8, b4096}},  /* a length frame at the limit */
+    };
+    CHECK(raw_announce_good(r.engine, r.push, 0) == 0);
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        CHECK(raw_send_frames(r.push, bad[i].f, bad[i].sz, bad[i].n) == 0);
+    CHECK(raw_announce_good(r.engine, r.push, 1) == 0);
+    void *mem;
+    REQUIRE_OK(kvp_engine_alloc(r.engine, 4096, &mem));
+    CHECK(raw_send_announcement(r.push, (uint64_t)(uintptr_t)mem, 0) == 0);          /* EPROTO */
+    CHECK(raw_send_announcement(r.push, (uint64_t)(uintptr_t)mem, 1ull << 62) == 0); /* EPROTO */
+    CHECK(raw_send_announcement(r.push, 0x1000, 64) == 0);                           /* ERANGE */
+    CHECK(raw_send_announcement(r.push, UINT64_MAX - 10, 100) == 0);                 /* ERANGE */
+    CHECK(raw_announce_good(r.engine, r.push, 2) == 0);
+    /* 3 good + 4 refused; none for the 8 malformed ones. */
+    int acks = raw_count_acks(r.pull, 100, 3000);
+    if (acks != 7) fprintf(stderr, "  %d ACKs, want 7\n", acks);
+    CHECK(acks == 7);
+    CHECK(prefill_finish(&r) == 0);
+    int lines = raw_count_lines(r.err, "WARN");
+    CHECK(lines >= 1 && lines <= 3);
+    unlink(r.err);
+}
+
+/* 20000 malformed announcements around five good ones: the good ones arrive,
+ * the garbage costs a bounded number of log lines and no ACK. */
+static void test_garbage_flood(void)
+{
+    enum { GARBAGE = 20000, GOOD = 5 };
+    expect e = {.n_good = GOOD, .n_errors = 0, .bad_messages = GARBAGE};
+    raw_prefill r = {0};
+    REQUIRE(prefill_start(&r, &e) == 0);
+    uint8_t b8[8] = {0};
+    const void *f[1] = {b8};
+    size_t sz[1] = {8};
+    int sent = 0;
+    for (int g = 0; g < GOOD; g++) {
+        CHECK(raw_announce_good(r.engine, r.push, g) == 0);
+        for (int i = 0; g + 1 < GOOD && i < GARBAGE / (GOOD - 1); i++, sent++)
+            if (raw_send_frames(r.push, f, sz, 1) != 0) break;
+    }
+    CHECK(sent == GARBAGE);
+    int acks = raw_count_acks(r.pull, GARBAGE + GOOD, 3000);
+    if (acks != GOOD) fprintf(stderr, "  %d ACKs, want %d\n", acks, GOOD);
+    CHECK(acks == GOOD);
+    CHECK(prefill_finish(&r) == 0);
+    int lines = raw_count_lines(r.err, " kvpipe[");
+    if (lines > 3) fprintf(stderr, "  %d log lines for %d garbage frames\n", lines, GARBAGE);
+    CHECK(lines >= 1 && lines <= 3);
+    unlink(r.err);
+}
+
+int main(void)
+{
+    RUN_T(test_oversized_frames, 180);
+    RUN_T(test_oversized_frame_while_away, 120);
+    RUN_T(test_malformed_announcements, 120);
+    RUN_T(test_garbage_flood, 180);
+    return kvpt_summary();
+}
