@@ -322,7 +322,9 @@ static void report_once(kvp_engine *e, report_state *prev)
             first = 0;
         }
     }
-    KVPI_INFO("%s [segment %s]", line, e->name);
+    /* Asked for by MC_TE_METRIC: shown at any log level, as Mooncake (whose
+     * default level is INFO) shows it. */
+    kvpi_log_always(KVP_LOG_INFO, KVPI_LOG_SUBSYS, "%s [segment %s]", line, e->name);
 }
 
 static void *reporter_main(void *arg)

@@ -1,5 +1,5 @@
-/* A pipe's metrics: its counters (kvp_pipe_get_stats) as samples, followed
- * by its engine's. */
+/* A pipe's metrics: its counters (kvp_pipe_get_stats, and its timeouts) as
+ * samples, followed by its engine's. */
 #include "common/error.h"
 #include "common/metrics.h"
 #include "engine/metrics.h"
@@ -17,6 +17,9 @@ static const kvpi_metric_family
                       "Announcements dropped as malformed or refused by recv", KVP_METRIC_COUNTER},
     f_bad_acks = {"kvpipe_pipe_bad_acks_total", "ACK frames dropped: not \"ACK\", or not expected",
                   KVP_METRIC_COUNTER},
+    f_timeouts = {"kvpipe_pipe_timeouts_total",
+                  "Sends and receives that ran out of time (KVP_ETIMEDOUT), by operation",
+                  KVP_METRIC_COUNTER},
     f_inflight_bytes = {"kvpipe_pipe_inflight_bytes", "Bytes sent and not yet acknowledged",
                         KVP_METRIC_GAUGE},
     f_inflight_messages = {"kvpipe_pipe_inflight_messages",
@@ -33,6 +36,11 @@ void kvpi_pipe_metrics_collect(kvp_pipe *p, kvp_metrics *m)
     kvpi_metrics_add(m, &f_acks, (double)s.acks, NULL);
     kvpi_metrics_add(m, &f_bad_messages, (double)s.bad_messages, NULL);
     kvpi_metrics_add(m, &f_bad_acks, (double)s.bad_acks, NULL);
+    const kvpi_pipe_counters *c = kvpi_pipe_counters_of(p);
+    kvpi_metrics_add(m, &f_timeouts, (double)kvpi_counter_get(&c->send_timeouts), "op", "send",
+                     NULL);
+    kvpi_metrics_add(m, &f_timeouts, (double)kvpi_counter_get(&c->recv_timeouts), "op", "recv",
+                     NULL);
     kvpi_metrics_add(m, &f_inflight_bytes, (double)s.inflight_bytes, NULL);
     kvpi_metrics_add(m, &f_inflight_messages, (double)s.inflight_count, NULL);
 }

@@ -3,8 +3,19 @@
 #ifndef KVPI_PIPE_PIPE_METRICS_H
 #define KVPI_PIPE_PIPE_METRICS_H
 
+#include "common/metrics.h"
+#include "engine/metrics.h" /* kvpi_engine_metrics_attach, for pipe.c */
 #include "kvpipe/metrics.h"
 #include "kvpipe/pipe.h"
+
+/* What a pipe counts besides kvp_pipe_stats. */
+typedef struct kvpi_pipe_counters {
+    kvpi_counter send_timeouts; /* sends that ran out of time (room or announcement) */
+    kvpi_counter recv_timeouts; /* receives that found no announcement in time */
+} kvpi_pipe_counters;
+
+/* pipe.c: the pipe's counters. */
+const kvpi_pipe_counters *kvpi_pipe_counters_of(const kvp_pipe *p);
 
 /* Add the pipe's own samples (not its engine's) to m. */
 void kvpi_pipe_metrics_collect(kvp_pipe *p, kvp_metrics *m);
