@@ -26,7 +26,7 @@ typedef struct demo_opts {
     int tokens, requests, layers, kv_heads, head_dim, hidden;
     kvp_dtype dtype;
     const char *protocol, *metadata;
-    int no_shm, json, port, timeout_ms, prefault, baseline;
+    int no_shm, json, port, timeout_ms, prefault, baseline, in_place;
     const char *role, *run_dir; /* set for the two child processes */
 } demo_opts;
 
@@ -74,7 +74,8 @@ static int parse_dtype(const char *s, kvp_dtype *out)
 
 enum {
     O_TOKENS = 1, O_REQUESTS, O_LAYERS, O_KV_HEADS, O_HEAD_DIM, O_HIDDEN, O_DTYPE, O_PROTOCOL,
-    O_NO_SHM, O_METADATA, O_PORT, O_TIMEOUT, O_NO_PREFAULT, O_BASELINE, O_JSON, O_ROLE, O_RUN_DIR,
+    O_NO_SHM, O_METADATA, O_PORT, O_TIMEOUT, O_NO_PREFAULT, O_SEND, O_BASELINE, O_JSON, O_ROLE,
+    O_RUN_DIR,
 };
 
 static const kvp_cli_opt opts[] = {
@@ -101,6 +102,12 @@ static const kvp_cli_opt opts[] = {
      "do not touch the engines' buffer memory before the run:\nthe first requests then pay the "
      "page faults of fresh\nmemory, as in a process that just started",
      .id = O_NO_PREFAULT},
+    {"send", KVP_ARG_CHOICE, "copy|in-place",
+     "copy: kvp_pipe_send() copies each tensor into registered\nmemory, as vLLM's connector "
+     "does (default); in-place:\nprefill builds each tensor in a pipe buffer\n"
+     "(kvp_pipe_tensor_alloc) before its clock starts, and\nkvp_pipe_send_take() sends it "
+     "with no copy",
+     .choices = "copy|in-place", .id = O_SEND},
     {"baseline", KVP_ARG_FLAG, NULL,
      "also time memcpy of the same bytes (one thread, memory\npre-faulted) after the run, for "
      "comparison",
@@ -146,6 +153,7 @@ static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value 
     case O_PORT: o->port = (int)v->i; break;
     case O_TIMEOUT: o->timeout_ms = (int)v->i; break;
     case O_NO_PREFAULT: o->prefault = !v->i; break;
+    case O_SEND: o->in_place = (int)v->i; break;
     case O_BASELINE: o->baseline = (int)v->i; break;
     case O_JSON: o->json = (int)v->i; break;
     case O_ROLE: o->role = v->text; break;
@@ -312,23 +320,87 @@ static double request_bytes(const part *p)
     return per;
 }
 
-/* Decode writes this file when it is ready (memory pre-faulted), so that
- * prefill's clock does not run while decode is still preparing. */
-static void ready_path(const demo_opts *o, char *path, size_t cap)
-{
-    snprintf(path, cap, "%s/decode.ready", o->run_dir);
-}
-
-static int wait_ready(const demo_opts *o)
+/* The sides tell each other through files in the run directory how far
+ * they are, so that nothing but the transfers runs on prefill's clock:
+ * ROLE.open once its pipe is open, decode.ready once decode's memory is
+ * pre-faulted. */
+static void mark(const demo_opts *o, const char *what)
 {
     char path[512];
-    ready_path(o, path, sizeof path);
+    snprintf(path, sizeof path, "%s/%s", o->run_dir, what);
+    FILE *f = fopen(path, "w");
+    if (f) fclose(f);
+}
+
+static int wait_mark(const demo_opts *o, const char *what)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", o->run_dir, what);
     for (uint64_t until = kvp_cli_now_ms() + RECV_TIMEOUT_MS; kvp_cli_now_ms() < until;) {
         if (access(path, F_OK) == 0) return 0;
         usleep(2000);
     }
-    kvp_cli_error("prefill: decode did not get ready in %d s", RECV_TIMEOUT_MS / 1000);
+    kvp_cli_error("%s: the other side did not get to %s in %d s", o->role, what,
+                  RECV_TIMEOUT_MS / 1000);
     return -1;
+}
+
+/* Both pipes open: each side's ZeroMQ links reach the other's ports, those
+ * that tried before the peer listened after ZeroMQ's reconnect interval
+ * (100 ms): give it three. */
+#define LINKS_SETTLE_MS 300
+
+static int meet(const demo_opts *o, const char *self, const char *peer)
+{
+    mark(o, self);
+    if (wait_mark(o, peer)) return -1;
+    usleep(LINKS_SETTLE_MS * 1000);
+    return 0;
+}
+
+/* Request r as vLLM's connector sends it: each part filled in our memory,
+ * then kvp_pipe_send() copies it into registered memory (on the clock). */
+static int send_copying(kvp_pipe *pipe, const part *p, void *const bufs[N_PARTS], int r,
+                        FILE *report)
+{
+    for (int k = 0; k < N_PARTS; k++) fill_part(bufs[k], p[k].nbytes, k, seed_of(r, k));
+    fprintf(report, "start %d %llu\n", r, (unsigned long long)kvp_cli_now_ns());
+    for (int k = 0; k < N_PARTS; k++) {
+        kvp_tensor t;
+        kvp_tensor_init(&t, p[k].dtype, p[k].ndim, p[k].shape, bufs[k]);
+        if (kvp_pipe_send(pipe, &t) != KVP_OK) {
+            kvp_cli_error("prefill: request %d %s: %s", r, part_names[k], kvp_last_error());
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Request r built in pipe buffers (the producer's writing: off the clock),
+ * then sent as it lies. */
+static int send_in_place(const demo_opts *o, kvp_pipe *pipe, const part *p, int r, FILE *report)
+{
+    kvp_tensor *t[N_PARTS] = {0};
+    int rc = 0;
+    for (int k = 0; k < N_PARTS && !rc; k++) {
+        if (kvp_pipe_tensor_alloc(pipe, p[k].dtype, p[k].ndim, p[k].shape, &t[k]) != KVP_OK) {
+            kvp_cli_error("%s: request %d %s: %s", o->role, r, part_names[k], kvp_last_error());
+            rc = 1;
+            break;
+        }
+        fill_part(t[k]->data, p[k].nbytes, k, seed_of(r, k));
+    }
+    if (!rc) fprintf(report, "start %d %llu\n", r, (unsigned long long)kvp_cli_now_ns());
+    for (int k = 0; k < N_PARTS && !rc; k++) {
+        if (kvp_pipe_send_take(pipe, t[k]) != KVP_OK) {
+            kvp_cli_error("prefill: request %d %s: %s", r, part_names[k], kvp_last_error());
+            rc = 1;
+            break;
+        }
+        t[k] = NULL; /* the pipe's now */
+    }
+    for (int k = 0; k < N_PARTS; k++) kvp_tensor_free(t[k]);
+    return rc;
 }
 
 static int run_prefill(const demo_opts *o)
@@ -339,27 +411,19 @@ static int run_prefill(const demo_opts *o)
     FILE *report = open_report(o);
     void *bufs[N_PARTS] = {0};
     int rc = !pipe || !report;
-    for (int k = 0; k < N_PARTS && !rc; k++)
+    for (int k = 0; k < N_PARTS && !rc && !o->in_place; k++)
         if (!(bufs[k] = malloc(p[k].nbytes ? p[k].nbytes : 1))) rc = 1;
     /* As many requests as the pipe lets be in flight, plus the one being sent. */
     kvp_pipe_opts po;
     kvp_pipe_opts_init(&po);
     int inflight = (int)((double)po.kv_buffer_size / request_bytes(p)) + 1;
     if (inflight > o->requests) inflight = o->requests;
+    if (!rc && meet(o, "prefill.open", "decode.open")) rc = 1;
     if (!rc && o->prefault && prefault(pipe, p, inflight)) rc = 1;
-    if (!rc && wait_ready(o)) rc = 1;
-    for (int r = 0; r < o->requests && !rc; r++) {
-        for (int k = 0; k < N_PARTS; k++) fill_part(bufs[k], p[k].nbytes, k, seed_of(r, k));
-        fprintf(report, "start %d %llu\n", r, (unsigned long long)kvp_cli_now_ns());
-        for (int k = 0; k < N_PARTS && !rc; k++) {
-            kvp_tensor t;
-            kvp_tensor_init(&t, p[k].dtype, p[k].ndim, p[k].shape, bufs[k]);
-            if (kvp_pipe_send(pipe, &t) != KVP_OK) {
-                kvp_cli_error("prefill: request %d %s: %s", r, part_names[k], kvp_last_error());
-                rc = 1;
-            }
-        }
-    }
+    if (!rc && wait_mark(o, "decode.ready")) rc = 1;
+    for (int r = 0; r < o->requests && !rc; r++)
+        rc = o->in_place ? send_in_place(o, pipe, p, r, report)
+                         : send_copying(pipe, p, bufs, r, report);
     /* Stay until decode has read everything: closing frees the buffers. */
     if (!rc && kvp_pipe_flush(pipe, RECV_TIMEOUT_MS) != KVP_OK) {
         kvp_cli_error("prefill: %s", kvp_last_error());
@@ -415,12 +479,10 @@ static int run_decode(const demo_opts *o)
     kvp_pipe *pipe = open_pipe(o, 1);
     FILE *report = open_report(o);
     int rc = !pipe || !report;
+    if (!rc && meet(o, "decode.open", "prefill.open")) rc = 1;
     /* Decode holds one request's tensors at a time. */
     if (!rc && o->prefault && prefault(pipe, p, 1)) rc = 1;
-    char path[512];
-    ready_path(o, path, sizeof path);
-    FILE *ready = rc ? NULL : fopen(path, "w");
-    if (ready) fclose(ready);
+    if (!rc) mark(o, "decode.ready");
     progress(0, o->requests);
     for (int r = 0; r < o->requests && !rc; r++) {
         uint64_t done;
@@ -559,7 +621,8 @@ static void summarize(const demo_opts *o, const part *p, const results *res)
     int n = o->requests;
     printf("moved %.2f GB in %.3f s over %s: %.2f GB/s; every byte verified\n", s.bytes / 1e9,
            s.secs, res->transport, s.gbps);
-    printf("  first request %.1f ms (%s)\n", s.first_ms,
+    printf("  first request %.1f ms (%s%s)\n", s.first_ms,
+           o->in_place ? "in-place send; " : "",
            o->prefault ? "connections and lookups; memory pre-faulted"
                        : "page faults of fresh memory, connections and lookups");
     if (n > 1)
@@ -580,8 +643,10 @@ static void summarize(const demo_opts *o, const part *p, const results *res)
     json_num("steady_gbps", s.steady_gbps, 0);
     json_num("memcpy_gbps", s.memcpy_gbps, 0);
     json_num("memcpy_ms", s.memcpy_ms, 0);
-    printf("\"prefault\": %s, \"seconds\": %.3f, \"transport\": \"%s\", \"errors\": 0}\n",
-           o->prefault ? "true" : "false", s.secs, res->transport);
+    printf("\"prefault\": %s, \"send\": \"%s\", \"seconds\": %.3f, \"transport\": \"%s\", "
+           "\"errors\": 0}\n",
+           o->prefault ? "true" : "false", o->in_place ? "in-place" : "copy", s.secs,
+           res->transport);
 }
 
 static void describe(const demo_opts *o, const part *p, const kvp_launch *l)
