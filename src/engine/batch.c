@@ -52,7 +52,9 @@ static int connection_level(kvp_status st)
     return st == KVP_ETIMEDOUT || st == KVP_ECONNRESET || st == KVP_ECONNREFUSED;
 }
 
-static void complete(kvpi_work *w, kvp_status st)
+/* done_ns: when the work's transfer finished (the clock read once for a
+ * group), for the latency of a request that succeeds; 0 for a failure. */
+static void complete(kvpi_work *w, kvp_status st, uint64_t done_ns)
 {
     kvp_batch *b = w->batch;
     pthread_mutex_lock(&b->lock);
@@ -70,7 +72,7 @@ static void complete(kvpi_work *w, kvp_status st)
     /* Counted before a waiter can see the request done. */
     if (done)
         kvpi_metrics_request_done(b->metrics, w->slice.opcode, r->length, w->ops, r->status,
-                                  b->submit_ns);
+                                  done_ns - b->submit_ns);
     b->outstanding--;
     pthread_cond_broadcast(&b->cond);
     pthread_mutex_unlock(&b->lock);
@@ -145,7 +147,7 @@ static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
     for (size_t i = 0; i < n; i++) {
         kvp_status skip = skip_reason(group[i]);
         if (skip)
-            complete(group[i], skip);
+            complete(group[i], skip, 0);
         else
             live[m++] = group[i];
     }
@@ -153,7 +155,7 @@ static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
     kvpi_peer *peer;
     kvp_status st = acquire_for(e, seg, live, m, &peer);
     if (st) {
-        for (size_t i = 0; i < m; i++) complete(live[i], st);
+        for (size_t i = 0; i < m; i++) complete(live[i], st, 0);
         return;
     }
     /* Check against the peer's published buffers before sending anything; the
@@ -165,7 +167,7 @@ static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
                                   s->length)) {
             kvpi_error(KVP_ERANGE, "segment %s: [0x%llx, +%zu) is outside its registered buffers",
                        seg->name, (unsigned long long)s->remote, s->length);
-            complete(live[i], KVP_ERANGE);
+            complete(live[i], KVP_ERANGE, 0);
             continue;
         }
         s->status = KVP_EINPROGRESS;
@@ -174,11 +176,13 @@ static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
         slices[k++] = s;
     }
     st = k ? peer->ops->peer_xfer(peer->handle, slices, k) : KVP_OK;
+    uint64_t done_ns = kvpi_now_ns();
     kvpi_segment_release(seg, peer, st != KVP_OK);
     kvpi_segment_note(seg, st);
     for (size_t i = 0; i < k; i++)
-        complete(live[i], slices[i]->status == KVP_EINPROGRESS ? (st ? st : KVP_EIO)
-                                                              : slices[i]->status);
+        complete(live[i],
+                 slices[i]->status == KVP_EINPROGRESS ? (st ? st : KVP_EIO) : slices[i]->status,
+                 done_ns);
 }
 
 static void *worker_main(void *arg)
@@ -191,7 +195,7 @@ static void *worker_main(void *arg)
         if (n == 0) break;
         if (stopping) {
             for (size_t i = 0; i < n; i++)
-                complete(group[i], kvpi_error(KVP_ECLOSED, "the engine is shutting down"));
+                complete(group[i], kvpi_error(KVP_ECLOSED, "the engine is shutting down"), 0);
             continue;
         }
         run_group(e, group, n);
@@ -315,8 +319,7 @@ kvp_status kvp_batch_submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_requ
     b->metrics = &e->metrics;
     b->submit_ns = kvpi_now_ns();
     uint64_t bytes = build_works(b, reqs, e->opts.slice_size);
-    kvpi_gauge_add(&e->metrics.inflight_requests, (int64_t)b->pending);
-    kvpi_gauge_add(&e->metrics.inflight_bytes, (int64_t)bytes);
+    kvpi_metrics_submitted(&e->metrics, b->pending, bytes);
     if (n_works) enqueue(e, &b->works[0], &b->works[n_works - 1]);
     *out = b;
     return KVP_OK;

@@ -1,6 +1,7 @@
 /* The engine's metrics: the samples of a snapshot, the endpoint, and
  * Mooncake's MC_TE_METRIC throughput line. */
 #include <errno.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,20 +24,63 @@ static size_t transport_index(const void *ops)
     return KVPI_TRANSPORTS_MAX;
 }
 
-void kvpi_metrics_request_done(kvpi_engine_metrics *m, kvp_opcode op, size_t len, const void *ops,
-                               kvp_status st, uint64_t submit_ns)
+kvpi_engine_shard *kvpi_metrics_shard(kvpi_engine_metrics *m)
 {
+    static atomic_uint next;
+    static _Thread_local unsigned mine = UINT_MAX;
+    if (mine == UINT_MAX) mine = atomic_fetch_add(&next, 1) % KVPI_METRIC_SHARDS;
+    return &m->shards[mine];
+}
+
+void kvpi_metrics_submitted(kvpi_engine_metrics *m, size_t n, uint64_t bytes)
+{
+    kvpi_engine_shard *s = kvpi_metrics_shard(m);
+    kvpi_gauge_add(&s->inflight_requests, (int64_t)n);
+    kvpi_gauge_add(&s->inflight_bytes, (int64_t)bytes);
+}
+
+void kvpi_metrics_request_done(kvpi_engine_metrics *m, kvp_opcode op, size_t len, const void *ops,
+                               kvp_status st, uint64_t latency_ns)
+{
+    kvpi_engine_shard *sh = kvpi_metrics_shard(m);
     int o = op == KVP_OP_WRITE;
-    kvpi_gauge_add(&m->inflight_requests, -1);
-    kvpi_gauge_add(&m->inflight_bytes, -(int64_t)len);
+    kvpi_gauge_add(&sh->inflight_requests, -1);
+    kvpi_gauge_add(&sh->inflight_bytes, -(int64_t)len);
     size_t t = transport_index(ops);
     if (st == KVP_OK && t < KVPI_TRANSPORTS_MAX) {
-        kvpi_counter_add(&m->requests[o][t], 1);
-        kvpi_counter_add(&m->bytes[o][t], len);
-        kvpi_histogram_observe_ns(&m->latency[o], kvpi_now_ns() - submit_ns);
+        kvpi_counter_add(&sh->requests[o][t], 1);
+        kvpi_counter_add(&sh->bytes[o][t], len);
+        kvpi_histogram_observe_ns(&sh->latency[o], latency_ns);
     } else {
         unsigned s = (unsigned)(st ? st : KVP_EIO);
-        kvpi_counter_add(&m->errors[o][s < KVPI_STATUS_SLOTS ? s : 0], 1);
+        kvpi_counter_add(&sh->errors[o][s < KVPI_STATUS_SLOTS ? s : 0], 1);
+    }
+}
+
+/* The shards added up. */
+typedef struct totals {
+    uint64_t requests[2][KVPI_TRANSPORTS_MAX], bytes[2][KVPI_TRANSPORTS_MAX];
+    uint64_t errors[2][KVPI_STATUS_SLOTS];
+    kvpi_histogram latency[2];
+    int64_t inflight_requests, inflight_bytes;
+} totals;
+
+static void add_up(const kvpi_engine_metrics *m, totals *t)
+{
+    memset(t, 0, sizeof *t);
+    for (size_t k = 0; k < KVPI_METRIC_SHARDS; k++) {
+        const kvpi_engine_shard *s = &m->shards[k];
+        for (int o = 0; o < 2; o++) {
+            for (size_t i = 0; i < KVPI_TRANSPORTS_MAX; i++) {
+                t->requests[o][i] += kvpi_counter_get(&s->requests[o][i]);
+                t->bytes[o][i] += kvpi_counter_get(&s->bytes[o][i]);
+            }
+            for (size_t i = 0; i < KVPI_STATUS_SLOTS; i++)
+                t->errors[o][i] += kvpi_counter_get(&s->errors[o][i]);
+            kvpi_histogram_merge(&t->latency[o], &s->latency[o]);
+        }
+        t->inflight_requests += kvpi_gauge_get(&s->inflight_requests);
+        t->inflight_bytes += kvpi_gauge_get(&s->inflight_bytes);
     }
 }
 
@@ -92,31 +136,35 @@ static const kvpi_metric_family
 
 static void collect_initiator(const kvpi_engine_metrics *m, kvp_metrics *out)
 {
+    totals *t = malloc(sizeof *t);
+    if (!t) return;
+    add_up(m, t);
     for (int o = 0; o < 2; o++)
-        for (size_t t = 0; kvpi_transports[t] && t < KVPI_TRANSPORTS_MAX; t++)
-            kvpi_metrics_add(out, &f_requests, (double)kvpi_counter_get(&m->requests[o][t]), "op",
-                             op_names[o], "transport", kvpi_transports[t]->name, NULL);
+        for (size_t i = 0; kvpi_transports[i] && i < KVPI_TRANSPORTS_MAX; i++)
+            kvpi_metrics_add(out, &f_requests, (double)t->requests[o][i], "op", op_names[o],
+                             "transport", kvpi_transports[i]->name, NULL);
     for (int o = 0; o < 2; o++)
-        for (size_t t = 0; kvpi_transports[t] && t < KVPI_TRANSPORTS_MAX; t++)
-            kvpi_metrics_add(out, &f_bytes, (double)kvpi_counter_get(&m->bytes[o][t]), "op",
-                             op_names[o], "transport", kvpi_transports[t]->name, NULL);
+        for (size_t i = 0; kvpi_transports[i] && i < KVPI_TRANSPORTS_MAX; i++)
+            kvpi_metrics_add(out, &f_bytes, (double)t->bytes[o][i], "op", op_names[o],
+                             "transport", kvpi_transports[i]->name, NULL);
     /* Every status that occurred; zero samples for the usual connection
      * failures, so that their series exist before the first one. */
     for (int o = 0; o < 2; o++)
         for (unsigned s = 1; s < KVPI_STATUS_SLOTS; s++) {
-            uint64_t v = kvpi_counter_get(&m->errors[o][s]);
+            uint64_t v = t->errors[o][s];
             int usual = s == KVP_ETIMEDOUT || s == KVP_ECONNRESET || s == KVP_ECONNREFUSED;
             if (v || usual)
                 kvpi_metrics_add(out, &f_errors, (double)v, "op", op_names[o], "status",
                                  kvpi_metrics_status_name((kvp_status)s), NULL);
         }
     for (int o = 0; o < 2; o++)
-        kvpi_metrics_add_histogram(out, &f_latency, &m->latency[o], "op", op_names[o], NULL);
-    kvpi_metrics_add(out, &f_inflight_req, (double)kvpi_gauge_get(&m->inflight_requests), NULL);
-    kvpi_metrics_add(out, &f_inflight_bytes, (double)kvpi_gauge_get(&m->inflight_bytes), NULL);
+        kvpi_metrics_add_histogram(out, &f_latency, &t->latency[o], "op", op_names[o], NULL);
+    kvpi_metrics_add(out, &f_inflight_req, (double)t->inflight_requests, NULL);
+    kvpi_metrics_add(out, &f_inflight_bytes, (double)t->inflight_bytes, NULL);
     kvpi_metrics_add(out, &f_retries, (double)kvpi_counter_get(&m->retries), NULL);
     kvpi_metrics_add(out, &f_lookups, (double)kvpi_counter_get(&m->lookups), NULL);
     kvpi_metrics_add(out, &f_refreshes, (double)kvpi_counter_get(&m->refreshes), NULL);
+    free(t);
 }
 
 static void collect_target(const kvpi_engine_metrics *m, kvp_metrics *out)
@@ -281,14 +329,16 @@ typedef struct report_state {
 static void report_read(const kvpi_engine_metrics *m, report_state *s)
 {
     memset(s, 0, sizeof *s);
+    totals *t = malloc(sizeof *t);
+    if (!t) return;
+    add_up(m, t);
     for (int o = 0; o < 2; o++) {
-        for (size_t t = 0; t < KVPI_TRANSPORTS_MAX; t++)
-            s->bytes += kvpi_counter_get(&m->bytes[o][t]);
+        for (size_t i = 0; i < KVPI_TRANSPORTS_MAX; i++) s->bytes += t->bytes[o][i];
         uint64_t b[KVPI_LATENCY_BUCKETS + 1];
-        kvpi_histogram_read(&m->latency[o], b);
-        for (size_t i = 0; i <= KVPI_LATENCY_BUCKETS; i++)
-            s->buckets[i] += b[i];
+        kvpi_histogram_read(&t->latency[o], b);
+        for (size_t i = 0; i <= KVPI_LATENCY_BUCKETS; i++) s->buckets[i] += b[i];
     }
+    free(t);
 }
 
 /* One line for the interval since prev, in Mooncake's words; nothing when

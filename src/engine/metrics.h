@@ -30,13 +30,24 @@ static inline void kvpi_served_add(kvpi_served *s, int write, uint64_t bytes)
     kvpi_counter_add(&s->bytes[write], bytes);
 }
 
-typedef struct kvpi_engine_metrics {
-    /* The initiator side, per request (not per slice): */
-    kvpi_counter requests[2][KVPI_TRANSPORTS_MAX]; /* completed, by opcode and transport */
+/* The initiator's counts, per request (not per slice). Each thread counts
+ * into a shard of its own (threads are spread over KVPI_METRIC_SHARDS of
+ * them), so that the engine's workers do not pass the counters' cache lines
+ * to one another on every request; a snapshot adds the shards up. */
+#define KVPI_METRIC_SHARDS 8
+
+typedef struct kvpi_engine_shard {
+    _Alignas(64) kvpi_counter requests[2][KVPI_TRANSPORTS_MAX]; /* completed, by opcode, transport */
     kvpi_counter bytes[2][KVPI_TRANSPORTS_MAX];
     kvpi_counter errors[2][KVPI_STATUS_SLOTS]; /* failed, by opcode and status */
     kvpi_histogram latency[2];                 /* submit to completion, completed ones */
+    /* Added at submission, taken away at completion (a shard's may go below
+     * zero: only their sum is a count). */
     kvpi_gauge inflight_requests, inflight_bytes;
+} kvpi_engine_shard;
+
+typedef struct kvpi_engine_metrics {
+    kvpi_engine_shard shards[KVPI_METRIC_SHARDS];
     /* A transport ran a request again on a new connection. */
     kvpi_counter retries;
     /* Peer descriptors fetched from the store (or by handshake), and those of
@@ -46,10 +57,17 @@ typedef struct kvpi_engine_metrics {
     kvpi_served served[KVPI_TRANSPORTS_MAX];
 } kvpi_engine_metrics;
 
-/* A request of the initiator finished: len bytes by the transport ops (NULL
- * when it failed before one was chosen), submitted at submit_ns. */
+/* The calling thread's shard. */
+kvpi_engine_shard *kvpi_metrics_shard(kvpi_engine_metrics *m);
+
+/* A batch of n requests of bytes in all was submitted. */
+void kvpi_metrics_submitted(kvpi_engine_metrics *m, size_t n, uint64_t bytes);
+
+/* A request of the initiator finished with st: len bytes by the transport
+ * ops (NULL when it failed before one was chosen), latency_ns after its
+ * submission (used when st is KVP_OK). */
 void kvpi_metrics_request_done(kvpi_engine_metrics *m, kvp_opcode op, size_t len, const void *ops,
-                               kvp_status st, uint64_t submit_ns);
+                               kvp_status st, uint64_t latency_ns);
 
 struct kvp_engine;
 
