@@ -115,8 +115,8 @@ static const kvp_cli_opt opts[] = {
      1, 65535, .id = O_METRICS_PORT},
     {"auto-discovery", KVP_ARG_FLAG, NULL, "Mooncake's RDMA device discovery: only =false",
      .id = O_AUTO_DISCOVERY},
-    {"backend", KVP_ARG_CHOICE, "classic", "Mooncake's engine backend: only classic",
-     .choices = "classic", .id = O_BACKEND},
+    {"backend", KVP_ARG_STRING, "classic", "Mooncake's engine backend: only classic",
+     .id = O_BACKEND},
     {"nic-priority-matrix", KVP_ARG_STRING, "FILE", NULL, .id = O_NIC_MATRIX},
 };
 
@@ -221,6 +221,10 @@ static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value 
         break;
     case O_AUTO_DISCOVERY:
         if (v->i) return "false: RDMA device discovery is not in this build";
+        break;
+    case O_BACKEND:
+        if (strcmp(v->text, "classic"))
+            return "classic: Mooncake's other backends (tent) are not in kvpipe";
         break;
     case O_NIC_MATRIX:
         return "nothing: NIC priority matrices are for RDMA, not in this build";
