@@ -630,9 +630,8 @@ static PyObject *pipe_stats(kvpy_pipe *self, PyObject *args, PyObject *kwds)
             (unsigned long long)s.acks, "bad_messages", (unsigned long long)s.bad_messages,
             "bad_acks", (unsigned long long)s.bad_acks, "inflight_bytes",
             (Py_ssize_t)s.inflight_bytes, "inflight_count", (Py_ssize_t)s.inflight_count,
-            "send_timeouts", send_to ? (unsigned long long)send_to->value : 0ull,
-            "recv_timeouts", recv_to ? (unsigned long long)recv_to->value : 0ull, "engine",
-            engine);
+            "send_timeouts", send_to ? (unsigned long long)send_to->value : 0ull, "recv_timeouts",
+            recv_to ? (unsigned long long)recv_to->value : 0ull, "engine", engine);
     Py_XDECREF(engine);
     kvp_metrics_free(m);
     return out;

@@ -33,7 +33,8 @@ static int run(const char *args)
 static cJSON *last_json(void)
 {
     size_t n = strlen(out);
-    while (n && out[n - 1] == '\n') out[--n] = '\0';
+    while (n && out[n - 1] == '\n')
+        out[--n] = '\0';
     char *last = strrchr(out, '\n');
     return cJSON_Parse(last ? last + 1 : out);
 }
@@ -75,9 +76,11 @@ static void sweep_has_every_point(void)
     }
     for (int a = 0; a < 2; a++)
         for (int b = 0; b < 2; b++)
-            for (int c = 0; c < 2; c++) CHECK(seen[a][b][c] == 1);
+            for (int c = 0; c < 2; c++)
+                CHECK(seen[a][b][c] == 1);
     const cJSON *tr = cJSON_GetObjectItemCaseSensitive(doc, "transport");
-    CHECK(cJSON_IsString(tr) && (!strcmp(tr->valuestring, "shm") || !strcmp(tr->valuestring, "tcp")));
+    CHECK(cJSON_IsString(tr) &&
+          (!strcmp(tr->valuestring, "shm") || !strcmp(tr->valuestring, "tcp")));
     cJSON_Delete(doc);
     /* The table: a header and one row per point. */
     CHECK(strstr(out, "sweep of 8 points") != NULL);
@@ -98,8 +101,15 @@ static void mooncake_command_line(void)
     REQUIRE(store > 0);
     int port = kvpt_free_port();
     snprintf(target, sizeof target, "127.0.0.1:%d", port);
-    char *targv[] = {(char *)kvpt_cli(), "bench", "--mode=target", NULL, NULL,
-                     "--protocol=tcp", "--buffer_size=16777216", "--no-shm", NULL};
+    char *targv[] = {(char *)kvpt_cli(),
+                     "bench",
+                     "--mode=target",
+                     NULL,
+                     NULL,
+                     "--protocol=tcp",
+                     "--buffer_size=16777216",
+                     "--no-shm",
+                     NULL};
     char l1[96], l2[256];
     snprintf(l1, sizeof l1, "--local_server_name=%s", target);
     snprintf(l2, sizeof l2, "--metadata_server=%s", url);
@@ -120,8 +130,9 @@ static void mooncake_command_line(void)
     CHECK(line && sscanf(line, "kvpipe bench: write 65536 B x 16 x 1 threads via tcp: %lf MiB/s",
                          &mibs) == 1);
     line = strstr(out, "Test completed: duration ");
-    CHECK(line && sscanf(line, "Test completed: duration %lf, batch count %llu, throughput %lf MiB/s",
-                         &dur, &batches, &tput) == 3);
+    CHECK(line &&
+          sscanf(line, "Test completed: duration %lf, batch count %llu, throughput %lf MiB/s", &dur,
+                 &batches, &tput) == 3);
     CHECK(batches > 0 && tput == mibs && dur > 0.9);
     /* One digit after the point, as asked. */
     char *dot = line ? strstr(line, "throughput ") : NULL;

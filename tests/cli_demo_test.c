@@ -30,7 +30,8 @@ static int run(const char *args)
 static cJSON *last_json(void)
 {
     size_t n = strlen(out);
-    while (n && out[n - 1] == '\n') out[--n] = '\0';
+    while (n && out[n - 1] == '\n')
+        out[--n] = '\0';
     char *last = strrchr(out, '\n');
     return cJSON_Parse(last ? last + 1 : out);
 }
@@ -50,14 +51,16 @@ static void first_and_steady(void)
     CHECK(l && sscanf(l, "  first request %lf ms", &first) == 1 && first > 0);
     CHECK(l && strstr(l, "(connections and lookups; memory pre-faulted)") != NULL);
     l = strstr(out, "  steady state, requests 2..4: ");
-    CHECK(l && sscanf(l, "  steady state, requests 2..4: p50 %lf ms, p99 %lf ms per request, %lf GB/s",
-                      &p50, &p99, &gbps) == 3);
+    CHECK(l &&
+          sscanf(l, "  steady state, requests 2..4: p50 %lf ms, p99 %lf ms per request, %lf GB/s",
+                 &p50, &p99, &gbps) == 3);
     CHECK(p50 > 0 && p50 <= p99 && gbps > 0);
     cJSON *doc = last_json();
     REQUIRE(doc);
     CHECK(num(doc, "requests") == 4 && num(doc, "errors") == 0);
     CHECK(fabs(num(doc, "first_ms") - first) < 0.1);
-    CHECK(fabs(num(doc, "steady_p50_ms") - p50) < 0.1 && fabs(num(doc, "steady_p99_ms") - p99) < 0.1);
+    CHECK(fabs(num(doc, "steady_p50_ms") - p50) < 0.1 &&
+          fabs(num(doc, "steady_p99_ms") - p99) < 0.1);
     CHECK(num(doc, "steady_gbps") > 0 && num(doc, "gbps") > 0);
     CHECK(num(doc, "p50_ms") <= num(doc, "p99_ms")); /* every request, as before */
     CHECK(cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(doc, "prefault")));

@@ -43,7 +43,8 @@ static int run(const char *args)
 static int lines_of(const char *s)
 {
     int n = 0;
-    for (; *s; s++) n += *s == '\n';
+    for (; *s; s++)
+        n += *s == '\n';
     return n;
 }
 
@@ -56,8 +57,8 @@ static int refused(const char *prefix, const char *flag, const char *want)
     int ok = R.rc == 2 && lines_of(R.err) == 1 && !strncmp(R.err, prefix, strlen(prefix)) &&
              strstr(R.err, named) && (!want || strstr(R.err, want)) && R.out[0] == '\0';
     if (!ok)
-        fprintf(stderr, "  %s --%s: rc %d, stderr: %s  stdout: %.200s\n", prefix, flag, R.rc,
-                R.err, R.out);
+        fprintf(stderr, "  %s --%s: rc %d, stderr: %s  stdout: %.200s\n", prefix, flag, R.rc, R.err,
+                R.out);
     return ok;
 }
 
@@ -144,12 +145,14 @@ static void every_flag_names_itself(void)
 static void named_cases(void)
 {
     run("demo --tokens 0");
-    CHECK(refused("kvpipe demo: ", "tokens", "invalid value '0': expected an integer in 1..1048576"));
+    CHECK(
+        refused("kvpipe demo: ", "tokens", "invalid value '0': expected an integer in 1..1048576"));
     run("demo --dtype f128");
     CHECK(refused("kvpipe demo: ", "dtype", "bfloat16"));
     /* torch spellings are dtypes (--help after them: parsed, then usage). */
-    const char *torch[] = {"bfloat16", "torch.float16", "half", "float32", "FLOAT64",
-                           "float8_e4m3fn", "float8_e5m2", "int64", "uint8", "bool", "BF16"};
+    const char *torch[] = {"bfloat16", "torch.float16", "half",        "float32",
+                           "FLOAT64",  "float8_e4m3fn", "float8_e5m2", "int64",
+                           "uint8",    "bool",          "BF16"};
     for (size_t i = 0; i < sizeof torch / sizeof torch[0]; i++) {
         char args[128];
         snprintf(args, sizeof args, "demo --dtype %s --help", torch[i]);
@@ -199,7 +202,8 @@ static void help_command(void)
 {
     CHECK(run("help") == 0);
     const char *names[] = {"bench", "metadata-server", "info", "demo", "help"};
-    for (size_t i = 0; i < 5; i++) CHECK(strstr(R.out, names[i]) != NULL);
+    for (size_t i = 0; i < 5; i++)
+        CHECK(strstr(R.out, names[i]) != NULL);
     char via_help[sizeof R.out];
     const char *cmds[] = {"bench", "demo", "info", "metadata-server"};
     for (size_t i = 0; i < 4; i++) {

@@ -35,8 +35,21 @@ typedef struct bp_opts {
 } bp_opts;
 
 enum {
-    O_PIPE = 1, O_TENSOR_SIZE, O_COUNT, O_PROTOCOL, O_SEND, O_NO_SHM, O_VERIFY, O_METADATA,
-    O_KV_BUFFER, O_TIMEOUT, O_WARMUP, O_CONFIG, O_KV_RANK, O_PORT, O_JSON,
+    O_PIPE = 1,
+    O_TENSOR_SIZE,
+    O_COUNT,
+    O_PROTOCOL,
+    O_SEND,
+    O_NO_SHM,
+    O_VERIFY,
+    O_METADATA,
+    O_KV_BUFFER,
+    O_TIMEOUT,
+    O_WARMUP,
+    O_CONFIG,
+    O_KV_RANK,
+    O_PORT,
+    O_JSON,
 };
 
 static const kvp_cli_opt opts[] = {
@@ -105,19 +118,45 @@ static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value 
         if (v->size % 8) return "a multiple of 8, at least 16 (K, M, G suffixes)";
         o->tensor_size = v->size;
         break;
-    case O_COUNT: o->count = (long)v->i; break;
-    case O_PROTOCOL: o->protocol = v->text; break;
-    case O_SEND: o->in_place = (int)v->i; break;
-    case O_NO_SHM: o->no_shm = (int)v->i; break;
-    case O_VERIFY: o->verify = (int)v->i; break;
-    case O_METADATA: o->metadata = v->text; break;
-    case O_KV_BUFFER: o->kv_buffer_size = v->size; break;
-    case O_TIMEOUT: o->timeout_ms = (int)v->i; break;
-    case O_WARMUP: o->warmup = (long)v->i; break;
-    case O_CONFIG: o->config = v->text; break;
-    case O_KV_RANK: o->kv_rank = (int)v->i; break;
-    case O_PORT: o->port = (int)v->i; break;
-    case O_JSON: o->json = (int)v->i; break;
+    case O_COUNT:
+        o->count = (long)v->i;
+        break;
+    case O_PROTOCOL:
+        o->protocol = v->text;
+        break;
+    case O_SEND:
+        o->in_place = (int)v->i;
+        break;
+    case O_NO_SHM:
+        o->no_shm = (int)v->i;
+        break;
+    case O_VERIFY:
+        o->verify = (int)v->i;
+        break;
+    case O_METADATA:
+        o->metadata = v->text;
+        break;
+    case O_KV_BUFFER:
+        o->kv_buffer_size = v->size;
+        break;
+    case O_TIMEOUT:
+        o->timeout_ms = (int)v->i;
+        break;
+    case O_WARMUP:
+        o->warmup = (long)v->i;
+        break;
+    case O_CONFIG:
+        o->config = v->text;
+        break;
+    case O_KV_RANK:
+        o->kv_rank = (int)v->i;
+        break;
+    case O_PORT:
+        o->port = (int)v->i;
+        break;
+    case O_JSON:
+        o->json = (int)v->i;
+        break;
     }
     return NULL;
 }
@@ -511,8 +550,7 @@ static kvp_status receive_preamble(const bp_opts *o, kvp_pipe *pipe)
         why = "expected None, got a tensor";
     }
     kvp_tensor_free(t);
-    if (st)
-        kvp_cli_error("pipe: no start marker: %s", why ? why : kvp_last_error());
+    if (st) kvp_cli_error("pipe: no start marker: %s", why ? why : kvp_last_error());
     return st;
 }
 

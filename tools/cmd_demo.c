@@ -37,18 +37,40 @@ static const struct {
     const char *name;
     kvp_dtype dtype;
 } dtype_names[] = {
-    {"bool", KVP_DTYPE_BOOL},       {"u8", KVP_DTYPE_U8},          {"uint8", KVP_DTYPE_U8},
-    {"i8", KVP_DTYPE_I8},           {"int8", KVP_DTYPE_I8},        {"i16", KVP_DTYPE_I16},
-    {"int16", KVP_DTYPE_I16},       {"short", KVP_DTYPE_I16},      {"u16", KVP_DTYPE_U16},
-    {"uint16", KVP_DTYPE_U16},      {"i32", KVP_DTYPE_I32},        {"int32", KVP_DTYPE_I32},
-    {"int", KVP_DTYPE_I32},         {"u32", KVP_DTYPE_U32},        {"uint32", KVP_DTYPE_U32},
-    {"i64", KVP_DTYPE_I64},         {"int64", KVP_DTYPE_I64},      {"long", KVP_DTYPE_I64},
-    {"u64", KVP_DTYPE_U64},         {"uint64", KVP_DTYPE_U64},     {"f16", KVP_DTYPE_F16},
-    {"float16", KVP_DTYPE_F16},     {"half", KVP_DTYPE_F16},       {"bf16", KVP_DTYPE_BF16},
-    {"bfloat16", KVP_DTYPE_BF16},   {"f32", KVP_DTYPE_F32},        {"float32", KVP_DTYPE_F32},
-    {"float", KVP_DTYPE_F32},       {"f64", KVP_DTYPE_F64},        {"float64", KVP_DTYPE_F64},
-    {"double", KVP_DTYPE_F64},      {"f8_e4m3", KVP_DTYPE_F8_E4M3},
-    {"float8_e4m3fn", KVP_DTYPE_F8_E4M3}, {"f8_e5m2", KVP_DTYPE_F8_E5M2},
+    {"bool", KVP_DTYPE_BOOL},
+    {"u8", KVP_DTYPE_U8},
+    {"uint8", KVP_DTYPE_U8},
+    {"i8", KVP_DTYPE_I8},
+    {"int8", KVP_DTYPE_I8},
+    {"i16", KVP_DTYPE_I16},
+    {"int16", KVP_DTYPE_I16},
+    {"short", KVP_DTYPE_I16},
+    {"u16", KVP_DTYPE_U16},
+    {"uint16", KVP_DTYPE_U16},
+    {"i32", KVP_DTYPE_I32},
+    {"int32", KVP_DTYPE_I32},
+    {"int", KVP_DTYPE_I32},
+    {"u32", KVP_DTYPE_U32},
+    {"uint32", KVP_DTYPE_U32},
+    {"i64", KVP_DTYPE_I64},
+    {"int64", KVP_DTYPE_I64},
+    {"long", KVP_DTYPE_I64},
+    {"u64", KVP_DTYPE_U64},
+    {"uint64", KVP_DTYPE_U64},
+    {"f16", KVP_DTYPE_F16},
+    {"float16", KVP_DTYPE_F16},
+    {"half", KVP_DTYPE_F16},
+    {"bf16", KVP_DTYPE_BF16},
+    {"bfloat16", KVP_DTYPE_BF16},
+    {"f32", KVP_DTYPE_F32},
+    {"float32", KVP_DTYPE_F32},
+    {"float", KVP_DTYPE_F32},
+    {"f64", KVP_DTYPE_F64},
+    {"float64", KVP_DTYPE_F64},
+    {"double", KVP_DTYPE_F64},
+    {"f8_e4m3", KVP_DTYPE_F8_E4M3},
+    {"float8_e4m3fn", KVP_DTYPE_F8_E4M3},
+    {"f8_e5m2", KVP_DTYPE_F8_E5M2},
     {"float8_e5m2", KVP_DTYPE_F8_E5M2},
 };
 
@@ -73,8 +95,23 @@ static int parse_dtype(const char *s, kvp_dtype *out)
 }
 
 enum {
-    O_TOKENS = 1, O_REQUESTS, O_LAYERS, O_KV_HEADS, O_HEAD_DIM, O_HIDDEN, O_DTYPE, O_PROTOCOL,
-    O_NO_SHM, O_METADATA, O_PORT, O_TIMEOUT, O_NO_PREFAULT, O_SEND, O_BASELINE, O_JSON, O_ROLE,
+    O_TOKENS = 1,
+    O_REQUESTS,
+    O_LAYERS,
+    O_KV_HEADS,
+    O_HEAD_DIM,
+    O_HIDDEN,
+    O_DTYPE,
+    O_PROTOCOL,
+    O_NO_SHM,
+    O_METADATA,
+    O_PORT,
+    O_TIMEOUT,
+    O_NO_PREFAULT,
+    O_SEND,
+    O_BASELINE,
+    O_JSON,
+    O_ROLE,
     O_RUN_DIR,
 };
 
@@ -136,28 +173,62 @@ static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value 
 {
     demo_opts *o = p;
     switch (opt->id) {
-    case O_TOKENS: o->tokens = (int)v->i; break;
-    case O_REQUESTS: o->requests = (int)v->i; break;
-    case O_LAYERS: o->layers = (int)v->i; break;
-    case O_KV_HEADS: o->kv_heads = (int)v->i; break;
-    case O_HEAD_DIM: o->head_dim = (int)v->i; break;
-    case O_HIDDEN: o->hidden = (int)v->i; break;
+    case O_TOKENS:
+        o->tokens = (int)v->i;
+        break;
+    case O_REQUESTS:
+        o->requests = (int)v->i;
+        break;
+    case O_LAYERS:
+        o->layers = (int)v->i;
+        break;
+    case O_KV_HEADS:
+        o->kv_heads = (int)v->i;
+        break;
+    case O_HEAD_DIM:
+        o->head_dim = (int)v->i;
+        break;
+    case O_HIDDEN:
+        o->hidden = (int)v->i;
+        break;
     case O_DTYPE:
         if (parse_dtype(v->text, &o->dtype))
             return "a dtype: bool, u8, i8, i16, u16, i32, u32, i64, u64, f16, bf16, f32, f64, "
                    "f8_e4m3, f8_e5m2, or torch's name (bfloat16, float16, ...)";
         break;
-    case O_PROTOCOL: o->protocol = v->text; break;
-    case O_NO_SHM: o->no_shm = (int)v->i; break;
-    case O_METADATA: o->metadata = v->text; break;
-    case O_PORT: o->port = (int)v->i; break;
-    case O_TIMEOUT: o->timeout_ms = (int)v->i; break;
-    case O_NO_PREFAULT: o->prefault = !v->i; break;
-    case O_SEND: o->in_place = (int)v->i; break;
-    case O_BASELINE: o->baseline = (int)v->i; break;
-    case O_JSON: o->json = (int)v->i; break;
-    case O_ROLE: o->role = v->text; break;
-    case O_RUN_DIR: o->run_dir = v->text; break;
+    case O_PROTOCOL:
+        o->protocol = v->text;
+        break;
+    case O_NO_SHM:
+        o->no_shm = (int)v->i;
+        break;
+    case O_METADATA:
+        o->metadata = v->text;
+        break;
+    case O_PORT:
+        o->port = (int)v->i;
+        break;
+    case O_TIMEOUT:
+        o->timeout_ms = (int)v->i;
+        break;
+    case O_NO_PREFAULT:
+        o->prefault = !v->i;
+        break;
+    case O_SEND:
+        o->in_place = (int)v->i;
+        break;
+    case O_BASELINE:
+        o->baseline = (int)v->i;
+        break;
+    case O_JSON:
+        o->json = (int)v->i;
+        break;
+    case O_ROLE:
+        o->role = v->text;
+        break;
+    case O_RUN_DIR:
+        o->run_dir = v->text;
+        break;
     }
     return NULL;
 }
@@ -282,7 +353,8 @@ static FILE *open_report(const demo_opts *o)
 static void touch(void *buf, size_t n)
 {
     volatile char *b = buf;
-    for (size_t off = 0; off < n; off += 4096) b[off] = 0;
+    for (size_t off = 0; off < n; off += 4096)
+        b[off] = 0;
     if (n) b[n - 1] = 0;
 }
 
@@ -308,7 +380,8 @@ static int prefault(kvp_pipe *pipe, const part *p, int copies)
         }
         touch(bufs[i], len);
     }
-    for (size_t i = 0; bufs && i < n; i++) kvp_engine_free(e, bufs[i]);
+    for (size_t i = 0; bufs && i < n; i++)
+        kvp_engine_free(e, bufs[i]);
     free(bufs);
     return rc;
 }
@@ -316,7 +389,8 @@ static int prefault(kvp_pipe *pipe, const part *p, int copies)
 static double request_bytes(const part *p)
 {
     double per = 0;
-    for (int k = 0; k < N_PARTS; k++) per += (double)p[k].nbytes;
+    for (int k = 0; k < N_PARTS; k++)
+        per += (double)p[k].nbytes;
     return per;
 }
 
@@ -363,7 +437,8 @@ static int meet(const demo_opts *o, const char *self, const char *peer)
 static int send_copying(kvp_pipe *pipe, const part *p, void *const bufs[N_PARTS], int r,
                         FILE *report)
 {
-    for (int k = 0; k < N_PARTS; k++) fill_part(bufs[k], p[k].nbytes, k, seed_of(r, k));
+    for (int k = 0; k < N_PARTS; k++)
+        fill_part(bufs[k], p[k].nbytes, k, seed_of(r, k));
     fprintf(report, "start %d %llu\n", r, (unsigned long long)kvp_cli_now_ns());
     for (int k = 0; k < N_PARTS; k++) {
         kvp_tensor t;
@@ -399,7 +474,8 @@ static int send_in_place(const demo_opts *o, kvp_pipe *pipe, const part *p, int 
         }
         t[k] = NULL; /* the pipe's now */
     }
-    for (int k = 0; k < N_PARTS; k++) kvp_tensor_free(t[k]);
+    for (int k = 0; k < N_PARTS; k++)
+        kvp_tensor_free(t[k]);
     return rc;
 }
 
@@ -429,7 +505,8 @@ static int run_prefill(const demo_opts *o)
         kvp_cli_error("prefill: %s", kvp_last_error());
         rc = 1;
     }
-    for (int k = 0; k < N_PARTS; k++) free(bufs[k]);
+    for (int k = 0; k < N_PARTS; k++)
+        free(bufs[k]);
     if (report) fclose(report);
     kvp_pipe_close(pipe);
     return rc;
@@ -468,7 +545,8 @@ static int receive_request(kvp_pipe *pipe, const part *p, int r, uint64_t *done_
             rc = 1;
         }
     }
-    for (int k = 0; k < N_PARTS; k++) kvp_tensor_free(got[k]);
+    for (int k = 0; k < N_PARTS; k++)
+        kvp_tensor_free(got[k]);
     return rc;
 }
 
@@ -549,16 +627,17 @@ static double memcpy_gbps(const demo_opts *o, const part *p, double *ms)
     size_t big = 1;
     for (int k = 0; k < N_PARTS; k++)
         if (p[k].nbytes > big) big = p[k].nbytes;
-    char *src = mmap(NULL, big, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
-                     -1, 0);
-    char *dst = mmap(NULL, big, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
-                     -1, 0);
+    char *src =
+        mmap(NULL, big, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    char *dst =
+        mmap(NULL, big, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     double gbps = 0;
     if (src != MAP_FAILED && dst != MAP_FAILED) {
         memset(src, 0x5a, big);
         uint64_t t0 = kvp_cli_now_ns();
         for (int r = 0; r < o->requests; r++)
-            for (int k = 0; k < N_PARTS; k++) memcpy(dst, src, p[k].nbytes);
+            for (int k = 0; k < N_PARTS; k++)
+                memcpy(dst, src, p[k].nbytes);
         double secs = (double)(kvp_cli_now_ns() - t0) / 1e9;
         gbps = secs > 0 ? request_bytes(p) * o->requests / secs / 1e9 : 0;
         *ms = secs * 1e3 / o->requests;
@@ -569,10 +648,10 @@ static double memcpy_gbps(const demo_opts *o, const part *p, double *ms)
 }
 
 typedef struct summary {
-    double bytes, secs, gbps, p50, p99;       /* every request */
-    double first_ms;                          /* request 0 */
+    double bytes, secs, gbps, p50, p99;         /* every request */
+    double first_ms;                            /* request 0 */
     double steady_p50, steady_p99, steady_gbps; /* requests 1.. (NAN with one request) */
-    double memcpy_gbps, memcpy_ms;            /* --baseline */
+    double memcpy_gbps, memcpy_ms;              /* --baseline */
 } summary;
 
 static void compute(const demo_opts *o, const part *p, const results *res, summary *s)
@@ -621,8 +700,7 @@ static void summarize(const demo_opts *o, const part *p, const results *res)
     int n = o->requests;
     printf("moved %.2f GB in %.3f s over %s: %.2f GB/s; every byte verified\n", s.bytes / 1e9,
            s.secs, res->transport, s.gbps);
-    printf("  first request %.1f ms (%s%s)\n", s.first_ms,
-           o->in_place ? "in-place send; " : "",
+    printf("  first request %.1f ms (%s%s)\n", s.first_ms, o->in_place ? "in-place send; " : "",
            o->prefault ? "connections and lookups; memory pre-faulted"
                        : "page faults of fresh memory, connections and lookups");
     if (n > 1)
@@ -685,7 +763,8 @@ static int run_both(int argc, char **argv, const demo_opts *o)
         int n = 0;
         args[n++] = "kvpipe";
         args[n++] = "demo";
-        for (int a = 1; a < argc; a++) args[n++] = argv[a];
+        for (int a = 1; a < argc; a++)
+            args[n++] = argv[a];
         args[n++] = "--role";
         args[n++] = (char *)roles[i];
         args[n++] = "--run-dir";

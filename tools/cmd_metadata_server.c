@@ -16,8 +16,14 @@ typedef struct server_opts {
 } server_opts;
 
 enum {
-    O_HOST = 1, O_PORT, O_MAX_VALUE, O_MAX_TOTAL, O_MAX_CONNS, O_MAX_CONNS_PER_IP,
-    O_IDLE_TIMEOUT, O_REQUEST_TIMEOUT,
+    O_HOST = 1,
+    O_PORT,
+    O_MAX_VALUE,
+    O_MAX_TOTAL,
+    O_MAX_CONNS,
+    O_MAX_CONNS_PER_IP,
+    O_IDLE_TIMEOUT,
+    O_REQUEST_TIMEOUT,
 };
 
 static const kvp_cli_opt opts[] = {
@@ -27,8 +33,8 @@ static const kvp_cli_opt opts[] = {
      .id = O_PORT},
     {"max-value-bytes", KVP_ARG_SIZE, "N", "largest value (default 16M)", 1, LLONG_MAX,
      .id = O_MAX_VALUE},
-    {"max-total-bytes", KVP_ARG_SIZE, "N", "memory for keys, values and requests (default 256M)",
-     1, LLONG_MAX, .id = O_MAX_TOTAL},
+    {"max-total-bytes", KVP_ARG_SIZE, "N", "memory for keys, values and requests (default 256M)", 1,
+     LLONG_MAX, .id = O_MAX_TOTAL},
     {"max-connections", KVP_ARG_INT, "N", "connections served at once (default 1024)", 1, 1000000,
      .id = O_MAX_CONNS},
     {"max-connections-per-ip", KVP_ARG_INT, "N", "from one client address (default 256)", 1,
@@ -72,15 +78,28 @@ static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value 
     kvp_metadata_server_opts *o = &so->o;
     switch (opt->id) {
     case O_HOST:
-        return strip_brackets(v->text, so->host, sizeof so->host) ? "a host name or address"
-                                                                   : NULL;
-    case O_PORT: o->port = (int)v->i; break;
-    case O_MAX_VALUE: o->max_value_bytes = v->size; break;
-    case O_MAX_TOTAL: o->max_total_bytes = v->size; break;
-    case O_MAX_CONNS: o->max_connections = (unsigned)v->i; break;
-    case O_MAX_CONNS_PER_IP: o->max_connections_per_ip = (unsigned)v->i; break;
-    case O_IDLE_TIMEOUT: o->idle_timeout_s = (unsigned)v->i; break;
-    case O_REQUEST_TIMEOUT: o->request_timeout_s = (unsigned)v->i; break;
+        return strip_brackets(v->text, so->host, sizeof so->host) ? "a host name or address" : NULL;
+    case O_PORT:
+        o->port = (int)v->i;
+        break;
+    case O_MAX_VALUE:
+        o->max_value_bytes = v->size;
+        break;
+    case O_MAX_TOTAL:
+        o->max_total_bytes = v->size;
+        break;
+    case O_MAX_CONNS:
+        o->max_connections = (unsigned)v->i;
+        break;
+    case O_MAX_CONNS_PER_IP:
+        o->max_connections_per_ip = (unsigned)v->i;
+        break;
+    case O_IDLE_TIMEOUT:
+        o->idle_timeout_s = (unsigned)v->i;
+        break;
+    case O_REQUEST_TIMEOUT:
+        o->request_timeout_s = (unsigned)v->i;
+        break;
     }
     return NULL;
 }

@@ -55,7 +55,8 @@ static int cmd_help(int argc, char **argv)
     }
     char *args[8] = {argv[1]};
     int n = 1;
-    for (int i = 2; i < argc && n < 6; i++) args[n++] = argv[i];
+    for (int i = 2; i < argc && n < 6; i++)
+        args[n++] = argv[i];
     args[n++] = "--help";
     args[n] = NULL;
     return c->main(n, args);

@@ -29,8 +29,7 @@ void kvpi_histogram_merge(kvpi_histogram *into, const kvpi_histogram *h)
     for (size_t i = 0; i <= KVPI_LATENCY_BUCKETS; i++)
         atomic_fetch_add_explicit(&into->buckets[i], counts[i], memory_order_relaxed);
     atomic_fetch_add_explicit(
-        &into->sum_ns,
-        atomic_load_explicit(&((kvpi_histogram *)h)->sum_ns, memory_order_relaxed),
+        &into->sum_ns, atomic_load_explicit(&((kvpi_histogram *)h)->sum_ns, memory_order_relaxed),
         memory_order_relaxed);
 }
 

@@ -155,7 +155,8 @@ static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
     kvpi_peer *peer;
     kvp_status st = acquire_for(e, seg, live, m, &peer);
     if (st) {
-        for (size_t i = 0; i < m; i++) complete(live[i], st, 0);
+        for (size_t i = 0; i < m; i++)
+            complete(live[i], st, 0);
         return;
     }
     /* Check against the peer's published buffers before sending anything; the

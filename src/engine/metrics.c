@@ -145,8 +145,8 @@ static void collect_initiator(const kvpi_engine_metrics *m, kvp_metrics *out)
                              "transport", kvpi_transports[i]->name, NULL);
     for (int o = 0; o < 2; o++)
         for (size_t i = 0; kvpi_transports[i] && i < KVPI_TRANSPORTS_MAX; i++)
-            kvpi_metrics_add(out, &f_bytes, (double)t->bytes[o][i], "op", op_names[o],
-                             "transport", kvpi_transports[i]->name, NULL);
+            kvpi_metrics_add(out, &f_bytes, (double)t->bytes[o][i], "op", op_names[o], "transport",
+                             kvpi_transports[i]->name, NULL);
     /* Every status that occurred; zero samples for the usual connection
      * failures, so that their series exist before the first one. */
     for (int o = 0; o < 2; o++)
@@ -333,10 +333,12 @@ static void report_read(const kvpi_engine_metrics *m, report_state *s)
     if (!t) return;
     add_up(m, t);
     for (int o = 0; o < 2; o++) {
-        for (size_t i = 0; i < KVPI_TRANSPORTS_MAX; i++) s->bytes += t->bytes[o][i];
+        for (size_t i = 0; i < KVPI_TRANSPORTS_MAX; i++)
+            s->bytes += t->bytes[o][i];
         uint64_t b[KVPI_LATENCY_BUCKETS + 1];
         kvpi_histogram_read(&t->latency[o], b);
-        for (size_t i = 0; i <= KVPI_LATENCY_BUCKETS; i++) s->buckets[i] += b[i];
+        for (size_t i = 0; i <= KVPI_LATENCY_BUCKETS; i++)
+            s->buckets[i] += b[i];
     }
     free(t);
 }

@@ -37,7 +37,8 @@ static inline void kvpi_served_add(kvpi_served *s, int write, uint64_t bytes)
 #define KVPI_METRIC_SHARDS 8
 
 typedef struct kvpi_engine_shard {
-    _Alignas(64) kvpi_counter requests[2][KVPI_TRANSPORTS_MAX]; /* completed, by opcode, transport */
+    _Alignas(64)
+        kvpi_counter requests[2][KVPI_TRANSPORTS_MAX]; /* completed, by opcode, transport */
     kvpi_counter bytes[2][KVPI_TRANSPORTS_MAX];
     kvpi_counter errors[2][KVPI_STATUS_SLOTS]; /* failed, by opcode and status */
     kvpi_histogram latency[2];                 /* submit to completion, completed ones */
