@@ -70,6 +70,21 @@ static void first_and_steady(void)
     cJSON_Delete(doc);
 }
 
+/* With two requests, the first and the steady state's one are the two
+ * latencies that the percentiles over every request are made of: p50 of two
+ * is the smaller (nearest rank), p99 the larger. */
+static void first_is_the_first(void)
+{
+    REQUIRE(run("--requests 2 --tokens 64 --layers 2 --json") == 0);
+    cJSON *doc = last_json();
+    REQUIRE(doc);
+    double first = num(doc, "first_ms"), steady = num(doc, "steady_p50_ms");
+    double lo = first < steady ? first : steady, hi = first < steady ? steady : first;
+    CHECK(fabs(num(doc, "p50_ms") - lo) < 0.002 && fabs(num(doc, "p99_ms") - hi) < 0.002);
+    CHECK(num(doc, "steady_p99_ms") == steady);
+    cJSON_Delete(doc);
+}
+
 /* Without pre-faulting the first request says it paid for fresh memory; one
  * request has no steady state. */
 static void cold_single_request(void)
@@ -105,6 +120,7 @@ static void baseline_in_place_p2p(void)
 int main(void)
 {
     RUN_T(first_and_steady, 180);
+    RUN_T(first_is_the_first, 180);
     RUN_T(cold_single_request, 180);
     RUN_T(baseline_in_place_p2p, 180);
     return kvpt_summary();
