@@ -76,7 +76,8 @@ mkdir -p "$data"
 {
 echo "# kvpipe benchmark"
 echo
-echo "$(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(uname -r); duration ${duration}s, median of $repeat."
+echo "$(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(uname -r); duration ${duration}s, median of $repeat;"
+echo "load average at the start $(cut -d' ' -f1-3 /proc/loadavg) (other work shares the cores)."
 echo "Command: \`bench/run.sh --duration $duration --repeat $repeat${only:+ --only $only}\`"
 echo
 if command -v gnuplot > /dev/null && [ "$only" != sweep ]; then

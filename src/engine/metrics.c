@@ -435,6 +435,7 @@ static kvp_status reporter_start(kvp_engine *e)
 kvp_status kvpi_engine_metrics_start(kvp_engine *e)
 {
     kvp_status st = endpoint_start(e);
+    e->opts.metrics_host = NULL; /* the caller's string: not kept */
     if (!st) st = reporter_start(e);
     return st;
 }
