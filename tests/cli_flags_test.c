@@ -172,6 +172,12 @@ static void named_cases(void)
     CHECK(refused("kvpipe bench: ", "block-size", "--sweep"));
     run("bench --mode initiator --local-server-name 127.0.0.1:0");
     CHECK(refused("kvpipe bench: ", "segment-id", NULL));
+    /* Without --mode both sides run here: a store or a name for them would
+     * be ignored, so each is refused. */
+    run("bench --metadata_server=http://127.0.0.1:1/metadata");
+    CHECK(refused("kvpipe bench: ", "metadata-server", "needs --mode"));
+    run("bench --local_server_name=127.0.0.1:17100");
+    CHECK(refused("kvpipe bench: ", "local-server-name", "needs --mode"));
     run("bench --auto_discovery=true");
     CHECK(refused("kvpipe bench: ", "auto-discovery", "not in this build"));
     run("bench --nic_priority_matrix=m.json");

@@ -239,6 +239,14 @@ static const char *check(bench_opts *o)
     if (o->mode == BENCH_INITIATOR && !o->segment) return "--mode initiator needs --segment-id";
     if (o->mode == BENCH_TARGET && o->sweep) return "--sweep is the initiator's (or no --mode)";
     if (o->mode == BENCH_BOTH && o->segment) return "--segment-id needs --mode initiator";
+    /* Both sides here meet over P2PHANDSHAKE on loopback: a store or a name
+     * given for them would be ignored, so it is refused. */
+    if (o->mode == BENCH_BOTH && o->metadata)
+        return "--metadata-server needs --mode target or initiator (without --mode both sides "
+               "run here over P2PHANDSHAKE)";
+    if (o->mode == BENCH_BOTH && o->local_name)
+        return "--local-server-name needs --mode target or initiator (without --mode both sides "
+               "run here on loopback)";
     if (!o->sweep && (o->n_blocks > 1 || o->n_batches > 1 || o->n_threads > 1))
         return "lists of --block-size, --batch-size or --threads need --sweep";
     for (size_t i = 0; i < o->n_blocks; i++)
@@ -249,11 +257,7 @@ static const char *check(bench_opts *o)
 
 static int parse_args(int argc, char **argv, bench_opts *o)
 {
-    *o = (bench_opts){.metadata = "P2PHANDSHAKE",
-                      .protocol = "tcp",
-                      .buffer_size = 256u << 20,
-                      .duration = 5,
-                      .precision = 3};
+    *o = (bench_opts){.protocol = "tcp", .buffer_size = 256u << 20, .duration = 5, .precision = 3};
     int r = kvp_cli_parse(&spec, argc, argv, 0, set_opt, o);
     if (r) return r;
     if (!o->n_blocks) {
@@ -278,6 +282,7 @@ static int parse_args(int argc, char **argv, bench_opts *o)
         kvp_cli_error("%s", bad);
         return 3;
     }
+    if (!o->metadata) o->metadata = "P2PHANDSHAKE";
     return 0;
 }
 
