@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 
 #include "kvpipe/engine.h"
@@ -210,8 +211,10 @@ static PyObject *engine_initialize_ext(kvpy_engine *self, PyObject *args, PyObje
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "sszzs:initialize_ext", kwlist, &host, &metadata,
                                      &protocol, &devices, &type))
         return NULL;
-    /* As Mooncake: a server without a scheme gets metadata_type as its scheme. */
-    if (strstr(metadata, "://") || strcmp(metadata, "P2PHANDSHAKE") == 0 || !*type)
+    /* As Mooncake: a server without a scheme gets metadata_type as its scheme.
+     * P2PHANDSHAKE in another case goes as it is, for the engine to say what
+     * was meant rather than look up a host of that name. */
+    if (strstr(metadata, "://") || strcasecmp(metadata, "P2PHANDSHAKE") == 0 || !*type)
         return initialize_common(self, host, metadata, protocol, devices);
     PyObject *conn = PyUnicode_FromFormat("%s://%s", type, metadata);
     if (!conn) return NULL;
