@@ -115,8 +115,14 @@ static void mooncake_command_line(void)
     snprintf(l2, sizeof l2, "--metadata_server=%s", url);
     targv[3] = l1;
     targv[4] = l2;
-    pid_t t = kvpt_spawn(targv, "/dev/null");
-    REQUIRE(kvpt_wait_port("127.0.0.1", port, 10000) == 0);
+    /* It serves once it says so: its ports open before its buffer is
+     * registered. */
+    char tout[64];
+    snprintf(tout, sizeof tout, "/tmp/kvpt-cli-bench-target-%d.out", (int)getpid());
+    pid_t t = kvpt_spawn(targv, tout);
+    int serving = kvpt_wait_file_has(tout, "serving segment", 10000);
+    unlink(tout);
+    REQUIRE(serving == 0);
     snprintf(args, sizeof args,
              "bench --mode=initiator --local_server_name=127.0.0.1:%d --metadata_server=%s "
              "--segment_id=%s --protocol=tcp --device_name=mlx5_2 --operation=write "

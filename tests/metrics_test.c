@@ -609,9 +609,15 @@ static void endpoint_live_transfer(void)
     char *targv[] = {
         (char *)kvpt_cli(), "bench", "--mode",   "target", "--local-server-name", tname,
         "--buffer-size",    "16M",   "--no-shm", NULL};
-    pid_t target = kvpt_spawn(targv, "/dev/null");
+    /* The target serves once it says so: its ports open before its buffer
+     * is registered. */
+    char tout[64];
+    snprintf(tout, sizeof tout, "/tmp/kvpt-metrics-target-%d.out", (int)getpid());
+    pid_t target = kvpt_spawn(targv, tout);
+    int serving = kvpt_wait_file_has(tout, "serving segment", 10000);
+    unlink(tout);
+    REQUIRE(serving == 0);
     REQUIRE(kvpt_wait_port("127.0.0.1", tm, 10000) == 0);
-    REQUIRE(kvpt_wait_port("127.0.0.1", tport, 10000) == 0);
     setenv("KVPIPE_METRICS_PORT", im_s, 1);
     char *iargv[] = {(char *)kvpt_cli(),
                      "bench",
@@ -789,8 +795,12 @@ static void mc_te_metric_line(void)
     char *targv[] = {
         (char *)kvpt_cli(), "bench", "--mode",   "target", "--local-server-name", tname,
         "--buffer-size",    "16M",   "--no-shm", NULL};
-    pid_t target = kvpt_spawn(targv, "/dev/null");
-    REQUIRE(kvpt_wait_port("127.0.0.1", tport, 10000) == 0);
+    char tout[64];
+    snprintf(tout, sizeof tout, "/tmp/kvpt-mcmetric-target-%d.out", (int)getpid());
+    pid_t target = kvpt_spawn(targv, tout);
+    int serving = kvpt_wait_file_has(tout, "serving segment", 10000);
+    unlink(tout);
+    REQUIRE(serving == 0);
     setenv("MC_TE_METRIC", "1", 1);
     setenv("MC_TE_METRIC_INTERVAL_SECONDS", "1", 1);
     setenv("KVPIPE_LOG", "error", 1); /* the line shows at any level */
@@ -806,7 +816,8 @@ static void mc_te_metric_line(void)
               "--duration", "3.5", (char *)NULL);
         _exit(127);
     }
-    CHECK(kvpt_wait_child(init, 60000) == 0);
+    int init_rc = kvpt_wait_child(init, 60000);
+    CHECK(init_rc == 0);
     kill(target, SIGTERM);
     kvpt_wait_child(target, 20000);
     FILE *f = fopen(log_path, "r");
@@ -814,6 +825,7 @@ static void mc_te_metric_line(void)
     char line[2048];
     int lines = 0;
     while (fgets(line, sizeof line, f)) {
+        if (init_rc != 0) fprintf(stderr, "  initiator: %s", line);
         const char *m =
             strstr(line, "[Metrics] Transfer Engine Stats (over last 1s): Throughput: ");
         if (!m) continue;
