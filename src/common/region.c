@@ -238,6 +238,21 @@ void kvpi_region_unpin(kvpi_region_table *t, kvpi_pin pin)
     pthread_mutex_unlock(&t->lock);
 }
 
+void kvpi_region_totals(kvpi_region_table *t, size_t *count, uint64_t *bytes)
+{
+    size_t n = 0;
+    uint64_t sum = 0;
+    pthread_mutex_lock(&t->lock);
+    for (size_t i = 0; i < t->count; i++)
+        if (t->entries[i]->state == ACTIVE) {
+            n++;
+            sum += t->entries[i]->region.length;
+        }
+    pthread_mutex_unlock(&t->lock);
+    *count = n;
+    *bytes = sum;
+}
+
 kvp_status kvpi_region_pin_all(kvpi_region_table *t, kvpi_pin **pins, size_t *count)
 {
     pthread_mutex_lock(&t->lock);

@@ -104,6 +104,9 @@ kvp_status kvpi_region_pin(kvpi_region_table *t, uint64_t addr, uint64_t length,
 const kvpi_region *kvpi_pin_region(kvpi_pin pin);
 void kvpi_region_unpin(kvpi_region_table *t, kvpi_pin pin);
 
+/* How many regions are active, and their bytes (for the metrics). */
+void kvpi_region_totals(kvpi_region_table *t, size_t *count, uint64_t *bytes);
+
 /* Pin every active region, in address order, for publishing them with their
  * handles: *pins (malloc'ed) holds *count pins, to drop with
  * kvpi_region_unpin_all(). Regions reserved or being removed are left out. */

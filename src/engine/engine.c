@@ -303,6 +303,15 @@ static kvp_status name_segment(kvp_engine *e)
     return KVP_OK;
 }
 
+/* Where the server of ops counts what it serves: the engine's slot for it
+ * among the built transports the metrics name (none for another). */
+static kvpi_served *served_slot(kvp_engine *e, const kvpi_transport_ops *ops)
+{
+    for (size_t i = 0; kvpi_transports[i] && i < KVPI_TRANSPORTS_MAX; i++)
+        if (kvpi_transports[i] == ops) return &e->metrics.served[i];
+    return NULL;
+}
+
 static kvp_status start_servers(kvp_engine *e)
 {
     kvpi_server_ctx ctx = {.segment = e->name,
@@ -315,6 +324,7 @@ static kvp_status start_servers(kvp_engine *e)
                            .min_rate = e->opts.min_transfer_rate};
     for (size_t i = 0; e->transports[i]; i++) {
         const kvpi_transport_ops *ops = e->transports[i];
+        ctx.served = served_slot(e, ops);
         kvp_status st = kvpi_transport_check(ops);
         if (!st) st = ops->server_start(&ctx, &e->servers[i]);
         if (st == KVP_OK) {
@@ -359,6 +369,7 @@ kvp_status kvpi_engine_create_with(const kvp_engine_opts *opts,
     if ((st = draw_instance(e))) goto fail;
     if ((st = start_rpc(e))) goto fail;
     if ((st = name_segment(e))) goto fail;
+    if ((st = kvpi_engine_metrics_start(e))) goto fail;
     if ((st = start_servers(e))) goto fail;
     if ((st = kvpi_engine_pool_start(e))) goto fail;
     if ((st = kvpi_workers_start(e))) goto fail;
@@ -387,6 +398,7 @@ fail:
 void kvp_engine_destroy(kvp_engine *e)
 {
     if (!e) return;
+    kvpi_engine_metrics_stop(e);
     if (e->keeper_started) {
         pthread_mutex_lock(&e->keeper_lock);
         e->keeper_stop = 1;

@@ -125,7 +125,8 @@ static kvp_status link_open(kvp_engine *e, kvpi_peer *peer, const char *segname,
                          .server = e->servers[l->slot],
                          .timeout_ms = e->opts.timeout_ms,
                          .min_rate = e->opts.min_transfer_rate,
-                         .conns = e->opts.conns_per_peer};
+                         .conns = e->opts.conns_per_peer,
+                         .retries = &e->metrics.retries};
     kvp_status st = l->ops->peer_open(&ctx, &l->handle);
     if (st) {
         l->handle = NULL;
@@ -232,8 +233,11 @@ kvp_status kvpi_segment_acquire(kvp_engine *e, kvpi_segment *seg, kvpi_peer **ou
      * that failed look it up once. */
     pthread_mutex_lock(&seg->lock);
     if (!seg->peer) {
+        kvpi_counter_add(&e->metrics.lookups, 1);
+        if (seg->looked_up) kvpi_counter_add(&e->metrics.refreshes, 1);
         st = peer_lookup(e, seg->name, &seg->peer);
         if (st == KVP_OK) {
+            seg->looked_up = 1;
             const kvpi_transport_ops *ops = seg->peer->primary->ops;
             seg->transport = ops->name;
             atomic_store(&seg->group_bytes,

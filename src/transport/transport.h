@@ -43,6 +43,7 @@
 #include <cjson/cJSON.h>
 
 #include "common/conn_server.h"
+#include "common/metrics.h"
 #include "common/region.h"
 #include "kvpipe/engine.h"
 
@@ -77,6 +78,8 @@ typedef struct kvpi_server_ctx {
     int idle_timeout_ms;
     int max_conns;
     uint64_t min_rate;
+    /* Where the server counts the requests it serves (may be NULL). */
+    kvpi_served *served;
 } kvpi_server_ctx;
 
 typedef struct kvpi_peer_ctx {
@@ -98,6 +101,8 @@ typedef struct kvpi_peer_ctx {
     int timeout_ms;
     uint64_t min_rate;
     int conns; /* connections to keep */
+    /* Counts the requests run again on a new connection (may be NULL). */
+    kvpi_counter *retries;
 } kvpi_peer_ctx;
 
 /* Everything in the contexts is valid only during the call; copy what a
