@@ -66,8 +66,8 @@ typedef struct kvp_pipe_config {
     char *decode_url;       /* "host:port" */
     char *metadata_server;  /* non-empty */
     char *metadata_backend; /* NULL, "etcd" or "redis" (lower-cased on load) */
-    char *protocol;         /* "tcp" or "shm" ("rdma": not supported in this build) */
-    char *device_name;      /* RDMA devices, comma-separated; may be "" */
+    char *protocol;         /* "tcp", "shm", or "rdma"/"ucx" where built with UCX */
+    char *device_name;      /* network devices for rdma, comma-separated; may be "" */
 } kvp_pipe_config;
 
 /* Parse config JSON text of len bytes. KVP_ECONFIG with a message naming the
@@ -136,6 +136,12 @@ typedef struct kvp_pipe_opts {
     size_t max_message_bytes;
     /* Non-zero: the engine never uses the same-host transport (see engine.h). */
     int disable_shm;
+    /* The metrics endpoint of the pipe's engine, serving the pipe's metrics
+     * too (kvp_pipe_metrics() lists them): as kvp_engine_opts.metrics_port
+     * and metrics_host (0 and NULL, the defaults: env KVPIPE_METRICS_PORT and
+     * KVPIPE_METRICS_HOST; unset: no endpoint). */
+    int metrics_port;
+    const char *metrics_host;
 } kvp_pipe_opts;
 
 /* Fill opts with the defaults above. */

@@ -74,9 +74,10 @@ class LogTests(unittest.TestCase):
         eng = new_engine()
         # None delivers what is queued before it returns.
         kvpipe.set_log_handler(None)
-        serving = got.having("serving")
+        # The engine's line (a ucx server, where built, says it serves too).
+        serving = [ln for ln in got.having("serving") if ln[1] == "engine"]
         self.assertEqual(len(serving), 1, got.lines)
-        self.assertEqual(serving[0][:2], (20, "engine"))
+        self.assertEqual(serving[0][0], 20)
         # Delivered by the module's thread, not the caller's.
         self.assertNotIn(threading.get_ident(), got.threads)
         eng.close()
@@ -180,6 +181,9 @@ class LogTests(unittest.TestCase):
         with self.assertRaises(TypeError):
             kvpipe.set_log_handler(42)
 
+    @unittest.skipIf("libtsan" in os.environ.get("LD_PRELOAD", ""),
+                     "ThreadSanitizer cannot start threads in a child forked "
+                     "from a process with threads")
     def test_handler_in_forked_child(self):
         got = Collector()
         kvpipe.set_log_handler(got)
