@@ -96,6 +96,9 @@ def tcp_wire():
         "bad_opcode": base + LE(0x12345678 << 32) + hdr(1, 0x10000, 0x82),
         "no_regions": regions() + ok + hdr(1, 0, 0),
         "overlapping_regions": regions((0x1000, 0x100), (0x1080, 0x100), (0x0, 0x1000)) + ok,
+        # A length with its top bit set registers device memory: never served.
+        "device_region": regions((0x10000, 0x1000 | 1 << 63), (0x20000, 0x100)) + ok
+        + hdr(0x10, 0x10000, 0x80) + hdr(0x10, 0x20000, 0x80),
     }
 
 
