@@ -6,7 +6,7 @@
 #   tests/fuzz/run.sh                     every target for 10^7 executions
 #   tests/fuzz/run.sh --runs N TARGET...  N executions of the named targets
 #   tests/fuzz/run.sh --time S            S seconds per target (with --runs: whichever first)
-#   tests/fuzz/run.sh --short             CI: each target for KVP_FUZZ_SECONDS (12) seconds
+#   tests/fuzz/run.sh --short             CI: each target for KVP_FUZZ_SECONDS (9) seconds
 #
 # New corpus entries and crash artifacts go to a scratch directory (--out DIR,
 # default a new /tmp/kvpipe-fuzz.XXXXXX), never into the repo; the seeds in
@@ -31,7 +31,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
     --runs) runs=$2; shift 2 ;;
     --time) seconds=$2; shift 2 ;;
-    --short) runs=0; seconds=${KVP_FUZZ_SECONDS:-12}; shift ;;
+    --short) runs=0; seconds=${KVP_FUZZ_SECONDS:-9}; shift ;;
     --build) build=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     -h|--help) usage ;;
