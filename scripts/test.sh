@@ -3,10 +3,11 @@
 # suite (tests/faults/) included, and its packaging checks, then a valgrind
 # pass over the single-process-heavy suites, then the whole suite again built
 # with AddressSanitizer and UndefinedBehaviorSanitizer, and again built with
-# ThreadSanitizer. The tests start their own servers (metadata store,
-# redis-server, etcd) on free loopback ports and their own network namespaces.
-# Each pass stops the script at its first failure; it ends with ctest's
-# summary of the TSan run. Each pass prints how long it took.
+# ThreadSanitizer, and last each libFuzzer target for a short bounded time.
+# The tests start their own servers (metadata store, redis-server, etcd) on
+# free loopback ports and their own network namespaces. Each pass stops the
+# script at its first failure; it ends with the fuzzers' summary. Each pass
+# prints how long it took.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=${JOBS:-2}
@@ -65,3 +66,15 @@ cmake --build build-tsan -j"$jobs"
 TSAN_OPTIONS=${TSAN_OPTIONS:-suppressions=$PWD/tests/tsan.supp:second_deadlock_stack=1} \
     ctest --test-dir build-tsan --output-on-failure -j"$jobs"
 took TSan
+
+# ---- fuzzers (tests/fuzz, docs/fuzzing.md) ----
+# Each libFuzzer target for a short bounded time (KVP_FUZZ_SECONDS, default
+# 9 s: the nine take under 2 minutes) from its seed corpus; a crash,
+# sanitizer report or broken invariant fails the run. Needs clang; without it
+# this step is skipped, and says so.
+if command -v clang >/dev/null; then
+    tests/fuzz/run.sh --short
+else
+    echo "fuzz: SKIPPED (clang not installed; scripts/install-deps.sh installs it)"
+fi
+took fuzzers

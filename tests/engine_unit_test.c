@@ -521,6 +521,11 @@ static void hostport(void)
     CHECK_ST(kvpi_hostport_parse("[::1]x", -1, &hp), KVP_EINVAL);
     CHECK_ST(kvpi_hostport_parse("[]:80", -1, &hp), KVP_EINVAL);
     CHECK_ST(kvpi_hostport_parse("", -1, &hp), KVP_EINVAL);
+    /* Found by fuzz_config: such a host formats to text that does not parse. */
+    CHECK_ST(kvpi_hostport_parse("[[e02]:14000", -1, &hp), KVP_EINVAL);
+    CHECK_ST(kvpi_hostport_parse("[a[b]:1", -1, &hp), KVP_EINVAL);
+    CHECK_ST(kvpi_hostport_parse("a]:1", -1, &hp), KVP_EINVAL);
+    CHECK_ST(kvpi_hostport_parse("a:b]", 5, &hp), KVP_EINVAL);
     char buf[64];
     kvpi_hostport_format("::1", 5, buf, sizeof buf);
     CHECK(strcmp(buf, "[::1]:5") == 0);

@@ -102,6 +102,10 @@ static void test_bad_values(void)
                  "'prefill_url': 'a:x' is not host:port");
     expect_error("{\"prefill_url\":\":5\",\"decode_url\":\"b:2\",\"metadata_server\":\"m\"}",
                  "'prefill_url'");
+    /* Found by fuzz_config: the segment name "[e02:14000" would not parse. */
+    expect_error("{\"prefill_url\":\"a:1\",\"decode_url\":\"[[e02]:14000\","
+                 "\"metadata_server\":\"m\"}",
+                 "'decode_url': '[[e02]:14000' is not host:port");
     expect_error("{\"prefill_url\":\"a:0\",\"decode_url\":\"b:2\",\"metadata_server\":\"m\"}",
                  "'prefill_url': 'a:0' needs a port in 1..65535");
     expect_error("{\"prefill_url\":\"a:1\",\"decode_url\":\"b:2\",\"metadata_server\":\"\"}",

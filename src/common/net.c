@@ -56,6 +56,10 @@ kvp_status kvpi_hostport_parse(const char *text, int default_port, kvpi_hostport
     }
     if (host_len == 0) return kvpi_error(KVP_EINVAL, "'%s': empty host", text);
     if (host_len >= KVPI_HOST_MAX) return kvpi_error(KVP_EINVAL, "'%.40s...': host too long", text);
+    /* Brackets only enclose an IPv6 address: a host holding one would not
+     * format back to text that parses ("[[h]:1" is host "[h", written "[h:1"). */
+    if (memchr(host, '[', host_len) || memchr(host, ']', host_len))
+        return kvpi_error(KVP_EINVAL, "'%s': '[' or ']' inside the host", text);
     int port = default_port;
     if (port_str) {
         if (parse_port(port_str, &port) != 0)

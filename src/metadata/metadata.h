@@ -18,6 +18,9 @@
 #ifndef KVPI_METADATA_H
 #define KVPI_METADATA_H
 
+#include <stddef.h>
+#include <stdint.h>
+
 #include "common/net.h"
 #include "kvpipe/status.h"
 
@@ -176,6 +179,17 @@ enum kvpi_rpc_type {
     KVPI_RPC_PROBE = 3,
 };
 #define KVPI_RPC_MAX_FRAME (1u << 20)
+#define KVPI_RPC_HDR_LEN 9 /* u64 length + u8 type */
+
+/* The header of a frame holding json_len bytes of JSON. */
+void kvpi_rpc_frame_header(int type, size_t json_len, uint8_t hdr[KVPI_RPC_HDR_LEN]);
+
+/* Check the header at the start of buf, of which have bytes (8 or more) have
+ * arrived: the length word (1..KVPI_RPC_MAX_FRAME), and the type byte too when
+ * have > 8. On success *json_len is the JSON's length (the frame's less the
+ * type byte), which follows the 9-byte header, and *type the type (-1 while
+ * have == 8). KVP_EPROTO, with a message, otherwise. Pure; thread-safe. */
+kvp_status kvpi_rpc_frame_decode(const uint8_t *buf, size_t have, int *type, size_t *json_len);
 
 typedef struct kvpi_rpc_server kvpi_rpc_server;
 

@@ -23,7 +23,6 @@
 #include "metadata/metadata.h"
 
 #define RPC_DEFAULT_TIMEOUT_MS 5000
-#define RPC_HDR 9 /* u64 length + u8 type */
 
 struct kvpi_rpc_server {
     kvpi_conn_server *conns;
@@ -48,23 +47,23 @@ static kvp_status wrap(kvp_status st, const char *what, const char *addr)
     return kvpi_error(st, "%s %s: %s", what, addr, detail);
 }
 
-static void put_header(uint8_t hdr[RPC_HDR], size_t json_len, int type)
+void kvpi_rpc_frame_header(int type, size_t json_len, uint8_t hdr[KVPI_RPC_HDR_LEN])
 {
     kvpi_put_le64(hdr, (uint64_t)json_len + 1);
     hdr[8] = (uint8_t)type;
 }
 
-static kvp_status check_length(uint64_t len)
+kvp_status kvpi_rpc_frame_decode(const uint8_t *buf, size_t have, int *type, size_t *json_len)
 {
+    uint64_t len = kvpi_get_le64(buf);
     if (len == 0 || len > KVPI_RPC_MAX_FRAME)
         return kvpi_error(KVP_EPROTO, "frame length %llu is not in 1..%u", (unsigned long long)len,
                           KVPI_RPC_MAX_FRAME);
+    if (have > 8 && !valid_type(buf[8]))
+        return kvpi_error(KVP_EPROTO, "unknown frame type %u", buf[8]);
+    *type = have > 8 ? buf[8] : -1;
+    *json_len = (size_t)len - 1;
     return KVP_OK;
-}
-
-static kvp_status check_type(unsigned type)
-{
-    return valid_type(type) ? KVP_OK : kvpi_error(KVP_EPROTO, "unknown frame type %u", type);
 }
 
 /* ---- server ---- */
@@ -90,24 +89,25 @@ static void warn_once(kvpi_rpc_server *srv, const char *what)
  * a reply. */
 static kvp_status serve_recv(kvpi_conn *c, int *type, char **json)
 {
-    uint8_t hdr[RPC_HDR];
+    uint8_t hdr[KVPI_RPC_HDR_LEN];
+    int got;
+    size_t n;
     kvp_status st = kvpi_conn_next(c, hdr, 8);
     if (st) return st;
-    uint64_t len = kvpi_get_le64(hdr);
-    if ((st = check_length(len))) return st;
+    if ((st = kvpi_rpc_frame_decode(hdr, 8, &got, &n))) return st;
     if ((st = kvpi_conn_recv(c, hdr + 8, 1))) return st;
-    if ((st = check_type(hdr[8]))) return st;
-    if (!kvpi_conn_expect(c, len)) return KVP_ECLOSED;
-    char *text = malloc(len);
+    if ((st = kvpi_rpc_frame_decode(hdr, sizeof hdr, &got, &n))) return st;
+    if (!kvpi_conn_expect(c, n + 1)) return KVP_ECLOSED;
+    char *text = malloc(n + 1);
     if (!text)
         return kvpi_error(KVP_ENOMEM, "out of memory for a %llu-byte frame",
-                          (unsigned long long)len);
-    if ((st = kvpi_conn_recv(c, text, len - 1))) {
+                          (unsigned long long)n + 1);
+    if ((st = kvpi_conn_recv(c, text, n))) {
         free(text);
         return st;
     }
-    text[len - 1] = '\0';
-    *type = hdr[8];
+    text[n] = '\0';
+    *type = got;
     *json = text;
     return KVP_OK;
 }
@@ -130,9 +130,9 @@ static void serve(kvpi_conn *c)
     } else if (n + 1 > KVPI_RPC_MAX_FRAME) {
         KVPI_WARN("handshake server %s: local descriptor exceeds %u bytes", srv->addr,
                   KVPI_RPC_MAX_FRAME);
-    } else if (kvpi_conn_busy(c, n + RPC_HDR)) {
-        uint8_t hdr[RPC_HDR];
-        put_header(hdr, n, type);
+    } else if (kvpi_conn_busy(c, n + KVPI_RPC_HDR_LEN)) {
+        uint8_t hdr[KVPI_RPC_HDR_LEN];
+        kvpi_rpc_frame_header(type, n, hdr);
         if ((st = kvpi_conn_send(c, hdr, sizeof hdr)) == KVP_OK) st = kvpi_conn_send(c, reply, n);
         if (st) KVPI_DEBUG("handshake server %s: reply: %s", srv->addr, kvp_last_error());
     }
@@ -191,26 +191,25 @@ void kvpi_rpc_server_stop(kvpi_rpc_server *server)
 static kvp_status call_on(int fd, int type, const char *json, uint64_t deadline, char **reply)
 {
     size_t n = strlen(json);
-    uint8_t hdr[RPC_HDR];
-    put_header(hdr, n, type);
+    uint8_t hdr[KVPI_RPC_HDR_LEN];
+    kvpi_rpc_frame_header(type, n, hdr);
     kvp_status st = kvpi_send_all_by(fd, hdr, sizeof hdr, deadline);
     if (!st) st = kvpi_send_all_by(fd, json, n, deadline);
     if (!st) st = kvpi_recv_all_by(fd, hdr, sizeof hdr, deadline);
     if (st) return st;
-    uint64_t len = kvpi_get_le64(hdr);
-    if ((st = check_length(len))) return st;
-    if ((st = check_type(hdr[8]))) return st;
-    if (hdr[8] != type)
-        return kvpi_error(KVP_EPROTO, "reply has frame type %d, expected %d", hdr[8], type);
-    char *text = malloc(len);
+    int got;
+    if ((st = kvpi_rpc_frame_decode(hdr, sizeof hdr, &got, &n))) return st;
+    if (got != type)
+        return kvpi_error(KVP_EPROTO, "reply has frame type %d, expected %d", got, type);
+    char *text = malloc(n + 1);
     if (!text)
         return kvpi_error(KVP_ENOMEM, "out of memory for a %llu-byte frame",
-                          (unsigned long long)len);
-    if ((st = kvpi_recv_all_by(fd, text, len - 1, deadline))) {
+                          (unsigned long long)n + 1);
+    if ((st = kvpi_recv_all_by(fd, text, n, deadline))) {
         free(text);
         return st;
     }
-    text[len - 1] = '\0';
+    text[n] = '\0';
     *reply = text;
     return KVP_OK;
 }

@@ -45,11 +45,10 @@
 #include "common/log.h"
 #include "common/net.h"
 #include "kvpipe/pipe.h"
+#include "pipe/announce.h"
 #include "pipe/pipe_metrics.h"
 #include "pipe/safetensors.h"
 
-#define ACK_TEXT "ACK"
-#define ACK_LEN 3
 /* Control frames are 8 bytes (3 for an ACK); ZeroMQ drops the connection of a
  * peer that sends a larger frame than this before buffering it. */
 #define CONTROL_MAX_FRAME 4096
@@ -356,19 +355,13 @@ static void q_drop_tail(kvp_pipe *p)
 /* --------------------------------------- the links and the control thread --- */
 
 /* One whole message off a link (its parts arrive together, so this does not
- * wait). Keeps the sizes of the first two frames and the first 8 bytes of
- * each. Returns the frame count, 0 when none was waiting, -1 on ETERM. */
-typedef struct control_msg {
-    int frames;
-    size_t size[2];
-    uint8_t head[2][8];
-} control_msg;
-
-static int take_message(void *sock, control_msg *m)
+ * wait), as a kvpi_control_msg (announce.h). Returns the frame count, 0 when
+ * none was waiting, -1 on ETERM. */
+static int take_message(void *sock, kvpi_control_msg *m)
 {
     zmq_msg_t part;
     zmq_msg_init(&part);
-    m->frames = 0;
+    *m = (kvpi_control_msg){0};
     int more;
     do {
         if (zmq_msg_recv(&part, sock, ZMQ_DONTWAIT) < 0) {
@@ -377,12 +370,7 @@ static int take_message(void *sock, control_msg *m)
             if (m->frames > 0 || err == EAGAIN || err == EINTR) return m->frames;
             return -1;
         }
-        if (m->frames < 2) {
-            size_t n = zmq_msg_size(&part);
-            m->size[m->frames] = n;
-            memcpy(m->head[m->frames], zmq_msg_data(&part), n < 8 ? n : 8);
-        }
-        m->frames++;
+        kvpi_control_add_frame(m, zmq_msg_data(&part), zmq_msg_size(&part));
         more = zmq_msg_more(&part);
     } while (more);
     zmq_msg_close(&part);
@@ -418,9 +406,9 @@ static void take_ack(kvp_pipe *p)
 
 /* Only the 3-byte frame "ACK" frees a buffer (every MooncakePipe sends just
  * that): anything else could free one the peer is still reading. */
-static void handle_ack(kvp_pipe *p, const control_msg *m)
+static void handle_ack(kvp_pipe *p, const kvpi_control_msg *m)
 {
-    if (m->frames == 1 && m->size[0] == ACK_LEN && memcmp(m->head[0], ACK_TEXT, ACK_LEN) == 0) {
+    if (kvpi_ack_is_valid(m)) {
         take_ack(p);
         return;
     }
@@ -435,7 +423,7 @@ static void handle_ack(kvp_pipe *p, const control_msg *m)
 static int take_acks(kvp_pipe *p)
 {
     for (int i = 0; i < ACK_BATCH; i++) {
-        control_msg m;
+        kvpi_control_msg m;
         int n = take_message(p->ack_in.sock, &m);
         if (n <= 0) return n;
         handle_ack(p, &m);
@@ -443,15 +431,9 @@ static int take_acks(kvp_pipe *p)
     return 0;
 }
 
-/* An announcement is two 8-byte frames: u64 BE address, u64 BE length. */
-static int is_announcement(const control_msg *m)
-{
-    return m->frames == 2 && m->size[0] == 8 && m->size[1] == 8;
-}
-
 /* Anything else on the data link is dropped unanswered, since no MooncakePipe
  * sends it and no buffer of the peer waits for its ACK. */
-static void drop_announcement(kvp_pipe *p, const control_msg *m)
+static void drop_announcement(kvp_pipe *p, const kvpi_control_msg *m)
 {
     pthread_mutex_lock(&p->lock);
     p->stats.bad_messages++;
@@ -737,9 +719,8 @@ static int zsend(void *s, const void *buf, size_t len, int flags, int timeout_ms
 /* The two-frame announcement: u64 big-endian address, u64 big-endian length. */
 static kvp_status announce(kvp_pipe *p, const void *buf, size_t len, uint64_t deadline)
 {
-    uint8_t addr[8], length[8];
-    kvpi_put_be64(addr, (uint64_t)(uintptr_t)buf);
-    kvpi_put_be64(length, len);
+    uint8_t addr[KVPI_ANNOUNCE_FRAME_LEN], length[KVPI_ANNOUNCE_FRAME_LEN];
+    kvpi_announce_encode((uint64_t)(uintptr_t)buf, len, addr, length);
     if (zsend(p->data_push, addr, 8, ZMQ_SNDMORE, remaining_ms(deadline)) < 0) {
         if (zmq_errno() != EAGAIN) return zmq_fail(p, "send");
         kvpi_counter_add(&p->counters.send_timeouts, 1);
@@ -927,12 +908,10 @@ static kvp_status next_announcement(kvp_pipe *p, int timeout_ms, uint64_t *addr,
     uint64_t deadline = kvpi_now_ms() + (uint64_t)(timeout_ms < 0 ? 0 : timeout_ms);
     for (;;) {
         if (atomic_exchange(&p->data_redial, 0)) link_reconnect(p, &p->data_in);
-        control_msg m;
+        kvpi_control_msg m;
         int n = take_message(p->data_in.sock, &m);
         if (n < 0) return zmq_fail(p, "receive");
-        if (n > 0 && is_announcement(&m)) {
-            *addr = kvpi_get_be64(m.head[0]);
-            *len = kvpi_get_be64(m.head[1]);
+        if (n > 0 && kvpi_announce_decode(&m, addr, len)) {
             atomic_store(&p->data_in.good, 1);
             return KVP_OK;
         }
@@ -957,27 +936,11 @@ static kvp_status next_announcement(kvp_pipe *p, int timeout_ms, uint64_t *addr,
     }
 }
 
-static kvp_status check_announcement(kvp_pipe *p, uint64_t addr, uint64_t len)
-{
-    if (len == 0)
-        return kvpi_error(KVP_EPROTO, "pipe %s: announcement from %s has length 0",
-                          p->ep.local_segment, p->ep.peer_segment);
-    if (len > p->opts.max_message_bytes)
-        return kvpi_error(KVP_EPROTO,
-                          "pipe %s: announcement from %s of %llu bytes is above max_message_bytes "
-                          "(%zu)",
-                          p->ep.local_segment, p->ep.peer_segment, (unsigned long long)len,
-                          p->opts.max_message_bytes);
-    if (addr + len < addr)
-        return kvpi_error(KVP_ERANGE, "pipe %s: announced range 0x%llx+%llu wraps around",
-                          p->ep.local_segment, (unsigned long long)addr, (unsigned long long)len);
-    return KVP_OK;
-}
-
 /* READ the announced range into a new local managed buffer. */
 static kvp_status fetch(kvp_pipe *p, uint64_t addr, uint64_t len, void **out)
 {
-    kvp_status st = check_announcement(p, addr, len);
+    kvp_status st = kvpi_announce_check(addr, len, p->opts.max_message_bytes, p->ep.local_segment,
+                                        p->ep.peer_segment);
     if (st) return st;
     if (!p->peer_open) {
         if ((st = kvp_engine_open_segment(p->engine, p->ep.peer_segment, &p->peer_seg))) return st;
@@ -995,7 +958,8 @@ static kvp_status fetch(kvp_pipe *p, uint64_t addr, uint64_t len, void **out)
 
 static void send_ack(kvp_pipe *p)
 {
-    if (zsend(p->ack_push, ACK_TEXT, ACK_LEN, 0, ACK_SEND_TIMEOUT_MS) == ACK_LEN) return;
+    if (zsend(p->ack_push, KVPI_ACK_TEXT, KVPI_ACK_LEN, 0, ACK_SEND_TIMEOUT_MS) == KVPI_ACK_LEN)
+        return;
     /* The data is here already; only the sender's buffer release depends on the
      * ACK, and a sender that does not take it is gone or not listening. */
     KVPI_WARN_LIMITED("pipe %s: could not send ACK to %s within %d ms: %s", p->ep.local_segment,

@@ -122,9 +122,9 @@ static void allow_attach_once(void)
 static kvp_status hello(const shm_peer *p, int fd, uint64_t deadline)
 {
     uint8_t h[KVPI_SHM_HELLO_LEN], s[KVPI_SHM_STATUS_LEN];
-    kvpi_put_le64(h, (uint64_t)KVPI_SHM_MAGIC << 32 | KVPI_SHM_VERSION);
-    kvpi_put_le64(h + 8, (uint64_t)(uintptr_t)&probe_value);
-    kvpi_put_le64(h + 16, probe_value);
+    kvpi_shm_hello_encode(&(kvpi_shm_hello){.probe_addr = (uint64_t)(uintptr_t)&probe_value,
+                                            .probe_value = probe_value},
+                          h);
     kvp_status st = kvpi_send_all_by(fd, h, sizeof h, deadline);
     if (!st) st = kvpi_recv_all_by(fd, s, sizeof s, deadline);
     kvp_status remote;
@@ -305,14 +305,12 @@ static size_t check_slices(const shm_peer *p, kvpi_slice *const *slices, size_t 
 static kvp_status link_send(int fd, kvpi_slice *const *win, size_t n, uint64_t deadline)
 {
     uint8_t buf[WINDOW * KVPI_SHM_REQ_LEN];
-    memset(buf, 0, n * KVPI_SHM_REQ_LEN);
-    for (size_t j = 0; j < n; j++) {
-        uint8_t *h = buf + j * KVPI_SHM_REQ_LEN;
-        kvpi_put_le64(h, win[j]->remote);
-        kvpi_put_le64(h + 8, win[j]->length);
-        kvpi_put_le64(h + 16, (uint64_t)(uintptr_t)win[j]->local);
-        h[24] = (uint8_t)win[j]->opcode;
-    }
+    for (size_t j = 0; j < n; j++)
+        kvpi_shm_req_encode(&(kvpi_shm_req){.remote = win[j]->remote,
+                                            .length = win[j]->length,
+                                            .local = (uint64_t)(uintptr_t)win[j]->local,
+                                            .opcode = (uint8_t)win[j]->opcode},
+                            buf + j * KVPI_SHM_REQ_LEN);
     return kvpi_send_all_by(fd, buf, n * KVPI_SHM_REQ_LEN, deadline);
 }
 

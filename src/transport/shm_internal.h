@@ -25,9 +25,11 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 
+#include "common/net.h"
 #include "transport/transport.h"
 
 #define KVPI_SHM_MAGIC 0x4B565348u /* "KVSH" */
@@ -48,6 +50,55 @@ kvp_status kvpi_shm_host_id(char *buf, size_t len);
 
 /* Fill a sockaddr_un for the abstract name; returns the address length. */
 socklen_t kvpi_shm_sockaddr(const char *name, struct sockaddr_un *sa);
+
+/* The hello and request frames, decoded. The codecs below are pure, so that
+ * they can be fuzzed (tests/fuzz/fuzz_shm_wire.c). */
+typedef struct kvpi_shm_hello {
+    uint64_t probe_addr;  /* in the initiator's memory */
+    uint64_t probe_value; /* the 8 bytes there */
+} kvpi_shm_hello;
+
+typedef struct kvpi_shm_req {
+    uint64_t remote; /* target address */
+    uint64_t length;
+    uint64_t local; /* initiator address */
+    uint8_t opcode; /* KVP_OP_READ or KVP_OP_WRITE */
+} kvpi_shm_req;
+
+static inline void kvpi_shm_hello_encode(const kvpi_shm_hello *h, uint8_t out[KVPI_SHM_HELLO_LEN])
+{
+    kvpi_put_le64(out, (uint64_t)KVPI_SHM_MAGIC << 32 | KVPI_SHM_VERSION);
+    kvpi_put_le64(out + 8, h->probe_addr);
+    kvpi_put_le64(out + 16, h->probe_value);
+}
+
+/* Returns 0, or -1 when the magic or the version is not ours. */
+static inline int kvpi_shm_hello_decode(const uint8_t in[KVPI_SHM_HELLO_LEN], kvpi_shm_hello *h)
+{
+    if (kvpi_get_le64(in) != ((uint64_t)KVPI_SHM_MAGIC << 32 | KVPI_SHM_VERSION)) return -1;
+    h->probe_addr = kvpi_get_le64(in + 8);
+    h->probe_value = kvpi_get_le64(in + 16);
+    return 0;
+}
+
+static inline void kvpi_shm_req_encode(const kvpi_shm_req *r, uint8_t out[KVPI_SHM_REQ_LEN])
+{
+    memset(out, 0, KVPI_SHM_REQ_LEN);
+    kvpi_put_le64(out, r->remote);
+    kvpi_put_le64(out + 8, r->length);
+    kvpi_put_le64(out + 16, r->local);
+    out[24] = r->opcode;
+}
+
+/* Fills *r; returns 0, or -1 for an unknown opcode. The padding is ignored. */
+static inline int kvpi_shm_req_decode(const uint8_t in[KVPI_SHM_REQ_LEN], kvpi_shm_req *r)
+{
+    r->remote = kvpi_get_le64(in);
+    r->length = kvpi_get_le64(in + 8);
+    r->local = kvpi_get_le64(in + 16);
+    r->opcode = in[24];
+    return r->opcode <= KVP_OP_WRITE ? 0 : -1;
+}
 
 /* Encode / decode a status frame. Decoding fails (KVP_EPROTO) on a bad magic. */
 void kvpi_shm_put_status(uint8_t *p, kvp_status st, int err);

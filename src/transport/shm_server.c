@@ -118,10 +118,11 @@ static kvp_status serve_hello(kvpi_conn *conn)
     if (getsockopt(c->fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0)
         return kvpi_error(KVP_EIO, "shm server: SO_PEERCRED: %s", strerror(errno));
     c->peer = cred.pid;
-    uint8_t h[KVPI_SHM_HELLO_LEN];
-    kvp_status st = kvpi_conn_recv(conn, h, sizeof h);
+    uint8_t raw[KVPI_SHM_HELLO_LEN];
+    kvpi_shm_hello h;
+    kvp_status st = kvpi_conn_recv(conn, raw, sizeof raw);
     if (st) return st;
-    if (kvpi_get_le64(h) != ((uint64_t)KVPI_SHM_MAGIC << 32 | KVPI_SHM_VERSION)) {
+    if (kvpi_shm_hello_decode(raw, &h) != 0) {
         reply(c, KVP_EPROTO, 0);
         return kvpi_error(KVP_EPROTO, "shm server: bad hello from pid %d", (int)c->peer);
     }
@@ -130,9 +131,9 @@ static kvp_status serve_hello(kvpi_conn *conn)
         return kvpi_error(KVP_ENOTSUP, "shm server: initiator is another user or pid namespace");
     }
     uint64_t probe = 0;
-    int err = copy_with_peer(c->peer, KVP_OP_WRITE, (uint64_t)(uintptr_t)&probe,
-                             kvpi_get_le64(h + 8), sizeof probe);
-    if (!err && probe != kvpi_get_le64(h + 16)) err = EFAULT;
+    int err = copy_with_peer(c->peer, KVP_OP_WRITE, (uint64_t)(uintptr_t)&probe, h.probe_addr,
+                             sizeof probe);
+    if (!err && probe != h.probe_value) err = EFAULT;
     if (err) {
         reply(c, KVP_ENOTSUP, err);
         return kvpi_error(KVP_ENOTSUP, "shm server: cannot reach the memory of pid %d: %s",
@@ -157,12 +158,14 @@ static kvp_status copy_status(int err, int *fatal)
 static kvp_status serve_request(shm_conn *c, const uint8_t h[KVPI_SHM_REQ_LEN], shm_server *srv)
 {
     kvpi_region_table *reg = srv->regions;
-    uint64_t remote = kvpi_get_le64(h), len = kvpi_get_le64(h + 8), local = kvpi_get_le64(h + 16);
-    uint8_t op = h[24];
-    if (op > KVP_OP_WRITE) {
+    kvpi_shm_req r;
+    if (kvpi_shm_req_decode(h, &r) != 0) {
         reply(c, KVP_EPROTO, 0);
-        return kvpi_error(KVP_EPROTO, "shm server: bad opcode %u from pid %d", op, (int)c->peer);
+        return kvpi_error(KVP_EPROTO, "shm server: bad opcode %u from pid %d", r.opcode,
+                          (int)c->peer);
     }
+    uint64_t remote = r.remote, len = r.length, local = r.local;
+    uint8_t op = r.opcode;
     if (!kvpi_conn_busy(c->conn, len)) return KVP_ECLOSED;
     if (len == 0) return answer(c, KVP_OK, 0, 0);
     kvpi_pin pin;

@@ -1,0 +1,55 @@
+/* The pipe's control message codecs (see announce.h). */
+#include <string.h>
+
+#include "common/error.h"
+#include "common/net.h"
+#include "pipe/announce.h"
+
+void kvpi_control_add_frame(kvpi_control_msg *m, const void *data, size_t size)
+{
+    if (m->frames < 2) {
+        m->size[m->frames] = size;
+        memcpy(m->head[m->frames], data,
+               size < KVPI_ANNOUNCE_FRAME_LEN ? size : KVPI_ANNOUNCE_FRAME_LEN);
+    }
+    m->frames++;
+}
+
+void kvpi_announce_encode(uint64_t addr, uint64_t len, uint8_t addr_frame[KVPI_ANNOUNCE_FRAME_LEN],
+                          uint8_t len_frame[KVPI_ANNOUNCE_FRAME_LEN])
+{
+    kvpi_put_be64(addr_frame, addr);
+    kvpi_put_be64(len_frame, len);
+}
+
+int kvpi_announce_decode(const kvpi_control_msg *m, uint64_t *addr, uint64_t *len)
+{
+    if (m->frames != 2 || m->size[0] != KVPI_ANNOUNCE_FRAME_LEN ||
+        m->size[1] != KVPI_ANNOUNCE_FRAME_LEN)
+        return 0;
+    *addr = kvpi_get_be64(m->head[0]);
+    *len = kvpi_get_be64(m->head[1]);
+    return 1;
+}
+
+kvp_status kvpi_announce_check(uint64_t addr, uint64_t len, size_t max_bytes, const char *local,
+                               const char *peer)
+{
+    if (len == 0)
+        return kvpi_error(KVP_EPROTO, "pipe %s: announcement from %s has length 0", local, peer);
+    if (len > max_bytes)
+        return kvpi_error(KVP_EPROTO,
+                          "pipe %s: announcement from %s of %llu bytes is above max_message_bytes "
+                          "(%zu)",
+                          local, peer, (unsigned long long)len, max_bytes);
+    if (addr + len < addr)
+        return kvpi_error(KVP_ERANGE, "pipe %s: announced range 0x%llx+%llu wraps around", local,
+                          (unsigned long long)addr, (unsigned long long)len);
+    return KVP_OK;
+}
+
+int kvpi_ack_is_valid(const kvpi_control_msg *m)
+{
+    return m->frames == 1 && m->size[0] == KVPI_ACK_LEN &&
+           memcmp(m->head[0], KVPI_ACK_TEXT, KVPI_ACK_LEN) == 0;
+}

@@ -1,0 +1,54 @@
+/* Internal: the pipe's control messages, as vLLM's MooncakePipe sends them.
+ *
+ *   announcement (data link): one ZeroMQ message of two 8-byte frames, the
+ *       big-endian address and the big-endian length of the sender's managed
+ *       buffer, which the receiver READs and then acknowledges;
+ *   ACK (ACK link): one message of the one 3-byte frame "ACK".
+ *
+ * A reader takes the frames of one message into a kvpi_control_msg, then asks
+ * whether it is an announcement or an ACK; anything else is dropped by the
+ * caller. All of this is pure (no sockets, no logging), so that it can be
+ * fuzzed; thread-safe.
+ */
+#ifndef KVPI_PIPE_ANNOUNCE_H
+#define KVPI_PIPE_ANNOUNCE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvpipe/status.h"
+
+#define KVPI_ANNOUNCE_FRAME_LEN 8
+#define KVPI_ACK_TEXT "ACK"
+#define KVPI_ACK_LEN 3
+
+/* One message as it arrived: its frame count, the sizes of its first two
+ * frames and the first 8 bytes of each (fewer when shorter; the rest is
+ * unspecified). Start from {0}. */
+typedef struct kvpi_control_msg {
+    int frames;
+    size_t size[2];
+    uint8_t head[2][KVPI_ANNOUNCE_FRAME_LEN];
+} kvpi_control_msg;
+
+/* Take the next frame of a message (size bytes at data). */
+void kvpi_control_add_frame(kvpi_control_msg *m, const void *data, size_t size);
+
+/* The two frames announcing len bytes at addr. */
+void kvpi_announce_encode(uint64_t addr, uint64_t len, uint8_t addr_frame[KVPI_ANNOUNCE_FRAME_LEN],
+                          uint8_t len_frame[KVPI_ANNOUNCE_FRAME_LEN]);
+
+/* 1 if m is an announcement (exactly two 8-byte frames), with *addr and *len
+ * set; 0 otherwise, outputs untouched. */
+int kvpi_announce_decode(const kvpi_control_msg *m, uint64_t *addr, uint64_t *len);
+
+/* Whether a receiver takes the announced range: not empty, at most max_bytes,
+ * and not wrapping around. KVP_EPROTO (KVP_ERANGE for a wrap) with a message
+ * naming both pipe ends (local, peer) otherwise. */
+kvp_status kvpi_announce_check(uint64_t addr, uint64_t len, size_t max_bytes, const char *local,
+                               const char *peer);
+
+/* 1 if m is an ACK (the one 3-byte frame "ACK"), else 0. */
+int kvpi_ack_is_valid(const kvpi_control_msg *m);
+
+#endif

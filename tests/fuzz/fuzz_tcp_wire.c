@@ -1,0 +1,70 @@
+/* The TCP data plane's request header and status frame (src/transport/tcp_wire.h)
+ * and the range check the server applies to every request (kvpi_region_pin:
+ * "inside one registered buffer of host memory").
+ *
+ * Input: the registered regions (regions.h), an 8-byte status frame, then
+ * 24-byte request headers to the end. Invariants: a header decodes iff its
+ * opcode (less the v2 bit) is READ or WRITE, and encodes back to the same
+ * bytes with the padding zeroed; a non-empty request is served iff it lies in
+ * one region of host memory; a status frame decodes iff its magic is right,
+ * and encodes back to the same bytes. */
+#include "common/net.h"
+#include "fuzz.h"
+#include "regions.h"
+#include "transport/tcp_wire.h"
+
+static void check_status(const uint8_t frame[8])
+{
+    int64_t code = kvpi_tcp_status_decode(frame);
+    uint64_t v = kvpi_get_le64(frame);
+    FUZZ_CHECK((code < 0) == ((v >> 32) != KVPI_TCP_STATUS_MAGIC));
+    if (code < 0) return;
+    FUZZ_CHECK(code <= UINT32_MAX);
+    uint8_t again[8];
+    kvpi_tcp_status_encode((uint32_t)code, again);
+    FUZZ_CHECK(memcmp(again, frame, 8) == 0);
+}
+
+static void check_header(kvpf_regions *regions, const uint8_t raw[KVPI_TCP_HDR_LEN])
+{
+    kvpi_tcp_hdr h;
+    int rc = kvpi_tcp_hdr_decode(raw, &h);
+    uint8_t op = raw[16] & 0x7f;
+    FUZZ_CHECK((rc == 0) == (op == KVPI_TCP_OP_READ || op == KVPI_TCP_OP_WRITE));
+    if (rc != 0) return;
+    FUZZ_CHECK(h.size == kvpi_get_le64(raw) && h.addr == kvpi_get_le64(raw + 8));
+    FUZZ_CHECK(h.v2 == ((raw[16] & 0x80) != 0));
+    uint8_t again[KVPI_TCP_HDR_LEN];
+    kvpi_tcp_hdr_encode(&h, again);
+    FUZZ_CHECK(memcmp(again, raw, 17) == 0);
+    for (int i = 17; i < KVPI_TCP_HDR_LEN; i++)
+        FUZZ_CHECK(again[i] == 0);
+    /* serve_request answers an empty request without looking at the registry. */
+    if (h.size) kvpf_regions_check_pin(regions, h.addr, h.size);
+}
+
+int LLVMFuzzerInitialize(int *argc, char ***argv)
+{
+    (void)argc;
+    (void)argv;
+    kvpf_quiet();
+    return 0;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    kvpf_reader in = {data, size};
+    kvpf_regions regions;
+    kvpf_regions_build(&regions, &in);
+    uint8_t frame[8];
+    for (int i = 0; i < 8; i++)
+        frame[i] = (uint8_t)kvpf_take(&in, 1);
+    check_status(frame);
+    while (in.left >= KVPI_TCP_HDR_LEN) {
+        check_header(&regions, in.p);
+        in.p += KVPI_TCP_HDR_LEN;
+        in.left -= KVPI_TCP_HDR_LEN;
+    }
+    kvpf_regions_free(&regions);
+    return 0;
+}
