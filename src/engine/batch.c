@@ -2,10 +2,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "engine/engine_ext.h"
 #include "engine/engine_internal.h"
 
 /* Consecutive small slices to one segment are handed to a transport together,
@@ -41,11 +43,20 @@ struct kvp_batch {
      * out its own deadline against a dead or stopped peer. */
     kvp_status conn_error;
     char detail[256]; /* kvp_last_error() of the first failure, from its worker */
+    int notify_fd;    /* -1, or an eventfd told when pending reaches 0 */
 };
 
 static int connection_level(kvp_status st)
 {
     return st == KVP_ETIMEDOUT || st == KVP_ECONNRESET || st == KVP_ECONNREFUSED;
+}
+
+/* Tell the batch's waiter, if it has an fd, that every request completed. */
+static void notify(kvp_batch *b)
+{
+    uint64_t one = 1;
+    if (b->notify_fd >= 0 && write(b->notify_fd, &one, sizeof one) < 0 && errno != EAGAIN)
+        KVPI_WARN("batch: cannot write its completion eventfd: %s", strerror(errno));
 }
 
 static void complete(kvpi_work *w, kvp_status st)
@@ -60,7 +71,7 @@ static void complete(kvpi_work *w, kvp_status st)
     if (connection_level(st) && b->conn_error == KVP_OK) b->conn_error = st;
     if (--r->slices_left == 0) {
         r->status = r->first_error;
-        b->pending--;
+        if (--b->pending == 0) notify(b);
     }
     b->outstanding--;
     pthread_cond_broadcast(&b->cond);
@@ -277,6 +288,12 @@ static void build_works(kvp_batch *b, const kvp_request *reqs, size_t slice_size
 kvp_status kvp_batch_submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request *reqs,
                             size_t n, kvp_batch **out)
 {
+    return kvpi_batch_submit_notify(e, seg_id, reqs, n, -1, out);
+}
+
+kvp_status kvpi_batch_submit_notify(kvp_engine *e, kvp_segment_id seg_id, const kvp_request *reqs,
+                                    size_t n, int notify_fd, kvp_batch **out)
+{
     if (!e || !out || (n && !reqs)) return kvpi_error(KVP_EINVAL, "batch_submit: NULL argument");
     kvpi_segment *seg = kvpi_segment_get(e, seg_id);
     if (!seg) return kvpi_error(KVP_EINVAL, "batch_submit: segment id %u is not open", seg_id);
@@ -298,7 +315,9 @@ kvp_status kvp_batch_submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_requ
     b->seg = seg;
     b->n = n;
     b->n_works = b->outstanding = n_works;
+    b->notify_fd = notify_fd;
     build_works(b, reqs, e->opts.slice_size);
+    if (b->pending == 0) notify(b);
     if (n_works) enqueue(e, &b->works[0], &b->works[n_works - 1]);
     *out = b;
     return KVP_OK;

@@ -7,6 +7,7 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "engine/engine_ext.h"
 #include "engine/engine_internal.h"
 #include "engine/protocol.h"
 
@@ -29,7 +30,25 @@ void kvp_engine_opts_init(kvp_engine_opts *opts)
     opts->min_transfer_rate = KVPI_MIN_RATE_DEFAULT;
 }
 
-/* Build the descriptor from the registry and every transport's fields. */
+/* Add an upper layer's members (engine_ext.h), except those the descriptor
+ * has already. -1 when out of memory. */
+static int add_fields(cJSON *doc, const cJSON *fields)
+{
+    const cJSON *f;
+    cJSON_ArrayForEach(f, fields)
+    {
+        if (cJSON_HasObjectItem(doc, f->string)) continue;
+        cJSON *copy = cJSON_Duplicate(f, 1);
+        if (!copy || !cJSON_AddItemToObject(doc, f->string, copy)) {
+            cJSON_Delete(copy);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Build the descriptor from the registry, every transport's fields and the
+ * upper layer's. */
 static char *descriptor_render(kvp_engine *e)
 {
     kvpi_region *regions;
@@ -44,6 +63,10 @@ static char *descriptor_render(kvp_engine *e)
     }
     for (size_t i = 0; kvpi_transports[i]; i++)
         if (e->servers[i]) kvpi_transports[i]->server_describe(e->servers[i], doc);
+    if (add_fields(doc, e->fields)) {
+        cJSON_Delete(doc);
+        return NULL;
+    }
     char *text = cJSON_PrintUnformatted(doc);
     cJSON_Delete(doc);
     return text;
@@ -287,9 +310,21 @@ static kvp_status start_servers(kvp_engine *e)
 
 kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out)
 {
+    return kvpi_engine_create_with_fields(opts, NULL, out);
+}
+
+kvp_status kvpi_engine_create_with_fields(const kvp_engine_opts *opts, const cJSON *fields,
+                                          kvp_engine **out)
+{
     if (!opts || !out) return kvpi_error(KVP_EINVAL, "engine: NULL argument");
+    if (fields && !cJSON_IsObject(fields))
+        return kvpi_error(KVP_EINVAL, "engine: descriptor fields must be a JSON object");
     kvp_engine *e = calloc(1, sizeof *e);
     if (!e) return kvpi_error(KVP_ENOMEM, "engine: out of memory");
+    if (fields && !(e->fields = cJSON_Duplicate(fields, 1))) {
+        free(e);
+        return kvpi_error(KVP_ENOMEM, "engine: out of memory");
+    }
     kvpi_registry_init(&e->registry);
     pthread_mutex_init(&e->publish_lock, NULL);
     pthread_mutex_init(&e->segments_lock, NULL);
@@ -358,6 +393,7 @@ void kvp_engine_destroy(kvp_engine *e)
     pthread_mutex_destroy(&e->keeper_lock);
     pthread_cond_destroy(&e->keeper_cond);
     free(e->desc_text);
+    cJSON_Delete(e->fields);
     free(e->name);
     free(e->metadata_conn);
     free(e->protocol);
