@@ -28,6 +28,7 @@ typedef struct bp_opts {
     const char *protocol, *metadata, *config;
     int kv_rank, json, no_shm, port;
     int timeout_ms; /* the engine's I/O timeout; 0: the pipe's default */
+    long inline_max; /* --inline-max-bytes; < 0: the pipe's default */
     int in_place; /* --send in-place: kvp_pipe_tensor_alloc + kvp_pipe_send_take */
     int verify;   /* compare every byte, not only the stamps */
 } bp_opts;
@@ -57,6 +58,9 @@ static void usage(FILE *out)
             "  --kv-buffer-size B    bytes in flight before send waits (default 1e9)\n"
             "  --timeout-ms MS       the engines' I/O timeout, which bounds each READ\n"
             "                        (default 5000)\n"
+            "  --inline-max-bytes B  both ranks' kvp_pipe_opts.inline_max_bytes: messages up to\n"
+            "                        B bytes travel inline (default: the pipe's, 128 KiB); 0:\n"
+            "                        every message is announced and READ (MooncakePipe's path)\n"
             "  --warmup N            untimed tensors first, so that both engines' buffer\n"
             "                        pools hold their memory (default: kv-buffer-size worth,\n"
             "                        at most 32)\n"
@@ -94,6 +98,11 @@ static int parse_opt(void *opts, int c, const char *arg)
     case 'P':
         o->port = (int)strtol(arg, &end, 10);
         return *end || o->port < 1 || o->port > 65000 ? -1 : 0;
+    case 'I': {
+        long long b = strtoll(arg, &end, 10);
+        o->inline_max = (long)b;
+        return *end || b < 0 || b > (1 << 30) ? -1 : 0;
+    }
     case 'T': {
         long ms = strtol(arg, &end, 10);
         o->timeout_ms = (int)ms;
@@ -140,10 +149,12 @@ static int parse_args(int argc, char **argv, bp_opts *o)
         {"port", required_argument, 0, 'P'},     {"help", no_argument, 0, 'h'},
         {"warmup", required_argument, 0, 'w'},   {"send", required_argument, 0, 'S'},
         {"verify", no_argument, 0, 'V'},         {"timeout-ms", required_argument, 0, 'T'},
+        {"inline-max-bytes", required_argument, 0, 'I'},
         {0, 0, 0, 0},
     };
     *o = (bp_opts){.count = 100,
                    .warmup = -1,
+                   .inline_max = -1,
                    .protocol = "tcp",
                    .metadata = "http",
                    .kv_rank = -1,
@@ -237,6 +248,7 @@ static kvp_pipe *open_pipe(const bp_opts *o, int kv_rank)
         po.disable_shm = o->no_shm;
         po.kv_buffer_size = o->kv_buffer_size;
         if (o->timeout_ms) po.io_timeout_ms = o->timeout_ms;
+        if (o->inline_max >= 0) po.inline_max_bytes = (size_t)o->inline_max;
         st = kvp_pipe_open(cfg, 0, kv_rank, &po, &pipe);
     }
     kvp_pipe_config_free(cfg);
