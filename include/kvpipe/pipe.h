@@ -280,6 +280,10 @@ typedef struct kvp_pipe_stats {
      * 0: the peer takes none (a Mooncake or MooncakePipe peer, a kvpipe peer
      * with the inline path off) or it was not read yet. */
     size_t peer_inline_max;
+    /* Times the peer's descriptor was read for it (once per new connection
+     * of the peer to this side's announce socket; not with this side's
+     * inline_max_bytes 0). */
+    uint64_t peer_lookups;
 } kvp_pipe_stats;
 KVP_API void kvp_pipe_get_stats(kvp_pipe *pipe, kvp_pipe_stats *out);
 

@@ -17,6 +17,7 @@
  * still queued in ZeroMQ is.
  */
 #include <errno.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -197,13 +198,18 @@ static int take_one(kvp_pipe *p)
 
 /* Take what the link holds, as far as the window has room, and start READs.
  * At most a window's worth of messages is looked at, so that a flood of
- * malformed ones does not hold recv past its timeout. */
-static kvp_status rx_fill(kvp_pipe *p)
+ * malformed ones does not hold recv past its timeout. *drained: the link
+ * said it has nothing more (so its ZMQ_FD signals the next message). */
+static kvp_status rx_fill(kvp_pipe *p, int *drained)
 {
+    *drained = 0;
     for (int n = 0; n < p->opts.recv_window && p->rx_count < (size_t)p->opts.recv_window; n++) {
         int r = take_one(p);
         if (r < 0) return kvpi_pipe_zmq_fail(p, "receive");
-        if (r == 0) break;
+        if (r == 0) {
+            *drained = 1;
+            break;
+        }
     }
     rx_start_waiting(p);
     return KVP_OK;
@@ -230,19 +236,23 @@ static void drain_eventfd(int fd)
 
 /* Wait for something to do: a message on the link (while the window has
  * room), a READ of the window completing, or the control thread's wake-up;
- * at most timeout_ms (negative: no limit). 0 on an event or timeout. */
+ * at most timeout_ms (negative: no limit). The link is watched through its
+ * ZMQ_FD, which signals new activity only: the caller has just found it
+ * drained. A plain poll(2) here, as zmq_poll() costs several system calls
+ * more per wait. */
 static kvp_status rx_wait(kvp_pipe *p, int timeout_ms)
 {
-    zmq_pollitem_t it[3] = {
-        {.fd = p->rx_done_fd, .events = ZMQ_POLLIN},
-        {.fd = p->recv_wake_fd, .events = ZMQ_POLLIN},
-        {.socket = p->data_in.sock, .events = ZMQ_POLLIN},
+    struct pollfd fds[3] = {
+        {.fd = p->rx_done_fd, .events = POLLIN},
+        {.fd = p->recv_wake_fd, .events = POLLIN},
+        {.fd = p->data_in_fd, .events = POLLIN},
     };
-    int n = p->rx_count < (size_t)p->opts.recv_window ? 3 : 2;
-    int r = zmq_poll(it, n, timeout_ms);
-    if (r < 0 && zmq_errno() != EINTR) return kvpi_pipe_zmq_fail(p, "poll");
-    if (r > 0 && it[0].revents) drain_eventfd(p->rx_done_fd);
-    if (r > 0 && it[1].revents) drain_eventfd(p->recv_wake_fd);
+    nfds_t n = p->rx_count < (size_t)p->opts.recv_window ? 3 : 2;
+    int r = poll(fds, n, timeout_ms);
+    if (r < 0 && errno != EINTR)
+        return kvpi_error(KVP_EIO, "pipe %s: poll: %s", p->ep.local_segment, strerror(errno));
+    if (r > 0 && fds[0].revents) drain_eventfd(p->rx_done_fd);
+    if (r > 0 && fds[1].revents) drain_eventfd(p->recv_wake_fd);
     return KVP_OK;
 }
 
@@ -260,8 +270,9 @@ static kvp_status busy_poll(kvp_pipe *p)
 {
     uint64_t until = kvpi_now_ns() + (uint64_t)p->opts.busy_poll_us * 1000u;
     kvp_status st;
+    int drained;
     do {
-        if ((st = rx_fill(p))) return st;
+        if ((st = rx_fill(p, &drained))) return st;
         if (head_ready(p)) return KVP_OK;
     } while (kvpi_now_ns() < until);
     return KVP_OK;
@@ -359,14 +370,14 @@ kvp_status kvp_pipe_recv(kvp_pipe *p, int timeout_ms, kvp_tensor **out)
     pthread_mutex_lock(&p->recv_lock);
     uint64_t deadline = kvpi_now_ms() + (uint64_t)(timeout_ms < 0 ? 0 : timeout_ms);
     kvp_status st = KVP_OK;
-    int polled = 0;
+    int polled = 0, drained;
     for (;;) {
         if (!kvp_pipe_usable(p)) {
             st = kvpi_error(KVP_ECLOSED, "pipe %s can no longer be used", p->ep.local_segment);
             break;
         }
         if (atomic_exchange(&p->data_redial, 0)) kvpi_pipe_link_reconnect(p, &p->data_in);
-        if ((st = rx_fill(p))) break;
+        if ((st = rx_fill(p, &drained))) break;
         if (head_ready(p)) {
             st = rx_pop(p, out);
             break;
@@ -376,18 +387,16 @@ kvp_status kvp_pipe_recv(kvp_pipe *p, int timeout_ms, kvp_tensor **out)
             if ((st = busy_poll(p))) break;
             continue;
         }
-        if (p->rx_count) {
-            /* The head's READ is running; the engine's deadlines end it. */
-            if ((st = rx_wait(p, 1000))) break;
-            continue;
-        }
         int left = timeout_ms < 0 ? -1 : kvpi_pipe_remaining_ms(deadline);
-        if (left == 0) {
+        if (!p->rx_count && left == 0) {
             st = kvpi_error(KVP_ETIMEDOUT, "pipe %s: nothing announced by %s within %d ms",
                             p->ep.local_segment, p->ep.peer_segment, timeout_ms);
             break;
         }
-        if ((st = rx_wait(p, left))) break;
+        if (!drained && p->rx_count < (size_t)p->opts.recv_window) continue; /* more to take */
+        /* With a READ running, the engine's deadlines end it; look again
+         * now and then all the same. */
+        if ((st = rx_wait(p, p->rx_count ? 1000 : left))) break;
     }
     pthread_mutex_unlock(&p->recv_lock);
     return st;

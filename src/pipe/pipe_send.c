@@ -37,9 +37,12 @@ static int q_push(kvp_pipe *p, void *buf, size_t len, uint64_t *seq)
         p->q_cap = cap;
         p->q_head = 0;
     }
+    int was = kvpi_pipe_acks_wanted(p);
     *seq = ++p->seq;
     p->q[(p->q_head + p->q_count++) % p->q_cap] = (kvpi_inflight){buf, len, *seq};
     p->inflight_bytes += len;
+    if (buf) p->q_buffers++;
+    kvpi_pipe_acks_changed(p, was);
     return 0;
 }
 
@@ -49,6 +52,7 @@ static kvpi_inflight q_pop_head(kvp_pipe *p)
     p->q_head = (p->q_head + 1) % p->q_cap;
     p->q_count--;
     p->inflight_bytes -= e.len;
+    if (e.buf) p->q_buffers--;
     return e;
 }
 
@@ -58,6 +62,7 @@ static void q_drop_tail(kvp_pipe *p)
 {
     kvpi_inflight *e = &p->q[(p->q_head + p->q_count - 1) % p->q_cap];
     p->inflight_bytes -= e->len;
+    if (e->buf) p->q_buffers--;
     p->q_count--;
 }
 
@@ -106,7 +111,12 @@ static kvp_status wait_for_room(kvp_pipe *p, size_t size, uint64_t deadline)
     pthread_mutex_lock(&p->lock);
     while (!atomic_load(&p->closing) && p->inflight_bytes > 0 &&
            p->inflight_bytes + size > p->opts.kv_buffer_size) {
-        if (pthread_cond_timedwait(&p->room, &p->lock, &ts) == ETIMEDOUT && p->inflight_bytes > 0 &&
+        int was = kvpi_pipe_acks_wanted(p);
+        p->room_waiters++;
+        kvpi_pipe_acks_changed(p, was);
+        int rc = pthread_cond_timedwait(&p->room, &p->lock, &ts);
+        p->room_waiters--;
+        if (rc == ETIMEDOUT && p->inflight_bytes > 0 &&
             p->inflight_bytes + size > p->opts.kv_buffer_size) {
             st = kvpi_error(KVP_ETIMEDOUT,
                             "pipe %s: peer %s acknowledged nothing for %d ms (%zu messages, %zu "
@@ -293,8 +303,10 @@ static kvp_status wait_writable(kvp_pipe *p, uint64_t deadline)
 static kvp_status post(kvp_pipe *p, outgoing *m, uint64_t deadline, int *as_inline)
 {
     kvp_status st;
-    for (;;) {
-        if ((st = wait_writable(p, deadline))) return st;
+    /* The first try does not poll: a zmq_poll costs several system calls,
+     * and data_push can take a message nearly always. */
+    for (int must_wait = 0;;) {
+        if (must_wait && (st = wait_writable(p, deadline))) return st;
         pthread_mutex_lock(&p->push_lock);
         int inl = inline_allowed(p, m->size);
         if (inl ? !m->have_zmsg : !(m->h || m->buf)) {
@@ -315,7 +327,8 @@ static kvp_status post(kvp_pipe *p, outgoing *m, uint64_t deadline, int *as_inli
              * either way. */
             unqueue_posting(p);
             if (r < 0) return st;
-            continue; /* the peer went away since the poll: wait again */
+            must_wait = 1; /* no peer, or its queue is full */
+            continue;
         }
         /* Acknowledged before it was posted: the ACK left the buffer to us. */
         if (posted(p, m->size, inl) && announced) kvp_engine_free(p->engine, announced);
@@ -424,9 +437,15 @@ kvp_status kvp_pipe_flush(kvp_pipe *p, int timeout_ms)
     kvp_status st = KVP_OK;
     pthread_mutex_lock(&p->lock);
     while (p->q_count > 0 && !atomic_load(&p->closing) && !atomic_load(&p->broken)) {
-        if (timeout_ms < 0) {
+        int was = kvpi_pipe_acks_wanted(p), rc = 0;
+        p->room_waiters++;
+        kvpi_pipe_acks_changed(p, was);
+        if (timeout_ms < 0)
             pthread_cond_wait(&p->room, &p->lock);
-        } else if (pthread_cond_timedwait(&p->room, &p->lock, &ts) == ETIMEDOUT && p->q_count > 0) {
+        else
+            rc = pthread_cond_timedwait(&p->room, &p->lock, &ts);
+        p->room_waiters--;
+        if (rc == ETIMEDOUT && p->q_count > 0) {
             st = kvpi_error(KVP_ETIMEDOUT,
                             "pipe %s: %zu messages (%zu bytes) still unacknowledged by %s after "
                             "%d ms",
