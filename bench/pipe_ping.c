@@ -8,7 +8,8 @@
  * flight. Prints one JSON line: the round trip's median, p99, mean and min in
  * microseconds, and the path the pair used ("inline" or "announced", from
  * kvp_pipe_stats). Options: --no-shm, --protocol P, --inline-max-bytes B
- * (0: MooncakePipe's path), --busy-poll-us N, as kvp_pipe_opts. */
+ * (0: MooncakePipe's path), --busy-poll-us N, --ack-delay-us N, as
+ * kvp_pipe_opts. */
 #include <arpa/inet.h>
 #include <getopt.h>
 #include <netinet/in.h>
@@ -35,6 +36,7 @@ typedef struct ping_opts {
     const char *protocol;
     int no_shm, busy_poll_us;
     long inline_max; /* < 0: the default */
+    long ack_delay;  /* < 0: the default */
 } ping_opts;
 
 static uint64_t now_ns(void)
@@ -79,6 +81,7 @@ static kvp_pipe *open_side(const char *json, int rank, const ping_opts *o)
         kvp_pipe_opts_init(&po);
         po.disable_shm = o->no_shm;
         po.busy_poll_us = o->busy_poll_us;
+        if (o->ack_delay >= 0) po.ack_delay_us = (int)o->ack_delay;
         if (o->inline_max >= 0) po.inline_max_bytes = (size_t)o->inline_max;
         st = kvp_pipe_open(cfg, 0, rank, &po, &p);
         kvp_pipe_config_free(cfg);
@@ -179,8 +182,12 @@ static int ping(const char *json, const ping_opts *o)
 
 static int parse(int argc, char **argv, ping_opts *o)
 {
-    *o = (ping_opts){
-        .size = 4096, .count = 5000, .warmup = 500, .protocol = "tcp", .inline_max = -1};
+    *o = (ping_opts){.size = 4096,
+                     .count = 5000,
+                     .warmup = 500,
+                     .protocol = "tcp",
+                     .inline_max = -1,
+                     .ack_delay = -1};
     static const struct option opts[] = {{"size", required_argument, 0, 's'},
                                          {"count", required_argument, 0, 'c'},
                                          {"warmup", required_argument, 0, 'w'},
@@ -188,6 +195,7 @@ static int parse(int argc, char **argv, ping_opts *o)
                                          {"no-shm", no_argument, 0, 'n'},
                                          {"inline-max-bytes", required_argument, 0, 'i'},
                                          {"busy-poll-us", required_argument, 0, 'b'},
+                                         {"ack-delay-us", required_argument, 0, 'a'},
                                          {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -213,6 +221,9 @@ static int parse(int argc, char **argv, ping_opts *o)
         case 'b':
             o->busy_poll_us = atoi(optarg);
             break;
+        case 'a':
+            o->ack_delay = atol(optarg);
+            break;
         default:
             return -1;
         }
@@ -225,7 +236,8 @@ int main(int argc, char **argv)
     ping_opts o;
     if (parse(argc, argv, &o)) {
         fprintf(stderr, "usage: pipe_ping [--size B] [--count N] [--warmup N] [--protocol P] "
-                        "[--no-shm] [--inline-max-bytes B] [--busy-poll-us N]\n");
+                        "[--no-shm] [--inline-max-bytes B] [--busy-poll-us N] "
+                        "[--ack-delay-us N]\n");
         return 2;
     }
     kvp_metadata_server *store;

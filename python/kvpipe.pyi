@@ -219,6 +219,7 @@ class Pipe:
         redial_max: float = ...,
         ack_timeout: float = ...,
         ack_linger: float = ...,
+        ack_delay_us: int = ...,
         zmq_hwm: int = ...,
         busy_poll_us: int = ...,
     ) -> None: ...

@@ -358,6 +358,7 @@ static int pipe_init(kvpy_pipe *self, PyObject *args, PyObject *kwds)
                              "redial_max",
                              "ack_timeout",
                              "ack_linger",
+                             "ack_delay_us",
                              "zmq_hwm",
                              "busy_poll_us",
                              NULL};
@@ -367,12 +368,12 @@ static int pipe_init(kvpy_pipe *self, PyObject *args, PyObject *kwds)
     kvp_pipe_opts opts;
     kvp_pipe_opts_init(&opts);
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "Oii|$O&OOO&pO&iO&O&OOOOii:Pipe", kwlist, &config, &local_rank, &kv_rank,
+            args, kwds, "Oii|$O&OOO&pO&iO&O&OOOOiii:Pipe", kwlist, &config, &local_rank, &kv_rank,
             buffer_size_conv, &opts.kv_buffer_size, &send_timeout, &io_timeout, kvpy_size_conv,
             &opts.max_message_bytes, &disable_shm, kvpy_size_conv, &opts.inline_max_bytes,
             &opts.recv_window, kvpy_size_conv, &opts.recv_window_bytes, kvpy_size_conv,
             &opts.max_control_frame, &redial_min, &redial_max, &ack_timeout, &ack_linger,
-            &opts.zmq_hwm, &opts.busy_poll_us))
+            &opts.ack_delay_us, &opts.zmq_hwm, &opts.busy_poll_us))
         return -1;
     if (ms_from_seconds(send_timeout, &opts.send_timeout_ms, "send_timeout") ||
         ms_from_seconds(io_timeout, &opts.io_timeout_ms, "io_timeout") ||
@@ -691,7 +692,7 @@ static PyTypeObject pipe_type = {
               "     io_timeout=5.0, max_message_bytes=32 GiB, disable_shm=False,\n"
               "     inline_max_bytes=131072, recv_window=32, recv_window_bytes=64 MiB,\n"
               "     max_control_frame=4096, redial_min=0.2, redial_max=5.0, ack_timeout=2.0,\n"
-              "     ack_linger=0.5, zmq_hwm=1000, busy_poll_us=0)\n\n"
+              "     ack_linger=0.5, ack_delay_us=1000, zmq_hwm=1000, busy_poll_us=0)\n\n"
               "One side of a tensor pipe (vLLM's MooncakePipe wire). config: a path to the "
               "mooncake JSON, a dict of it, or None for $MOONCAKE_CONFIG_PATH. kv_rank 0 is "
               "prefill, 1 decode. Times in seconds; the options are kvp_pipe_opts' "

@@ -4,9 +4,12 @@
  * at and above the inline threshold, small and large mixed, copied and
  * in-place sends - every byte checked, in order, and the ACK accounting exact
  * on both sides; a pair where either side turns the path off moves the same
- * script announced. Also: the pipe's limits as options (bad values refused,
- * degenerate ones working). Raw MooncakePipe peers are in
+ * script announced. Deferred ACKs of inline messages: they leave while the
+ * receiver is idle or waiting in recv, sixteen at once, along with an
+ * announced message's, which never waits, and at close. Also: the pipe's limits as options
+ * (bad values refused, degenerate ones working). Raw MooncakePipe peers are in
  * faults/pipe_fallback_test.c. */
+#include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -360,6 +363,132 @@ static void test_sender_turns_it_off(void)
     pair(1, 0, THRESHOLD);
 }
 
+/* ------------------------------------------------------ deferred ACKs --- */
+
+enum { ACKS_IDLE, ACKS_WAITING, ACKS_ANNOUNCED, ACKS_SIXTEEN, ACKS_CLOSE };
+static int acks_case;
+static int done_fds[2];        /* prefill -> decode: one byte once prefill has checked */
+#define SMALL_BYTES 1024       /* inline */
+#define LARGE_BYTES (64 << 10) /* announced: above THRESHOLD */
+#define LONG_DELAY_US 60000000 /* longer than any wait of the test */
+#define SHORT_WAIT_MS 1500     /* a flush that must not succeed meanwhile */
+
+static void send_u8(kvp_pipe *pipe, size_t n, int seed)
+{
+    static uint8_t buf[LARGE_BYTES];
+    int64_t shape[1] = {(int64_t)n};
+    kvpt_fill(buf, n, (uint64_t)seed);
+    kvp_tensor t;
+    kvp_tensor_init(&t, KVP_DTYPE_U8, 1, shape, buf);
+    CHECK_OK(kvp_pipe_send(pipe, &t));
+}
+
+static void recv_u8(kvp_pipe *pipe, size_t n, int seed)
+{
+    kvp_tensor *t = NULL;
+    kvp_status st = kvp_pipe_recv(pipe, WAIT_MS, &t);
+    if (st) fprintf(stderr, "  recv %d: %s\n", seed, kvp_last_error());
+    CHECK_OK(st);
+    CHECK(t && t->nbytes == n && kvpt_verify(t->data, n, (uint64_t)seed) == (size_t)-1);
+    kvp_tensor_free(t);
+}
+
+static uint64_t acks_of(kvp_pipe *pipe)
+{
+    kvp_pipe_stats st;
+    kvp_pipe_get_stats(pipe, &st);
+    CHECK(st.bad_acks == 0);
+    return st.acks;
+}
+
+static void acks_prefill(kvp_pipe *pipe, const side *s)
+{
+    (void)s;
+    REQUIRE(wait_negotiated(pipe) == THRESHOLD);
+    int n = acks_case == ACKS_SIXTEEN ? 16 : 3;
+    for (int i = 0; i < n; i++)
+        send_u8(pipe, SMALL_BYTES, i + 1);
+    switch (acks_case) {
+    case ACKS_IDLE:    /* decode took them and does nothing: the control thread sends them */
+    case ACKS_SIXTEEN: /* the sixteenth sends them all, long before they are due */
+    case ACKS_CLOSE:   /* owed for a minute, but decode closes at once: close sends them */
+        CHECK_OK(kvp_pipe_flush(pipe, WAIT_MS));
+        break;
+    case ACKS_WAITING: /* decode waits in recv for one more meanwhile */
+        CHECK_OK(kvp_pipe_flush(pipe, WAIT_MS));
+        send_u8(pipe, SMALL_BYTES, n + 1);
+        n++;
+        CHECK_OK(kvp_pipe_flush(pipe, WAIT_MS));
+        break;
+    case ACKS_ANNOUNCED: /* owed for a minute, until an announced message's ACK leaves */
+        CHECK(kvp_pipe_flush(pipe, SHORT_WAIT_MS) == KVP_ETIMEDOUT);
+        CHECK(acks_of(pipe) == 0);
+        send_u8(pipe, LARGE_BYTES, n + 1);
+        n++;
+        CHECK_OK(kvp_pipe_flush(pipe, WAIT_MS));
+        break;
+    }
+    kvp_pipe_stats st;
+    kvp_pipe_get_stats(pipe, &st);
+    if (st.acks != (uint64_t)n)
+        fprintf(stderr, "  %llu ACKs, want %d\n", (unsigned long long)st.acks, n);
+    CHECK(st.sent == (uint64_t)n && st.acks == (uint64_t)n && st.bad_acks == 0);
+    CHECK(st.inline_sent == (uint64_t)(acks_case == ACKS_ANNOUNCED ? n - 1 : n));
+    CHECK(write(done_fds[1], "x", 1) == 1);
+}
+
+static void acks_decode(kvp_pipe *pipe, const side *s)
+{
+    (void)s;
+    int n = acks_case == ACKS_SIXTEEN ? 16 : 3;
+    for (int i = 0; i < n; i++)
+        recv_u8(pipe, SMALL_BYTES, i + 1);
+    if (acks_case == ACKS_WAITING) recv_u8(pipe, SMALL_BYTES, n + 1);
+    if (acks_case == ACKS_ANNOUNCED) recv_u8(pipe, LARGE_BYTES, n + 1);
+    if (acks_case == ACKS_CLOSE) return;
+    /* Open, idle, until prefill has its ACKs (close would send them too). */
+    struct pollfd pfd = {.fd = done_fds[0], .events = POLLIN};
+    CHECK(poll(&pfd, 1, SIDE_MS) == 1);
+}
+
+static void acks_pair(int which, long delay_us)
+{
+    char json[512];
+    REQUIRE(make_config(json, sizeof json, 1) == 0);
+    REQUIRE(pipe(done_fds) == 0);
+    acks_case = which;
+    kvp_pipe_opts o = opts_with(THRESHOLD);
+    o.ack_delay_us = (int)delay_us;
+    side a = {json, 0, o, acks_prefill, THRESHOLD};
+    side b = {json, 1, o, acks_decode, THRESHOLD};
+    run_pair(&a, &b);
+}
+
+static void test_deferred_acks_idle_receiver(void)
+{
+    acks_pair(ACKS_IDLE, 1000);
+}
+
+static void test_deferred_acks_waiting_receiver(void)
+{
+    acks_pair(ACKS_WAITING, 1000);
+}
+
+static void test_deferred_acks_leave_with_announced(void)
+{
+    acks_pair(ACKS_ANNOUNCED, LONG_DELAY_US);
+}
+
+static void test_deferred_acks_sixteen_at_once(void)
+{
+    acks_pair(ACKS_SIXTEEN, LONG_DELAY_US);
+}
+
+static void test_deferred_acks_sent_at_close(void)
+{
+    acks_pair(ACKS_CLOSE, LONG_DELAY_US);
+}
+
 /* ---------------------------------------------------------- options --- */
 
 /* Bad value number i of test_bad_options_refused(). */
@@ -399,6 +528,12 @@ static void set_bad(kvp_pipe_opts *o, size_t i)
     case 10:
         o->inline_max_bytes = ((size_t)1 << 30) + 1;
         break;
+    case 11:
+        o->ack_delay_us = -1;
+        break;
+    case 12:
+        o->ack_delay_us = 60000001;
+        break;
     default:
         o->io_timeout_ms = 0;
         break;
@@ -412,9 +547,20 @@ static void test_bad_options_refused(void)
     kvp_pipe_config *cfg;
     REQUIRE_OK(kvp_pipe_config_parse(json, strlen(json), &cfg));
     static const char *const bad[] = {
-        "recv_window 0",   "recv_window 70000", "recv_window_bytes 0",        "max_control_frame 8",
-        "redial_min_ms 0", "redial_max_ms 100", "ack_timeout_ms -1",          "ack_linger_ms -5",
-        "zmq_hwm -1",      "busy_poll_us -1",   "inline_max_bytes 1 GiB + 1", "io_timeout_ms 0",
+        "recv_window 0",
+        "recv_window 70000",
+        "recv_window_bytes 0",
+        "max_control_frame 8",
+        "redial_min_ms 0",
+        "redial_max_ms 100",
+        "ack_timeout_ms -1",
+        "ack_linger_ms -5",
+        "zmq_hwm -1",
+        "busy_poll_us -1",
+        "inline_max_bytes 1 GiB + 1",
+        "ack_delay_us -1",
+        "ack_delay_us 60000001",
+        "io_timeout_ms 0",
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         kvp_pipe_opts o;
@@ -438,7 +584,7 @@ static void test_defaults(void)
     CHECK(o.inline_max_bytes == 131072 && o.recv_window == 32 && o.recv_window_bytes == 64 << 20);
     CHECK(o.max_control_frame == 4096 && o.redial_min_ms == 200 && o.redial_max_ms == 5000);
     CHECK(o.ack_timeout_ms == 2000 && o.ack_linger_ms == 500 && o.zmq_hwm == 1000);
-    CHECK(o.busy_poll_us == 0);
+    CHECK(o.busy_poll_us == 0 && o.ack_delay_us == 1000);
 }
 
 /* The smallest settings still move everything, in order: one message READ
@@ -469,5 +615,10 @@ int main(void)
     RUN_T(test_receiver_turns_it_off, 200);
     RUN_T(test_sender_turns_it_off, 200);
     RUN_T(test_smallest_settings, 200);
+    RUN_T(test_deferred_acks_idle_receiver, 200);
+    RUN_T(test_deferred_acks_waiting_receiver, 200);
+    RUN_T(test_deferred_acks_leave_with_announced, 200);
+    RUN_T(test_deferred_acks_sixteen_at_once, 200);
+    RUN_T(test_deferred_acks_sent_at_close, 200);
     return kvpt_summary();
 }

@@ -166,6 +166,14 @@ typedef struct kvp_pipe_opts {
     /* Longest a receiver waits for the ACK socket to take an ACK before it
      * drops it with a warning (default 2000 ms); the data has arrived. */
     int ack_timeout_ms;
+    /* Inline messages only (between two kvpipe pipes; an announced
+     * message's ACK always leaves before recv returns): the ACK of one
+     * handed out by recv leaves with up to 15 others, or at the latest about
+     * this many microseconds after the first of them (default 1000,
+     * 0..60000000; 0: each at once), so that a peer answering each message
+     * does not pay an ACK on every round trip. A sender whose kv_buffer_size
+     * holds only a few inline messages gets room back up to that much later. */
+    int ack_delay_us;
     /* Longest kvp_pipe_close() waits for queued ACKs to leave (default 500). */
     int ack_linger_ms;
     /* Messages ZeroMQ queues per connection and direction (ZMQ_SNDHWM and

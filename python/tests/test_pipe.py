@@ -663,12 +663,12 @@ class PathTests(unittest.TestCase):
         cfg = tu.pipe_config()
         opts = dict(inline_max_bytes=1024, recv_window=4, recv_window_bytes=1 << 20,
                     max_control_frame=8192, redial_min=0.1, redial_max=2.0, ack_timeout=1.0,
-                    ack_linger=0.2, zmq_hwm=100, busy_poll_us=0)
+                    ack_linger=0.2, ack_delay_us=0, zmq_hwm=100, busy_poll_us=0)
         with kvpipe.Pipe(cfg, 0, 0, **opts) as a, kvpipe.Pipe(cfg, 0, 1, **opts) as b:
             self.send_some(a, b)
         for bad in (dict(recv_window=0), dict(redial_min=0.0), dict(redial_max=0.05),
                     dict(max_control_frame=4), dict(zmq_hwm=-1), dict(busy_poll_us=-1),
-                    dict(inline_max_bytes=(1 << 30) + 1)):
+                    dict(inline_max_bytes=(1 << 30) + 1), dict(ack_delay_us=-1)):
             with self.subTest(bad=bad):
                 with self.assertRaises(kvpipe.Error) as cm:
                     kvpipe.Pipe(tu.pipe_config(), 0, 0, **bad)

@@ -30,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/timerfd.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -59,6 +60,7 @@
 #define DEFAULT_REDIAL_MIN_MS 200
 #define DEFAULT_REDIAL_MAX_MS 5000
 #define DEFAULT_ACK_TIMEOUT_MS 2000
+#define DEFAULT_ACK_DELAY_US 1000
 #define DEFAULT_ACK_LINGER_MS 500
 #define DEFAULT_ZMQ_HWM 1000
 /* Messages the control thread takes off the ACK link before it looks at its
@@ -85,6 +87,7 @@ void kvp_pipe_opts_init(kvp_pipe_opts *opts)
     opts->redial_min_ms = DEFAULT_REDIAL_MIN_MS;
     opts->redial_max_ms = DEFAULT_REDIAL_MAX_MS;
     opts->ack_timeout_ms = DEFAULT_ACK_TIMEOUT_MS;
+    opts->ack_delay_us = DEFAULT_ACK_DELAY_US;
     opts->ack_linger_ms = DEFAULT_ACK_LINGER_MS;
     opts->zmq_hwm = DEFAULT_ZMQ_HWM;
 }
@@ -138,6 +141,7 @@ void kvpi_pipe_unref(kvp_pipe *p)
     close(p->recv_wake_fd);
     close(p->rx_done_fd);
     close(p->ctl_wake_fd);
+    close(p->ack_timer_fd);
     free(p);
 }
 
@@ -554,13 +558,25 @@ static size_t ack_lazy_of(const kvp_pipe_opts *o)
     return hwm / 8 < 64 ? hwm / 8 : 64;
 }
 
+/* ACKs of inline messages a receiver owes are due (pipe_recv.c): send them.
+ * When a receiver holds recv_lock (a receiver in recv sends them itself
+ * when they are due) or the link cannot take them yet, look again in a
+ * millisecond. */
+static void ack_due(kvp_pipe *p)
+{
+    if (kvpi_pipe_acks_due(p)) return;
+    struct itimerspec again = {.it_value = {.tv_nsec = 1000000}};
+    timerfd_settime(p->ack_timer_fd, 0, &again, NULL);
+}
+
 static void *control_main(void *arg)
 {
     kvp_pipe *p = arg;
-    enum { WAKE, ACK_MON, DATA_MON, ZAP, ACKS };
+    enum { WAKE, ACK_DUE, ACK_MON, DATA_MON, ZAP, ACKS };
     for (;;) {
         zmq_pollitem_t it[] = {
             [WAKE] = {.fd = p->ctl_wake_fd, .events = ZMQ_POLLIN},
+            [ACK_DUE] = {.fd = p->ack_timer_fd, .events = ZMQ_POLLIN},
             [ACK_MON] = {.socket = p->ack_in.mon, .events = ZMQ_POLLIN},
             [DATA_MON] = {.socket = p->data_in.mon, .events = ZMQ_POLLIN},
             [ZAP] = {.socket = p->zap, .events = ZMQ_POLLIN},
@@ -569,12 +585,13 @@ static void *control_main(void *arg)
         pthread_mutex_lock(&p->lock);
         int acks = kvpi_pipe_acks_wanted(p);
         pthread_mutex_unlock(&p->lock);
-        int r = zmq_poll(it, acks ? 5 : 4, control_timeout(p, kvpi_now_ms()));
+        int r = zmq_poll(it, acks ? 6 : 5, control_timeout(p, kvpi_now_ms()));
         if (r < 0 && zmq_errno() == EINTR) continue;
         if (r < 0) break; /* ETERM: the pipe is closing */
         uint64_t v;
         if (it[WAKE].revents && read(p->ctl_wake_fd, &v, sizeof v) < 0 && errno != EAGAIN)
             KVPI_WARN("pipe %s: eventfd: %s", p->ep.local_segment, strerror(errno));
+        if (it[ACK_DUE].revents && read(p->ack_timer_fd, &v, sizeof v) >= 0) ack_due(p);
         if ((it[ZAP].revents && zap_answer(p) < 0) ||
             (it[ACK_MON].revents && link_events(p, &p->ack_in) < 0) ||
             (it[DATA_MON].revents && link_events(p, &p->data_in) < 0) ||
@@ -746,6 +763,7 @@ static kvp_status check_opts(const kvp_pipe_opts *o)
             ? "redial_max_ms outside redial_min_ms..86400000"
         : o->ack_timeout_ms < 0 || o->ack_timeout_ms > MAX_MS ? "ack_timeout_ms outside 0..86400000"
         : o->ack_linger_ms < 0 || o->ack_linger_ms > MAX_MS   ? "ack_linger_ms outside 0..86400000"
+        : o->ack_delay_us < 0 || o->ack_delay_us > 60000000   ? "ack_delay_us outside 0..60000000"
         : o->zmq_hwm < 0                                      ? "zmq_hwm < 0"
         : o->busy_poll_us < 0 || o->busy_poll_us > 1000000    ? "busy_poll_us outside 0..1000000"
                                                               : NULL;
@@ -754,7 +772,7 @@ static kvp_status check_opts(const kvp_pipe_opts *o)
 
 static void close_eventfds(kvp_pipe *p)
 {
-    int *fds[] = {&p->recv_wake_fd, &p->rx_done_fd, &p->ctl_wake_fd};
+    int *fds[] = {&p->recv_wake_fd, &p->rx_done_fd, &p->ctl_wake_fd, &p->ack_timer_fd};
     for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
         if (*fds[i] >= 0) close(*fds[i]);
 }
@@ -764,7 +782,8 @@ static kvp_status pipe_init_sync(kvp_pipe *p)
     p->recv_wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     p->rx_done_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     p->ctl_wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (p->recv_wake_fd < 0 || p->rx_done_fd < 0 || p->ctl_wake_fd < 0) {
+    p->ack_timer_fd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+    if (p->recv_wake_fd < 0 || p->rx_done_fd < 0 || p->ctl_wake_fd < 0 || p->ack_timer_fd < 0) {
         int err = errno;
         close_eventfds(p);
         return kvpi_error(KVP_EIO, "pipe: eventfd: %s", strerror(err));
@@ -883,6 +902,11 @@ void kvp_pipe_close(kvp_pipe *p)
     pthread_cond_broadcast(&p->room);
     pthread_mutex_unlock(&p->lock);
     stop_negotiator(p);
+    /* The deferred ACKs of what was handed out leave as recv would have sent
+     * them; ack_linger_ms lets them go out. */
+    pthread_mutex_lock(&p->recv_lock);
+    kvpi_pipe_close_acks(p);
+    pthread_mutex_unlock(&p->recv_lock);
     close_sockets(p);
     /* The control thread is gone: what is still queued will never be acknowledged. */
     kvpi_pipe_drop_queue(p);

@@ -140,6 +140,11 @@ struct kvp_pipe {
     size_t rx_bytes;
     int rx_done_fd;  /* eventfd: a READ of the window completed */
     int ack_stalled; /* the last ACK was not taken in time: do not wait for the next */
+    /* Deferred ACKs (pipe_recv.c): inline messages handed out and not yet
+     * acknowledged, written under recv_lock; when the oldest must leave. */
+    atomic_size_t acks_owed;
+    uint64_t acks_due_ns;
+    int ack_timer_fd; /* timerfd: owed ACKs are due, for the control thread */
     int peer_open;
     kvp_segment_id peer_seg;
 };
@@ -176,6 +181,13 @@ void kvpi_pipe_drop_queue(kvp_pipe *p);
 /* pipe_recv.c */
 /* Drop the window (close): waits for READs still running. */
 void kvpi_pipe_drop_window(kvp_pipe *p);
+/* Close: send the deferred ACKs owed, each as recv would (waiting up to
+ * ack_timeout_ms unless the link is stalled); caller holds recv_lock. */
+void kvpi_pipe_close_acks(kvp_pipe *p);
+/* The control thread, when ack_timer_fd fires: send what ACKs are owed
+ * without waiting, unless a receiver holds recv_lock; 1 when none is owed
+ * any more. */
+int kvpi_pipe_acks_due(kvp_pipe *p);
 
 /* The heap tensor behind a received or kvp_pipe_tensor_alloc() tensor. */
 typedef struct kvpi_held {

@@ -15,12 +15,24 @@
  * A message taken is answered with exactly one ACK, unless the pipe closes
  * first: then what the window holds is dropped unacknowledged, as what is
  * still queued in ZeroMQ is.
+ *
+ * Deferred ACKs. The ACK of an announced message leaves when the message is
+ * handed out, before recv returns, as MooncakePipe's does: the sender waits
+ * for it to free its buffer. Only a kvpipe pipe sends inline messages, and
+ * no buffer waits for their ACKs (the sender lets them wait in ZeroMQ too):
+ * those are owed, and leave together, when 16 are owed, when an announced
+ * message's ACK leaves (behind them: the count stays in FIFO order), or
+ * ack_delay_us after the first of them: sent by a receiver waiting in recv,
+ * or by the control thread (ack_timer_fd) while no receiver runs. So a
+ * message echoed at once (a ping) costs no ACK and none of the wake-ups an
+ * ACK costs both sides on its round trip.
  */
 #include <errno.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/timerfd.h>
 #include <unistd.h>
 #include <zmq.h>
 
@@ -35,6 +47,8 @@
 /* An inline message is a safetensors file: at least its 8-byte header length
  * and a header of 8. */
 #define INLINE_MIN 16
+/* Deferred ACKs owed that make the receiver send them at once. */
+#define ACKS_OWED_MAX 16
 
 enum { RX_WAITING = 1, RX_READING, RX_DONE };
 
@@ -332,6 +346,77 @@ static kvp_status deliver(kvp_pipe *p, void *buf, size_t len, kvp_tensor **out)
     return KVP_OK;
 }
 
+/* Send the deferred ACKs owed (under recv_lock), each as send_ack() does. */
+static void flush_acks(kvp_pipe *p)
+{
+    for (; atomic_load(&p->acks_owed) > 0; atomic_fetch_sub(&p->acks_owed, 1))
+        send_ack(p);
+}
+
+void kvpi_pipe_close_acks(kvp_pipe *p)
+{
+    flush_acks(p);
+}
+
+int kvpi_pipe_acks_due(kvp_pipe *p)
+{
+    if (atomic_load(&p->acks_owed) == 0) return 1;
+    if (pthread_mutex_trylock(&p->recv_lock) != 0) return 0;
+    /* Never waits: this thread answers the ZAP requests that a connection
+     * of the ACK link itself may need first. */
+    while (atomic_load(&p->acks_owed) > 0 &&
+           kvpi_pipe_zsend(p->ack_push, KVPI_ACK_TEXT, KVPI_ACK_LEN, ZMQ_DONTWAIT, 0) ==
+               KVPI_ACK_LEN) {
+        atomic_fetch_sub(&p->acks_owed, 1);
+        p->ack_stalled = 0;
+    }
+    size_t left = atomic_load(&p->acks_owed);
+    /* Not taken (the peer's PULL is not connected yet, or is gone): given up
+     * as send_ack() gives up, ack_timeout_ms after they were due, or at once
+     * while the link is stalled. */
+    uint64_t limit = p->acks_due_ns + (uint64_t)p->opts.ack_timeout_ms * 1000000u;
+    if (left && (p->ack_stalled || kvpi_now_ns() >= limit)) {
+        p->ack_stalled = 1;
+        atomic_store(&p->acks_owed, 0);
+        KVPI_WARN_LIMITED("pipe %s: could not send %zu ACKs to %s within %d ms: %s",
+                          p->ep.local_segment, left, p->ep.peer_segment, p->opts.ack_timeout_ms,
+                          zmq_strerror(zmq_errno()));
+        left = 0;
+    }
+    pthread_mutex_unlock(&p->recv_lock);
+    return left == 0;
+}
+
+/* Milliseconds until the deferred ACKs owed are due (rounded up; 0: due
+ * now), or -1 when none is owed. Under recv_lock. */
+static int acks_due_in_ms(const kvp_pipe *p)
+{
+    if (atomic_load(&p->acks_owed) == 0) return -1;
+    uint64_t now = kvpi_now_ns();
+    if (now >= p->acks_due_ns) return 0;
+    return (int)((p->acks_due_ns - now + 999999) / 1000000);
+}
+
+/* The ACK of a message handed out (see the top): at once for an announced
+ * message, after the deferred ones owed; owed for an inline one. */
+static void ack_taken(kvp_pipe *p, int is_inline)
+{
+    if (!is_inline || p->opts.ack_delay_us == 0) {
+        flush_acks(p);
+        send_ack(p);
+        return;
+    }
+    if (atomic_fetch_add(&p->acks_owed, 1) + 1 >= ACKS_OWED_MAX) {
+        flush_acks(p);
+        return;
+    }
+    if (atomic_load(&p->acks_owed) > 1) return;
+    long us = p->opts.ack_delay_us;
+    p->acks_due_ns = kvpi_now_ns() + (uint64_t)us * 1000u;
+    struct itimerspec due = {.it_value = {.tv_sec = us / 1000000, .tv_nsec = us % 1000000 * 1000}};
+    if (timerfd_settime(p->ack_timer_fd, 0, &due, NULL) != 0) flush_acks(p);
+}
+
 /* Hand out the head (done): acknowledge it, then its tensor or its error. */
 static kvp_status rx_pop(kvp_pipe *p, kvp_tensor **out)
 {
@@ -341,7 +426,7 @@ static kvp_status rx_pop(kvp_pipe *p, kvp_tensor **out)
     if (e.buf) p->rx_bytes -= (size_t)e.len;
     /* One ACK per message taken, good or bad, once we are done with the
      * sender's buffer: the sender holds one for each. */
-    send_ack(p);
+    ack_taken(p, e.is_inline);
     kvp_status st = e.status;
     if (st == KVP_OK) {
         st = deliver(p, e.buf, (size_t)e.len, out);
@@ -395,8 +480,14 @@ kvp_status kvp_pipe_recv(kvp_pipe *p, int timeout_ms, kvp_tensor **out)
         }
         if (!drained && p->rx_count < (size_t)p->opts.recv_window) continue; /* more to take */
         /* With a READ running, the engine's deadlines end it; look again
-         * now and then all the same. */
-        if ((st = rx_wait(p, p->rx_count ? 1000 : left))) break;
+         * now and then all the same. Deferred ACKs leave when due. */
+        int wait = p->rx_count ? 1000 : left, acks = acks_due_in_ms(p);
+        if (acks == 0) {
+            flush_acks(p);
+            continue;
+        }
+        if (acks > 0 && (wait < 0 || acks < wait)) wait = acks;
+        if ((st = rx_wait(p, wait))) break;
     }
     pthread_mutex_unlock(&p->recv_lock);
     return st;
