@@ -535,7 +535,8 @@ static int zap_answer(kvp_pipe *p)
 
 int kvpi_pipe_acks_wanted(const kvp_pipe *p)
 {
-    return p->q_buffers > 0 || p->room_waiters > 0 || p->q_count > p->ack_lazy;
+    return p->q_count == 0 || p->q_buffers > 0 || p->room_waiters > 0 ||
+           p->q_count > p->ack_lazy;
 }
 
 void kvpi_pipe_acks_changed(kvp_pipe *p, int was)

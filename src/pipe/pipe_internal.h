@@ -163,10 +163,12 @@ void kvpi_pipe_drop_message(kvp_pipe *p, int frames, size_t size0, size_t size1)
 void kvpi_pipe_negotiate(kvp_pipe *p, uint64_t gen);
 void kvpi_pipe_unref(kvp_pipe *p);
 
-/* Whether the control thread must take ACKs now: a buffer waits to be
- * freed, someone waits for room, or more than ack_lazy messages are in
- * flight. Otherwise (inline messages only, a few) their ACKs wait in
- * ZeroMQ's queue and no thread wakes for each. Under lock. */
+/* Whether the control thread must take ACKs now: nothing is in flight (an
+ * ACK then is a stray, counted and dropped at once, as it would free the
+ * next message's buffer otherwise), a buffer waits to be freed, someone
+ * waits for room, or more than ack_lazy messages are in flight. Otherwise
+ * (inline messages only, a few) their ACKs wait in ZeroMQ's queue and no
+ * thread wakes for each. Under lock. */
 int kvpi_pipe_acks_wanted(const kvp_pipe *p);
 /* Under lock: the state changed, possibly so that ACKs are wanted (was:
  * the value before): wake the control thread. */
