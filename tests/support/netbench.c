@@ -197,6 +197,10 @@ int kvpt_engine_bench_run(kvpt_engine_bench *b)
                          str(tmo, sizeof tmo, "%d", b->timeout_ms),
                          NULL};
     out_path(b->dir, "initiator.out", path, sizeof path);
+    /* Right after a link comes back up, side 1 may not reach side 0 yet (its
+     * neighbour entry failed during the outage): start once the store
+     * answers from there. */
+    if (kvpt_netns_wait_port(net, 1, net->addr[0], STORE_PORT, START_TIMEOUT_MS)) return -1;
     b->initiator_start_ns = kvpi_now_ns();
     b->initiator = kvpt_netns_spawn(net, 1, initiator, path);
     return b->initiator < 0 ? -1 : 0;
