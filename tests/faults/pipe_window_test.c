@@ -223,6 +223,7 @@ static void test_out_of_order_completion(void)
 typedef struct killed {
     raw_chan sent; /* prefill -> parent: all announced */
     raw_chan got;  /* decode -> parent: the first tensor is in */
+    raw_chan dead; /* parent -> decode: prefill is killed */
 } killed;
 
 static kvp_pipe_opts announced_opts(void)
@@ -287,9 +288,10 @@ static void decode_through_the_kill(kvp_pipe *pipe, void *arg)
         kvp_status st = kvp_pipe_recv(pipe, RAW_WAIT_MS, &t);
         if (i == 0) {
             /* Outside recv no READ starts: those of the window that run end,
-             * the rest wait; the kill comes meanwhile. */
+             * the rest wait; the kill comes meanwhile (however late the
+             * parent gets to it). */
             raw_step(&k->got, 'g');
-            usleep(300000);
+            CHECK(raw_wait_step(&k->dead, RAW_SIDE_MS) == 'k');
         }
         if (st == KVP_ETIMEDOUT && !strstr(kvp_last_error(), "not done within")) {
             fprintf(stderr, "  result %d never came: %s\n", i, kvp_last_error());
@@ -330,7 +332,8 @@ static void test_killed_sender(void)
     raw_setup s;
     REQUIRE(raw_setup_init(&s) == 0);
     killed k;
-    REQUIRE(raw_chan_init(&k.sent) == 0 && raw_chan_init(&k.got) == 0);
+    REQUIRE(raw_chan_init(&k.sent) == 0 && raw_chan_init(&k.got) == 0 &&
+            raw_chan_init(&k.dead) == 0);
     char perr[128], derr[128];
     raw_err_path(perr, sizeof perr, "killed_prefill");
     raw_err_path(derr, sizeof derr, "killed_decode");
@@ -342,6 +345,7 @@ static void test_killed_sender(void)
     CHECK(raw_wait_step(&k.got, RAW_SIDE_MS) == 'g');
     kill(prefill, SIGKILL);
     waitpid(prefill, NULL, 0);
+    raw_step(&k.dead, 'k');
     int rc = kvpt_wait_child(decode, RAW_SIDE_MS);
     raw_show(derr, "decode");
     CHECK(rc == 0);
