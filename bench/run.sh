@@ -56,7 +56,7 @@ start_target() {
     "$kvpipe" bench --mode target --local-server-name "127.0.0.1:$port" --protocol "$proto" \
         --buffer-size 512M "$@" > "$tmp/target.out" 2>&1 &
     pids+=($!)
-    for _ in $(seq 100); do grep -q serving "$tmp/target.out" && break; sleep 0.1; done
+    for _ in $(seq 100); do grep -qs serving "$tmp/target.out" && break; sleep 0.1; done
     grep -q serving "$tmp/target.out" || { cat "$tmp/target.out" >&2; exit 1; }
     segment="127.0.0.1:$port"
 }
