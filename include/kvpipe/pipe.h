@@ -183,6 +183,12 @@ typedef struct kvp_pipe_opts {
      * sleeps in the kernel (default 0: no polling). Saves a wake-up per
      * message when the peer answers within it; costs a core meanwhile. */
     int busy_poll_us;
+    /* The metrics endpoint of the pipe's engine, serving the pipe's metrics
+     * too (kvp_pipe_metrics() lists them): as kvp_engine_opts.metrics_port
+     * and metrics_host (0 and NULL, the defaults: env KVPIPE_METRICS_PORT and
+     * KVPIPE_METRICS_HOST; unset: no endpoint). */
+    int metrics_port;
+    const char *metrics_host;
 } kvp_pipe_opts;
 
 /* Fill opts with the defaults above. */

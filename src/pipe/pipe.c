@@ -40,6 +40,7 @@
 #include "common/net.h"
 #include "engine/engine_ext.h"
 #include "pipe/pipe_internal.h"
+#include "pipe/pipe_metrics.h"
 
 /* Inbound messages a PUSH socket buffers per connection. A PUSH never reads,
  * so this only bounds what a peer that sends to it can park there. */
@@ -738,6 +739,8 @@ static kvp_status create_engine(kvp_pipe *p, const kvp_pipe_config *cfg)
     eo.timeout_ms = p->opts.io_timeout_ms;
     eo.disable_shm = p->opts.disable_shm;
     eo.pool_retain_bytes = pool_retention(&p->opts);
+    eo.metrics_port = p->opts.metrics_port;
+    eo.metrics_host = p->opts.metrics_host;
     cJSON *fields = pipe_fields(&p->opts);
     if (p->opts.inline_max_bytes && !fields) p->opts.inline_max_bytes = 0;
     st = kvpi_engine_create_with_fields(&eo, fields, &p->engine);
@@ -853,6 +856,7 @@ kvp_status kvp_pipe_open(const kvp_pipe_config *cfg, int local_rank, int kv_rank
     if ((st = create_engine(p, cfg))) goto fail;
     if ((st = open_sockets(p))) goto fail;
     if ((st = start_threads(p))) goto fail;
+    if ((st = kvpi_engine_metrics_attach(p->engine, kvpi_pipe_metrics_serve, p))) goto fail;
     KVPI_INFO("pipe %s open (kv_rank %d, peer %s): ZeroMQ data %d ack %d, inline path %s",
               ep.local_segment, kv_rank, ep.peer_segment, ep.data_port, ep.ack_port,
               p->opts.inline_max_bytes ? "offered" : "off");
@@ -885,6 +889,11 @@ void kvp_pipe_get_stats(kvp_pipe *p, kvp_pipe_stats *out)
     pthread_mutex_unlock(&p->lock);
 }
 
+const kvpi_pipe_counters *kvpi_pipe_counters_of(const kvp_pipe *p)
+{
+    return &p->counters;
+}
+
 const kvp_pipe_endpoints *kvp_pipe_get_endpoints(const kvp_pipe *p)
 {
     return &p->ep;
@@ -902,6 +911,7 @@ void kvp_pipe_close(kvp_pipe *p)
     atomic_store(&p->closing, 1);
     pthread_cond_broadcast(&p->room);
     pthread_mutex_unlock(&p->lock);
+    kvpi_engine_metrics_detach(p->engine, p);
     stop_negotiator(p);
     /* The deferred ACKs of what was handed out leave as recv would have sent
      * them; ack_linger_ms lets them go out. */

@@ -37,6 +37,7 @@
 #include <stdint.h>
 
 #include "kvpipe/pipe.h"
+#include "pipe/pipe_metrics.h"
 
 /* The descriptor field a pipe's engine publishes:
  * {"kvpipe_pipe": {"version": 1, "inline_max_bytes": N}}. */
@@ -147,6 +148,8 @@ struct kvp_pipe {
     int ack_timer_fd; /* timerfd: owed ACKs are due, for the control thread */
     int peer_open;
     kvp_segment_id peer_seg;
+
+    kvpi_pipe_counters counters; /* what kvp_pipe_stats does not count */
 };
 
 /* pipe.c */

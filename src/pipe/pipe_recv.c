@@ -474,6 +474,7 @@ kvp_status kvp_pipe_recv(kvp_pipe *p, int timeout_ms, kvp_tensor **out)
         }
         int left = timeout_ms < 0 ? -1 : kvpi_pipe_remaining_ms(deadline);
         if (!p->rx_count && left == 0) {
+            kvpi_counter_add(&p->counters.recv_timeouts, 1);
             st = kvpi_error(KVP_ETIMEDOUT, "pipe %s: nothing announced by %s within %d ms",
                             p->ep.local_segment, p->ep.peer_segment, timeout_ms);
             break;

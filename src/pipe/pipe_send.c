@@ -118,6 +118,7 @@ static kvp_status wait_for_room(kvp_pipe *p, size_t size, uint64_t deadline)
         p->room_waiters--;
         if (rc == ETIMEDOUT && p->inflight_bytes > 0 &&
             p->inflight_bytes + size > p->opts.kv_buffer_size) {
+            kvpi_counter_add(&p->counters.send_timeouts, 1);
             st = kvpi_error(KVP_ETIMEDOUT,
                             "pipe %s: peer %s acknowledged nothing for %d ms (%zu messages, %zu "
                             "bytes in flight, kv_buffer_size %zu); is it alive and receiving?",
@@ -286,12 +287,14 @@ static kvp_status wait_writable(kvp_pipe *p, uint64_t deadline)
         int r = zmq_poll(&it, 1, left);
         if (r > 0) return KVP_OK;
         if (r < 0 && zmq_errno() != EINTR) return kvpi_pipe_zmq_fail(p, "poll");
-        if (r == 0 && left == 0)
+        if (r == 0 && left == 0) {
+            kvpi_counter_add(&p->counters.send_timeouts, 1);
             return kvpi_error(KVP_ETIMEDOUT,
                               "pipe %s: peer %s took no announcement within %d ms (is its pipe "
                               "open and connected to port %d?)",
                               p->ep.local_segment, p->ep.peer_segment, p->opts.send_timeout_ms,
                               p->ep.data_port);
+        }
     }
 }
 

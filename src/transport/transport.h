@@ -20,6 +20,7 @@
 #include <cjson/cJSON.h>
 
 #include "common/conn_server.h"
+#include "engine/metrics.h"
 #include "engine/registry.h"
 #include "kvpipe/engine.h"
 
@@ -43,6 +44,8 @@ typedef struct kvpi_server_ctx {
     /* A transport that serves Mooncake's TCP data port stores its port here;
      * the engine publishes it as tcp_data_port. */
     int *data_port_out;
+    /* Where the server counts the requests it serves (may be NULL). */
+    kvpi_served *served;
 } kvpi_server_ctx;
 
 typedef struct kvpi_peer_ctx {
@@ -56,6 +59,8 @@ typedef struct kvpi_peer_ctx {
     int timeout_ms;
     uint64_t min_rate;
     int conns;          /* connections to keep */
+    /* Counts the requests run again on a new connection (may be NULL). */
+    kvpi_counter *retries;
 } kvpi_peer_ctx;
 
 /* The connection-server limits of a listener started with ctx. */
