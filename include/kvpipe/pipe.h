@@ -66,8 +66,8 @@ typedef struct kvp_pipe_config {
     char *decode_url;       /* "host:port" */
     char *metadata_server;  /* non-empty */
     char *metadata_backend; /* NULL, "etcd" or "redis" (lower-cased on load) */
-    char *protocol;         /* "tcp" or "shm" ("rdma": not supported in this build) */
-    char *device_name;      /* RDMA devices, comma-separated; may be "" */
+    char *protocol;         /* "tcp", "shm", or "rdma"/"ucx" where built with UCX */
+    char *device_name;      /* network devices for rdma, comma-separated; may be "" */
 } kvp_pipe_config;
 
 /* Parse config JSON text of len bytes. KVP_ECONFIG with a message naming the

@@ -10,10 +10,8 @@ kvp_status kvpi_engine_lookup_field(kvp_engine *e, const char *segment, const ch
 {
     if (!e || !segment || !key || !out)
         return kvpi_error(KVP_EINVAL, "lookup_field: NULL argument");
-    char *own = kvpi_engine_descriptor_text(e);
     char *text = NULL, *host = NULL;
-    kvp_status st = kvpi_meta_fetch(e->meta, segment, own, &text, &host);
-    free(own);
+    kvp_status st = kvpi_meta_fetch(e->meta, segment, &text, &host);
     free(host);
     if (st) return st;
     cJSON *doc = cJSON_Parse(text);
