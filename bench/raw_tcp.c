@@ -1,9 +1,19 @@
-/* raw_tcp: the loopback TCP baseline for `kvpipe bench`.
+/* raw_tcp: the loopback TCP baselines for `kvpipe bench`.
  *
- * A sender process streams blocks of --block-size bytes over one plain TCP
- * connection to a receiver that recv()s them into one buffer, for --duration
- * seconds: what the kernel can move with no protocol at all. Prints one JSON
- * line {"gbps": ..., "bytes": ...}; gbps is decimal GB/s. */
+ * Stream (the default): a sender process streams blocks of --block-size
+ * bytes over one plain TCP connection to a receiver that recv()s them, for
+ * --duration seconds: what the kernel can move with no protocol at all.
+ * By default both sides use one block of memory over and over, which stays
+ * in the CPU's caches; --send-span and --recv-span make each side walk
+ * through that many bytes of memory block by block instead, as an engine
+ * serving and filling real buffers does (kvpipe bench's target serves its
+ * --buffer-size, its initiator fills batch-size x block-size). Prints one
+ * JSON line {"gbps": ..., "bytes": ...}; gbps is decimal GB/s.
+ *
+ * Request/response (--request): the client sends a 24-byte request and the
+ * server answers with --block-size bytes, one at a time, --count times after
+ * --warmup: the round trip a one-sided READ of that size cannot beat. Prints
+ * {"median_us": ..., "p99_us": ..., ...}. */
 #include <arpa/inet.h>
 #include <getopt.h>
 #include <netinet/in.h>
@@ -18,6 +28,13 @@
 #include <time.h>
 #include <unistd.h>
 
+typedef struct raw_opts {
+    size_t block, send_span, recv_span;
+    double duration;
+    int request;
+    long count, warmup;
+} raw_opts;
+
 static double now(void)
 {
     struct timespec ts;
@@ -25,39 +42,191 @@ static double now(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-static int sender(int port, size_t block)
+/* A connection to port; nodelay for request/response (as the engine's
+ * sockets), the stream as it always was. */
+static int connect_to(int port, int nodelay)
 {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_port = htons((uint16_t)port),
                              .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) return 1;
-    char *buf = malloc(block);
-    if (!buf) return 1;
-    memset(buf, 0x5a, block);
-    for (;;) {
-        size_t off = 0;
-        while (off < block) {
-            ssize_t n = send(fd, buf + off, block - off, MSG_NOSIGNAL);
-            if (n <= 0) return 0; /* the receiver is done */
-            off += (size_t)n;
+    if (nodelay) setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &nodelay, sizeof nodelay);
+    return connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0 ? fd : -1;
+}
+
+static int send_all(int fd, const char *p, size_t n)
+{
+    while (n > 0) {
+        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
+        if (k <= 0) return -1;
+        p += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+static int recv_all(int fd, char *p, size_t n)
+{
+    while (n > 0) {
+        ssize_t k = recv(fd, p, n, 0);
+        if (k <= 0) return -1;
+        p += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+/* Memory of span bytes, touched once (no page faults while timed). */
+static char *span_alloc(size_t span, int byte)
+{
+    char *buf = malloc(span);
+    if (buf) memset(buf, byte, span);
+    return buf;
+}
+
+/* The block after off in a span of whole blocks. */
+static size_t next_block(size_t off, const raw_opts *o, size_t span)
+{
+    off += o->block;
+    return off + o->block > span ? 0 : off;
+}
+
+static int stream_sender(int port, const raw_opts *o)
+{
+    int fd = connect_to(port, 0);
+    char *buf = span_alloc(o->send_span, 0x5a);
+    if (fd < 0 || !buf) return 1;
+    for (size_t off = 0;; off = next_block(off, o, o->send_span))
+        if (send_all(fd, buf + off, o->block) != 0) return 0; /* the receiver is done */
+}
+
+static int stream(int lfd, int port, const raw_opts *o)
+{
+    pid_t pid = fork();
+    if (pid == 0) _exit(stream_sender(port, o));
+    int fd = accept(lfd, NULL, NULL);
+    char *buf = span_alloc(o->recv_span, 0);
+    if (fd < 0 || !buf) return 1;
+    uint64_t bytes = 0;
+    double start = now(), end = start + o->duration;
+    for (size_t off = 0; now() < end; off = next_block(off, o, o->recv_span)) {
+        if (recv_all(fd, buf + off, o->block) != 0) {
+            perror("raw_tcp: recv");
+            return 1;
+        }
+        bytes += o->block;
+    }
+    double secs = now() - start;
+    close(fd);
+    kill(pid, SIGTERM);
+    waitpid(pid, NULL, 0);
+    printf("{\"gbps\": %.4f, \"bytes\": %llu, \"seconds\": %.3f, \"block_size\": %zu, "
+           "\"send_span\": %zu, \"recv_span\": %zu}\n",
+           (double)bytes / secs / 1e9, (unsigned long long)bytes, secs, o->block, o->send_span,
+           o->recv_span);
+    return 0;
+}
+
+/* The server of --request: a block for every 24-byte request. */
+static int responder(int port, const raw_opts *o)
+{
+    int fd = connect_to(port, 1);
+    char *buf = span_alloc(o->block, 0x5a);
+    char req[24];
+    if (fd < 0 || !buf) return 1;
+    while (recv_all(fd, req, sizeof req) == 0)
+        if (send_all(fd, buf, o->block) != 0) break;
+    return 0;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static int request(int lfd, int port, const raw_opts *o)
+{
+    pid_t pid = fork();
+    if (pid == 0) _exit(responder(port, o));
+    int fd = accept(lfd, NULL, NULL);
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    char *buf = malloc(o->block);
+    double *rtt = calloc((size_t)o->count, sizeof *rtt);
+    char req[24] = {0};
+    if (fd < 0 || !buf || !rtt) return 1;
+    for (long i = -o->warmup; i < o->count; i++) {
+        double t0 = now();
+        if (send_all(fd, req, sizeof req) || recv_all(fd, buf, o->block)) {
+            perror("raw_tcp: request");
+            return 1;
+        }
+        if (i >= 0) rtt[i] = (now() - t0) * 1e6;
+    }
+    close(fd);
+    waitpid(pid, NULL, 0);
+    double sum = 0;
+    for (long i = 0; i < o->count; i++)
+        sum += rtt[i];
+    qsort(rtt, (size_t)o->count, sizeof *rtt, cmp_double);
+    printf("{\"median_us\": %.1f, \"p99_us\": %.1f, \"mean_us\": %.1f, \"min_us\": %.1f, "
+           "\"count\": %ld, \"size\": %zu}\n",
+           rtt[o->count / 2], rtt[o->count * 99 / 100], sum / (double)o->count, rtt[0], o->count,
+           o->block);
+    return 0;
+}
+
+static int parse(int argc, char **argv, raw_opts *o)
+{
+    *o = (raw_opts){.block = 1u << 20, .duration = 3, .count = 5000, .warmup = 500};
+    static const struct option opts[] = {
+        {"block-size", required_argument, 0, 'b'}, {"duration", required_argument, 0, 'd'},
+        {"send-span", required_argument, 0, 's'},  {"recv-span", required_argument, 0, 'r'},
+        {"request", no_argument, 0, 'q'},          {"count", required_argument, 0, 'c'},
+        {"warmup", required_argument, 0, 'w'},     {0, 0, 0, 0}};
+    int c;
+    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (c) {
+        case 'b':
+            o->block = strtoull(optarg, NULL, 10);
+            break;
+        case 'd':
+            o->duration = atof(optarg);
+            break;
+        case 's':
+            o->send_span = strtoull(optarg, NULL, 10);
+            break;
+        case 'r':
+            o->recv_span = strtoull(optarg, NULL, 10);
+            break;
+        case 'q':
+            o->request = 1;
+            break;
+        case 'c':
+            o->count = atol(optarg);
+            break;
+        case 'w':
+            o->warmup = atol(optarg);
+            break;
+        default:
+            return -1;
         }
     }
+    if (o->send_span < o->block) o->send_span = o->block;
+    if (o->recv_span < o->block) o->recv_span = o->block;
+    return o->block == 0 || !(o->duration > 0) || o->count < 1 || o->warmup < 0 ? -1 : 0;
 }
 
 int main(int argc, char **argv)
 {
-    size_t block = 1u << 20;
-    double duration = 3;
-    static const struct option opts[] = {{"block-size", required_argument, 0, 'b'},
-                                         {"duration", required_argument, 0, 'd'},
-                                         {0, 0, 0, 0}};
-    int c;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        if (c == 'b') block = strtoull(optarg, NULL, 10);
-        else if (c == 'd') duration = atof(optarg);
-        else return 2;
+    raw_opts o;
+    if (parse(argc, argv, &o)) {
+        fprintf(stderr, "usage: raw_tcp [--block-size B] [--duration S] [--send-span B] "
+                        "[--recv-span B]\n       raw_tcp --request [--block-size B] [--count N] "
+                        "[--warmup N]\n");
+        return 2;
     }
-    if (block == 0 || !(duration > 0)) return 2;
     int lfd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     socklen_t sl = sizeof sa;
@@ -66,30 +235,6 @@ int main(int argc, char **argv)
         perror("raw_tcp");
         return 1;
     }
-    pid_t pid = fork();
-    if (pid == 0) _exit(sender(ntohs(sa.sin_port), block));
-    int fd = accept(lfd, NULL, NULL);
-    char *buf = malloc(block);
-    if (fd < 0 || !buf) return 1;
-    uint64_t bytes = 0;
-    double start = now(), end = start + duration;
-    while (now() < end) {
-        size_t off = 0;
-        while (off < block) {
-            ssize_t n = recv(fd, buf + off, block - off, 0);
-            if (n <= 0) {
-                perror("raw_tcp: recv");
-                return 1;
-            }
-            off += (size_t)n;
-        }
-        bytes += block;
-    }
-    double secs = now() - start;
-    close(fd);
-    kill(pid, SIGTERM);
-    waitpid(pid, NULL, 0);
-    printf("{\"gbps\": %.4f, \"bytes\": %llu, \"seconds\": %.3f, \"block_size\": %zu}\n",
-           (double)bytes / secs / 1e9, (unsigned long long)bytes, secs, block);
-    return 0;
+    int port = ntohs(sa.sin_port);
+    return o.request ? request(lfd, port, &o) : stream(lfd, port, &o);
 }

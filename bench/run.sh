@@ -2,13 +2,18 @@
 # kvpipe benchmark driver: every figure is a ratio against a baseline measured
 # in the same run on the same machine.
 #
-#   bench/run.sh [--build DIR] [--duration SECONDS] [--repeat N] [--only tcp|shm|pipe|sweep|ucx|samehost]
+#   bench/run.sh [--build DIR] [--duration SECONDS] [--repeat N] [--only tcp|shm|pipe|small|sweep|ucx|samehost]
 #
 # Sections:
-#   tcp   kvpipe bench READ/WRITE over TCP vs raw loopback TCP (bench/raw_tcp.c)
+#   tcp   kvpipe bench READ/WRITE over TCP vs raw loopback TCP (bench/raw_tcp.c), both
+#         with one block reused (cache-resident) and walking memory as the bench does
 #   shm   kvpipe bench READ/WRITE over shm vs single-thread memcpy (bench/memcpy_baseline.c)
 #   pipe  kvpipe bench --pipe (copying and in-place send) vs engine READ of the
 #         same size, and vs memcpy
+#   small small tensors and latency: kvpipe bench --pipe rates vs ZeroMQ PUSH/PULL
+#         (bench/zmq_pushpull.c), the pipe's round trip vs ZeroMQ REQ/REP
+#         (bench/pipe_ping.c, bench/zmq_reqrep.c), one engine READ vs a raw TCP
+#         request/response (bench/engine_lat.c, raw_tcp --request)
 #   sweep kvpipe bench --sweep over TCP and shm: GB/s and batch latency
 #         p50/p99/p999 per block size x batch size x threads (one run each)
 #   ucx   kvpipe bench READ/WRITE over ucx (protocol rdma) vs ucx_perftest
@@ -31,12 +36,13 @@ while [ $# -gt 0 ]; do
     --duration) duration=$2; shift 2 ;;
     --repeat) repeat=$2; shift 2 ;;
     --only) only=$2; shift 2 ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "bench/run.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
 kvpipe="$build/kvpipe"
-for bin in "$kvpipe" "$build/raw_tcp" "$build/memcpy_baseline"; do
+for bin in "$kvpipe" "$build/raw_tcp" "$build/memcpy_baseline" "$build/zmq_pushpull" \
+    "$build/zmq_reqrep" "$build/pipe_ping" "$build/engine_lat"; do
     [ -x "$bin" ] || { echo "bench/run.sh: $bin not built (cmake --build $build)" >&2; exit 1; }
 done
 tmp=$(mktemp -d)
@@ -58,18 +64,23 @@ start_target() {
     "$kvpipe" bench --mode target --local-server-name "127.0.0.1:$port" --protocol "$proto" \
         --buffer-size 512M "$@" > "$log" 2>&1 &
     pids+=($!)
-    for _ in $(seq 100); do grep -q serving "$log" && break; sleep 0.1; done
+    for _ in $(seq 100); do grep -qs serving "$log" && break; sleep 0.1; done
     grep -q serving "$log" || { cat "$log" >&2; exit 1; }
     segment="127.0.0.1:$port"
 }
 stop_target() { kill "${pids[-1]}"; wait "${pids[-1]}" 2>/dev/null || true; unset 'pids[-1]'; }
 
+# batch_of BLOCK: the initiator's batch size (requests of BLOCK bytes)
+batch_of() {
+    local batch=$(( (64 << 20) / $1 )); [ $batch -gt 128 ] && batch=128; [ $batch -lt 2 ] && batch=2
+    echo "$batch"
+}
 # initiator PROTO OP BLOCK EXTRA... : prints gbps; fails unless the transport
 # that moved the bytes is the one PROTO asks for (rdma: ucx), so a row never
 # measures a fallback
 initiator() {
     local proto=$1 op=$2 block=$3; shift 3
-    local batch=$(( (64 << 20) / block )); [ $batch -gt 128 ] && batch=128; [ $batch -lt 2 ] && batch=2
+    local batch; batch=$(batch_of "$block")
     local want=$proto; [ "$proto" = rdma ] && want=ucx
     "$kvpipe" bench --mode initiator --local-server-name "127.0.0.1:$(free_port)" \
         --segment-id "$segment" --protocol "$proto" --operation "$op" --block-size "$block" \
@@ -100,6 +111,17 @@ fi
 } > "$out"
 
 baseline_raw_tcp() { "$build/raw_tcp" --block-size "$1" --duration "$duration" | gbps_of; }
+# raw TCP walking the memory the bench's READ (or WRITE) walks: the target's
+# 512 MiB buffer on one side, the initiator's batch x block on the other
+initiator_span() { echo $(( $(batch_of "$1") * $1 )); }
+baseline_raw_read() {
+    "$build/raw_tcp" --block-size "$1" --duration "$duration" --send-span $((512 << 20)) \
+        --recv-span "$(initiator_span "$1")" | gbps_of
+}
+baseline_raw_write() {
+    "$build/raw_tcp" --block-size "$1" --duration "$duration" --send-span "$(initiator_span "$1")" \
+        --recv-span $((512 << 20)) | gbps_of
+}
 baseline_memcpy() { "$build/memcpy_baseline" --size "$1" --duration "$duration" | gbps_of; }
 med() { printf '%s\n' "$@" | median; }
 
@@ -131,9 +153,37 @@ engine_section() {
     stop_target
 }
 
+# The tcp section: READ and WRITE against raw TCP reusing one block (which
+# the caches hold) and against raw TCP walking the same memory as the bench
+# (the target's buffer, the initiator's batch x block), run back to back.
 section_tcp() {
-    engine_section tcp "TCP (loopback) vs raw loopback TCP" "raw TCP" baseline_raw_tcp \
-        65536 1048576 16777216
+    start_target tcp --no-shm
+    echo "## TCP (loopback) vs raw loopback TCP"
+    echo
+    echo "raw: one block reused on each side (cache-resident); raw walk: raw TCP through"
+    echo "as much memory as the bench moves through (512 MiB served, batch x block filled),"
+    echo "per direction. READ and WRITE: kvpipe bench's defaults (2 threads, 4 workers,"
+    echo "4 connections)."
+    echo
+    echo "| block | raw GB/s | raw walk READ-wise GB/s | READ GB/s | READ / raw | READ / raw walk | raw walk WRITE-wise GB/s | WRITE GB/s | WRITE / raw | WRITE / raw walk |"
+    echo "|---|---|---|---|---|---|---|---|---|---|"
+    for block in 65536 1048576 16777216; do
+        local bases=() rwalks=() wwalks=() reads=() writes=()
+        for _ in $(seq "$repeat"); do
+            bases+=("$(baseline_raw_tcp "$block")")
+            rwalks+=("$(baseline_raw_read "$block")")
+            reads+=("$(initiator tcp read "$block" --no-shm)")
+            wwalks+=("$(baseline_raw_write "$block")")
+            writes+=("$(initiator tcp write "$block" --no-shm)")
+        done
+        local base rwalk wwalk read write
+        base=$(med "${bases[@]}"); rwalk=$(med "${rwalks[@]}"); wwalk=$(med "${wwalks[@]}")
+        read=$(med "${reads[@]}"); write=$(med "${writes[@]}")
+        echo "| $(human "$block") | $base | $rwalk | $read | $(ratio "$read" "$base") | $(ratio "$read" "$rwalk") | $wwalk | $write | $(ratio "$write" "$base") | $(ratio "$write" "$wwalk") |"
+        echo "\"$(human "$block")\" $base $read $write" >> "$data/tcp.dat"
+    done
+    echo
+    stop_target
 }
 
 section_shm() {
@@ -171,6 +221,86 @@ section_pipe() {
         done
         stop_target
     done
+    echo
+}
+
+# ---------------------------------------------------------- small section ---
+
+json_field() { sed -n "s/.*\"$1\": *\"*\([^,\"}]*\).*/\1/p" | tail -n 1; }
+# pipe_rate SIZE COUNT EXTRA... : tensors/s of kvpipe bench --pipe. The
+# warm-up is long enough for the pair to have read each other's descriptor.
+pipe_rate() {
+    local size=$1 count=$2; shift 2
+    "$kvpipe" bench --pipe --tensor-size "$size" --count "$count" --warmup 2000 --json "$@" \
+        > "$tmp/rate.out" 2> "$tmp/rate.err" || { cat "$tmp/rate.err" >&2; echo 0; return; }
+    awk -v ops="$(json_field ops < "$tmp/rate.out")" -v s="$(json_field seconds < "$tmp/rate.out")" \
+        'BEGIN { if (s > 0) printf "%.0f", ops / s; else print 0 }'
+}
+zmq_rate() { "$build/zmq_pushpull" --size "$1" --duration "$duration" | json_field msgs_per_s; }
+# lat_pair CMD... : "median p99" of a latency program's JSON line
+lat_pair() {
+    local out; out=$("$@")
+    echo "$(json_field median_us <<< "$out") $(json_field p99_us <<< "$out")"
+}
+med_col() { local col=$1; shift; printf '%s\n' "$@" | awk -v c="$col" '{print $c}' | median; }
+
+section_small() {
+    echo "## Small tensors and latency"
+    echo
+    echo "Rates: kvpipe bench --pipe over TCP (--no-shm) and shm, tensors/s, against ZeroMQ"
+    echo "PUSH/PULL over loopback TCP (the pipe's control plane) moving messages of the same"
+    echo "size. Between two kvpipe pipes small tensors travel inline; the announced row is"
+    echo "MooncakePipe's path (--inline-max-bytes 0: an announcement, a READ, an ACK each)."
+    echo
+    echo "| tensor | ZeroMQ msgs/s | pipe tcp /s | tcp / ZeroMQ | pipe shm /s | shm / ZeroMQ | announced tcp /s | announced / ZeroMQ |"
+    echo "|---|---|---|---|---|---|---|---|"
+    local size
+    for size in 4096 65536; do
+        local count=$(( size == 4096 ? 10000 * duration : 2000 * duration ))
+        local zs=() ts=() ss=() as=()
+        for _ in $(seq "$repeat"); do
+            zs+=("$(zmq_rate "$size")")
+            ts+=("$(pipe_rate "$size" "$count" --no-shm)")
+            ss+=("$(pipe_rate "$size" "$count" --protocol shm)")
+            as+=("$(pipe_rate "$size" "$count" --no-shm --inline-max-bytes 0)")
+        done
+        local z t sh a
+        z=$(med "${zs[@]}"); t=$(med "${ts[@]}"); sh=$(med "${ss[@]}"); a=$(med "${as[@]}")
+        echo "| $(human "$size") | $z | $t | $(ratio "$t" "$z") | $sh | $(ratio "$sh" "$z") | $a | $(ratio "$a" "$z") |"
+    done
+    echo
+    echo "Latency of 4 KiB: the pipe's round trip (send, the peer echoes, receive; one"
+    echo "thread per side, over TCP; inline with deferred ACKs, inline with --ack-delay-us 0,"
+    echo "and announced) against ZeroMQ REQ/REP; one engine READ against a raw"
+    echo "TCP request/response (24-byte request, 4 KiB answer). Medians of $repeat runs of"
+    echo "$((1000 * duration)) round trips each."
+    echo
+    echo "| what | baseline | median us | p99 us | baseline median us | baseline p99 us | median / baseline |"
+    echo "|---|---|---|---|---|---|---|"
+    local n=$((1000 * duration)) zl=() pl=() dl=() al=() rl=() el=()
+    start_target tcp --no-shm
+    for _ in $(seq "$repeat"); do
+        zl+=("$(lat_pair "$build/zmq_reqrep" --size 4096 --count "$n")")
+        pl+=("$(lat_pair "$build/pipe_ping" --size 4096 --count "$n" --no-shm)")
+        dl+=("$(lat_pair "$build/pipe_ping" --size 4096 --count "$n" --no-shm --ack-delay-us 0)")
+        al+=("$(lat_pair "$build/pipe_ping" --size 4096 --count "$n" --no-shm --inline-max-bytes 0)")
+        rl+=("$(lat_pair "$build/raw_tcp" --request --block-size 4096 --count "$n")")
+        el+=("$(lat_pair "$build/engine_lat" --segment-id "$segment" --block-size 4096 --count "$n" --no-shm)")
+    done
+    stop_target
+    local zm zp
+    zm=$(med_col 1 "${zl[@]}"); zp=$(med_col 2 "${zl[@]}")
+    local row
+    for row in "pipe ping, inline|pl" "pipe ping, inline, ACKs at once|dl" \
+        "pipe ping, announced|al"; do
+        local label=${row%%|*} arr="${row##*|}[@]" m p
+        m=$(med_col 1 "${!arr}"); p=$(med_col 2 "${!arr}")
+        echo "| $label | ZeroMQ REQ/REP | $m | $p | $zm | $zp | $(ratio "$m" "$zm") |"
+    done
+    local rm rp em ep
+    rm=$(med_col 1 "${rl[@]}"); rp=$(med_col 2 "${rl[@]}")
+    em=$(med_col 1 "${el[@]}"); ep=$(med_col 2 "${el[@]}")
+    echo "| engine READ 4 KiB | raw TCP request/response | $em | $ep | $rm | $rp | $(ratio "$em" "$rm") |"
     echo
 }
 
@@ -329,7 +459,7 @@ plot() {
     gnuplot "$data/plot.gp" && echo "plot written to $png" >&2
 }
 
-for s in tcp shm pipe sweep ucx samehost; do
+for s in tcp shm pipe small sweep ucx samehost; do
     [ -n "$only" ] && [ "$only" != "$s" ] && continue
     "section_$s" | tee -a "$out"
 done

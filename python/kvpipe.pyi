@@ -212,6 +212,17 @@ class Pipe:
         io_timeout: float = ...,
         max_message_bytes: int = ...,
         disable_shm: bool = ...,
+        inline_max_bytes: int = ...,
+        recv_window: int = ...,
+        recv_window_bytes: int = ...,
+        max_control_frame: int = ...,
+        redial_min: float = ...,
+        redial_max: float = ...,
+        ack_timeout: float = ...,
+        ack_linger: float = ...,
+        ack_delay_us: int = ...,
+        zmq_hwm: int = ...,
+        busy_poll_us: int = ...,
     ) -> None: ...
     @property
     def segment_name(self) -> str: ...

@@ -351,18 +351,37 @@ static int pipe_init(kvpy_pipe *self, PyObject *args, PyObject *kwds)
                              "io_timeout",
                              "max_message_bytes",
                              "disable_shm",
+                             "inline_max_bytes",
+                             "recv_window",
+                             "recv_window_bytes",
+                             "max_control_frame",
+                             "redial_min",
+                             "redial_max",
+                             "ack_timeout",
+                             "ack_linger",
+                             "ack_delay_us",
+                             "zmq_hwm",
+                             "busy_poll_us",
                              NULL};
-    PyObject *config, *send_timeout = NULL, *io_timeout = NULL;
+    PyObject *config, *send_timeout = NULL, *io_timeout = NULL, *redial_min = NULL,
+                      *redial_max = NULL, *ack_timeout = NULL, *ack_linger = NULL;
     int local_rank, kv_rank, disable_shm = 0;
     kvp_pipe_opts opts;
     kvp_pipe_opts_init(&opts);
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Oii|$O&OOO&p:Pipe", kwlist, &config, &local_rank,
-                                     &kv_rank, buffer_size_conv, &opts.kv_buffer_size,
-                                     &send_timeout, &io_timeout, kvpy_size_conv,
-                                     &opts.max_message_bytes, &disable_shm))
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwds, "Oii|$O&OOO&pO&iO&O&OOOOiii:Pipe", kwlist, &config, &local_rank, &kv_rank,
+            buffer_size_conv, &opts.kv_buffer_size, &send_timeout, &io_timeout, kvpy_size_conv,
+            &opts.max_message_bytes, &disable_shm, kvpy_size_conv, &opts.inline_max_bytes,
+            &opts.recv_window, kvpy_size_conv, &opts.recv_window_bytes, kvpy_size_conv,
+            &opts.max_control_frame, &redial_min, &redial_max, &ack_timeout, &ack_linger,
+            &opts.ack_delay_us, &opts.zmq_hwm, &opts.busy_poll_us))
         return -1;
     if (ms_from_seconds(send_timeout, &opts.send_timeout_ms, "send_timeout") ||
-        ms_from_seconds(io_timeout, &opts.io_timeout_ms, "io_timeout"))
+        ms_from_seconds(io_timeout, &opts.io_timeout_ms, "io_timeout") ||
+        ms_from_seconds(redial_min, &opts.redial_min_ms, "redial_min") ||
+        ms_from_seconds(redial_max, &opts.redial_max_ms, "redial_max") ||
+        ms_from_seconds(ack_timeout, &opts.ack_timeout_ms, "ack_timeout") ||
+        ms_from_seconds(ack_linger, &opts.ack_linger_ms, "ack_linger"))
         return -1;
     opts.disable_shm = disable_shm;
     if (self->busy) {
@@ -624,12 +643,15 @@ static PyObject *pipe_stats(kvpy_pipe *self, PyObject *args, PyObject *kwds)
     PyObject *out = NULL;
     if (engine && kvpy_metrics_into(m, "kvpipe_engine_", engine) == 0)
         out = Py_BuildValue(
-            "{sKsKsKsKsKsKsKsnsnsKsKsO}", "sent", (unsigned long long)s.sent, "received",
+            "{sKsKsKsKsKsKsKsnsnsKsKsnsKsKsKsO}", "sent", (unsigned long long)s.sent, "received",
             (unsigned long long)s.received, "bytes_sent", (unsigned long long)s.bytes_sent,
             "bytes_received", (unsigned long long)s.bytes_received, "acks",
             (unsigned long long)s.acks, "bad_messages", (unsigned long long)s.bad_messages,
             "bad_acks", (unsigned long long)s.bad_acks, "inflight_bytes",
             (Py_ssize_t)s.inflight_bytes, "inflight_count", (Py_ssize_t)s.inflight_count,
+            "inline_sent", (unsigned long long)s.inline_sent, "inline_received",
+            (unsigned long long)s.inline_received, "peer_inline_max",
+            (Py_ssize_t)s.peer_inline_max, "peer_lookups", (unsigned long long)s.peer_lookups,
             "send_timeouts", send_to ? (unsigned long long)send_to->value : 0ull, "recv_timeouts",
             recv_to ? (unsigned long long)recv_to->value : 0ull, "engine", engine);
     Py_XDECREF(engine);
@@ -697,10 +719,14 @@ static PyTypeObject pipe_type = {
     .tp_basicsize = sizeof(kvpy_pipe),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_doc = "Pipe(config, local_rank, kv_rank, *, kv_buffer_size=1e9, send_timeout=30.0,\n"
-              "     io_timeout=5.0, max_message_bytes=32 GiB, disable_shm=False)\n\n"
+              "     io_timeout=5.0, max_message_bytes=32 GiB, disable_shm=False,\n"
+              "     inline_max_bytes=131072, recv_window=32, recv_window_bytes=64 MiB,\n"
+              "     max_control_frame=4096, redial_min=0.2, redial_max=5.0, ack_timeout=2.0,\n"
+              "     ack_linger=0.5, ack_delay_us=1000, zmq_hwm=1000, busy_poll_us=0)\n\n"
               "One side of a tensor pipe (vLLM's MooncakePipe wire). config: a path to the "
               "mooncake JSON, a dict of it, or None for $MOONCAKE_CONFIG_PATH. kv_rank 0 is "
-              "prefill, 1 decode.",
+              "prefill, 1 decode. Times in seconds; the options are kvp_pipe_opts' "
+              "(docs/pipe.md).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)pipe_init,
     .tp_dealloc = (destructor)pipe_dealloc,

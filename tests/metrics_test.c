@@ -867,6 +867,7 @@ static void pipe_metrics(void)
         kvp_pipe_opts co;
         kvp_pipe_opts_init(&co);
         co.disable_shm = 1;
+        co.inline_max_bytes = 0; /* every message announced and READ: the engine counts it */
         if (kvp_pipe_config_parse(json, strlen(json), &cfg) || kvp_pipe_open(cfg, 0, 1, &co, &pipe))
             _exit(2);
         kvp_pipe_config_free(cfg);
@@ -885,6 +886,7 @@ static void pipe_metrics(void)
     kvp_pipe_opts_init(&po);
     po.metrics_port = KVP_METRICS_PORT_ANY;
     po.disable_shm = 1;
+    po.inline_max_bytes = 0;
     kvp_pipe *pipe;
     REQUIRE_OK(kvp_pipe_open(cfg, 0, 0, &po, &pipe));
     kvp_pipe_config_free(cfg);

@@ -30,6 +30,7 @@ typedef struct bp_opts {
     const char *protocol, *metadata, *config;
     int kv_rank, json, no_shm, port;
     int timeout_ms; /* the engine's I/O timeout; 0: the pipe's default */
+    long inline_max; /* --inline-max-bytes; < 0: the pipe's default */
     int in_place; /* --send in-place: kvp_pipe_tensor_alloc + kvp_pipe_send_take */
     int verify;   /* compare every byte, not only the stamps */
 } bp_opts;
@@ -46,6 +47,7 @@ enum {
     O_KV_BUFFER,
     O_TIMEOUT,
     O_WARMUP,
+    O_INLINE_MAX,
     O_CONFIG,
     O_KV_RANK,
     O_PORT,
@@ -82,6 +84,11 @@ static const kvp_cli_opt opts[] = {
      "untimed tensors first, so that both engines' buffer\npools hold their memory (default: "
      "kv-buffer-size worth,\nat most 32)",
      0, 1000000, .id = O_WARMUP},
+    {"inline-max-bytes", KVP_ARG_INT, "B",
+     "both ranks' kvp_pipe_opts.inline_max_bytes: messages up to\nB bytes travel inline "
+     "(default: the pipe's, 128 KiB); 0:\nevery message is announced and READ (MooncakePipe's "
+     "path)",
+     0, 1 << 30, .id = O_INLINE_MAX},
     {"config", KVP_ARG_STRING, "FILE", "run one rank with this mooncake config", .id = O_CONFIG},
     {"kv-rank", KVP_ARG_INT, "0|1", "the rank to run with --config (0 sends, 1 receives)", 0, 1,
      .id = O_KV_RANK},
@@ -145,6 +152,9 @@ static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value 
     case O_WARMUP:
         o->warmup = (long)v->i;
         break;
+    case O_INLINE_MAX:
+        o->inline_max = (long)v->i;
+        break;
     case O_CONFIG:
         o->config = v->text;
         break;
@@ -166,6 +176,7 @@ static int parse_args(int argc, char **argv, bp_opts *o)
 {
     *o = (bp_opts){.count = 100,
                    .warmup = -1,
+                   .inline_max = -1,
                    .protocol = "tcp",
                    .metadata = "http",
                    .kv_rank = -1,
@@ -258,6 +269,7 @@ static kvp_pipe *open_pipe(const bp_opts *o, int kv_rank)
         po.disable_shm = o->no_shm;
         po.kv_buffer_size = o->kv_buffer_size;
         if (o->timeout_ms) po.io_timeout_ms = o->timeout_ms;
+        if (o->inline_max >= 0) po.inline_max_bytes = (size_t)o->inline_max;
         st = kvp_pipe_open(cfg, 0, kv_rank, &po, &pipe);
     }
     kvp_pipe_config_free(cfg);

@@ -136,6 +136,53 @@ typedef struct kvp_pipe_opts {
     size_t max_message_bytes;
     /* Non-zero: the engine never uses the same-host transport (see engine.h). */
     int disable_shm;
+
+    /* The inline path, kvpipe's fast path between two kvpipe pipes: a message
+     * (the encoded safetensors file: 8 + header + data bytes) of at most this
+     * many bytes travels inside its announcement on ZeroMQ instead of being
+     * READ, when the peer offers it too. This side offers it in its engine's
+     * descriptor (field "kvpipe_pipe"), which Mooncake and MooncakePipe peers
+     * ignore; they get MooncakePipe's wire whatever this says. Also the
+     * largest inline message this side accepts. Default 131072; 0: never,
+     * and not offered. kvp_pipe_stats says which path a pair uses. */
+    size_t inline_max_bytes;
+    /* Announcements recv takes off the link and READs ahead, concurrently,
+     * while handing them out in order (default 32; 1: one at a time), and
+     * the bytes they may hold at once (default 64 MiB; a larger message is
+     * still taken alone). Held in the receiver's engine memory. */
+    int recv_window;
+    size_t recv_window_bytes;
+    /* Largest ZeroMQ frame a link accepts (ZMQ_MAXMSGSIZE; default 4096): a
+     * peer that sends a larger one has its connection dropped before it is
+     * read. The announce link accepts inline messages up to inline_max_bytes
+     * besides. */
+    size_t max_control_frame;
+    /* A link ZeroMQ closed after a protocol error is connected again after
+     * redial_min_ms (default 200), doubling for each further such close up
+     * to redial_max_ms (default 5000). The same back-off spaces retries of
+     * a failed descriptor lookup of the inline path's negotiation. */
+    int redial_min_ms;
+    int redial_max_ms;
+    /* Longest a receiver waits for the ACK socket to take an ACK before it
+     * drops it with a warning (default 2000 ms); the data has arrived. */
+    int ack_timeout_ms;
+    /* Inline messages only (between two kvpipe pipes; an announced
+     * message's ACK always leaves before recv returns): the ACK of one
+     * handed out by recv leaves with up to 15 others, or at the latest about
+     * this many microseconds after the first of them (default 1000,
+     * 0..60000000; 0: each at once), so that a peer answering each message
+     * does not pay an ACK on every round trip. A sender whose kv_buffer_size
+     * holds only a few inline messages gets room back up to that much later. */
+    int ack_delay_us;
+    /* Longest kvp_pipe_close() waits for queued ACKs to leave (default 500). */
+    int ack_linger_ms;
+    /* Messages ZeroMQ queues per connection and direction (ZMQ_SNDHWM and
+     * ZMQ_RCVHWM of the announcement and ACK sockets; default 1000, ZeroMQ's). */
+    int zmq_hwm;
+    /* recv polls for the next message this long (microseconds) before it
+     * sleeps in the kernel (default 0: no polling). Saves a wake-up per
+     * message when the peer answers within it; costs a core meanwhile. */
+    int busy_poll_us;
     /* The metrics endpoint of the pipe's engine, serving the pipe's metrics
      * too (kvp_pipe_metrics() lists them): as kvp_engine_opts.metrics_port
      * and metrics_host (0 and NULL, the defaults: env KVPIPE_METRICS_PORT and
@@ -240,6 +287,17 @@ typedef struct kvp_pipe_stats {
     uint64_t bad_acks;                   /* ACKs dropped: not the frame "ACK", or unexpected */
     size_t inflight_bytes;               /* sent, not yet acknowledged */
     size_t inflight_count;
+    /* Of sent and received, the messages that travelled inline. */
+    uint64_t inline_sent, inline_received;
+    /* The peer's inline_max_bytes as its descriptor says, for the current
+     * connection: sends of up to min(this, own inline_max_bytes) go inline.
+     * 0: the peer takes none (a Mooncake or MooncakePipe peer, a kvpipe peer
+     * with the inline path off) or it was not read yet. */
+    size_t peer_inline_max;
+    /* Times the peer's descriptor was read for it (once per new connection
+     * of the peer to this side's announce socket; not with this side's
+     * inline_max_bytes 0). */
+    uint64_t peer_lookups;
 } kvp_pipe_stats;
 KVP_API void kvp_pipe_get_stats(kvp_pipe *pipe, kvp_pipe_stats *out);
 

@@ -132,8 +132,9 @@ class EngineStatsTests(unittest.TestCase):
 class PipeStatsTests(unittest.TestCase):
     def setUp(self):
         self.cfg = tu.pipe_config()
-        self.prefill = kvpipe.Pipe(self.cfg, 0, 0)
-        self.decode = kvpipe.Pipe(self.cfg, 0, 1)
+        # announced and READ (not inline), so that the engine counts the READs
+        self.prefill = kvpipe.Pipe(self.cfg, 0, 0, inline_max_bytes=0)
+        self.decode = kvpipe.Pipe(self.cfg, 0, 1, inline_max_bytes=0)
 
     def tearDown(self):
         self.prefill.close()

@@ -611,6 +611,75 @@ class ConfigTests(unittest.TestCase):
             os.unlink(path)
 
 
+class PathTests(unittest.TestCase):
+    """The inline path between two kvpipe pipes, and the pipe's options."""
+
+    def wait_lookup(self, pipe):
+        deadline = time.monotonic() + 20
+        while pipe.stats()["peer_lookups"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return pipe.stats()
+
+    def pair(self, decode_opts):
+        cfg = tu.pipe_config()
+        return kvpipe.Pipe(cfg, 0, 0, inline_max_bytes=65536), kvpipe.Pipe(cfg, 0, 1, **decode_opts)
+
+    def send_some(self, a, b):
+        rng = np.random.default_rng(5)
+        sent = [random_array("float32", (8, 8), rng), None,
+                random_array("uint8", (70000,), rng),  # above 65536: announced
+                random_array("int64", (3,), rng)]
+        for m in sent:
+            a.send_tensor(m)
+        for m in sent:
+            got = b.recv_tensor(timeout=30)
+            if m is None:
+                self.assertIsNone(got)
+            else:
+                np.testing.assert_array_equal(as_numpy(got), m)
+        a.flush(timeout=30)
+        return a.stats(), b.stats()
+
+    def test_pair_takes_the_inline_path(self):
+        a, b = self.pair({})
+        with a, b:
+            st = self.wait_lookup(a)
+            self.assertEqual(st["peer_inline_max"], 131072)  # decode's default
+            sa, sb = self.send_some(a, b)
+            # three of the four are at most 64 KiB: inline; ACKed as the rest
+            self.assertEqual((sa["sent"], sa["acks"], sa["inline_sent"]), (4, 4, 3))
+            self.assertEqual((sb["received"], sb["inline_received"]), (4, 3))
+
+    def test_inline_path_turned_off(self):
+        a, b = self.pair({"inline_max_bytes": 0})
+        with a, b:
+            st = self.wait_lookup(a)
+            self.assertEqual(st["peer_inline_max"], 0)
+            sa, sb = self.send_some(a, b)
+            self.assertEqual((sa["sent"], sa["acks"], sa["inline_sent"]), (4, 4, 0))
+            self.assertEqual((sb["received"], sb["inline_received"]), (4, 0))
+
+    def test_options(self):
+        cfg = tu.pipe_config()
+        opts = dict(inline_max_bytes=1024, recv_window=4, recv_window_bytes=1 << 20,
+                    max_control_frame=8192, redial_min=0.1, redial_max=2.0, ack_timeout=1.0,
+                    ack_linger=0.2, ack_delay_us=0, zmq_hwm=100, busy_poll_us=0)
+        with kvpipe.Pipe(cfg, 0, 0, **opts) as a, kvpipe.Pipe(cfg, 0, 1, **opts) as b:
+            self.send_some(a, b)
+        for bad in (dict(recv_window=0), dict(redial_min=0.0), dict(redial_max=0.05),
+                    dict(max_control_frame=4), dict(zmq_hwm=-1), dict(busy_poll_us=-1),
+                    dict(inline_max_bytes=(1 << 30) + 1), dict(ack_delay_us=-1)):
+            with self.subTest(bad=bad):
+                with self.assertRaises(kvpipe.Error) as cm:
+                    kvpipe.Pipe(tu.pipe_config(), 0, 0, **bad)
+                self.assertEqual(cm.exception.status, kvpipe.EINVAL)
+                self.assertIn("pipe option", str(cm.exception))
+        with self.assertRaises(ValueError):
+            kvpipe.Pipe(tu.pipe_config(), 0, 0, ack_timeout=-1.0)
+        with self.assertRaises(TypeError):
+            kvpipe.Pipe(tu.pipe_config(), 0, 0, no_such_option=1)
+
+
 class CrossProcessTests(unittest.TestCase):
     """This process is prefill; the peer process (C or Python) echoes."""
 

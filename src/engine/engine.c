@@ -7,6 +7,7 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "engine/engine_ext.h"
 #include "engine/engine_internal.h"
 #include "engine/protocol.h"
 
@@ -27,6 +28,23 @@ void kvp_engine_opts_init(kvp_engine_opts *opts)
     opts->max_connections = KVPI_CONN_MAX_DEFAULT;
     opts->idle_timeout_ms = KVPI_CONN_IDLE_MS_DEFAULT;
     opts->min_transfer_rate = KVPI_MIN_RATE_DEFAULT;
+}
+
+/* Add an upper layer's members (engine_ext.h), except those the descriptor
+ * has already. -1 when out of memory. */
+static int add_fields(cJSON *doc, const cJSON *fields)
+{
+    const cJSON *f;
+    cJSON_ArrayForEach(f, fields)
+    {
+        if (cJSON_HasObjectItem(doc, f->string)) continue;
+        cJSON *copy = cJSON_Duplicate(f, 1);
+        if (!copy || !cJSON_AddItemToObject(doc, f->string, copy)) {
+            cJSON_Delete(copy);
+            return -1;
+        }
+    }
+    return 0;
 }
 
 /* The descriptor's "protocol": the first running transport whose wire
@@ -81,6 +99,8 @@ static kvp_status descriptor_render(kvp_engine *e, char **out)
              ? KVP_OK
              : kvpi_error(KVP_ENOMEM, "cannot render the segment descriptor: out of memory");
     if (!st) st = describe_transports(e, doc, regions);
+    if (!st && add_fields(doc, e->fields))
+        st = kvpi_error(KVP_ENOMEM, "cannot render the segment descriptor: out of memory");
     if (!st && !(text = cJSON_PrintUnformatted(doc)))
         st = kvpi_error(KVP_ENOMEM, "cannot render the segment descriptor: out of memory");
     cJSON_Delete(doc);
@@ -350,12 +370,37 @@ kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out)
     return kvpi_engine_create_with(opts, kvpi_transports, out);
 }
 
+static kvp_status engine_create(const kvp_engine_opts *opts,
+                                const kvpi_transport_ops *const *transports, const cJSON *fields,
+                                kvp_engine **out);
+
 kvp_status kvpi_engine_create_with(const kvp_engine_opts *opts,
                                    const kvpi_transport_ops *const *transports, kvp_engine **out)
 {
+    return engine_create(opts, transports, NULL, out);
+}
+
+kvp_status kvpi_engine_create_with_fields(const kvp_engine_opts *opts, const cJSON *fields,
+                                          kvp_engine **out)
+{
+    return engine_create(opts, kvpi_transports, fields, out);
+}
+
+/* Both of the above: an engine on these transports, whose descriptor also
+ * carries an upper layer's fields (NULL: none). */
+static kvp_status engine_create(const kvp_engine_opts *opts,
+                                const kvpi_transport_ops *const *transports, const cJSON *fields,
+                                kvp_engine **out)
+{
     if (!opts || !out || !transports) return kvpi_error(KVP_EINVAL, "engine: NULL argument");
+    if (fields && !cJSON_IsObject(fields))
+        return kvpi_error(KVP_EINVAL, "engine: descriptor fields must be a JSON object");
     kvp_engine *e = calloc(1, sizeof *e);
     if (!e) return kvpi_error(KVP_ENOMEM, "engine: out of memory");
+    if (fields && !(e->fields = cJSON_Duplicate(fields, 1))) {
+        free(e);
+        return kvpi_error(KVP_ENOMEM, "engine: out of memory");
+    }
     e->transports = transports;
     kvpi_region_table_init(&e->regions);
     pthread_mutex_init(&e->publish_lock, NULL);
@@ -429,6 +474,7 @@ void kvp_engine_destroy(kvp_engine *e)
     pthread_mutex_destroy(&e->keeper_lock);
     pthread_cond_destroy(&e->keeper_cond);
     free(e->desc_text);
+    cJSON_Delete(e->fields);
     free(e->name);
     free(e->metadata_conn);
     free(e->protocol);

@@ -78,6 +78,7 @@ struct kvp_engine {
     kvpi_pool *pool;
 
     char instance[33]; /* KVPI_INSTANCE_FIELD: random hex, drawn at creation */
+    cJSON *fields;     /* an upper layer's descriptor members (engine_ext.h), or NULL */
     int claimed;       /* the name is taken in the store: release it at destroy */
     pthread_mutex_t publish_lock;
     char *desc_text; /* last rendered descriptor, for handshakes */

@@ -1,0 +1,361 @@
+/* recv's window of READs (issue 15): several announcements READ at once,
+ * handed out in order and ACKed exactly once each, in order.
+ *
+ * Out of order: a hand-written prefill (its own handshake and TCP data
+ * servers, bare ZeroMQ sockets) announces a 2 MiB message and then small
+ * ones, and holds back the 2 MiB READ until the small READs were served:
+ * the receiver must have READ the small ones concurrently, must ACK nothing
+ * while the first one is outstanding (an ACK frees the sender's oldest
+ * buffer, which it is still reading), and must hand out the large one first.
+ *
+ * A killed sender: a kvpipe prefill announces 16 tensors of 8 MiB and is
+ * killed once the receiver has the first, while the window's next READs run;
+ * every announcement still gives exactly one result, in order - the tensor
+ * it announced or an error - and an ACK that nobody takes costs one wait,
+ * not one per message. */
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+
+#include "metadata/metadata.h"
+#include "pipe_raw.h"
+#include "transport/tcp_wire.h"
+
+#define SMALL 6
+#define BIG_TENSOR ((size_t)2 << 20)
+#define REGION ((size_t)4 << 20)
+
+/* ------------------------------------------------------ the fake prefill --- */
+
+typedef struct fake {
+    uint8_t *region; /* what it serves, as registered memory */
+    uint64_t big_addr;
+    uint64_t small_addr[SMALL];
+    size_t small_len[SMALL], big_len;
+    char desc[512];
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    int small_served, release;
+} fake;
+
+static fake F = {.lock = PTHREAD_MUTEX_INITIALIZER, .cond = PTHREAD_COND_INITIALIZER};
+
+static char *fake_desc(void *ctx)
+{
+    (void)ctx;
+    return strdup(F.desc);
+}
+
+/* Wait up to ms for cond(F) under F.lock; 0 when it held. */
+static int fake_wait(int (*cond)(void), int ms)
+{
+    uint64_t deadline = kvpi_now_ms() + (uint64_t)ms;
+    pthread_mutex_lock(&F.lock);
+    while (!cond() && kvpi_now_ms() < deadline) {
+        pthread_mutex_unlock(&F.lock);
+        usleep(2000);
+        pthread_mutex_lock(&F.lock);
+    }
+    int ok = cond();
+    pthread_mutex_unlock(&F.lock);
+    return ok ? 0 : -1;
+}
+
+static int smalls_done(void)
+{
+    return F.small_served == SMALL;
+}
+
+static int released(void)
+{
+    return F.release;
+}
+
+/* Serve READs, v2; the big one only once released. */
+static void *fake_conn(void *arg)
+{
+    int fd = (int)(intptr_t)arg;
+    uint8_t raw[KVPI_TCP_HDR_LEN], st[8];
+    kvpi_tcp_hdr h;
+    kvpi_tcp_status_encode(KVPI_TCP_STATUS_OK, st);
+    while (kvpi_recv_all(fd, raw, sizeof raw) == KVP_OK && kvpi_tcp_hdr_decode(raw, &h) == 0 &&
+           h.opcode == KVPI_TCP_OP_READ && h.addr >= (uint64_t)(uintptr_t)F.region &&
+           h.addr + h.size <= (uint64_t)(uintptr_t)F.region + REGION) {
+        int big = h.addr == F.big_addr;
+        if (big && fake_wait(released, 60000) != 0) break;
+        if (kvpi_send_all(fd, st, sizeof st) ||
+            kvpi_send_all(fd, (void *)(uintptr_t)h.addr, h.size))
+            break;
+        if (!big) {
+            pthread_mutex_lock(&F.lock);
+            F.small_served++;
+            pthread_mutex_unlock(&F.lock);
+        }
+    }
+    close(fd);
+    return NULL;
+}
+
+static void *fake_accept(void *arg)
+{
+    int lfd = (int)(intptr_t)arg;
+    for (;;) {
+        int fd;
+        if (kvpi_tcp_accept(lfd, 0, &fd) != KVP_OK) continue;
+        pthread_t t;
+        pthread_create(&t, NULL, fake_conn, (void *)(intptr_t)fd);
+        pthread_detach(t);
+    }
+    return NULL;
+}
+
+/* Encode tensor i (bytes of seed i + 1) of n bytes at region + off. */
+static size_t put_tensor(size_t off, size_t n, int i)
+{
+    uint8_t *data = malloc(n);
+    kvpt_fill(data, n, (uint64_t)i + 1);
+    int64_t shape = (int64_t)n;
+    kvp_tensor t;
+    kvp_tensor_init(&t, KVP_DTYPE_U8, 1, &shape, data);
+    size_t written = 0;
+    kvpi_safetensors_write(&t, F.region + off, REGION - off, &written);
+    free(data);
+    return written;
+}
+
+/* The fake's servers, under prefill's segment name. */
+static int fake_start(const raw_setup *s, kvpi_rpc_server **rpc)
+{
+    F.region = malloc(REGION);
+    if (!F.region) return -1;
+    F.big_addr = (uint64_t)(uintptr_t)F.region;
+    F.big_len = put_tensor(0, BIG_TENSOR, 0);
+    size_t off = (F.big_len + 4095) & ~(size_t)4095;
+    for (int i = 0; i < SMALL; i++) {
+        F.small_addr[i] = (uint64_t)(uintptr_t)F.region + off;
+        F.small_len[i] = put_tensor(off, RAW_TENSOR, 1 + i);
+        off += (F.small_len[i] + 4095) & ~(size_t)4095;
+    }
+    int lfd, data_port;
+    if (kvpi_tcp_listen("127.0.0.1", 0, &lfd, &data_port) != KVP_OK) return -1;
+    snprintf(F.desc, sizeof F.desc,
+             "{\"name\":\"%s\",\"protocol\":\"tcp\",\"tcp_data_port\":%d,\"tcp_proto_version\":2,"
+             "\"timestamp\":\"0\",\"buffers\":[{\"name\":\"x\",\"addr\":%llu,\"length\":%zu}]}",
+             s->side[0].local_segment, data_port, (unsigned long long)F.big_addr, REGION);
+    pthread_t t;
+    pthread_create(&t, NULL, fake_accept, (void *)(intptr_t)lfd);
+    pthread_detach(t);
+    return kvpi_rpc_server_start("127.0.0.1", s->side[0].engine_port, NULL, fake_desc, NULL, rpc)
+               ? -1
+               : 0;
+}
+
+/* Decode: the big tensor first, then the small ones, in order. */
+static void decode_in_order(kvp_pipe *pipe, void *arg)
+{
+    (void)arg;
+    for (int i = 0; i <= SMALL; i++) {
+        kvp_tensor *t = NULL;
+        kvp_status st = kvp_pipe_recv(pipe, RAW_WAIT_MS, &t);
+        if (st) fprintf(stderr, "  recv %d: %s\n", i, kvp_last_error());
+        CHECK_OK(st);
+        size_t n = i == 0 ? BIG_TENSOR : RAW_TENSOR;
+        int ok = t && t->nbytes == n && kvpt_verify(t->data, n, (uint64_t)i + 1) == (size_t)-1;
+        if (!ok) fprintf(stderr, "  tensor %d is not the one announced %d-th\n", i, i);
+        CHECK(ok);
+        kvp_tensor_free(t);
+    }
+    kvp_pipe_stats st;
+    kvp_pipe_get_stats(pipe, &st);
+    CHECK(st.received == SMALL + 1 && st.bad_messages == 0);
+}
+
+static void test_out_of_order_completion(void)
+{
+    signal(SIGPIPE, SIG_IGN);
+    raw_setup s;
+    REQUIRE(raw_setup_init(&s) == 0);
+    kvpi_rpc_server *rpc = NULL;
+    REQUIRE(fake_start(&s, &rpc) == 0);
+    void *ctx = zmq_ctx_new();
+    void *push = raw_socket(ctx, ZMQ_PUSH), *pull = raw_socket(ctx, ZMQ_PULL);
+    void *mon = raw_monitor(ctx, push, "window");
+    REQUIRE(mon && raw_bind(push, s.side[0].data_port) == 0 &&
+            raw_connect(pull, s.side[1].ack_port) == 0);
+    char err[128];
+    raw_err_path(err, sizeof err, "window_decode");
+    pid_t decode = raw_spawn_side(&s, 1, decode_in_order, NULL, err);
+    REQUIRE(raw_wait_event(mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, RAW_WAIT_MS) == 0);
+
+    CHECK(raw_send_announcement(push, F.big_addr, F.big_len) == 0);
+    for (int i = 0; i < SMALL; i++)
+        CHECK(raw_send_announcement(push, F.small_addr[i], F.small_len[i]) == 0);
+    /* The small READs come while the big one waits: they run concurrently. */
+    int concurrent = fake_wait(smalls_done, RAW_WAIT_MS) == 0;
+    if (!concurrent) fprintf(stderr, "  the small READs did not come while the big one waited\n");
+    CHECK(concurrent);
+    /* Their READs are done, the first one's is not: no ACK may leave. */
+    CHECK(raw_count_acks(pull, 1, 500) == 0);
+    pthread_mutex_lock(&F.lock);
+    F.release = 1;
+    pthread_mutex_unlock(&F.lock);
+    CHECK(raw_count_acks(pull, SMALL + 1, RAW_WAIT_MS) == SMALL + 1);
+    CHECK(raw_count_acks(pull, 1, 300) == 0); /* and nothing twice */
+    int rc = kvpt_wait_child(decode, RAW_SIDE_MS);
+    if (rc) raw_show(err, "decode");
+    CHECK(rc == 0);
+    zmq_close(mon);
+    zmq_close(push);
+    zmq_close(pull);
+    zmq_ctx_term(ctx);
+    kvpi_rpc_server_stop(rpc);
+    unlink(err);
+}
+
+/* ------------------------------------------------------ a killed sender --- */
+
+#define KILLED_N 16
+#define KILLED_TENSOR ((size_t)8 << 20)
+#define ACK_WAIT_MS 3000
+
+typedef struct killed {
+    raw_chan sent; /* prefill -> parent: all announced */
+    raw_chan got;  /* decode -> parent: the first tensor is in */
+    raw_chan dead; /* parent -> decode: prefill is killed */
+} killed;
+
+static kvp_pipe_opts announced_opts(void)
+{
+    kvp_pipe_opts o = raw_pipe_opts();
+    o.inline_max_bytes = 0;
+    o.ack_timeout_ms = ACK_WAIT_MS;
+    o.recv_window_bytes = 2 * KILLED_TENSOR; /* two READs at a time */
+    return o;
+}
+
+/* A side with its own options (raw_spawn_side opens with the defaults). */
+static pid_t spawn_with(const raw_setup *s, int rank, raw_side_fn fn, void *arg, const char *path)
+{
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid != 0) return pid;
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (fd >= 0) {
+        dup2(fd, STDERR_FILENO);
+        close(fd);
+    }
+    kvpt_failures = 0;
+    kvp_pipe_config *cfg;
+    kvp_pipe *pipe;
+    kvp_pipe_opts o = announced_opts();
+    if (kvp_pipe_config_parse(s->json, strlen(s->json), &cfg) ||
+        kvp_pipe_open(cfg, 0, rank, &o, &pipe)) {
+        fprintf(stderr, "  rank %d: open: %s\n", rank, kvp_last_error());
+        _exit(2);
+    }
+    kvp_pipe_config_free(cfg);
+    fn(pipe, arg);
+    kvp_pipe_close(pipe);
+    _exit(kvpt_failures ? 1 : 0);
+}
+
+static void prefill_announce_all(kvp_pipe *pipe, void *arg)
+{
+    killed *k = arg;
+    uint8_t *data = malloc(KILLED_TENSOR);
+    int64_t n = (int64_t)KILLED_TENSOR;
+    for (int i = 0; i < KILLED_N && data; i++) {
+        kvpt_fill(data, KILLED_TENSOR, (uint64_t)i + 1);
+        kvp_tensor t;
+        kvp_tensor_init(&t, KVP_DTYPE_U8, 1, &n, data);
+        CHECK_OK(kvp_pipe_send(pipe, &t));
+    }
+    raw_step(&k->sent, 's');
+    for (;;)
+        pause(); /* killed here */
+}
+
+static void decode_through_the_kill(kvp_pipe *pipe, void *arg)
+{
+    killed *k = arg;
+    int tensors = 0, errors = 0;
+    uint64_t t0 = kvpi_now_ms();
+    for (int i = 0; i < KILLED_N; i++) {
+        kvp_tensor *t = NULL;
+        kvp_status st = kvp_pipe_recv(pipe, RAW_WAIT_MS, &t);
+        if (i == 0) {
+            /* Outside recv no READ starts: those of the window that run end,
+             * the rest wait; the kill comes meanwhile (however late the
+             * parent gets to it). */
+            raw_step(&k->got, 'g');
+            CHECK(raw_wait_step(&k->dead, RAW_SIDE_MS) == 'k');
+        }
+        if (st == KVP_ETIMEDOUT && !strstr(kvp_last_error(), "not done within")) {
+            fprintf(stderr, "  result %d never came: %s\n", i, kvp_last_error());
+            CHECK(0);
+            break;
+        }
+        if (st) {
+            errors++;
+            continue;
+        }
+        /* Result i is announcement i's: its tensor, intact. */
+        int ok = t && t->nbytes == KILLED_TENSOR &&
+                 kvpt_verify(t->data, KILLED_TENSOR, (uint64_t)i + 1) == (size_t)-1;
+        if (!ok) fprintf(stderr, "  result %d is not tensor %d\n", i, i);
+        CHECK(ok);
+        tensors++;
+        kvp_tensor_free(t);
+    }
+    uint64_t took = kvpi_now_ms() - t0;
+    fprintf(stderr, "  %d tensors, %d errors in %llu ms\n", tensors, errors,
+            (unsigned long long)took);
+    CHECK(tensors >= 1 && tensors + errors == KILLED_N);
+    /* Nothing more: every announcement gave exactly one result. */
+    kvp_tensor *t = NULL;
+    CHECK_ST(kvp_pipe_recv(pipe, 500, &t), KVP_ETIMEDOUT);
+    kvp_pipe_stats st;
+    kvp_pipe_get_stats(pipe, &st);
+    CHECK(st.received == (uint64_t)tensors && st.bad_messages == (uint64_t)errors);
+    /* Untaken ACKs cost one wait of ACK_WAIT_MS, not one per message (at
+     * least 3 s per result after the kill, over 30 s); room for the READs'
+     * own failures. */
+    CHECK(errors >= KILLED_N / 2);
+    CHECK(took < 3 * ACK_WAIT_MS);
+}
+
+static void test_killed_sender(void)
+{
+    raw_setup s;
+    REQUIRE(raw_setup_init(&s) == 0);
+    killed k;
+    REQUIRE(raw_chan_init(&k.sent) == 0 && raw_chan_init(&k.got) == 0 &&
+            raw_chan_init(&k.dead) == 0);
+    char perr[128], derr[128];
+    raw_err_path(perr, sizeof perr, "killed_prefill");
+    raw_err_path(derr, sizeof derr, "killed_decode");
+    pid_t prefill = spawn_with(&s, 0, prefill_announce_all, &k, perr);
+    pid_t decode = spawn_with(&s, 1, decode_through_the_kill, &k, derr);
+    /* Killed once everything is announced and the first tensor is in, so
+     * that READs of the window are running or waiting to start. */
+    CHECK(raw_wait_step(&k.sent, RAW_SIDE_MS) == 's');
+    CHECK(raw_wait_step(&k.got, RAW_SIDE_MS) == 'g');
+    kill(prefill, SIGKILL);
+    waitpid(prefill, NULL, 0);
+    raw_step(&k.dead, 'k');
+    int rc = kvpt_wait_child(decode, RAW_SIDE_MS);
+    raw_show(derr, "decode");
+    CHECK(rc == 0);
+    unlink(perr);
+    unlink(derr);
+}
+
+int main(void)
+{
+    RUN_T(test_out_of_order_completion, 180);
+    RUN_T(test_killed_sender, 180);
+    return kvpt_summary();
+}
