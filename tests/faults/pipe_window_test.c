@@ -18,6 +18,7 @@
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include "metadata/metadata.h"
 #include "pipe_raw.h"
@@ -273,6 +274,11 @@ static void prefill_announce_all(kvp_pipe *pipe, void *arg)
         kvp_tensor_init(&t, KVP_DTYPE_U8, 1, &n, data);
         CHECK_OK(kvp_pipe_send(pipe, &t));
     }
+    /* A send returns once ZeroMQ has the announcement; its I/O thread writes
+     * it to the socket after that. Killed before, the last announcements die
+     * with this process and no receiver can know of them; give that thread
+     * time (it needs microseconds; a loaded machine may not run it at once). */
+    usleep(300 * 1000);
     raw_step(&k->sent, 's');
     for (;;)
         pause(); /* killed here */
