@@ -157,6 +157,7 @@ static const struct {
     {"EINPROGRESS", KVP_EINPROGRESS},
     {"ECLOSED", KVP_ECLOSED},
     {"EINTR", KVP_EINTR},
+    {"EAUTH", KVP_EAUTH},
 };
 
 static int add_status_constants(PyObject *module)

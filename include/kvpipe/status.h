@@ -34,6 +34,7 @@ typedef enum kvp_status {
     KVP_EINPROGRESS = 15, /* the operation has not completed yet */
     KVP_ECLOSED = 16,     /* the object was closed */
     KVP_EINTR = 17,       /* a blocking call was interrupted (a signal) */
+    KVP_EAUTH = 18,       /* a peer or descriptor failed authentication */
 } kvp_status;
 
 /* Fixed English text for a status code; never NULL. Thread-safe. */

@@ -24,6 +24,7 @@ static const char *const status_text[] = {
     [KVP_EINPROGRESS] = "in progress",
     [KVP_ECLOSED] = "closed",
     [KVP_EINTR] = "interrupted",
+    [KVP_EAUTH] = "authentication failed",
 };
 
 const char *kvp_strerror(kvp_status status)

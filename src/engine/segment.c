@@ -103,10 +103,14 @@ static int transport_allowed(const kvp_engine *e, const kvpi_transport_ops *ops)
 
 static kvp_status peer_connect(kvp_engine *e, kvpi_peer *peer, const char *segname)
 {
-    kvpi_peer_ctx ctx = {.host = peer->host, .desc = peer->desc.json,
-                         .regions = peer->desc.regions, .n_regions = peer->desc.n_regions,
+    kvpi_peer_ctx ctx = {.host = peer->host,
+                         .desc = peer->desc.json,
+                         .regions = peer->desc.regions,
+                         .n_regions = peer->desc.n_regions,
                          .timeout_ms = e->opts.timeout_ms,
-                         .min_rate = e->opts.min_transfer_rate, .conns = e->opts.conns_per_peer};
+                         .min_rate = e->opts.min_transfer_rate,
+                         .conns = e->opts.conns_per_peer,
+                         .auth = e->auth};
     for (size_t i = 0; kvpi_transports[i]; i++) {
         const kvpi_transport_ops *ops = kvpi_transports[i];
         if (!transport_allowed(e, ops)) continue;
@@ -121,6 +125,20 @@ static kvp_status peer_connect(kvp_engine *e, kvpi_peer *peer, const char *segna
     return kvpi_error(KVP_ENOTSUP, "segment %s: no transport can reach it", segname);
 }
 
+/* Authenticated: only a descriptor signed with an accepted key, fresh and of
+ * this name, is used. Without a key, a signed one belongs to an engine that
+ * will refuse us: say so now rather than fail at its listener. */
+static kvp_status check_signature(const kvp_engine *e, const char *name, const char *text)
+{
+    if (e->auth) return kvpi_auth_desc_verify(e->auth, text, name, e->opts.auth_max_age_ms);
+    if (!kvpi_auth_desc_signed(text)) return KVP_OK;
+    return kvpi_error(KVP_EAUTH,
+                      "segment %s is authenticated (its descriptor is signed) and this engine "
+                      "has no key: give it the same key file (env " KVPI_AUTH_ENV
+                      " or auth_key_file; docs/security.md)",
+                      name);
+}
+
 static kvp_status peer_lookup(kvp_engine *e, const char *name, kvpi_peer **out)
 {
     kvpi_peer *peer = calloc(1, sizeof *peer);
@@ -130,7 +148,8 @@ static kvp_status peer_lookup(kvp_engine *e, const char *name, kvpi_peer **out)
     kvp_status st = kvpi_meta_fetch(e->meta, name, own, &text, &peer->host);
     free(own);
     if (st) goto fail;
-    st = kvpi_descriptor_parse(text, &peer->desc);
+    st = check_signature(e, name, text);
+    if (!st) st = kvpi_descriptor_parse(text, &peer->desc);
     free(text);
     if (st) goto fail;
     if ((st = peer_connect(e, peer, name))) goto fail;

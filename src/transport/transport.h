@@ -19,6 +19,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "common/auth.h"
 #include "common/conn_server.h"
 #include "engine/registry.h"
 #include "kvpipe/engine.h"
@@ -43,6 +44,10 @@ typedef struct kvpi_server_ctx {
     /* A transport that serves Mooncake's TCP data port stores its port here;
      * the engine publishes it as tcp_data_port. */
     int *data_port_out;
+    /* Non-NULL in the authenticated mode (common/auth.h): the server must
+     * refuse a connection whose peer does not prove the key, before serving
+     * any request on it - with a conn_server, setup = kvpi_auth_conn_setup. */
+    const kvpi_auth *auth;
 } kvpi_server_ctx;
 
 typedef struct kvpi_peer_ctx {
@@ -56,6 +61,9 @@ typedef struct kvpi_peer_ctx {
     int timeout_ms;
     uint64_t min_rate;
     int conns;          /* connections to keep */
+    /* Non-NULL in the authenticated mode: run kvpi_auth_client on every new
+     * connection before any request (its failure is the peer's error). */
+    const kvpi_auth *auth;
 } kvpi_peer_ctx;
 
 /* The connection-server limits of a listener started with ctx. */
