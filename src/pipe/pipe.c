@@ -38,8 +38,10 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
+#include <sodium.h>
 #include <zmq.h>
 
+#include "common/auth.h"
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -93,6 +95,7 @@ typedef struct pull_link {
     uint64_t redial_at; /* kvpi_now_ms() when to connect again; 0: not due */
     int backoff_ms;
     atomic_int good; /* the reader saw a well-formed message: back-off resets */
+    int handshaken;  /* authenticated: the CURVE handshake of this connection passed */
 } pull_link;
 
 struct kvp_pipe {
@@ -104,6 +107,11 @@ struct kvp_pipe {
 
     void *zctx;
     void *data_push, *ack_push;
+    /* Authenticated mode: the CURVE keys, and monitors of the two PUSH
+     * sockets that show refused handshakes (the control thread's). */
+    kvpi_auth *auth;
+    kvpi_auth_curve curve;
+    void *data_push_mon, *ack_push_mon;
     pull_link data_in, ack_in;
     int recv_wake_fd;       /* eventfd: wakes a receiver waiting on data_in */
     atomic_int data_redial; /* data_in must be connected again, by whoever has it */
@@ -169,6 +177,8 @@ static void pipe_unref(kvp_pipe *p)
     pthread_mutex_destroy(&p->lock);
     pthread_cond_destroy(&p->room);
     close(p->recv_wake_fd);
+    kvpi_auth_free(p->auth);
+    sodium_memzero(&p->curve, sizeof p->curve);
     free(p);
 }
 
@@ -210,7 +220,26 @@ static kvp_status zmq_fail(kvp_pipe *p, const char *what)
  * carry no socket type. Without it, any TCP client whose first byte is not
  * 0xFF (a port scanner, an HTTP probe) passes for a ZMTP 1.0 peer, joins a
  * PUSH socket's round-robin and takes announcements or ACKs that are then
- * lost. Every ZeroMQ 4 peer (pyzmq's MooncakePipe included) speaks ZMTP 3. */
+ * lost. Every ZeroMQ 4 peer (pyzmq's MooncakePipe included) speaks ZMTP 3.
+ *
+ * In the authenticated mode the PUSH sockets are CURVE servers and the PULL
+ * sockets CURVE clients, with keys derived from the key. The domain stays
+ * and still no ZAP handler runs: with ZMQ_ZAP_ENFORCE_DOMAIN off (the
+ * default) ZeroMQ then admits any client that completes the CURVE handshake,
+ * which takes the server's public key - derived from the secret, never sent -
+ * so only a holder of the key gets in. */
+static int set_curve(kvp_pipe *p, void *s, int type)
+{
+    const kvpi_auth_curve *c = &p->curve;
+    int one = 1;
+    if (type == ZMQ_PUSH)
+        return zmq_setsockopt(s, ZMQ_CURVE_SERVER, &one, sizeof one) ||
+               zmq_setsockopt(s, ZMQ_CURVE_SECRETKEY, c->server_secret, 32);
+    return zmq_setsockopt(s, ZMQ_CURVE_SERVERKEY, c->server_public, 32) ||
+           zmq_setsockopt(s, ZMQ_CURVE_PUBLICKEY, c->client_public, 32) ||
+           zmq_setsockopt(s, ZMQ_CURVE_SECRETKEY, c->client_secret, 32);
+}
+
 static kvp_status make_socket(kvp_pipe *p, int type, int linger_ms, void **out)
 {
     void *s = zmq_socket(p->zctx, type);
@@ -221,7 +250,8 @@ static kvp_status make_socket(kvp_pipe *p, int type, int linger_ms, void **out)
         zmq_setsockopt(s, ZMQ_IPV6, &one, sizeof one) != 0 ||
         zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg) != 0 ||
         zmq_setsockopt(s, ZMQ_ZAP_DOMAIN, ZAP_DOMAIN, strlen(ZAP_DOMAIN)) != 0 ||
-        (type == ZMQ_PUSH && zmq_setsockopt(s, ZMQ_RCVHWM, &rcvhwm, sizeof rcvhwm) != 0)) {
+        (type == ZMQ_PUSH && zmq_setsockopt(s, ZMQ_RCVHWM, &rcvhwm, sizeof rcvhwm) != 0) ||
+        (p->auth && (type == ZMQ_PUSH || type == ZMQ_PULL) && set_curve(p, s, type) != 0)) {
         zmq_close(s);
         return zmq_fail(p, "setsockopt");
     }
@@ -255,7 +285,12 @@ static kvp_status bind_socket(kvp_pipe *p, void *s, int port)
  * reconnect after it) from one it reconnects by itself (CONNECT_RETRIED). */
 #define LINK_EVENTS                                                                                \
     (ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_CONNECT_RETRIED | ZMQ_EVENT_CONNECT_DELAYED |              \
-     ZMQ_EVENT_CONNECTED)
+     ZMQ_EVENT_CONNECTED | AUTH_EVENTS)
+/* The authenticated mode's handshakes, on both kinds of socket. */
+#define HANDSHAKE_FAILED                                                                           \
+    (ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |                  \
+     ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
+#define AUTH_EVENTS (HANDSHAKE_FAILED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED)
 
 /* A PULL socket connected to the peer's port, with its monitor. */
 static kvp_status open_link(kvp_pipe *p, pull_link *l, const char *what, int port)
@@ -269,12 +304,25 @@ static kvp_status open_link(kvp_pipe *p, pull_link *l, const char *what, int por
     /* The context is the pipe's own, so the name needs to be unique only in it. */
     snprintf(mon_ep, sizeof mon_ep, "inproc://kvpipe-monitor-%s", what);
     if ((st = make_socket(p, ZMQ_PULL, 0, &l->sock))) return st;
-    if (zmq_socket_monitor(l->sock, mon_ep, LINK_EVENTS) != 0) return zmq_fail(p, "monitor");
+    if (zmq_socket_monitor(l->sock, mon_ep, p->auth ? LINK_EVENTS : LINK_EVENTS & ~AUTH_EVENTS) !=
+        0)
+        return zmq_fail(p, "monitor");
     if ((st = make_socket(p, ZMQ_PAIR, 0, &l->mon))) return st;
     if (zmq_connect(l->mon, mon_ep) != 0) return zmq_fail(p, "monitor connect");
     if (zmq_connect(l->sock, l->endpoint) == 0) return KVP_OK;
     return kvpi_error(KVP_EIO, "pipe %s: cannot connect ZeroMQ endpoint %s: %s",
                       p->ep.local_segment, l->endpoint, zmq_strerror(zmq_errno()));
+}
+
+/* Authenticated: a monitor of a PUSH socket, for its refused handshakes. */
+static kvp_status monitor_push(kvp_pipe *p, void *sock, const char *what, void **mon)
+{
+    char ep[64];
+    snprintf(ep, sizeof ep, "inproc://kvpipe-monitor-push-%s", what);
+    if (zmq_socket_monitor(sock, ep, HANDSHAKE_FAILED) != 0) return zmq_fail(p, "monitor");
+    kvp_status st = make_socket(p, ZMQ_PAIR, 0, mon);
+    if (!st && zmq_connect(*mon, ep) != 0) st = zmq_fail(p, "monitor connect");
+    return st;
 }
 
 static kvp_status open_sockets(kvp_pipe *p)
@@ -288,6 +336,9 @@ static kvp_status open_sockets(kvp_pipe *p)
     if ((st = make_socket(p, ZMQ_PUSH, ACK_LINGER_MS, &p->ack_push))) return st;
     if ((st = bind_socket(p, p->data_push, p->ep.data_port))) return st;
     if ((st = bind_socket(p, p->ack_push, p->ep.ack_port))) return st;
+    if (p->auth && ((st = monitor_push(p, p->data_push, "announce", &p->data_push_mon)) ||
+                    (st = monitor_push(p, p->ack_push, "ACK", &p->ack_push_mon))))
+        return st;
     if ((st = open_link(p, &p->data_in, "announce", p->ep.peer_data_port))) return st;
     return open_link(p, &p->ack_in, "ACK", p->ep.peer_ack_port);
 }
@@ -302,8 +353,8 @@ static void close_sockets(kvp_pipe *p)
     if (p->ctl_started) pthread_join(p->ctl_thread, NULL);
     p->ctl_started = 0;
     /* The monitored sockets first: closing one ends its monitor. */
-    void **socks[] = {&p->data_push,   &p->ack_push,    &p->data_in.sock,
-                      &p->ack_in.sock, &p->data_in.mon, &p->ack_in.mon};
+    void **socks[] = {&p->data_push,   &p->ack_push,   &p->data_in.sock,  &p->ack_in.sock,
+                      &p->data_in.mon, &p->ack_in.mon, &p->data_push_mon, &p->ack_push_mon};
     for (size_t i = 0; i < sizeof socks / sizeof socks[0]; i++) {
         if (*socks[i]) zmq_close(*socks[i]);
         *socks[i] = NULL;
@@ -466,7 +517,7 @@ static void drop_announcement(kvp_pipe *p, const control_msg *m)
 
 /* Read the link's monitor: a DISCONNECTED that no CONNECT_RETRIED follows is
  * a connection ZeroMQ closed for a protocol error and will not reconnect. */
-static int link_events(pull_link *l)
+static int link_events(kvp_pipe *p, pull_link *l)
 {
     for (;;) {
         uint8_t ev[6];
@@ -477,12 +528,50 @@ static int link_events(pull_link *l)
         uint16_t event;
         memcpy(&event, ev, sizeof event);
         if (n != 6) continue;
+        if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
+            l->handshaken = 1;
+            continue;
+        }
+        if (event & HANDSHAKE_FAILED) {
+            KVPI_WARN_LIMITED("pipe %s: the CURVE handshake of the %s link to %s (%s) failed: "
+                              "the peer holds another key, or none (a MooncakePipe peer, or "
+                              "kvpipe without the key, cannot join an authenticated pipe)",
+                              p->ep.local_segment, l->what, p->ep.peer_segment, l->endpoint);
+            continue;
+        }
+        if (event == ZMQ_EVENT_DISCONNECTED && p->auth && !l->handshaken)
+            KVPI_WARN_LIMITED("pipe %s: the %s link to %s (%s) was closed during its CURVE "
+                              "handshake: the peer holds another key, or none (a MooncakePipe "
+                              "peer, or kvpipe without the key, cannot join an authenticated "
+                              "pipe)",
+                              p->ep.local_segment, l->what, p->ep.peer_segment, l->endpoint);
+        if (event == ZMQ_EVENT_DISCONNECTED) l->handshaken = 0;
         if (event == ZMQ_EVENT_DISCONNECTED) {
             if (atomic_exchange(&l->good, 0)) l->backoff_ms = REDIAL_FIRST_MS;
             l->redial_at = kvpi_now_ms() + (uint64_t)l->backoff_ms;
         } else {
             l->redial_at = 0; /* ZeroMQ is (re)connecting by itself */
         }
+    }
+}
+
+/* Authenticated: read a PUSH socket's monitor, which shows only refused
+ * handshakes: a connection to our port by someone without the key. */
+static int push_events(kvp_pipe *p, void *mon, const char *what)
+{
+    for (;;) {
+        uint8_t ev[6];
+        char addr[256];
+        int n = zmq_recv(mon, ev, sizeof ev, ZMQ_DONTWAIT);
+        if (n < 0) return zmq_errno() == EAGAIN || zmq_errno() == EINTR ? 0 : -1;
+        int m = zmq_recv(mon, addr, sizeof addr - 1, 0);
+        if (m < 0) return -1;
+        addr[m < (int)sizeof addr - 1 ? m : (int)sizeof addr - 1] = '\0';
+        KVPI_WARN_LIMITED("pipe %s: refused a connection to its %s port %d (%s): its CURVE "
+                          "handshake failed: a peer without the pipe's key (a MooncakePipe "
+                          "peer, kvpipe without the key or with another, or a stranger)",
+                          p->ep.local_segment, what,
+                          strcmp(what, "ACK") == 0 ? p->ep.ack_port : p->ep.data_port, addr);
     }
 }
 
@@ -546,18 +635,22 @@ static long control_timeout(const kvp_pipe *p, uint64_t now)
 static void *control_main(void *arg)
 {
     kvp_pipe *p = arg;
-    enum { ACKS, ACK_MON, DATA_MON };
+    enum { ACKS, ACK_MON, DATA_MON, DATA_PUSH_MON, ACK_PUSH_MON };
     for (;;) {
         zmq_pollitem_t it[] = {
             [ACKS] = {.socket = p->ack_in.sock, .events = ZMQ_POLLIN},
             [ACK_MON] = {.socket = p->ack_in.mon, .events = ZMQ_POLLIN},
             [DATA_MON] = {.socket = p->data_in.mon, .events = ZMQ_POLLIN},
+            [DATA_PUSH_MON] = {.socket = p->data_push_mon, .events = ZMQ_POLLIN},
+            [ACK_PUSH_MON] = {.socket = p->ack_push_mon, .events = ZMQ_POLLIN},
         };
-        int r = zmq_poll(it, 3, control_timeout(p, kvpi_now_ms()));
+        int r = zmq_poll(it, p->auth ? 5 : 3, control_timeout(p, kvpi_now_ms()));
         if (r < 0 && zmq_errno() == EINTR) continue;
         if (r < 0) break; /* ETERM: the pipe is closing */
-        if ((it[ACK_MON].revents && link_events(&p->ack_in) < 0) ||
-            (it[DATA_MON].revents && link_events(&p->data_in) < 0) ||
+        if ((it[ACK_MON].revents && link_events(p, &p->ack_in) < 0) ||
+            (it[DATA_MON].revents && link_events(p, &p->data_in) < 0) ||
+            (it[DATA_PUSH_MON].revents && push_events(p, p->data_push_mon, "announce") < 0) ||
+            (it[ACK_PUSH_MON].revents && push_events(p, p->ack_push_mon, "ACK") < 0) ||
             (it[ACKS].revents && take_acks(p) < 0))
             break;
         uint64_t now = kvpi_now_ms();
@@ -604,6 +697,7 @@ static kvp_status create_engine(kvp_pipe *p, const kvp_pipe_config *cfg)
     eo.timeout_ms = p->opts.io_timeout_ms;
     eo.disable_shm = p->opts.disable_shm;
     eo.pool_retain_bytes = pool_retention(&p->opts);
+    eo.auth_key_file = cfg->auth_key_file;
     st = kvp_engine_create(&eo, &p->engine);
     free(conn);
     return st;
@@ -660,6 +754,15 @@ kvp_status kvp_pipe_open(const kvp_pipe_config *cfg, int local_rank, int kv_rank
     atomic_init(&p->closing, 0);
     p->ep = ep;
     p->opts = o;
+    if ((st = kvpi_auth_resolve(cfg->auth_key_file, &p->auth))) goto fail;
+    if (p->auth && !zmq_has("curve")) {
+        st = kvpi_error(KVP_ENOTSUP,
+                        "pipe %s: authenticated mode needs ZeroMQ's CURVE, and "
+                        "this libzmq is built without it",
+                        ep.local_segment);
+        goto fail;
+    }
+    if (p->auth && (st = kvpi_auth_curve_keys(p->auth, &p->curve))) goto fail;
     if ((st = create_engine(p, cfg))) goto fail;
     if ((st = open_sockets(p))) goto fail;
     int err = pthread_create(&p->ctl_thread, NULL, control_main, p);
@@ -668,8 +771,9 @@ kvp_status kvp_pipe_open(const kvp_pipe_config *cfg, int local_rank, int kv_rank
         goto fail;
     }
     p->ctl_started = 1;
-    KVPI_INFO("pipe %s open (kv_rank %d, peer %s): ZeroMQ data %d ack %d", ep.local_segment,
-              kv_rank, ep.peer_segment, ep.data_port, ep.ack_port);
+    KVPI_INFO("pipe %s open (kv_rank %d, peer %s): ZeroMQ data %d ack %d%s", ep.local_segment,
+              kv_rank, ep.peer_segment, ep.data_port, ep.ack_port,
+              p->auth ? ", authenticated (CURVE)" : "");
     *out = p;
     return KVP_OK;
 fail:
@@ -737,9 +841,12 @@ static kvp_status announce(kvp_pipe *p, const void *buf, size_t len, uint64_t de
         if (zmq_errno() != EAGAIN) return zmq_fail(p, "send");
         return kvpi_error(KVP_ETIMEDOUT,
                           "pipe %s: peer %s took no announcement within %d ms (is its pipe open "
-                          "and connected to port %d?)",
+                          "and connected to port %d?%s)",
                           p->ep.local_segment, p->ep.peer_segment, p->opts.send_timeout_ms,
-                          p->ep.data_port);
+                          p->ep.data_port,
+                          p->auth ? " The pipe is authenticated: a peer without its key cannot "
+                                    "connect; the log says if one tried"
+                                  : "");
     }
     /* ZeroMQ delivers a multipart message whole; once the first frame is in, the
      * second joins it. If it still fails the stream is torn: stop the pipe. */
