@@ -4,6 +4,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +17,7 @@
 #include <sodium.h>
 
 #include "common/auth.h"
+#include "common/clock.h"
 #include "common/conn_server.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -309,14 +312,34 @@ kvp_status kvpi_auth_server(const kvpi_auth *a, int fd, const char *channel, uin
     return sent;
 }
 
-kvp_status kvpi_auth_conn_setup(kvpi_conn *conn, const kvpi_auth *a, const char *channel)
+kvp_status kvpi_auth_conn_setup(kvpi_conn *conn, const kvpi_auth *a, const char *channel,
+                                kvpi_log_limit *lim)
 {
     kvp_status st = kvpi_auth_server(a, kvpi_conn_fd(conn), channel, kvpi_conn_deadline(conn));
     if (st == KVP_EAUTH)
-        KVPI_WARN_LIMITED("%s: refused a connection: %s", kvpi_conn_name(conn), kvp_last_error());
+        kvpi_log_limited(lim, KVP_LOG_WARN, KVPI_LOG_SUBSYS, "%s: refused a connection: %s",
+                         kvpi_conn_name(conn), kvp_last_error());
     else if (st)
         KVPI_DEBUG("%s: authentication did not finish: %s", kvpi_conn_name(conn), kvp_last_error());
     return st;
+}
+
+int kvpi_auth_peek(int fd, uint64_t deadline)
+{
+    char head[MAGIC_LEN];
+    for (;;) {
+        ssize_t n = recv(fd, head, sizeof head, MSG_PEEK | MSG_DONTWAIT);
+        if (n == (ssize_t)sizeof head) return memcmp(head, MAGIC, MAGIC_LEN) == 0;
+        if (n > 0 && memcmp(head, MAGIC, (size_t)n) != 0) return 0;
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+            return -1;
+        int left = kvpi_remaining_ms(deadline);
+        if (left == 0) return -1;
+        /* A partial HELLO: wait for the rest (poll would return at once). */
+        if (n > 0) left = left < 5 ? left : 5;
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, left) < 0 && errno != EINTR) return -1;
+    }
 }
 
 /* ---------------------------------------------------------- descriptors --- */
@@ -375,7 +398,10 @@ static const char *find_field(const char *text)
 
 int kvpi_auth_desc_signed(const char *desc)
 {
-    return desc && find_field(desc) != NULL;
+    cJSON *d = desc ? cJSON_Parse(desc) : NULL;
+    int has = cJSON_IsObject(d) && cJSON_GetObjectItemCaseSensitive(d, KVPI_AUTH_FIELD);
+    cJSON_Delete(d);
+    return has;
 }
 
 /* Parse `"ts":N,"kid":"HEX","mac":"HEX"}}` after FIELD_HEAD, up to end. */

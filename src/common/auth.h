@@ -95,11 +95,22 @@ kvp_status kvpi_auth_server(const kvpi_auth *auth, int fd, const char *channel,
                             uint64_t deadline_ns);
 
 /* The server side as a connection server's setup step (common/conn_server.h):
- * under the connection's setup deadline; a refusal is logged (rate-limited,
- * naming the listener) and the connection closes. This is the one call a
- * listener needs; its clients call kvpi_auth_client on each new connection. */
+ * under the connection's setup deadline; a refusal is logged at WARN naming
+ * the listener, rate-limited through lim (a static of the listener kind, so a
+ * flood on one listener does not hide refusals on another), and the
+ * connection closes. This is the one call a listener needs; its clients call
+ * kvpi_auth_client on each new connection. */
 struct kvpi_conn;
-kvp_status kvpi_auth_conn_setup(struct kvpi_conn *conn, const kvpi_auth *auth, const char *channel);
+struct kvpi_log_limit;
+kvp_status kvpi_auth_conn_setup(struct kvpi_conn *conn, const kvpi_auth *auth, const char *channel,
+                                struct kvpi_log_limit *lim);
+
+/* Wait (by deadline_ns) until the first 8 bytes of fd's stream are in, and
+ * say whether they begin a HELLO (1) or not (0: the peer speaks the
+ * listener's own protocol, unauthenticated); -1 when the stream ends or the
+ * deadline passes first. Consumes nothing, so a listener can answer an
+ * unauthenticated peer in its own protocol with a clear refusal. */
+int kvpi_auth_peek(int fd, uint64_t deadline_ns);
 
 /* ---- descriptors ---- */
 
@@ -114,8 +125,10 @@ char *kvpi_auth_desc_sign(const kvpi_auth *auth, const char *desc_json);
 kvp_status kvpi_auth_desc_verify(const kvpi_auth *auth, const char *desc_json, const char *segment,
                                  int max_age_ms);
 
-/* Whether descriptor text carries a signature field at all (a reader without
- * the key uses this to say why it cannot reach such a segment). */
+/* Whether descriptor text (a JSON object) has a KVPI_AUTH_FIELD member at all:
+ * a signature, or the refusal an authenticated handshake port answers an
+ * unauthenticated request with. A reader without the key uses this to say
+ * why it cannot reach such a segment. */
 int kvpi_auth_desc_signed(const char *desc_json);
 
 /* ---- ZeroMQ CURVE keys, derived from the current key ----

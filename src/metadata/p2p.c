@@ -142,9 +142,34 @@ static void serve(kvpi_conn *c)
     free(reply);
 }
 
+/* Refused connections of every listener of this kind, for the log. */
+static kvpi_log_limit auth_log;
+
+/* An unauthenticated request gets a reply frame of its own type that says
+ * why (a kvpipe peer without the key reports it; Mooncake's cannot parse it
+ * as a descriptor), then the close. */
+static void refuse_unauthenticated(kvpi_conn *c, kvpi_rpc_server *srv)
+{
+    uint8_t hdr[RPC_HDR];
+    static const char why[] =
+        "{\"" KVPI_AUTH_FIELD "\":\"required\",\"error\":\"this kvpipe engine is "
+        "authenticated: its peers must hold its key (docs/security.md)\"}";
+    kvpi_log_limited(&auth_log, KVP_LOG_WARN, KVPI_LOG_SUBSYS,
+                     "handshake server %s: refused a connection: the peer sent a handshake frame "
+                     "without authenticating: a Mooncake peer or a kvpipe peer without the key",
+                     srv->addr);
+    if (kvpi_conn_recv(c, hdr, sizeof hdr) || check_type(hdr[8])) return;
+    put_header(hdr, sizeof why - 1, hdr[8]);
+    if (kvpi_conn_send(c, hdr, sizeof hdr) == KVP_OK) kvpi_conn_send(c, why, sizeof why - 1);
+}
+
 static kvp_status auth_setup(kvpi_conn *c)
 {
-    return kvpi_auth_conn_setup(c, ((kvpi_rpc_server *)kvpi_conn_ctx(c))->auth, "rpc");
+    kvpi_rpc_server *srv = kvpi_conn_ctx(c);
+    int hello = kvpi_auth_peek(kvpi_conn_fd(c), kvpi_conn_deadline(c));
+    if (hello == 1) return kvpi_auth_conn_setup(c, srv->auth, "rpc", &auth_log);
+    if (hello == 0) refuse_unauthenticated(c, srv);
+    return kvpi_error(KVP_EAUTH, "handshake server %s: an unauthenticated connection", srv->addr);
 }
 
 static const kvpi_conn_handler rpc_handler = {.serve = serve};

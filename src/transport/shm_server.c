@@ -105,6 +105,9 @@ static int copy_with_peer(pid_t peer, kvp_opcode op, uint64_t mine, uint64_t the
     return 0;
 }
 
+/* Refused connections of every listener of this kind, for the log. */
+static kvpi_log_limit auth_log;
+
 /* The connection's setup step: in the authenticated mode the initiator proves
  * the key first; then check that it speaks our protocol, is the same user,
  * and lets us reach its memory (it names 8 bytes of its memory and their
@@ -115,7 +118,7 @@ static kvp_status serve_hello(kvpi_conn *conn)
     c->conn = conn;
     c->fd = kvpi_conn_fd(conn);
     const shm_server *srv = kvpi_conn_ctx(conn);
-    kvp_status st = srv->auth ? kvpi_auth_conn_setup(conn, srv->auth, "shm") : KVP_OK;
+    kvp_status st = srv->auth ? kvpi_auth_conn_setup(conn, srv->auth, "shm", &auth_log) : KVP_OK;
     if (st) return st;
     struct ucred cred;
     socklen_t len = sizeof cred;

@@ -154,9 +154,12 @@ static void serve(kvpi_conn *c)
         KVPI_DEBUG("%s: a request header was cut short: %s", kvpi_conn_name(c), kvp_last_error());
 }
 
+/* Refused connections of every listener of this kind, for the log. */
+static kvpi_log_limit auth_log;
+
 static kvp_status auth_setup(kvpi_conn *c)
 {
-    return kvpi_auth_conn_setup(c, ((tcp_server *)kvpi_conn_ctx(c))->auth, "tcp");
+    return kvpi_auth_conn_setup(c, ((tcp_server *)kvpi_conn_ctx(c))->auth, "tcp", &auth_log);
 }
 
 static const kvpi_conn_handler tcp_handler = {.serve = serve};
