@@ -96,6 +96,7 @@ typedef struct pull_link {
     int backoff_ms;
     atomic_int good; /* the reader saw a well-formed message: back-off resets */
     int handshaken;  /* authenticated: the CURVE handshake of this connection passed */
+    int refused;     /* authenticated: it failed (and was logged) */
 } pull_link;
 
 struct kvp_pipe {
@@ -533,19 +534,20 @@ static int link_events(kvp_pipe *p, pull_link *l)
             continue;
         }
         if (event & HANDSHAKE_FAILED) {
+            l->refused = 1;
             KVPI_WARN_LIMITED("pipe %s: the CURVE handshake of the %s link to %s (%s) failed: "
                               "the peer holds another key, or none (a MooncakePipe peer, or "
                               "kvpipe without the key, cannot join an authenticated pipe)",
                               p->ep.local_segment, l->what, p->ep.peer_segment, l->endpoint);
             continue;
         }
-        if (event == ZMQ_EVENT_DISCONNECTED && p->auth && !l->handshaken)
+        if (event == ZMQ_EVENT_DISCONNECTED && p->auth && !l->handshaken && !l->refused)
             KVPI_WARN_LIMITED("pipe %s: the %s link to %s (%s) was closed during its CURVE "
                               "handshake: the peer holds another key, or none (a MooncakePipe "
                               "peer, or kvpipe without the key, cannot join an authenticated "
                               "pipe)",
                               p->ep.local_segment, l->what, p->ep.peer_segment, l->endpoint);
-        if (event == ZMQ_EVENT_DISCONNECTED) l->handshaken = 0;
+        if (event == ZMQ_EVENT_DISCONNECTED) l->handshaken = l->refused = 0;
         if (event == ZMQ_EVENT_DISCONNECTED) {
             if (atomic_exchange(&l->good, 0)) l->backoff_ms = REDIAL_FIRST_MS;
             l->redial_at = kvpi_now_ms() + (uint64_t)l->backoff_ms;
@@ -593,7 +595,8 @@ static int link_due(kvp_pipe *p, pull_link *l, uint64_t now)
     if (!l->redial_at || now < l->redial_at) return 0;
     l->redial_at = 0;
     KVPI_WARN_LIMITED("pipe %s: ZeroMQ closed the %s link to %s (%s) after a protocol error (a "
-                      "frame above %d bytes, or a malformed ZeroMQ stream); connecting again "
+                      "frame above %d bytes, a malformed ZeroMQ stream, or a refused handshake: "
+                      "an authenticated peer refuses a pipe without its key); connecting again "
                       "after %d ms",
                       p->ep.local_segment, l->what, p->ep.peer_segment, l->endpoint,
                       CONTROL_MAX_FRAME, l->backoff_ms);
