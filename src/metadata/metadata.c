@@ -390,15 +390,15 @@ static kvpi_meta_owner probe_owner(kvpi_meta *m, const kvpi_meta_self *self, con
     char *reply = NULL;
     kvp_status st = kvpi_rpc_call_auth(host, port, m->auth, KVPI_RPC_METADATA, self->desc_json,
                                        m->timeout_ms, &reply);
+    /* Authenticated, whatever answers there without proving the key holds no
+     * name (an attacker's rpc_meta must not keep the real engine out): gone. */
     kvpi_meta_owner owner = kvpi_meta_judge_owner(st, reply, self->segment, self->instance);
-    /* Something answers there but does not prove our key: not ours to take. */
-    if (st == KVP_EAUTH) owner = KVPI_OWNER_LIVE;
     char *id = owner == KVPI_OWNER_LIVE ? kvpi_meta_instance_of(reply) : NULL;
     char hp[KVPI_HOST_MAX + 8];
     kvpi_hostport_format(host, port, hp, sizeof hp);
     if (st == KVP_EAUTH)
         snprintf(where, where_len,
-                 "%s, where something answers that does not prove the key "
+                 "%s, where something answers that does not prove the key, so holds no name "
                  "(%.200s)",
                  hp, kvp_last_error());
     else if (st)
