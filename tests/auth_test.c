@@ -300,6 +300,22 @@ static void listeners_refuse_strangers(void)
         CHECK(reply && kvpi_auth_desc_signed(reply) && !strstr(reply, "buffers"));
         free(reply);
     }
+    /* Half a HELLO, then silence, on the handshake port: cut at the setup
+     * deadline (timeout_ms 3000), without spinning meanwhile. */
+    {
+        int fd = kvpt_raw_connect(t.rpc_port);
+        REQUIRE(fd >= 0);
+        int64_t cpu0 = kvpt_ctarget_cpu_ms(&t);
+        uint64_t t0 = kvpi_now_ms();
+        CHECK_OK(kvpi_send_all(fd, "KVPA", 4));
+        CHECK(closed_silently(fd));
+        uint64_t took = kvpi_now_ms() - t0;
+        int64_t cpu = kvpt_ctarget_cpu_ms(&t) - cpu0;
+        CHECK(took >= 2500 && took < WAIT_MS);
+        CHECK(cpu >= 0 && cpu < 300); /* a spinning thread takes most of a core */
+        if (cpu >= 300) fprintf(stderr, "  the target spent %lld ms of CPU\n", (long long)cpu);
+        close(fd);
+    }
     /* The shm hello without authentication. */
     {
         int fd = connect_shm(shm_name);

@@ -335,10 +335,12 @@ int kvpi_auth_peek(int fd, uint64_t deadline)
             return -1;
         int left = kvpi_remaining_ms(deadline);
         if (left == 0) return -1;
-        /* A partial HELLO: wait for the rest (poll would return at once). */
-        if (n > 0) left = left < 5 ? left : 5;
+        /* A partial HELLO: the socket stays readable, so sleep a little
+         * before looking again instead of polling it. */
         struct pollfd p = {.fd = fd, .events = POLLIN};
-        if (poll(&p, 1, left) < 0 && errno != EINTR) return -1;
+        if (poll(n > 0 ? NULL : &p, n > 0 ? 0 : 1, n > 0 && left > 5 ? 5 : left) < 0 &&
+            errno != EINTR)
+            return -1;
     }
 }
 
