@@ -22,6 +22,7 @@
 #include "common/clock.h"
 #include "common/net.h"
 #include "ctarget.h"
+#include "kvpipe/info.h"
 #include "metadata/metadata.h"
 #include "servers.h"
 #include "test.h"
@@ -357,6 +358,16 @@ static void listeners_refuse_strangers(void)
         CHECK(kvpi_tcp_status_decode(got) == KVPI_TCP_STATUS_OK);
         CHECK(kvpt_verify(got + 8, 64, SEED) == (size_t)-1);
         close(fd);
+    }
+    /* kvp_info_segment (kvpipe info) proves the key of the env. */
+    {
+        char *desc = NULL, *host = NULL;
+        setenv(KVPI_AUTH_ENV, key1, 1);
+        CHECK_OK(kvp_info_segment("P2PHANDSHAKE", t.name, WAIT_MS, &desc, &host));
+        unsetenv(KVPI_AUTH_ENV);
+        CHECK(desc && strstr(desc, "\"buffers\""));
+        free(desc);
+        free(host);
     }
     /* Engines: with the key through tcp and shm; without it, or with another. */
     kvp_engine *tcp = initiator("P2PHANDSHAKE", key1, 1, 0);
