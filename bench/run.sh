@@ -2,16 +2,20 @@
 # kvpipe benchmark driver: every figure is a ratio against a baseline measured
 # in the same run on the same machine.
 #
-#   bench/run.sh [--build DIR] [--duration SECONDS] [--repeat N] [--only tcp|shm|pipe]
+#   bench/run.sh [--build DIR] [--duration SECONDS] [--repeat N] [--only tcp|shm|pipe|sweep]
 #
 # Sections:
 #   tcp   kvpipe bench READ/WRITE over TCP vs raw loopback TCP (bench/raw_tcp.c)
 #   shm   kvpipe bench READ/WRITE over shm vs single-thread memcpy (bench/memcpy_baseline.c)
 #   pipe  kvpipe bench --pipe (copying and in-place send) vs engine READ of the
 #         same size, and vs memcpy
+#   sweep kvpipe bench --sweep over TCP and shm: GB/s and batch latency
+#         p50/p99/p999 per block size x batch size x threads (one run each)
 # Each pair runs back to back and the median of --repeat runs is kept, which
 # damps noise from other load. Results go to stdout and bench/results/latest.md
-# (latest-SECTION.md for an --only run).
+# (latest-SECTION.md for an --only run), and with gnuplot installed a plot of
+# every kvpipe figure beside its baseline to bench/results/latest.png
+# (latest-SECTION.png).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 build="$here/../build"
@@ -24,7 +28,7 @@ while [ $# -gt 0 ]; do
     --duration) duration=$2; shift 2 ;;
     --repeat) repeat=$2; shift 2 ;;
     --only) only=$2; shift 2 ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "bench/run.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
@@ -66,12 +70,20 @@ initiator() {
 }
 
 out="$here/results/latest${only:+-$only}.md" # a partial run does not overwrite the full one
+png="$here/results/latest${only:+-$only}.png"
+data="$tmp/plot" # what the plot shows: one file per panel, written by the sections
+mkdir -p "$data"
 {
 echo "# kvpipe benchmark"
 echo
-echo "$(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(uname -r); duration ${duration}s, median of $repeat."
+echo "$(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(uname -r); duration ${duration}s, median of $repeat;"
+echo "load average at the start $(cut -d' ' -f1-3 /proc/loadavg) (other work shares the cores)."
 echo "Command: \`bench/run.sh --duration $duration --repeat $repeat${only:+ --only $only}\`"
 echo
+if command -v gnuplot > /dev/null && [ "$only" != sweep ]; then
+    echo "![kvpipe beside its baselines, GB/s]($(basename "$png"))"
+    echo
+fi
 } > "$out"
 
 baseline_raw_tcp() { "$build/raw_tcp" --block-size "$1" --duration "$duration" | gbps_of; }
@@ -100,6 +112,7 @@ engine_section() {
         read=$(med "${reads[@]}")
         write=$(med "${writes[@]}")
         echo "| $(human "$block") | $base | $read | $(ratio "$read" "$base") | $write | $(ratio "$write" "$base") |"
+        echo "\"$(human "$block")\" $base $read $write" >> "$data/$proto.dat"
     done
     echo
     stop_target
@@ -141,14 +154,69 @@ section_pipe() {
             base=$(med "${bases[@]}")
             pipe=$(med "${pipes[@]}")
             echo "| $proto | $send | $eng | $base | $pipe | $(ratio "$pipe" "$eng") | $(ratio "$pipe" "$base") |"
+            echo "\"$proto $send\" $eng $base $pipe" >> "$data/pipe.dat"
         done
         stop_target
     done
     echo
 }
 
-for s in tcp shm pipe; do
+# One run of the sweep per transport, both sides started by kvpipe bench
+# itself; its table as it prints it.
+section_sweep() {
+    echo "## Sweep: block size x batch size x threads"
+    echo
+    echo "\`kvpipe bench --sweep\` (both sides on this host; latency is that of one batch,"
+    echo "from its submission to its last completion; one run, ${duration}s per point)."
+    for proto in tcp shm; do
+        local extra=(); [ "$proto" = tcp ] && extra=(--no-shm)
+        echo
+        echo "$proto:"
+        echo
+        echo '```'
+        "$kvpipe" bench --sweep --protocol "$proto" "${extra[@]}" --duration "$duration" \
+            --block-size 4K,64K,1M,16M --batch-size 1,32 --threads 1,2 --buffer-size 512M
+        echo '```'
+    done
+    echo
+}
+
+# The plot: a panel per section that ran, kvpipe beside its baseline.
+plot() {
+    command -v gnuplot > /dev/null || { echo "bench/run.sh: no gnuplot, no plot" >&2; return 0; }
+    local panels=0 f
+    for f in tcp shm pipe; do [ -s "$data/$f.dat" ] && panels=$((panels + 1)); done
+    [ "$panels" -gt 0 ] || return 0
+    {
+        echo "set terminal pngcairo size $((520 * panels)),460 font 'sans,10'"
+        echo "set output '$png'"
+        echo "set multiplot layout 1,$panels title 'kvpipe beside its baselines, same run ($(nproc) cores, median of $repeat)'"
+        echo "set style data histograms; set style histogram clustered gap 1"
+        echo "set style fill solid 0.85 border -1; set boxwidth 0.9"
+        echo "set ylabel 'GB/s'; set yrange [0:*]; set grid ytics"
+        echo "set key below horizontal opaque"
+        echo "set xtics nomirror"
+        if [ -s "$data/tcp.dat" ]; then
+            echo "set title 'TCP (loopback) by block size'"
+            echo "plot '$data/tcp.dat' using 2:xtic(1) title 'raw TCP stream', '' using 3 title 'kvpipe READ', '' using 4 title 'kvpipe WRITE'"
+        fi
+        if [ -s "$data/shm.dat" ]; then
+            echo "set title 'shm (same host) by block size'"
+            echo "plot '$data/shm.dat' using 2:xtic(1) title 'memcpy, one thread', '' using 3 title 'kvpipe READ', '' using 4 title 'kvpipe WRITE'"
+        fi
+        if [ -s "$data/pipe.dat" ]; then
+            echo "set title 'tensor pipe, 64 MiB tensors'"
+            echo "set xtics rotate by -20"
+            echo "plot '$data/pipe.dat' using 2:xtic(1) title 'engine READ', '' using 3 title 'memcpy, one thread', '' using 4 title 'kvpipe pipe'"
+        fi
+        echo "unset multiplot"
+    } > "$data/plot.gp"
+    gnuplot "$data/plot.gp" && echo "plot written to $png" >&2
+}
+
+for s in tcp shm pipe sweep; do
     [ -n "$only" ] && [ "$only" != "$s" ] && continue
     "section_$s" | tee -a "$out"
 done
+plot
 echo "written to $out" >&2

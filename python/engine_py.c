@@ -16,9 +16,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 
 #include "kvpipe/engine.h"
+#include "kvpipe/metrics.h"
 
 /* Memory this engine knows: its managed buffers and the regions registered
  * through it. write_bytes_to_buffer / read_bytes_from_buffer touch nothing
@@ -209,8 +211,10 @@ static PyObject *engine_initialize_ext(kvpy_engine *self, PyObject *args, PyObje
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "sszzs:initialize_ext", kwlist, &host, &metadata,
                                      &protocol, &devices, &type))
         return NULL;
-    /* As Mooncake: a server without a scheme gets metadata_type as its scheme. */
-    if (strstr(metadata, "://") || strcmp(metadata, "P2PHANDSHAKE") == 0 || !*type)
+    /* As Mooncake: a server without a scheme gets metadata_type as its scheme.
+     * P2PHANDSHAKE in another case goes as it is, for the engine to say what
+     * was meant rather than look up a host of that name. */
+    if (strstr(metadata, "://") || strcasecmp(metadata, "P2PHANDSHAKE") == 0 || !*type)
         return initialize_common(self, host, metadata, protocol, devices);
     PyObject *conn = PyUnicode_FromFormat("%s://%s", type, metadata);
     if (!conn) return NULL;
@@ -231,6 +235,25 @@ static PyObject *engine_get_segment_name(kvpy_engine *self, PyObject *noargs)
     (void)noargs;
     if (engine_ready(self)) return NULL;
     return PyUnicode_FromString(kvp_engine_segment_name(self->engine));
+}
+
+/* stats(prometheus=False): the engine's metrics (docs/metrics.md) as a dict
+ * named as in Prometheus less "kvpipe_engine_", nested by label values; with
+ * prometheus=True the same as Prometheus text. Does not block. */
+static PyObject *engine_stats(kvpy_engine *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"prometheus", NULL};
+    int prometheus = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|p:stats", kwlist, &prometheus) ||
+        engine_ready(self))
+        return NULL;
+    kvp_metrics *m;
+    kvp_status st = kvp_engine_metrics(self->engine, &m);
+    if (st) return kvpy_raise(st, "TransferEngine.stats");
+    PyObject *out = prometheus ? kvpy_metrics_text(m) : PyDict_New();
+    if (out && !prometheus && kvpy_metrics_into(m, "kvpipe_engine_", out) < 0) Py_CLEAR(out);
+    kvp_metrics_free(m);
+    return out;
 }
 
 /* The transport reaching an opened target ("tcp", "shm"), None before the
@@ -905,6 +928,13 @@ static PyMethodDef engine_methods[] = {
      "get_rpc_port() -> int: the handshake port (the port of the segment name)."},
     {"get_segment_name", FN(engine_get_segment_name), METH_NOARGS,
      "get_segment_name() -> str: this engine's segment name 'host:port' (kvpipe extension)."},
+    {"stats", FN(engine_stats), KW,
+     "stats(prometheus=False) -> dict or str\n\nThe engine's metrics (kvpipe extension; "
+     "docs/metrics.md): requests, bytes and errors by opcode, transport and status, the "
+     "request latency histogram, in-flight requests and bytes, descriptor lookups, what it "
+     "served as target, its memory. Keys are the Prometheus names less 'kvpipe_engine_', "
+     "nested by label values: stats()['bytes_total']['read']['tcp']. With prometheus=True, "
+     "the Prometheus text instead."},
     {"segment_transport", FN(engine_segment_transport), METH_VARARGS,
      "segment_transport(target_hostname) -> str or None: the transport used to reach an "
      "opened target ('tcp', 'shm'; kvpipe extension)."},

@@ -2,8 +2,8 @@
  *
  * The module is one extension, `kvpipe`, made of: kvpipe_module.c (module,
  * exceptions, helpers), engine_py.c (TransferEngine), tensor_py.c (the tensor
- * object: DLPack + buffer protocol), pipe_py.c (Pipe) and log_py.c (the log
- * handler and level).
+ * object: DLPack + buffer protocol), pipe_py.c (Pipe), log_py.c (the log
+ * handler and level) and metrics_py.c (metric snapshots as Python values).
  *
  * Everything here runs with the GIL held unless a comment says otherwise.
  */
@@ -35,6 +35,15 @@ int kvpy_fail(kvp_status status, const char *what);
 
 /* Same, with a message written by the binding itself. */
 int kvpy_fail_msg(kvp_status status, const char *fmt, ...);
+
+/* metrics_py.c: the samples of m whose names start with prefix, into dict
+ * into under their names less the prefix, nested by label values; a
+ * histogram as {"count", "sum", "buckets": [(le, cumulative count)...]}.
+ * 0, or -1 with an exception. */
+struct kvp_metrics;
+int kvpy_metrics_into(const struct kvp_metrics *m, const char *prefix, PyObject *into);
+/* m as Prometheus text (str), or NULL with an exception. */
+PyObject *kvpy_metrics_text(const struct kvp_metrics *m);
 
 /* Wait with the GIL released in slices of at most 100 ms, checking for signals
  * (Ctrl-C) between slices. poll(arg, slice_ms) runs without the GIL; it returns

@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kvpipe/metrics.h"
 #include "kvpipe/pipe.h"
 #include "kvpipe/tensor.h"
 
@@ -597,19 +598,43 @@ static PyObject *pipe_exit(kvpy_pipe *self, PyObject *args)
     return pipe_close(self, NULL);
 }
 
-static PyObject *pipe_stats(kvpy_pipe *self, PyObject *noargs)
+/* stats(prometheus=False): the pipe's counters (as before: sent, received,
+ * bytes_sent, ...), its timeouts, and under "engine" its engine's metrics as
+ * TransferEngine.stats() gives them; or all of it as Prometheus text. */
+static PyObject *pipe_stats(kvpy_pipe *self, PyObject *args, PyObject *kwds)
 {
-    (void)noargs;
-    if (pipe_ready(self)) return NULL;
+    static char *kwlist[] = {"prometheus", NULL};
+    int prometheus = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|p:stats", kwlist, &prometheus) ||
+        pipe_ready(self))
+        return NULL;
+    kvp_metrics *m;
+    kvp_status st = kvp_pipe_metrics(self->pipe, &m);
+    if (st) return kvpy_raise(st, "Pipe.stats");
+    if (prometheus) {
+        PyObject *text = kvpy_metrics_text(m);
+        kvp_metrics_free(m);
+        return text;
+    }
     kvp_pipe_stats s;
     kvp_pipe_get_stats(self->pipe, &s);
-    return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsnsn}", "sent", (unsigned long long)s.sent, "received",
-        (unsigned long long)s.received, "bytes_sent", (unsigned long long)s.bytes_sent,
-        "bytes_received", (unsigned long long)s.bytes_received, "acks", (unsigned long long)s.acks,
-        "bad_messages", (unsigned long long)s.bad_messages, "bad_acks",
-        (unsigned long long)s.bad_acks, "inflight_bytes", (Py_ssize_t)s.inflight_bytes,
-        "inflight_count", (Py_ssize_t)s.inflight_count);
+    const kvp_metric *send_to = kvp_metrics_find(m, "kvpipe_pipe_timeouts_total", "op=send");
+    const kvp_metric *recv_to = kvp_metrics_find(m, "kvpipe_pipe_timeouts_total", "op=recv");
+    PyObject *engine = PyDict_New();
+    PyObject *out = NULL;
+    if (engine && kvpy_metrics_into(m, "kvpipe_engine_", engine) == 0)
+        out = Py_BuildValue(
+            "{sKsKsKsKsKsKsKsnsnsKsKsO}", "sent", (unsigned long long)s.sent, "received",
+            (unsigned long long)s.received, "bytes_sent", (unsigned long long)s.bytes_sent,
+            "bytes_received", (unsigned long long)s.bytes_received, "acks",
+            (unsigned long long)s.acks, "bad_messages", (unsigned long long)s.bad_messages,
+            "bad_acks", (unsigned long long)s.bad_acks, "inflight_bytes",
+            (Py_ssize_t)s.inflight_bytes, "inflight_count", (Py_ssize_t)s.inflight_count,
+            "send_timeouts", send_to ? (unsigned long long)send_to->value : 0ull, "recv_timeouts",
+            recv_to ? (unsigned long long)recv_to->value : 0ull, "engine", engine);
+    Py_XDECREF(engine);
+    kvp_metrics_free(m);
+    return out;
 }
 
 static PyObject *pipe_get_segment_name(kvpy_pipe *self, void *closure)
@@ -648,7 +673,12 @@ static PyMethodDef pipe_methods[] = {
      "pipe goes on)."},
     {"flush", FN(pipe_flush), METH_VARARGS | METH_KEYWORDS,
      "flush(timeout=30.0)\n\nWait until the peer has acknowledged every sent tensor."},
-    {"stats", FN(pipe_stats), METH_NOARGS, "stats() -> dict of counters"},
+    {"stats", FN(pipe_stats), METH_VARARGS | METH_KEYWORDS,
+     "stats(prometheus=False) -> dict or str\n\nThe pipe's counters: sent, received, "
+     "bytes_sent, bytes_received, acks, bad_messages, bad_acks, inflight_bytes, "
+     "inflight_count, send_timeouts, recv_timeouts, and under 'engine' its engine's metrics "
+     "as TransferEngine.stats() has them. With prometheus=True, the pipe's and its engine's "
+     "metrics as Prometheus text (docs/metrics.md)."},
     {"close", FN(pipe_close), METH_NOARGS,
      "close()\n\nClose at once (received tensors stay valid). Call flush() first on a sender."},
     {"__enter__", FN(pipe_enter), METH_NOARGS, NULL},

@@ -13,7 +13,8 @@
 
 /* Pool hooks that record registrations in a registry, as the engine does. */
 static kvpi_registry reg;
-static int registered, unregistered;
+/* The pool calls its hooks outside its lock, from whichever thread frees. */
+static _Atomic int registered, unregistered;
 
 static kvp_status hook_reg(void *ctx, void *addr, size_t len)
 {

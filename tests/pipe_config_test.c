@@ -106,6 +106,10 @@ static void test_bad_values(void)
                  "'prefill_url': 'a:0' needs a port in 1..65535");
     expect_error("{\"prefill_url\":\"a:1\",\"decode_url\":\"b:2\",\"metadata_server\":\"\"}",
                  "'metadata_server' is empty");
+    expect_error(
+        "{\"prefill_url\":\"a:1\",\"decode_url\":\"b:2\",\"metadata_server\":\"p2phandshake\"}",
+        "'metadata_server': 'p2phandshake' would name an etcd host (a value without "
+        "'://' is an etcd address, as in Mooncake); did you mean 'P2PHANDSHAKE'?");
     expect_error("{\"prefill_url\":\"a:1\",\"decode_url\":\"b:2\",\"metadata_server\":\"m\","
                  "\"metadata_backend\":\"zookeeper\"}",
                  "'metadata_backend': 'zookeeper' is not one of etcd, redis");

@@ -2,7 +2,6 @@
 #ifndef KVP_TOOLS_CLI_H
 #define KVP_TOOLS_CLI_H
 
-#include <getopt.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -24,16 +23,6 @@ int kvp_cmd_bench_pipe(int argc, char **argv); /* kvp_cmd_bench hands --pipe run
  * (powers of 1024, either case, optionally followed by "iB"). -1 for anything
  * else or a value past SIZE_MAX; *out is written only on success. */
 int kvp_cli_parse_size(const char *s, size_t *out);
-
-/* Run getopt_long over argv with opts (long options only), handing each to
- * parse_opt(o, c, optarg). Returns 0 to go on, with optind at the first
- * operand; otherwise 1 + the exit code: --help ('h') prints the usage to stdout
- * (returns 1); an unknown option, or a value parse_opt refuses with non-zero
- * ("CMD: invalid value '...'" on stderr), prints the usage to stderr (returns
- * 3). */
-int kvp_cli_getopt(int argc, char **argv, const struct option *opts, const char *cmd,
-                   void (*print_usage)(FILE *out),
-                   int (*parse_opt)(void *o, int c, const char *arg), void *o);
 
 /* Block SIGINT and SIGTERM in the calling thread (call before starting threads)
  * and wait for one of them; returns the signal number. */

@@ -1,400 +1,457 @@
 /* kvpipe bench: a target serves a registered buffer; an initiator READs or
- * WRITEs it in batches from several threads and reports throughput. In the
- * spirit of Mooncake's transfer_engine_bench, with the same flag names. */
-#include <getopt.h>
+ * WRITEs it in batches from several threads and reports throughput and batch
+ * latency, at one point or over a sweep of block sizes, batch sizes and
+ * thread counts. In the spirit of Mooncake's transfer_engine_bench, whose
+ * flags it takes. Without --mode both sides run here, the target as a child
+ * process. */
+#include <errno.h>
 #include <inttypes.h>
-#include <pthread.h>
-#include <stdatomic.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <time.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include "bench.h"
 #include "cli.h"
+#include "cli_opts.h"
 #include "kvpipe/kvpipe.h"
 #include "pattern.h"
 
-typedef struct bench_opts {
-    const char *mode, *metadata, *local_name, *segment, *protocol, *operation;
-    size_t block_size, batch_size, buffer_size;
-    int threads, workers, conns, timeout_ms;
-    size_t slice_size;
-    double duration;
-    int verify, json, no_shm;
-} bench_opts;
+#define TARGET_START_MS 30000
 
-static void usage(FILE *out)
+const bench_unit bench_units[] = {
+    {"GB", 1e9},     {"GiB", 1073741824.0}, {"Gb", 1e9 / 8}, {"MB", 1e6},     {"MiB", 1048576.0},
+    {"Mb", 1e6 / 8}, {"KB", 1e3},           {"KiB", 1024.0}, {"Kb", 1e3 / 8},
+};
+
+enum {
+    O_MODE = 1,
+    O_METADATA,
+    O_LOCAL,
+    O_SEGMENT,
+    O_PROTOCOL,
+    O_DEVICE,
+    O_NO_SHM,
+    O_OPERATION,
+    O_BLOCK,
+    O_BATCH,
+    O_THREADS,
+    O_DURATION,
+    O_BUFFER,
+    O_VERIFY,
+    O_JSON,
+    O_SWEEP,
+    O_WORKERS,
+    O_CONNS,
+    O_SLICE,
+    O_TIMEOUT,
+    O_METRICS_PORT,
+    O_UNIT,
+    O_PRECISION,
+    O_AUTO_DISCOVERY,
+    O_BACKEND,
+    O_NIC_MATRIX,
+};
+
+static const kvp_cli_opt opts[] = {
+    {"mode", KVP_ARG_CHOICE, "target|initiator",
+     "run one side (as Mooncake's bench); without --mode both\nsides run here, the target as a "
+     "child process",
+     .choices = "target|initiator", .id = O_MODE},
+    {"metadata-server", KVP_ARG_STRING, "S",
+     "metadata connection string (default P2PHANDSHAKE):\nhttp://h:p/metadata, etcd://h:p, "
+     "redis://h:p, h:p (etcd)",
+     .aliases = "metadata", .id = O_METADATA},
+    {"local-server-name", KVP_ARG_STRING, "H:P",
+     "this engine's segment name (required with --mode)", .id = O_LOCAL},
+    {"segment-id", KVP_ARG_STRING, "NAME", "the target's segment name (--mode initiator)",
+     .id = O_SEGMENT},
+    {"protocol", KVP_ARG_STRING, "P", "tcp (default) or shm", .id = O_PROTOCOL},
+    {"device-name", KVP_ARG_STRING, "NAMES", "RDMA devices (ignored by tcp and shm)",
+     .id = O_DEVICE},
+    {"no-shm", KVP_ARG_FLAG, NULL, "never use shm automatically for a same-host peer",
+     .id = O_NO_SHM},
+    {"operation", KVP_ARG_CHOICE, "read|write", "initiator operation (default read)",
+     .choices = "read|write", .id = O_OPERATION},
+    {"block-size", KVP_ARG_SIZES, "BYTES", "bytes per request (default 65536)", 1, 1ll << 40,
+     .id = O_BLOCK},
+    {"batch-size", KVP_ARG_INTS, "N", "requests per batch (default 128)", 1, 65536, .id = O_BATCH},
+    {"threads", KVP_ARG_INTS, "N", "initiator threads (default 2)", 1, 256, .id = O_THREADS},
+    {"duration", KVP_ARG_SECONDS, "SECONDS",
+     "initiator run time (default 5; with --sweep 1 per point)", .hi = 86400, .id = O_DURATION},
+    {"buffer-size", KVP_ARG_SIZE, "BYTES", "target buffer and span used (default 256M)", 8,
+     1ll << 44, .id = O_BUFFER},
+    {"verify", KVP_ARG_FLAG, NULL,
+     "target fills a pattern; initiator checks every byte\nread, or writes a pattern the target "
+     "checks on exit\nand reads back every block it wrote, checking it",
+     .id = O_VERIFY},
+    {"sweep", KVP_ARG_FLAG, NULL,
+     "measure every combination of --block-size, --batch-size\nand --threads, each a "
+     "comma-separated list (default\n4K,64K,1M,16M x 1,32 x 1,2), and print a table",
+     .id = O_SWEEP},
+    {"json", KVP_ARG_FLAG, NULL,
+     "initiator: the last stdout line is a JSON object (with\n--sweep: every point in "
+     "\"points\")",
+     .id = O_JSON},
+    {"report-unit", KVP_ARG_CHOICE, "UNIT",
+     "throughput unit: GB (default), GiB, Gb, MB, MiB, Mb, KB,\nKiB, Kb (Mooncake's "
+     "--report_unit)",
+     .choices = "GB|GiB|Gb|MB|MiB|Mb|KB|KiB|Kb", .id = O_UNIT},
+    {"report-precision", KVP_ARG_INT, "N", "digits after the point of the throughput (default 3)",
+     0, 9, .id = O_PRECISION},
+    {"workers", KVP_ARG_INT, "N", "engine worker threads (default 4)", 1, 256, .id = O_WORKERS},
+    {"conns", KVP_ARG_INT, "N", "connections per peer (default 4)", 1, 256, .id = O_CONNS},
+    {"slice-size", KVP_ARG_SIZE, "BYTES", "requests above this are split (default 4M)", 1,
+     1ll << 40, .id = O_SLICE},
+    {"timeout-ms", KVP_ARG_INT, "MS", "the engine's I/O timeout (default 5000)", 1, 86400000,
+     .id = O_TIMEOUT},
+    {"metrics-port", KVP_ARG_INT, "P",
+     "serve the engine's metrics at http://127.0.0.1:P/metrics\n(default: env "
+     "KVPIPE_METRICS_PORT, else none)",
+     1, 65535, .id = O_METRICS_PORT},
+    {"auto-discovery", KVP_ARG_FLAG, NULL, "Mooncake's RDMA device discovery: only =false",
+     .id = O_AUTO_DISCOVERY},
+    {"backend", KVP_ARG_STRING, "classic", "Mooncake's engine backend: only classic",
+     .id = O_BACKEND},
+    {"nic-priority-matrix", KVP_ARG_STRING, "FILE", NULL, .id = O_NIC_MATRIX},
+};
+
+static const kvp_cli_spec spec = {
+    .cmd = "bench",
+    .synopsis = "usage: kvpipe bench [--sweep] [options]                    (both sides here)\n"
+                "       kvpipe bench --mode target --local-server-name H:P [options]\n"
+                "       kvpipe bench --mode initiator --local-server-name H:P --segment-id "
+                "NAME [options]\n"
+                "       kvpipe bench --pipe ...          (the tensor pipe: kvpipe help bench "
+                "--pipe)\n",
+    .about = "Measure the transfer engine. The initiator READs (or WRITEs) --batch-size\n"
+             "blocks of --block-size bytes per batch from --threads threads for --duration\n"
+             "seconds, and reports GB/s and the latency of a batch (submit to the last\n"
+             "completion) at p50, p99 and p999. The target serves --buffer-size bytes and\n"
+             "runs until SIGINT or SIGTERM; with --verify it exits 1 if any byte written\n"
+             "to it is wrong.\n",
+    .opts = opts,
+    .n_opts = sizeof opts / sizeof opts[0],
+    .epilog = "Mooncake's transfer_engine_bench flags work as they are (--metadata_server=...\n"
+              "--local_server_name=... --segment_id=... --device_name=... --report_unit=...).\n",
+};
+
+static void copy_list(size_t *dst, size_t *n, const kvp_cli_value *v)
 {
-    fprintf(out,
-            "usage: kvpipe bench --mode target|initiator [options]\n"
-            "       kvpipe bench --pipe ... (see kvpipe bench --pipe --help)\n\n"
-            "  --metadata-server S    metadata connection string (default P2PHANDSHAKE);\n"
-            "                         http://h:p/metadata, etcd://h:p, redis://h:p\n"
-            "  --local-server-name H:P  this engine's segment name (required)\n"
-            "  --segment-id NAME      the target's segment name (initiator; required)\n"
-            "  --protocol P           tcp (default) or shm\n"
-            "  --no-shm               never use shm automatically for a same-host peer\n"
-            "  --operation read|write initiator operation (default read)\n"
-            "  --block-size BYTES     bytes per request (default 65536)\n"
-            "  --batch-size N         requests per batch (default 128)\n"
-            "  --threads N            initiator threads (default 2)\n"
-            "  --duration SECONDS     initiator run time (default 5)\n"
-            "  --buffer-size BYTES    target buffer and span used (default 268435456)\n"
-            "  --verify               target fills a pattern; initiator checks every byte\n"
-            "                         read, or writes a pattern the target checks on exit\n"
-            "                         and reads back every block it wrote, checking it\n"
-            "  --json                 initiator: last stdout line is a JSON object\n"
-            "  --workers N            engine worker threads (default 4)\n"
-            "  --conns N              connections per peer (default 4)\n"
-            "  --slice-size BYTES     requests above this are split (default 4M)\n"
-            "  --timeout-ms MS        the engine's I/O timeout (default 5000)\n"
-            "Sizes accept K, M and G suffixes (powers of 1024).\n"
-            "The target prints its segment name when it serves and runs until SIGINT or\n"
-            "SIGTERM; with --verify it exits 1 if any byte written to it is wrong.\n");
+    memcpy(dst, v->list, v->n_list * sizeof *dst);
+    *n = v->n_list;
 }
 
-/* Sizes here must not be 0. */
-static int parse_size(const char *s, size_t *out)
+static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value *v)
 {
-    size_t v;
-    if (kvp_cli_parse_size(s, &v) || v == 0) return -1;
-    *out = v;
-    return 0;
+    bench_opts *o = p;
+    switch (opt->id) {
+    case O_MODE:
+        o->mode = v->i ? BENCH_INITIATOR : BENCH_TARGET;
+        break;
+    case O_METADATA:
+        o->metadata = v->text;
+        break;
+    case O_LOCAL:
+        o->local_name = v->text;
+        break;
+    case O_SEGMENT:
+        o->segment = v->text;
+        break;
+    case O_PROTOCOL:
+        o->protocol = v->text;
+        break;
+    case O_DEVICE:
+        o->device_names = v->text;
+        break;
+    case O_NO_SHM:
+        o->no_shm = (int)v->i;
+        break;
+    case O_OPERATION:
+        o->write = (int)v->i;
+        break;
+    case O_BLOCK:
+        copy_list(o->blocks, &o->n_blocks, v);
+        break;
+    case O_BATCH:
+        copy_list(o->batches, &o->n_batches, v);
+        break;
+    case O_THREADS:
+        copy_list(o->threads, &o->n_threads, v);
+        break;
+    case O_DURATION:
+        o->duration = v->seconds, o->duration_set = 1;
+        break;
+    case O_BUFFER:
+        o->buffer_size = v->size;
+        break;
+    case O_VERIFY:
+        o->verify = (int)v->i;
+        break;
+    case O_SWEEP:
+        o->sweep = (int)v->i;
+        break;
+    case O_JSON:
+        o->json = (int)v->i;
+        break;
+    case O_UNIT:
+        o->unit = (int)v->i;
+        break;
+    case O_PRECISION:
+        o->precision = (int)v->i;
+        break;
+    case O_WORKERS:
+        o->workers = (int)v->i;
+        break;
+    case O_CONNS:
+        o->conns = (int)v->i;
+        break;
+    case O_SLICE:
+        o->slice_size = v->size;
+        break;
+    case O_TIMEOUT:
+        o->timeout_ms = (int)v->i;
+        break;
+    case O_METRICS_PORT:
+        o->metrics_port = (int)v->i;
+        break;
+    case O_AUTO_DISCOVERY:
+        if (v->i) return "false: RDMA device discovery is not in this build";
+        break;
+    case O_BACKEND:
+        if (strcmp(v->text, "classic"))
+            return "classic: Mooncake's other backends (tent) are not in kvpipe";
+        break;
+    case O_NIC_MATRIX:
+        return "nothing: NIC priority matrices are for RDMA, not in this build";
+    }
+    return NULL;
+}
+
+/* What the options say together; NULL when they agree. */
+static const char *check(bench_opts *o)
+{
+    if (o->mode != BENCH_BOTH && !o->local_name) return "--mode needs --local-server-name";
+    if (o->mode == BENCH_INITIATOR && !o->segment) return "--mode initiator needs --segment-id";
+    if (o->mode == BENCH_TARGET && o->sweep) return "--sweep is the initiator's (or no --mode)";
+    if (o->mode == BENCH_BOTH && o->segment) return "--segment-id needs --mode initiator";
+    /* Both sides here meet over P2PHANDSHAKE on loopback: a store or a name
+     * given for them would be ignored, so it is refused. */
+    if (o->mode == BENCH_BOTH && o->metadata)
+        return "--metadata-server needs --mode target or initiator (without --mode both sides "
+               "run here over P2PHANDSHAKE)";
+    if (o->mode == BENCH_BOTH && o->local_name)
+        return "--local-server-name needs --mode target or initiator (without --mode both sides "
+               "run here on loopback)";
+    if (!o->sweep && (o->n_blocks > 1 || o->n_batches > 1 || o->n_threads > 1))
+        return "lists of --block-size, --batch-size or --threads need --sweep";
+    for (size_t i = 0; i < o->n_blocks; i++)
+        if (o->verify && o->blocks[i] % 8) return "--verify needs --block-size a multiple of 8";
+    if (o->verify && o->buffer_size % 8) return "--verify needs --buffer-size a multiple of 8";
+    return NULL;
 }
 
 static int parse_args(int argc, char **argv, bench_opts *o)
 {
-    static const struct option longopts[] = {
-        {"mode", required_argument, 0, 'm'},          {"metadata-server", required_argument, 0, 'M'},
-        {"local-server-name", required_argument, 0, 'l'}, {"segment-id", required_argument, 0, 's'},
-        {"protocol", required_argument, 0, 'p'},      {"operation", required_argument, 0, 'o'},
-        {"block-size", required_argument, 0, 'b'},    {"batch-size", required_argument, 0, 'B'},
-        {"threads", required_argument, 0, 't'},       {"duration", required_argument, 0, 'd'},
-        {"buffer-size", required_argument, 0, 'S'},   {"verify", no_argument, 0, 'v'},
-        {"json", no_argument, 0, 'j'},                {"no-shm", no_argument, 0, 'n'},
-        {"workers", required_argument, 0, 'W'},       {"conns", required_argument, 0, 'C'},
-        {"slice-size", required_argument, 0, 'L'},    {"timeout-ms", required_argument, 0, 'T'},
-        {"help", no_argument, 0, 'h'},                {0, 0, 0, 0}};
-    *o = (bench_opts){.metadata = "P2PHANDSHAKE", .protocol = "tcp", .operation = "read",
-                      .block_size = 65536, .batch_size = 128, .buffer_size = 256u << 20,
-                      .threads = 2, .duration = 5};
-    int c;
-    optind = 1;
-    while ((c = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
-        int bad = 0;
-        switch (c) {
-        case 'm': o->mode = optarg; break;
-        case 'M': o->metadata = optarg; break;
-        case 'l': o->local_name = optarg; break;
-        case 's': o->segment = optarg; break;
-        case 'p': o->protocol = optarg; break;
-        case 'o': o->operation = optarg; break;
-        case 'b': bad = parse_size(optarg, &o->block_size); break;
-        case 'B': bad = parse_size(optarg, &o->batch_size); break;
-        case 'S': bad = parse_size(optarg, &o->buffer_size); break;
-        case 't': o->threads = atoi(optarg); bad = o->threads <= 0 || o->threads > 256; break;
-        case 'd': o->duration = atof(optarg); bad = !(o->duration > 0); break;
-        case 'v': o->verify = 1; break;
-        case 'j': o->json = 1; break;
-        case 'n': o->no_shm = 1; break;
-        case 'W': o->workers = atoi(optarg); bad = o->workers <= 0 || o->workers > 256; break;
-        case 'C': o->conns = atoi(optarg); bad = o->conns <= 0 || o->conns > 256; break;
-        case 'L': bad = parse_size(optarg, &o->slice_size); break;
-        case 'T': o->timeout_ms = atoi(optarg); bad = o->timeout_ms <= 0; break;
-        case 'h': usage(stdout); exit(0);
-        default: return -1;
-        }
-        if (bad) {
-            const struct option *lo = longopts;
-            while (lo->name && lo->val != c) lo++;
-            fprintf(stderr, "kvpipe bench: invalid value '%s' for --%s\n", optarg, lo->name);
-            return -1;
-        }
+    *o = (bench_opts){.protocol = "tcp", .buffer_size = 256u << 20, .duration = 5, .precision = 3};
+    int r = kvp_cli_parse(&spec, argc, argv, 0, set_opt, o);
+    if (r) return r;
+    if (!o->n_blocks) {
+        static const size_t sweep_blocks[] = {4096, 65536, 1u << 20, 16u << 20};
+        o->n_blocks = o->sweep ? 4 : 1;
+        memcpy(o->blocks, o->sweep ? sweep_blocks : (size_t[]){65536},
+               o->n_blocks * sizeof(size_t));
     }
-    if (optind < argc) {
-        fprintf(stderr, "kvpipe bench: unexpected argument '%s'\n", argv[optind]);
-        return -1;
+    if (!o->n_batches) {
+        o->n_batches = o->sweep ? 2 : 1;
+        memcpy(o->batches, o->sweep ? (size_t[]){1, 32} : (size_t[]){128},
+               o->n_batches * sizeof(size_t));
     }
-    if (!o->mode || (strcmp(o->mode, "target") && strcmp(o->mode, "initiator"))) {
-        fprintf(stderr, "kvpipe bench: --mode must be target or initiator\n");
-        return -1;
+    if (!o->n_threads) {
+        o->n_threads = o->sweep ? 2 : 1;
+        memcpy(o->threads, o->sweep ? (size_t[]){1, 2} : (size_t[]){2},
+               o->n_threads * sizeof(size_t));
     }
-    if (!o->local_name) {
-        fprintf(stderr, "kvpipe bench: --local-server-name is required\n");
-        return -1;
+    if (o->sweep && !o->duration_set) o->duration = 1;
+    const char *bad = check(o);
+    if (bad) {
+        kvp_cli_error("%s", bad);
+        return 3;
     }
-    if (strcmp(o->operation, "read") && strcmp(o->operation, "write")) {
-        fprintf(stderr, "kvpipe bench: --operation must be read or write\n");
-        return -1;
-    }
-    if (!strcmp(o->mode, "initiator") && !o->segment) {
-        fprintf(stderr, "kvpipe bench: the initiator needs --segment-id\n");
-        return -1;
-    }
-    if (o->verify && (o->block_size % 8 || o->buffer_size % 8)) {
-        fprintf(stderr, "kvpipe bench: --verify needs sizes that are multiples of 8\n");
-        return -1;
-    }
+    if (!o->metadata) o->metadata = "P2PHANDSHAKE";
     return 0;
 }
 
-static kvp_status make_engine(const bench_opts *o, kvp_engine **out)
+kvp_status bench_engine(const bench_opts *o, const char *name, kvp_engine **out)
 {
     kvp_engine_opts eo;
     kvp_engine_opts_init(&eo);
-    eo.local_server_name = o->local_name;
+    eo.local_server_name = name;
     eo.metadata = o->metadata;
     eo.protocol = o->protocol;
+    eo.device_names = o->device_names;
     eo.disable_shm = o->no_shm;
     if (o->workers) eo.workers = o->workers;
     if (o->conns) eo.conns_per_peer = o->conns;
     if (o->slice_size) eo.slice_size = o->slice_size;
     if (o->timeout_ms) eo.timeout_ms = o->timeout_ms;
+    if (o->metrics_port) eo.metrics_port = o->metrics_port;
     kvp_status st = kvp_engine_create(&eo, out);
-    if (st) fprintf(stderr, "kvpipe bench: cannot start the engine: %s\n", kvp_last_error());
+    if (st) kvp_cli_error("cannot start the engine: %s", kvp_last_error());
     return st;
+}
+
+/* ------------------------------------------------------------- target --- */
+
+/* After the run: every word is the target's pattern or the initiators'. */
+static int verify_target(const void *buf, size_t len)
+{
+    size_t written = 0;
+    for (size_t off = 0; off + 8 <= len; off += 8) {
+        uint64_t w;
+        memcpy(&w, (const char *)buf + off, 8);
+        if (w == kvp_pattern_word(KVP_PATTERN_WRITE, off)) {
+            written += 8;
+        } else if (w != kvp_pattern_word(KVP_PATTERN_TARGET, off)) {
+            kvp_cli_error("target: verify FAILED at byte %zu", off);
+            return 1;
+        }
+    }
+    printf("kvpipe bench target: verify OK (%zu bytes written by peers)\n", written);
+    return 0;
 }
 
 static int run_target(const bench_opts *o)
 {
     kvp_engine *e;
-    if (make_engine(o, &e)) return 1;
-    void *buf = mmap(NULL, o->buffer_size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                     -1, 0);
+    if (bench_engine(o, o->local_name, &e)) return 1;
+    /* Populated now, so that no initiator's first pass pays our page faults. */
+    void *buf = mmap(NULL, o->buffer_size, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (buf == MAP_FAILED) {
-        fprintf(stderr, "kvpipe bench: cannot map %zu bytes\n", o->buffer_size);
+        kvp_cli_error("target: cannot map %zu bytes: %s", o->buffer_size, strerror(errno));
         kvp_engine_destroy(e);
         return 1;
     }
     if (o->verify) kvp_pattern_fill(buf, o->buffer_size, KVP_PATTERN_TARGET, 0);
-    else memset(buf, 0, o->buffer_size);
     if (kvp_engine_register(e, buf, o->buffer_size)) {
-        fprintf(stderr, "kvpipe bench: cannot register the buffer: %s\n", kvp_last_error());
+        kvp_cli_error("target: cannot register the buffer: %s", kvp_last_error());
         kvp_engine_destroy(e);
         return 1;
     }
     printf("kvpipe bench target: serving segment %s (data port %d, %zu bytes at 0x%" PRIxPTR ")\n",
            kvp_engine_segment_name(e), kvp_engine_data_port(e), o->buffer_size, (uintptr_t)buf);
+    if (kvp_engine_metrics_port(e))
+        printf("kvpipe bench target: metrics at http://127.0.0.1:%d/metrics\n",
+               kvp_engine_metrics_port(e));
     fflush(stdout);
     kvp_cli_wait_for_signal();
-    int rc = 0;
     /* Unpublish before checking, so no initiator writes while we look. */
     kvp_engine_destroy(e);
-    if (o->verify) {
-        size_t written = 0;
-        for (size_t off = 0; off + 8 <= o->buffer_size; off += 8) {
-            uint64_t w;
-            memcpy(&w, (char *)buf + off, 8);
-            if (w == kvp_pattern_word(KVP_PATTERN_WRITE, off)) {
-                written += 8;
-            } else if (w != kvp_pattern_word(KVP_PATTERN_TARGET, off)) {
-                fprintf(stderr, "kvpipe bench target: verify FAILED at byte %zu\n", off);
-                rc = 1;
-                break;
-            }
-        }
-        if (!rc) printf("kvpipe bench target: verify OK (%zu bytes written by peers)\n", written);
-    }
+    int rc = o->verify ? verify_target(buf, o->buffer_size) : 0;
     munmap(buf, o->buffer_size);
     return rc;
 }
 
-typedef struct worker {
-    pthread_t thread;
-    int id;
-    const bench_opts *o;
-    kvp_engine *e;
-    kvp_segment_id seg;
-    uint64_t remote_base, remote_len;
-    uint64_t deadline_ns;
-    uint64_t bytes, ops, errors, mismatches;
-    uint8_t *written; /* write --verify: per block, 1 once a write of it succeeded */
-    char error[256];  /* the first failure's detail */
-} worker;
+/* ---------------------------------------------------- both sides here --- */
 
-static void *worker_main(void *arg)
+/* The target as a child process on a free port; fills its segment name and
+ * *out, the read end of its stdout (kept open: it writes more at exit). */
+static pid_t spawn_target(const bench_opts *o, char segment[256], FILE **out)
 {
-    worker *w = arg;
-    const bench_opts *o = w->o;
-    int is_read = strcmp(o->operation, "read") == 0;
-    size_t nblocks = w->remote_len / o->block_size;
-    size_t local_len = o->batch_size * o->block_size;
-    char *local = malloc(local_len);
-    kvp_request *reqs = calloc(o->batch_size, sizeof *reqs);
-    uint64_t *offs = calloc(o->batch_size, sizeof *offs);
-    if (!local || !reqs || !offs) {
-        w->errors++;
-        goto out;
+    char buffer[32];
+    snprintf(buffer, sizeof buffer, "%zu", o->buffer_size);
+    char *args[32];
+    int n = 0;
+    args[n++] = "kvpipe";
+    args[n++] = "bench";
+    args[n++] = "--mode=target";
+    args[n++] = "--local-server-name=127.0.0.1:0";
+    args[n++] = "--metadata-server=P2PHANDSHAKE";
+    args[n++] = "--buffer-size";
+    args[n++] = buffer;
+    args[n++] = "--protocol";
+    args[n++] = (char *)o->protocol;
+    if (o->no_shm) args[n++] = "--no-shm";
+    if (o->verify) args[n++] = "--verify";
+    args[n] = NULL;
+    int fds[2];
+    if (pipe(fds) != 0) return -1;
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        sigset_t set;
+        sigemptyset(&set);
+        sigaddset(&set, SIGINT);
+        sigaddset(&set, SIGTERM);
+        pthread_sigmask(SIG_BLOCK, &set, NULL); /* it waits for them with sigwait */
+        close(fds[0]);
+        dup2(fds[1], STDOUT_FILENO);
+        close(fds[1]);
+        execv("/proc/self/exe", args);
+        _exit(127);
     }
-    uint64_t next = (uint64_t)w->id * o->batch_size;
-    while (kvp_cli_now_ns() < w->deadline_ns) {
-        for (size_t i = 0; i < o->batch_size; i++) {
-            offs[i] = (next++ % nblocks) * o->block_size;
-            char *l = local + i * o->block_size;
-            if (!is_read && o->verify) kvp_pattern_fill(l, o->block_size, KVP_PATTERN_WRITE, offs[i]);
-            reqs[i] = (kvp_request){is_read ? KVP_OP_READ : KVP_OP_WRITE, l,
-                                    w->remote_base + offs[i], o->block_size};
-        }
-        kvp_batch *b;
-        kvp_status st = kvp_batch_submit(w->e, w->seg, reqs, o->batch_size, &b);
-        if (st == KVP_OK) {
-            if (kvp_batch_wait(b, -1) != KVP_OK && !w->error[0])
-                snprintf(w->error, sizeof w->error, "%s", kvp_last_error());
-            for (size_t i = 0; i < o->batch_size; i++) {
-                if (kvp_batch_request_status(b, i) != KVP_OK) {
-                    w->errors++;
-                    continue;
-                }
-                w->ops++;
-                w->bytes += o->block_size;
-                if (w->written) w->written[offs[i] / o->block_size] = 1;
-                if (is_read && o->verify &&
-                    kvp_pattern_check(local + i * o->block_size, o->block_size,
-                                      KVP_PATTERN_TARGET, offs[i]))
-                    w->mismatches++;
-            }
-            kvp_batch_free(b);
-        } else {
-            snprintf(w->error, sizeof w->error, "%s", kvp_last_error());
-            w->errors += o->batch_size;
-        }
-        if (w->errors) break;
-    }
-out:
-    free(local);
-    free(reqs);
-    free(offs);
-    return NULL;
-}
-
-/* After a write --verify run: read back every block some worker wrote
- * successfully and check that it holds what was written, so that a write
- * reported done whose bytes never landed is caught (the target's own check on
- * exit accepts its initial pattern). Returns the number of blocks that do not
- * hold the written pattern, or -1 (with the reason in kvp_last_error()) when
- * the read-back itself failed; *checked counts the blocks read back. */
-static int64_t read_back(const bench_opts *o, kvp_engine *e, kvp_segment_id seg, uint64_t base,
-                         const worker *ws, size_t nblocks, uint64_t *checked)
-{
-    char *local = malloc(o->block_size);
-    if (!local) {
-        fprintf(stderr, "kvpipe bench: out of memory for the read-back\n");
+    close(fds[1]);
+    FILE *f = fdopen(fds[0], "r");
+    char line[512];
+    int found = 0;
+    while (f && !found && fgets(line, sizeof line, f))
+        found = sscanf(line, "kvpipe bench target: serving segment %255s", segment) == 1;
+    if (!found) {
+        kvp_cli_error("the target did not start (run kvpipe bench --mode target to see why)");
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        if (f) fclose(f);
         return -1;
     }
-    int64_t lost = 0;
-    *checked = 0;
-    for (size_t k = 0; k < nblocks; k++) {
-        int wrote = 0;
-        for (int i = 0; i < o->threads && !wrote; i++)
-            wrote = ws[i].written[k];
-        if (!wrote) continue;
-        uint64_t off = (uint64_t)k * o->block_size;
-        if (kvp_engine_read(e, seg, local, base + off, o->block_size) != KVP_OK) {
-            lost = -1;
-            break;
-        }
-        (*checked)++;
-        if (kvp_pattern_check(local, o->block_size, KVP_PATTERN_WRITE, off)) {
-            if (!lost) fprintf(stderr, "kvpipe bench: block at %" PRIu64 " lost its write\n", off);
-            lost++;
-        }
-    }
-    free(local);
-    return lost;
+    *out = f;
+    return pid;
 }
 
-static int run_initiator(const bench_opts *o)
+static int run_both(bench_opts *o)
 {
-    kvp_engine *e;
-    if (make_engine(o, &e)) return 1;
-    int rc = 1;
-    kvp_segment_id seg;
-    kvp_remote_buffer rb;
-    size_t nb = 0;
-    worker *ws = NULL;
-    if (kvp_engine_open_segment(e, o->segment, &seg) ||
-        kvp_engine_segment_buffers(e, seg, &rb, 1, &nb)) {
-        fprintf(stderr, "kvpipe bench: cannot open segment %s: %s\n", o->segment,
-                kvp_last_error());
-        goto out;
+    char segment[256], line[512];
+    FILE *out = NULL;
+    pid_t target = spawn_target(o, segment, &out);
+    if (target < 0) return 1;
+    o->segment = segment;
+    o->metadata = "P2PHANDSHAKE";
+    o->local_name = "127.0.0.1:0";
+    int rc = bench_initiator(o);
+    kill(target, SIGTERM);
+    /* The rest of its lines (its --verify verdict) go to stderr: stdout's last
+     * line is the initiator's. */
+    while (fgets(line, sizeof line, out))
+        fputs(line, stderr);
+    fclose(out);
+    int status = 0;
+    waitpid(target, &status, 0);
+    if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+        kvp_cli_error("the target failed%s", o->verify ? " its --verify check" : "");
+        rc = 1;
     }
-    if (nb == 0 || rb.length < o->block_size) {
-        fprintf(stderr, "kvpipe bench: segment %s has no buffer of at least %zu bytes\n",
-                o->segment, o->block_size);
-        goto out;
-    }
-    uint64_t span = rb.length < o->buffer_size ? rb.length : o->buffer_size;
-    size_t nblocks = span / o->block_size;
-    int check_writes = o->verify && strcmp(o->operation, "write") == 0;
-    ws = calloc((size_t)o->threads, sizeof *ws);
-    if (!ws) goto out;
-    for (int i = 0; i < o->threads && check_writes; i++)
-        if (!(ws[i].written = calloc(nblocks, 1))) goto out;
-    uint64_t start = kvp_cli_now_ns();
-    for (int i = 0; i < o->threads; i++) {
-        uint8_t *written = ws[i].written;
-        ws[i] = (worker){.id = i, .o = o, .e = e, .seg = seg, .remote_base = rb.addr,
-                         .remote_len = span,
-                         .deadline_ns = start + (uint64_t)(o->duration * 1e9)};
-        ws[i].written = written;
-        pthread_create(&ws[i].thread, NULL, worker_main, &ws[i]);
-    }
-    uint64_t bytes = 0, ops = 0, errors = 0, mismatches = 0;
-    for (int i = 0; i < o->threads; i++) {
-        pthread_join(ws[i].thread, NULL);
-        bytes += ws[i].bytes;
-        ops += ws[i].ops;
-        errors += ws[i].errors;
-        mismatches += ws[i].mismatches;
-    }
-    double secs = (double)(kvp_cli_now_ns() - start) / 1e9;
-    double gbps = (double)bytes / secs / 1e9;
-    uint64_t checked = 0;
-    if (check_writes && !errors) {
-        int64_t lost = read_back(o, e, seg, rb.addr, ws, nblocks, &checked);
-        if (lost < 0) {
-            fprintf(stderr, "kvpipe bench: reading back the written blocks failed: %s\n",
-                    kvp_last_error());
-            errors++;
-        } else {
-            mismatches += (uint64_t)lost;
-        }
-    }
-    printf("kvpipe bench: %s %zu B x %zu x %d threads via %s: %.3f GB/s, %" PRIu64 " ops, "
-           "%" PRIu64 " errors%s\n",
-           o->operation, o->block_size, o->batch_size, o->threads,
-           kvp_engine_segment_transport(e, seg), gbps, ops, errors,
-           o->verify ? (mismatches ? ", VERIFY FAILED" : ", verified") : "");
-    if (o->json)
-        printf("{\"gbps\": %.4f, \"bytes\": %" PRIu64 ", \"ops\": %" PRIu64 ", \"errors\": %" PRIu64
-               ", \"mismatches\": %" PRIu64 ", \"seconds\": %.3f, \"operation\": \"%s\", "
-               "\"block_size\": %zu, \"transport\": \"%s\", \"read_back\": %" PRIu64 "}\n",
-               gbps, bytes, ops, errors + mismatches, mismatches, secs, o->operation, o->block_size,
-               kvp_engine_segment_transport(e, seg), checked);
-    for (int i = 0; i < o->threads; i++)
-        if (ws[i].error[0]) {
-            fprintf(stderr, "kvpipe bench: transfers failed: %s\n", ws[i].error);
-            break;
-        }
-    rc = errors || mismatches || ops == 0 ? 1 : 0;
-out:
-    for (int i = 0; ws && i < o->threads; i++)
-        free(ws[i].written);
-    free(ws);
-    kvp_engine_destroy(e);
     return rc;
 }
 
 int kvp_cmd_bench(int argc, char **argv)
 {
     for (int i = 1; i < argc; i++)
-        if (strcmp(argv[i], "--pipe") == 0) return kvp_cmd_bench_pipe(argc, argv);
+        if (strcmp(argv[i], "--pipe") == 0 || strcmp(argv[i], "-pipe") == 0)
+            return kvp_cmd_bench_pipe(argc, argv);
     bench_opts o;
-    if (parse_args(argc, argv, &o) != 0) {
-        usage(stderr);
-        return 2;
+    int r = parse_args(argc, argv, &o);
+    if (r) return r - 1;
+    switch (o.mode) {
+    case BENCH_TARGET:
+        return run_target(&o);
+    case BENCH_INITIATOR:
+        return bench_initiator(&o);
+    default:
+        return run_both(&o);
     }
-    return strcmp(o.mode, "target") == 0 ? run_target(&o) : run_initiator(&o);
 }

@@ -6,12 +6,14 @@
  * loopback. */
 #include <getopt.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
+#include "cli_opts.h"
 #include "kvpipe/kvpipe.h"
 #include "kvpipe/pipe.h"
 #include "pattern.h"
@@ -32,132 +34,151 @@ typedef struct bp_opts {
     int verify;   /* compare every byte, not only the stamps */
 } bp_opts;
 
-static void usage(FILE *out)
-{
-    fprintf(out,
-            "usage: kvpipe bench --pipe --tensor-size BYTES --count N [options]\n"
-            "       kvpipe bench --pipe --config FILE --kv-rank 0|1 --tensor-size BYTES --count N\n"
-            "\n"
-            "Measure the tensor pipe: rank 0 sends N uint8 tensors of BYTES bytes, rank 1\n"
-            "receives and checks them and reports GB/s from the first send to the last\n"
-            "receipt. Without --config both ranks run here, as two processes on\n"
-            "loopback; with --config (a mooncake JSON file) only the given rank runs.\n"
-            "\n"
-            "  --tensor-size BYTES   bytes per tensor, a multiple of 8, >= 16 (K, M, G suffixes)\n"
-            "  --count N             tensors to send (default 100)\n"
-            "  --protocol P          engine protocol for the two-process run (default tcp)\n"
-            "  --send copy|in-place  copy: kvp_pipe_send() copies each tensor into registered\n"
-            "                        memory (default); in-place: tensors are built in pipe\n"
-            "                        buffers (kvp_pipe_tensor_alloc) and sent with no copy\n"
-            "  --no-shm              never use the same-host transport\n"
-            "  --verify              receiver compares every byte (default: the stamp at the\n"
-            "                        start of each 64 KiB block, which catches lost, repeated,\n"
-            "                        reordered and misplaced blocks)\n"
-            "  --metadata M          two-process run: http (default), p2p, or a connection string\n"
-            "  --kv-buffer-size B    bytes in flight before send waits (default 1e9)\n"
-            "  --timeout-ms MS       the engines' I/O timeout, which bounds each READ\n"
-            "                        (default 5000)\n"
-            "  --warmup N            untimed tensors first, so that both engines' buffer\n"
-            "                        pools hold their memory (default: kv-buffer-size worth,\n"
-            "                        at most 32)\n"
-            "  --config FILE         run one rank with this mooncake config\n"
-            "  --kv-rank 0|1         the rank to run with --config (0 sends, 1 receives)\n"
-            "  --port P              two-process run: base port (default: a free one)\n"
-            "  --json                receiver: last stdout line is a JSON object with gbps,\n"
-            "                        bytes, ops, errors, lost, duplicated, reordered,\n"
-            "                        corrupt, failed\n"
-            "\n"
-            "The receiver reports tensors lost (never received intact), duplicated\n"
-            "(received again), reordered (received after a later one), corrupt (wrong\n"
-            "bytes, size or stamp) and failed (receipts that returned an error; the\n"
-            "receiver goes on after one). It exits 1 unless all of these are 0.\n");
-}
+enum {
+    O_PIPE = 1,
+    O_TENSOR_SIZE,
+    O_COUNT,
+    O_PROTOCOL,
+    O_SEND,
+    O_NO_SHM,
+    O_VERIFY,
+    O_METADATA,
+    O_KV_BUFFER,
+    O_TIMEOUT,
+    O_WARMUP,
+    O_CONFIG,
+    O_KV_RANK,
+    O_PORT,
+    O_JSON,
+};
 
-static int parse_opt(void *opts, int c, const char *arg)
+static const kvp_cli_opt opts[] = {
+    {"pipe", KVP_ARG_FLAG, NULL, "measure the tensor pipe (this mode)", .id = O_PIPE},
+    {"tensor-size", KVP_ARG_SIZE, "BYTES",
+     "bytes per tensor, a multiple of 8, at least 16 (required)", 16, 1ll << 40,
+     .id = O_TENSOR_SIZE},
+    {"count", KVP_ARG_INT, "N", "tensors to send (default 100)", 1, 1ll << 40, .id = O_COUNT},
+    {"protocol", KVP_ARG_STRING, "P", "engine protocol for the two-process run (default tcp)",
+     .id = O_PROTOCOL},
+    {"send", KVP_ARG_CHOICE, "copy|in-place",
+     "copy: kvp_pipe_send() copies each tensor into registered\nmemory (default); in-place: "
+     "tensors are built in pipe\nbuffers (kvp_pipe_tensor_alloc) and sent with no copy",
+     .choices = "copy|in-place", .id = O_SEND},
+    {"no-shm", KVP_ARG_FLAG, NULL, "never use the same-host transport", .id = O_NO_SHM},
+    {"verify", KVP_ARG_FLAG, NULL,
+     "receiver compares every byte (default: the stamp at the\nstart of each 64 KiB block, "
+     "which catches lost, repeated,\nreordered and misplaced blocks)",
+     .id = O_VERIFY},
+    {"metadata-server", KVP_ARG_STRING, "M",
+     "two-process run: http (an embedded store, default), p2p\n(P2PHANDSHAKE), or a connection "
+     "string",
+     .aliases = "metadata", .id = O_METADATA},
+    {"kv-buffer-size", KVP_ARG_SIZE, "BYTES", "bytes in flight before send waits (default 1e9)", 1,
+     LLONG_MAX, .id = O_KV_BUFFER},
+    {"timeout-ms", KVP_ARG_INT, "MS",
+     "the engines' I/O timeout, which bounds each READ\n(default 5000)", 1, 86400000,
+     .id = O_TIMEOUT},
+    {"warmup", KVP_ARG_INT, "N",
+     "untimed tensors first, so that both engines' buffer\npools hold their memory (default: "
+     "kv-buffer-size worth,\nat most 32)",
+     0, 1000000, .id = O_WARMUP},
+    {"config", KVP_ARG_STRING, "FILE", "run one rank with this mooncake config", .id = O_CONFIG},
+    {"kv-rank", KVP_ARG_INT, "0|1", "the rank to run with --config (0 sends, 1 receives)", 0, 1,
+     .id = O_KV_RANK},
+    {"port", KVP_ARG_INT, "P", "two-process run: base port (default: a free one)", 1, 65000,
+     .id = O_PORT},
+    {"json", KVP_ARG_FLAG, NULL,
+     "receiver: last stdout line is a JSON object with gbps,\nbytes, ops, errors, lost, "
+     "duplicated, reordered,\ncorrupt, failed",
+     .id = O_JSON},
+};
+
+static const kvp_cli_spec spec = {
+    .cmd = "bench",
+    .synopsis = "usage: kvpipe bench --pipe --tensor-size BYTES [--count N] [options]\n"
+                "       kvpipe bench --pipe --config FILE --kv-rank 0|1 --tensor-size BYTES "
+                "[--count N]\n",
+    .about = "Measure the tensor pipe: rank 0 sends N uint8 tensors of BYTES bytes, rank 1\n"
+             "receives and checks them and reports GB/s from the first send to the last\n"
+             "receipt. Without --config both ranks run here, as two processes on\n"
+             "loopback; with --config (a mooncake JSON file) only the given rank runs.\n",
+    .opts = opts,
+    .n_opts = sizeof opts / sizeof opts[0],
+    .epilog = "The receiver reports tensors lost (never received intact), duplicated\n"
+              "(received again), reordered (received after a later one), corrupt (wrong\n"
+              "bytes, size or stamp) and failed (receipts that returned an error; the\n"
+              "receiver goes on after one). It exits 1 unless all of these are 0.\n",
+};
+
+static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value *v)
 {
-    bp_opts *o = opts;
-    char *end;
-    switch (c) {
-    case 's':
-        return kvp_cli_parse_size(arg, &o->tensor_size);
-    case 'b':
-        return kvp_cli_parse_size(arg, &o->kv_buffer_size) || o->kv_buffer_size == 0 ? -1 : 0;
-    case 'c':
-        o->count = strtol(arg, &end, 10);
-        return *end || o->count < 1 ? -1 : 0;
-    case 'w':
-        o->warmup = strtol(arg, &end, 10);
-        return *end || o->warmup < 0 ? -1 : 0;
-    case 'r':
-        o->kv_rank = (int)strtol(arg, &end, 10);
-        return *end || o->kv_rank < 0 || o->kv_rank > 1 ? -1 : 0;
-    case 'P':
-        o->port = (int)strtol(arg, &end, 10);
-        return *end || o->port < 1 || o->port > 65000 ? -1 : 0;
-    case 'T': {
-        long ms = strtol(arg, &end, 10);
-        o->timeout_ms = (int)ms;
-        return *end || ms < 1 || ms > 86400000 ? -1 : 0;
+    bp_opts *o = p;
+    switch (opt->id) {
+    case O_TENSOR_SIZE:
+        if (v->size % 8) return "a multiple of 8, at least 16 (K, M, G suffixes)";
+        o->tensor_size = v->size;
+        break;
+    case O_COUNT:
+        o->count = (long)v->i;
+        break;
+    case O_PROTOCOL:
+        o->protocol = v->text;
+        break;
+    case O_SEND:
+        o->in_place = (int)v->i;
+        break;
+    case O_NO_SHM:
+        o->no_shm = (int)v->i;
+        break;
+    case O_VERIFY:
+        o->verify = (int)v->i;
+        break;
+    case O_METADATA:
+        o->metadata = v->text;
+        break;
+    case O_KV_BUFFER:
+        o->kv_buffer_size = v->size;
+        break;
+    case O_TIMEOUT:
+        o->timeout_ms = (int)v->i;
+        break;
+    case O_WARMUP:
+        o->warmup = (long)v->i;
+        break;
+    case O_CONFIG:
+        o->config = v->text;
+        break;
+    case O_KV_RANK:
+        o->kv_rank = (int)v->i;
+        break;
+    case O_PORT:
+        o->port = (int)v->i;
+        break;
+    case O_JSON:
+        o->json = (int)v->i;
+        break;
     }
-    case 'p':
-        o->protocol = arg;
-        return 0;
-    case 'm':
-        o->metadata = arg;
-        return 0;
-    case 'f':
-        o->config = arg;
-        return 0;
-    case 'j':
-        o->json = 1;
-        return 0;
-    case 'V':
-        o->verify = 1;
-        return 0;
-    case 'n':
-        o->no_shm = 1;
-        return 0;
-    case 'S':
-        if (strcmp(arg, "copy") && strcmp(arg, "in-place")) return -1;
-        o->in_place = strcmp(arg, "in-place") == 0;
-        return 0;
-    case 'x':
-        return 0; /* --pipe itself */
-    default:
-        return -1;
-    }
+    return NULL;
 }
 
 /* 0 to go on, otherwise 1 + the exit code. */
 static int parse_args(int argc, char **argv, bp_opts *o)
 {
-    static const struct option opts[] = {
-        {"pipe", no_argument, 0, 'x'},           {"tensor-size", required_argument, 0, 's'},
-        {"count", required_argument, 0, 'c'},    {"protocol", required_argument, 0, 'p'},
-        {"metadata", required_argument, 0, 'm'}, {"config", required_argument, 0, 'f'},
-        {"kv-rank", required_argument, 0, 'r'},  {"json", no_argument, 0, 'j'},
-        {"no-shm", no_argument, 0, 'n'},         {"kv-buffer-size", required_argument, 0, 'b'},
-        {"port", required_argument, 0, 'P'},     {"help", no_argument, 0, 'h'},
-        {"warmup", required_argument, 0, 'w'},   {"send", required_argument, 0, 'S'},
-        {"verify", no_argument, 0, 'V'},         {"timeout-ms", required_argument, 0, 'T'},
-        {0, 0, 0, 0},
-    };
     *o = (bp_opts){.count = 100,
                    .warmup = -1,
                    .protocol = "tcp",
                    .metadata = "http",
                    .kv_rank = -1,
                    .kv_buffer_size = 1000000000u};
-    int r = kvp_cli_getopt(argc, argv, opts, "kvpipe bench --pipe", usage, parse_opt, o);
+    int r = kvp_cli_parse(&spec, argc, argv, 0, set_opt, o);
     if (r) return r;
-    const char *bad = optind < argc ? "unexpected argument"
-                      : o->tensor_size < 16 || o->tensor_size % 8
-                          ? "--tensor-size must be a multiple of 8, at least 16"
+    const char *bad = !o->tensor_size ? "--tensor-size is required: bytes per tensor, a "
+                                        "multiple of 8, at least 16"
                       : o->config && o->kv_rank < 0   ? "--config needs --kv-rank 0|1"
                       : !o->config && o->kv_rank >= 0 ? "--kv-rank needs --config"
                                                       : NULL;
     if (bad) {
-        fprintf(stderr, "kvpipe bench --pipe: %s\n", bad);
+        kvp_cli_error("%s", bad);
         return 3;
     }
     if (o->warmup < 0) {
@@ -240,7 +261,7 @@ static kvp_pipe *open_pipe(const bp_opts *o, int kv_rank)
         st = kvp_pipe_open(cfg, 0, kv_rank, &po, &pipe);
     }
     kvp_pipe_config_free(cfg);
-    if (st) fprintf(stderr, "kvpipe bench --pipe: %s\n", kvp_last_error());
+    if (st) kvp_cli_error("%s", kvp_last_error());
     return pipe;
 }
 
@@ -379,7 +400,7 @@ static int run_sender(const bp_opts *o)
         if (kvp_pipe_send(pipe, &t) != KVP_OK) rc = 1;
     }
     if (!rc && kvp_pipe_flush(pipe, FLUSH_TIMEOUT_MS) != KVP_OK) rc = 1;
-    if (rc) fprintf(stderr, "kvpipe bench --pipe (sender): %s\n", kvp_last_error());
+    if (rc) kvp_cli_error("sender: %s", kvp_last_error());
     free(buf);
     kvp_pipe_close(pipe);
     return rc;
@@ -400,19 +421,18 @@ static void tally_add(tally *y, const kvp_tensor *t, const uint8_t *ref, size_t 
     long i = index_of(t, n, y->count);
     if (i < 0 || check(t, ref, n, (uint64_t)i, full) != 0) {
         if (!y->corrupt)
-            fprintf(stderr, "kvpipe bench --pipe: tensor %" PRIu64 " received: MISMATCH\n",
-                    y->intact + y->duplicated + y->corrupt);
+            kvp_cli_error("pipe: tensor %" PRIu64 " received: MISMATCH",
+                          y->intact + y->duplicated + y->corrupt);
         y->corrupt++;
     } else if (y->seen[i]) {
-        if (!y->duplicated) fprintf(stderr, "kvpipe bench --pipe: tensor %ld: DUPLICATE\n", i);
+        if (!y->duplicated) kvp_cli_error("pipe: tensor %ld: DUPLICATE", i);
         y->duplicated++;
     } else {
         y->seen[i] = 1;
         y->intact++;
         if (i < y->highest) {
             if (!y->reordered)
-                fprintf(stderr, "kvpipe bench --pipe: tensor %ld after %ld: REORDERED\n", i,
-                        y->highest);
+                kvp_cli_error("pipe: tensor %ld after %ld: REORDERED", i, y->highest);
             y->reordered++;
         } else {
             y->highest = i;
@@ -530,8 +550,7 @@ static kvp_status receive_preamble(const bp_opts *o, kvp_pipe *pipe)
         why = "expected None, got a tensor";
     }
     kvp_tensor_free(t);
-    if (st)
-        fprintf(stderr, "kvpipe bench --pipe: no start marker: %s\n", why ? why : kvp_last_error());
+    if (st) kvp_cli_error("pipe: no start marker: %s", why ? why : kvp_last_error());
     return st;
 }
 
@@ -577,8 +596,8 @@ static int run_receiver(const bp_opts *o)
             verify_push(&v, t);
             continue;
         }
-        fprintf(stderr, "kvpipe bench --pipe: receipt %ld: %s\n", ops + (long)failed,
-                st ? kvp_last_error() : "got None");
+        kvp_cli_error("pipe: receipt %ld: %s", ops + (long)failed,
+                      st ? kvp_last_error() : "got None");
         kvp_pipe_get_stats(pipe, &after);
         failed++;
         if (st != KVP_OK && after.bad_messages == before.bad_messages) break;

@@ -3,12 +3,16 @@
  * does (per request: input tokens, roi, keys, values, hidden states); a decode
  * process receives them and checks every byte. See docs/demo.md. */
 #include <getopt.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "cli.h"
+#include "cli_opts.h"
 #include "kvpipe/kvpipe.h"
 #include "kvpipe/pipe.h"
 #include "pattern.h"
@@ -22,113 +26,216 @@ typedef struct demo_opts {
     int tokens, requests, layers, kv_heads, head_dim, hidden;
     kvp_dtype dtype;
     const char *protocol, *metadata;
-    int no_shm, json, port;
+    int no_shm, json, port, timeout_ms, prefault, baseline, in_place;
     const char *role, *run_dir; /* set for the two child processes */
 } demo_opts;
 
 static const char *part_names[N_PARTS] = {"input_tokens", "roi", "keys", "values", "hidden"};
 
-static void usage(FILE *out)
-{
-    fprintf(out, "usage: kvpipe demo [options]\n"
-                 "\n"
-                 "Run a prefill and a decode process on this host and move the KV cache of\n"
-                 "--requests requests through the tensor pipe, as vLLM's v0 connector sends it\n"
-                 "(per request: input tokens, roi, keys [layers, tokens, kv-heads, head-dim],\n"
-                 "values, hidden states [tokens, hidden-size]). Decode checks every byte. Prints\n"
-                 "per-request latency (p50/p99, first send to last receipt) and GB/s.\n"
-                 "\n"
-                 "  --tokens T         tokens per request (default 1024)\n"
-                 "  --requests N       requests (default 8)\n"
-                 "  --layers L         layers (default 32: Llama-3-8B)\n"
-                 "  --kv-heads H       KV heads (default 8)\n"
-                 "  --head-dim D       head dimension (default 128)\n"
-                 "  --hidden-size S    hidden size (default 4096)\n"
-                 "  --dtype T          bf16 (default), f16, f32, f8_e4m3, ...\n"
-                 "  --protocol P       engine protocol in the config (default tcp)\n"
-                 "  --no-shm           never use the same-host transport\n"
-                 "  --metadata M       http (embedded store, default), p2p (P2PHANDSHAKE), or a\n"
-                 "                     connection string such as etcd://127.0.0.1:2379\n"
-                 "  --port P           base port of prefill_url/decode_url (default: a free one)\n"
-                 "  --json             last stdout line: a JSON object with the results\n"
-                 "  --help             show this text\n");
-}
+/* dtype names: safetensors' (any case) and torch's. */
+static const struct {
+    const char *name;
+    kvp_dtype dtype;
+} dtype_names[] = {
+    {"bool", KVP_DTYPE_BOOL},
+    {"u8", KVP_DTYPE_U8},
+    {"uint8", KVP_DTYPE_U8},
+    {"i8", KVP_DTYPE_I8},
+    {"int8", KVP_DTYPE_I8},
+    {"i16", KVP_DTYPE_I16},
+    {"int16", KVP_DTYPE_I16},
+    {"short", KVP_DTYPE_I16},
+    {"u16", KVP_DTYPE_U16},
+    {"uint16", KVP_DTYPE_U16},
+    {"i32", KVP_DTYPE_I32},
+    {"int32", KVP_DTYPE_I32},
+    {"int", KVP_DTYPE_I32},
+    {"u32", KVP_DTYPE_U32},
+    {"uint32", KVP_DTYPE_U32},
+    {"i64", KVP_DTYPE_I64},
+    {"int64", KVP_DTYPE_I64},
+    {"long", KVP_DTYPE_I64},
+    {"u64", KVP_DTYPE_U64},
+    {"uint64", KVP_DTYPE_U64},
+    {"f16", KVP_DTYPE_F16},
+    {"float16", KVP_DTYPE_F16},
+    {"half", KVP_DTYPE_F16},
+    {"bf16", KVP_DTYPE_BF16},
+    {"bfloat16", KVP_DTYPE_BF16},
+    {"f32", KVP_DTYPE_F32},
+    {"float32", KVP_DTYPE_F32},
+    {"float", KVP_DTYPE_F32},
+    {"f64", KVP_DTYPE_F64},
+    {"float64", KVP_DTYPE_F64},
+    {"double", KVP_DTYPE_F64},
+    {"f8_e4m3", KVP_DTYPE_F8_E4M3},
+    {"float8_e4m3fn", KVP_DTYPE_F8_E4M3},
+    {"f8_e5m2", KVP_DTYPE_F8_E5M2},
+    {"float8_e5m2", KVP_DTYPE_F8_E5M2},
+};
 
-static int parse_int(const char *s, int lo, int hi, int *out)
-{
-    char *end;
-    long v = strtol(s, &end, 10);
-    if (!*s || *end || v < lo || v > hi) return -1;
-    *out = (int)v;
-    return 0;
-}
+#define DTYPE_HELP                                                                                 \
+    "element type of keys, values and hidden states (default\n"                                    \
+    "bf16): bool, u8, i8, i16, u16, i32, u32, i64, u64, f16,\n"                                    \
+    "bf16, f32, f64, f8_e4m3, f8_e5m2 (any case), or torch's\n"                                    \
+    "names: bfloat16, float16 (half), float32 (float),\n"                                          \
+    "float64 (double), int8, uint8, int16, uint16, int32, int64,\n"                                \
+    "uint32, uint64, float8_e4m3fn, float8_e5m2, with or\n"                                        \
+    "without \"torch.\""
 
 static int parse_dtype(const char *s, kvp_dtype *out)
 {
-    char up[32];
-    size_t i = 0;
-    for (; s[i] && i + 1 < sizeof up; i++)
-        up[i] = (char)(s[i] >= 'a' && s[i] <= 'z' ? s[i] - 32 : s[i]);
-    up[i] = '\0';
-    return kvp_dtype_from_name(up, out) == KVP_OK ? 0 : -1;
+    if (!strncmp(s, "torch.", 6)) s += 6;
+    for (size_t i = 0; i < sizeof dtype_names / sizeof dtype_names[0]; i++)
+        if (!strcasecmp(s, dtype_names[i].name)) {
+            *out = dtype_names[i].dtype;
+            return 0;
+        }
+    return -1;
 }
 
-static int parse_opt(void *opts, int c, const char *arg)
+enum {
+    O_TOKENS = 1,
+    O_REQUESTS,
+    O_LAYERS,
+    O_KV_HEADS,
+    O_HEAD_DIM,
+    O_HIDDEN,
+    O_DTYPE,
+    O_PROTOCOL,
+    O_NO_SHM,
+    O_METADATA,
+    O_PORT,
+    O_TIMEOUT,
+    O_NO_PREFAULT,
+    O_SEND,
+    O_BASELINE,
+    O_JSON,
+    O_ROLE,
+    O_RUN_DIR,
+};
+
+static const kvp_cli_opt opts[] = {
+    {"tokens", KVP_ARG_INT, "T", "tokens per request (default 1024)", 1, 1 << 20, .id = O_TOKENS},
+    {"requests", KVP_ARG_INT, "N", "requests (default 8)", 1, 1 << 20, .id = O_REQUESTS},
+    {"layers", KVP_ARG_INT, "L", "layers (default 32: Llama-3-8B)", 1, 4096, .id = O_LAYERS},
+    {"kv-heads", KVP_ARG_INT, "H", "KV heads (default 8)", 1, 4096, .id = O_KV_HEADS},
+    {"head-dim", KVP_ARG_INT, "D", "head dimension (default 128)", 1, 65536, .id = O_HEAD_DIM},
+    {"hidden-size", KVP_ARG_INT, "S", "hidden size (default 4096; 0: an empty hidden tensor)", 0,
+     1 << 20, .id = O_HIDDEN},
+    {"dtype", KVP_ARG_STRING, "T", DTYPE_HELP, .id = O_DTYPE},
+    {"protocol", KVP_ARG_STRING, "P", "engine protocol in the config (default tcp)",
+     .id = O_PROTOCOL},
+    {"no-shm", KVP_ARG_FLAG, NULL, "never use the same-host transport", .id = O_NO_SHM},
+    {"metadata-server", KVP_ARG_STRING, "M",
+     "http (an embedded store, default), p2p (P2PHANDSHAKE),\nor a connection string such as "
+     "etcd://127.0.0.1:2379",
+     .aliases = "metadata", .id = O_METADATA},
+    {"port", KVP_ARG_INT, "P", "base port of prefill_url/decode_url (default: a free one)", 1,
+     65000, .id = O_PORT},
+    {"timeout-ms", KVP_ARG_INT, "MS", "the engines' I/O timeout (default 5000)", 1, 86400000,
+     .id = O_TIMEOUT},
+    {"no-prefault", KVP_ARG_FLAG, NULL,
+     "do not touch the engines' buffer memory before the run:\nthe first requests then pay the "
+     "page faults of fresh\nmemory, as in a process that just started",
+     .id = O_NO_PREFAULT},
+    {"send", KVP_ARG_CHOICE, "copy|in-place",
+     "copy: kvp_pipe_send() copies each tensor into registered\nmemory, as vLLM's connector "
+     "does (default); in-place:\nprefill builds each tensor in a pipe buffer\n"
+     "(kvp_pipe_tensor_alloc) before its clock starts, and\nkvp_pipe_send_take() sends it "
+     "with no copy",
+     .choices = "copy|in-place", .id = O_SEND},
+    {"baseline", KVP_ARG_FLAG, NULL,
+     "also time memcpy of the same bytes (one thread, memory\npre-faulted) after the run, for "
+     "comparison",
+     .id = O_BASELINE},
+    {"json", KVP_ARG_FLAG, NULL, "last stdout line: a JSON object with the results", .id = O_JSON},
+    {"role", KVP_ARG_CHOICE, NULL, NULL, .choices = "prefill|decode", .id = O_ROLE},
+    {"run-dir", KVP_ARG_STRING, NULL, NULL, .id = O_RUN_DIR},
+};
+
+static const kvp_cli_spec spec = {
+    .cmd = "demo",
+    .synopsis = "usage: kvpipe demo [options]\n",
+    .about = "Run a prefill and a decode process on this host and move the KV cache of\n"
+             "--requests requests through the tensor pipe, as vLLM's v0 connector sends it\n"
+             "(per request: input tokens, roi, keys [layers, tokens, kv-heads, head-dim],\n"
+             "values, hidden states [tokens, hidden-size]). Decode checks every byte. Both\n"
+             "sides pre-fault the buffer memory they will use before the clock starts.\n"
+             "Prints the first request's latency apart from the steady state's (p50/p99,\n"
+             "first send to last receipt of a request) and GB/s.\n",
+    .opts = opts,
+    .n_opts = sizeof opts / sizeof opts[0],
+    .epilog = "docs/demo.md explains every figure.\n",
+};
+
+static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value *v)
 {
-    demo_opts *o = opts;
-    switch (c) {
-    case 't':
-        return parse_int(arg, 1, 1 << 20, &o->tokens);
-    case 'r':
-        return parse_int(arg, 1, 1 << 20, &o->requests);
-    case 'L':
-        return parse_int(arg, 1, 4096, &o->layers);
-    case 'H':
-        return parse_int(arg, 1, 4096, &o->kv_heads);
-    case 'D':
-        return parse_int(arg, 1, 65536, &o->head_dim);
-    case 'S':
-        return parse_int(arg, 0, 1 << 20, &o->hidden);
-    case 'd':
-        return parse_dtype(arg, &o->dtype);
-    case 'p':
-        o->protocol = arg;
-        return 0;
-    case 'm':
-        o->metadata = arg;
-        return 0;
-    case 'P':
-        return parse_int(arg, 1, 65000, &o->port);
-    case 'n':
-        o->no_shm = 1;
-        return 0;
-    case 'j':
-        o->json = 1;
-        return 0;
-    case 'R':
-        o->role = arg;
-        return 0;
-    case 'X':
-        o->run_dir = arg;
-        return 0;
-    default:
-        return -1;
+    demo_opts *o = p;
+    switch (opt->id) {
+    case O_TOKENS:
+        o->tokens = (int)v->i;
+        break;
+    case O_REQUESTS:
+        o->requests = (int)v->i;
+        break;
+    case O_LAYERS:
+        o->layers = (int)v->i;
+        break;
+    case O_KV_HEADS:
+        o->kv_heads = (int)v->i;
+        break;
+    case O_HEAD_DIM:
+        o->head_dim = (int)v->i;
+        break;
+    case O_HIDDEN:
+        o->hidden = (int)v->i;
+        break;
+    case O_DTYPE:
+        if (parse_dtype(v->text, &o->dtype))
+            return "a dtype: bool, u8, i8, i16, u16, i32, u32, i64, u64, f16, bf16, f32, f64, "
+                   "f8_e4m3, f8_e5m2, or torch's name (bfloat16, float16, ...)";
+        break;
+    case O_PROTOCOL:
+        o->protocol = v->text;
+        break;
+    case O_NO_SHM:
+        o->no_shm = (int)v->i;
+        break;
+    case O_METADATA:
+        o->metadata = v->text;
+        break;
+    case O_PORT:
+        o->port = (int)v->i;
+        break;
+    case O_TIMEOUT:
+        o->timeout_ms = (int)v->i;
+        break;
+    case O_NO_PREFAULT:
+        o->prefault = !v->i;
+        break;
+    case O_SEND:
+        o->in_place = (int)v->i;
+        break;
+    case O_BASELINE:
+        o->baseline = (int)v->i;
+        break;
+    case O_JSON:
+        o->json = (int)v->i;
+        break;
+    case O_ROLE:
+        o->role = v->text;
+        break;
+    case O_RUN_DIR:
+        o->run_dir = v->text;
+        break;
     }
+    return NULL;
 }
 
 /* 0 to go on, otherwise 1 + the exit code. */
 static int parse_args(int argc, char **argv, demo_opts *o)
 {
-    static const struct option opts[] = {
-        {"tokens", required_argument, 0, 't'},   {"requests", required_argument, 0, 'r'},
-        {"layers", required_argument, 0, 'L'},   {"kv-heads", required_argument, 0, 'H'},
-        {"head-dim", required_argument, 0, 'D'}, {"hidden-size", required_argument, 0, 'S'},
-        {"dtype", required_argument, 0, 'd'},    {"protocol", required_argument, 0, 'p'},
-        {"metadata", required_argument, 0, 'm'}, {"port", required_argument, 0, 'P'},
-        {"no-shm", no_argument, 0, 'n'},         {"json", no_argument, 0, 'j'},
-        {"role", required_argument, 0, 'R'},     {"run-dir", required_argument, 0, 'X'},
-        {"help", no_argument, 0, 'h'},           {0, 0, 0, 0},
-    };
     *o = (demo_opts){.tokens = 1024,
                      .requests = 8,
                      .layers = 32,
@@ -137,13 +244,11 @@ static int parse_args(int argc, char **argv, demo_opts *o)
                      .hidden = 4096,
                      .dtype = KVP_DTYPE_BF16,
                      .protocol = "tcp",
-                     .metadata = "http"};
-    int r = kvp_cli_getopt(argc, argv, opts, "kvpipe demo", usage, parse_opt, o);
+                     .metadata = "http",
+                     .prefault = 1};
+    int r = kvp_cli_parse(&spec, argc, argv, 0, set_opt, o);
     if (r) return r;
-    if (optind < argc) {
-        fprintf(stderr, "kvpipe demo: unexpected argument '%s'\n", argv[optind]);
-        return 3;
-    }
+    if (!strcmp(o->metadata, "P2PHANDSHAKE")) o->metadata = "p2p";
     return 0;
 }
 
@@ -227,10 +332,11 @@ static kvp_pipe *open_pipe(const demo_opts *o, int kv_rank)
         kvp_pipe_opts po;
         kvp_pipe_opts_init(&po);
         po.disable_shm = o->no_shm;
+        if (o->timeout_ms) po.io_timeout_ms = o->timeout_ms;
         st = kvp_pipe_open(cfg, 0, kv_rank, &po, &pipe);
     }
     kvp_pipe_config_free(cfg);
-    if (st) fprintf(stderr, "kvpipe demo (%s): %s\n", o->role, kvp_last_error());
+    if (st) kvp_cli_error("%s: %s", o->role, kvp_last_error());
     return pipe;
 }
 
@@ -239,8 +345,138 @@ static FILE *open_report(const demo_opts *o)
     char path[512];
     snprintf(path, sizeof path, "%s/%s.txt", o->run_dir, o->role);
     FILE *f = fopen(path, "w");
-    if (!f) fprintf(stderr, "kvpipe demo (%s): cannot write %s\n", o->role, path);
+    if (!f) kvp_cli_error("%s: cannot write %s", o->role, path);
     return f;
+}
+
+/* Write one byte per page, so that every page is mapped now. */
+static void touch(void *buf, size_t n)
+{
+    volatile char *b = buf;
+    for (size_t off = 0; off < n; off += 4096)
+        b[off] = 0;
+    if (n) b[n - 1] = 0;
+}
+
+/* Pre-fault the engine memory this side will use: hold managed buffers of
+ * every part of `copies` requests at once (rounded up for the message
+ * header: the pool hands out the same memory for the smaller real ones),
+ * touch every page, and free them into the pool, which keeps them (the
+ * pipe's engine retains twice kv_buffer_size of free chunks). Fresh pages
+ * would otherwise be faulted in during the first requests: by the sender's
+ * copy into them, and on decode by the transport writing into them. */
+static int prefault(kvp_pipe *pipe, const part *p, int copies)
+{
+    kvp_engine *e = kvp_pipe_engine(pipe);
+    size_t n = (size_t)copies * N_PARTS;
+    void **bufs = calloc(n, sizeof *bufs);
+    int rc = bufs ? 0 : -1;
+    for (size_t i = 0; i < n && !rc; i++) {
+        size_t len = p[i % N_PARTS].nbytes + 4096;
+        if (kvp_engine_alloc(e, len, &bufs[i]) != KVP_OK) {
+            kvp_cli_error("cannot pre-fault %zu bytes of engine memory: %s", len, kvp_last_error());
+            rc = -1;
+            break;
+        }
+        touch(bufs[i], len);
+    }
+    for (size_t i = 0; bufs && i < n; i++)
+        kvp_engine_free(e, bufs[i]);
+    free(bufs);
+    return rc;
+}
+
+static double request_bytes(const part *p)
+{
+    double per = 0;
+    for (int k = 0; k < N_PARTS; k++)
+        per += (double)p[k].nbytes;
+    return per;
+}
+
+/* The sides tell each other through files in the run directory how far
+ * they are, so that nothing but the transfers runs on prefill's clock:
+ * ROLE.open once its pipe is open, decode.ready once decode's memory is
+ * pre-faulted. */
+static void mark(const demo_opts *o, const char *what)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", o->run_dir, what);
+    FILE *f = fopen(path, "w");
+    if (f) fclose(f);
+}
+
+static int wait_mark(const demo_opts *o, const char *what)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", o->run_dir, what);
+    for (uint64_t until = kvp_cli_now_ms() + RECV_TIMEOUT_MS; kvp_cli_now_ms() < until;) {
+        if (access(path, F_OK) == 0) return 0;
+        usleep(2000);
+    }
+    kvp_cli_error("%s: the other side did not get to %s in %d s", o->role, what,
+                  RECV_TIMEOUT_MS / 1000);
+    return -1;
+}
+
+/* Both pipes open: each side's ZeroMQ links reach the other's ports, those
+ * that tried before the peer listened after ZeroMQ's reconnect interval
+ * (100 ms): give it three. */
+#define LINKS_SETTLE_MS 300
+
+static int meet(const demo_opts *o, const char *self, const char *peer)
+{
+    mark(o, self);
+    if (wait_mark(o, peer)) return -1;
+    usleep(LINKS_SETTLE_MS * 1000);
+    return 0;
+}
+
+/* Request r as vLLM's connector sends it: each part filled in our memory,
+ * then kvp_pipe_send() copies it into registered memory (on the clock). */
+static int send_copying(kvp_pipe *pipe, const part *p, void *const bufs[N_PARTS], int r,
+                        FILE *report)
+{
+    for (int k = 0; k < N_PARTS; k++)
+        fill_part(bufs[k], p[k].nbytes, k, seed_of(r, k));
+    fprintf(report, "start %d %llu\n", r, (unsigned long long)kvp_cli_now_ns());
+    for (int k = 0; k < N_PARTS; k++) {
+        kvp_tensor t;
+        kvp_tensor_init(&t, p[k].dtype, p[k].ndim, p[k].shape, bufs[k]);
+        if (kvp_pipe_send(pipe, &t) != KVP_OK) {
+            kvp_cli_error("prefill: request %d %s: %s", r, part_names[k], kvp_last_error());
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Request r built in pipe buffers (the producer's writing: off the clock),
+ * then sent as it lies. */
+static int send_in_place(const demo_opts *o, kvp_pipe *pipe, const part *p, int r, FILE *report)
+{
+    kvp_tensor *t[N_PARTS] = {0};
+    int rc = 0;
+    for (int k = 0; k < N_PARTS && !rc; k++) {
+        if (kvp_pipe_tensor_alloc(pipe, p[k].dtype, p[k].ndim, p[k].shape, &t[k]) != KVP_OK) {
+            kvp_cli_error("%s: request %d %s: %s", o->role, r, part_names[k], kvp_last_error());
+            rc = 1;
+            break;
+        }
+        fill_part(t[k]->data, p[k].nbytes, k, seed_of(r, k));
+    }
+    if (!rc) fprintf(report, "start %d %llu\n", r, (unsigned long long)kvp_cli_now_ns());
+    for (int k = 0; k < N_PARTS && !rc; k++) {
+        if (kvp_pipe_send_take(pipe, t[k]) != KVP_OK) {
+            kvp_cli_error("prefill: request %d %s: %s", r, part_names[k], kvp_last_error());
+            rc = 1;
+            break;
+        }
+        t[k] = NULL; /* the pipe's now */
+    }
+    for (int k = 0; k < N_PARTS; k++)
+        kvp_tensor_free(t[k]);
+    return rc;
 }
 
 static int run_prefill(const demo_opts *o)
@@ -251,25 +487,22 @@ static int run_prefill(const demo_opts *o)
     FILE *report = open_report(o);
     void *bufs[N_PARTS] = {0};
     int rc = !pipe || !report;
-    for (int k = 0; k < N_PARTS && !rc; k++)
+    for (int k = 0; k < N_PARTS && !rc && !o->in_place; k++)
         if (!(bufs[k] = malloc(p[k].nbytes ? p[k].nbytes : 1))) rc = 1;
-    for (int r = 0; r < o->requests && !rc; r++) {
-        for (int k = 0; k < N_PARTS; k++)
-            fill_part(bufs[k], p[k].nbytes, k, seed_of(r, k));
-        fprintf(report, "start %d %llu\n", r, (unsigned long long)kvp_cli_now_ns());
-        for (int k = 0; k < N_PARTS && !rc; k++) {
-            kvp_tensor t;
-            kvp_tensor_init(&t, p[k].dtype, p[k].ndim, p[k].shape, bufs[k]);
-            if (kvp_pipe_send(pipe, &t) != KVP_OK) {
-                fprintf(stderr, "kvpipe demo (prefill): request %d %s: %s\n", r, part_names[k],
-                        kvp_last_error());
-                rc = 1;
-            }
-        }
-    }
+    /* As many requests as the pipe lets be in flight, plus the one being sent. */
+    kvp_pipe_opts po;
+    kvp_pipe_opts_init(&po);
+    int inflight = (int)((double)po.kv_buffer_size / request_bytes(p)) + 1;
+    if (inflight > o->requests) inflight = o->requests;
+    if (!rc && meet(o, "prefill.open", "decode.open")) rc = 1;
+    if (!rc && o->prefault && prefault(pipe, p, inflight)) rc = 1;
+    if (!rc && wait_mark(o, "decode.ready")) rc = 1;
+    for (int r = 0; r < o->requests && !rc; r++)
+        rc = o->in_place ? send_in_place(o, pipe, p, r, report)
+                         : send_copying(pipe, p, bufs, r, report);
     /* Stay until decode has read everything: closing frees the buffers. */
     if (!rc && kvp_pipe_flush(pipe, RECV_TIMEOUT_MS) != KVP_OK) {
-        fprintf(stderr, "kvpipe demo (prefill): %s\n", kvp_last_error());
+        kvp_cli_error("prefill: %s", kvp_last_error());
         rc = 1;
     }
     for (int k = 0; k < N_PARTS; k++)
@@ -296,8 +529,8 @@ static int receive_request(kvp_pipe *pipe, const part *p, int r, uint64_t *done_
     for (int k = 0; k < N_PARTS && !rc; k++) {
         kvp_status st = kvp_pipe_recv(pipe, RECV_TIMEOUT_MS, &got[k]);
         if (st || !got[k]) {
-            fprintf(stderr, "kvpipe demo (decode): request %d %s: %s\n", r, part_names[k],
-                    st ? kvp_last_error() : "got None");
+            kvp_cli_error("decode: request %d %s: %s", r, part_names[k],
+                          st ? kvp_last_error() : "got None");
             rc = 1;
         }
     }
@@ -308,7 +541,7 @@ static int receive_request(kvp_pipe *pipe, const part *p, int r, uint64_t *done_
         if (got[k]->dtype != want.dtype || got[k]->ndim != want.ndim ||
             memcmp(got[k]->shape, want.shape, sizeof want.shape) != 0 ||
             check_part(got[k]->data, got[k]->nbytes, k, seed_of(r, k)) != 0) {
-            fprintf(stderr, "kvpipe demo (decode): request %d %s: MISMATCH\n", r, part_names[k]);
+            kvp_cli_error("decode: request %d %s: MISMATCH", r, part_names[k]);
             rc = 1;
         }
     }
@@ -324,6 +557,10 @@ static int run_decode(const demo_opts *o)
     kvp_pipe *pipe = open_pipe(o, 1);
     FILE *report = open_report(o);
     int rc = !pipe || !report;
+    if (!rc && meet(o, "decode.open", "prefill.open")) rc = 1;
+    /* Decode holds one request's tensors at a time. */
+    if (!rc && o->prefault && prefault(pipe, p, 1)) rc = 1;
+    if (!rc) mark(o, "decode.ready");
     progress(0, o->requests);
     for (int r = 0; r < o->requests && !rc; r++) {
         uint64_t done;
@@ -376,14 +613,48 @@ static int cmp_double(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-/* Nearest-rank percentile of sorted values. */
+/* Nearest-rank percentile of n sorted values (n > 0). */
 static double percentile(const double *v, int n, double q)
 {
     int i = (int)(q * n + 0.999999) - 1;
     return v[i < 0 ? 0 : i >= n ? n - 1 : i];
 }
 
-static void summarize(const demo_opts *o, const part *p, const results *res)
+/* memcpy of the run's bytes, part by part, between two pre-faulted buffers
+ * of the largest part; *ms is per request. */
+static double memcpy_gbps(const demo_opts *o, const part *p, double *ms)
+{
+    size_t big = 1;
+    for (int k = 0; k < N_PARTS; k++)
+        if (p[k].nbytes > big) big = p[k].nbytes;
+    char *src =
+        mmap(NULL, big, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    char *dst =
+        mmap(NULL, big, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    double gbps = 0;
+    if (src != MAP_FAILED && dst != MAP_FAILED) {
+        memset(src, 0x5a, big);
+        uint64_t t0 = kvp_cli_now_ns();
+        for (int r = 0; r < o->requests; r++)
+            for (int k = 0; k < N_PARTS; k++)
+                memcpy(dst, src, p[k].nbytes);
+        double secs = (double)(kvp_cli_now_ns() - t0) / 1e9;
+        gbps = secs > 0 ? request_bytes(p) * o->requests / secs / 1e9 : 0;
+        *ms = secs * 1e3 / o->requests;
+    }
+    if (src != MAP_FAILED) munmap(src, big);
+    if (dst != MAP_FAILED) munmap(dst, big);
+    return gbps;
+}
+
+typedef struct summary {
+    double bytes, secs, gbps, p50, p99;         /* every request */
+    double first_ms;                            /* request 0 */
+    double steady_p50, steady_p99, steady_gbps; /* requests 1.. (NAN with one request) */
+    double memcpy_gbps, memcpy_ms;              /* --baseline */
+} summary;
+
+static void compute(const demo_opts *o, const part *p, const results *res, summary *s)
 {
     int n = o->requests;
     double *lat = malloc((size_t)n * sizeof *lat);
@@ -392,30 +663,72 @@ static void summarize(const demo_opts *o, const part *p, const results *res)
         lat[r] = (double)(res->done[r] - res->start[r]) / 1e6;
         if (res->done[r] > last) last = res->done[r];
     }
+    s->first_ms = lat[0];
+    s->bytes = request_bytes(p) * n;
+    s->secs = (double)(last - first) / 1e9;
+    s->gbps = s->secs > 0 ? s->bytes / s->secs / 1e9 : 0;
+    s->steady_p50 = s->steady_p99 = s->steady_gbps = NAN;
+    if (n > 1) {
+        /* Requests 1.. finish between request 0's receipt and the last. */
+        double secs = (double)(last - res->done[0]) / 1e9;
+        s->steady_gbps = secs > 0 ? request_bytes(p) * (n - 1) / secs / 1e9 : 0;
+        qsort(lat + 1, (size_t)n - 1, sizeof *lat, cmp_double);
+        s->steady_p50 = percentile(lat + 1, n - 1, 0.5);
+        s->steady_p99 = percentile(lat + 1, n - 1, 0.99);
+    }
     qsort(lat, (size_t)n, sizeof *lat, cmp_double);
-    double per = 0;
-    for (int k = 0; k < N_PARTS; k++)
-        per += (double)p[k].nbytes;
-    double bytes = per * n, secs = (double)(last - first) / 1e9;
-    double gbps = secs > 0 ? bytes / secs / 1e9 : 0;
-    printf("moved %.2f GB in %.3f s over %s: %.2f GB/s; per-request latency p50 %.1f ms, "
-           "p99 %.1f ms; every byte verified\n",
-           bytes / 1e9, secs, res->transport, gbps, percentile(lat, n, 0.5),
-           percentile(lat, n, 0.99));
-    if (o->json)
-        printf("{\"gbps\": %.4f, \"bytes\": %.0f, \"requests\": %d, \"tokens\": %d, "
-               "\"p50_ms\": %.3f, \"p99_ms\": %.3f, \"seconds\": %.3f, \"transport\": \"%s\", "
-               "\"errors\": 0}\n",
-               gbps, bytes, n, o->tokens, percentile(lat, n, 0.5), percentile(lat, n, 0.99), secs,
-               res->transport);
+    s->p50 = percentile(lat, n, 0.5);
+    s->p99 = percentile(lat, n, 0.99);
     free(lat);
+    s->memcpy_gbps = s->memcpy_ms = NAN;
+    if (o->baseline) s->memcpy_gbps = memcpy_gbps(o, p, &s->memcpy_ms);
+}
+
+/* A JSON number, or null for NAN. */
+static void json_num(const char *key, double v, int last)
+{
+    if (isnan(v))
+        printf("\"%s\": null%s", key, last ? "" : ", ");
+    else
+        printf("\"%s\": %.3f%s", key, v, last ? "" : ", ");
+}
+
+static void summarize(const demo_opts *o, const part *p, const results *res)
+{
+    summary s;
+    compute(o, p, res, &s);
+    int n = o->requests;
+    printf("moved %.2f GB in %.3f s over %s: %.2f GB/s; every byte verified\n", s.bytes / 1e9,
+           s.secs, res->transport, s.gbps);
+    printf("  first request %.1f ms (%s%s)\n", s.first_ms, o->in_place ? "in-place send; " : "",
+           o->prefault ? "connections and lookups; memory pre-faulted"
+                       : "page faults of fresh memory, connections and lookups");
+    if (n > 1)
+        printf("  steady state, requests 2..%d: p50 %.1f ms, p99 %.1f ms per request, %.2f GB/s\n",
+               n, s.steady_p50, s.steady_p99, s.steady_gbps);
+    if (o->baseline)
+        printf("  memcpy of the same bytes (one thread, pre-faulted): %.1f ms per request, "
+               "%.2f GB/s\n",
+               s.memcpy_ms, s.memcpy_gbps);
+    if (!o->json) return;
+    printf("{\"gbps\": %.4f, \"bytes\": %.0f, \"requests\": %d, \"tokens\": %d, ", s.gbps, s.bytes,
+           n, o->tokens);
+    json_num("p50_ms", s.p50, 0);
+    json_num("p99_ms", s.p99, 0);
+    json_num("first_ms", s.first_ms, 0);
+    json_num("steady_p50_ms", s.steady_p50, 0);
+    json_num("steady_p99_ms", s.steady_p99, 0);
+    json_num("steady_gbps", s.steady_gbps, 0);
+    json_num("memcpy_gbps", s.memcpy_gbps, 0);
+    json_num("memcpy_ms", s.memcpy_ms, 0);
+    printf("\"prefault\": %s, \"send\": \"%s\", \"seconds\": %.3f, \"transport\": \"%s\", "
+           "\"errors\": 0}\n",
+           o->prefault ? "true" : "false", o->in_place ? "in-place" : "copy", s.secs,
+           res->transport);
 }
 
 static void describe(const demo_opts *o, const part *p, const kvp_launch *l)
 {
-    double per = 0;
-    for (int k = 0; k < N_PARTS; k++)
-        per += (double)p[k].nbytes;
     printf("kvpipe demo: %d requests x %d tokens; model shape %d layers, %d KV heads, head dim "
            "%d, hidden %d, %s\n",
            o->requests, o->tokens, o->layers, o->kv_heads, o->head_dim, o->hidden,
@@ -423,7 +736,7 @@ static void describe(const demo_opts *o, const part *p, const kvp_launch *l)
     printf("  per request: keys %.1f MiB, values %.1f MiB, hidden %.1f MiB, tokens+roi %.1f KiB "
            "(%.1f MiB)\n",
            p[2].nbytes / 1048576.0, p[3].nbytes / 1048576.0, p[4].nbytes / 1048576.0,
-           (p[0].nbytes + p[1].nbytes) / 1024.0, per / 1048576.0);
+           (p[0].nbytes + p[1].nbytes) / 1024.0, request_bytes(p) / 1048576.0);
     printf("  prefill 127.0.0.1:%d, decode 127.0.0.1:%d, metadata %s, protocol %s%s\n",
            l->base_port, l->base_port + 100, l->metadata, o->protocol,
            o->no_shm ? " (no shm)" : "");
@@ -434,7 +747,7 @@ static int run_both(int argc, char **argv, const demo_opts *o)
 {
     part p[N_PARTS];
     if (parts_of(o, p) != 0) {
-        fprintf(stderr, "kvpipe demo: the model shape is too large\n");
+        kvp_cli_error("the model shape is too large");
         return 2;
     }
     kvp_launch l;
@@ -460,9 +773,7 @@ static int run_both(int argc, char **argv, const demo_opts *o)
         pids[i] = kvp_launch_spawn(&l, args);
     }
     free(args);
-    double total = 0;
-    for (int k = 0; k < N_PARTS; k++)
-        total += (double)p[k].nbytes * o->requests;
+    double total = request_bytes(p) * o->requests;
     int limit_ms = 120000 + (int)(total / 20e6 * 1000 > 1e9 ? 1e9 : total / 20e6 * 1000);
     int rc = kvp_launch_wait(pids, roles, 2, limit_ms);
     results res = {calloc((size_t)o->requests, 8), calloc((size_t)o->requests, 8), "?"};
@@ -473,7 +784,7 @@ static int run_both(int argc, char **argv, const demo_opts *o)
     free(res.start);
     free(res.done);
     kvp_launch_cleanup(&l);
-    if (rc) fprintf(stderr, "kvpipe demo: FAILED\n");
+    if (rc) kvp_cli_error("FAILED");
     return rc;
 }
 
@@ -485,11 +796,8 @@ int kvp_cmd_demo(int argc, char **argv)
     if (!o.role) return run_both(argc, argv, &o);
     kvp_launch_child_init();
     if (!o.run_dir) {
-        fprintf(stderr, "kvpipe demo: --role needs --run-dir\n");
+        kvp_cli_error("--role needs --run-dir");
         return 2;
     }
-    if (strcmp(o.role, "prefill") == 0) return run_prefill(&o);
-    if (strcmp(o.role, "decode") == 0) return run_decode(&o);
-    fprintf(stderr, "kvpipe demo: --role must be prefill or decode\n");
-    return 2;
+    return strcmp(o.role, "prefill") == 0 ? run_prefill(&o) : run_decode(&o);
 }

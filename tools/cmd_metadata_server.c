@@ -1,72 +1,62 @@
 /* kvpipe metadata-server: run the HTTP metadata store until SIGINT/SIGTERM. */
 #include <errno.h>
-#include <getopt.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
+#include "cli_opts.h"
 #include "kvpipe/kvpipe.h"
 #include "kvpipe/metadata_server.h"
 
-static void usage(FILE *out)
-{
-    fprintf(out,
-            "usage: kvpipe metadata-server [--host H] [--port P] [LIMITS]\n"
-            "\n"
-            "Serve Mooncake's HTTP metadata protocol (GET|PUT|DELETE /metadata?key=K) from\n"
-            "memory until SIGINT or SIGTERM, with the rules of Mooncake's own server (a\n"
-            "second PUT of an rpc_meta key is refused). Point engines at\n"
-            "http://H:P/metadata. Also: GET /health, GET /metadata?list=PREFIX.\n"
-            "\n"
-            "  --host H                   address to bind (default 127.0.0.1; IPv6 allowed)\n"
-            "  --port P                   port to listen on (default 8080; 0 picks a free one)\n"
-            "  --max-value-bytes N        largest value (default 16M)\n"
-            "  --max-total-bytes N        memory for keys, values and requests (default 256M)\n"
-            "  --max-connections N        connections served at once (default 1024)\n"
-            "  --max-connections-per-ip N from one client address (default 256)\n"
-            "  --idle-timeout S           close a connection silent for S s (default 15)\n"
-            "  --request-timeout S        close one that takes over S s for a request\n"
-            "                             (default 30)\n"
-            "  --help                     show this text\n"
-            "Byte counts take a K, M or G suffix (powers of 1024).\n");
-}
+typedef struct server_opts {
+    char host[256];
+    kvp_metadata_server_opts o;
+} server_opts;
 
 enum {
-    OPT_HOST = 'H',
-    OPT_PORT = 'p',
-    OPT_HELP = 'h',
-    OPT_MAX_VALUE = 256,
-    OPT_MAX_TOTAL,
-    OPT_MAX_CONNS,
-    OPT_MAX_CONNS_PER_IP,
-    OPT_IDLE_TIMEOUT,
-    OPT_REQUEST_TIMEOUT,
+    O_HOST = 1,
+    O_PORT,
+    O_MAX_VALUE,
+    O_MAX_TOTAL,
+    O_MAX_CONNS,
+    O_MAX_CONNS_PER_IP,
+    O_IDLE_TIMEOUT,
+    O_REQUEST_TIMEOUT,
 };
 
-static const struct option opts[] = {
-    {"host", required_argument, NULL, OPT_HOST},
-    {"port", required_argument, NULL, OPT_PORT},
-    {"max-value-bytes", required_argument, NULL, OPT_MAX_VALUE},
-    {"max-total-bytes", required_argument, NULL, OPT_MAX_TOTAL},
-    {"max-connections", required_argument, NULL, OPT_MAX_CONNS},
-    {"max-connections-per-ip", required_argument, NULL, OPT_MAX_CONNS_PER_IP},
-    {"idle-timeout", required_argument, NULL, OPT_IDLE_TIMEOUT},
-    {"request-timeout", required_argument, NULL, OPT_REQUEST_TIMEOUT},
-    {"help", no_argument, NULL, OPT_HELP},
-    {NULL, 0, NULL, 0},
+static const kvp_cli_opt opts[] = {
+    {"host", KVP_ARG_STRING, "H", "address to bind (default 127.0.0.1; IPv6 allowed)",
+     .id = O_HOST},
+    {"port", KVP_ARG_INT, "P", "port to listen on (default 8080; 0 picks a free one)", 0, 65535,
+     .id = O_PORT},
+    {"max-value-bytes", KVP_ARG_SIZE, "N", "largest value (default 16M)", 1, LLONG_MAX,
+     .id = O_MAX_VALUE},
+    {"max-total-bytes", KVP_ARG_SIZE, "N", "memory for keys, values and requests (default 256M)", 1,
+     LLONG_MAX, .id = O_MAX_TOTAL},
+    {"max-connections", KVP_ARG_INT, "N", "connections served at once (default 1024)", 1, 1000000,
+     .id = O_MAX_CONNS},
+    {"max-connections-per-ip", KVP_ARG_INT, "N", "from one client address (default 256)", 1,
+     1000000, .id = O_MAX_CONNS_PER_IP},
+    {"idle-timeout", KVP_ARG_INT, "S", "close a connection silent for S s (default 15)", 1, 86400,
+     .id = O_IDLE_TIMEOUT},
+    {"request-timeout", KVP_ARG_INT, "S",
+     "close one that takes over S s for a request\n(default 30)", 1, 86400,
+     .id = O_REQUEST_TIMEOUT},
 };
 
-/* A decimal integer in [lo, hi]. */
-static int parse_uint(const char *s, long lo, long hi, long *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (!*s || *end || errno || v < lo || v > hi) return -1;
-    *out = v;
-    return 0;
-}
+static const kvp_cli_spec spec = {
+    .cmd = "metadata-server",
+    .synopsis = "usage: kvpipe metadata-server [--host H] [--port P] [LIMITS]\n",
+    .about = "Serve Mooncake's HTTP metadata protocol (GET|PUT|DELETE /metadata?key=K) from\n"
+             "memory until SIGINT or SIGTERM, with the rules of Mooncake's own server (a\n"
+             "second PUT of an rpc_meta key is refused). Point engines at\n"
+             "http://H:P/metadata. Also: GET /health, GET /metadata?list=PREFIX.\n",
+    .opts = opts,
+    .n_opts = sizeof opts / sizeof opts[0],
+    .epilog = "Byte counts take a K, M or G suffix (powers of 1024).\n",
+};
 
 /* "[::1]" names the same host as "::1"; the library takes it bare. */
 static int strip_brackets(const char *in, char *out, size_t len)
@@ -82,100 +72,63 @@ static int strip_brackets(const char *in, char *out, size_t len)
     return 0;
 }
 
-/* One option into o; on a bad value, *what says what was expected. */
-static int parse_one(int c, const char *arg, char *host, size_t host_len,
-                     kvp_metadata_server_opts *o, const char **what)
+static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value *v)
 {
-    long v = 0;
-    size_t bytes = 0;
-    switch (c) {
-    case OPT_HOST:
-        *what = "a host name or address";
-        return strip_brackets(arg, host, host_len);
-    case OPT_PORT:
-        *what = "a port in 0..65535";
-        if (parse_uint(arg, 0, 65535, &v)) return -1;
-        o->port = (int)v;
-        return 0;
-    case OPT_MAX_VALUE:
-    case OPT_MAX_TOTAL:
-        *what = "a byte count above 0, such as 16M";
-        if (kvp_cli_parse_size(arg, &bytes) || bytes == 0) return -1;
-        *(c == OPT_MAX_VALUE ? &o->max_value_bytes : &o->max_total_bytes) = bytes;
-        return 0;
-    case OPT_MAX_CONNS:
-    case OPT_MAX_CONNS_PER_IP:
-        *what = "a count in 1..1000000";
-        if (parse_uint(arg, 1, 1000000, &v)) return -1;
-        *(c == OPT_MAX_CONNS ? &o->max_connections : &o->max_connections_per_ip) = (unsigned)v;
-        return 0;
-    default: /* the two timeouts */
-        *what = "seconds in 1..86400";
-        if (parse_uint(arg, 1, 86400, &v)) return -1;
-        *(c == OPT_IDLE_TIMEOUT ? &o->idle_timeout_s : &o->request_timeout_s) = (unsigned)v;
-        return 0;
+    server_opts *so = p;
+    kvp_metadata_server_opts *o = &so->o;
+    switch (opt->id) {
+    case O_HOST:
+        return strip_brackets(v->text, so->host, sizeof so->host) ? "a host name or address" : NULL;
+    case O_PORT:
+        o->port = (int)v->i;
+        break;
+    case O_MAX_VALUE:
+        o->max_value_bytes = v->size;
+        break;
+    case O_MAX_TOTAL:
+        o->max_total_bytes = v->size;
+        break;
+    case O_MAX_CONNS:
+        o->max_connections = (unsigned)v->i;
+        break;
+    case O_MAX_CONNS_PER_IP:
+        o->max_connections_per_ip = (unsigned)v->i;
+        break;
+    case O_IDLE_TIMEOUT:
+        o->idle_timeout_s = (unsigned)v->i;
+        break;
+    case O_REQUEST_TIMEOUT:
+        o->request_timeout_s = (unsigned)v->i;
+        break;
     }
-}
-
-static const char *opt_name(int c)
-{
-    for (const struct option *p = opts; p->name; p++)
-        if (p->val == c) return p->name;
-    return "?";
-}
-
-/* Returns -1 to continue, else the exit code. */
-static int parse_args(int argc, char **argv, char *host, size_t host_len,
-                      kvp_metadata_server_opts *o)
-{
-    int c;
-    while ((c = getopt_long(argc, argv, "H:p:h", opts, NULL)) != -1) {
-        if (c == OPT_HELP) {
-            usage(stdout);
-            return 0;
-        }
-        const char *what = NULL;
-        if (c != '?' && parse_one(c, optarg, host, host_len, o, &what) == 0) continue;
-        if (c != '?')
-            fprintf(stderr, "kvpipe metadata-server: invalid --%s '%s': expected %s\n", opt_name(c),
-                    optarg, what);
-        usage(stderr);
-        return 2;
-    }
-    if (optind < argc) {
-        fprintf(stderr, "kvpipe metadata-server: unexpected argument '%s'\n", argv[optind]);
-        usage(stderr);
-        return 2;
-    }
-    if (o->max_value_bytes > o->max_total_bytes) {
-        fprintf(stderr, "kvpipe metadata-server: --max-value-bytes exceeds --max-total-bytes\n");
-        return 2;
-    }
-    return -1;
+    return NULL;
 }
 
 int kvp_cmd_metadata_server(int argc, char **argv)
 {
-    char host[256] = "127.0.0.1";
-    kvp_metadata_server_opts o;
-    kvp_metadata_server_opts_init(&o);
-    o.port = 8080;
-    int rc = parse_args(argc, argv, host, sizeof host, &o);
-    if (rc >= 0) return rc;
-    o.host = host;
+    server_opts so = {.host = "127.0.0.1"};
+    kvp_metadata_server_opts_init(&so.o);
+    so.o.port = 8080;
+    int r = kvp_cli_parse(&spec, argc, argv, 0, set_opt, &so);
+    if (r) return r - 1;
+    if (so.o.max_value_bytes > so.o.max_total_bytes) {
+        kvp_cli_error("--max-value-bytes exceeds --max-total-bytes");
+        return 2;
+    }
+    so.o.host = so.host;
     kvp_metadata_server *srv;
-    kvp_status st = kvp_metadata_server_start_opts(&o, &srv);
+    kvp_status st = kvp_metadata_server_start_opts(&so.o, &srv);
     if (st) {
-        fprintf(stderr, "kvpipe metadata-server: %s: %s\n", kvp_strerror(st), kvp_last_error());
+        kvp_cli_error("%s: %s", kvp_strerror(st), kvp_last_error());
         return 1;
     }
     /* An IPv6 literal goes in brackets in a URL. */
-    int v6 = strchr(host, ':') != NULL;
-    printf("kvpipe metadata-server listening on http://%s%s%s:%d/metadata\n", v6 ? "[" : "", host,
-           v6 ? "]" : "", kvp_metadata_server_port(srv));
+    int v6 = strchr(so.host, ':') != NULL;
+    printf("kvpipe metadata-server listening on http://%s%s%s:%d/metadata\n", v6 ? "[" : "",
+           so.host, v6 ? "]" : "", kvp_metadata_server_port(srv));
     fflush(stdout);
     int sig = kvp_cli_wait_for_signal();
-    fprintf(stderr, "kvpipe metadata-server: signal %d, stopping\n", sig);
+    kvp_cli_error("signal %d, stopping", sig);
     kvp_metadata_server_stop(srv);
     return 0;
 }

@@ -7,13 +7,17 @@
 #include <string.h>
 
 #include "cli.h"
+#include "cli_opts.h"
 #include "kvpipe/kvpipe.h"
 
+static int cmd_help(int argc, char **argv);
+
 static const kvp_cli_command commands[] = {
-    {"bench", "measure transfer throughput (target and initiator)", kvp_cmd_bench},
+    {"bench", "measure transfers: throughput and latency, one point or a sweep", kvp_cmd_bench},
     {"metadata-server", "run the HTTP metadata store", kvp_cmd_metadata_server},
     {"info", "list transports and stores; check a store and a segment", kvp_cmd_info},
     {"demo", "move a model's KV cache from prefill to decode on this host", kvp_cmd_demo},
+    {"help", "describe a command: kvpipe help [COMMAND [--pipe]]", cmd_help},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 
@@ -22,8 +26,40 @@ static void usage(FILE *out)
     fprintf(out, "usage: kvpipe COMMAND [OPTIONS]\n\nCommands:\n");
     for (size_t i = 0; i < N_COMMANDS; i++)
         fprintf(out, "  %-16s %s\n", commands[i].name, commands[i].summary);
-    fprintf(out, "\n'kvpipe COMMAND --help' describes each command. Env KVPIPE_LOG=debug|info|"
-                 "warn|error sets the log level.\n");
+    fprintf(out, "\n'kvpipe help COMMAND' (or 'kvpipe COMMAND --help') describes each command.\n"
+                 "Environment: KVPIPE_LOG=error|warn|info|debug sets the log level;\n"
+                 "KVPIPE_METRICS_PORT=P serves each engine's metrics at "
+                 "http://127.0.0.1:P/metrics;\n"
+                 "MC_TE_METRIC=1 logs Mooncake's throughput line every 5 s.\n");
+}
+
+static const kvp_cli_command *find_command(const char *name)
+{
+    for (size_t i = 0; i < N_COMMANDS; i++)
+        if (strcmp(name, commands[i].name) == 0) return &commands[i];
+    return NULL;
+}
+
+/* kvpipe help [COMMAND [ARGS]]: COMMAND's --help (bench --pipe's with --pipe). */
+static int cmd_help(int argc, char **argv)
+{
+    if (argc < 2) {
+        usage(stdout);
+        return 0;
+    }
+    const kvp_cli_command *c = find_command(argv[1]);
+    if (!c || c->main == cmd_help) {
+        kvp_cli_cmd = "help";
+        kvp_cli_error("unknown command '%s' (kvpipe help lists them)", argv[1]);
+        return 2;
+    }
+    char *args[8] = {argv[1]};
+    int n = 1;
+    for (int i = 2; i < argc && n < 6; i++)
+        args[n++] = argv[i];
+    args[n++] = "--help";
+    args[n] = NULL;
+    return c->main(n, args);
 }
 
 int kvp_cli_parse_size(const char *s, size_t *out)
@@ -41,26 +77,6 @@ int kvp_cli_parse_size(const char *s, size_t *out)
     if (*end == 'i' && end[1] == 'B') end += 2;
     if (*end || v > (SIZE_MAX >> shift)) return -1;
     *out = (size_t)(v << shift);
-    return 0;
-}
-
-int kvp_cli_getopt(int argc, char **argv, const struct option *opts, const char *cmd,
-                   void (*print_usage)(FILE *out),
-                   int (*parse_opt)(void *o, int c, const char *arg), void *o)
-{
-    optind = 1;
-    int c;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        if (c == 'h') {
-            print_usage(stdout);
-            return 1;
-        }
-        if (c == '?' || parse_opt(o, c, optarg) != 0) {
-            if (c != '?') fprintf(stderr, "%s: invalid value '%s'\n", cmd, optarg);
-            print_usage(stderr);
-            return 3;
-        }
-    }
     return 0;
 }
 
@@ -92,9 +108,8 @@ int main(int argc, char **argv)
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &set, NULL);
-    for (size_t i = 0; i < N_COMMANDS; i++)
-        if (strcmp(argv[1], commands[i].name) == 0) return commands[i].main(argc - 1, argv + 1);
-    fprintf(stderr, "kvpipe: unknown command '%s'\n\n", argv[1]);
-    usage(stderr);
+    const kvp_cli_command *c = find_command(argv[1]);
+    if (c) return c->main(argc - 1, argv + 1);
+    kvp_cli_error("unknown command '%s' (kvpipe help lists them)", argv[1]);
     return 2;
 }

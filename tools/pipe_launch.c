@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "cli_opts.h"
 #include "kvpipe/kvpipe.h"
 #include "pipe_launch.h"
 
@@ -56,7 +57,7 @@ static int start_metadata(kvp_launch *l, const char *metadata)
     }
     kvp_status st = kvp_metadata_server_start("127.0.0.1", 0, &l->store);
     if (st) {
-        fprintf(stderr, "kvpipe: cannot start the metadata store: %s\n", kvp_last_error());
+        kvp_cli_error("cannot start the metadata store: %s", kvp_last_error());
         return -1;
     }
     snprintf(l->metadata, sizeof l->metadata, "http://127.0.0.1:%d/metadata",
@@ -69,7 +70,7 @@ static int write_config(kvp_launch *l, const char *protocol)
     snprintf(l->config_path, sizeof l->config_path, "%s/mooncake.json", l->dir);
     FILE *f = fopen(l->config_path, "w");
     if (!f) {
-        fprintf(stderr, "kvpipe: cannot write %s: %s\n", l->config_path, strerror(errno));
+        kvp_cli_error("cannot write %s: %s", l->config_path, strerror(errno));
         return -1;
     }
     fprintf(f,
@@ -84,13 +85,13 @@ int kvp_launch_prepare(kvp_launch *l, const char *metadata, const char *protocol
     memset(l, 0, sizeof *l);
     snprintf(l->dir, sizeof l->dir, "/tmp/kvpipe-run-XXXXXX");
     if (!mkdtemp(l->dir)) {
-        fprintf(stderr, "kvpipe: cannot create a temporary directory: %s\n", strerror(errno));
+        kvp_cli_error("cannot create a temporary directory: %s", strerror(errno));
         l->dir[0] = '\0';
         return -1;
     }
     l->base_port = base_port ? base_port : pick_base();
     if (l->base_port <= 0) {
-        fprintf(stderr, "kvpipe: found no free port range for the pipe\n");
+        kvp_cli_error("found no free port range for the pipe");
         return -1;
     }
     if (start_metadata(l, metadata) != 0) return -1;
@@ -117,7 +118,7 @@ pid_t kvp_launch_spawn(const kvp_launch *l, char *const args[])
     setenv("MOONCAKE_CONFIG_PATH", l->config_path, 1);
     setenv("KVPIPE_LAUNCHED", "1", 1);
     execv("/proc/self/exe", args);
-    fprintf(stderr, "kvpipe: cannot run /proc/self/exe: %s\n", strerror(errno));
+    kvp_cli_error("cannot run /proc/self/exe: %s", strerror(errno));
     _exit(127);
 }
 
@@ -137,7 +138,7 @@ int kvp_launch_wait(pid_t *pids, const char *const *names, int n, int timeout_ms
         if (r < 0 && errno != EINTR) break;
         if (r <= 0) {
             if (kvp_cli_now_ms() > deadline) {
-                fprintf(stderr, "kvpipe: the run took longer than %d s; stopping it\n",
+                kvp_cli_error("the run took longer than %d s; stopping it",
                         timeout_ms / 1000);
                 kill_all(pids, n);
                 failed = 1;
@@ -153,10 +154,10 @@ int kvp_launch_wait(pid_t *pids, const char *const *names, int n, int timeout_ms
             int ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
             if (!ok && !failed) {
                 if (WIFSIGNALED(status))
-                    fprintf(stderr, "kvpipe: the %s side died of signal %d\n", names[i],
+                    kvp_cli_error("the %s side died of signal %d", names[i],
                             WTERMSIG(status));
                 else
-                    fprintf(stderr, "kvpipe: the %s side failed (exit %d)\n", names[i],
+                    kvp_cli_error("the %s side failed (exit %d)", names[i],
                             WEXITSTATUS(status));
                 failed = 1;
                 kill_all(pids, n); /* its peer would only wait for timeouts */

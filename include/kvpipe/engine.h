@@ -112,7 +112,23 @@ typedef struct kvp_engine_opts {
      * refused as stale (default 120000 ms); the engine signs its own anew
      * every quarter of it, so clocks must agree to well within it. */
     int auth_max_age_ms;
+    /* The metrics endpoint: an HTTP server answering GET /metrics with the
+     * engine's metrics as Prometheus text (include/kvpipe/metrics.h,
+     * docs/metrics.md). 0 (the default): as env KVPIPE_METRICS_PORT says
+     * (unset or "": none; "0": any free port); a port 1..65535; or
+     * KVP_METRICS_PORT_ANY: a free port, which kvp_engine_metrics_port()
+     * tells. Engines of one process that ask for the same port share one
+     * endpoint, their samples told apart by an engine="host:port" label. A
+     * port another program holds fails kvp_engine_create() with KVP_EBUSY;
+     * a build without libmicrohttpd fails it with KVP_ENOTSUP. */
+    int metrics_port;
+    /* Address the endpoint binds: NULL (the default) takes env
+     * KVPIPE_METRICS_HOST, else 127.0.0.1 (loopback only). */
+    const char *metrics_host;
 } kvp_engine_opts;
+
+/* kvp_engine_opts.metrics_port: any free port. */
+#define KVP_METRICS_PORT_ANY (-1)
 
 /* Fill opts with the defaults above and NULL strings. */
 KVP_API void kvp_engine_opts_init(kvp_engine_opts *opts);

@@ -9,6 +9,7 @@
 #include "kvpipe/engine.h"
 #include "kvpipe/info.h"
 #include "kvpipe/metadata_server.h"
+#include "kvpipe/metrics.h"
 #include "kvpipe/pipe.h"
 #include "kvpipe/tensor.h"
 

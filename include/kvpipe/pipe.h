@@ -141,6 +141,12 @@ typedef struct kvp_pipe_opts {
     size_t max_message_bytes;
     /* Non-zero: the engine never uses the same-host transport (see engine.h). */
     int disable_shm;
+    /* The metrics endpoint of the pipe's engine, serving the pipe's metrics
+     * too (kvp_pipe_metrics() lists them): as kvp_engine_opts.metrics_port
+     * and metrics_host (0 and NULL, the defaults: env KVPIPE_METRICS_PORT and
+     * KVPIPE_METRICS_HOST; unset: no endpoint). */
+    int metrics_port;
+    const char *metrics_host;
 } kvp_pipe_opts;
 
 /* Fill opts with the defaults above. */

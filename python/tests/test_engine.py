@@ -97,6 +97,12 @@ class LocalTests(unittest.TestCase):
                                      "%s:%d/metadata" % (tu.HOST, md.port), "tcp", "", "http")
             self.assertEqual(ret, 0, kvpipe.last_error())
             eng.close()
+        # P2PHANDSHAKE in lower case gets no scheme: the engine says what was meant.
+        eng = kvpipe.TransferEngine()
+        ret = eng.initialize_ext("%s:%d" % (tu.HOST, tu.free_port()), "p2phandshake", "tcp", "",
+                                 "etcd")
+        self.assertLess(ret, 0)
+        self.assertIn("did you mean 'P2PHANDSHAKE'", kvpipe.last_error())
 
     def test_managed_buffer_bytes(self):
         eng = new_engine()

@@ -180,6 +180,9 @@ class LogTests(unittest.TestCase):
         with self.assertRaises(TypeError):
             kvpipe.set_log_handler(42)
 
+    @unittest.skipIf("libtsan" in os.environ.get("LD_PRELOAD", ""),
+                     "ThreadSanitizer cannot start threads in a child forked "
+                     "from a process with threads")
     def test_handler_in_forked_child(self):
         got = Collector()
         kvpipe.set_log_handler(got)

@@ -280,6 +280,17 @@ void kvpi_log(kvp_log_level level, const char *subsys, const char *fmt, ...)
     emit(level, subsys, msg);
 }
 
+void kvpi_log_always(kvp_log_level level, const char *subsys, const char *fmt, ...)
+{
+    ensure_init();
+    char msg[MESSAGE_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    format_message(msg, fmt, ap);
+    va_end(ap);
+    emit(level, subsys, msg);
+}
+
 /* ------------------------------------------------------ rate limits --- */
 
 int kvpi_log_limit_take(kvpi_log_limit *lim, uint64_t now_ms, uint64_t window_ms,

@@ -33,6 +33,11 @@ int kvpi_log_enabled(kvp_log_level level);
 void kvpi_log(kvp_log_level level, const char *subsys, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
+/* Log one line whatever the threshold: a line the user asked for by name
+ * (MC_TE_METRIC's throughput report), tagged with level as usual. */
+void kvpi_log_always(kvp_log_level level, const char *subsys, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
 /* The state of one rate-limited call site. Zero-initialised (static) means
  * "never logged". */
 typedef struct kvpi_log_limit {

@@ -17,12 +17,14 @@ struct kvpi_work {
     kvp_batch *batch;
     size_t req;
     kvpi_slice slice;
+    const kvpi_transport_ops *ops; /* that ran it, for the metrics */
 };
 
 typedef struct req_state {
     kvp_status status; /* KVP_EINPROGRESS until its last slice completes */
     kvp_status first_error;
     size_t slices_left;
+    size_t length;
 } req_state;
 
 struct kvp_batch {
@@ -41,6 +43,8 @@ struct kvp_batch {
      * out its own deadline against a dead or stopped peer. */
     kvp_status conn_error;
     char detail[256]; /* kvp_last_error() of the first failure, from its worker */
+    kvpi_engine_metrics *metrics;
+    uint64_t submit_ns;
 };
 
 static int connection_level(kvp_status st)
@@ -48,7 +52,9 @@ static int connection_level(kvp_status st)
     return st == KVP_ETIMEDOUT || st == KVP_ECONNRESET || st == KVP_ECONNREFUSED;
 }
 
-static void complete(kvpi_work *w, kvp_status st)
+/* done_ns: when the work's transfer finished (the clock read once for a
+ * group), for the latency of a request that succeeds; 0 for a failure. */
+static void complete(kvpi_work *w, kvp_status st, uint64_t done_ns)
 {
     kvp_batch *b = w->batch;
     pthread_mutex_lock(&b->lock);
@@ -58,10 +64,15 @@ static void complete(kvpi_work *w, kvp_status st)
         snprintf(b->detail, sizeof b->detail, "%s",
                  *kvp_last_error() ? kvp_last_error() : kvp_strerror(st));
     if (connection_level(st) && b->conn_error == KVP_OK) b->conn_error = st;
-    if (--r->slices_left == 0) {
+    int done = --r->slices_left == 0;
+    if (done) {
         r->status = r->first_error;
         b->pending--;
     }
+    /* Counted before a waiter can see the request done. */
+    if (done)
+        kvpi_metrics_request_done(b->metrics, w->slice.opcode, r->length, w->ops, r->status,
+                                  done_ns - b->submit_ns);
     b->outstanding--;
     pthread_cond_broadcast(&b->cond);
     pthread_mutex_unlock(&b->lock);
@@ -136,7 +147,7 @@ static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
     for (size_t i = 0; i < n; i++) {
         kvp_status skip = skip_reason(group[i]);
         if (skip)
-            complete(group[i], skip);
+            complete(group[i], skip, 0);
         else
             live[m++] = group[i];
     }
@@ -144,7 +155,8 @@ static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
     kvpi_peer *peer;
     kvp_status st = acquire_for(e, seg, live, m, &peer);
     if (st) {
-        for (size_t i = 0; i < m; i++) complete(live[i], st);
+        for (size_t i = 0; i < m; i++)
+            complete(live[i], st, 0);
         return;
     }
     /* Check against the peer's published buffers before sending anything; the
@@ -156,19 +168,22 @@ static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
                                   s->length)) {
             kvpi_error(KVP_ERANGE, "segment %s: [0x%llx, +%zu) is outside its registered buffers",
                        seg->name, (unsigned long long)s->remote, s->length);
-            complete(live[i], KVP_ERANGE);
+            complete(live[i], KVP_ERANGE, 0);
             continue;
         }
         s->status = KVP_EINPROGRESS;
+        live[i]->ops = peer->ops;
         live[k] = live[i];
         slices[k++] = s;
     }
     st = k ? peer->ops->peer_xfer(peer->handle, slices, k) : KVP_OK;
+    uint64_t done_ns = kvpi_now_ns();
     kvpi_segment_release(seg, peer, st != KVP_OK);
     kvpi_segment_note(seg, st);
     for (size_t i = 0; i < k; i++)
-        complete(live[i], slices[i]->status == KVP_EINPROGRESS ? (st ? st : KVP_EIO)
-                                                              : slices[i]->status);
+        complete(live[i],
+                 slices[i]->status == KVP_EINPROGRESS ? (st ? st : KVP_EIO) : slices[i]->status,
+                 done_ns);
 }
 
 static void *worker_main(void *arg)
@@ -181,7 +196,7 @@ static void *worker_main(void *arg)
         if (n == 0) break;
         if (stopping) {
             for (size_t i = 0; i < n; i++)
-                complete(group[i], kvpi_error(KVP_ECLOSED, "the engine is shutting down"));
+                complete(group[i], kvpi_error(KVP_ECLOSED, "the engine is shutting down"), 0);
             continue;
         }
         run_group(e, group, n);
@@ -253,14 +268,17 @@ static void enqueue(kvp_engine *e, kvpi_work *first, kvpi_work *last)
     pthread_mutex_unlock(&q->lock);
 }
 
-static void build_works(kvp_batch *b, const kvp_request *reqs, size_t slice_size)
+/* Returns the bytes of the requests. */
+static uint64_t build_works(kvp_batch *b, const kvp_request *reqs, size_t slice_size)
 {
     size_t w = 0;
+    uint64_t bytes = 0;
     for (size_t i = 0; i < b->n; i++) {
         const kvp_request *r = &reqs[i];
         size_t count = slices_of(r, slice_size);
-        b->reqs[i] = (req_state){count ? KVP_EINPROGRESS : KVP_OK, KVP_OK, count};
+        b->reqs[i] = (req_state){count ? KVP_EINPROGRESS : KVP_OK, KVP_OK, count, r->length};
         if (count) b->pending++;
+        bytes += r->length;
         for (size_t off = 0; off < r->length; off += slice_size) {
             kvpi_work *work = &b->works[w];
             work->next = w + 1 < b->n_works ? &b->works[w + 1] : NULL;
@@ -272,6 +290,7 @@ static void build_works(kvp_batch *b, const kvp_request *reqs, size_t slice_size
             w++;
         }
     }
+    return bytes;
 }
 
 kvp_status kvp_batch_submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request *reqs,
@@ -298,7 +317,10 @@ kvp_status kvp_batch_submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_requ
     b->seg = seg;
     b->n = n;
     b->n_works = b->outstanding = n_works;
-    build_works(b, reqs, e->opts.slice_size);
+    b->metrics = &e->metrics;
+    b->submit_ns = kvpi_now_ns();
+    uint64_t bytes = build_works(b, reqs, e->opts.slice_size);
+    kvpi_metrics_submitted(&e->metrics, b->pending, bytes);
     if (n_works) enqueue(e, &b->works[0], &b->works[n_works - 1]);
     *out = b;
     return KVP_OK;

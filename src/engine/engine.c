@@ -298,6 +298,7 @@ static kvp_status start_servers(kvp_engine *e)
                            .auth = e->auth};
     for (size_t i = 0; kvpi_transports[i]; i++) {
         const kvpi_transport_ops *ops = kvpi_transports[i];
+        ctx.served = i < KVPI_TRANSPORTS_MAX ? &e->metrics.served[i] : NULL;
         kvp_status st = ops->server_start(&ctx, &e->servers[i]);
         if (st == KVP_OK) continue;
         e->servers[i] = NULL;
@@ -330,6 +331,7 @@ kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out)
     if ((st = draw_instance(e))) goto fail;
     if ((st = start_rpc(e))) goto fail;
     if ((st = name_segment(e))) goto fail;
+    if ((st = kvpi_engine_metrics_start(e))) goto fail;
     if ((st = start_servers(e))) goto fail;
     kvpi_pool_opts popts = {.retain_bytes = e->opts.pool_retain_bytes};
     kvpi_pool_hooks hooks = {e, pool_register, pool_unregister};
@@ -361,6 +363,7 @@ fail:
 void kvp_engine_destroy(kvp_engine *e)
 {
     if (!e) return;
+    kvpi_engine_metrics_stop(e);
     if (e->keeper_started) {
         pthread_mutex_lock(&e->keeper_lock);
         e->keeper_stop = 1;

@@ -2,6 +2,7 @@
  *   engine.c   - create/destroy, registration, publishing, the keeper thread
  *   segment.c  - the table of opened peer segments and their transports
  *   batch.c    - the work queue, worker threads and the batch API
+ *   metrics.c  - the engine's metrics, their endpoint and MC_TE_METRIC
  */
 #ifndef KVPI_ENGINE_INTERNAL_H
 #define KVPI_ENGINE_INTERNAL_H
@@ -13,6 +14,7 @@
 #include "common/net.h"
 #include "engine/buffer_pool.h"
 #include "engine/descriptor.h"
+#include "engine/metrics.h"
 #include "engine/registry.h"
 #include "kvpipe/engine.h"
 #include "metadata/metadata.h"
@@ -35,6 +37,7 @@ typedef struct kvpi_segment {
     kvpi_peer *peer;        /* NULL until looked up, and after a connection error */
     const char *transport;  /* name of the last transport used, for callers */
     int failing;            /* the last transfer failed: log the next failure quietly */
+    int looked_up;          /* a descriptor was fetched once: later lookups refresh it */
     atomic_size_t group_bytes; /* the transport's group size (see transport.h) */
 } kvpi_segment;
 
@@ -80,6 +83,13 @@ struct kvp_engine {
     pthread_mutex_t keeper_lock;
     pthread_cond_t keeper_cond;
     int keeper_stop;
+
+    kvpi_engine_metrics metrics;
+    struct kvpi_metrics_server *metrics_srv; /* the endpoint, when asked for */
+    pthread_t reporter;                      /* MC_TE_METRIC's line */
+    int reporter_started, report_interval_s, report_stop;
+    pthread_mutex_t report_lock;
+    pthread_cond_t report_cond;
 };
 
 /* segment.c */

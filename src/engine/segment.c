@@ -110,6 +110,7 @@ static kvp_status peer_connect(kvp_engine *e, kvpi_peer *peer, const char *segna
                          .timeout_ms = e->opts.timeout_ms,
                          .min_rate = e->opts.min_transfer_rate,
                          .conns = e->opts.conns_per_peer,
+                         .retries = &e->metrics.retries,
                          .auth = e->auth};
     for (size_t i = 0; kvpi_transports[i]; i++) {
         const kvpi_transport_ops *ops = kvpi_transports[i];
@@ -170,8 +171,11 @@ kvp_status kvpi_segment_acquire(kvp_engine *e, kvpi_segment *seg, kvpi_peer **ou
      * that failed look it up once. */
     pthread_mutex_lock(&seg->lock);
     if (!seg->peer) {
+        kvpi_counter_add(&e->metrics.lookups, 1);
+        if (seg->looked_up) kvpi_counter_add(&e->metrics.refreshes, 1);
         st = peer_lookup(e, seg->name, &seg->peer);
         if (st == KVP_OK) {
+            seg->looked_up = 1;
             const kvpi_transport_ops *ops = seg->peer->ops;
             seg->transport = ops->name;
             atomic_store(&seg->group_bytes,

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "common/error.h"
 #include "common/net.h"
@@ -50,6 +51,14 @@ kvp_status kvp_pipe_config_check(const kvp_pipe_config *cfg)
         return kvpi_error(KVP_ECONFIG, "config field 'metadata_server' is missing");
     if (!cfg->metadata_server[0])
         return kvpi_error(KVP_ECONFIG, "config field 'metadata_server' is empty");
+    /* Built as Mooncake builds it, "p2phandshake" would be an etcd host. */
+    if (strcasecmp(cfg->metadata_server, KVPI_P2P_CONN) == 0 &&
+        strcmp(cfg->metadata_server, KVPI_P2P_CONN) != 0)
+        return kvpi_error(KVP_ECONFIG,
+                          "config field 'metadata_server': '%s' would name an etcd host (a "
+                          "value without '://' is an etcd address, as in Mooncake); did you mean "
+                          "'" KVPI_P2P_CONN "'? It must be written in upper case",
+                          cfg->metadata_server);
     if (cfg->metadata_backend && !is_backend(cfg->metadata_backend))
         return kvpi_error(KVP_ECONFIG,
                           "config field 'metadata_backend': '%.64s' is not one of etcd, redis",

@@ -47,6 +47,7 @@
 #include "common/log.h"
 #include "common/net.h"
 #include "kvpipe/pipe.h"
+#include "pipe/pipe_metrics.h"
 #include "pipe/safetensors.h"
 
 #define ACK_TEXT "ACK"
@@ -137,6 +138,8 @@ struct kvp_pipe {
 
     int peer_open; /* under recv_lock */
     kvp_segment_id peer_seg;
+
+    kvpi_pipe_counters counters; /* what kvp_pipe_stats does not count */
 };
 
 /* Room in front of the data of a kvp_pipe_tensor_alloc() tensor for the
@@ -701,6 +704,8 @@ static kvp_status create_engine(kvp_pipe *p, const kvp_pipe_config *cfg)
     eo.disable_shm = p->opts.disable_shm;
     eo.pool_retain_bytes = pool_retention(&p->opts);
     eo.auth_key_file = cfg->auth_key_file;
+    eo.metrics_port = p->opts.metrics_port;
+    eo.metrics_host = p->opts.metrics_host;
     st = kvp_engine_create(&eo, &p->engine);
     free(conn);
     return st;
@@ -774,6 +779,7 @@ kvp_status kvp_pipe_open(const kvp_pipe_config *cfg, int local_rank, int kv_rank
         goto fail;
     }
     p->ctl_started = 1;
+    if ((st = kvpi_engine_metrics_attach(p->engine, kvpi_pipe_metrics_serve, p))) goto fail;
     KVPI_INFO("pipe %s open (kv_rank %d, peer %s): ZeroMQ data %d ack %d%s", ep.local_segment,
               kv_rank, ep.peer_segment, ep.data_port, ep.ack_port,
               p->auth ? ", authenticated (CURVE)" : "");
@@ -811,6 +817,7 @@ static kvp_status wait_for_room(kvp_pipe *p, size_t size, uint64_t deadline)
            p->inflight_bytes + size > p->opts.kv_buffer_size) {
         if (pthread_cond_timedwait(&p->room, &p->lock, &ts) == ETIMEDOUT && p->inflight_bytes > 0 &&
             p->inflight_bytes + size > p->opts.kv_buffer_size) {
+            kvpi_counter_add(&p->counters.send_timeouts, 1);
             st = kvpi_error(KVP_ETIMEDOUT,
                             "pipe %s: peer %s acknowledged nothing for %d ms (%zu messages, %zu "
                             "bytes in flight, kv_buffer_size %zu); is it alive and receiving?",
@@ -842,6 +849,7 @@ static kvp_status announce(kvp_pipe *p, const void *buf, size_t len, uint64_t de
     kvpi_put_be64(length, len);
     if (zsend(p->data_push, addr, 8, ZMQ_SNDMORE, remaining_ms(deadline)) < 0) {
         if (zmq_errno() != EAGAIN) return zmq_fail(p, "send");
+        kvpi_counter_add(&p->counters.send_timeouts, 1);
         return kvpi_error(KVP_ETIMEDOUT,
                           "pipe %s: peer %s took no announcement within %d ms (is its pipe open "
                           "and connected to port %d?%s)",
@@ -1040,9 +1048,11 @@ static kvp_status next_announcement(kvp_pipe *p, int timeout_ms, uint64_t *addr,
         }
         if (n > 0) drop_announcement(p, &m);
         /* A flood of garbage does not hold recv past its timeout. */
-        if (timeout_ms >= 0 && (n == 0 ? remaining_ms(deadline) == 0 : kvpi_now_ms() > deadline))
+        if (timeout_ms >= 0 && (n == 0 ? remaining_ms(deadline) == 0 : kvpi_now_ms() > deadline)) {
+            kvpi_counter_add(&p->counters.recv_timeouts, 1);
             return kvpi_error(KVP_ETIMEDOUT, "pipe %s: nothing announced by %s within %d ms",
                               p->ep.local_segment, p->ep.peer_segment, timeout_ms);
+        }
         if (n > 0) continue;
         zmq_pollitem_t it[2] = {
             {.socket = p->data_in.sock, .events = ZMQ_POLLIN},
@@ -1184,6 +1194,11 @@ void kvp_pipe_get_stats(kvp_pipe *p, kvp_pipe_stats *out)
     pthread_mutex_unlock(&p->lock);
 }
 
+const kvpi_pipe_counters *kvpi_pipe_counters_of(const kvp_pipe *p)
+{
+    return &p->counters;
+}
+
 const kvp_pipe_endpoints *kvp_pipe_get_endpoints(const kvp_pipe *p)
 {
     return &p->ep;
@@ -1201,6 +1216,7 @@ void kvp_pipe_close(kvp_pipe *p)
     atomic_store(&p->closing, 1);
     pthread_cond_broadcast(&p->room);
     pthread_mutex_unlock(&p->lock);
+    kvpi_engine_metrics_detach(p->engine, p);
     close_sockets(p);
     /* The control thread is gone: what is still queued will never be acknowledged. */
     while (p->q_count > 0)

@@ -36,6 +36,7 @@
 
 typedef struct shm_server {
     kvpi_registry *registry;
+    kvpi_served *served; /* may be NULL */
     kvpi_conn_server *conns;
     const kvpi_auth *auth; /* NULL: unauthenticated */
     pid_t pid;
@@ -161,8 +162,9 @@ static kvp_status copy_status(int err, int *fatal)
 
 /* One request: a bad frame closes the connection, a rejected range or a
  * failed copy is answered and the connection keeps serving. */
-static kvp_status serve_request(shm_conn *c, const uint8_t h[KVPI_SHM_REQ_LEN], kvpi_registry *reg)
+static kvp_status serve_request(shm_conn *c, const uint8_t h[KVPI_SHM_REQ_LEN], shm_server *srv)
 {
+    kvpi_registry *reg = srv->registry;
     uint64_t remote = kvpi_get_le64(h), len = kvpi_get_le64(h + 8), local = kvpi_get_le64(h + 16);
     uint8_t op = h[24];
     if (op > KVP_OP_WRITE) {
@@ -175,12 +177,14 @@ static kvp_status serve_request(shm_conn *c, const uint8_t h[KVPI_SHM_REQ_LEN], 
     if (kvpi_registry_pin(reg, remote, len, &pin) != KVP_OK) {
         KVPI_DEBUG("shm server: pid %d asked for [0x%" PRIx64 ", +%" PRIu64 ") outside registered "
                    "memory", (int)c->peer, remote, len);
+        if (srv->served) kvpi_counter_add(&srv->served->refused, 1);
         return answer(c, KVP_ERANGE, 0, 0);
     }
     int err = copy_with_peer(c->peer, (kvp_opcode)op, remote, local, len);
     kvpi_registry_unpin(reg, pin);
     int fatal = 0;
     kvp_status st = copy_status(err, &fatal);
+    if (st == KVP_OK && srv->served) kvpi_served_add(srv->served, op == KVP_OP_WRITE, len);
     kvp_status sent = fatal ? reply(c, st, err) : answer(c, st, err, len);
     if (fatal) return kvpi_error(st, "shm server: pid %d: %s", (int)c->peer, strerror(err));
     return sent;
@@ -193,7 +197,7 @@ static void serve(kvpi_conn *conn)
     uint8_t h[KVPI_SHM_REQ_LEN];
     kvp_status st;
     while ((st = kvpi_conn_next(conn, h, sizeof h)) == KVP_OK &&
-           (st = serve_request(c, h, srv->registry)) == KVP_OK) {
+           (st = serve_request(c, h, srv)) == KVP_OK) {
     }
     if (st != KVP_ECLOSED)
         KVPI_DEBUG("shm server: connection from pid %d ends: %s", (int)c->peer, kvp_last_error());
@@ -240,7 +244,8 @@ kvp_status kvpi_shm_server_start(const kvpi_server_ctx *ctx, void **server)
     if (st) return st;
     shm_server *srv = calloc(1, sizeof *srv);
     if (!srv) return kvpi_error(KVP_ENOMEM, "shm server: out of memory");
-    *srv = (shm_server){.registry = ctx->registry, .auth = ctx->auth, .pid = getpid()};
+    *srv = (shm_server){
+        .registry = ctx->registry, .served = ctx->served, .auth = ctx->auth, .pid = getpid()};
     int fd = -1;
     if ((st = kvpi_shm_host_id(srv->host_id, sizeof srv->host_id)) ||
         (st = listen_abstract(srv, &fd))) {

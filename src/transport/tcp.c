@@ -32,6 +32,7 @@
 
 typedef struct tcp_server {
     kvpi_registry *registry;
+    kvpi_served *served; /* may be NULL */
     kvpi_conn_server *conns;
     int port;
     const kvpi_auth *auth; /* NULL: unauthenticated */
@@ -69,6 +70,8 @@ static void drain(kvpi_conn *c, uint64_t size)
  * connection closes. Returns -1. */
 static int refuse(kvpi_conn *c, const kvpi_tcp_hdr *h)
 {
+    tcp_server *srv = kvpi_conn_ctx(c);
+    if (srv->served) kvpi_counter_add(&srv->served->refused, 1);
     if (h->v2 && send_status(c, KVPI_TCP_STATUS_REJECTED) == KVP_OK &&
         h->opcode == KVPI_TCP_OP_WRITE)
         drain(c, h->size);
@@ -133,6 +136,8 @@ static int serve_request(kvpi_conn *c, tcp_server *srv, const kvpi_tcp_hdr *h)
     if (st)
         KVPI_DEBUG("%s: connection dropped during %s of %llu bytes: %s", kvpi_conn_name(c),
                    op_name(h), (unsigned long long)h->size, kvp_last_error());
+    else if (srv->served)
+        kvpi_served_add(srv->served, h->opcode == KVPI_TCP_OP_WRITE, h->size);
     return st ? -1 : 0;
 }
 
@@ -171,6 +176,7 @@ static kvp_status tcp_server_start(const kvpi_server_ctx *ctx, void **out)
     if (!srv) return kvpi_error(KVP_ENOMEM, "tcp server: out of memory");
     srv->registry = ctx->registry;
     srv->auth = ctx->auth;
+    srv->served = ctx->served;
     int fd;
     kvp_status st = kvpi_tcp_listen(ctx->host, 0, &fd, &srv->port);
     if (st) {
@@ -214,6 +220,7 @@ typedef struct tcp_peer {
     int v2;
     int timeout_ms;
     uint64_t min_rate;
+    kvpi_counter *retries; /* may be NULL */
     int max_idle;
     const kvpi_auth *auth;
     pthread_mutex_t lock;
@@ -240,6 +247,7 @@ static kvp_status tcp_peer_open(const kvpi_peer_ctx *ctx, void **out)
     p->v2 = cJSON_IsNumber(ver) && ver->valuedouble >= 2;
     p->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : KVPI_CONN_TIMEOUT_MS_DEFAULT;
     p->min_rate = ctx->min_rate ? ctx->min_rate : KVPI_MIN_RATE_DEFAULT;
+    p->retries = ctx->retries;
     p->max_idle = conns;
     p->auth = ctx->auth;
     pthread_mutex_init(&p->lock, NULL);
@@ -446,6 +454,7 @@ static kvp_status tcp_peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
             /* An idle connection the peer had closed (servers reap idle
              * connections): retry once on a new one, by the same deadline. */
             retried = 1;
+            if (p->retries) kvpi_counter_add(p->retries, 1);
             continue;
         }
         return st == KVP_ETIMEDOUT ? deadline_error(p, slices, n, bytes, start, deadline) : st;

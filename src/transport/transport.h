@@ -21,6 +21,7 @@
 
 #include "common/auth.h"
 #include "common/conn_server.h"
+#include "engine/metrics.h"
 #include "engine/registry.h"
 #include "kvpipe/engine.h"
 
@@ -48,6 +49,8 @@ typedef struct kvpi_server_ctx {
      * refuse a connection whose peer does not prove the key, before serving
      * any request on it - with a conn_server, setup = kvpi_auth_conn_setup. */
     const kvpi_auth *auth;
+    /* Where the server counts the requests it serves (may be NULL). */
+    kvpi_served *served;
 } kvpi_server_ctx;
 
 typedef struct kvpi_peer_ctx {
@@ -64,6 +67,8 @@ typedef struct kvpi_peer_ctx {
     /* Non-NULL in the authenticated mode: run kvpi_auth_client on every new
      * connection before any request (its failure is the peer's error). */
     const kvpi_auth *auth;
+    /* Counts the requests run again on a new connection (may be NULL). */
+    kvpi_counter *retries;
 } kvpi_peer_ctx;
 
 /* The connection-server limits of a listener started with ctx. */

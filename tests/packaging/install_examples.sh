@@ -22,6 +22,7 @@ include/kvpipe/export.h
 include/kvpipe/info.h
 include/kvpipe/kvpipe.h
 include/kvpipe/metadata_server.h
+include/kvpipe/metrics.h
 include/kvpipe/pipe.h
 include/kvpipe/status.h
 include/kvpipe/tensor.h

@@ -371,19 +371,55 @@ static char *responder_reply(void *ctx)
     return strdup(ctx);
 }
 
+/* The responder runs in a fresh image of this test program (fork, then exec
+ * of /proc/self/exe with RESPONDER_ENV set): a child forked from a process
+ * with threads may not start threads of its own (ThreadSanitizer refuses). */
+#define RESPONDER_ENV "KVPT_RESPONDER" /* "port" */
+#define RESPONDER_ENV_REPLY "KVPT_RESPONDER_REPLY"
+
+__attribute__((constructor)) static void responder_entry(void)
+{
+    const char *spec = getenv(RESPONDER_ENV), *reply = getenv(RESPONDER_ENV_REPLY);
+    if (!spec) return;
+    int port = atoi(spec);
+    kvpi_rpc_server *srv;
+    if (!reply || port <= 0 ||
+        kvpi_rpc_server_start("127.0.0.1", port, &(kvpi_conn_limits){.timeout_ms = 2000},
+                              responder_reply, (void *)reply, &srv))
+        _exit(3);
+    for (;;)
+        pause();
+}
+
 pid_t kvpt_handshake_responder(int port, const char *reply)
 {
-    fflush(NULL);
-    pid_t pid = fork();
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        kvpi_rpc_server *srv;
-        if (kvpi_rpc_server_start("127.0.0.1", port, &(kvpi_conn_limits){.timeout_ms = 2000},
-                                  responder_reply, (void *)reply, &srv))
-            _exit(3);
-        for (;;)
-            pause();
+    extern char **environ;
+    char exe[4096];
+    ssize_t exe_len = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (exe_len <= 0) return -1;
+    exe[exe_len] = '\0';
+    size_t n = 0;
+    while (environ[n])
+        n++;
+    char **env = calloc(n + 3, sizeof *env);
+    if (!env) return -1;
+    memcpy(env, environ, n * sizeof *env);
+    if (asprintf(&env[n], "%s=%d", RESPONDER_ENV, port) < 0) env[n] = NULL;
+    if (asprintf(&env[n + 1], "%s=%s", RESPONDER_ENV_REPLY, reply) < 0) env[n + 1] = NULL;
+    pid_t pid = -1;
+    if (env[n] && env[n + 1]) {
+        fflush(NULL);
+        pid = fork();
+        if (pid == 0) {
+            prctl(PR_SET_PDEATHSIG, SIGKILL);
+            char *argv[] = {exe, NULL};
+            execve(exe, argv, env);
+            _exit(127);
+        }
     }
+    free(env[n]);
+    free(env[n + 1]);
+    free(env);
     if (pid < 0) return -1;
     if (kvpt_wait_port("127.0.0.1", port, 10000) != 0) {
         kill(pid, SIGKILL);

@@ -4,7 +4,9 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -122,6 +124,20 @@ int kvpt_wait_port(const char *host, int port, int timeout_ms)
             close(fd);
             return 0;
         }
+        usleep(20000);
+    }
+    return -1;
+}
+
+int kvpt_wait_file_has(const char *path, const char *text, int timeout_ms)
+{
+    static char buf[65536];
+    for (int waited = 0; waited < timeout_ms; waited += 20) {
+        FILE *f = fopen(path, "r");
+        size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+        if (f) fclose(f);
+        buf[n] = '\0';
+        if (strstr(buf, text)) return 0;
         usleep(20000);
     }
     return -1;

@@ -86,6 +86,10 @@ int kvpt_free_port_block(const int *offsets, size_t n);
 /* Wait until something accepts connections on host:port; 0 on success. */
 int kvpt_wait_port(const char *host, int port, int timeout_ms);
 
+/* Wait until the file at path holds text (in its first 64 KiB), as a program
+ * started with kvpt_spawn() writes it; 0 on success. */
+int kvpt_wait_file_has(const char *path, const char *text, int timeout_ms);
+
 /* Start a program (argv[0] is a path) with stdout to out_path (NULL: inherit).
  * Returns its pid. */
 pid_t kvpt_spawn(char *const argv[], const char *out_path);

@@ -1,0 +1,42 @@
+/* kvpipe bench: what the target, the initiator and the sweep share. */
+#ifndef KVP_TOOLS_BENCH_H
+#define KVP_TOOLS_BENCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cli_opts.h"
+#include "kvpipe/kvpipe.h"
+
+typedef enum bench_mode { BENCH_BOTH, BENCH_TARGET, BENCH_INITIATOR } bench_mode;
+
+typedef struct bench_opts {
+    bench_mode mode; /* BENCH_BOTH: no --mode: both sides here */
+    const char *metadata, *local_name, *segment, *protocol, *device_names;
+    int write; /* --operation write */
+    size_t blocks[KVP_CLI_LIST_MAX], batches[KVP_CLI_LIST_MAX], threads[KVP_CLI_LIST_MAX];
+    size_t n_blocks, n_batches, n_threads;
+    size_t buffer_size, slice_size;
+    int workers, conns, timeout_ms, metrics_port;
+    double duration;
+    int duration_set;
+    int verify, json, no_shm, sweep;
+    int unit;      /* index into bench_units */
+    int precision; /* digits of the throughput (Mooncake's --report_precision) */
+} bench_opts;
+
+/* Mooncake's --report_unit names and their bytes per unit. */
+typedef struct bench_unit {
+    const char *name;
+    double bytes;
+} bench_unit;
+extern const bench_unit bench_units[];
+
+/* The initiator: one point, or every point of the sweep, against segment
+ * o->segment; prints the results. Returns the exit code. */
+int bench_initiator(const bench_opts *o);
+
+/* An engine from the options (prints why on failure). */
+kvp_status bench_engine(const bench_opts *o, const char *name, kvp_engine **out);
+
+#endif

@@ -1,0 +1,390 @@
+/* kvpipe bench, the initiator: one point (block size x batch size x
+ * threads), or each point of a sweep, against one target segment. Each
+ * thread submits a batch, waits for it, and records how long the batch took;
+ * throughput counts the bytes of requests that succeeded. */
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "bench.h"
+#include "cli.h"
+#include "pattern.h"
+
+/* Local memory per thread without --verify: requests beyond it reuse it (a
+ * READ's bytes land on others'), so a sweep to 16 MiB x 32 stays affordable. */
+#define LOCAL_CAP ((size_t)64 << 20)
+#define SAMPLES_MAX ((size_t)16 << 20)
+
+typedef struct point {
+    size_t block, batch;
+    int threads;
+} point;
+
+typedef struct result {
+    point at;
+    uint64_t bytes, ops, errors, mismatches, batches, read_back;
+    double secs, gbps, p50_ms, p99_ms, p999_ms;
+} result;
+
+typedef struct worker {
+    pthread_t thread;
+    int id;
+    const bench_opts *o;
+    point at;
+    kvp_engine *e;
+    kvp_segment_id seg;
+    uint64_t remote_base, remote_len;
+    uint64_t deadline_ns;
+    uint64_t bytes, ops, errors, mismatches;
+    uint64_t *lat_ns; /* per batch */
+    size_t n_lat, cap_lat;
+    uint8_t *written; /* write --verify: per block, 1 once a write of it succeeded */
+    char error[256];  /* the first failure's detail */
+} worker;
+
+static void record(worker *w, uint64_t ns)
+{
+    if (w->n_lat == w->cap_lat) {
+        size_t cap = w->cap_lat ? 2 * w->cap_lat : 4096;
+        uint64_t *grown = cap <= SAMPLES_MAX ? realloc(w->lat_ns, cap * sizeof *grown) : NULL;
+        if (!grown) return; /* the percentiles then cover what fit */
+        w->lat_ns = grown;
+        w->cap_lat = cap;
+    }
+    w->lat_ns[w->n_lat++] = ns;
+}
+
+/* One batch's results into the worker's counts. */
+static void account(worker *w, kvp_batch *b, char *local, size_t slots, const uint64_t *offs)
+{
+    const bench_opts *o = w->o;
+    size_t block = w->at.block;
+    for (size_t i = 0; i < w->at.batch; i++) {
+        if (kvp_batch_request_status(b, i) != KVP_OK) {
+            w->errors++;
+            continue;
+        }
+        w->ops++;
+        w->bytes += block;
+        if (w->written) w->written[offs[i] / block] = 1;
+        if (!o->write && o->verify &&
+            kvp_pattern_check(local + (i % slots) * block, block, KVP_PATTERN_TARGET, offs[i]))
+            w->mismatches++;
+    }
+}
+
+static void *worker_main(void *arg)
+{
+    worker *w = arg;
+    const bench_opts *o = w->o;
+    size_t block = w->at.block, batch = w->at.batch;
+    size_t nblocks = w->remote_len / block;
+    size_t local_len = batch * block;
+    if (!o->verify && local_len > LOCAL_CAP)
+        local_len = LOCAL_CAP > block ? LOCAL_CAP / block * block : block;
+    size_t slots = local_len / block;
+    /* Populated before the clock starts: page faults are not the engine's. */
+    char *local = mmap(NULL, local_len, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    kvp_request *reqs = calloc(batch, sizeof *reqs);
+    uint64_t *offs = calloc(batch, sizeof *offs);
+    if (local == MAP_FAILED || !reqs || !offs) {
+        snprintf(w->error, sizeof w->error, "out of memory for %zu local bytes", local_len);
+        w->errors++;
+        goto out;
+    }
+    uint64_t next = (uint64_t)w->id * batch;
+    while (kvp_cli_now_ns() < w->deadline_ns) {
+        for (size_t i = 0; i < batch; i++) {
+            offs[i] = (next++ % nblocks) * block;
+            char *l = local + (i % slots) * block;
+            if (o->write && o->verify) kvp_pattern_fill(l, block, KVP_PATTERN_WRITE, offs[i]);
+            reqs[i] = (kvp_request){o->write ? KVP_OP_WRITE : KVP_OP_READ, l,
+                                    w->remote_base + offs[i], block};
+        }
+        uint64_t t0 = kvp_cli_now_ns();
+        kvp_batch *b;
+        kvp_status st = kvp_batch_submit(w->e, w->seg, reqs, batch, &b);
+        if (st == KVP_OK) {
+            st = kvp_batch_wait(b, -1);
+            record(w, kvp_cli_now_ns() - t0);
+            if (st != KVP_OK && !w->error[0])
+                snprintf(w->error, sizeof w->error, "%s", kvp_last_error());
+            account(w, b, local, slots, offs);
+            kvp_batch_free(b);
+        } else {
+            snprintf(w->error, sizeof w->error, "%s", kvp_last_error());
+            w->errors += batch;
+        }
+        if (w->errors) break;
+    }
+out:
+    if (local != MAP_FAILED) munmap(local, local_len);
+    free(reqs);
+    free(offs);
+    return NULL;
+}
+
+/* After a write --verify run: read back every block some worker wrote
+ * successfully and check that it holds what was written, so that a write
+ * reported done whose bytes never landed is caught (the target's own check on
+ * exit accepts its initial pattern). Returns the blocks that do not hold the
+ * written pattern, or -1 when the read-back itself failed. */
+static int64_t read_back(const worker *ws, int threads, size_t nblocks, uint64_t *checked)
+{
+    size_t block = ws[0].at.block;
+    char *local = malloc(block);
+    if (!local) return -1;
+    int64_t lost = 0;
+    *checked = 0;
+    for (size_t k = 0; k < nblocks; k++) {
+        int wrote = 0;
+        for (int i = 0; i < threads && !wrote; i++)
+            wrote = ws[i].written[k];
+        if (!wrote) continue;
+        uint64_t off = (uint64_t)k * block;
+        if (kvp_engine_read(ws[0].e, ws[0].seg, local, ws[0].remote_base + off, block) != KVP_OK) {
+            lost = -1;
+            break;
+        }
+        (*checked)++;
+        if (kvp_pattern_check(local, block, KVP_PATTERN_WRITE, off)) {
+            if (!lost) kvp_cli_error("block at %" PRIu64 " lost its write", off);
+            lost++;
+        }
+    }
+    free(local);
+    return lost;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Nearest-rank percentiles of every worker's batch latencies, in ms. */
+static void percentiles(const worker *ws, int threads, result *r)
+{
+    size_t n = 0;
+    for (int i = 0; i < threads; i++)
+        n += ws[i].n_lat;
+    r->batches = n;
+    uint64_t *all = n ? malloc(n * sizeof *all) : NULL;
+    if (!all) return;
+    size_t k = 0;
+    for (int i = 0; i < threads; i++) {
+        memcpy(all + k, ws[i].lat_ns, ws[i].n_lat * sizeof *all);
+        k += ws[i].n_lat;
+    }
+    qsort(all, n, sizeof *all, cmp_u64);
+    const double q[3] = {0.5, 0.99, 0.999};
+    double *out[3] = {&r->p50_ms, &r->p99_ms, &r->p999_ms};
+    for (int j = 0; j < 3; j++) {
+        size_t rank = (size_t)(q[j] * (double)n + 0.999999);
+        *out[j] = (double)all[rank ? rank - 1 : 0] / 1e6;
+    }
+    free(all);
+}
+
+typedef struct target {
+    kvp_engine *e;
+    kvp_segment_id seg;
+    kvp_remote_buffer rb;
+    uint64_t span;
+} target;
+
+/* Run one point; 0 when it ran (errors are in r), -1 when it could not. */
+static int run_point(const bench_opts *o, const target *t, point at, result *r, char *error,
+                     size_t cap)
+{
+    memset(r, 0, sizeof *r);
+    r->at = at;
+    size_t nblocks = t->span / at.block;
+    if (nblocks == 0) {
+        snprintf(error, cap, "the target's buffer (%" PRIu64 " bytes) is smaller than a block",
+                 t->span);
+        return -1;
+    }
+    int check_writes = o->verify && o->write;
+    worker *ws = calloc((size_t)at.threads, sizeof *ws);
+    if (!ws) return -1;
+    int rc = 0;
+    for (int i = 0; i < at.threads && check_writes; i++)
+        if (!(ws[i].written = calloc(nblocks, 1))) rc = -1;
+    uint64_t start = kvp_cli_now_ns();
+    for (int i = 0; i < at.threads && !rc; i++) {
+        uint8_t *written = ws[i].written;
+        ws[i] = (worker){.id = i,
+                         .o = o,
+                         .at = at,
+                         .e = t->e,
+                         .seg = t->seg,
+                         .remote_base = t->rb.addr,
+                         .remote_len = t->span,
+                         .deadline_ns = start + (uint64_t)(o->duration * 1e9)};
+        ws[i].written = written;
+        pthread_create(&ws[i].thread, NULL, worker_main, &ws[i]);
+    }
+    for (int i = 0; i < at.threads && !rc; i++) {
+        pthread_join(ws[i].thread, NULL);
+        r->bytes += ws[i].bytes;
+        r->ops += ws[i].ops;
+        r->errors += ws[i].errors;
+        r->mismatches += ws[i].mismatches;
+        if (ws[i].error[0] && !error[0]) snprintf(error, cap, "%s", ws[i].error);
+    }
+    r->secs = (double)(kvp_cli_now_ns() - start) / 1e9;
+    r->gbps = (double)r->bytes / r->secs / 1e9;
+    if (!rc) percentiles(ws, at.threads, r);
+    if (!rc && check_writes && !r->errors) {
+        int64_t lost = read_back(ws, at.threads, nblocks, &r->read_back);
+        if (lost < 0) {
+            snprintf(error, cap, "reading back the written blocks failed: %s", kvp_last_error());
+            r->errors++;
+        } else {
+            r->mismatches += (uint64_t)lost;
+        }
+    }
+    for (int i = 0; i < at.threads; i++) {
+        free(ws[i].written);
+        free(ws[i].lat_ns);
+    }
+    free(ws);
+    return rc;
+}
+
+/* ------------------------------------------------------------ output --- */
+
+static void human(size_t b, char *out, size_t cap)
+{
+    if (b >= (1u << 20) && b % (1u << 20) == 0)
+        snprintf(out, cap, "%zu MiB", b >> 20);
+    else if (b >= 1024 && b % 1024 == 0)
+        snprintf(out, cap, "%zu KiB", b >> 10);
+    else
+        snprintf(out, cap, "%zu B", b);
+}
+
+static double in_unit(const bench_opts *o, const result *r)
+{
+    return (double)r->bytes / r->secs / bench_units[o->unit].bytes;
+}
+
+static void print_point(const bench_opts *o, const result *r, const char *tr)
+{
+    const char *unit = bench_units[o->unit].name;
+    printf("kvpipe bench: %s %zu B x %zu x %d threads via %s: %.*f %s/s, %" PRIu64 " ops, %" PRIu64
+           " errors%s; batch latency p50 %.3f ms, p99 %.3f ms, p999 %.3f ms\n",
+           o->write ? "write" : "read", r->at.block, r->at.batch, r->at.threads, tr, o->precision,
+           in_unit(o, r), unit, r->ops, r->errors,
+           o->verify ? (r->mismatches ? ", VERIFY FAILED" : ", verified") : "", r->p50_ms,
+           r->p99_ms, r->p999_ms);
+    /* Mooncake's transfer_engine_bench line, for scripts that read it. */
+    printf("Test completed: duration %.2f, batch count %" PRIu64 ", throughput %.*f %s/s\n",
+           r->secs, r->batches, o->precision, in_unit(o, r), unit);
+}
+
+/* A point's JSON fields, without the braces. */
+static void json_fields(const result *r)
+{
+    printf("\"block_size\": %zu, \"batch_size\": %zu, \"threads\": %d, \"gbps\": %.4f, "
+           "\"bytes\": %" PRIu64 ", \"ops\": %" PRIu64 ", \"batches\": %" PRIu64
+           ", \"errors\": %" PRIu64 ", \"mismatches\": %" PRIu64 ", \"seconds\": %.3f, "
+           "\"p50_ms\": %.4f, \"p99_ms\": %.4f, \"p999_ms\": %.4f, \"read_back\": %" PRIu64,
+           r->at.block, r->at.batch, r->at.threads, r->gbps, r->bytes, r->ops, r->batches,
+           r->errors + r->mismatches, r->mismatches, r->secs, r->p50_ms, r->p99_ms, r->p999_ms,
+           r->read_back);
+}
+
+static void table_head(const bench_opts *o, const char *tr, size_t n)
+{
+    printf("kvpipe bench: sweep of %zu points, %s via %s, %.1f s each; latency of one batch, "
+           "submit to completion\n",
+           n, o->write ? "write" : "read", tr, o->duration);
+    char unit[16];
+    snprintf(unit, sizeof unit, "%s/s", bench_units[o->unit].name);
+    printf("%10s %6s %7s %10s %10s %9s %9s %9s %7s\n", "block", "batch", "threads", unit, "ops",
+           "p50 ms", "p99 ms", "p999 ms", "errors");
+}
+
+static void table_row(const bench_opts *o, const result *r)
+{
+    char b[32];
+    human(r->at.block, b, sizeof b);
+    printf("%10s %6zu %7d %10.*f %10" PRIu64 " %9.3f %9.3f %9.3f %7" PRIu64 "\n", b, r->at.batch,
+           r->at.threads, o->precision, in_unit(o, r), r->ops, r->p50_ms, r->p99_ms, r->p999_ms,
+           r->errors + r->mismatches);
+    fflush(stdout);
+}
+
+/* -------------------------------------------------------------- run --- */
+
+static int open_target(const bench_opts *o, target *t)
+{
+    if (bench_engine(o, o->local_name, &t->e)) return -1;
+    size_t nb = 0;
+    if (kvp_engine_open_segment(t->e, o->segment, &t->seg) ||
+        kvp_engine_segment_buffers(t->e, t->seg, &t->rb, 1, &nb)) {
+        kvp_cli_error("cannot open segment %s: %s", o->segment, kvp_last_error());
+        return -1;
+    }
+    if (nb == 0) {
+        kvp_cli_error("segment %s has no registered buffer", o->segment);
+        return -1;
+    }
+    t->span = t->rb.length < o->buffer_size ? t->rb.length : o->buffer_size;
+    return 0;
+}
+
+int bench_initiator(const bench_opts *o)
+{
+    target t = {0};
+    int rc = 1;
+    size_t n = o->n_blocks * o->n_batches * o->n_threads, k = 0;
+    result *rs = calloc(n, sizeof *rs);
+    if (!rs || open_target(o, &t)) goto out;
+    const char *tr = kvp_engine_segment_transport(t.e, t.seg);
+    if (o->sweep) table_head(o, tr, n);
+    char error[256] = "";
+    rc = 0;
+    for (size_t a = 0; a < o->n_blocks; a++)
+        for (size_t b = 0; b < o->n_batches; b++)
+            for (size_t c = 0; c < o->n_threads && !error[0]; c++, k++) {
+                point at = {o->blocks[a], o->batches[b], (int)o->threads[c]};
+                if (run_point(o, &t, at, &rs[k], error, sizeof error)) {
+                    rc = 1;
+                    break;
+                }
+                if (o->sweep)
+                    table_row(o, &rs[k]);
+                else
+                    print_point(o, &rs[k], tr);
+                if (rs[k].errors || rs[k].mismatches || rs[k].ops == 0) rc = 1;
+            }
+    if (o->json && o->sweep) {
+        printf("{\"operation\": \"%s\", \"transport\": \"%s\", \"seconds_per_point\": %.3f, "
+               "\"points\": [",
+               o->write ? "write" : "read", tr, o->duration);
+        for (size_t i = 0; i < k; i++) {
+            printf("%s{", i ? ", " : "");
+            json_fields(&rs[i]);
+            printf("}");
+        }
+        printf("]}\n");
+    } else if (o->json && k) {
+        /* One point: its fields at the top level. */
+        printf("{\"operation\": \"%s\", \"transport\": \"%s\", ", o->write ? "write" : "read", tr);
+        json_fields(&rs[0]);
+        printf("}\n");
+    }
+    if (error[0]) kvp_cli_error("transfers failed: %s", error);
+out:
+    free(rs);
+    kvp_engine_destroy(t.e);
+    return rc;
+}
