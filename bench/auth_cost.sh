@@ -45,11 +45,17 @@ run() {
     local tpid=$!
     pids+=("$tpid")
     for _ in $(seq 100); do grep -q serving "$tmp/target.log" && break; sleep 0.05; done
-    KVPIPE_AUTH_KEY_FILE=$key "$kvpipe" bench --mode initiator --local-server-name "127.0.0.1:$iport" \
-        --segment-id "127.0.0.1:$tport" --operation "$op" --block-size "$block" \
-        --batch-size "$batch" --buffer-size 256M --duration "$duration" --no-shm --json \
-        2>/dev/null | tail -1 | python3 -c 'import json,sys; print(json.load(sys.stdin)["gbps"])'
+    local out
+    out=$(KVPIPE_AUTH_KEY_FILE=$key "$kvpipe" bench --mode initiator \
+        --local-server-name "127.0.0.1:$iport" --segment-id "127.0.0.1:$tport" --operation "$op" \
+        --block-size "$block" --batch-size "$batch" --buffer-size 256M --duration "$duration" \
+        --no-shm --json 2>"$tmp/initiator.err" | tail -1) || true
     kill "$tpid"; wait "$tpid" 2>/dev/null || true
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["gbps"])' <<<"$out" 2>/dev/null || {
+        echo "bench/auth_cost.sh: the initiator failed:" >&2
+        cat "$tmp/initiator.err" "$tmp/target.log" >&2
+        return 1
+    }
 }
 
 echo "throughput (GB/s, median of $repeat; TCP, shm off):"
