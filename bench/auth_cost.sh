@@ -36,8 +36,17 @@ median() { sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 echo "connection setup:"
 "$build/auth_setup" --key "$tmp/key" --count 2000 | tee "$tmp/setup.json"
 
-# run KEY OP BLOCK BATCH: one target + initiator pair; prints GB/s.
+# run KEY OP BLOCK BATCH: one target + initiator pair; prints GB/s. Up to
+# three tries: a free port can be taken by another program before we bind it.
 run() {
+    local try
+    for try in 1 2 3; do
+        run_once "$@" && return 0
+    done
+    return 1
+}
+
+run_once() {
     local key=$1 op=$2 block=$3 batch=$4 tport iport
     tport=$(free_port); iport=$(free_port)
     KVPIPE_AUTH_KEY_FILE=$key "$kvpipe" bench --mode target --local-server-name "127.0.0.1:$tport" \
@@ -50,7 +59,8 @@ run() {
         --local-server-name "127.0.0.1:$iport" --segment-id "127.0.0.1:$tport" --operation "$op" \
         --block-size "$block" --batch-size "$batch" --buffer-size 256M --duration "$duration" \
         --no-shm --json 2>"$tmp/initiator.err" | tail -1) || true
-    kill "$tpid"; wait "$tpid" 2>/dev/null || true
+    kill "$tpid" 2>/dev/null || true
+    wait "$tpid" 2>/dev/null || true
     python3 -c 'import json,sys; print(json.load(sys.stdin)["gbps"])' <<<"$out" 2>/dev/null || {
         echo "bench/auth_cost.sh: the initiator failed:" >&2
         cat "$tmp/initiator.err" "$tmp/target.log" >&2
