@@ -2,7 +2,7 @@
 # kvpipe benchmark driver: every figure is a ratio against a baseline measured
 # in the same run on the same machine.
 #
-#   bench/run.sh [--build DIR] [--duration SECONDS] [--repeat N] [--only tcp|shm|pipe|sweep]
+#   bench/run.sh [--build DIR] [--duration SECONDS] [--repeat N] [--only tcp|shm|pipe|sweep|ucx|samehost]
 #
 # Sections:
 #   tcp   kvpipe bench READ/WRITE over TCP vs raw loopback TCP (bench/raw_tcp.c)
@@ -11,6 +11,9 @@
 #         same size, and vs memcpy
 #   sweep kvpipe bench --sweep over TCP and shm: GB/s and batch latency
 #         p50/p99/p999 per block size x batch size x threads (one run each)
+#   ucx   kvpipe bench READ/WRITE over ucx (protocol rdma) vs ucx_perftest
+#         ucp_get/ucp_put_bw (Debian ucx-utils), each UCX_TLS of this host
+#   samehost  kvpipe READ/WRITE over shm vs over ucx on UCX's shared memory
 # Each pair runs back to back and the median of --repeat runs is kept, which
 # damps noise from other load. Results go to stdout and bench/results/latest.md
 # (latest-SECTION.md for an --only run), and with gnuplot installed a plot of
@@ -28,7 +31,7 @@ while [ $# -gt 0 ]; do
     --duration) duration=$2; shift 2 ;;
     --repeat) repeat=$2; shift 2 ;;
     --only) only=$2; shift 2 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "bench/run.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
@@ -51,22 +54,32 @@ human() { awk -v b="$1" 'BEGIN { if (b >= 1048576) printf "%d MiB", b/1048576; e
 start_target() {
     local proto=$1; shift
     local port; port=$(free_port)
+    local log="$tmp/target-$port.out"
     "$kvpipe" bench --mode target --local-server-name "127.0.0.1:$port" --protocol "$proto" \
-        --buffer-size 512M "$@" > "$tmp/target.out" 2>&1 &
+        --buffer-size 512M "$@" > "$log" 2>&1 &
     pids+=($!)
-    for _ in $(seq 100); do grep -q serving "$tmp/target.out" && break; sleep 0.1; done
-    grep -q serving "$tmp/target.out" || { cat "$tmp/target.out" >&2; exit 1; }
+    for _ in $(seq 100); do grep -q serving "$log" && break; sleep 0.1; done
+    grep -q serving "$log" || { cat "$log" >&2; exit 1; }
     segment="127.0.0.1:$port"
 }
 stop_target() { kill "${pids[-1]}"; wait "${pids[-1]}" 2>/dev/null || true; unset 'pids[-1]'; }
 
-# initiator PROTO OP BLOCK EXTRA... : prints gbps
+# initiator PROTO OP BLOCK EXTRA... : prints gbps; fails unless the transport
+# that moved the bytes is the one PROTO asks for (rdma: ucx), so a row never
+# measures a fallback
 initiator() {
     local proto=$1 op=$2 block=$3; shift 3
     local batch=$(( (64 << 20) / block )); [ $batch -gt 128 ] && batch=128; [ $batch -lt 2 ] && batch=2
+    local want=$proto; [ "$proto" = rdma ] && want=ucx
     "$kvpipe" bench --mode initiator --local-server-name "127.0.0.1:$(free_port)" \
         --segment-id "$segment" --protocol "$proto" --operation "$op" --block-size "$block" \
-        --batch-size "$batch" --buffer-size 512M --duration "$duration" --json "$@" | gbps_of
+        --batch-size "$batch" --buffer-size 512M --duration "$duration" --json "$@" \
+        > "$tmp/initiator.out"
+    local used; used=$(sed -n 's/.*"transport": *"\([a-z]*\)".*/\1/p' "$tmp/initiator.out" | tail -n 1)
+    if [ "$used" != "$want" ]; then
+        echo "bench/run.sh: $proto $op of $block bytes ran over '$used', not $want" >&2; exit 1
+    fi
+    gbps_of < "$tmp/initiator.out"
 }
 
 out="$here/results/latest${only:+-$only}.md" # a partial run does not overwrite the full one
@@ -80,7 +93,7 @@ echo "$(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(uname -r); duration ${
 echo "load average at the start $(cut -d' ' -f1-3 /proc/loadavg) (other work shares the cores)."
 echo "Command: \`bench/run.sh --duration $duration --repeat $repeat${only:+ --only $only}\`"
 echo
-if command -v gnuplot > /dev/null && [ "$only" != sweep ]; then
+if command -v gnuplot > /dev/null && case "$only" in ""|tcp|shm|pipe) true ;; *) false ;; esac; then
     echo "![kvpipe beside its baselines, GB/s]($(basename "$png"))"
     echo
 fi
@@ -181,6 +194,108 @@ section_sweep() {
     echo
 }
 
+# ---- ucx: the same UCX_TLS and UCX settings for kvpipe and ucx_perftest:
+# endpoints with peer error handling (-e; kvpipe's always have it), which
+# UCX 1.13's shared-memory transports serve only with their ERROR_HANDLING
+# on, and kvpipe's 1 s keepalive. UCX_TLS sets to measure: UCX's tcp and
+# shared memory here; on RDMA hosts add e.g. "rc,sm,self" or "dc,sm,self".
+ucx_tls_sets=${KVP_BENCH_UCX_TLS:-"tcp sm,self"}
+ucx_env() {
+    export UCX_TLS=$1 UCX_POSIX_ERROR_HANDLING=y UCX_SYSV_ERROR_HANDLING=y \
+        UCX_KEEPALIVE_INTERVAL=1s UCX_WARN_UNUSED_ENV_VARS=n
+}
+
+# perftest_once TEST SIZE ITERS: decimal GB/s of one ucx_perftest run (its
+# MB/s are MiB/s)
+perftest_once() {
+    local test=$1 size=$2 iters=$3 port; port=$(free_port)
+    ucx_perftest -p "$port" -e > "$tmp/perftest-server.out" 2>&1 &
+    local srv=$!
+    for _ in $(seq 100); do ss -ltn "sport = :$port" | grep -q LISTEN && break; sleep 0.05; done
+    ucx_perftest 127.0.0.1 -p "$port" -e -t "$test" -s "$size" -n "$iters" \
+        -w $(( iters / 10 + 1 )) -f 2> "$tmp/perftest-client.err" |
+        awk 'NF >= 8 && $1 ~ /^[0-9]+$/ { v = $6 } END { if (v != "") printf "%.4f", v * 1048576 / 1e9 }'
+    wait "$srv" 2>/dev/null || true
+}
+
+# baseline_perftest TEST SIZE: ucx_perftest for about --duration seconds
+baseline_perftest() {
+    local test=$1 size=$2 n gbps
+    n=$(( (64 << 20) / size )); [ $n -lt 4 ] && n=4
+    gbps=$(perftest_once "$test" "$size" "$n")
+    n=$(awk -v g="${gbps:-0}" -v s="$size" -v d="$duration" \
+        'BEGIN { n = int(g * 1e9 * d / s); if (n < 10) n = 10; if (n > 200000) n = 200000; print n }')
+    perftest_once "$test" "$size" "$n"
+}
+
+section_ucx() {
+    echo "## ucx (protocol rdma) vs ucx_perftest on the same UCX_TLS"
+    echo
+    if ! command -v ucx_perftest > /dev/null; then
+        echo "skipped: ucx_perftest not found (Debian package ucx-utils)"; echo; return
+    fi
+    if ! "$kvpipe" info 2>/dev/null | grep -q '^  ucx '; then
+        echo "skipped: this kvpipe has no ucx transport (KVP_WITH_UCX)"; echo; return
+    fi
+    echo "ucx_perftest -e (peer error handling, as kvpipe's endpoints): ucp_get (1 request in"
+    echo "flight) and ucp_put_bw (32 in flight); kvpipe: --batch-size requests per batch, 2 threads."
+    echo
+    echo "| UCX_TLS | block | ucp_get GB/s | READ GB/s | READ / ucp_get | ucp_put_bw GB/s | WRITE GB/s | WRITE / ucp_put_bw |"
+    echo "|---|---|---|---|---|---|---|---|"
+    for tls in $ucx_tls_sets; do
+        ucx_env "$tls"
+        start_target rdma --no-shm
+        for block in 65536 1048576 16777216; do
+            local gets=() puts=() reads=() writes=()
+            for _ in $(seq "$repeat"); do
+                gets+=("$(baseline_perftest ucp_get "$block")")
+                reads+=("$(initiator rdma read "$block" --no-shm)")
+                puts+=("$(baseline_perftest ucp_put_bw "$block")")
+                writes+=("$(initiator rdma write "$block" --no-shm)")
+            done
+            local get put read write
+            get=$(med "${gets[@]}"); put=$(med "${puts[@]}")
+            read=$(med "${reads[@]}"); write=$(med "${writes[@]}")
+            echo "| $tls | $(human "$block") | $get | $read | $(ratio "$read" "$get") | $put | $write | $(ratio "$write" "$put") |"
+        done
+        stop_target
+    done
+    echo
+}
+
+# Which of shm and ucx serves a same-host peer better: kvpipe READ and WRITE
+# over shm against ucx on UCX's shared memory, back to back (the reason shm
+# comes first for same-host peers, docs/transport-ucx.md).
+section_samehost() {
+    echo "## Same host: shm vs ucx on UCX's shared memory"
+    echo
+    if ! "$kvpipe" info 2>/dev/null | grep -q '^  ucx '; then
+        echo "skipped: this kvpipe has no ucx transport (KVP_WITH_UCX)"; echo; return
+    fi
+    echo "kvpipe over shm against kvpipe over ucx with UCX_TLS=sm,self (--no-shm), back to back."
+    echo
+    echo "| block | shm READ GB/s | ucx READ GB/s | ucx / shm READ | shm WRITE GB/s | ucx WRITE GB/s | ucx / shm WRITE |"
+    echo "|---|---|---|---|---|---|---|"
+    ucx_env "sm,self"
+    start_target shm; local shm_seg=$segment
+    start_target rdma --no-shm; local ucx_seg=$segment
+    for block in 1048576 16777216; do
+        local sr=() ur=() sw=() uw=()
+        for _ in $(seq "$repeat"); do
+            segment=$shm_seg; sr+=("$(initiator shm read "$block")")
+            segment=$ucx_seg; ur+=("$(initiator rdma read "$block" --no-shm)")
+            segment=$shm_seg; sw+=("$(initiator shm write "$block")")
+            segment=$ucx_seg; uw+=("$(initiator rdma write "$block" --no-shm)")
+        done
+        local a b c d
+        a=$(med "${sr[@]}"); b=$(med "${ur[@]}"); c=$(med "${sw[@]}"); d=$(med "${uw[@]}")
+        echo "| $(human "$block") | $a | $b | $(ratio "$b" "$a") | $c | $d | $(ratio "$d" "$c") |"
+    done
+    stop_target
+    stop_target
+    echo
+}
+
 # The plot: a panel per section that ran, kvpipe beside its baseline.
 plot() {
     command -v gnuplot > /dev/null || { echo "bench/run.sh: no gnuplot, no plot" >&2; return 0; }
@@ -214,7 +329,7 @@ plot() {
     gnuplot "$data/plot.gp" && echo "plot written to $png" >&2
 }
 
-for s in tcp shm pipe sweep; do
+for s in tcp shm pipe sweep ucx samehost; do
     [ -n "$only" ] && [ "$only" != "$s" ] && continue
     "section_$s" | tee -a "$out"
 done

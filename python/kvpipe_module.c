@@ -135,30 +135,13 @@ static PyMethodDef module_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* The module's constants: each status code without its KVP_ prefix. */
+#define NAME(name, value, text) {#name + 4, name},
 static const struct {
     const char *name;
     kvp_status code;
-} status_names[] = {
-    {"OK", KVP_OK},
-    {"EINVAL", KVP_EINVAL},
-    {"ENOMEM", KVP_ENOMEM},
-    {"ETIMEDOUT", KVP_ETIMEDOUT},
-    {"ECONNREFUSED", KVP_ECONNREFUSED},
-    {"ECONNRESET", KVP_ECONNRESET},
-    {"ERANGE", KVP_ERANGE},
-    {"ENOTFOUND", KVP_ENOTFOUND},
-    {"EPROTO", KVP_EPROTO},
-    {"ENOTSUP", KVP_ENOTSUP},
-    {"EMETADATA", KVP_EMETADATA},
-    {"EIO", KVP_EIO},
-    {"EBUSY", KVP_EBUSY},
-    {"ECONFIG", KVP_ECONFIG},
-    {"ECANCELED", KVP_ECANCELED},
-    {"EINPROGRESS", KVP_EINPROGRESS},
-    {"ECLOSED", KVP_ECLOSED},
-    {"EINTR", KVP_EINTR},
-    {"EAUTH", KVP_EAUTH},
-};
+} status_names[] = {KVP_STATUS_LIST(NAME)};
+#undef NAME
 
 static int add_status_constants(PyObject *module)
 {

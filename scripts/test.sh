@@ -31,18 +31,20 @@ took "the packaging checks"
 # (process_vm_writev), which valgrind cannot see, so it would report them as
 # uninitialised; ASan covers shm below.
 if command -v valgrind >/dev/null; then
-    vg=(valgrind -q --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite)
-    for t in engine_unit_test safetensors_test pipe_config_test tcp_wire_test \
+    # (Possible leaks are libraries' own, libnl's as UCX loads it among them.)
+    vg=(valgrind -q --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite
+        --show-possibly-lost=no)
+    for t in engine_unit_test engine_transport_ops_test safetensors_test pipe_config_test tcp_wire_test \
              metadata_http_test metadata_kvtable_test metadata_names_test p2p_rpc_test; do
         echo "valgrind: $t"
         "${vg[@]}" "build/tests/$t" >/dev/null
     done
-    echo "valgrind: engine_test (tcp cases)"
+    echo "valgrind: engine_test (tcp cases: the tcp transport's and ucx over UCX's tcp)"
     # Its targets are fresh execs of the test program: follow them.
     KVPT_FILTER=tcp_ "${vg[@]}" --trace-children=yes build/tests/engine_test >/dev/null
-    echo "valgrind: pipe_test (one-process cases)"
-    for c in no_peer ack_while_announcing; do
-        "${vg[@]}" build/tests/pipe_test "$c" >/dev/null
+    echo "valgrind: pipe_test (one-process cases; not the shm row's)"
+    for c in {,ucx_tcp/,ucx_sm/}test_{no_peer,ack_while_announcing}; do
+        "${vg[@]}" build/tests/pipe_test "=$c" >/dev/null
     done
     took valgrind
 fi

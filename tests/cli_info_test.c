@@ -7,6 +7,7 @@
 
 #include "target.h"
 #include "test.h"
+#include "transport/transport.h"
 
 /* Run `kvpipe info ARGS`, capture stdout into out; returns the exit status. */
 static int run_info(const char *args, char *out, size_t len)
@@ -27,7 +28,8 @@ static void lists_build(void)
     CHECK(run_info("", out, sizeof out) == 0);
     CHECK(strstr(out, "tcp   available") != NULL);
     CHECK(strstr(out, "shm ") != NULL);
-    CHECK(strstr(out, "rdma  not supported") != NULL);
+    /* rdma: the ucx transport where built, else a line saying it is not. */
+    CHECK(strstr(out, kvpi_transport_lookup("rdma") ? "ucx   available" : "rdma  not supported"));
     CHECK(strstr(out, "P2PHANDSHAKE") != NULL);
 }
 
@@ -38,15 +40,20 @@ static void lists_build_json(void)
     CHECK(run_info("--json", out, sizeof out) == 0);
     cJSON *doc = cJSON_Parse(out);
     REQUIRE(doc);
-    const cJSON *t, *tcp = NULL, *rdma = NULL;
+    const cJSON *t, *tcp = NULL, *rdma = NULL, *ucx = NULL;
     cJSON_ArrayForEach(t, cJSON_GetObjectItemCaseSensitive(doc, "transports"))
     {
         const char *name = cJSON_GetObjectItemCaseSensitive(t, "name")->valuestring;
         if (!strcmp(name, "tcp")) tcp = t;
         if (!strcmp(name, "rdma")) rdma = t;
+        if (!strcmp(name, "ucx")) ucx = t;
     }
     CHECK(tcp && cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(tcp, "available")));
-    CHECK(rdma && cJSON_IsFalse(cJSON_GetObjectItemCaseSensitive(rdma, "built_in")));
+    /* rdma: the ucx transport where built, else an entry saying it is not. */
+    if (kvpi_transport_lookup("rdma"))
+        CHECK(ucx && !rdma && cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(ucx, "built_in")));
+    else
+        CHECK(rdma && cJSON_IsFalse(cJSON_GetObjectItemCaseSensitive(rdma, "built_in")));
     CHECK(cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(doc, "stores")) == 4);
     CHECK(cJSON_IsString(cJSON_GetObjectItemCaseSensitive(doc, "version")));
     CHECK(cJSON_GetObjectItemCaseSensitive(doc, "store_check") == NULL);

@@ -1,4 +1,4 @@
-/* Engine conformance: the same cases on every transport (tcp, shm) and with
+/* Engine conformance: the same cases on every transport (tcp, shm, ucx) and with
  * the HTTP store and P2PHANDSHAKE. The target runs in a child process; this
  * process is the initiator. (etcd and Redis run the store-level cases in
  * engine_store_test.c.) */
@@ -12,11 +12,18 @@
 #include "common/clock.h"
 #include "target.h"
 #include "test.h"
+#include "metadata/metadata.h"
 #include "transport/transport.h"
 
 typedef struct mode {
-    const char *protocol; /* tcp: shm disabled on both sides, so TCP is what runs */
+    /* The protocol of both engines, and the transport that must serve: every
+     * protocol but shm runs with shm disabled on both sides, so that its own
+     * transport is what runs. A row per transport; a transport this build
+     * lacks skips its rows. */
+    const char *protocol;
     int p2p;
+    /* ucx rows: UCX_TLS for both engines (the target inherits it) */
+    const char *ucx_tls;
     int auth; /* both engines in the authenticated mode (a key file in the env) */
 } mode;
 
@@ -26,6 +33,19 @@ static char key_file[64]; /* the auth modes' key, made in main */
 
 #define SEED 0x1234
 
+/* Is the mode's transport a same-host one (shm)? */
+static int same_host(void)
+{
+    const kvpi_transport_ops *ops = kvpi_transport_lookup(M->protocol);
+    return ops && (ops->caps & KVPI_CAP_SAME_HOST);
+}
+
+/* The name of the transport that serves the mode's protocol. */
+static const char *transport_name(void)
+{
+    return kvpi_transport_lookup(M->protocol)->name;
+}
+
 /* Set up the metadata store of the mode; 0 on success. */
 static int setup(void)
 {
@@ -33,6 +53,7 @@ static int setup(void)
         kvpt_skip("%s transport not built", M->protocol); /* does not return */
         return -1;
     }
+    if (M->ucx_tls) setenv("UCX_TLS", M->ucx_tls, 1); /* each case runs in a child */
     /* This case's process and the target it starts inherit it. */
     if (M->auth) setenv("KVPIPE_AUTH_KEY_FILE", key_file, 1);
     if (M->p2p) {
@@ -44,26 +65,29 @@ static int setup(void)
 
 static int start_target(size_t len, kvpt_target *t)
 {
-    kvpt_target_opts o = {.metadata = meta, .protocol = M->protocol, .len = len, .seed = SEED,
-                          .disable_shm = strcmp(M->protocol, "tcp") == 0};
+    kvpt_target_opts o = {.metadata = meta,
+                          .protocol = M->protocol,
+                          .len = len,
+                          .seed = SEED,
+                          .disable_shm = !same_host()};
     return kvpt_target_start(&o, t);
 }
 
 static int start_initiator(kvp_engine **e)
 {
-    return kvpt_engine_start(meta, M->protocol, strcmp(M->protocol, "tcp") == 0, e);
+    return kvpt_engine_start(meta, M->protocol, !same_host(), e);
 }
 
 /* Common prologue: store, target of len bytes, initiator, open segment. */
-#define PROLOGUE(len)                                                                        \
-    kvpt_target t;                                                                           \
-    kvp_engine *e;                                                                           \
-    kvp_segment_id seg;                                                                      \
-    REQUIRE(setup() == 0);                                                                   \
-    REQUIRE(start_target(len, &t) == 0);                                                     \
-    REQUIRE(start_initiator(&e) == 0);                                                       \
-    REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));                                    \
-    CHECK(strcmp(kvp_engine_segment_transport(e, seg), M->protocol) == 0)
+#define PROLOGUE(len)                                                                              \
+    kvpt_target t;                                                                                 \
+    kvp_engine *e;                                                                                 \
+    kvp_segment_id seg;                                                                            \
+    REQUIRE(setup() == 0);                                                                         \
+    REQUIRE(start_target(len, &t) == 0);                                                           \
+    REQUIRE(start_initiator(&e) == 0);                                                             \
+    REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));                                          \
+    CHECK(strcmp(kvp_engine_segment_transport(e, seg), transport_name()) == 0)
 
 static void sizes(void)
 {
@@ -317,8 +341,14 @@ static void create_errors(void)
     CHECK(e == NULL);
     o.metadata = "P2PHANDSHAKE";
     o.protocol = "rdma";
+    if (!kvpi_transport_lookup("rdma")) { /* a build without UCX */
+        CHECK_ST(kvp_engine_create(&o, &e), KVP_ENOTSUP);
+        CHECK(strstr(kvp_last_error(), "rdma") != NULL);
+        CHECK(strstr(kvp_last_error(), "MC_FORCE_TCP=1") != NULL);
+    }
+    o.protocol = "carrier-pigeon";
     CHECK_ST(kvp_engine_create(&o, &e), KVP_ENOTSUP);
-    CHECK(strstr(kvp_last_error(), "rdma") != NULL);
+    CHECK(strstr(kvp_last_error(), "'carrier-pigeon'") != NULL);
     o.protocol = "tcp";
     o.local_server_name = "127.0.0.1";
     CHECK_ST(kvp_engine_create(&o, &e), KVP_EINVAL);
@@ -343,17 +373,51 @@ static void create_errors(void)
     kvp_engine_destroy(e);
 }
 
-#define MODES(X)                                                                                   \
-    X(tcp_http, "tcp", 0, 0)                                                                       \
-    X(tcp_p2p, "tcp", 1, 0) X(shm_http, "shm", 0, 0) X(shm_p2p, "shm", 1, 0)                       \
-        X(tcp_http_auth, "tcp", 0, 1) X(tcp_p2p_auth, "tcp", 1, 1) X(shm_http_auth, "shm", 0, 1)   \
-            X(shm_p2p_auth, "shm", 1, 1)
+/* A Mooncake segment of protocol rdma in the store (as Mooncake's RDMA
+ * transport writes it: no tcp_data_port, devices, rkeys): opening it fails
+ * with KVP_ENOTSUP saying how to reach it, not as a malformed descriptor. */
+static void mooncake_rdma_segment(void)
+{
+    char url[160];
+    REQUIRE(kvpt_http_store_start(url, sizeof url) > 0);
+    const char *seg = "127.0.0.1:1";
+    const char *desc =
+        "{\"name\":\"127.0.0.1:1\",\"protocol\":\"rdma\",\"devices\":[{\"name\":"
+        "\"mlx5_0\",\"lid\":0,\"gid\":\"fe80:0000:0000:0000:0000:0000:0000:0001\"}],"
+        "\"priority_matrix\":{},\"timestamp\":\"2025-01-31 17:04:05.012345\","
+        "\"buffers\":[{\"name\":\"cpu:0\",\"addr\":4096,\"length\":4096,\"rkey\":[5],"
+        "\"lkey\":[5]}]}";
+    void *store;
+    REQUIRE_OK(kvpi_store_http.open(url, 3000, &store));
+    char *key = kvpi_meta_key("ram", seg);
+    REQUIRE_OK(kvpi_store_http.put(store, key, desc));
+    free(key);
+    kvpi_store_http.close(store);
+    kvp_engine *e;
+    REQUIRE(kvpt_engine_start(url, "tcp", 0, &e) == 0);
+    kvp_segment_id id;
+    CHECK_ST(kvp_engine_open_segment(e, seg, &id), KVP_ENOTSUP);
+    CHECK(strstr(kvp_last_error(), "is a Mooncake rdma segment") != NULL);
+    CHECK(strstr(kvp_last_error(), "protocol tcp or MC_FORCE_TCP=1") != NULL);
+    kvp_engine_destroy(e);
+}
+
+/* ucx runs on UCX's own transports here: tcp, and shared memory (UCX 1.13's
+ * "sm": posix and sysv for messages, cma; self for loopback). */
+#define MODES(X)                                                                             \
+    X(tcp_http, "tcp", 0, NULL, 0) X(tcp_p2p, "tcp", 1, NULL, 0) X(shm_http, "shm", 0, NULL, 0) \
+    X(shm_p2p, "shm", 1, NULL, 0) X(ucx_tcp_http, "rdma", 0, "tcp", 0)                         \
+    X(ucx_tcp_p2p, "ucx", 1, "tcp", 0) X(ucx_sm_http, "rdma", 0, "sm,self", 0)                 \
+    X(ucx_sm_p2p, "ucx", 1, "sm,self", 0) X(tcp_http_auth, "tcp", 0, NULL, 1)                  \
+    X(tcp_p2p_auth, "tcp", 1, NULL, 1) X(shm_http_auth, "shm", 0, NULL, 1)                     \
+    X(shm_p2p_auth, "shm", 1, NULL, 1)
 
 #define CASES(X, m)                                                                          \
     X(m, sizes) X(m, batches) X(m, out_of_range) X(m, target_killed) X(m, target_restarted)  \
     X(m, managed_buffers) X(m, threads) X(m, unknown_segment)
 
-#define DEFINE_MODE(m, proto, p2p_, auth_) static const mode mode_##m = {proto, p2p_, auth_};
+#define DEFINE_MODE(m, proto, p2p_, tls, auth_)                                              \
+    static const mode mode_##m = {proto, p2p_, tls, auth_};
 MODES(DEFINE_MODE)
 
 #define DEFINE_CASE(m, c)                                                                    \
@@ -362,12 +426,11 @@ MODES(DEFINE_MODE)
         M = &mode_##m;                                                                       \
         c();                                                                                 \
     }
-#define DEFINE_MODE_CASES(m, proto, p2p_, auth_) CASES(DEFINE_CASE, m)
+#define DEFINE_MODE_CASES(m, proto, p2p_, tls, auth_) CASES(DEFINE_CASE, m)
 MODES(DEFINE_MODE_CASES)
 
 #define RUN_CASE(m, c) RUN(m##__##c);
-#define RUN_MODE_CASES(m, proto, p2p_, auth_) CASES(RUN_CASE, m)
-
+#define RUN_MODE_CASES(m, proto, p2p_, tls, auth_) CASES(RUN_CASE, m)
 /* The key of the auth modes: a file of mode 0600 for the whole run. */
 static int make_key(void)
 {
@@ -385,6 +448,7 @@ int main(void)
     unsetenv("KVPIPE_AUTH_KEY_FILE"); /* the plain modes are plain */
     if (make_key() != 0) return 1;
     RUN(create_errors);
+    RUN(mooncake_rdma_segment);
     MODES(RUN_MODE_CASES)
     unlink(key_file);
     return kvpt_summary();

@@ -231,7 +231,7 @@ static void test_server_down(void)
     CHECK_ST(kvpi_store_http.open(conn, 2000, &s), KVP_EMETADATA);
     CHECK(strstr(kvp_last_error(), conn) != NULL);
     kvpi_meta *m = NULL;
-    CHECK_ST(kvpi_meta_open(conn, 2000, &m), KVP_EMETADATA);
+    CHECK_ST(kvpi_meta_open(conn, 2000, NULL, NULL, &m), KVP_EMETADATA);
     CHECK(m == NULL);
     CHECK(strstr(kvp_last_error(), conn) != NULL);
 
@@ -485,7 +485,7 @@ static void test_meta_publish_fetch(void)
     void *s = open_store(url);
     REQUIRE(s);
     kvpi_meta *m = NULL;
-    REQUIRE_OK(kvpi_meta_open(url, 3000, &m));
+    REQUIRE_OK(kvpi_meta_open(url, 3000, NULL, NULL, &m));
     CHECK(!kvpi_meta_is_p2p(m));
     const char *seg = "127.0.0.1:17000";
     kvpi_meta_self me = self_of(seg, desc, "10.1.2.3", 17000);
@@ -493,7 +493,7 @@ static void test_meta_publish_fetch(void)
     CHECK(value_is(s, "mooncake/ram/127.0.0.1:17000", desc));
     check_rpc_meta(s, "mooncake/rpc_meta/127.0.0.1:17000", "10.1.2.3", 17000);
     char *d = NULL, *h = NULL;
-    REQUIRE_OK(kvpi_meta_fetch(m, seg, NULL, &d, &h));
+    REQUIRE_OK(kvpi_meta_fetch(m, seg, &d, &h));
     CHECK(strcmp(d, desc) == 0);
     CHECK(strcmp(h, "10.1.2.3") == 0);
     free(d);
@@ -510,7 +510,7 @@ static void test_meta_publish_fetch(void)
     CHECK(value_is(s, "mooncake/ram/127.0.0.1:17000", NULL));
     CHECK(value_is(s, "mooncake/rpc_meta/127.0.0.1:17000", NULL));
     d = h = NULL;
-    CHECK_ST(kvpi_meta_fetch(m, seg, NULL, &d, &h), KVP_ENOTFOUND);
+    CHECK_ST(kvpi_meta_fetch(m, seg, &d, &h), KVP_ENOTFOUND);
     CHECK(d == NULL && h == NULL);
     CHECK(strstr(kvp_last_error(), seg) && strstr(kvp_last_error(), url));
     CHECK_OK(kvpi_meta_release(m, &me)); /* releasing twice is fine */
@@ -538,7 +538,7 @@ static void test_meta_claim_half_way(void)
     void *s = open_store(conn);
     REQUIRE(s);
     kvpi_meta *m = NULL;
-    REQUIRE_OK(kvpi_meta_open(conn, 3000, &m));
+    REQUIRE_OK(kvpi_meta_open(conn, 3000, NULL, NULL, &m));
     kvpi_meta_self me = self_of("127.0.0.1:17000", desc, "127.0.0.1", 17000);
     CHECK_ST(kvpi_meta_claim(m, &me), KVP_EMETADATA);
     CHECK(strstr(kvp_last_error(), "413") && strstr(kvp_last_error(), "mooncake/ram/"));
@@ -559,21 +559,21 @@ static void test_meta_cluster_id(void)
     CHECK(k && strcmp(k, "mooncake/clusterA/ram/h:1") == 0);
     free(k);
     kvpi_meta *m = NULL;
-    REQUIRE_OK(kvpi_meta_open(url, 3000, &m));
+    REQUIRE_OK(kvpi_meta_open(url, 3000, NULL, NULL, &m));
     kvpi_meta_self me = self_of("h:1", desc, "127.0.0.1", 1);
     REQUIRE_OK(kvpi_meta_claim(m, &me));
     CHECK(value_is(s, "mooncake/clusterA/ram/h:1", desc));
     check_rpc_meta(s, "mooncake/clusterA/rpc_meta/h:1", "127.0.0.1", 1);
     CHECK(value_is(s, "mooncake/ram/h:1", NULL));
     char *d = NULL, *h = NULL;
-    REQUIRE_OK(kvpi_meta_fetch(m, "h:1", NULL, &d, &h));
+    REQUIRE_OK(kvpi_meta_fetch(m, "h:1", &d, &h));
     CHECK(strcmp(d, desc) == 0);
     free(d);
     free(h);
     /* Another cluster sees nothing. */
     setenv("MC_METADATA_CLUSTER_ID", "clusterB", 1);
     d = h = NULL;
-    CHECK_ST(kvpi_meta_fetch(m, "h:1", NULL, &d, &h), KVP_ENOTFOUND);
+    CHECK_ST(kvpi_meta_fetch(m, "h:1", &d, &h), KVP_ENOTFOUND);
     unsetenv("MC_METADATA_CLUSTER_ID");
     k = kvpi_meta_key("rpc_meta", "h:1");
     CHECK(k && strcmp(k, "mooncake/rpc_meta/h:1") == 0);
@@ -589,17 +589,17 @@ static void test_meta_rpc_meta_variants(void)
     void *s = open_store(url);
     REQUIRE(s);
     kvpi_meta *m = NULL;
-    REQUIRE_OK(kvpi_meta_open(url, 3000, &m));
+    REQUIRE_OK(kvpi_meta_open(url, 3000, NULL, NULL, &m));
     char *d = NULL, *h = NULL;
     /* Descriptor only (no rpc_meta): the host comes from the segment name. */
     CHECK_OK(kvpi_store_http.put(s, "mooncake/ram/peer.example:9000", desc));
-    CHECK_OK(kvpi_meta_fetch(m, "peer.example:9000", NULL, &d, &h));
+    CHECK_OK(kvpi_meta_fetch(m, "peer.example:9000", &d, &h));
     CHECK(h && strcmp(h, "peer.example") == 0);
     free(d);
     free(h);
     CHECK_OK(kvpi_store_http.put(s, "mooncake/ram/[::1]:9000", desc));
     d = h = NULL;
-    CHECK_OK(kvpi_meta_fetch(m, "[::1]:9000", NULL, &d, &h));
+    CHECK_OK(kvpi_meta_fetch(m, "[::1]:9000", &d, &h));
     CHECK(h && strcmp(h, "::1") == 0);
     free(d);
     free(h);
@@ -619,7 +619,7 @@ static void test_meta_rpc_meta_variants(void)
         CHECK_OK(kvpi_store_http.del(s, "mooncake/rpc_meta/peer.example:9000"));
         CHECK_OK(kvpi_store_http.put(s, "mooncake/rpc_meta/peer.example:9000", bad[i]));
         d = h = NULL;
-        CHECK_ST(kvpi_meta_fetch(m, "peer.example:9000", NULL, &d, &h), KVP_EPROTO);
+        CHECK_ST(kvpi_meta_fetch(m, "peer.example:9000", &d, &h), KVP_EPROTO);
         CHECK(d == NULL && h == NULL);
         CHECK(strstr(kvp_last_error(), "peer.example:9000") != NULL);
     }
@@ -631,18 +631,18 @@ static void test_meta_rpc_meta_variants(void)
 static void test_meta_connection_strings(void)
 {
     kvpi_meta *m = NULL;
-    CHECK_ST(kvpi_meta_open("ftp://127.0.0.1:1", 1000, &m), KVP_EINVAL);
+    CHECK_ST(kvpi_meta_open("ftp://127.0.0.1:1", 1000, NULL, NULL, &m), KVP_EINVAL);
     CHECK(strstr(kvp_last_error(), "ftp://127.0.0.1:1") != NULL);
     /* A password in a connection string never reaches a message. */
-    CHECK_ST(kvpi_meta_open("ftp://user:secret@127.0.0.1:1/x", 1000, &m), KVP_EINVAL);
+    CHECK_ST(kvpi_meta_open("ftp://user:secret@127.0.0.1:1/x", 1000, NULL, NULL, &m), KVP_EINVAL);
     CHECK(strstr(kvp_last_error(), "secret") == NULL);
     CHECK(strstr(kvp_last_error(), "ftp://***@127.0.0.1:1/x") != NULL);
-    CHECK_ST(kvpi_meta_open("", 1000, &m), KVP_EINVAL);
+    CHECK_ST(kvpi_meta_open("", 1000, NULL, NULL, &m), KVP_EINVAL);
     CHECK(m == NULL);
     CHECK(kvpi_store_lookup(KVPI_P2P_CONN) == NULL);
     CHECK(kvpi_store_lookup("http://x/metadata") == &kvpi_store_http);
     CHECK(kvpi_store_lookup("https://x/metadata") == &kvpi_store_http);
-    REQUIRE_OK(kvpi_meta_open(KVPI_P2P_CONN, 1000, &m));
+    REQUIRE_OK(kvpi_meta_open(KVPI_P2P_CONN, 1000, NULL, NULL, &m));
     CHECK(kvpi_meta_is_p2p(m));
     /* P2P: nothing to claim, publish, repair or release. */
     kvpi_meta_self me = self_of("127.0.0.1:1", desc, "127.0.0.1", 1);
@@ -685,11 +685,11 @@ static void test_cli_server(void)
     char conn[128];
     snprintf(conn, sizeof conn, "http://127.0.0.1:%d/metadata", port);
     kvpi_meta *m = NULL;
-    if (ok && kvpi_meta_open(conn, 3000, &m) == KVP_OK) {
+    if (ok && kvpi_meta_open(conn, 3000, NULL, NULL, &m) == KVP_OK) {
         kvpi_meta_self me = self_of("127.0.0.1:5", desc, "127.0.0.1", 5);
         CHECK_OK(kvpi_meta_claim(m, &me));
         char *d = NULL, *h = NULL;
-        CHECK_OK(kvpi_meta_fetch(m, "127.0.0.1:5", NULL, &d, &h));
+        CHECK_OK(kvpi_meta_fetch(m, "127.0.0.1:5", &d, &h));
         CHECK(d && strcmp(d, desc) == 0);
         free(d);
         free(h);

@@ -117,13 +117,13 @@ static void test_p2p_spelling(void)
     kvpi_meta *m = (kvpi_meta *)0x1;
     static const char *const wrong[] = {"p2phandshake", "P2pHandshake", "p2pHANDSHAKE"};
     for (size_t i = 0; i < sizeof wrong / sizeof wrong[0]; i++) {
-        CHECK_ST(kvpi_meta_open(wrong[i], 1000, &m), KVP_EINVAL);
+        CHECK_ST(kvpi_meta_open(wrong[i], 1000, NULL, NULL, &m), KVP_EINVAL);
         const char *e = kvp_last_error();
         CHECK(strstr(e, wrong[i]) && strstr(e, "etcd") && strstr(e, "'P2PHANDSHAKE'") &&
               strstr(e, "upper case"));
     }
     CHECK(m == (kvpi_meta *)0x1);
-    REQUIRE_OK(kvpi_meta_open("P2PHANDSHAKE", 1000, &m));
+    REQUIRE_OK(kvpi_meta_open("P2PHANDSHAKE", 1000, NULL, NULL, &m));
     CHECK(kvpi_meta_is_p2p(m));
     kvpi_meta_close(m);
 }

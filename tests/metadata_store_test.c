@@ -262,7 +262,7 @@ static void meta_round_trip(kvpt_server *srv, const kvpi_store_ops *ops, const c
     free(key);
 
     kvpi_meta *meta = NULL;
-    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, &meta));
+    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, NULL, NULL, &meta));
     CHECK(!kvpi_meta_is_p2p(meta));
     void *raw = open_store(ops, srv->conn);
     REQUIRE(raw);
@@ -280,7 +280,7 @@ static void meta_round_trip(kvpt_server *srv, const kvpi_store_ops *ops, const c
     free(got);
 
     char *desc = NULL, *host = NULL;
-    CHECK_OK(kvpi_meta_fetch(meta, seg, NULL, &desc, &host));
+    CHECK_OK(kvpi_meta_fetch(meta, seg, &desc, &host));
     CHECK(desc && same_json(desc, desc_json));
     CHECK(host && strcmp(host, "127.0.0.1") == 0);
     free(desc);
@@ -290,7 +290,7 @@ static void meta_round_trip(kvpt_server *srv, const kvpi_store_ops *ops, const c
     CHECK(missing(ops, raw, ram));
     CHECK(missing(ops, raw, rpc));
     desc = host = NULL;
-    CHECK_ST(kvpi_meta_fetch(meta, seg, NULL, &desc, &host), KVP_ENOTFOUND);
+    CHECK_ST(kvpi_meta_fetch(meta, seg, &desc, &host), KVP_ENOTFOUND);
     CHECK(desc == NULL && host == NULL);
     ops->close(raw);
     kvpi_meta_close(meta);
@@ -310,7 +310,7 @@ static void meta_cluster_id_prefix(kvpt_server *srv, const kvpi_store_ops *ops)
     void *raw = open_store(ops, srv->conn);
     REQUIRE(raw);
     kvpi_meta *meta = NULL;
-    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, &meta));
+    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, NULL, NULL, &meta));
     kvpi_meta_self me = self_of("h:1", desc_json, "h", 1, "me");
     CHECK_OK(kvpi_meta_claim(meta, &me));
     CHECK(missing(ops, raw, "mooncake/ram/h:1"));
@@ -321,10 +321,10 @@ static void meta_cluster_id_prefix(kvpt_server *srv, const kvpi_store_ops *ops)
     /* Another cluster id does not see it. */
     setenv("MC_METADATA_CLUSTER_ID", "clusterB", 1);
     char *d = NULL, *h = NULL;
-    CHECK_ST(kvpi_meta_fetch(meta, "h:1", NULL, &d, &h), KVP_ENOTFOUND);
+    CHECK_ST(kvpi_meta_fetch(meta, "h:1", &d, &h), KVP_ENOTFOUND);
     /* Mooncake adds the '/' only when the id lacks it. */
     setenv("MC_METADATA_CLUSTER_ID", "clusterA/", 1);
-    CHECK_OK(kvpi_meta_fetch(meta, "h:1", NULL, &d, &h));
+    CHECK_OK(kvpi_meta_fetch(meta, "h:1", &d, &h));
     free(d);
     free(h);
     kvpi_meta_close(meta);
@@ -383,7 +383,7 @@ static void meta_claim_takes_stale_keys(kvpt_server *srv, const kvpi_store_ops *
     REQUIRE(raw);
     plant(ops, raw, kvpt_free_port(), other_desc);
     kvpi_meta *meta = NULL;
-    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, &meta));
+    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, NULL, NULL, &meta));
     kvpi_meta_self me = self_of(SEG, desc_json, "127.0.0.1", 12345, "me");
     CHECK_OK(kvpi_meta_claim(meta, &me));
     CHECK(key_is(ops, raw, "ram", desc_json));
@@ -417,7 +417,7 @@ static void meta_claim_refuses_live_owner(kvpt_server *srv, const kvpi_store_ops
     void *raw = open_store(ops, srv->conn);
     REQUIRE(raw);
     kvpi_meta *meta = NULL;
-    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, &meta));
+    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, NULL, NULL, &meta));
     kvpi_meta_self me = self_of(SEG, desc_json, "127.0.0.1", 12345, "me");
     for (size_t i = 0; i < sizeof owners / sizeof owners[0]; i++) {
         int port = kvpt_free_port();
@@ -456,7 +456,7 @@ static void meta_release_leaves_foreign_keys(kvpt_server *srv, const kvpi_store_
     void *raw = open_store(ops, srv->conn);
     REQUIRE(raw);
     kvpi_meta *meta = NULL;
-    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, &meta));
+    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, NULL, NULL, &meta));
     kvpi_meta_self me = self_of(SEG, desc_json, "127.0.0.1", 12345, "me");
     REQUIRE_OK(kvpi_meta_claim(meta, &me));
     /* Another engine took the name meanwhile: both keys are its now. */
@@ -486,7 +486,7 @@ static void meta_repair(kvpt_server *srv, const kvpi_store_ops *ops)
     void *raw = open_store(ops, srv->conn);
     REQUIRE(raw);
     kvpi_meta *meta = NULL;
-    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, &meta));
+    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, NULL, NULL, &meta));
     kvpi_meta_self me = self_of(SEG, desc_json, "127.0.0.1", 12345, "me");
     REQUIRE_OK(kvpi_meta_claim(meta, &me));
     CHECK_OK(kvpi_meta_repair(meta, &me)); /* nothing lost: nothing to do */
@@ -522,7 +522,7 @@ static void down_at_open(kvpt_server *srv, const kvpi_store_ops *ops)
     CHECK(s == (void *)0x1);
     CHECK(names(kvp_last_error(), srv->kind, srv->addr));
     kvpi_meta *meta = NULL;
-    CHECK_ST(kvpi_meta_open(srv->conn, TIMEOUT_MS, &meta), KVP_EMETADATA);
+    CHECK_ST(kvpi_meta_open(srv->conn, TIMEOUT_MS, NULL, NULL, &meta), KVP_EMETADATA);
     CHECK(meta == NULL);
     CHECK(names(kvp_last_error(), srv->kind, srv->addr));
 }
@@ -674,7 +674,7 @@ static void etcd_bare_hp_at_http_store(kvpt_server *unused, const kvpi_store_ops
     REQUIRE(kvpt_http_start(&http) == KVPT_SERVER_OK);
     kvpi_meta *meta = (kvpi_meta *)0x1;
     CHECK(kvpi_store_lookup(http.addr) == ops);
-    CHECK_ST(kvpi_meta_open(http.addr, TIMEOUT_MS, &meta), KVP_EMETADATA);
+    CHECK_ST(kvpi_meta_open(http.addr, TIMEOUT_MS, NULL, NULL, &meta), KVP_EMETADATA);
     CHECK(meta == (kvpi_meta *)0x1);
     char want[128];
     snprintf(want, sizeof want, "http://%s/metadata", http.addr);
@@ -683,7 +683,7 @@ static void etcd_bare_hp_at_http_store(kvpt_server *unused, const kvpi_store_ops
     fprintf(stderr, "  %s\n", kvp_last_error());
     char conn[128];
     snprintf(conn, sizeof conn, "etcd://%s", http.addr);
-    CHECK_ST(kvpi_meta_open(conn, TIMEOUT_MS, &meta), KVP_EMETADATA);
+    CHECK_ST(kvpi_meta_open(conn, TIMEOUT_MS, NULL, NULL, &meta), KVP_EMETADATA);
     CHECK(names(kvp_last_error(), "etcd:// says so", want));
     kvpt_server_stop(&http);
 }
@@ -802,7 +802,7 @@ static void redis_env_password(kvpt_server *unused, const kvpi_store_ops *ops)
     /* The engine-level path: kvpi_meta over the same string. */
     setenv("MC_REDIS_PASSWORD", "pw-env", 1);
     kvpi_meta *meta = NULL;
-    CHECK_OK(kvpi_meta_open(srv.conn, TIMEOUT_MS, &meta));
+    CHECK_OK(kvpi_meta_open(srv.conn, TIMEOUT_MS, NULL, NULL, &meta));
     kvpi_meta_close(meta);
     unsetenv("MC_REDIS_PASSWORD");
     kvpt_server_stop(&srv);

@@ -424,23 +424,27 @@ static void test_p2p_meta_fetch(void)
     kvpi_rpc_server *srv = start(&ctx, 3000, &port);
     REQUIRE(srv);
     kvpi_meta *m = NULL;
-    REQUIRE_OK(kvpi_meta_open(KVPI_P2P_CONN, 3000, &m));
+    desc_ctx mine = {.desc = client_desc}; /* what a handshake sends of ours */
+    REQUIRE_OK(kvpi_meta_open(KVPI_P2P_CONN, 3000, desc_fn, &mine, &m));
     char seg[64], *d = NULL, *h = NULL;
     snprintf(seg, sizeof seg, "127.0.0.1:%d", port);
-    CHECK_OK(kvpi_meta_fetch(m, seg, client_desc, &d, &h));
+    CHECK_OK(kvpi_meta_fetch(m, seg, &d, &h));
     CHECK(d && strcmp(d, server_desc) == 0);
     CHECK(h && strcmp(h, "127.0.0.1") == 0);
+    CHECK(atomic_load(&mine.calls) == 1);
     free(d);
     free(h);
     d = h = NULL;
-    CHECK_OK(kvpi_meta_fetch(m, seg, NULL, &d, &h)); /* no own descriptor yet: "{}" */
+    mine.desc = NULL;
+    CHECK_OK(kvpi_meta_fetch(m, seg, &d, &h)); /* no own descriptor yet: "{}" */
+    CHECK(atomic_load(&mine.calls) == 2);
     free(d);
     free(h);
     d = h = NULL;
-    CHECK_ST(kvpi_meta_fetch(m, "no-port-here", NULL, &d, &h), KVP_EINVAL);
+    CHECK_ST(kvpi_meta_fetch(m, "no-port-here", &d, &h), KVP_EINVAL);
     CHECK(strstr(kvp_last_error(), "no-port-here") != NULL);
     kvpi_rpc_server_stop(srv);
-    CHECK_ST(kvpi_meta_fetch(m, seg, NULL, &d, &h), KVP_ECONNREFUSED);
+    CHECK_ST(kvpi_meta_fetch(m, seg, &d, &h), KVP_ECONNREFUSED);
     CHECK(strstr(kvp_last_error(), seg) != NULL);
     CHECK(d == NULL && h == NULL);
     kvpi_meta_close(m);
@@ -455,10 +459,11 @@ static void test_p2p_ipv6(void)
                               &srv) != KVP_OK)
         SKIP("no IPv6 loopback");
     kvpi_meta *m = NULL;
-    REQUIRE_OK(kvpi_meta_open(KVPI_P2P_CONN, 3000, &m));
+    desc_ctx mine = {.desc = client_desc};
+    REQUIRE_OK(kvpi_meta_open(KVPI_P2P_CONN, 3000, desc_fn, &mine, &m));
     char seg[64], *d = NULL, *h = NULL;
     snprintf(seg, sizeof seg, "[::1]:%d", port);
-    CHECK_OK(kvpi_meta_fetch(m, seg, client_desc, &d, &h));
+    CHECK_OK(kvpi_meta_fetch(m, seg, &d, &h));
     CHECK(d && strcmp(d, server_desc) == 0);
     CHECK(h && strcmp(h, "::1") == 0);
     free(d);

@@ -57,6 +57,26 @@ typedef struct setup {
     int base;
 } setup;
 
+/* A row of the suite: the protocol of the config (a mooncake.json's
+ * "protocol") both sides read, and for ucx rows, UCX_TLS. The tcp row runs
+ * every case; the shm and ucx rows (UCX's tcp and shared-memory transports)
+ * run those that do not start the CLI, and the ucx rows the demo over
+ * rdma. */
+typedef struct row {
+    const char *prefix, *protocol, *ucx_tls;
+} row;
+static const row rows[] = {{"", "tcp", NULL},
+                           {"shm/", "shm", NULL},
+                           {"ucx_tcp/", "rdma", "tcp"},
+                           {"ucx_sm/", "rdma", "sm,self"}};
+static const row *R = &rows[0];
+
+/* The transport the row's protocol selects between two kvpipe engines. */
+static const char *row_transport(void)
+{
+    return kvpi_transport_lookup(R->protocol)->name;
+}
+
 static int make_setup(setup *s, int p2p)
 {
     char meta[128];
@@ -72,8 +92,8 @@ static int make_setup(setup *s, int p2p)
     if (s->base < 0) return -1;
     snprintf(s->json, sizeof s->json,
              "{\"prefill_url\":\"127.0.0.1:%d\",\"decode_url\":\"127.0.0.1:%d\","
-             "\"metadata_server\":\"%s\",\"protocol\":\"tcp\"}",
-             s->base, s->base, meta);
+             "\"metadata_server\":\"%s\",\"protocol\":\"%s\"}",
+             s->base, s->base, meta, R->protocol);
     return 0;
 }
 
@@ -197,7 +217,7 @@ static const char *peer_transport(kvp_pipe *pipe);
 static int simple_side_on_tcp(kvp_pipe *pipe, int rank)
 {
     simple_side(pipe, rank);
-    CHECK(strcmp(peer_transport(pipe), "tcp") == 0);
+    CHECK(strcmp(peer_transport(pipe), row_transport()) == 0);
     return 0;
 }
 
@@ -829,6 +849,7 @@ static void test_malformed_from_raw_peer(void)
     kvp_engine_opts_init(&eo);
     eo.local_server_name = ep.local_segment;
     eo.metadata = conn;
+    eo.protocol = R->protocol;
     eo.disable_shm = 1;
     kvp_engine *engine;
     REQUIRE_OK(kvp_engine_create(&eo, &engine));
@@ -1245,6 +1266,19 @@ static void test_cli_demo(void)
     CHECK(run_cli(bad_dtype, out, sizeof out) == 2);
 }
 
+/* A mooncake.json with "protocol": "rdma" (what kvpipe demo writes for
+ * --protocol rdma) runs the demo over UCX. */
+static void test_cli_demo_rdma(void)
+{
+    static char out[8192];
+    char *args[] = {"demo",    "--requests", "3",          "--tokens", "100",      "--layers", "4",
+                    "--protocol", "rdma",    "--no-shm",   "--json",   NULL};
+    CHECK(run_cli(args, out, sizeof out) == 0);
+    CHECK(strstr(out, "every byte verified") != NULL);
+    CHECK(strstr(out, "over ucx") != NULL);
+    CHECK(strstr(out, "\"requests\": 3") != NULL && strstr(out, "\"errors\": 0") != NULL);
+}
+
 static void test_cli_bench_pipe(void)
 {
     static char out[8192];
@@ -1309,39 +1343,61 @@ static int make_key(void)
     }
 AUTH_CASES(DEFINE_AUTH)
 
-/* An optional argument runs only the cases whose name contains it. */
+/* An optional argument runs only the cases whose name (with its row's
+ * prefix) contains it, or, given as "=NAME", the case of that exact name. */
 static const char *only;
-#define CASE(fn, secs)                                                                             \
-    do {                                                                                           \
-        if (!only || strstr(#fn, only)) kvpt_run(#fn, fn, secs);                                   \
-    } while (0)
+
+static void skip_unbuilt(void)
+{
+    SKIP("protocol %s: %s", R->protocol, kvpi_transport_missing(R->protocol));
+}
+
+static void run_case(const char *name, void (*fn)(void), int secs)
+{
+    char full[128];
+    snprintf(full, sizeof full, "%s%s", R->prefix, name);
+    if (only && (only[0] == '=' ? strcmp(full, only + 1) != 0 : !strstr(full, only))) return;
+    kvpt_run(full, kvpi_transport_lookup(R->protocol) ? fn : skip_unbuilt, secs);
+}
+#define CASE(fn, secs) run_case(#fn, fn, secs)
 
 int main(int argc, char **argv)
 {
     only = argc > 1 ? argv[1] : NULL;
     signal(SIGPIPE, SIG_IGN);
-    unsetenv("KVPIPE_AUTH_KEY_FILE"); /* the plain cases are plain */
+    unsetenv("KVPIPE_AUTH_KEY_FILE"); /* the plain rows are plain */
     if (make_key() != 0) return 1;
-    CASE(test_round_trip_x_y, 120);
-    CASE(test_p2p_handshake, 120);
-    CASE(test_every_dtype_0d_empty, 120);
-    CASE(test_same_host_transport_allowed, 120);
-    CASE(test_both_directions_at_once, 120);
-    CASE(test_no_peer, 120);
-    CASE(test_tensor_outlives_close, 120);
-    CASE(test_malformed_from_raw_peer, 120);
-    CASE(test_flow_control, 120);
-    CASE(test_receiver_killed, 120);
-    CASE(test_sender_killed, 120);
-    CASE(test_sender_pool_grows, 120);
-    CASE(test_send_in_place_tcp, 120);
-    CASE(test_send_in_place_shm, 120);
-    CASE(test_send_in_place_no_peer, 60);
-    CASE(test_ack_while_announcing, 60);
-    CASE(test_cli_demo, 120);
-    CASE(test_cli_bench_pipe, 120);
-    CASE(test_stress_500_rounds, 240);
-    CASE(test_one_gib_tensor, 400);
+    for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++) {
+        R = &rows[r];
+        if (R->ucx_tls) setenv("UCX_TLS", R->ucx_tls, 1); /* the sides inherit it */
+        CASE(test_round_trip_x_y, 120);
+        CASE(test_p2p_handshake, 120);
+        CASE(test_every_dtype_0d_empty, 120);
+        CASE(test_same_host_transport_allowed, 120);
+        CASE(test_both_directions_at_once, 120);
+        CASE(test_no_peer, 120);
+        CASE(test_tensor_outlives_close, 120);
+        CASE(test_malformed_from_raw_peer, 120);
+        CASE(test_flow_control, 120);
+        CASE(test_receiver_killed, 120);
+        CASE(test_sender_killed, 120);
+        CASE(test_sender_pool_grows, 120);
+        CASE(test_send_in_place_tcp, 120);
+        CASE(test_send_in_place_shm, 120);
+        CASE(test_send_in_place_no_peer, 60);
+        CASE(test_ack_while_announcing, 60);
+        if (R == &rows[0]) {
+            CASE(test_cli_demo, 120);
+            CASE(test_cli_bench_pipe, 120);
+        } else if (R->ucx_tls) {
+            CASE(test_cli_demo_rdma, 120);
+        }
+        CASE(test_stress_500_rounds, 240);
+        CASE(test_one_gib_tensor, 400);
+    }
+    /* The tcp row again, authenticated. */
+    R = &rows[0];
+    unsetenv("UCX_TLS");
 #define RUN_AUTH(fn) CASE(fn##_auth, 240);
     AUTH_CASES(RUN_AUTH)
     unlink(key_file);

@@ -1,5 +1,5 @@
 /* The shm transport between two real processes: a forked target registers
- * memory in a registry and runs the shm server; the test process opens it as a
+ * memory in a region table and runs the shm server; the test process opens it as a
  * peer from the target's own descriptor and READs and WRITEs, checking every
  * byte on both sides. The target obeys commands over a pipe (fill, verify,
  * unregister, stop) so that both ends of each transfer are observed. */
@@ -14,7 +14,7 @@
 #include <unistd.h>
 
 #include "common/net.h"
-#include "engine/registry.h"
+#include "common/region.h"
 #include "test.h"
 #include "transport/shm_internal.h"
 #include "transport/transport.h"
@@ -56,12 +56,30 @@ static int write_full(int fd, const void *buf, size_t len)
 
 /* ---- the target process ---- */
 
-static uint64_t target_do(const cmd *c, char *a, kvpi_registry *reg, void **server)
+static kvp_status region_add(kvpi_region_table *t, void *addr, size_t len)
+{
+    kvpi_region r = {.addr = (uint64_t)(uintptr_t)addr, .length = len, .kind = KVP_MEM_HOST};
+    kvpi_region_entry *e;
+    kvp_status st = kvpi_region_add(t, &r, &e);
+    if (!st) kvpi_region_activate(t, e);
+    return st;
+}
+
+static kvp_status region_remove(kvpi_region_table *t, void *addr)
+{
+    kvpi_region_entry *e;
+    kvp_status st = kvpi_region_remove_begin(t, (uint64_t)(uintptr_t)addr, &e);
+    if (!st) kvpi_region_remove_end(t, e);
+    return st;
+}
+
+static uint64_t target_do(const cmd *c, char *a, kvpi_region_table *reg, void **server)
 {
     switch (c->op) {
     case 'F': kvpt_fill(a + c->off, c->len, c->seed); return 0;
     case 'V': return kvpt_verify(a + c->off, c->len, c->seed);
-    case 'U': return kvpi_registry_remove(reg, (uint64_t)(uintptr_t)(a + BIG));
+    case 'U':
+        return region_remove(reg, a + BIG);
     case 'S':
         kvpi_transport_shm.server_stop(*server);
         *server = NULL;
@@ -75,17 +93,16 @@ static void target_main(int cmd_fd, int resp_fd)
     prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive the case, whatever happens */
     /* A and B adjacent, so that a range across both is "touching two regions". */
     char *a = malloc(BIG + SMALL);
-    kvpi_registry reg;
-    kvpi_registry_init(&reg);
+    kvpi_region_table reg;
+    kvpi_region_table_init(&reg);
     void *server = NULL;
-    kvpi_server_ctx ctx = {.host = "127.0.0.1", .registry = &reg, .timeout_ms = 5000};
-    if (!a || kvpi_registry_add(&reg, (uintptr_t)a, BIG) ||
-        kvpi_registry_add(&reg, (uintptr_t)(a + BIG), SMALL) ||
+    kvpi_server_ctx ctx = {.host = "127.0.0.1", .regions = &reg, .timeout_ms = 5000};
+    if (!a || region_add(&reg, a, BIG) || region_add(&reg, a + BIG, SMALL) ||
         kvpi_transport_shm.server_start(&ctx, &server))
         _exit(3);
     cJSON *desc = cJSON_CreateObject();
     cJSON_AddStringToObject(desc, "name", "target");
-    kvpi_transport_shm.server_describe(server, desc);
+    if (kvpi_transport_shm.server_describe(server, desc)) _exit(4);
     char *text = cJSON_PrintUnformatted(desc);
     uint64_t hdr[2] = {(uintptr_t)a, strlen(text)};
     if (write_full(resp_fd, hdr, sizeof hdr) || write_full(resp_fd, text, hdr[1])) _exit(4);
@@ -119,8 +136,8 @@ static int target_start(target *t)
     t->desc = cJSON_Parse(text);
     t->a = hdr[0];
     t->b = hdr[0] + BIG;
-    t->regions[0] = (kvpi_region){t->a, BIG};
-    t->regions[1] = (kvpi_region){t->b, SMALL};
+    t->regions[0] = (kvpi_region){.addr = t->a, .length = BIG};
+    t->regions[1] = (kvpi_region){.addr = t->b, .length = SMALL};
     return t->desc ? 0 : -1;
 }
 

@@ -29,6 +29,13 @@ extern "C" {
 typedef struct kvp_engine kvp_engine;
 typedef struct kvp_batch kvp_batch;
 
+/* What memory a registered region is, which decides which transports can
+ * move it. Values are append-only, never renumbered. */
+typedef enum kvp_mem_kind {
+    KVP_MEM_HOST = 0, /* CPU memory: malloc'ed, mmap'ed, kvp_engine_alloc() */
+    KVP_MEM_CUDA = 1, /* CUDA device memory; device is the CUDA device ordinal */
+} kvp_mem_kind;
+
 /* A peer segment opened with kvp_engine_open_segment(); valid until the engine
  * is destroyed. */
 typedef uint32_t kvp_segment_id;
@@ -41,14 +48,19 @@ typedef struct kvp_engine_opts {
     /* "http://h:p/metadata", "etcd://h:p[,h:p]", "h:p" (etcd), "redis://h:p",
      * or "P2PHANDSHAKE". Required. */
     const char *metadata;
-    /* Preferred transport: "tcp" (default) or "shm" (same host only); "rdma"
-     * is not supported in this build (kvp_engine_create: KVP_ENOTSUP, saying
-     * how to run over TCP). With env MC_FORCE_TCP set (Mooncake's; anything
-     * but "", "0", "false", "no", "off") the engine uses "tcp" whatever this
-     * says. With "tcp", a same-host peer is still reached through shm unless
-     * disable_shm is set. */
+    /* Preferred transport: "tcp" (default), "shm" (same host only), or
+     * "rdma" (alias "ucx"): one-sided RMA through UCX in a build with UCX
+     * (KVP_WITH_UCX; without it kvp_engine_create fails with KVP_ENOTSUP,
+     * saying how to run over TCP), for peers that publish a ucx endpoint,
+     * TCP for others (docs/transport-ucx.md). With env MC_FORCE_TCP set
+     * (Mooncake's; anything but "", "0", "false", "no", "off") the engine
+     * uses "tcp" whatever this says. With "tcp" or "rdma", a same-host peer
+     * is still reached through shm unless disable_shm is set. */
     const char *protocol;
-    /* RDMA device names, comma-separated; ignored by tcp and shm. May be NULL. */
+    /* Network devices for the ucx transport, comma-separated, as Mooncake's
+     * device_name ("mlx5_0,mlx5_1"; "eth0"): UCX_NET_DEVICES, unless that is
+     * set; a name UCX does not find fails kvp_engine_create with
+     * KVP_ENOTSUP. Ignored by tcp and shm. May be NULL. */
     const char *device_names;
     /* The base of every deadline, in milliseconds (default 5000). Moving N
      * bytes may take timeout_ms + N / min_transfer_rate, measured on the
@@ -155,14 +167,30 @@ KVP_API int kvp_engine_rpc_port(const kvp_engine *engine);
 KVP_API int kvp_engine_data_port(const kvp_engine *engine);
 
 /* Register [addr, addr+length) so that peers may READ and WRITE it, and publish
- * the updated segment (its descriptor key only). Regions must not overlap. The
- * memory stays the caller's; it must stay valid until kvp_engine_unregister(). Only host (CPU)
- * memory can be served: a range that is not mapped in this process, or whose first or last byte
- * cannot be read (a GPU device pointer, PROT_NONE memory), is refused with KVP_EINVAL and a message
- * saying so (the check costs about 15 us, whatever the size). Memory unmapped after registration
- * fails the peers' requests that touch it ("address rejected"), never the engine. Does not wait for
- * server requests on other regions. */
+ * the updated segment (its descriptor key only): kvp_engine_register_mem() for
+ * host memory (KVP_MEM_HOST, device 0). Regions must not overlap. The memory
+ * stays the caller's; it must stay valid until kvp_engine_unregister(). A range
+ * that is not mapped in this process, or whose first or last byte cannot be
+ * read (a GPU device pointer, PROT_NONE memory), is refused with KVP_EINVAL and
+ * a message saying so (the check costs about 15 us, whatever the size). Memory
+ * unmapped after registration fails the peers' requests that touch it
+ * ("address rejected"), never the engine. Does not wait for server requests on
+ * other regions. */
 KVP_API kvp_status kvp_engine_register(kvp_engine *engine, void *addr, size_t length);
+
+/* Register [addr, addr+length) of memory of the given kind: device is the CUDA
+ * device ordinal for KVP_MEM_CUDA, 0 for host memory. Each of the engine's
+ * transports that can move that kind registers the region (an RDMA transport
+ * pins it and publishes a remote key for it) before any peer can see it; when
+ * one fails, the registrations already made are undone and the call fails with
+ * that transport's status, leaving nothing registered or published. Errors:
+ * KVP_ENOTSUP naming the kind when none of the engine's transports can move it
+ * (in this build they move host memory only); KVP_EINVAL for an unknown kind, a
+ * negative device, or host memory kvp_engine_register() refuses; otherwise as
+ * kvp_engine_register(). Thread-safe; blocks for the transports' registration
+ * and the publish. */
+KVP_API kvp_status kvp_engine_register_mem(kvp_engine *engine, void *addr, size_t length,
+                                           kvp_mem_kind kind, int device);
 
 /* Unregister the region that starts at addr and republish. New server
  * requests to the region are refused at once; the call waits for those

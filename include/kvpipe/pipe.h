@@ -67,8 +67,8 @@ typedef struct kvp_pipe_config {
     char *decode_url;       /* "host:port" */
     char *metadata_server;  /* non-empty */
     char *metadata_backend; /* NULL, "etcd" or "redis" (lower-cased on load) */
-    char *protocol;         /* "tcp" or "shm" ("rdma": not supported in this build) */
-    char *device_name;      /* RDMA devices, comma-separated; may be "" */
+    char *protocol;         /* "tcp", "shm", or "rdma"/"ucx" where built with UCX */
+    char *device_name;      /* network devices for rdma, comma-separated; may be "" */
     /* The authenticated mode's key file (kvp_engine_opts.auth_key_file), for
      * the engine and the ZeroMQ links alike; NULL: env KVPIPE_AUTH_KEY_FILE
      * (unset: off); "": off. */

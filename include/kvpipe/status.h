@@ -15,27 +15,52 @@
 extern "C" {
 #endif
 
-typedef enum kvp_status {
-    KVP_OK = 0,
-    KVP_EINVAL = 1,       /* an argument is invalid */
-    KVP_ENOMEM = 2,       /* out of memory, or a configured memory bound reached */
-    KVP_ETIMEDOUT = 3,    /* a wait ran past its timeout */
-    KVP_ECONNREFUSED = 4, /* a peer or server could not be reached */
-    KVP_ECONNRESET = 5,   /* a peer closed the connection or died mid-operation */
-    KVP_ERANGE = 6,       /* an address range lies outside registered memory */
-    KVP_ENOTFOUND = 7,    /* no such segment, key or buffer */
-    KVP_EPROTO = 8,       /* a malformed frame, header or JSON document */
-    KVP_ENOTSUP = 9,      /* the operation is not supported (by this build or peer) */
-    KVP_EMETADATA = 10,   /* the metadata store failed or is unreachable */
-    KVP_EIO = 11,         /* an operating-system call failed */
-    KVP_EBUSY = 12,       /* the object is in use */
-    KVP_ECONFIG = 13,     /* a configuration file or field is invalid */
-    KVP_ECANCELED = 14,   /* the operation was canceled */
-    KVP_EINPROGRESS = 15, /* the operation has not completed yet */
-    KVP_ECLOSED = 16,     /* the object was closed */
-    KVP_EINTR = 17,       /* a blocking call was interrupted (a signal) */
-    KVP_EAUTH = 18,       /* a peer or descriptor failed authentication */
-} kvp_status;
+/* Every status code, once: X(name, value, text), where text is what
+ * kvp_strerror() returns. The enum below, the texts and the Python module's
+ * constants are generated from this table. Append only: a code, once
+ * released, keeps its name and value. */
+#define KVP_STATUS_LIST(X)                                                                         \
+    X(KVP_OK, 0, "success")                                                                        \
+    /* an argument is invalid */                                                                   \
+    X(KVP_EINVAL, 1, "invalid argument")                                                           \
+    /* out of memory, or a configured memory bound reached */                                      \
+    X(KVP_ENOMEM, 2, "out of memory")                                                              \
+    /* a wait ran past its timeout */                                                              \
+    X(KVP_ETIMEDOUT, 3, "timed out")                                                               \
+    /* a peer or server could not be reached */                                                    \
+    X(KVP_ECONNREFUSED, 4, "connection refused or peer unreachable")                               \
+    /* a peer closed the connection or died mid-operation */                                       \
+    X(KVP_ECONNRESET, 5, "connection reset by peer")                                               \
+    /* an address range lies outside registered memory */                                          \
+    X(KVP_ERANGE, 6, "address range outside registered memory")                                    \
+    /* no such segment, key or buffer */                                                           \
+    X(KVP_ENOTFOUND, 7, "not found")                                                               \
+    /* a malformed frame, header or JSON document */                                               \
+    X(KVP_EPROTO, 8, "protocol error (malformed message)")                                         \
+    /* the operation is not supported (by this build or peer) */                                   \
+    X(KVP_ENOTSUP, 9, "not supported")                                                             \
+    /* the metadata store failed or is unreachable */                                              \
+    X(KVP_EMETADATA, 10, "metadata store error")                                                   \
+    /* an operating-system call failed */                                                          \
+    X(KVP_EIO, 11, "I/O error")                                                                    \
+    /* the object is in use */                                                                     \
+    X(KVP_EBUSY, 12, "resource busy")                                                              \
+    /* a configuration file or field is invalid */                                                 \
+    X(KVP_ECONFIG, 13, "invalid configuration")                                                    \
+    /* the operation was canceled */                                                               \
+    X(KVP_ECANCELED, 14, "canceled")                                                               \
+    /* the operation has not completed yet */                                                      \
+    X(KVP_EINPROGRESS, 15, "in progress")                                                          \
+    /* the object was closed */                                                                    \
+    X(KVP_ECLOSED, 16, "closed")                                                                   \
+    /* a blocking call was interrupted (a signal) */                                               \
+    X(KVP_EINTR, 17, "interrupted")                                                                \
+    /* a peer or descriptor failed authentication */                                               \
+    X(KVP_EAUTH, 18, "authentication failed")
+
+#define KVP_STATUS_ENUM_ENTRY_(name, value, text) name = value,
+typedef enum kvp_status { KVP_STATUS_LIST(KVP_STATUS_ENUM_ENTRY_) } kvp_status;
+#undef KVP_STATUS_ENUM_ENTRY_
 
 /* Fixed English text for a status code; never NULL. Thread-safe. */
 KVP_API const char *kvp_strerror(kvp_status status);

@@ -74,9 +74,10 @@ class LogTests(unittest.TestCase):
         eng = new_engine()
         # None delivers what is queued before it returns.
         kvpipe.set_log_handler(None)
-        serving = got.having("serving")
+        # The engine's line (a ucx server, where built, says it serves too).
+        serving = [ln for ln in got.having("serving") if ln[1] == "engine"]
         self.assertEqual(len(serving), 1, got.lines)
-        self.assertEqual(serving[0][:2], (20, "engine"))
+        self.assertEqual(serving[0][0], 20)
         # Delivered by the module's thread, not the caller's.
         self.assertNotIn(threading.get_ident(), got.threads)
         eng.close()

@@ -30,6 +30,21 @@ static inline uint64_t kvpi_counter_get(const kvpi_counter *c)
     return atomic_load_explicit(&((kvpi_counter *)c)->v, memory_order_relaxed);
 }
 
+/* What one transport's server counts (kvpi_server_ctx.served): requests
+ * served to peers, by opcode. */
+typedef struct kvpi_served {
+    kvpi_counter requests[2];
+    kvpi_counter bytes[2];
+    kvpi_counter refused; /* requests answered "address rejected" */
+} kvpi_served;
+
+/* A request served: write 0 for a peer's READ, 1 for its WRITE. */
+static inline void kvpi_served_add(kvpi_served *s, int write, uint64_t bytes)
+{
+    kvpi_counter_add(&s->requests[write], 1);
+    kvpi_counter_add(&s->bytes[write], bytes);
+}
+
 typedef struct kvpi_gauge {
     _Atomic int64_t v;
 } kvpi_gauge;

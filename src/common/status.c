@@ -5,27 +5,9 @@
 
 #include "common/error.h"
 
-static const char *const status_text[] = {
-    [KVP_OK] = "success",
-    [KVP_EINVAL] = "invalid argument",
-    [KVP_ENOMEM] = "out of memory",
-    [KVP_ETIMEDOUT] = "timed out",
-    [KVP_ECONNREFUSED] = "connection refused or peer unreachable",
-    [KVP_ECONNRESET] = "connection reset by peer",
-    [KVP_ERANGE] = "address range outside registered memory",
-    [KVP_ENOTFOUND] = "not found",
-    [KVP_EPROTO] = "protocol error (malformed message)",
-    [KVP_ENOTSUP] = "not supported",
-    [KVP_EMETADATA] = "metadata store error",
-    [KVP_EIO] = "I/O error",
-    [KVP_EBUSY] = "resource busy",
-    [KVP_ECONFIG] = "invalid configuration",
-    [KVP_ECANCELED] = "canceled",
-    [KVP_EINPROGRESS] = "in progress",
-    [KVP_ECLOSED] = "closed",
-    [KVP_EINTR] = "interrupted",
-    [KVP_EAUTH] = "authentication failed",
-};
+#define TEXT(name, value, text) [name] = text,
+static const char *const status_text[] = {KVP_STATUS_LIST(TEXT)};
+#undef TEXT
 
 const char *kvp_strerror(kvp_status status)
 {

@@ -16,6 +16,7 @@ struct kvpi_work {
     kvpi_work *next;
     kvp_batch *batch;
     size_t req;
+    kvp_mem_kind local_kind; /* of the request's local memory */
     kvpi_slice slice;
     const kvpi_transport_ops *ops; /* that ran it, for the metrics */
 };
@@ -81,7 +82,8 @@ static void complete(kvpi_work *w, kvp_status st, uint64_t done_ns)
 static int groupable(const kvpi_work *first, const kvpi_work *next, size_t bytes, size_t limit)
 {
     return next && next->batch->seg == first->batch->seg &&
-           next->slice.opcode == first->slice.opcode && bytes + next->slice.length <= limit;
+           next->slice.opcode == first->slice.opcode && next->local_kind == first->local_kind &&
+           bytes + next->slice.length <= limit;
 }
 
 /* Pop a group of works; returns its size, 0 when stopping with nothing left. */
@@ -138,6 +140,59 @@ static kvp_status skip_reason(kvpi_work *w)
     return st;
 }
 
+/* For a transport that wants local memory registered with it: pin the
+ * local region of each slice and hand the slice its handle (NULL where the
+ * memory is not registered). pins[i] is NULL where nothing was pinned. */
+static void local_handles(kvp_engine *e, const kvpi_link *l, kvpi_slice **slices, size_t n,
+                          kvpi_pin *pins)
+{
+    for (size_t i = 0; i < n; i++) {
+        pins[i] = NULL;
+        slices[i]->local_handle = NULL;
+        if (!(l->ops->caps & KVPI_CAP_NEEDS_LOCAL_REG)) continue;
+        if (kvpi_region_pin(&e->regions, (uint64_t)(uintptr_t)slices[i]->local, slices[i]->length,
+                            l->ops->mem_kinds, &pins[i]) == KVP_OK)
+            slices[i]->local_handle = kvpi_pin_region(pins[i])->handle[l->slot];
+        else
+            pins[i] = NULL;
+    }
+}
+
+/* Move n checked slices whose memory is of the kinds in mask kinds through
+ * the peer's link for them; every slice gets its final status. Returns the
+ * connection-level error, if any. */
+static kvp_status run_slices(kvp_engine *e, kvpi_peer *peer, unsigned kinds, kvpi_work **works,
+                             kvpi_slice **slices, size_t n)
+{
+    kvpi_link *link;
+    kvp_status st = kvpi_peer_select(e, peer, kinds, &link);
+    if (st) {
+        for (size_t i = 0; i < n; i++)
+            complete(works[i], st, 0);
+        return KVP_OK; /* nothing wrong with the connection */
+    }
+    kvpi_pin pins[GROUP_MAX];
+    local_handles(e, link, slices, n, pins);
+    for (size_t i = 0; i < n; i++)
+        works[i]->ops = link->ops;
+    st = link->ops->peer_xfer(link->handle, slices, n);
+    uint64_t done_ns = kvpi_now_ns();
+    for (size_t i = 0; i < n; i++)
+        if (pins[i]) kvpi_region_unpin(&e->regions, pins[i]);
+    for (size_t i = 0; i < n; i++)
+        complete(works[i],
+                 slices[i]->status == KVP_EINPROGRESS ? (st ? st : KVP_EIO) : slices[i]->status,
+                 done_ns);
+    return st;
+}
+
+/* The kinds of memory a checked slice touches: its local and its remote. */
+static unsigned kinds_of(const kvpi_peer *peer, const kvpi_work *w)
+{
+    return KVPI_MEM_BIT(w->local_kind) |
+           KVPI_MEM_BIT(peer->desc.regions[w->slice.remote_region].kind);
+}
+
 static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
 {
     kvpi_segment *seg = group[0]->batch->seg;
@@ -159,31 +214,53 @@ static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
             complete(live[i], st, 0);
         return;
     }
-    /* Check against the peer's published buffers before sending anything; the
-     * peer checks again, since its descriptor may have changed since. */
+    /* Check against the peer's published buffers before sending anything;
+     * the peer checks again, since its descriptor may have changed since -
+     * except a one-sided (KVPI_CAP_RDMA) transport's, whose target checks
+     * nothing: for it this is the only check. */
     size_t k = 0;
     for (size_t i = 0; i < m; i++) {
         kvpi_slice *s = &live[i]->slice;
-        if (!kvpi_regions_contain(peer->desc.regions, peer->desc.n_regions, s->remote,
-                                  s->length)) {
+        long r = kvpi_regions_find(peer->desc.regions, peer->desc.n_regions, s->remote, s->length);
+        if (r < 0) {
             kvpi_error(KVP_ERANGE, "segment %s: [0x%llx, +%zu) is outside its registered buffers",
                        seg->name, (unsigned long long)s->remote, s->length);
             complete(live[i], KVP_ERANGE, 0);
             continue;
         }
+        s->remote_region = (size_t)r;
         s->status = KVP_EINPROGRESS;
-        live[i]->ops = peer->ops;
-        live[k] = live[i];
-        slices[k++] = s;
+        live[k++] = live[i];
     }
-    st = k ? peer->ops->peer_xfer(peer->handle, slices, k) : KVP_OK;
-    uint64_t done_ns = kvpi_now_ns();
-    kvpi_segment_release(seg, peer, st != KVP_OK);
-    kvpi_segment_note(seg, st);
-    for (size_t i = 0; i < k; i++)
-        complete(live[i],
-                 slices[i]->status == KVP_EINPROGRESS ? (st ? st : KVP_EIO) : slices[i]->status,
-                 done_ns);
+    /* Slices go by the kinds of memory they touch (all the same, but for a
+     * group that spans remote buffers of different kinds). */
+    kvp_status last = KVP_OK, conn = KVP_OK;
+    while (k > 0) {
+        unsigned kinds = kinds_of(peer, live[0]);
+        kvpi_work *same[GROUP_MAX];
+        size_t ns = 0, rest = 0;
+        for (size_t i = 0; i < k; i++) {
+            if (kinds_of(peer, live[i]) == kinds) {
+                same[ns] = live[i];
+                slices[ns++] = &live[i]->slice;
+            } else {
+                live[rest++] = live[i];
+            }
+        }
+        k = rest;
+        if (conn) { /* the peer's connection failed: so do the rest */
+            for (size_t i = 0; i < ns; i++)
+                complete(same[i], conn, 0);
+            continue;
+        }
+        kvp_status sub = run_slices(e, peer, kinds, same, slices, ns);
+        if (sub) last = sub;
+        if (connection_level(sub)) conn = sub;
+    }
+    /* Any failure the transport reports (a refused slice included: the
+     * peer's registrations changed) drops the peer, to look it up again. */
+    kvpi_segment_release(seg, peer, last != KVP_OK);
+    kvpi_segment_note(seg, last);
 }
 
 static void *worker_main(void *arg)
@@ -269,13 +346,16 @@ static void enqueue(kvp_engine *e, kvpi_work *first, kvpi_work *last)
 }
 
 /* Returns the bytes of the requests. */
-static uint64_t build_works(kvp_batch *b, const kvp_request *reqs, size_t slice_size)
+static uint64_t build_works(kvp_engine *e, kvp_batch *b, const kvp_request *reqs, size_t slice_size)
 {
     size_t w = 0;
     uint64_t bytes = 0;
     for (size_t i = 0; i < b->n; i++) {
         const kvp_request *r = &reqs[i];
         size_t count = slices_of(r, slice_size);
+        int device;
+        kvp_mem_kind kind =
+            kvpi_region_kind_at(&e->regions, (uint64_t)(uintptr_t)r->local, r->length, &device);
         b->reqs[i] = (req_state){count ? KVP_EINPROGRESS : KVP_OK, KVP_OK, count, r->length};
         if (count) b->pending++;
         bytes += r->length;
@@ -284,9 +364,13 @@ static uint64_t build_works(kvp_batch *b, const kvp_request *reqs, size_t slice_
             work->next = w + 1 < b->n_works ? &b->works[w + 1] : NULL;
             work->batch = b;
             work->req = i;
+            work->local_kind = kind;
             size_t len = r->length - off < slice_size ? r->length - off : slice_size;
-            work->slice = (kvpi_slice){r->opcode, (char *)r->local + off, r->remote + off, len,
-                                       KVP_EINPROGRESS};
+            work->slice = (kvpi_slice){.opcode = r->opcode,
+                                       .local = (char *)r->local + off,
+                                       .remote = r->remote + off,
+                                       .length = len,
+                                       .status = KVP_EINPROGRESS};
             w++;
         }
     }
@@ -319,7 +403,7 @@ kvp_status kvp_batch_submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_requ
     b->n_works = b->outstanding = n_works;
     b->metrics = &e->metrics;
     b->submit_ns = kvpi_now_ns();
-    uint64_t bytes = build_works(b, reqs, e->opts.slice_size);
+    uint64_t bytes = build_works(e, b, reqs, e->opts.slice_size);
     kvpi_metrics_submitted(&e->metrics, b->pending, bytes);
     if (n_works) enqueue(e, &b->works[0], &b->works[n_works - 1]);
     *out = b;

@@ -1,3 +1,4 @@
+#include <errno.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -80,6 +81,45 @@ kvp_status kvpi_pool_create(const kvpi_pool_opts *opts, const kvpi_pool_hooks *h
     return KVP_OK;
 }
 
+/* Map size bytes (a multiple of MAP_ALIGN) at a MAP_ALIGN boundary and ask for
+ * transparent huge pages: first-touch faults then come 2 MiB at a time, which
+ * matters for chunks of tens of MiB (page faults dominated the pipe's first
+ * pass over fresh buffers otherwise). */
+kvp_status kvpi_pool_map_default(size_t size, void **addr)
+{
+    size_t span = size + MAP_ALIGN;
+    char *raw = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED)
+        return kvpi_error(KVP_ENOMEM, "buffer pool: cannot map %zu bytes: %s", size,
+                          strerror(errno));
+    char *base = (char *)(((uintptr_t)raw + MAP_ALIGN - 1) & ~(uintptr_t)(MAP_ALIGN - 1));
+    if (base > raw) munmap(raw, (size_t)(base - raw));
+    size_t tail = (size_t)(raw + span - (base + size));
+    if (tail) munmap(base + size, tail);
+    madvise(base, size, MADV_HUGEPAGE);
+    *addr = base;
+    return KVP_OK;
+}
+
+void kvpi_pool_unmap_default(void *addr, size_t length)
+{
+    munmap(addr, length);
+}
+
+static kvp_status map_chunk(kvpi_pool *p, size_t size, void **addr)
+{
+    return p->hooks.map_chunk ? p->hooks.map_chunk(p->hooks.ctx, size, addr)
+                              : kvpi_pool_map_default(size, addr);
+}
+
+static void unmap_chunk(kvpi_pool *p, void *addr, size_t size)
+{
+    if (p->hooks.map_chunk)
+        p->hooks.unmap_chunk(p->hooks.ctx, addr, size);
+    else
+        kvpi_pool_unmap_default(addr, size);
+}
+
 /* Unregister and unmap a chunk that is no longer in the pool's list. Called
  * without the pool's lock: unregistering waits for server requests that still
  * touch the chunk, which must not hold up allocations from other chunks. */
@@ -87,9 +127,15 @@ static void chunk_release(kvpi_pool *p, chunk *c)
 {
     KVPI_DEBUG("buffer pool: releasing a chunk of %zu bytes", c->size);
     p->hooks.unregister_chunk(p->hooks.ctx, c->base);
-    munmap(c->base, c->size);
+    unmap_chunk(p, c->base, c->size);
     free(c->free);
     free(c);
+}
+
+kvp_mem_kind kvpi_pool_kind(const kvpi_pool *p, int *device)
+{
+    *device = p->opts.device;
+    return p->opts.kind;
 }
 
 void kvpi_pool_destroy(kvpi_pool *p)
@@ -103,23 +149,6 @@ void kvpi_pool_destroy(kvpi_pool *p)
     free(p->allocs);
     pthread_mutex_destroy(&p->lock);
     free(p);
-}
-
-/* Map size bytes (a multiple of MAP_ALIGN) at a MAP_ALIGN boundary and ask for
- * transparent huge pages: first-touch faults then come 2 MiB at a time, which
- * matters for chunks of tens of MiB (page faults dominated the pipe's first
- * pass over fresh buffers otherwise). */
-static void *map_chunk(size_t size)
-{
-    size_t span = size + MAP_ALIGN;
-    char *raw = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (raw == MAP_FAILED) return NULL;
-    char *base = (char *)(((uintptr_t)raw + MAP_ALIGN - 1) & ~(uintptr_t)(MAP_ALIGN - 1));
-    if (base > raw) munmap(raw, (size_t)(base - raw));
-    size_t tail = (size_t)(raw + span - (base + size));
-    if (tail) munmap(base + size, tail);
-    madvise(base, size, MADV_HUGEPAGE);
-    return base;
 }
 
 static kvp_status chunk_new(kvpi_pool *p, size_t need, chunk **out)
@@ -136,15 +165,16 @@ static kvp_status chunk_new(kvpi_pool *p, size_t need, chunk **out)
         if (c) free(c);
         return kvpi_error(KVP_ENOMEM, "buffer pool: out of memory");
     }
-    void *base = map_chunk(size);
-    if (!base) {
+    void *base = NULL;
+    kvp_status st = map_chunk(p, size, &base);
+    if (st) {
         free(c->free);
         free(c);
-        return kvpi_error(KVP_ENOMEM, "buffer pool: cannot map %zu bytes", size);
+        return st;
     }
-    kvp_status st = p->hooks.register_chunk(p->hooks.ctx, base, size);
+    st = p->hooks.register_chunk(p->hooks.ctx, base, size);
     if (st) {
-        munmap(base, size);
+        unmap_chunk(p, base, size);
         free(c->free);
         free(c);
         return st;

@@ -6,6 +6,7 @@
 #include <time.h>
 
 #include "common/error.h"
+#include "common/region.h"
 #include "engine/descriptor.h"
 
 #define EXACT_LIMIT 9007199254740992.0 /* 2^53 */
@@ -29,7 +30,23 @@ static void timestamp(char *out, size_t len)
     snprintf(out, len, "%s.%06d", secs, (int)(now.tv_nsec / 1000) % 1000000);
 }
 
-cJSON *kvpi_descriptor_build(const char *name, int tcp_data_port, const kvpi_region *regions,
+/* A buffer entry: name, addr, length, and where the memory is not host
+ * memory, its kind and device. */
+static int add_buffer(cJSON *buffers, const char *name, const kvpi_region *r)
+{
+    cJSON *b = cJSON_CreateObject();
+    if (!b) return 0;
+    cJSON_AddItemToArray(buffers, b);
+    /* Mooncake's TCP transport names each buffer after its segment. */
+    if (!cJSON_AddStringToObject(b, "name", name) || !add_u64(b, "addr", r->addr) ||
+        !add_u64(b, "length", r->length))
+        return 0;
+    if (r->kind == KVP_MEM_HOST) return 1;
+    return cJSON_AddStringToObject(b, "kind", kvpi_mem_kind_name(r->kind)) &&
+           cJSON_AddNumberToObject(b, "device", r->device);
+}
+
+cJSON *kvpi_descriptor_build(const char *name, const char *protocol, const kvpi_region *regions,
                              size_t n_regions)
 {
     cJSON *doc = cJSON_CreateObject();
@@ -37,21 +54,12 @@ cJSON *kvpi_descriptor_build(const char *name, int tcp_data_port, const kvpi_reg
     char stamp[64];
     timestamp(stamp, sizeof stamp);
     if (!doc || !cJSON_AddStringToObject(doc, "name", name) ||
-        !cJSON_AddStringToObject(doc, "protocol", "tcp") ||
-        !cJSON_AddNumberToObject(doc, "tcp_data_port", tcp_data_port) ||
-        !cJSON_AddNumberToObject(doc, "tcp_proto_version", KVPI_TCP_PROTO_VERSION) ||
+        (protocol && !cJSON_AddStringToObject(doc, "protocol", protocol)) ||
         !cJSON_AddStringToObject(doc, "timestamp", stamp) ||
         !(buffers = cJSON_AddArrayToObject(doc, "buffers")))
         goto fail;
-    for (size_t i = 0; i < n_regions; i++) {
-        cJSON *b = cJSON_CreateObject();
-        if (!b) goto fail;
-        cJSON_AddItemToArray(buffers, b);
-        /* Mooncake's TCP transport names each buffer after its segment. */
-        if (!cJSON_AddStringToObject(b, "name", name) || !add_u64(b, "addr", regions[i].addr) ||
-            !add_u64(b, "length", regions[i].length))
-            goto fail;
-    }
+    for (size_t i = 0; i < n_regions; i++)
+        if (!add_buffer(buffers, name, &regions[i])) goto fail;
     return doc;
 fail:
     cJSON_Delete(doc);
@@ -72,10 +80,49 @@ static kvp_status get_u64(const cJSON *obj, const char *key, const char *where, 
     return KVP_OK;
 }
 
-static int region_cmp(const void *a, const void *b)
+/* The memory kind of buffer entry b: its "kind" and "device" (kvpipe's), else
+ * what a Mooncake location name ("cuda:0") says, else host. A kind this build
+ * does not know is KVPI_MEM_KIND_UNKNOWN, which no transport can touch. */
+static kvp_status parse_kind(const cJSON *b, size_t i, kvpi_region *r)
 {
-    const kvpi_region *x = a, *y = b;
-    return x->addr < y->addr ? -1 : x->addr > y->addr;
+    const cJSON *kind = cJSON_GetObjectItemCaseSensitive(b, "kind");
+    const cJSON *name = cJSON_GetObjectItemCaseSensitive(b, "name");
+    r->kind = KVP_MEM_HOST;
+    r->device = 0;
+    if (kind) {
+        if (!cJSON_IsString(kind))
+            return kvpi_error(KVP_EPROTO, "segment descriptor: buffers[%zu].kind is not a string",
+                              i);
+        r->kind = strcmp(kind->valuestring, "host") == 0   ? KVP_MEM_HOST
+                  : strcmp(kind->valuestring, "cuda") == 0 ? KVP_MEM_CUDA
+                                                           : KVPI_MEM_KIND_UNKNOWN;
+        uint64_t dev = 0;
+        kvp_status st = cJSON_GetObjectItemCaseSensitive(b, "device")
+                            ? get_u64(b, "device", "buffers[]", &dev)
+                            : KVP_OK;
+        if (st) return st;
+        r->device = dev > INT32_MAX ? INT32_MAX : (int)dev;
+        return KVP_OK;
+    }
+    int dev, used = 0;
+    if (cJSON_IsString(name) && sscanf(name->valuestring, "cuda:%d%n", &dev, &used) == 1 &&
+        name->valuestring[used] == '\0' && dev >= 0) {
+        r->kind = KVP_MEM_CUDA;
+        r->device = dev;
+    }
+    return KVP_OK;
+}
+
+/* A buffer and its entry, sorted together. */
+typedef struct parsed_buffer {
+    kvpi_region region;
+    const cJSON *json;
+} parsed_buffer;
+
+static int buffer_cmp(const void *a, const void *b)
+{
+    const parsed_buffer *x = a, *y = b;
+    return x->region.addr < y->region.addr ? -1 : x->region.addr > y->region.addr;
 }
 
 static kvp_status parse_buffers(const cJSON *buffers, kvpi_descriptor *d)
@@ -83,28 +130,47 @@ static kvp_status parse_buffers(const cJSON *buffers, kvpi_descriptor *d)
     if (!cJSON_IsArray(buffers))
         return kvpi_error(KVP_EPROTO, "segment descriptor: 'buffers' missing or not an array");
     size_t n = (size_t)cJSON_GetArraySize(buffers);
+    parsed_buffer *p = calloc(n ? n : 1, sizeof *p);
     d->regions = calloc(n ? n : 1, sizeof *d->regions);
-    if (!d->regions) return kvpi_error(KVP_ENOMEM, "segment descriptor: out of memory");
+    d->buffers = calloc(n ? n : 1, sizeof *d->buffers);
+    kvp_status st = KVP_OK;
+    if (!p || !d->regions || !d->buffers) {
+        st = kvpi_error(KVP_ENOMEM, "segment descriptor: out of memory");
+        goto out;
+    }
     size_t i = 0;
     const cJSON *b;
     cJSON_ArrayForEach(b, buffers)
     {
-        kvp_status st;
-        if (!cJSON_IsObject(b))
-            return kvpi_error(KVP_EPROTO, "segment descriptor: buffers[%zu] is not an object", i);
-        if ((st = get_u64(b, "addr", "buffers[]", &d->regions[i].addr)) ||
-            (st = get_u64(b, "length", "buffers[]", &d->regions[i].length)))
-            return st;
-        if (d->regions[i].length > UINT64_MAX - d->regions[i].addr)
-            return kvpi_error(KVP_EPROTO, "segment descriptor: buffers[%zu] wraps around", i);
+        if (!cJSON_IsObject(b)) {
+            st = kvpi_error(KVP_EPROTO, "segment descriptor: buffers[%zu] is not an object", i);
+            goto out;
+        }
+        if ((st = get_u64(b, "addr", "buffers[]", &p[i].region.addr)) ||
+            (st = get_u64(b, "length", "buffers[]", &p[i].region.length)) ||
+            (st = parse_kind(b, i, &p[i].region)))
+            goto out;
+        if (p[i].region.length > UINT64_MAX - p[i].region.addr) {
+            st = kvpi_error(KVP_EPROTO, "segment descriptor: buffers[%zu] wraps around", i);
+            goto out;
+        }
+        p[i].json = b;
         i++;
     }
+    qsort(p, n, sizeof *p, buffer_cmp);
+    for (i = 0; i < n; i++) {
+        d->regions[i] = p[i].region;
+        d->buffers[i] = p[i].json;
+    }
     d->n_regions = n;
-    qsort(d->regions, n, sizeof *d->regions, region_cmp);
     for (i = 1; i < n; i++)
-        if (d->regions[i - 1].addr + d->regions[i - 1].length > d->regions[i].addr)
-            return kvpi_error(KVP_EPROTO, "segment descriptor: buffers overlap");
-    return KVP_OK;
+        if (d->regions[i - 1].addr + d->regions[i - 1].length > d->regions[i].addr) {
+            st = kvpi_error(KVP_EPROTO, "segment descriptor: buffers overlap");
+            goto out;
+        }
+out:
+    free(p);
+    return st;
 }
 
 kvp_status kvpi_descriptor_parse(const char *text, kvpi_descriptor *out)
@@ -127,23 +193,7 @@ kvp_status kvpi_descriptor_parse(const char *text, kvpi_descriptor *out)
         st = kvpi_error(KVP_EPROTO, "segment descriptor of '%s': 'protocol' missing", d.name);
         goto fail;
     }
-    if (strcmp(proto->valuestring, "tcp") != 0) {
-        st = kvpi_error(KVP_ENOTSUP, "segment '%s' uses protocol '%s'; kvpipe reaches tcp segments",
-                        d.name, proto->valuestring);
-        goto fail;
-    }
-    uint64_t port = 0, version = 1;
-    if ((st = get_u64(d.json, "tcp_data_port", "descriptor", &port))) goto fail;
-    if (port == 0 || port > 65535) {
-        st = kvpi_error(KVP_EPROTO, "segment descriptor of '%s': tcp_data_port %llu out of range",
-                        d.name, (unsigned long long)port);
-        goto fail;
-    }
-    if (cJSON_GetObjectItemCaseSensitive(d.json, "tcp_proto_version") &&
-        (st = get_u64(d.json, "tcp_proto_version", "descriptor", &version)))
-        goto fail;
-    d.tcp_data_port = (int)port;
-    d.tcp_proto_version = version > 1000 ? 1000 : (int)version;
+    d.protocol = proto->valuestring;
     if ((st = parse_buffers(cJSON_GetObjectItemCaseSensitive(d.json, "buffers"), &d))) goto fail;
     *out = d;
     return KVP_OK;
@@ -156,5 +206,6 @@ void kvpi_descriptor_free(kvpi_descriptor *desc)
 {
     cJSON_Delete(desc->json);
     free(desc->regions);
+    free(desc->buffers);
     memset(desc, 0, sizeof *desc);
 }

@@ -30,27 +30,71 @@ void kvp_engine_opts_init(kvp_engine_opts *opts)
     opts->auth_max_age_ms = KVPI_AUTH_MAX_AGE_MS_DEFAULT;
 }
 
-/* Build the descriptor from the registry and every transport's fields. */
-static char *descriptor_render(kvp_engine *e)
+/* The descriptor's "protocol": the first running transport whose wire
+ * Mooncake speaks says what it is. */
+static const char *mooncake_protocol(const kvp_engine *e)
 {
-    kvpi_region *regions;
-    size_t n;
-    if (kvpi_registry_snapshot(&e->registry, &regions, &n)) return NULL;
-    cJSON *doc = kvpi_descriptor_build(e->name, e->data_port, regions, n);
-    free(regions);
-    if (!doc) return NULL;
-    if (!cJSON_AddStringToObject(doc, KVPI_INSTANCE_FIELD, e->instance)) {
-        cJSON_Delete(doc);
-        return NULL;
+    for (size_t i = 0; e->transports[i]; i++)
+        if (e->servers[i] && e->transports[i]->mooncake_protocol)
+            return e->transports[i]->mooncake_protocol;
+    return NULL;
+}
+
+/* Every running transport's fields: its own top-level ones, then its fields
+ * of each buffer (entries in the order of regions). */
+static kvp_status describe_transports(kvp_engine *e, cJSON *doc, const kvpi_region *regions)
+{
+    cJSON *buffers = cJSON_GetObjectItemCaseSensitive(doc, "buffers");
+    for (size_t i = 0; e->transports[i]; i++) {
+        const kvpi_transport_ops *ops = e->transports[i];
+        if (!e->servers[i]) continue;
+        kvp_status st = ops->server_describe(e->servers[i], doc);
+        if (st) return st;
+        if (!ops->buffer_describe) continue;
+        const kvpi_region *r = regions;
+        cJSON *b;
+        cJSON_ArrayForEach(b, buffers)
+        {
+            if ((st = ops->buffer_describe(e->servers[i], r, r->handle[i], b))) return st;
+            r++;
+        }
     }
-    for (size_t i = 0; kvpi_transports[i]; i++)
-        if (e->servers[i]) kvpi_transports[i]->server_describe(e->servers[i], doc);
-    char *text = cJSON_PrintUnformatted(doc);
+    return KVP_OK;
+}
+
+/* Build the descriptor from the region table and every transport's fields.
+ * The regions stay pinned meanwhile, so that their handles stay valid. */
+static kvp_status descriptor_render(kvp_engine *e, char **out)
+{
+    kvpi_pin *pins;
+    size_t n;
+    kvp_status st = kvpi_region_pin_all(&e->regions, &pins, &n);
+    if (st) return st;
+    kvpi_region *regions = malloc((n ? n : 1) * sizeof *regions);
+    cJSON *doc = NULL;
+    char *text = NULL;
+    if (regions) {
+        for (size_t i = 0; i < n; i++)
+            regions[i] = *kvpi_pin_region(pins[i]);
+        doc = kvpi_descriptor_build(e->name, mooncake_protocol(e), regions, n);
+    }
+    st = doc && cJSON_AddStringToObject(doc, KVPI_INSTANCE_FIELD, e->instance)
+             ? KVP_OK
+             : kvpi_error(KVP_ENOMEM, "cannot render the segment descriptor: out of memory");
+    if (!st) st = describe_transports(e, doc, regions);
+    if (!st && !(text = cJSON_PrintUnformatted(doc)))
+        st = kvpi_error(KVP_ENOMEM, "cannot render the segment descriptor: out of memory");
     cJSON_Delete(doc);
-    if (!text || !e->auth) return text;
-    char *signed_text = kvpi_auth_desc_sign(e->auth, text);
-    free(text);
-    return signed_text;
+    free(regions);
+    kvpi_region_unpin_all(&e->regions, pins, n);
+    if (!st && e->auth) {
+        char *signed_text = kvpi_auth_desc_sign(e->auth, text);
+        free(text);
+        text = signed_text;
+        if (!text) st = kvpi_error(KVP_ENOMEM, "cannot sign the segment descriptor: out of memory");
+    }
+    if (!st) *out = text;
+    return st;
 }
 
 /* Authenticated: the descriptor's signature is a quarter of its accepted age
@@ -82,8 +126,9 @@ static char *rpc_describe(void *ctx)
 /* Render the descriptor anew into e->desc_text; called with publish_lock. */
 static kvp_status render_locked(kvp_engine *e)
 {
-    char *text = descriptor_render(e);
-    if (!text) return kvpi_error(KVP_ENOMEM, "cannot render the segment descriptor");
+    char *text;
+    kvp_status st = descriptor_render(e, &text);
+    if (st) return st;
     free(e->desc_text);
     e->desc_text = text;
     e->desc_signed_ns = kvpi_now_ns();
@@ -104,7 +149,7 @@ static kvpi_meta_self self_of(const kvp_engine *e, const char *desc)
 /* Render and publish the descriptor (only its ram key: rpc_meta was written
  * once, at creation); the lock keeps concurrent registrations from publishing
  * out of order. */
-static kvp_status publish(kvp_engine *e)
+kvp_status kvpi_engine_publish(kvp_engine *e)
 {
     pthread_mutex_lock(&e->publish_lock);
     kvp_status st = render_locked(e);
@@ -116,9 +161,9 @@ static kvp_status publish(kvp_engine *e)
     return st;
 }
 
-/* The rendered descriptor no longer matches the registry (a registration was
+/* The rendered descriptor no longer matches the region table (a registration was
  * rolled back after its publish failed): the keeper renders it again. */
-static void mark_stale(kvp_engine *e)
+void kvpi_engine_mark_stale(kvp_engine *e)
 {
     pthread_mutex_lock(&e->publish_lock);
     e->desc_stale = 1;
@@ -198,16 +243,6 @@ static void *keeper_main(void *arg)
     return NULL;
 }
 
-static kvp_status pool_register(void *ctx, void *addr, size_t length)
-{
-    return kvp_engine_register(ctx, addr, length);
-}
-
-static void pool_unregister(void *ctx, void *addr)
-{
-    kvp_engine_unregister(ctx, addr);
-}
-
 static kvp_status copy_opts(kvp_engine *e, const kvp_engine_opts *o)
 {
     if (!o->local_server_name || !o->metadata)
@@ -226,6 +261,16 @@ static kvp_status copy_opts(kvp_engine *e, const kvp_engine_opts *o)
     if (st) return st;
     st = kvpi_protocol_resolve(o->protocol, &e->transport);
     if (st) return st;
+    size_t n = 0;
+    while (e->transports[n] && e->transports[n] != e->transport)
+        n++;
+    if (!e->transports[n])
+        return kvpi_error(KVP_ENOTSUP, "engine: the %s transport is not among this engine's",
+                          e->transport->name);
+    for (n = 0; e->transports[n]; n++)
+        if (n == KVPI_MAX_TRANSPORTS)
+            return kvpi_error(KVP_EINVAL, "engine: more than %d transports", KVPI_MAX_TRANSPORTS);
+    e->n_transports = n;
     const char *proto = e->transport->name;
     st = kvpi_hostport_parse(o->local_server_name, -1, &e->self);
     if (st) return st;
@@ -235,6 +280,8 @@ static kvp_status copy_opts(kvp_engine *e, const kvp_engine_opts *o)
     e->opts.metadata = e->metadata_conn;
     e->opts.protocol = e->protocol;
     e->opts.device_names = NULL;
+    if (o->device_names && !(e->opts.device_names = e->device_names = strdup(o->device_names)))
+        return kvpi_error(KVP_ENOMEM, "engine: out of memory");
     return KVP_OK;
 }
 
@@ -286,25 +333,45 @@ static kvp_status name_segment(kvp_engine *e)
     return KVP_OK;
 }
 
+/* Where the server of ops counts what it serves: the engine's slot for it
+ * among the built transports the metrics name (none for another). */
+static kvpi_served *served_slot(kvp_engine *e, const kvpi_transport_ops *ops)
+{
+    for (size_t i = 0; kvpi_transports[i] && i < KVPI_TRANSPORTS_MAX; i++)
+        if (kvpi_transports[i] == ops) return &e->metrics.served[i];
+    return NULL;
+}
+
 static kvp_status start_servers(kvp_engine *e)
 {
-    kvpi_server_ctx ctx = {.host = e->self.host,
-                           .registry = &e->registry,
+    kvpi_server_ctx ctx = {.segment = e->name,
+                           .host = e->self.host,
+                           .regions = &e->regions,
+                           .device_names = e->opts.device_names,
                            .timeout_ms = e->opts.timeout_ms,
                            .idle_timeout_ms = e->opts.idle_timeout_ms,
                            .max_conns = e->opts.max_connections,
                            .min_rate = e->opts.min_transfer_rate,
-                           .data_port_out = &e->data_port,
                            .auth = e->auth};
-    for (size_t i = 0; kvpi_transports[i]; i++) {
-        const kvpi_transport_ops *ops = kvpi_transports[i];
-        ctx.served = i < KVPI_TRANSPORTS_MAX ? &e->metrics.served[i] : NULL;
-        kvp_status st = ops->server_start(&ctx, &e->servers[i]);
-        if (st == KVP_OK) continue;
+    for (size_t i = 0; e->transports[i]; i++) {
+        const kvpi_transport_ops *ops = e->transports[i];
+        ctx.served = served_slot(e, ops);
+        kvp_status st = kvpi_transport_check(ops);
+        if (!st && e->auth && !(ops->caps & KVPI_CAP_AUTH))
+            st = kvpi_error(KVP_ENOTSUP,
+                            "the %s transport does not authenticate its peers, so the "
+                            "authenticated mode does not run it (docs/security.md)",
+                            ops->name);
+        if (!st) st = ops->server_start(&ctx, &e->servers[i]);
+        if (st == KVP_OK) {
+            if (ops->mooncake_protocol && !e->data_port && ops->server_port)
+                e->data_port = ops->server_port(e->servers[i]);
+            continue;
+        }
         e->servers[i] = NULL;
-        /* A same-host transport is an optimisation: its absence is not fatal
-         * unless it is the protocol asked for. */
-        if ((ops->caps & KVPI_TRANSPORT_SAME_HOST) && ops != e->transport) {
+        /* Mooncake's wire always serves, and the protocol asked for must;
+         * any other transport is an addition whose absence is not fatal. */
+        if (!ops->mooncake_protocol && ops != e->transport) {
             KVPI_INFO("engine %s: %s transport unavailable: %s", e->name, ops->name,
                       kvp_last_error());
             continue;
@@ -316,26 +383,32 @@ static kvp_status start_servers(kvp_engine *e)
 
 kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out)
 {
-    if (!opts || !out) return kvpi_error(KVP_EINVAL, "engine: NULL argument");
+    return kvpi_engine_create_with(opts, kvpi_transports, out);
+}
+
+kvp_status kvpi_engine_create_with(const kvp_engine_opts *opts,
+                                   const kvpi_transport_ops *const *transports, kvp_engine **out)
+{
+    if (!opts || !out || !transports) return kvpi_error(KVP_EINVAL, "engine: NULL argument");
     kvp_engine *e = calloc(1, sizeof *e);
     if (!e) return kvpi_error(KVP_ENOMEM, "engine: out of memory");
-    kvpi_registry_init(&e->registry);
+    e->transports = transports;
+    kvpi_region_table_init(&e->regions);
     pthread_mutex_init(&e->publish_lock, NULL);
     pthread_mutex_init(&e->segments_lock, NULL);
     pthread_mutex_init(&e->keeper_lock, NULL);
     kvpi_cond_init(&e->keeper_cond);
     kvp_status st;
     if ((st = copy_opts(e, opts))) goto fail;
-    if ((st = kvpi_meta_open(e->metadata_conn, e->opts.timeout_ms, &e->meta))) goto fail;
+    if ((st = kvpi_meta_open(e->metadata_conn, e->opts.timeout_ms, rpc_describe, e, &e->meta)))
+        goto fail;
     if (e->auth) kvpi_meta_set_auth(e->meta, e->auth, e->opts.auth_max_age_ms);
     if ((st = draw_instance(e))) goto fail;
     if ((st = start_rpc(e))) goto fail;
     if ((st = name_segment(e))) goto fail;
     if ((st = kvpi_engine_metrics_start(e))) goto fail;
     if ((st = start_servers(e))) goto fail;
-    kvpi_pool_opts popts = {.retain_bytes = e->opts.pool_retain_bytes};
-    kvpi_pool_hooks hooks = {e, pool_register, pool_unregister};
-    if ((st = kvpi_pool_create(&popts, &hooks, &e->pool))) goto fail;
+    if ((st = kvpi_engine_pool_start(e))) goto fail;
     if ((st = kvpi_workers_start(e))) goto fail;
     if ((st = claim(e))) goto fail;
     if (!kvpi_meta_is_p2p(e->meta)) {
@@ -379,13 +452,16 @@ void kvp_engine_destroy(kvp_engine *e)
     kvpi_workers_stop(e);
     kvpi_segments_destroy(e);
     kvpi_rpc_server_stop(e->rpc);
-    for (size_t i = 0; kvpi_transports[i]; i++)
-        if (e->servers[i]) kvpi_transports[i]->server_stop(e->servers[i]);
-    /* The pool unregisters its chunks through the engine: no publishing now. */
+    /* The pool unregisters its chunks through the engine: no publishing now.
+     * Every region is unregistered from the transports before their servers
+     * stop, since a server may own what its registrations use. */
     kvpi_meta_close(e->meta);
     e->meta = NULL;
     kvpi_pool_destroy(e->pool);
-    kvpi_registry_destroy(&e->registry);
+    kvpi_engine_unregister_all(e);
+    for (size_t i = 0; e->transports[i]; i++)
+        if (e->servers[i]) e->transports[i]->server_stop(e->servers[i]);
+    kvpi_region_table_destroy(&e->regions);
     pthread_mutex_destroy(&e->publish_lock);
     pthread_mutex_destroy(&e->segments_lock);
     pthread_mutex_destroy(&e->keeper_lock);
@@ -394,6 +470,7 @@ void kvp_engine_destroy(kvp_engine *e)
     free(e->name);
     free(e->metadata_conn);
     free(e->protocol);
+    free(e->device_names);
     kvpi_auth_free(e->auth);
     free(e);
 }
@@ -411,38 +488,4 @@ int kvp_engine_rpc_port(const kvp_engine *e)
 int kvp_engine_data_port(const kvp_engine *e)
 {
     return e->data_port;
-}
-
-kvp_status kvp_engine_register(kvp_engine *e, void *addr, size_t length)
-{
-    if (!e || !addr) return kvpi_error(KVP_EINVAL, "register: NULL argument");
-    kvp_status st = length ? kvpi_memory_check_host(addr, length) : KVP_OK;
-    if (!st) st = kvpi_registry_add(&e->registry, (uint64_t)(uintptr_t)addr, length);
-    if (st || !e->meta) return st;
-    if ((st = publish(e))) {
-        kvpi_registry_remove(&e->registry, (uint64_t)(uintptr_t)addr);
-        mark_stale(e); /* the rendered descriptor still lists it */
-    }
-    return st;
-}
-
-kvp_status kvp_engine_unregister(kvp_engine *e, void *addr)
-{
-    if (!e) return kvpi_error(KVP_EINVAL, "unregister: NULL engine");
-    kvp_status st = kvpi_registry_remove(&e->registry, (uint64_t)(uintptr_t)addr);
-    if (st || !e->meta) return st;
-    return publish(e);
-}
-
-kvp_status kvp_engine_alloc(kvp_engine *e, size_t length, void **out)
-{
-    if (!e || !out) return kvpi_error(KVP_EINVAL, "alloc: NULL argument");
-    return kvpi_pool_alloc(e->pool, length, out);
-}
-
-kvp_status kvp_engine_free(kvp_engine *e, void *addr)
-{
-    if (!e) return kvpi_error(KVP_EINVAL, "free: NULL engine");
-    if (!addr) return KVP_OK;
-    return kvpi_pool_free(e->pool, addr);
 }

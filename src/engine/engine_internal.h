@@ -1,5 +1,6 @@
 /* Internal: the engine's parts and how they meet.
- *   engine.c   - create/destroy, registration, publishing, the keeper thread
+ *   engine.c   - create/destroy, publishing, the keeper thread
+ *   registration.c - memory registration with the transports, the pool's hooks
  *   segment.c  - the table of opened peer segments and their transports
  *   batch.c    - the work queue, worker threads and the batch API
  *   metrics.c  - the engine's metrics, their endpoint and MC_TE_METRIC
@@ -12,23 +13,33 @@
 
 #include "common/auth.h"
 #include "common/net.h"
+#include "common/region.h"
 #include "engine/buffer_pool.h"
 #include "engine/descriptor.h"
 #include "engine/metrics.h"
-#include "engine/registry.h"
 #include "kvpipe/engine.h"
 #include "metadata/metadata.h"
 #include "transport/transport.h"
 
-/* A live connection state to a peer through one transport. Shared by workers,
- * reference counted: a failed peer is detached from its segment and closed when
- * the last worker using it lets go. */
-typedef struct kvpi_peer {
+/* One transport's state for a peer, opened when first needed. */
+typedef struct kvpi_link {
     const kvpi_transport_ops *ops;
-    void *handle;
+    size_t slot;  /* its index in the engine's transports: server, region handles */
+    void *handle; /* peer_open's; NULL until opened */
+    int refused;  /* peer_open failed: not tried again for this peer */
+} kvpi_link;
+
+/* What the engine knows of a peer: its descriptor and the transports it may
+ * use for it. Shared by workers, reference counted: a failed peer is detached
+ * from its segment and closed when the last worker using it lets go. */
+typedef struct kvpi_peer {
     kvpi_descriptor desc;
     char *host;
     atomic_int refs;
+    pthread_mutex_t lock;                 /* opening links */
+    kvpi_link links[KVPI_MAX_TRANSPORTS]; /* the allowed transports, preferred first */
+    size_t n_links;
+    kvpi_link *primary; /* the first that opened at lookup (links before it refused) */
 } kvpi_peer;
 
 typedef struct kvpi_segment {
@@ -52,13 +63,18 @@ typedef struct kvpi_queue {
 
 struct kvp_engine {
     kvp_engine_opts opts; /* strings below are owned copies */
-    char *name, *metadata_conn, *protocol;
+    char *name, *metadata_conn, *protocol, *device_names;
     kvpi_hostport self;
+    /* This engine's transports (kvpi_transports, unless a test gives others),
+     * NULL-terminated; servers[i] is transports[i]'s, i its region handle
+     * slot. */
+    const kvpi_transport_ops *const *transports;
+    size_t n_transports;
     const kvpi_transport_ops *transport; /* the protocol's transport */
     kvpi_meta *meta;
     kvpi_rpc_server *rpc;
-    kvpi_registry registry;
-    void *servers[8]; /* per entry of kvpi_transports[] */
+    kvpi_region_table regions;
+    void *servers[KVPI_MAX_TRANSPORTS]; /* NULL where one did not start */
     int data_port;
     kvpi_pool *pool;
 
@@ -66,7 +82,7 @@ struct kvp_engine {
     int claimed;       /* the name is taken in the store: release it at destroy */
     pthread_mutex_t publish_lock;
     char *desc_text; /* last rendered descriptor, for handshakes */
-    int desc_stale;  /* desc_text may list what the registry no longer has */
+    int desc_stale;  /* desc_text may list regions no longer registered */
     kvpi_auth *auth; /* NULL: unauthenticated */
     uint64_t desc_signed_ns; /* authenticated: when desc_text was signed */
 
@@ -100,6 +116,11 @@ kvp_status kvpi_segment_acquire(kvp_engine *e, kvpi_segment *seg, kvpi_peer **ou
  * peer, detach it so that the next transfer looks the segment up again. */
 void kvpi_segment_release(kvpi_segment *seg, kvpi_peer *peer, int failed);
 void kvpi_segments_destroy(kvp_engine *e);
+/* The link to move memory of the kinds in mask kinds (KVPI_MEM_BIT of the
+ * local and the remote memory) with: the first allowed transport, in
+ * preference order, that moves all of them and opens for this peer.
+ * KVP_ENOTSUP naming the kinds when none does. */
+kvp_status kvpi_peer_select(kvp_engine *e, kvpi_peer *peer, unsigned kinds, kvpi_link **out);
 /* Record a transfer's outcome; a failure is logged once until one succeeds. */
 void kvpi_segment_note(kvpi_segment *seg, kvp_status st);
 
@@ -109,5 +130,22 @@ void kvpi_workers_stop(kvp_engine *e);
 
 /* engine.c */
 char *kvpi_engine_descriptor_text(kvp_engine *e);
+/* Render and publish the descriptor (its ram key). */
+kvp_status kvpi_engine_publish(kvp_engine *e);
+/* The rendered descriptor no longer matches the regions: render it again. */
+void kvpi_engine_mark_stale(kvp_engine *e);
+/* kvp_engine_create with another list of transports (NULL-terminated, at most
+ * KVPI_MAX_TRANSPORTS, the protocol's among them): how tests run the engine
+ * over transports of their own. */
+kvp_status kvpi_engine_create_with(const kvp_engine_opts *opts,
+                                   const kvpi_transport_ops *const *transports, kvp_engine **out);
+
+/* registration.c */
+/* Create the buffer pool: host memory, its chunks mapped by the first
+ * running transport that has chunk_map (else anonymous mappings) and
+ * registered like any region. */
+kvp_status kvpi_engine_pool_start(kvp_engine *e);
+/* Unregister, from every transport, what is still registered (teardown). */
+void kvpi_engine_unregister_all(kvp_engine *e);
 
 #endif

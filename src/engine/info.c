@@ -19,7 +19,7 @@
 
 #include "common/auth.h"
 #include "common/error.h"
-#include "engine/registry.h"
+#include "common/region.h"
 #include "kvpipe/info.h"
 #include "kvpipe/version.h"
 #include "metadata/metadata.h"
@@ -121,15 +121,14 @@ static void fill_components(kvp_info *info)
 /* Start and stop the transport's server on host, as an engine would. */
 static kvp_status probe_transport(const kvpi_transport_ops *ops, const char *host, int timeout_ms)
 {
-    kvpi_registry reg;
-    kvpi_registry_init(&reg);
-    int port = 0;
+    kvpi_region_table regions;
+    kvpi_region_table_init(&regions);
     kvpi_server_ctx ctx = {
-        .host = host, .registry = &reg, .timeout_ms = timeout_ms, .data_port_out = &port};
+        .segment = "kvpipe info", .host = host, .regions = &regions, .timeout_ms = timeout_ms};
     void *srv = NULL;
     kvp_status st = ops->server_start(&ctx, &srv);
     if (st == KVP_OK) ops->server_stop(srv);
-    kvpi_registry_destroy(&reg);
+    kvpi_region_table_destroy(&regions);
     return st;
 }
 
@@ -148,12 +147,16 @@ static void fill_transports(kvp_info *info, const char *host, int timeout_ms)
         const kvpi_transport_ops *ops = kvpi_transports[i];
         kvp_status st = probe_transport(ops, host, timeout_ms);
         add_transport(info, ops->name, st, kvp_last_error(),
-                      ops->caps & KVPI_TRANSPORT_SAME_HOST ? KVP_TRANSPORT_SAME_HOST : 0);
+                      ops->caps & KVPI_CAP_SAME_HOST ? KVP_TRANSPORT_SAME_HOST : 0);
     }
     /* The protocol Mooncake users configure most; an engine refuses it with
      * KVP_ENOTSUP until a build has a transport of that name. */
-    if (!kvpi_transport_lookup("rdma"))
-        add_transport(info, "rdma", KVP_ENOTSUP, "not supported in this build", 0);
+    if (!kvpi_transport_lookup("rdma")) {
+        char why[160];
+        snprintf(why, sizeof why, "not supported in this build (%s)",
+                 kvpi_transport_missing("rdma"));
+        add_transport(info, "rdma", KVP_ENOTSUP, why, 0);
+    }
 }
 
 /* ------------------------------------------------------------------ info --- */
@@ -217,8 +220,8 @@ const kvp_store_info *kvp_info_store_for(const kvp_info *info, const char *conn)
 kvp_status kvp_info_store_check(const char *conn, int timeout_ms)
 {
     kvpi_meta *meta;
-    kvp_status st =
-        kvpi_meta_open(conn, timeout_ms > 0 ? timeout_ms : INFO_STORE_TIMEOUT_MS, &meta);
+    kvp_status st = kvpi_meta_open(conn, timeout_ms > 0 ? timeout_ms : INFO_STORE_TIMEOUT_MS, NULL,
+                                   NULL, &meta);
     if (st == KVP_OK) kvpi_meta_close(meta);
     return st;
 }
@@ -232,7 +235,8 @@ kvp_status kvp_info_segment(const char *conn, const char *segment, int timeout_m
     kvp_status st = kvpi_auth_resolve(NULL, &auth);
     if (st) return st;
     kvpi_meta *meta;
-    st = kvpi_meta_open(conn, timeout_ms > 0 ? timeout_ms : INFO_STORE_TIMEOUT_MS, &meta);
+    st = kvpi_meta_open(conn, timeout_ms > 0 ? timeout_ms : INFO_STORE_TIMEOUT_MS, NULL, NULL,
+                        &meta);
     if (st) {
         kvpi_auth_free(auth);
         return st;
@@ -240,7 +244,7 @@ kvp_status kvp_info_segment(const char *conn, const char *segment, int timeout_m
     if (auth) kvpi_meta_set_auth(meta, auth, 0);
     char *desc = NULL, *rpc_host = NULL;
     /* A P2P handshake sends our own descriptor; an inspecting tool has none. */
-    st = kvpi_meta_fetch(meta, segment, "{}", &desc, &rpc_host);
+    st = kvpi_meta_fetch(meta, segment, &desc, &rpc_host);
     kvpi_meta_close(meta);
     kvpi_auth_free(auth);
     if (st) return st;

@@ -185,13 +185,9 @@ static void collect_target(const kvpi_engine_metrics *m, kvp_metrics *out)
 
 static void collect_memory(kvp_engine *e, kvp_metrics *out)
 {
-    kvpi_region *regions = NULL;
-    size_t n = 0;
-    uint64_t registered = 0;
-    if (kvpi_registry_snapshot(&e->registry, &regions, &n) == KVP_OK)
-        for (size_t i = 0; i < n; i++)
-            registered += regions[i].length;
-    free(regions);
+    size_t n;
+    uint64_t registered;
+    kvpi_region_totals(&e->regions, &n, &registered);
     kvpi_metrics_add(out, &f_registered, (double)registered, NULL);
     kvpi_metrics_add(out, &f_regions, (double)n, NULL);
     kvpi_pool_stats ps = {0};

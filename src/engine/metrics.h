@@ -16,20 +16,6 @@
 #define KVPI_TRANSPORTS_MAX 8
 #define KVPI_STATUS_SLOTS 32
 
-/* What one transport's server counts: requests served to peers, by opcode. */
-typedef struct kvpi_served {
-    kvpi_counter requests[2];
-    kvpi_counter bytes[2];
-    kvpi_counter refused; /* requests answered "address rejected" */
-} kvpi_served;
-
-/* A request served: write 0 for a peer's READ, 1 for its WRITE. */
-static inline void kvpi_served_add(kvpi_served *s, int write, uint64_t bytes)
-{
-    kvpi_counter_add(&s->requests[write], 1);
-    kvpi_counter_add(&s->bytes[write], bytes);
-}
-
 /* The initiator's counts, per request (not per slice). Each thread counts
  * into a shard of its own (threads are spread over KVPI_METRIC_SHARDS of
  * them), so that the engine's workers do not pass the counters' cache lines

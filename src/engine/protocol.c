@@ -46,9 +46,10 @@ kvp_status kvpi_protocol_resolve(const char *asked, const kvpi_transport_ops **o
     }
     char names[128];
     kvpi_protocol_names(names, sizeof names);
+    const char *missing = kvpi_transport_missing(name);
     return kvpi_error(KVP_ENOTSUP,
-                      "protocol '%s' is not supported by this build (it serves %s); to run over "
-                      "TCP, ask for protocol 'tcp' (in a mooncake config file: \"protocol\": "
-                      "\"tcp\") or set MC_FORCE_TCP=1",
-                      name, names);
+                      "protocol '%s' is not supported by this build (%s%sit serves %s); to run "
+                      "over TCP, ask for protocol 'tcp' (in a mooncake config file: "
+                      "\"protocol\": \"tcp\") or set MC_FORCE_TCP=1",
+                      name, missing ? missing : "", missing ? "; " : "", names);
 }

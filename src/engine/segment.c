@@ -1,3 +1,4 @@
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -86,44 +87,124 @@ kvp_status kvp_engine_segment_buffers(kvp_engine *e, kvp_segment_id id, kvp_remo
 static void peer_put(kvpi_peer *peer)
 {
     if (atomic_fetch_sub(&peer->refs, 1) != 1) return;
-    peer->ops->peer_close(peer->handle);
+    for (size_t i = 0; i < peer->n_links; i++)
+        if (peer->links[i].handle) peer->links[i].ops->peer_close(peer->links[i].handle);
+    pthread_mutex_destroy(&peer->lock);
     kvpi_descriptor_free(&peer->desc);
     free(peer->host);
     free(peer);
 }
 
-/* May the engine use this transport for a peer? The protocol's own transport,
- * and same-host transports as an automatic upgrade of a network protocol. */
+/* May the engine use this transport for a peer? Decided by capability, never
+ * by name: the protocol's own transport; same-host transports, as an
+ * automatic upgrade of a network protocol (unless disable_shm); and the
+ * transport of Mooncake's wire, which reaches any peer a network protocol's
+ * transport cannot (a Mooncake TCP peer, say). A same-host protocol uses
+ * only its own transport. */
 static int transport_allowed(const kvp_engine *e, const kvpi_transport_ops *ops)
 {
+    if (e->auth && !(ops->caps & KVPI_CAP_AUTH)) return 0; /* see KVPI_CAP_AUTH */
     if (ops == e->transport) return 1;
-    if (e->transport->caps & KVPI_TRANSPORT_SAME_HOST) return 0;
-    return (ops->caps & KVPI_TRANSPORT_SAME_HOST) && !e->opts.disable_shm;
+    if (e->transport->caps & KVPI_CAP_SAME_HOST) return 0;
+    if (ops->caps & KVPI_CAP_SAME_HOST) return !e->opts.disable_shm;
+    return ops->mooncake_protocol != NULL;
 }
 
-static kvp_status peer_connect(kvp_engine *e, kvpi_peer *peer, const char *segname)
+/* Open link l for the peer, once; on failure it is marked refused and
+ * kvp_last_error() says why. Called with the peer's lock held, or before the
+ * peer is shared. */
+static kvp_status link_open(kvp_engine *e, kvpi_peer *peer, const char *segname, kvpi_link *l)
 {
-    kvpi_peer_ctx ctx = {.host = peer->host,
+    if (l->handle) return KVP_OK;
+    if (l->refused) return kvpi_error(KVP_ENOTSUP, "%s: refused this peer before", l->ops->name);
+    kvpi_peer_ctx ctx = {.segment = segname,
+                         .host = peer->host,
                          .desc = peer->desc.json,
                          .regions = peer->desc.regions,
+                         .buffers = peer->desc.buffers,
                          .n_regions = peer->desc.n_regions,
+                         .server = e->servers[l->slot],
                          .timeout_ms = e->opts.timeout_ms,
                          .min_rate = e->opts.min_transfer_rate,
                          .conns = e->opts.conns_per_peer,
                          .retries = &e->metrics.retries,
                          .auth = e->auth};
-    for (size_t i = 0; kvpi_transports[i]; i++) {
-        const kvpi_transport_ops *ops = kvpi_transports[i];
-        if (!transport_allowed(e, ops)) continue;
-        kvp_status st = ops->peer_open(&ctx, &peer->handle);
+    kvp_status st = l->ops->peer_open(&ctx, &l->handle);
+    if (st) {
+        l->handle = NULL;
+        l->refused = 1;
+    }
+    return st;
+}
+
+/* Append "name: why" of a refusal to the list in buf (why alone where it
+ * starts with the name already). */
+static void note_refusal(char *buf, size_t len, const kvpi_link *l, const char *why)
+{
+    size_t used = strlen(buf), n = strlen(l->ops->name);
+    int named = strncmp(why, l->ops->name, n) == 0 && why[n] == ':';
+    if (used < len)
+        snprintf(buf + used, len - used, "%s%s%s%s", used ? "; " : "", named ? "" : l->ops->name,
+                 named ? "" : ": ", why);
+}
+
+/* The allowed transports, in preference order; then open the first that
+ * moves host memory and will serve the peer: that is the peer's primary
+ * link. Transports that move other kinds only open when a request needs
+ * them (kvpi_peer_select). */
+static kvp_status peer_connect(kvp_engine *e, kvpi_peer *peer, const char *segname)
+{
+    for (size_t i = 0; e->transports[i]; i++)
+        if (transport_allowed(e, e->transports[i]))
+            peer->links[peer->n_links++] = (kvpi_link){.ops = e->transports[i], .slot = i};
+    char refusals[400] = "";
+    kvp_status first = KVP_OK; /* the first failure that is not "cannot serve" */
+    for (size_t i = 0; i < peer->n_links; i++) {
+        kvpi_link *l = &peer->links[i];
+        if (!(l->ops->mem_kinds & KVPI_MEM_HOST_BIT)) continue;
+        kvp_status st = link_open(e, peer, segname, l);
         if (st == KVP_OK) {
-            peer->ops = ops;
+            if (refusals[0]) KVPI_INFO("segment %s: not using %s", segname, refusals);
+            peer->primary = l;
             return KVP_OK;
         }
-        if (st != KVP_ENOTSUP || ops == e->transport) return st;
-        KVPI_INFO("segment %s: not using %s: %s", segname, ops->name, kvp_last_error());
+        if (st != KVP_ENOTSUP && !first) first = st;
+        note_refusal(refusals, sizeof refusals, l, kvp_last_error());
     }
-    return kvpi_error(KVP_ENOTSUP, "segment %s: no transport can reach it", segname);
+    return kvpi_error(first ? first : KVP_ENOTSUP, "segment %s: no transport can reach it: %s",
+                      segname, refusals);
+}
+
+kvp_status kvpi_peer_select(kvp_engine *e, kvpi_peer *peer, unsigned kinds, kvpi_link **out)
+{
+    /* Links before the primary refused the peer or move no host memory: for
+     * host memory and what else it moves, it is the first choice. */
+    if ((kinds & KVPI_MEM_HOST_BIT) && (peer->primary->ops->mem_kinds & kinds) == kinds) {
+        *out = peer->primary;
+        return KVP_OK;
+    }
+    char refusals[300] = "";
+    kvp_status st = KVP_ENOTSUP;
+    pthread_mutex_lock(&peer->lock);
+    for (size_t i = 0; i < peer->n_links; i++) {
+        kvpi_link *l = &peer->links[i];
+        if ((l->ops->mem_kinds & kinds) != kinds || l->refused) continue;
+        if ((st = link_open(e, peer, peer->desc.name, l)) == KVP_OK) {
+            *out = l;
+            break;
+        }
+        note_refusal(refusals, sizeof refusals, l, kvp_last_error());
+    }
+    pthread_mutex_unlock(&peer->lock);
+    if (st == KVP_OK) return KVP_OK;
+    char names[64] = "";
+    for (unsigned k = 0; k < 32; k++)
+        if (kinds & KVPI_MEM_BIT(k))
+            snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s",
+                     names[0] ? " and " : "", kvpi_mem_kind_name((kvp_mem_kind)k));
+    return kvpi_error(KVP_ENOTSUP,
+                      "segment %s: no transport this engine may use moves %s memory%s%s",
+                      peer->desc.name, names, refusals[0] ? "; refused: " : "", refusals);
 }
 
 /* Authenticated: only a descriptor signed with an accepted key, fresh and of
@@ -144,24 +225,22 @@ static kvp_status peer_lookup(kvp_engine *e, const char *name, kvpi_peer **out)
 {
     kvpi_peer *peer = calloc(1, sizeof *peer);
     if (!peer) return kvpi_error(KVP_ENOMEM, "segment lookup: out of memory");
-    char *own = kvpi_engine_descriptor_text(e);
-    char *text = NULL;
-    kvp_status st = kvpi_meta_fetch(e->meta, name, own, &text, &peer->host);
-    free(own);
-    if (st) goto fail;
-    st = check_signature(e, name, text);
-    if (!st) st = kvpi_descriptor_parse(text, &peer->desc);
-    free(text);
-    if (st) goto fail;
-    if ((st = peer_connect(e, peer, name))) goto fail;
+    pthread_mutex_init(&peer->lock, NULL);
     atomic_init(&peer->refs, 1);
+    char *text = NULL;
+    kvp_status st = kvpi_meta_fetch(e->meta, name, &text, &peer->host);
+    if (!st) {
+        st = check_signature(e, name, text);
+        if (!st) st = kvpi_descriptor_parse(text, &peer->desc);
+        free(text);
+    }
+    if (!st) st = peer_connect(e, peer, name);
+    if (st) {
+        peer_put(peer);
+        return st;
+    }
     *out = peer;
     return KVP_OK;
-fail:
-    kvpi_descriptor_free(&peer->desc);
-    free(peer->host);
-    free(peer);
-    return st;
 }
 
 kvp_status kvpi_segment_acquire(kvp_engine *e, kvpi_segment *seg, kvpi_peer **out)
@@ -176,7 +255,7 @@ kvp_status kvpi_segment_acquire(kvp_engine *e, kvpi_segment *seg, kvpi_peer **ou
         st = peer_lookup(e, seg->name, &seg->peer);
         if (st == KVP_OK) {
             seg->looked_up = 1;
-            const kvpi_transport_ops *ops = seg->peer->ops;
+            const kvpi_transport_ops *ops = seg->peer->primary->ops;
             seg->transport = ops->name;
             atomic_store(&seg->group_bytes,
                          ops->group_bytes ? ops->group_bytes : KVPI_GROUP_BYTES_DEFAULT);

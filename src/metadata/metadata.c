@@ -28,6 +28,8 @@ struct kvpi_meta {
     void *store;
     char *conn; /* for messages, with any password masked */
     int timeout_ms;
+    kvpi_rpc_desc_fn desc_fn; /* the local descriptor, for handshakes */
+    void *desc_ctx;
     const kvpi_auth *auth; /* NULL: unauthenticated */
     int auth_max_age_ms;
 };
@@ -90,7 +92,8 @@ static kvp_status check_p2p_spelling(const char *conn)
                       conn);
 }
 
-kvp_status kvpi_meta_open(const char *conn, int timeout_ms, kvpi_meta **out)
+kvp_status kvpi_meta_open(const char *conn, int timeout_ms, kvpi_rpc_desc_fn desc_fn,
+                          void *desc_ctx, kvpi_meta **out)
 {
     if (!conn || !*conn) return kvpi_error(KVP_EINVAL, "empty metadata connection string");
     if (!out) return kvpi_error(KVP_EINVAL, "kvpi_meta_open: out is NULL");
@@ -102,6 +105,8 @@ kvp_status kvpi_meta_open(const char *conn, int timeout_ms, kvpi_meta **out)
         return kvpi_error(KVP_ENOMEM, "out of memory");
     }
     m->timeout_ms = timeout_ms > 0 ? timeout_ms : META_DEFAULT_TIMEOUT_MS;
+    m->desc_fn = desc_fn;
+    m->desc_ctx = desc_ctx;
     if (strcmp(conn, KVPI_P2P_CONN) != 0) {
         st = open_store(m, conn);
         if (st) {
@@ -272,8 +277,7 @@ out:
     return st;
 }
 
-static kvp_status fetch_p2p(kvpi_meta *m, const char *segment, const char *own, char **desc,
-                            char **host)
+static kvp_status fetch_p2p(kvpi_meta *m, const char *segment, char **desc, char **host)
 {
     kvpi_hostport hp;
     if (kvpi_hostport_parse(segment, -1, &hp) != KVP_OK)
@@ -282,8 +286,10 @@ static kvp_status fetch_p2p(kvpi_meta *m, const char *segment, const char *own, 
     char *h = strdup(hp.host);
     if (!h) return kvpi_error(KVP_ENOMEM, "out of memory");
     char *reply = NULL;
+    char *own = m->desc_fn ? m->desc_fn(m->desc_ctx) : NULL;
     kvp_status st = kvpi_rpc_call_auth(hp.host, hp.port, m->auth, KVPI_RPC_METADATA,
                                        own ? own : "{}", m->timeout_ms, &reply);
+    free(own);
     if (st) {
         free(h);
         char prefix[300];
@@ -295,14 +301,13 @@ static kvp_status fetch_p2p(kvpi_meta *m, const char *segment, const char *own, 
     return KVP_OK;
 }
 
-kvp_status kvpi_meta_fetch(kvpi_meta *meta, const char *segment, const char *own_desc_json,
-                           char **desc_json, char **rpc_host)
+kvp_status kvpi_meta_fetch(kvpi_meta *meta, const char *segment, char **desc_json, char **rpc_host)
 {
     if (!meta || !desc_json || !rpc_host)
         return kvpi_error(KVP_EINVAL, "kvpi_meta_fetch: meta, desc_json and rpc_host are required");
     kvp_status st = check_segment(segment);
     if (st) return st;
-    if (!meta->ops) return fetch_p2p(meta, segment, own_desc_json, desc_json, rpc_host);
+    if (!meta->ops) return fetch_p2p(meta, segment, desc_json, rpc_host);
     return fetch_store(meta, segment, desc_json, rpc_host);
 }
 

@@ -58,7 +58,16 @@ typedef struct kvpi_meta kvpi_meta;
  * ignore it. */
 #define KVPI_INSTANCE_FIELD "kvpipe_instance"
 
-kvp_status kvpi_meta_open(const char *conn, int timeout_ms, kvpi_meta **out);
+/* Returns the malloc'ed JSON text of the local segment descriptor, or NULL
+ * (none yet). Called from the metadata layer's and the handshake server's
+ * threads; must not block on them. */
+typedef char *(*kvpi_rpc_desc_fn)(void *ctx);
+
+/* Open the metadata layer of a connection string. desc_fn(desc_ctx) gives the
+ * local descriptor where a lookup sends it (P2PHANDSHAKE handshakes); NULL,
+ * or a NULL result, sends "{}". */
+kvp_status kvpi_meta_open(const char *conn, int timeout_ms, kvpi_rpc_desc_fn desc_fn,
+                          void *desc_ctx, kvpi_meta **out);
 void kvpi_meta_close(kvpi_meta *meta);
 
 /* Non-zero in P2PHANDSHAKE mode (no store; descriptors come by handshake). */
@@ -132,10 +141,10 @@ kvp_status kvpi_meta_release(kvpi_meta *meta, const kvpi_meta_self *self);
 
 /* Fetch a peer segment's descriptor (malloc'ed JSON text) and the host its RPC
  * and data ports listen on (malloc'ed). In P2P mode this is a handshake to the
- * host:port of the segment name, sending own_desc_json. KVP_ENOTFOUND when the
- * store has no such segment. */
-kvp_status kvpi_meta_fetch(kvpi_meta *meta, const char *segment, const char *own_desc_json,
-                           char **desc_json, char **rpc_host);
+ * host:port of the segment name, sending the local descriptor (the desc_fn
+ * given to kvpi_meta_open). KVP_ENOTFOUND when the store has no such
+ * segment. */
+kvp_status kvpi_meta_fetch(kvpi_meta *meta, const char *segment, char **desc_json, char **rpc_host);
 
 /* The key under which kind ("ram" or "rpc_meta") of a segment is stored, as
  * Mooncake names it: "mooncake/[CLUSTER/]ram/<segment>" (a segment name that
@@ -181,9 +190,6 @@ enum kvpi_rpc_type {
 #define KVPI_RPC_MAX_FRAME (1u << 20)
 
 typedef struct kvpi_rpc_server kvpi_rpc_server;
-
-/* Returns the malloc'ed JSON text of the local segment descriptor, or NULL. */
-typedef char *(*kvpi_rpc_desc_fn)(void *ctx);
 
 /* Serve handshakes on host:port until stopped. A METADATA request is answered
  * with a METADATA frame holding desc_fn()'s text; other types with a frame of

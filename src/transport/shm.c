@@ -3,7 +3,7 @@
  * This file is the initiator side and the ops table; shm_server.c is the
  * target side. The initiator sends a 32-byte request per slice over one of a
  * few Unix-socket connections; the target checks the range against its live
- * registry and copies between its memory and ours with process_vm_readv or
+ * region table and copies between its memory and ours with process_vm_readv or
  * process_vm_writev. Each worker thread of the engine uses its own connection,
  * so several target threads copy at once. See shm_internal.h for the wire format
  * and docs/transport-shm.md for the reasons and the trust model.
@@ -406,11 +406,12 @@ static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
 
 const kvpi_transport_ops kvpi_transport_shm = {
     .name = "shm",
-    .caps = KVPI_TRANSPORT_SAME_HOST,
+    .caps = KVPI_CAP_SAME_HOST | KVPI_CAP_AUTH,
+    .mem_kinds = KVPI_MEM_HOST_BIT,
     .group_bytes = (size_t)16 << 20,
     .server_start = kvpi_shm_server_start,
-    .server_describe = kvpi_shm_server_describe,
     .server_stop = kvpi_shm_server_stop,
+    .server_describe = kvpi_shm_server_describe,
     .peer_open = peer_open,
     .peer_xfer = peer_xfer,
     .peer_close = peer_close,

@@ -4,7 +4,7 @@
  * The same-host transport moves bytes with cross-memory attach: the process
  * that owns the registered memory (the target) copies directly between its
  * memory and the initiator's with process_vm_readv/process_vm_writev, after
- * checking the request against its live registry. Requests travel over an
+ * checking the request against its live region table. Requests travel over an
  * abstract Unix stream socket; no payload byte crosses a socket. See
  * docs/transport-shm.md for why.
  *
@@ -55,7 +55,7 @@ kvp_status kvpi_shm_get_status(const uint8_t *p, kvp_status *st, int *err);
 
 /* Target side (shm_server.c), called through the ops table in shm.c. */
 kvp_status kvpi_shm_server_start(const kvpi_server_ctx *ctx, void **server);
-void kvpi_shm_server_describe(void *server, cJSON *desc);
+kvp_status kvpi_shm_server_describe(void *server, cJSON *desc);
 void kvpi_shm_server_stop(void *server);
 
 #endif

@@ -1,5 +1,5 @@
 /* The target side of the shm transport: an abstract Unix socket that takes
- * requests from initiators on this host, checks each against the live registry
+ * requests from initiators on this host, checks each against the live region table
  * and copies with process_vm_readv/writev straight between the registered
  * memory and the initiator's memory. The socket is served by a connection
  * server (common/conn_server.h): one thread per connection, a cap on
@@ -35,7 +35,7 @@
 #define DEFER_BYTES ((uint64_t)64 << 20)
 
 typedef struct shm_server {
-    kvpi_registry *registry;
+    kvpi_region_table *regions;
     kvpi_served *served; /* may be NULL */
     kvpi_conn_server *conns;
     const kvpi_auth *auth; /* NULL: unauthenticated */
@@ -164,7 +164,7 @@ static kvp_status copy_status(int err, int *fatal)
  * failed copy is answered and the connection keeps serving. */
 static kvp_status serve_request(shm_conn *c, const uint8_t h[KVPI_SHM_REQ_LEN], shm_server *srv)
 {
-    kvpi_registry *reg = srv->registry;
+    kvpi_region_table *reg = srv->regions;
     uint64_t remote = kvpi_get_le64(h), len = kvpi_get_le64(h + 8), local = kvpi_get_le64(h + 16);
     uint8_t op = h[24];
     if (op > KVP_OP_WRITE) {
@@ -174,14 +174,14 @@ static kvp_status serve_request(shm_conn *c, const uint8_t h[KVPI_SHM_REQ_LEN], 
     if (!kvpi_conn_busy(c->conn, len)) return KVP_ECLOSED;
     if (len == 0) return answer(c, KVP_OK, 0, 0);
     kvpi_pin pin;
-    if (kvpi_registry_pin(reg, remote, len, &pin) != KVP_OK) {
+    if (kvpi_region_pin(reg, remote, len, KVPI_MEM_HOST_BIT, &pin) != KVP_OK) {
         KVPI_DEBUG("shm server: pid %d asked for [0x%" PRIx64 ", +%" PRIu64 ") outside registered "
                    "memory", (int)c->peer, remote, len);
         if (srv->served) kvpi_counter_add(&srv->served->refused, 1);
         return answer(c, KVP_ERANGE, 0, 0);
     }
     int err = copy_with_peer(c->peer, (kvp_opcode)op, remote, local, len);
-    kvpi_registry_unpin(reg, pin);
+    kvpi_region_unpin(reg, pin);
     int fatal = 0;
     kvp_status st = copy_status(err, &fatal);
     if (st == KVP_OK && srv->served) kvpi_served_add(srv->served, op == KVP_OP_WRITE, len);
@@ -245,7 +245,7 @@ kvp_status kvpi_shm_server_start(const kvpi_server_ctx *ctx, void **server)
     shm_server *srv = calloc(1, sizeof *srv);
     if (!srv) return kvpi_error(KVP_ENOMEM, "shm server: out of memory");
     *srv = (shm_server){
-        .registry = ctx->registry, .served = ctx->served, .auth = ctx->auth, .pid = getpid()};
+        .regions = ctx->regions, .served = ctx->served, .auth = ctx->auth, .pid = getpid()};
     int fd = -1;
     if ((st = kvpi_shm_host_id(srv->host_id, sizeof srv->host_id)) ||
         (st = listen_abstract(srv, &fd))) {
@@ -263,17 +263,20 @@ kvp_status kvpi_shm_server_start(const kvpi_server_ctx *ctx, void **server)
     return KVP_OK;
 }
 
-void kvpi_shm_server_describe(void *server, cJSON *desc)
+kvp_status kvpi_shm_server_describe(void *server, cJSON *desc)
 {
     shm_server *srv = server;
     cJSON *o = cJSON_CreateObject();
-    if (!o) return;
-    cJSON_AddNumberToObject(o, "version", KVPI_SHM_VERSION);
-    cJSON_AddStringToObject(o, "host_id", srv->host_id);
-    cJSON_AddNumberToObject(o, "pid", srv->pid);
-    cJSON_AddStringToObject(o, "socket", srv->name);
+    if (!o || !cJSON_AddNumberToObject(o, "version", KVPI_SHM_VERSION) ||
+        !cJSON_AddStringToObject(o, "host_id", srv->host_id) ||
+        !cJSON_AddNumberToObject(o, "pid", srv->pid) ||
+        !cJSON_AddStringToObject(o, "socket", srv->name)) {
+        cJSON_Delete(o);
+        return kvpi_error(KVP_ENOMEM, "shm server: out of memory");
+    }
     cJSON_DeleteItemFromObjectCaseSensitive(desc, KVPI_SHM_FIELD);
     cJSON_AddItemToObject(desc, KVPI_SHM_FIELD, o);
+    return KVP_OK;
 }
 
 void kvpi_shm_server_stop(void *server)

@@ -1,7 +1,7 @@
 /* TCP transport: Mooncake's data plane (see tcp_wire.h).
  *
  * Server: a connection server (common/conn_server.h) with one thread per
- * connection; every request is checked against the registry and the region
+ * connection; every request is checked against the region table and the region
  * stays pinned while its bytes move, straight between the socket and
  * registered memory, under the request's deadline.
  * Client: a small pool of persistent connections per peer; a group of slices
@@ -31,7 +31,7 @@
 /* ------------------------------------------------------------------ server */
 
 typedef struct tcp_server {
-    kvpi_registry *registry;
+    kvpi_region_table *regions;
     kvpi_served *served; /* may be NULL */
     kvpi_conn_server *conns;
     int port;
@@ -97,7 +97,7 @@ static int serve_request(kvpi_conn *c, tcp_server *srv, const kvpi_tcp_hdr *h)
     if (!live) return -1;
     if (h->size == 0) return h->v2 && send_status(c, KVPI_TCP_STATUS_OK) ? -1 : 0;
     kvpi_pin pin;
-    if (kvpi_registry_pin(srv->registry, h->addr, h->size, &pin) != KVP_OK) {
+    if (kvpi_region_pin(srv->regions, h->addr, h->size, KVPI_MEM_HOST_BIT, &pin) != KVP_OK) {
         KVPI_WARN_LIMITED("%s: rejected %s of [0x%llx, +%llu): outside registered memory",
                           kvpi_conn_name(c), op_name(h), (unsigned long long)h->addr,
                           (unsigned long long)h->size);
@@ -109,7 +109,7 @@ static int serve_request(kvpi_conn *c, tcp_server *srv, const kvpi_tcp_hdr *h)
         /* v2 promises a status before the data: memory freed behind our back
          * must be found now, while status 1 can still be sent. */
         if (h->v2 && !kvpi_memory_mapped(mem, h->size)) {
-            kvpi_registry_unpin(srv->registry, pin);
+            kvpi_region_unpin(srv->regions, pin);
             log_fault(c, h, "refused");
             return refuse(c, h);
         }
@@ -119,13 +119,13 @@ static int serve_request(kvpi_conn *c, tcp_server *srv, const kvpi_tcp_hdr *h)
         KVPI_PEER_COPY_BEGIN();
         st = h->v2 ? kvpi_conn_sendv(c, iov, 2) : kvpi_conn_sendv(c, iov + 1, 1);
         KVPI_PEER_COPY_END();
-        kvpi_registry_unpin(srv->registry, pin);
+        kvpi_region_unpin(srv->regions, pin);
         if (st == KVP_EINVAL) log_fault(c, h, "cut short"); /* unmapped mid-send */
     } else {
         KVPI_PEER_COPY_BEGIN();
         st = kvpi_conn_recv(c, mem, h->size);
         KVPI_PEER_COPY_END();
-        kvpi_registry_unpin(srv->registry, pin);
+        kvpi_region_unpin(srv->regions, pin);
         if (st == KVP_EINVAL) {
             log_fault(c, h, "refused");
             return refuse(c, h);
@@ -174,7 +174,7 @@ static kvp_status tcp_server_start(const kvpi_server_ctx *ctx, void **out)
 {
     tcp_server *srv = calloc(1, sizeof *srv);
     if (!srv) return kvpi_error(KVP_ENOMEM, "tcp server: out of memory");
-    srv->registry = ctx->registry;
+    srv->regions = ctx->regions;
     srv->auth = ctx->auth;
     srv->served = ctx->served;
     int fd;
@@ -192,16 +192,22 @@ static kvp_status tcp_server_start(const kvpi_server_ctx *ctx, void **out)
         free(srv);
         return st;
     }
-    if (ctx->data_port_out) *ctx->data_port_out = srv->port;
     *out = srv;
     return KVP_OK;
 }
 
-static void tcp_server_describe(void *server, cJSON *desc)
+static kvp_status tcp_server_describe(void *server, cJSON *desc)
 {
-    /* tcp_data_port and tcp_proto_version are part of the base descriptor. */
-    (void)server;
-    (void)desc;
+    tcp_server *srv = server;
+    if (!cJSON_AddNumberToObject(desc, "tcp_data_port", srv->port) ||
+        !cJSON_AddNumberToObject(desc, "tcp_proto_version", KVPI_TCP_PROTO_VERSION))
+        return kvpi_error(KVP_ENOMEM, "tcp server: out of memory");
+    return KVP_OK;
+}
+
+static int tcp_server_port(void *server)
+{
+    return ((tcp_server *)server)->port;
 }
 
 static void tcp_server_stop(void *server)
@@ -228,12 +234,40 @@ typedef struct tcp_peer {
     int n_idle;
 } tcp_peer;
 
-static kvp_status tcp_peer_open(const kvpi_peer_ctx *ctx, void **out)
+/* The peer's data port and protocol version from its descriptor. Without a
+ * port, the segment is served by another of Mooncake's transports. */
+static kvp_status read_fields(const kvpi_peer_ctx *ctx, int *port_out, int *v2)
 {
     const cJSON *port = cJSON_GetObjectItemCaseSensitive(ctx->desc, "tcp_data_port");
     const cJSON *ver = cJSON_GetObjectItemCaseSensitive(ctx->desc, "tcp_proto_version");
-    if (!cJSON_IsNumber(port) || port->valueint <= 0 || port->valueint > 65535)
-        return kvpi_error(KVP_EPROTO, "peer descriptor has no valid tcp_data_port");
+    const cJSON *proto = cJSON_GetObjectItemCaseSensitive(ctx->desc, "protocol");
+    const char *p = cJSON_IsString(proto) ? proto->valuestring : "";
+    if (!port && strcmp(p, "tcp") != 0)
+        return kvpi_error(KVP_ENOTSUP,
+                          "segment %s is a Mooncake %s segment (it publishes no tcp_data_port); "
+                          "kvpipe reaches Mooncake peers over tcp only - run them with protocol "
+                          "tcp or MC_FORCE_TCP=1",
+                          ctx->segment, p);
+    double d = cJSON_IsNumber(port) ? port->valuedouble : 0;
+    if (!(d >= 1 && d <= 65535) || d != (int)d)
+        return kvpi_error(KVP_EPROTO,
+                          "segment %s: its descriptor's tcp_data_port is missing or not a port "
+                          "number",
+                          ctx->segment);
+    if (ver && !cJSON_IsNumber(ver))
+        return kvpi_error(KVP_EPROTO,
+                          "segment %s: its descriptor's tcp_proto_version is not a number",
+                          ctx->segment);
+    *port_out = (int)d;
+    *v2 = ver && ver->valuedouble >= 2;
+    return KVP_OK;
+}
+
+static kvp_status tcp_peer_open(const kvpi_peer_ctx *ctx, void **out)
+{
+    int port = 0, v2 = 0;
+    kvp_status st = read_fields(ctx, &port, &v2);
+    if (st) return st;
     if (strlen(ctx->host) >= KVPI_HOST_MAX)
         return kvpi_error(KVP_EINVAL, "peer host name too long");
     tcp_peer *p = calloc(1, sizeof *p);
@@ -243,8 +277,8 @@ static kvp_status tcp_peer_open(const kvpi_peer_ctx *ctx, void **out)
         return kvpi_error(KVP_ENOMEM, "tcp peer: out of memory");
     }
     strcpy(p->host, ctx->host);
-    p->port = port->valueint;
-    p->v2 = cJSON_IsNumber(ver) && ver->valuedouble >= 2;
+    p->port = port;
+    p->v2 = v2;
     p->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : KVPI_CONN_TIMEOUT_MS_DEFAULT;
     p->min_rate = ctx->min_rate ? ctx->min_rate : KVPI_MIN_RATE_DEFAULT;
     p->retries = ctx->retries;
@@ -464,10 +498,13 @@ static kvp_status tcp_peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
 
 const kvpi_transport_ops kvpi_transport_tcp = {
     .name = "tcp",
-    .caps = 0,
+    .mooncake_protocol = "tcp",
+    .caps = KVPI_CAP_AUTH,
+    .mem_kinds = KVPI_MEM_HOST_BIT,
     .server_start = tcp_server_start,
-    .server_describe = tcp_server_describe,
     .server_stop = tcp_server_stop,
+    .server_port = tcp_server_port,
+    .server_describe = tcp_server_describe,
     .peer_open = tcp_peer_open,
     .peer_xfer = tcp_peer_xfer,
     .peer_close = tcp_peer_close,

@@ -14,6 +14,10 @@
 
 #include "common/net.h"
 
+/* The descriptor fields (top level): "tcp_data_port" (the data port) and
+ * "tcp_proto_version" (absent: 1, Mooncake before the status frames). */
+#define KVPI_TCP_PROTO_VERSION 2
+
 #define KVPI_TCP_HDR_LEN 24
 #define KVPI_TCP_OP_READ 0
 #define KVPI_TCP_OP_WRITE 1

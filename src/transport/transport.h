@@ -1,15 +1,38 @@
 /* Internal: the transport ops table.
  *
- * A transport moves bytes between local memory and a peer's registered memory.
- * The engine knows nothing of sockets or shared memory; it starts each
- * transport's server, lets each add its fields to the segment descriptor, and,
- * for a peer, opens the first transport (in preference order) whose peer_open
- * accepts that peer. A transport that cannot serve a peer (for example shm and a
- * peer on another host) returns KVP_ENOTSUP from peer_open with the reason in
- * kvp_last_error(), and the engine falls back to the next.
+ * A transport moves bytes between local memory and a peer's registered memory,
+ * and owns everything about itself: its listener, the fields it publishes in
+ * the segment descriptor (top-level and per buffer), how it registers memory,
+ * and how it reads a peer's descriptor. The engine knows nothing of sockets,
+ * shared memory or remote keys; it
+ *   - starts every transport's server at creation (server_start), in the
+ *     order of kvpi_transports[]; the index of a transport in that list is
+ *     its slot (kvpi_region.handle[slot]);
+ *   - calls mem_reg on every running server for each region registered
+ *     (kvp_engine_register_mem, and each chunk of the buffer pool), before
+ *     the region is visible to anyone, rolling back in reverse order when
+ *     one fails; mem_dereg on each after the region's last pin dropped;
+ *   - renders the descriptor: the core fields (name, protocol, timestamp,
+ *     buffers with name/addr/length, descriptor.h), then each running
+ *     server's server_describe and, for each region, buffer_describe;
+ *   - for a peer, picks transports by capability, protocol and memory kind
+ *     (never by name; engine/segment.c) and opens them with peer_open; a
+ *     transport that cannot serve that peer returns KVP_ENOTSUP with the
+ *     reason in kvp_last_error(), and the engine tries the next.
  *
- * Threads: server functions are called by the engine only; peer_xfer is called
- * from several worker threads at once on the same peer.
+ * Threads (for every op): server_start and server_stop run on the thread
+ * that creates or destroys the engine, never concurrently with any other op
+ * on that server. Every other op may run on any thread, concurrently with
+ * itself and with every other op except server_stop: mem_reg/mem_dereg on
+ * the application's threads (kvp_engine_register and the pool), the describe
+ * ops on whichever thread publishes, peer_* on the engine's workers (several
+ * at once on one peer). A server's own threads (its listener) are its
+ * business; they must stop in server_stop.
+ *
+ * Errors: every fallible op returns a kvp_status and, on failure, sets
+ * kvp_last_error() to one line naming the peer, region or field; outputs are
+ * set only on success. No op may block beyond the deadlines its context
+ * gives (timeout_ms + bytes / min_rate).
  */
 #ifndef KVPI_TRANSPORT_H
 #define KVPI_TRANSPORT_H
@@ -21,30 +44,41 @@
 
 #include "common/auth.h"
 #include "common/conn_server.h"
-#include "engine/metrics.h"
-#include "engine/registry.h"
+#include "common/metrics.h"
+#include "common/region.h"
 #include "kvpipe/engine.h"
 
-/* One contiguous piece of a request; the transport sets status. */
+/* One contiguous piece of a request, handed to peer_xfer. The engine checked
+ * [remote, remote+length) against the peer's descriptor before the call: it
+ * lies inside regions[remote_region] of the peer's context, whatever the
+ * transport (for one-sided transports, KVPI_CAP_RDMA, that check is the only
+ * one: the target's CPU sees nothing). */
 typedef struct kvpi_slice {
     kvp_opcode opcode;
     void *local;
     uint64_t remote;
     size_t length;
-    kvp_status status;
+    kvp_status status;    /* the transport sets it: KVP_OK or the slice's error */
+    size_t remote_region; /* index into kvpi_peer_ctx.regions */
+    /* KVPI_CAP_NEEDS_LOCAL_REG transports only: this transport's mem_reg
+     * handle of the registered local region that holds [local, +length)
+     * whole, pinned (its unregistration waits) until peer_xfer returns; NULL
+     * when the local memory is not registered as one region. A transport
+     * that gets NULL copes (registers or bounces it) or fails the slice with
+     * KVP_EINVAL saying why. Always NULL for other transports. */
+    void *local_handle;
 } kvpi_slice;
 
 typedef struct kvpi_server_ctx {
-    const char *host;        /* the engine's host, to bind on */
-    kvpi_registry *registry; /* check every request against it */
+    const char *segment;        /* the local segment name, for messages */
+    const char *host;           /* the engine's host, to bind on */
+    kvpi_region_table *regions; /* check every remote request against it */
+    const char *device_names;   /* kvp_engine_opts.device_names, or NULL */
     /* The listener's limits (common/conn_server.h; 0: its default). */
     int timeout_ms;
     int idle_timeout_ms;
     int max_conns;
     uint64_t min_rate;
-    /* A transport that serves Mooncake's TCP data port stores its port here;
-     * the engine publishes it as tcp_data_port. */
-    int *data_port_out;
     /* Non-NULL in the authenticated mode (common/auth.h): the server must
      * refuse a connection whose peer does not prove the key, before serving
      * any request on it - with a conn_server, setup = kvpi_auth_conn_setup. */
@@ -54,22 +88,33 @@ typedef struct kvpi_server_ctx {
 } kvpi_server_ctx;
 
 typedef struct kvpi_peer_ctx {
-    const char *host;   /* where the peer's servers listen (rpc_meta) */
-    const cJSON *desc;  /* the peer's parsed segment descriptor */
-    const kvpi_region *regions; /* the descriptor's buffers */
+    const char *segment; /* the peer's segment name, for messages */
+    const char *host;    /* where the peer's servers listen (rpc_meta) */
+    const cJSON *desc;   /* the peer's whole descriptor: read your own fields */
+    /* The descriptor's buffers, sorted by addr and non-overlapping, and the
+     * JSON object of each (aligned: buffers[i] is regions[i]'s entry), for
+     * per-buffer fields such as remote keys. */
+    const kvpi_region *regions;
+    const cJSON *const *buffers;
     size_t n_regions;
+    /* This transport's local server, or NULL when it did not start here (a
+     * transport that needs its server to reach peers refuses: KVP_ENOTSUP). */
+    void *server;
     /* Each peer_xfer call must finish within timeout_ms + its bytes /
      * min_rate (bytes per second; 0: the default), waiting for a connection
      * included. */
     int timeout_ms;
     uint64_t min_rate;
-    int conns;          /* connections to keep */
+    int conns; /* connections to keep */
     /* Non-NULL in the authenticated mode: run kvpi_auth_client on every new
      * connection before any request (its failure is the peer's error). */
     const kvpi_auth *auth;
     /* Counts the requests run again on a new connection (may be NULL). */
     kvpi_counter *retries;
 } kvpi_peer_ctx;
+
+/* Everything in the contexts is valid only during the call; copy what a
+ * server or peer keeps (the region table stays valid until server_stop). */
 
 /* The connection-server limits of a listener started with ctx. */
 static inline kvpi_conn_limits kvpi_server_limits(const kvpi_server_ctx *ctx)
@@ -81,8 +126,23 @@ static inline kvpi_conn_limits kvpi_server_limits(const kvpi_server_ctx *ctx)
     return l;
 }
 
-/* Capability flags. */
-#define KVPI_TRANSPORT_SAME_HOST 0x1u /* only reaches peers on this host */
+/* Capability flags (kvpi_transport_ops.caps), read by the selection in
+ * engine/segment.c and the engine's registration path. */
+/* Reaches only peers on this host; used automatically for them on top of a
+ * network protocol, unless kvp_engine_opts.disable_shm. */
+#define KVPI_CAP_SAME_HOST 0x1u
+/* Local buffers of a request should be registered with this transport: the
+ * engine looks each slice's local region up and passes its handle
+ * (kvpi_slice.local_handle). */
+#define KVPI_CAP_NEEDS_LOCAL_REG 0x2u
+/* One-sided: the target's CPU checks nothing, what its registrations allow
+ * (published per buffer by buffer_describe) is all it serves; the engine's
+ * range check against the descriptor before each peer_xfer is mandatory. */
+#define KVPI_CAP_RDMA 0x4u
+/* Authenticates its connections in the authenticated mode (server_ctx and
+ * peer_ctx .auth, common/auth.h). An engine with a key runs only such
+ * transports: one without it would let a peer without the key in. */
+#define KVPI_CAP_AUTH 0x8u
 
 /* Small requests queued back to back for one peer are handed to peer_xfer
  * together, up to this many bytes, so that the transport can pipeline them;
@@ -90,33 +150,115 @@ static inline kvpi_conn_limits kvpi_server_limits(const kvpi_server_ctx *ctx)
 #define KVPI_GROUP_BYTES_DEFAULT ((size_t)1 << 20)
 
 typedef struct kvpi_transport_ops {
-    const char *name;
-    unsigned caps;
+    const char *name; /* "tcp", "shm": logs, kvp_engine_segment_transport() */
+    /* Set for the transport whose wire Mooncake speaks: the descriptor's
+     * "protocol" is this value, taken from the first running server (in
+     * kvpi_transports[] order) that has one. Such a transport's server is
+     * mandatory (the engine fails without it); other servers that fail to
+     * start are left out (INFO), unless theirs is the protocol asked for. */
+    const char *mooncake_protocol;
+    unsigned caps;      /* KVPI_CAP_* */
+    unsigned mem_kinds; /* KVPI_MEM_BIT() of each kvp_mem_kind it can move; not 0 */
     /* Bytes per peer_xfer group; 0 means KVPI_GROUP_BYTES_DEFAULT. Measured on
      * loopback TCP, 1 MiB requests ran 30% faster one per connection than
      * pipelined four to one; shm, whose round trips cost more than its copies
      * of small slices, does best with large groups. */
     size_t group_bytes;
+
+    /* Required. Start serving peers: listen, take ctx->regions for checking
+     * requests. *server is opaque to the engine. KVP_ENOTSUP when this
+     * transport cannot run here (the reason in kvp_last_error()). */
     kvp_status (*server_start)(const kvpi_server_ctx *ctx, void **server);
-    /* Add this transport's fields to the local segment descriptor. */
-    void (*server_describe)(void *server, cJSON *desc);
+    /* Required. Stop the listener and its threads, close its connections,
+     * free the server. Called after every peer of the engine was closed and
+     * every region registered with it was deregistered (mem_dereg), so a
+     * server may own what its handles and peers use (a UCX context). */
     void (*server_stop)(void *server);
+    /* Optional. The port this server listens on (for kvp_engine_data_port(),
+     * which is the Mooncake transport's, and logs); NULL when it has none. */
+    int (*server_port)(void *server);
+
+    /* Required. Add this transport's top-level fields to the local
+     * descriptor doc (tcp: tcp_data_port, tcp_proto_version; shm: its
+     * endpoint). Only fields under keys the transport owns: never "name",
+     * "buffers", "timestamp" or (except through mooncake_protocol)
+     * "protocol". KVP_ENOMEM when cJSON cannot allocate. */
+    kvp_status (*server_describe)(void *server, cJSON *doc);
+    /* Optional. Add this transport's fields for one registered region to its
+     * buffer entry (for example a packed remote key), handle being what its
+     * mem_reg returned for it. The region stays pinned during the call. */
+    kvp_status (*buffer_describe)(void *server, const kvpi_region *region, void *handle,
+                                  cJSON *buffer);
+
+    /* Optional (then regions need no registration with this transport).
+     * Register a region (of a kind in mem_kinds; others are not passed) so
+     * that peers can reach it through this server; *handle is kept in the
+     * region's slot and given back to buffer_describe, peer_xfer
+     * (local_handle) and mem_dereg. The region is not yet visible to peers
+     * or pinnable during the call. On failure nothing stays registered; the
+     * engine then deregisters what other transports registered and fails
+     * the registration with this status. */
+    kvp_status (*mem_reg)(void *server, const kvpi_region *region, void **handle);
+    /* With mem_reg, required. Undo one mem_reg, after every pin of the
+     * region dropped (no request through the engine touches it any more). A
+     * peer that still holds a remote key for it must fail cleanly on its next
+     * access, never reach the memory. Cannot fail. */
+    void (*mem_dereg)(void *server, void *handle);
+
+    /* Optional: the memory of the buffer pool's chunks (kvp_engine_alloc),
+     * for a transport that needs special memory there. The engine uses the
+     * first running server (in kvpi_transports[] order) that has chunk_map,
+     * else anonymous 2 MiB-aligned mappings with transparent huge pages
+     * (kvpi_pool_map_default). length is a multiple of 2 MiB; *addr must be
+     * host memory that every other transport can serve. Chunks are then
+     * registered like any region (all transports' mem_reg). */
+    kvp_status (*chunk_map)(void *server, size_t length, void **addr);
+    /* With chunk_map, required: unmap a chunk after its unregistration. */
+    void (*chunk_unmap)(void *server, void *addr, size_t length);
+
+    /* Required. Prepare to reach the peer described by ctx: read this
+     * transport's own fields of the descriptor (and of each buffer), check
+     * it can serve this peer, and set up what a transfer needs (it may
+     * connect once, within ctx->timeout_ms, to prove the peer reachable).
+     * KVP_ENOTSUP when it cannot serve this peer (its fields are absent: a
+     * Mooncake peer of another protocol, another host for a same-host
+     * transport), saying why and what would work; the engine then tries the
+     * next transport. Other errors (KVP_EPROTO for malformed fields of its
+     * own, KVP_ECONNREFUSED, ...) fail the lookup when no other transport
+     * serves. */
     kvp_status (*peer_open)(const kvpi_peer_ctx *ctx, void **peer);
-    /* Run n slices against the peer, in order or overlapped, and set each
-     * slice's status. Returns KVP_OK, or the connection-level error that failed
-     * some slices (KVP_ECONNRESET, KVP_ECONNREFUSED, KVP_ETIMEDOUT), so the
-     * engine can drop the peer's cached descriptor. */
+    /* Required. Run n slices (all READ or all WRITE, n <= 64, at most
+     * group_bytes together unless n == 1) against the peer, in order or
+     * overlapped, within one deadline (see kvpi_peer_ctx), and set every
+     * slice's status. Returns KVP_OK; the connection-level error that failed
+     * some slices (KVP_ECONNRESET, KVP_ECONNREFUSED, KVP_ETIMEDOUT), which
+     * also fails the batch's requests not yet started; or KVP_ERANGE when the
+     * peer refused a slice (outside its registered memory now: its
+     * registrations changed) and the others still ran. After any of these
+     * the engine closes this peer (once no worker uses it) and looks the
+     * segment up again before the next transfer. */
     kvp_status (*peer_xfer)(void *peer, kvpi_slice *const *slices, size_t n);
+    /* Required. Close and free; no peer_xfer runs on it any more. */
     void (*peer_close)(void *peer);
 } kvpi_transport_ops;
 
 extern const kvpi_transport_ops kvpi_transport_tcp;
 extern const kvpi_transport_ops kvpi_transport_shm;
+extern const kvpi_transport_ops kvpi_transport_ucx; /* where built (KVP_HAVE_UCX) */
 
-/* Transports in order of preference for a peer; NULL-terminated. */
+/* This build's transports, in order of preference for a peer (same-host
+ * ones first); NULL-terminated, at most KVPI_MAX_TRANSPORTS. */
 extern const kvpi_transport_ops *const kvpi_transports[];
 
-/* The transport of that name, or NULL. */
+/* The transport that serves a protocol name ("tcp", "shm"; "rdma" and "ucx"
+ * where built), or NULL. The one place that maps names to transports. */
 const kvpi_transport_ops *kvpi_transport_lookup(const char *name);
+
+/* Why a protocol name this build knows has no transport ("rdma" without
+ * UCX), or NULL for a name it does not know or serves. */
+const char *kvpi_transport_missing(const char *name);
+
+/* KVP_EINVAL naming the first mandatory op or field ops lacks. */
+kvp_status kvpi_transport_check(const kvpi_transport_ops *ops);
 
 #endif

@@ -1,0 +1,842 @@
+/* The ucx transport: one-sided RMA through UCX's UCP API (protocols rdma and
+ * ucx).
+ *
+ * This file is the initiator side and the ops table; ucx_server.c is the
+ * engine-wide part. A peer gets its own UCP worker (so that UCP pairs the
+ * endpoint its target makes back to it, see ucx_internal.h) with one
+ * endpoint to the target's published worker and the target's packed rkeys
+ * unpacked on it. A transfer hands its slices to the progress thread, which
+ * issues ucp_get_nbx/ucp_put_nbx (and one flush after writes, so that they
+ * completed at the target); the engine's thread waits within the transfer's
+ * deadline. A transfer out of time closes the endpoint, which cancels what is
+ * in flight, and the engine looks the peer up again. A REVOKE from the target
+ * refuses its range from then on and is acknowledged once what was issued
+ * before is flushed.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/clock.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "common/net.h"
+#include "transport/shm_internal.h"
+#include "transport/ucx_internal.h"
+
+/* How often a busy peer on this host is checked for being alive. */
+#define ALIVE_CHECK_NS (100 * 1000 * 1000)
+
+/* A REVOKE being answered. */
+typedef struct ucx_revoke {
+    struct ucx_revoke *next;
+    uint64_t serial;
+    void *flush; /* the flush request, until it completed; NULL before it is issued */
+    int issued;
+} ucx_revoke;
+
+typedef struct ucx_peer {
+    kvpi_ucx_pollee poll; /* first: the progress thread hands it back */
+    kvpi_ucx_server *server;
+    char *segment;
+    int timeout_ms;
+    uint64_t min_rate;
+    size_t n_regions;
+    kvpi_region *regions;
+    void **rkey_bufs; /* packed, until unpacked on the endpoint */
+    size_t *rkey_lens;
+
+    /* The progress thread's. */
+    ucp_worker_h worker;
+    ucp_ep_h ep; /* NULL once closed */
+    ucp_rkey_h *rkeys;
+    unsigned char *revoked;
+    ucx_revoke *revokes, **revokes_tail;
+    uint64_t conn_id;
+    int awaiting_hello;
+    long inflight;        /* requests issued and not completed */
+    pid_t target_pid;     /* on this host; 0 where not, or unknown */
+    unsigned long long target_start;
+    uint64_t next_check;
+
+    atomic_int ep_status; /* the ucs_status_t the endpoint failed with; 0 while fine */
+    atomic_int timed_out; /* closed by us after a deadline passed */
+
+    pthread_mutex_t lock; /* the HELLO's answer */
+    pthread_cond_t answered;
+    int hello_done;
+    unsigned hello_status;
+    kvp_status open_status;
+    char open_error[256];
+} ucx_peer;
+
+/* ---- the peer's endpoint and control messages (progress thread) ---- */
+
+static void ep_failed(void *arg, ucp_ep_h ep, ucs_status_t st)
+{
+    (void)ep;
+    ucx_peer *p = arg;
+    int fine = 0;
+    if (atomic_compare_exchange_strong(&p->ep_status, &fine, (int)st))
+        KVPI_DEBUG("ucx peer %s: endpoint failed: %s", p->segment, ucs_status_string(st));
+    pthread_mutex_lock(&p->lock);
+    pthread_cond_broadcast(&p->answered);
+    pthread_mutex_unlock(&p->lock);
+}
+
+/* Refuse every region of ours that overlaps [addr, addr+length). */
+static void revoke_range(ucx_peer *p, uint64_t addr, uint64_t length)
+{
+    for (size_t i = 0; i < p->n_regions; i++)
+        if (p->regions[i].addr < addr + length && addr < p->regions[i].addr + p->regions[i].length)
+            p->revoked[i] = 1;
+}
+
+static ucs_status_t on_hello_ack(void *arg, const void *header, size_t header_length,
+                                 void *data, size_t length, const ucp_am_recv_param_t *param)
+{
+    (void)header;
+    (void)header_length;
+    ucx_peer *p = arg;
+    const uint8_t *d = data;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length < KVPI_UCX_HELLO_ACK_LEN ||
+        (uint32_t)kvpi_get_le64(d) != KVPI_UCX_MAGIC || !p->awaiting_hello)
+        return UCS_OK;
+    uint64_t w0 = kvpi_get_le64(d);
+    size_t n = (size_t)(w0 >> 48);
+    if (length != KVPI_UCX_HELLO_ACK_LEN + 16 * n) return UCS_OK;
+    p->awaiting_hello = 0;
+    kvpi_ucx_busy_add(p->server, -1);
+    p->conn_id = kvpi_get_le64(d + 8);
+    for (size_t i = 0; i < n; i++)
+        revoke_range(p, kvpi_get_le64(d + 16 + 16 * i), kvpi_get_le64(d + 24 + 16 * i));
+    pthread_mutex_lock(&p->lock);
+    p->hello_status = (unsigned)(w0 >> 32 & 0xffff);
+    p->hello_done = 1;
+    pthread_cond_broadcast(&p->answered);
+    pthread_mutex_unlock(&p->lock);
+    return UCS_OK;
+}
+
+/* Transfers run on this thread too, so once the range is marked no request
+ * reaches it; the flush service() issues next covers those issued before. */
+static ucs_status_t on_revoke(void *arg, const void *header, size_t header_length, void *data,
+                              size_t length, const ucp_am_recv_param_t *param)
+{
+    (void)header;
+    (void)header_length;
+    (void)param;
+    ucx_peer *p = arg;
+    const uint8_t *d = data;
+    if (length != KVPI_UCX_REVOKE_LEN || (uint32_t)kvpi_get_le64(d) != KVPI_UCX_MAGIC)
+        return UCS_OK;
+    uint64_t addr = kvpi_get_le64(d + 16), len = kvpi_get_le64(d + 24);
+    revoke_range(p, addr, len);
+    KVPI_DEBUG("ucx peer %s: revoked 0x%" PRIx64 "+%" PRIu64, p->segment, addr, len);
+    ucx_revoke *rv = calloc(1, sizeof *rv);
+    if (!rv) return UCS_OK; /* unanswered, the target cuts us off: safe, if abrupt */
+    rv->serial = kvpi_get_le64(d + 8);
+    *p->revokes_tail = rv;
+    p->revokes_tail = &rv->next;
+    return UCS_OK;
+}
+
+static ucs_status_t on_nothing(void *arg, const void *header, size_t header_length, void *data,
+                               size_t length, const ucp_am_recv_param_t *param)
+{
+    (void)arg, (void)header, (void)header_length, (void)data, (void)length, (void)param;
+    return UCS_OK;
+}
+
+/* The state letter and start time of process pid, from /proc; -1 if it
+ * has none. */
+static int proc_stat(pid_t pid, char *state, unsigned long long *start)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "re");
+    if (!f) return -1;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    /* "pid (comm) S ppid ...": the state is field 3, the start time 22. */
+    char *p = strrchr(buf, ')');
+    if (!p || p[1] != ' ' || !p[2]) return -1;
+    *state = p[2];
+    p += 3; /* the space before field 4 */
+    for (int i = 4; i < 22 && p; i++)
+        p = strchr(p + 1, ' ');
+    return p && sscanf(p, " %llu", start) == 1 ? 0 : -1;
+}
+
+/* A same-host target that died is a zombie until reaped, and its shared
+ * memory stays: UCX's keepalive (which compares start times) sees it alive. */
+static int target_gone(const ucx_peer *p)
+{
+    char state;
+    unsigned long long start;
+    if (proc_stat(p->target_pid, &state, &start)) return 1;
+    return state == 'Z' || state == 'X' || start != p->target_start;
+}
+
+static void check_alive(ucx_peer *p)
+{
+    uint64_t now = kvpi_now_ns();
+    if (!p->target_pid || !p->ep || !p->inflight || now < p->next_check) return;
+    p->next_check = now + ALIVE_CHECK_NS;
+    if (!target_gone(p)) return;
+    int fine = 0;
+    atomic_compare_exchange_strong(&p->ep_status, &fine, (int)UCS_ERR_CONNECTION_RESET);
+    KVPI_DEBUG("ucx peer %s: process %d is gone", p->segment, (int)p->target_pid);
+    kvpi_ucx_ep_close_force(p->ep); /* its requests complete, canceled */
+    p->ep = NULL;
+}
+
+/* After each round of progress: flush behind each new REVOKE, and answer
+ * them in order once flushed, so that the target may read an answer as
+ * covering every earlier serial. */
+static unsigned peer_service(kvpi_ucx_server *s, kvpi_ucx_pollee *poll)
+{
+    (void)s;
+    ucx_peer *p = (ucx_peer *)poll;
+    unsigned did = 0;
+    check_alive(p);
+    for (ucx_revoke *rv = p->revokes; rv; rv = rv->next) {
+        if (rv->issued) continue;
+        rv->issued = 1;
+        did++;
+        if (!p->ep || atomic_load(&p->ep_status)) continue;
+        ucp_request_param_t prm = {0};
+        ucs_status_ptr_t r = ucp_ep_flush_nbx(p->ep, &prm);
+        if (UCS_PTR_IS_PTR(r)) rv->flush = r;
+    }
+    while (p->revokes && p->revokes->issued &&
+           (!p->revokes->flush || ucp_request_check_status(p->revokes->flush) != UCS_INPROGRESS)) {
+        ucx_revoke *rv = p->revokes;
+        if (rv->flush) ucp_request_free(rv->flush);
+        uint8_t msg[KVPI_UCX_REVOKE_ACK_LEN];
+        kvpi_put_le64(msg, KVPI_UCX_MAGIC);
+        kvpi_put_le64(msg + 8, p->conn_id);
+        kvpi_put_le64(msg + 16, rv->serial);
+        if (p->ep && !atomic_load(&p->ep_status))
+            kvpi_ucx_am_send(p->ep, KVPI_UCX_AM_REVOKE_ACK, msg, sizeof msg, 0);
+        if (!(p->revokes = rv->next)) p->revokes_tail = &p->revokes;
+        free(rv);
+        did++;
+    }
+    return did;
+}
+
+/* ---- opening (progress thread) ---- */
+
+static kvp_status unpack_rkeys(ucx_peer *p)
+{
+    for (size_t i = 0; i < p->n_regions; i++) {
+        ucs_status_t ust = ucp_ep_rkey_unpack(p->ep, p->rkey_bufs[i], &p->rkeys[i]);
+        if (ust != UCS_OK) {
+            p->rkeys[i] = NULL;
+            return kvpi_error(KVP_EPROTO, "ucx: segment %s: buffer 0x%" PRIx64
+                              ": ucp_ep_rkey_unpack: %s", p->segment, p->regions[i].addr,
+                              ucs_status_string(ust));
+        }
+    }
+    return KVP_OK;
+}
+
+static kvp_status send_hello(ucx_peer *p, uint64_t epoch)
+{
+    ucp_address_t *addr;
+    size_t len;
+    ucs_status_t ust = ucp_worker_get_address(p->worker, &addr, &len);
+    if (ust != UCS_OK)
+        return kvpi_error(kvpi_ucx_status(ust), "ucx: ucp_worker_get_address: %s",
+                          ucs_status_string(ust));
+    uint8_t *msg = malloc(KVPI_UCX_HELLO_LEN + len);
+    if (!msg) {
+        ucp_worker_release_address(p->worker, addr);
+        return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+    }
+    kvpi_put_le64(msg, KVPI_UCX_MAGIC | (uint64_t)KVPI_UCX_VERSION << 32);
+    kvpi_put_le64(msg + 8, epoch);
+    memcpy(msg + KVPI_UCX_HELLO_LEN, addr, len);
+    ucp_worker_release_address(p->worker, addr);
+    kvp_status st = kvpi_ucx_am_send(p->ep, KVPI_UCX_AM_HELLO, msg, KVPI_UCX_HELLO_LEN + len,
+                                     UCP_AM_SEND_FLAG_REPLY);
+    free(msg);
+    if (st) return st;
+    p->awaiting_hello = 1;
+    kvpi_ucx_busy_add(p->server, 1);
+    return KVP_OK;
+}
+
+typedef struct open_args {
+    ucx_peer *p;
+    const void *addr; /* the target worker's */
+    uint64_t epoch;
+} open_args;
+
+static kvp_status open_steps(kvpi_ucx_server *s, open_args *a)
+{
+    ucx_peer *p = a->p;
+    kvp_status st = kvpi_ucx_worker_create(s, &p->worker);
+    if (st) {
+        p->worker = NULL;
+        return st;
+    }
+    if ((st = kvpi_ucx_set_handler(p->worker, KVPI_UCX_AM_HELLO_ACK, on_hello_ack, p)) ||
+        (st = kvpi_ucx_set_handler(p->worker, KVPI_UCX_AM_REVOKE, on_revoke, p)))
+        return st;
+    p->poll.worker = p->worker;
+    p->poll.service = peer_service;
+    if ((st = kvpi_ucx_poll_add(s, &p->poll))) {
+        p->poll.worker = NULL;
+        return st;
+    }
+    ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
+                                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                                        UCP_EP_PARAM_FIELD_ERR_HANDLER,
+                          .address = a->addr,
+                          .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+                          .err_handler = {.cb = ep_failed, .arg = p}};
+    ucs_status_t ust = ucp_ep_create(p->worker, &ep, &p->ep);
+    if (ust != UCS_OK) {
+        p->ep = NULL;
+        /* No transport of ours reaches any of the target's (UCX_TLS). */
+        return kvpi_error(ust == UCS_ERR_UNREACHABLE ? KVP_ENOTSUP : kvpi_ucx_status(ust),
+                          "ucx: no endpoint to segment %s: %s (UCX_TLS=%s)", p->segment,
+                          ucs_status_string(ust), getenv("UCX_TLS") ? getenv("UCX_TLS") : "all");
+    }
+    if ((st = unpack_rkeys(p))) return st;
+    return send_hello(p, a->epoch);
+}
+
+static void open_run(kvpi_ucx_server *s, void *arg)
+{
+    open_args *a = arg;
+    ucx_peer *p = a->p;
+    p->open_status = open_steps(s, a);
+    if (p->open_status) snprintf(p->open_error, sizeof p->open_error, "%s", kvp_last_error());
+}
+
+/* ---- closing ---- */
+
+static void close_run(kvpi_ucx_server *s, void *arg)
+{
+    ucx_peer *p = arg;
+    if (!p->worker) return;
+    if (p->poll.worker) kvpi_ucx_poll_remove(s, &p->poll);
+    if (p->awaiting_hello) kvpi_ucx_busy_add(s, -1);
+    for (size_t i = 0; p->rkeys && i < p->n_regions; i++)
+        if (p->rkeys[i]) ucp_rkey_destroy(p->rkeys[i]);
+    for (ucx_revoke *rv = p->revokes, *next; rv; rv = next) {
+        next = rv->next;
+        if (rv->flush) ucp_request_free(rv->flush);
+        free(rv);
+    }
+    p->revokes = NULL;
+    /* The worker outlives p while its endpoint closes: nothing of p may be
+     * called back. A closed endpoint calls no error callback. */
+    kvpi_ucx_set_handler(p->worker, KVPI_UCX_AM_HELLO_ACK, on_nothing, NULL);
+    kvpi_ucx_set_handler(p->worker, KVPI_UCX_AM_REVOKE, on_nothing, NULL);
+    void *req = NULL;
+    if (p->ep && atomic_load(&p->ep_status)) {
+        kvpi_ucx_ep_close_force(p->ep);
+    } else if (p->ep) {
+        if (p->conn_id) {
+            uint8_t bye[KVPI_UCX_BYE_LEN];
+            kvpi_put_le64(bye, KVPI_UCX_MAGIC);
+            kvpi_put_le64(bye + 8, p->conn_id);
+            kvpi_ucx_am_send(p->ep, KVPI_UCX_AM_BYE, bye, sizeof bye, 0);
+        }
+        ucp_request_param_t prm = {0}; /* flushes the BYE out first */
+        ucs_status_ptr_t r = ucp_ep_close_nbx(p->ep, &prm);
+        if (UCS_PTR_IS_PTR(r)) req = r;
+    }
+    p->ep = NULL;
+    kvpi_ucx_retire(s, p->worker, req, NULL, NULL);
+    p->worker = NULL;
+}
+
+static void peer_close(void *peer)
+{
+    ucx_peer *p = peer;
+    if (!p) return;
+    if (p->worker) kvpi_ucx_call(p->server, close_run, p);
+    for (size_t i = 0; p->rkey_bufs && i < p->n_regions; i++)
+        free(p->rkey_bufs[i]);
+    pthread_cond_destroy(&p->answered);
+    pthread_mutex_destroy(&p->lock);
+    free(p->rkey_bufs);
+    free(p->rkey_lens);
+    free(p->revoked);
+    free(p->rkeys);
+    free(p->regions);
+    free(p->segment);
+    free(p);
+}
+
+/* ---- what UCX chose ---- */
+
+typedef struct lanes_args {
+    ucx_peer *p;
+    char *text;
+    size_t len;
+} lanes_args;
+
+static void lanes_run(kvpi_ucx_server *s, void *arg)
+{
+    (void)s;
+    lanes_args *a = arg;
+    FILE *f = open_memstream(&a->text, &a->len);
+    if (!f) return;
+    if (a->p->ep) ucp_ep_print_info(a->p->ep, f);
+    fclose(f);
+}
+
+size_t kvpi_ucx_peer_lanes(void *peer, char *buf, size_t len)
+{
+    lanes_args a = {.p = peer};
+    size_t used = 0;
+    if (len) buf[0] = '\0';
+    kvpi_ucx_call(a.p->server, lanes_run, &a);
+    /* "#  lane[0]:  1:tcp/lo.0 md[0]  -> md[0]/tcp/sysdev[255] am am_bw#0 keepalive"
+     * becomes "tcp/lo.0 (am am_bw#0 keepalive)". */
+    for (char *line = a.text, *next; line && *line; line = next) {
+        next = strchr(line, '\n');
+        if (next) *next++ = '\0';
+        char *lane = strstr(line, "lane[");
+        char *colon = lane ? strchr(lane, ':') : NULL;
+        char *tl = colon ? strchr(colon + 1, ':') : NULL;
+        char *arrow = tl ? strstr(tl, "->") : NULL;
+        if (!arrow) continue;
+        size_t tl_len = strcspn(tl + 1, " ");
+        char *roles = strchr(arrow + 3, ' ');
+        while (roles && *roles == ' ')
+            roles++;
+        if (used + 1 < len)
+            used += (size_t)snprintf(buf + used, len - used, "%s%.*s (%s)", used ? ", " : "",
+                                     (int)tl_len, tl + 1, roles && *roles ? roles : "rma");
+    }
+    free(a.text);
+    return used < len ? used : len ? len - 1 : 0;
+}
+
+/* ---- opening ---- */
+
+/* The target's worker address and epoch, from its "ucx" field. */
+/* The target's process, if it runs on this host. */
+static void parse_process(ucx_peer *p, const cJSON *o)
+{
+    const cJSON *host = cJSON_GetObjectItemCaseSensitive(o, "host_id");
+    const cJSON *pid = cJSON_GetObjectItemCaseSensitive(o, "pid");
+    char ours[KVPI_SHM_HOST_ID_MAX], state;
+    if (!cJSON_IsString(host) || !cJSON_IsNumber(pid) || pid->valuedouble < 1 ||
+        pid->valuedouble > 0x7fffffff || kvpi_shm_host_id(ours, sizeof ours) ||
+        strcmp(ours, host->valuestring) != 0)
+        return;
+    p->target_pid = (pid_t)pid->valuedouble;
+    if (proc_stat(p->target_pid, &state, &p->target_start)) p->target_pid = 0;
+}
+
+static kvp_status parse_endpoint(const kvpi_peer_ctx *ctx, void **addr, uint64_t *epoch)
+{
+    const cJSON *o = ctx->desc ? cJSON_GetObjectItemCaseSensitive(ctx->desc, KVPI_UCX_FIELD) : NULL;
+    if (!cJSON_IsObject(o))
+        return kvpi_error(KVP_ENOTSUP, "ucx: segment %s publishes no '%s' endpoint (a Mooncake "
+                          "peer, or a kvpipe engine without UCX)", ctx->segment, KVPI_UCX_FIELD);
+    const cJSON *ver = cJSON_GetObjectItemCaseSensitive(o, "version");
+    const cJSON *worker = cJSON_GetObjectItemCaseSensitive(o, "worker");
+    const cJSON *ep = cJSON_GetObjectItemCaseSensitive(o, "epoch");
+    if (!cJSON_IsNumber(ver) || !cJSON_IsString(worker) || !cJSON_IsNumber(ep) ||
+        ep->valuedouble < 0 || ep->valuedouble > 9007199254740992.0)
+        return kvpi_error(KVP_EPROTO, "ucx: segment %s: malformed '%s' field", ctx->segment,
+                          KVPI_UCX_FIELD);
+    if (ver->valuedouble != KVPI_UCX_VERSION)
+        return kvpi_error(KVP_ENOTSUP, "ucx: segment %s speaks ucx version %g, we speak %d",
+                          ctx->segment, ver->valuedouble, KVPI_UCX_VERSION);
+    size_t len;
+    if (kvpi_ucx_unhex(worker->valuestring, addr, &len))
+        return kvpi_error(KVP_EPROTO, "ucx: segment %s: its worker address is not hex",
+                          ctx->segment);
+    *epoch = (uint64_t)ep->valuedouble;
+    return KVP_OK;
+}
+
+/* Copy the buffers and their packed rkeys. */
+static kvp_status peer_init(ucx_peer *p, const kvpi_peer_ctx *ctx)
+{
+    p->server = ctx->server;
+    p->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : KVPI_CONN_TIMEOUT_MS_DEFAULT;
+    p->min_rate = ctx->min_rate ? ctx->min_rate : KVPI_MIN_RATE_DEFAULT;
+    p->n_regions = ctx->n_regions;
+    p->revokes_tail = &p->revokes;
+    size_t n = ctx->n_regions ? ctx->n_regions : 1;
+    if (!(p->segment = strdup(ctx->segment ? ctx->segment : "?")) ||
+        !(p->regions = calloc(n, sizeof *p->regions)) || !(p->rkeys = calloc(n, sizeof *p->rkeys)) ||
+        !(p->revoked = calloc(n, 1)) || !(p->rkey_bufs = calloc(n, sizeof *p->rkey_bufs)) ||
+        !(p->rkey_lens = calloc(n, sizeof *p->rkey_lens)))
+        return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+    for (size_t i = 0; i < ctx->n_regions; i++) {
+        p->regions[i].addr = ctx->regions[i].addr;
+        p->regions[i].length = ctx->regions[i].length;
+        const cJSON *k = ctx->buffers && ctx->buffers[i]
+                             ? cJSON_GetObjectItemCaseSensitive(ctx->buffers[i], KVPI_UCX_RKEY_FIELD)
+                             : NULL;
+        if (!cJSON_IsString(k))
+            return kvpi_error(KVP_ENOTSUP, "ucx: segment %s: buffer 0x%" PRIx64 " has no '%s'",
+                              p->segment, p->regions[i].addr, KVPI_UCX_RKEY_FIELD);
+        if (kvpi_ucx_unhex(k->valuestring, &p->rkey_bufs[i], &p->rkey_lens[i]))
+            return kvpi_error(KVP_EPROTO, "ucx: segment %s: buffer 0x%" PRIx64
+                              ": its rkey is not hex", p->segment, p->regions[i].addr);
+    }
+    return KVP_OK;
+}
+
+/* Wait for the HELLO's answer within the peer's timeout. */
+static kvp_status await_hello(ucx_peer *p)
+{
+    struct timespec dl = kvpi_deadline_after_ms(p->timeout_ms);
+    pthread_mutex_lock(&p->lock);
+    while (!p->hello_done && !atomic_load(&p->ep_status))
+        if (pthread_cond_timedwait(&p->answered, &p->lock, &dl) == ETIMEDOUT) break;
+    int done = p->hello_done;
+    unsigned status = p->hello_status;
+    pthread_mutex_unlock(&p->lock);
+    int failed = atomic_load(&p->ep_status);
+    if (!done && failed)
+        return kvpi_error(KVP_ECONNREFUSED, "ucx: segment %s cannot be reached: %s", p->segment,
+                          ucs_status_string((ucs_status_t)failed));
+    if (!done)
+        return kvpi_error(KVP_ETIMEDOUT, "ucx: segment %s did not answer within %d ms",
+                          p->segment, p->timeout_ms);
+    if (status == KVPI_UCX_HELLO_STALE)
+        return kvpi_error(KVP_ECONNRESET, "ucx: segment %s: the descriptor read is older than "
+                          "its last %d deregistrations (the next transfer looks it up again)",
+                          p->segment, KVPI_UCX_REVOKE_LOG);
+    if (status != KVPI_UCX_HELLO_OK)
+        return kvpi_error(KVP_ENOTSUP, "ucx: segment %s could not pair our endpoint with its own",
+                          p->segment);
+    return KVP_OK;
+}
+
+static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
+{
+    if (!ctx->server)
+        return kvpi_error(KVP_ENOTSUP, "ucx: this engine's ucx transport did not start");
+    void *addr = NULL;
+    uint64_t epoch = 0;
+    kvp_status st = parse_endpoint(ctx, &addr, &epoch);
+    if (st) return st;
+    ucx_peer *p = calloc(1, sizeof *p);
+    if (!p) {
+        free(addr);
+        return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+    }
+    pthread_mutex_init(&p->lock, NULL);
+    kvpi_cond_init(&p->answered);
+    if (!(st = peer_init(p, ctx))) {
+        parse_process(p, cJSON_GetObjectItemCaseSensitive(ctx->desc, KVPI_UCX_FIELD));
+        open_args a = {.p = p, .addr = addr, .epoch = epoch};
+        kvpi_ucx_call(p->server, open_run, &a);
+        if ((st = p->open_status)) kvpi_error(st, "%s", p->open_error);
+    }
+    free(addr);
+    if (!st) st = await_hello(p);
+    if (st) {
+        char why[512]; /* closing may log */
+        snprintf(why, sizeof why, "%s", kvp_last_error());
+        peer_close(p);
+        return kvpi_error(st, "%s", why);
+    }
+    if (kvpi_log_enabled(KVP_LOG_INFO)) {
+        char lanes[512];
+        kvpi_ucx_peer_lanes(p, lanes, sizeof lanes);
+        KVPI_INFO("ucx peer %s: lanes %s", p->segment, lanes);
+    }
+    *out = p;
+    return KVP_OK;
+}
+
+/* ---- transfers ---- */
+
+typedef struct ucx_xfer ucx_xfer;
+
+typedef struct ucx_item {
+    ucx_xfer *x;
+    ucs_status_t status;
+    int refused; /* never issued: REFUSED_* */
+    kvp_opcode opcode;
+    void *local;
+    uint64_t remote;
+    size_t length, region;
+} ucx_item;
+
+enum { REFUSED_OUTSIDE = 1, REFUSED_REVOKED = 2 };
+enum { XFER_QUEUED, XFER_ISSUED, XFER_DONE, XFER_ABANDONED };
+
+/* One peer_xfer call's requests, shared by the calling thread and the
+ * progress thread (each holds a reference). */
+struct ucx_xfer {
+    kvpi_ucx_cmd cmd; /* first */
+    ucx_peer *p;
+    pthread_mutex_t lock;
+    pthread_cond_t done;
+    int state;
+    int pending; /* requests not completed */
+    int issuing; /* the progress thread is still issuing */
+    int refs;
+    int writes;
+    size_t n;
+    ucx_item flush;
+    ucx_item items[];
+};
+
+static void xfer_put(ucx_xfer *x)
+{
+    pthread_mutex_lock(&x->lock);
+    int last = --x->refs == 0;
+    pthread_mutex_unlock(&x->lock);
+    if (!last) return;
+    pthread_cond_destroy(&x->done);
+    pthread_mutex_destroy(&x->lock);
+    free(x);
+}
+
+/* The progress thread is done with x once nothing is pending. */
+static void xfer_settle(ucx_xfer *x, int pending_delta)
+{
+    pthread_mutex_lock(&x->lock);
+    x->pending += pending_delta;
+    int done = !x->issuing && x->pending == 0 && x->state == XFER_ISSUED;
+    if (done) {
+        x->state = XFER_DONE;
+        pthread_cond_broadcast(&x->done);
+    }
+    pthread_mutex_unlock(&x->lock);
+    if (done) xfer_put(x);
+}
+
+static void request_done(void *request, ucs_status_t st, void *user_data)
+{
+    ucx_item *it = user_data;
+    ucx_xfer *x = it->x;
+    it->status = st;
+    ucp_request_free(request);
+    kvpi_ucx_busy_add(x->p->server, -1);
+    x->p->inflight--;
+    xfer_settle(x, -1);
+}
+
+/* Issue one request; r is what ucp_*_nbx returned. */
+static void issued(ucx_xfer *x, ucx_item *it, ucs_status_ptr_t r)
+{
+    if (UCS_PTR_IS_PTR(r)) {
+        kvpi_ucx_busy_add(x->p->server, 1);
+        x->p->inflight++;
+        pthread_mutex_lock(&x->lock);
+        x->pending++;
+        pthread_mutex_unlock(&x->lock);
+    } else {
+        it->status = UCS_PTR_STATUS(r);
+    }
+}
+
+static void xfer_issue(ucx_xfer *x)
+{
+    ucx_peer *p = x->p;
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                                               UCP_OP_ATTR_FIELD_USER_DATA,
+                               .cb.send = request_done};
+    for (size_t i = 0; i < x->n; i++) {
+        ucx_item *it = &x->items[i];
+        it->x = x;
+        if (!p->ep) {
+            it->status = UCS_ERR_CANCELED;
+            continue;
+        }
+        /* The engine checked the range before; one-sided, this is the last
+         * place a bad one can be stopped. */
+        if (it->region >= p->n_regions ||
+            !kvpi_regions_contain(&p->regions[it->region], 1, it->remote, it->length)) {
+            it->refused = REFUSED_OUTSIDE;
+            continue;
+        }
+        if (p->revoked[it->region]) {
+            it->refused = REFUSED_REVOKED;
+            continue;
+        }
+        prm.user_data = it;
+        ucp_rkey_h rkey = p->rkeys[it->region];
+        issued(x, it,
+               it->opcode == KVP_OP_READ
+                   ? ucp_get_nbx(p->ep, it->local, it->length, it->remote, rkey, &prm)
+                   : ucp_put_nbx(p->ep, it->local, it->length, it->remote, rkey, &prm));
+        x->writes |= it->opcode == KVP_OP_WRITE;
+    }
+    if (x->writes && p->ep) {
+        /* A put completes when its buffer may be reused; the flush, when the
+         * target has the bytes. */
+        x->flush.x = x;
+        prm.user_data = &x->flush;
+        issued(x, &x->flush, ucp_ep_flush_nbx(p->ep, &prm));
+    }
+}
+
+static void xfer_run(kvpi_ucx_server *s, kvpi_ucx_cmd *cmd)
+{
+    (void)s;
+    ucx_xfer *x = (ucx_xfer *)cmd;
+    pthread_mutex_lock(&x->lock);
+    int abandoned = x->state == XFER_ABANDONED;
+    if (!abandoned) x->state = XFER_ISSUED, x->issuing = 1;
+    pthread_mutex_unlock(&x->lock);
+    if (abandoned) {
+        xfer_put(x);
+        return;
+    }
+    xfer_issue(x);
+    pthread_mutex_lock(&x->lock);
+    x->issuing = 0;
+    pthread_mutex_unlock(&x->lock);
+    xfer_settle(x, 0);
+}
+
+/* Out of time: close the endpoint, which completes what is in flight with
+ * UCS_ERR_CANCELED; the engine then looks the segment up again. */
+static void cut_run(kvpi_ucx_server *s, void *arg)
+{
+    (void)s;
+    ucx_peer *p = arg;
+    if (!p->ep) return;
+    atomic_store(&p->timed_out, 1);
+    kvpi_ucx_ep_close_force(p->ep);
+    p->ep = NULL;
+}
+
+static kvp_status slice_status(const ucx_peer *p, const ucx_item *it, ucs_status_t st,
+                               const kvpi_slice *s)
+{
+    if (it->refused == REFUSED_REVOKED)
+        return kvpi_error(KVP_ERANGE, "ucx: segment %s deregistered the buffer of 0x%" PRIx64,
+                          p->segment, s->remote);
+    if (it->refused == REFUSED_OUTSIDE)
+        return kvpi_error(KVP_ERANGE, "ucx: 0x%" PRIx64 "+%zu lies outside segment %s's buffer",
+                          s->remote, s->length, p->segment);
+    if (st == UCS_OK) return KVP_OK;
+    if (st == UCS_ERR_CANCELED || st == UCS_INPROGRESS)
+        return atomic_load(&p->timed_out) ? KVP_ETIMEDOUT : KVP_ECONNRESET;
+    kvp_status k = kvpi_ucx_status(st);
+    return k == KVP_EIO || k == KVP_ECONNREFUSED ? KVP_ECONNRESET : k;
+}
+
+static ucx_xfer *xfer_new(ucx_peer *p, kvpi_slice *const *slices, size_t n)
+{
+    ucx_xfer *x = calloc(1, sizeof *x + n * sizeof x->items[0]);
+    if (!x) return NULL;
+    pthread_mutex_init(&x->lock, NULL);
+    kvpi_cond_init(&x->done);
+    x->cmd.run = xfer_run;
+    x->p = p;
+    x->refs = 2; /* this thread's and the progress thread's */
+    x->n = n;
+    for (size_t i = 0; i < n; i++)
+        x->items[i] = (ucx_item){.status = UCS_INPROGRESS,
+                                 .opcode = slices[i]->opcode,
+                                 .local = slices[i]->local,
+                                 .remote = slices[i]->remote,
+                                 .length = slices[i]->length,
+                                 .region = slices[i]->remote_region};
+    return x;
+}
+
+/* Wait for x until deadline; out of time, make sure nothing of it is in
+ * flight any more before the caller's buffers are given back. */
+static void xfer_wait(ucx_peer *p, ucx_xfer *x, uint64_t deadline)
+{
+    struct timespec dl = kvpi_timespec_at_ns(deadline);
+    pthread_mutex_lock(&x->lock);
+    while (x->state != XFER_DONE && kvpi_now_ns() < deadline)
+        pthread_cond_timedwait(&x->done, &x->lock, &dl);
+    int queued = x->state == XFER_QUEUED;
+    if (queued) x->state = XFER_ABANDONED; /* the progress thread skips it */
+    int late = x->state == XFER_ISSUED;
+    pthread_mutex_unlock(&x->lock);
+    if (queued) atomic_store(&p->timed_out, 1);
+    if (!late) return;
+    kvpi_ucx_call(p->server, cut_run, p);
+    /* The closed endpoint completed its requests, or does so at the next
+     * round of progress. */
+    struct timespec grace = kvpi_deadline_after_ms(1000);
+    pthread_mutex_lock(&x->lock);
+    while (x->state != XFER_DONE)
+        if (pthread_cond_timedwait(&x->done, &x->lock, &grace) == ETIMEDOUT) break;
+    if (x->state != XFER_DONE)
+        KVPI_ERROR("ucx peer %s: requests still in flight after their endpoint was closed",
+                   p->segment);
+    pthread_mutex_unlock(&x->lock);
+}
+
+static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
+{
+    ucx_peer *p = peer;
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < n; i++)
+        bytes += slices[i]->length;
+    uint64_t budget_ms = (uint64_t)p->timeout_ms + bytes * 1000u / p->min_rate;
+    uint64_t deadline = kvpi_now_ns() + budget_ms * 1000000u;
+    ucx_xfer *x = xfer_new(p, slices, n);
+    if (!x) {
+        for (size_t i = 0; i < n; i++)
+            slices[i]->status = KVP_ENOMEM;
+        return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+    }
+    int down = atomic_load(&p->ep_status) || atomic_load(&p->timed_out);
+    if (!down) {
+        kvpi_ucx_submit(p->server, &x->cmd);
+        xfer_wait(p, x, deadline);
+    } else {
+        x->refs--; /* never queued */
+        for (size_t i = 0; i < n; i++)
+            x->items[i].status = UCS_ERR_CANCELED;
+    }
+    kvp_status conn = KVP_OK;
+    pthread_mutex_lock(&x->lock);
+    for (size_t i = 0; i < n; i++) {
+        ucs_status_t st = x->items[i].status;
+        if (st == UCS_OK && x->writes && slices[i]->opcode == KVP_OP_WRITE) st = x->flush.status;
+        kvp_status k = slice_status(p, &x->items[i], st, slices[i]);
+        slices[i]->status = k;
+        if (k == KVP_ECONNRESET || k == KVP_ETIMEDOUT) conn = k;
+    }
+    pthread_mutex_unlock(&x->lock);
+    xfer_put(x);
+    if (conn == KVP_ETIMEDOUT)
+        return kvpi_error(conn, "ucx: segment %s: %" PRIu64 " bytes not done within %" PRIu64
+                          " ms", p->segment, bytes, budget_ms);
+    if (conn) {
+        int st = atomic_load(&p->ep_status);
+        return kvpi_error(conn, "ucx: segment %s: %s", p->segment,
+                          st ? ucs_status_string((ucs_status_t)st) : "endpoint closed");
+    }
+    return KVP_OK;
+}
+
+const kvpi_transport_ops kvpi_transport_ucx = {
+    .name = "ucx",
+    .caps = KVPI_CAP_RDMA,
+    .mem_kinds = KVPI_MEM_HOST_BIT,
+    .group_bytes = (size_t)1 << 20,
+    .server_start = kvpi_ucx_server_start,
+    .server_stop = kvpi_ucx_server_stop,
+    .server_describe = kvpi_ucx_server_describe,
+    .buffer_describe = kvpi_ucx_buffer_describe,
+    .mem_reg = kvpi_ucx_mem_reg,
+    .mem_dereg = kvpi_ucx_mem_dereg,
+    .peer_open = peer_open,
+    .peer_xfer = peer_xfer,
+    .peer_close = peer_close,
+};

@@ -1,0 +1,159 @@
+/* Internal: the ucx transport's parts and the messages between them.
+ *
+ * ucx_server.c is the engine-wide part: the UCP context, the progress thread,
+ * the worker peers reach (the target side), memory registration (ucp_mem_map,
+ * packed rkeys) and the connections initiators open to it. ucx.c is the
+ * initiator side (a worker and an endpoint per peer, one-sided
+ * ucp_get_nbx/ucp_put_nbx) and the ops table. docs/transport-ucx.md has the
+ * reasons and the trust model.
+ *
+ * Threads: the progress thread is the only one that calls UCP on a worker,
+ * an endpoint or a request, so workers run in UCS_THREAD_MODE_SINGLE and
+ * nothing spins on UCX's locks; other threads hand it work (kvpi_ucx_call,
+ * kvpi_ucx_submit) and wait on their own condition variables. Only the
+ * context's memory calls (ucp_mem_map, ucp_rkey_pack, ucp_mem_unmap) run on
+ * the caller's thread, the context being shared by workers (measured: a
+ * MULTI-mode worker shared by the engine's threads and a progress thread ran
+ * 1 MiB reads 30 times slower on a loaded 2-core host, its spinlock held by
+ * preempted threads).
+ *
+ * Descriptor fields (kvpipe's own; Mooncake peers ignore them, "protocol"
+ * stays "tcp"): a top-level object
+ *   "ucx": {"version": 1, "worker": "<hex worker address>", "epoch": N,
+ *           "host_id": "<as shm's>", "pid": P}
+ * and, in each buffer entry, "ucx_rkey": "<hex packed rkey>". epoch counts the
+ * server's deregistrations up to the moment the descriptor was rendered.
+ * host_id and pid let a peer on the same host see that the process died while
+ * UCX cannot (shared memory outlives it; a zombie keeps its pid).
+ *
+ * Control messages: UCP active messages with no header part, their data a
+ * sequence of little-endian u64 words, word 0 = KVPI_UCX_MAGIC | aux << 32:
+ *   HELLO      initiator -> target, on the initiator's new endpoint, with
+ *              UCP_AM_SEND_FLAG_REPLY; aux = version; word 1 = epoch of the
+ *              descriptor the initiator read; then the initiator worker's
+ *              address. The target creates its own endpoint to that address,
+ *              which UCP pairs with the endpoint the initiator's requests
+ *              arrive on, so that closing it cuts the initiator off.
+ *   HELLO_ACK  target -> initiator; aux = status | n << 16; word 1 = the
+ *              connection's id; then n ranges (addr, length) deregistered
+ *              since that epoch.
+ *   REVOKE     target -> initiator; words: serial, addr, length: the region
+ *              is being deregistered.
+ *   REVOKE_ACK initiator -> target; words: connection id, serial: no request
+ *              of ours touches that range any more (refused from now on, and
+ *              those issued before are flushed).
+ *   BYE        initiator -> target; words: connection id: the initiator
+ *              closes its endpoint (over shared memory UCX may not tell the
+ *              target, whose deregistrations would then wait for it).
+ */
+#ifndef KVPI_TRANSPORT_UCX_INTERNAL_H
+#define KVPI_TRANSPORT_UCX_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <ucp/api/ucp.h>
+
+#include "transport/transport.h"
+
+#define KVPI_UCX_FIELD "ucx"
+#define KVPI_UCX_RKEY_FIELD "ucx_rkey"
+#define KVPI_UCX_VERSION 1
+#define KVPI_UCX_MAGIC 0x5550564bu /* "KVPU" little-endian */
+
+enum kvpi_ucx_am {
+    KVPI_UCX_AM_HELLO = 1,
+    KVPI_UCX_AM_HELLO_ACK = 2,
+    KVPI_UCX_AM_REVOKE = 3,
+    KVPI_UCX_AM_REVOKE_ACK = 4,
+    KVPI_UCX_AM_BYE = 5,
+};
+
+enum kvpi_ucx_hello_status {
+    KVPI_UCX_HELLO_OK = 0,
+    KVPI_UCX_HELLO_STALE = 1,    /* the descriptor predates what the log keeps */
+    KVPI_UCX_HELLO_UNPAIRED = 2, /* the target could not pair its endpoint */
+};
+
+#define KVPI_UCX_HELLO_LEN 16
+#define KVPI_UCX_HELLO_ACK_LEN 16
+#define KVPI_UCX_REVOKE_LEN 32
+#define KVPI_UCX_REVOKE_ACK_LEN 24
+#define KVPI_UCX_BYE_LEN 16
+/* Deregistrations whose ranges a HELLO_ACK can still report. */
+#define KVPI_UCX_REVOKE_LOG 256
+
+typedef struct kvpi_ucx_server kvpi_ucx_server;
+
+/* Work for the progress thread: run is called there once, with cmd; what
+ * cmd points to must stay valid until then. */
+typedef struct kvpi_ucx_cmd {
+    struct kvpi_ucx_cmd *next;
+    void (*run)(kvpi_ucx_server *s, struct kvpi_ucx_cmd *cmd);
+} kvpi_ucx_cmd;
+
+/* A worker the progress thread serves besides its own (a peer's): after
+ * each round of progress it calls service, which returns non-zero if it
+ * did something. Only the progress thread touches the list. */
+typedef struct kvpi_ucx_pollee {
+    ucp_worker_h worker;
+    int efd;
+    unsigned (*service)(kvpi_ucx_server *s, struct kvpi_ucx_pollee *self);
+    struct kvpi_ucx_pollee *next;
+} kvpi_ucx_pollee;
+
+/* ---- ucx.c ---- */
+/* The lanes UCX chose for a peer's endpoint (ucp_ep_print_info), one
+ * "transport/device (roles)" each, comma-separated, into buf; returns the
+ * length written. For logs and for tests that check what UCX used. */
+size_t kvpi_ucx_peer_lanes(void *peer, char *buf, size_t len);
+
+/* ---- ucx_server.c: the ops of the server side ---- */
+kvp_status kvpi_ucx_server_start(const kvpi_server_ctx *ctx, void **server);
+void kvpi_ucx_server_stop(void *server);
+kvp_status kvpi_ucx_server_describe(void *server, cJSON *doc);
+kvp_status kvpi_ucx_buffer_describe(void *server, const kvpi_region *region, void *handle,
+                                    cJSON *buffer);
+kvp_status kvpi_ucx_mem_reg(void *server, const kvpi_region *region, void **handle);
+void kvpi_ucx_mem_dereg(void *server, void *handle);
+
+/* ---- ucx_server.c: for ucx.c ---- */
+/* Queue cmd for the progress thread and wake it. Any thread. */
+void kvpi_ucx_submit(kvpi_ucx_server *s, kvpi_ucx_cmd *cmd);
+/* Run fn(s, arg) on the progress thread and wait until it ran. Any thread
+ * but the progress thread. */
+void kvpi_ucx_call(kvpi_ucx_server *s, void (*fn)(kvpi_ucx_server *s, void *arg), void *arg);
+
+/* The rest runs on the progress thread only. */
+/* A new worker on the server's context (for a peer). */
+kvp_status kvpi_ucx_worker_create(kvpi_ucx_server *s, ucp_worker_h *out);
+/* Serve p->worker (and p->service) from now on, or no longer. */
+kvp_status kvpi_ucx_poll_add(kvpi_ucx_server *s, kvpi_ucx_pollee *p);
+void kvpi_ucx_poll_remove(kvpi_ucx_server *s, kvpi_ucx_pollee *p);
+/* Hand over a worker whose endpoint is closing (req: the close request, or
+ * NULL): the thread progresses it until the close completes or CLOSE_MS
+ * passed, then destroys it and calls done(arg) (frees what its callbacks
+ * used). */
+void kvpi_ucx_retire(kvpi_ucx_server *s, ucp_worker_h w, void *req, void (*done)(void *arg),
+                     void *arg);
+/* Requests in flight: the thread does not sleep while there are any. */
+void kvpi_ucx_busy_add(kvpi_ucx_server *s, long n);
+/* Set the active-message handler id of worker w (whole messages only). */
+kvp_status kvpi_ucx_set_handler(ucp_worker_h w, unsigned id, ucp_am_recv_callback_t cb,
+                                void *arg);
+/* Send a control message of len bytes (copied) on ep; UCP completes it in the
+ * background. flags: UCP_AM_SEND_FLAG_*. */
+kvp_status kvpi_ucx_am_send(ucp_ep_h ep, unsigned id, const void *bytes, size_t len,
+                            uint32_t flags);
+/* Close ep at once: its requests complete with UCS_ERR_CANCELED. */
+void kvpi_ucx_ep_close_force(ucp_ep_h ep);
+
+/* ---- ucx_server.c: any thread ---- */
+/* The kvp_status of a UCX failure. */
+kvp_status kvpi_ucx_status(ucs_status_t st);
+/* Hex text of n bytes (malloc'ed), and back: KVP_OK and *out (malloc'ed),
+ * *n, or KVP_EPROTO for text that is not even-length hex. */
+char *kvpi_ucx_hex(const void *bytes, size_t n);
+kvp_status kvpi_ucx_unhex(const char *text, void **out, size_t *n);
+
+#endif

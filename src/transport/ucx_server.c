@@ -1,0 +1,1055 @@
+/* The ucx transport's engine-wide part: the UCP context, the progress thread
+ * that owns every worker, the worker peers reach, registrations and the
+ * initiators' connections.
+ *
+ * With one-sided RMA the target's code sees no request. On RDMA hardware the
+ * NIC checks each against the rkey it names; over UCX's own transports (tcp,
+ * shared memory) UCX emulates RMA with active messages that this process's
+ * progress thread serves, at any address a peer names. So the target cannot
+ * refuse a request: what keeps peers inside its registered memory is their
+ * own range check against the descriptor, and what keeps them out of memory
+ * it deregisters is the REVOKE exchange below, backed by cutting off a peer
+ * that does not answer it in time (docs/transport-ucx.md).
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <uct/api/uct.h>
+
+#include "common/clock.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "common/net.h"
+#include "transport/shm_internal.h"
+#include "transport/ucx_internal.h"
+
+/* After its last piece of work the progress thread keeps polling this long
+ * (yielding the CPU between rounds) before it sleeps on the workers' event
+ * descriptors, so that a stream of requests is served without a wake-up
+ * each. */
+#define SPIN_NS (1000 * 1000)
+/* Progress calls per worker per round of the thread. */
+#define ROUNDS 64
+/* The thread's longest sleep, so that failed connections are reaped. */
+#define SLEEP_MS 1000
+/* How long a retired worker's closing endpoint may take. */
+#define CLOSE_MS 1000
+#define DEFAULT_TIMEOUT_MS 5000
+
+typedef struct ucx_reg {
+    ucp_mem_h memh;
+    char *rkey_hex;
+    uint64_t addr, length;
+} ucx_reg;
+
+/* An initiator that said HELLO: the endpoint to it is the one its requests
+ * arrive on (UCP paired them). The progress thread owns it; id, acked and
+ * dead are also read by a deregistration waiting for acknowledgements, so
+ * they change under conns_lock, as does the list. */
+typedef struct ucx_conn {
+    struct ucx_conn *next;
+    kvpi_ucx_server *server;
+    ucp_ep_h ep; /* NULL once closed */
+    uint64_t id;
+    uint64_t acked; /* the highest REVOKE serial it acknowledged */
+    int dead;       /* failed or cut off: nothing more is sent to it */
+} ucx_conn;
+
+/* A worker whose endpoint is closing. */
+typedef struct ucx_retiree {
+    struct ucx_retiree *next;
+    ucp_worker_h worker;
+    void *req;
+    uint64_t deadline;
+    void (*done)(void *arg);
+    void *arg;
+} ucx_retiree;
+
+struct kvpi_ucx_server {
+    ucp_context_h ctx;
+    ucp_worker_h worker;
+    char *worker_hex;
+    char *segment;
+    char host_id[KVPI_SHM_HOST_ID_MAX]; /* "" where unknown */
+    int timeout_ms;
+
+    pthread_t thread;
+    int thread_started;
+    int epfd, evfd;
+
+    pthread_mutex_t queue_lock; /* the queue, sleeping and stop */
+    kvpi_ucx_cmd *queue, **queue_tail;
+    int sleeping, stop;
+
+    /* The progress thread's own. */
+    kvpi_ucx_pollee *pollees;
+    ucx_retiree *retirees;
+    long busy;
+
+    pthread_mutex_t conns_lock; /* never held across a UCX call */
+    pthread_cond_t conns_cond;  /* an acknowledgement came, or a connection failed */
+    ucx_conn *conns;
+    uint64_t next_id;
+    uint64_t epoch; /* deregistrations so far */
+    struct {
+        uint64_t addr, length;
+    } log[KVPI_UCX_REVOKE_LOG]; /* the range of deregistration e at [e % LOG] */
+    pthread_mutex_t dereg_lock; /* one deregistration at a time */
+};
+
+/* ---- small helpers ---- */
+
+kvp_status kvpi_ucx_status(ucs_status_t st)
+{
+    switch (st) {
+    case UCS_OK:
+        return KVP_OK;
+    case UCS_ERR_NO_MEMORY:
+        return KVP_ENOMEM;
+    case UCS_ERR_TIMED_OUT:
+        return KVP_ETIMEDOUT;
+    case UCS_ERR_CANCELED:
+        return KVP_ECANCELED;
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_REJECTED:
+        return KVP_ECONNREFUSED;
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_IO_ERROR:
+        return KVP_ECONNRESET;
+    case UCS_ERR_UNSUPPORTED:
+    case UCS_ERR_NO_DEVICE:
+    case UCS_ERR_NO_RESOURCE:
+        return KVP_ENOTSUP;
+    default:
+        return KVP_EIO;
+    }
+}
+
+char *kvpi_ucx_hex(const void *bytes, size_t n)
+{
+    static const char digits[] = "0123456789abcdef";
+    const uint8_t *b = bytes;
+    char *s = malloc(2 * n + 1);
+    if (!s) return NULL;
+    for (size_t i = 0; i < n; i++) {
+        s[2 * i] = digits[b[i] >> 4];
+        s[2 * i + 1] = digits[b[i] & 15];
+    }
+    s[2 * n] = '\0';
+    return s;
+}
+
+static int hexval(char c)
+{
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+}
+
+kvp_status kvpi_ucx_unhex(const char *text, void **out, size_t *n)
+{
+    size_t len = strlen(text);
+    if (len == 0 || len % 2) return KVP_EPROTO;
+    uint8_t *b = malloc(len / 2);
+    if (!b) return KVP_ENOMEM;
+    for (size_t i = 0; i < len / 2; i++) {
+        int hi = hexval(text[2 * i]), lo = hexval(text[2 * i + 1]);
+        if (hi < 0 || lo < 0) {
+            free(b);
+            return KVP_EPROTO;
+        }
+        b[i] = (uint8_t)(hi << 4 | lo);
+    }
+    *out = b;
+    *n = len / 2;
+    return KVP_OK;
+}
+
+static void sent(void *request, ucs_status_t st, void *user_data)
+{
+    (void)st;
+    free(user_data);
+    ucp_request_free(request);
+}
+
+kvp_status kvpi_ucx_am_send(ucp_ep_h ep, unsigned id, const void *bytes, size_t len,
+                            uint32_t flags)
+{
+    void *copy = malloc(len);
+    if (!copy) return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+    memcpy(copy, bytes, len);
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                                               UCP_OP_ATTR_FIELD_USER_DATA |
+                                               UCP_OP_ATTR_FIELD_FLAGS,
+                               .flags = flags,
+                               .cb.send = sent,
+                               .user_data = copy};
+    ucs_status_ptr_t r = ucp_am_send_nbx(ep, id, NULL, 0, copy, len, &prm);
+    if (UCS_PTR_IS_PTR(r)) return KVP_OK; /* sent() frees both */
+    free(copy);
+    ucs_status_t st = UCS_PTR_STATUS(r);
+    if (st == UCS_OK) return KVP_OK;
+    return kvpi_error(kvpi_ucx_status(st), "ucx: cannot send a control message: %s",
+                      ucs_status_string(st));
+}
+
+void kvpi_ucx_ep_close_force(ucp_ep_h ep)
+{
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+                               .flags = UCP_EP_CLOSE_FLAG_FORCE};
+    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &prm);
+    if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
+}
+
+kvp_status kvpi_ucx_set_handler(ucp_worker_h w, unsigned id, ucp_am_recv_callback_t cb, void *arg)
+{
+    ucp_am_handler_param_t hp = {.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                                               UCP_AM_HANDLER_PARAM_FIELD_CB |
+                                               UCP_AM_HANDLER_PARAM_FIELD_ARG |
+                                               UCP_AM_HANDLER_PARAM_FIELD_FLAGS,
+                                 .id = id,
+                                 .flags = UCP_AM_FLAG_WHOLE_MSG,
+                                 .cb = cb,
+                                 .arg = arg};
+    ucs_status_t st = ucp_worker_set_am_recv_handler(w, &hp);
+    if (st != UCS_OK)
+        return kvpi_error(kvpi_ucx_status(st), "ucx: ucp_worker_set_am_recv_handler: %s",
+                          ucs_status_string(st));
+    return KVP_OK;
+}
+
+kvp_status kvpi_ucx_worker_create(kvpi_ucx_server *s, ucp_worker_h *out)
+{
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_SINGLE};
+    ucs_status_t st = ucp_worker_create(s->ctx, &wp, out);
+    if (st != UCS_OK)
+        return kvpi_error(kvpi_ucx_status(st), "ucx: ucp_worker_create: %s",
+                          ucs_status_string(st));
+    return KVP_OK;
+}
+
+/* ---- handing work to the progress thread ---- */
+
+void kvpi_ucx_submit(kvpi_ucx_server *s, kvpi_ucx_cmd *cmd)
+{
+    cmd->next = NULL;
+    pthread_mutex_lock(&s->queue_lock);
+    *s->queue_tail = cmd;
+    s->queue_tail = &cmd->next;
+    int wake = s->sleeping;
+    s->sleeping = 0;
+    pthread_mutex_unlock(&s->queue_lock);
+    uint64_t one = 1;
+    if (wake && write(s->evfd, &one, sizeof one) < 0 && errno != EAGAIN)
+        KVPI_WARN("ucx: cannot wake the progress thread: %s", strerror(errno));
+}
+
+typedef struct ucx_call {
+    kvpi_ucx_cmd cmd; /* first */
+    void (*fn)(kvpi_ucx_server *s, void *arg);
+    void *arg;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    int done;
+} ucx_call;
+
+static void call_run(kvpi_ucx_server *s, kvpi_ucx_cmd *cmd)
+{
+    ucx_call *c = (ucx_call *)cmd;
+    c->fn(s, c->arg);
+    pthread_mutex_lock(&c->lock);
+    c->done = 1;
+    pthread_cond_signal(&c->cond);
+    pthread_mutex_unlock(&c->lock);
+}
+
+void kvpi_ucx_call(kvpi_ucx_server *s, void (*fn)(kvpi_ucx_server *s, void *arg), void *arg)
+{
+    /* The thread runs each command in a bounded time (UCP calls that do not
+     * block), so the wait is bounded too. */
+    ucx_call c = {.cmd = {.run = call_run}, .fn = fn, .arg = arg};
+    pthread_mutex_init(&c.lock, NULL);
+    pthread_cond_init(&c.cond, NULL);
+    kvpi_ucx_submit(s, &c.cmd);
+    pthread_mutex_lock(&c.lock);
+    while (!c.done)
+        pthread_cond_wait(&c.cond, &c.lock);
+    pthread_mutex_unlock(&c.lock);
+    pthread_cond_destroy(&c.cond);
+    pthread_mutex_destroy(&c.lock);
+}
+
+void kvpi_ucx_busy_add(kvpi_ucx_server *s, long n)
+{
+    s->busy += n;
+}
+
+kvp_status kvpi_ucx_poll_add(kvpi_ucx_server *s, kvpi_ucx_pollee *p)
+{
+    ucs_status_t st = ucp_worker_get_efd(p->worker, &p->efd);
+    if (st != UCS_OK)
+        return kvpi_error(kvpi_ucx_status(st), "ucx: ucp_worker_get_efd: %s",
+                          ucs_status_string(st));
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = p};
+    if (epoll_ctl(s->epfd, EPOLL_CTL_ADD, p->efd, &ev) != 0)
+        return kvpi_error(KVP_EIO, "ucx: epoll_ctl: %s", strerror(errno));
+    p->next = s->pollees;
+    s->pollees = p;
+    return KVP_OK;
+}
+
+void kvpi_ucx_poll_remove(kvpi_ucx_server *s, kvpi_ucx_pollee *p)
+{
+    for (kvpi_ucx_pollee **pp = &s->pollees; *pp; pp = &(*pp)->next)
+        if (*pp == p) {
+            *pp = p->next;
+            epoll_ctl(s->epfd, EPOLL_CTL_DEL, p->efd, NULL);
+            return;
+        }
+}
+
+void kvpi_ucx_retire(kvpi_ucx_server *s, ucp_worker_h w, void *req, void (*done)(void *arg),
+                     void *arg)
+{
+    ucx_retiree *r = calloc(1, sizeof *r);
+    if (!r) {
+        /* No room to wait: end it now. */
+        if (req) ucp_request_free(req);
+        ucp_worker_destroy(w);
+        if (done) done(arg);
+        return;
+    }
+    *r = (ucx_retiree){.next = s->retirees, .worker = w, .req = req,
+                       .deadline = kvpi_deadline_ns(CLOSE_MS), .done = done, .arg = arg};
+    s->retirees = r;
+}
+
+/* ---- the progress thread ---- */
+
+static unsigned drain(ucp_worker_h w)
+{
+    unsigned n = 0, did;
+    for (int i = 0; i < ROUNDS && (did = ucp_worker_progress(w)) != 0; i++)
+        n += did;
+    return n;
+}
+
+static unsigned run_queue(kvpi_ucx_server *s)
+{
+    pthread_mutex_lock(&s->queue_lock);
+    kvpi_ucx_cmd *cmd = s->queue;
+    s->queue = NULL;
+    s->queue_tail = &s->queue;
+    pthread_mutex_unlock(&s->queue_lock);
+    unsigned n = 0;
+    while (cmd) {
+        kvpi_ucx_cmd *next = cmd->next; /* run may free cmd */
+        cmd->run(s, cmd);
+        cmd = next;
+        n++;
+    }
+    return n;
+}
+
+static void retiree_end(ucx_retiree *r)
+{
+    if (r->req) ucp_request_free(r->req);
+    ucp_worker_destroy(r->worker);
+    if (r->done) r->done(r->arg);
+    free(r);
+}
+
+static unsigned serve_retirees(kvpi_ucx_server *s)
+{
+    unsigned n = 0;
+    for (ucx_retiree **pr = &s->retirees; *pr;) {
+        ucx_retiree *r = *pr;
+        n += drain(r->worker);
+        if (r->req && ucp_request_check_status(r->req) == UCS_INPROGRESS &&
+            kvpi_now_ns() < r->deadline) {
+            pr = &r->next;
+            continue;
+        }
+        *pr = r->next;
+        retiree_end(r);
+        n++;
+    }
+    return n;
+}
+
+/* Close the endpoints of failed connections and forget them. */
+static unsigned reap(kvpi_ucx_server *s)
+{
+    ucx_conn *gone = NULL;
+    pthread_mutex_lock(&s->conns_lock);
+    for (ucx_conn **pc = &s->conns; *pc;) {
+        ucx_conn *c = *pc;
+        if (c->dead) {
+            *pc = c->next;
+            c->next = gone;
+            gone = c;
+        } else {
+            pc = &c->next;
+        }
+    }
+    pthread_mutex_unlock(&s->conns_lock);
+    unsigned n = 0;
+    for (ucx_conn *c = gone, *next; c; c = next, n++) {
+        next = c->next;
+        if (c->ep) kvpi_ucx_ep_close_force(c->ep);
+        free(c);
+    }
+    return n;
+}
+
+/* Arm every worker and sleep until one has an event, work is queued, or
+ * SLEEP_MS passed. */
+static void sleep_once(kvpi_ucx_server *s)
+{
+    int busy = ucp_worker_arm(s->worker) == UCS_ERR_BUSY;
+    for (kvpi_ucx_pollee *p = s->pollees; p; p = p->next)
+        busy |= ucp_worker_arm(p->worker) == UCS_ERR_BUSY;
+    pthread_mutex_lock(&s->queue_lock);
+    busy |= s->queue != NULL || s->stop;
+    s->sleeping = !busy;
+    pthread_mutex_unlock(&s->queue_lock);
+    if (busy) return;
+    struct epoll_event ev[8];
+    int n = epoll_wait(s->epfd, ev, 8, SLEEP_MS);
+    for (int i = 0; i < n; i++) {
+        uint64_t v;
+        if (ev[i].data.ptr == NULL && read(s->evfd, &v, sizeof v) < 0 && errno != EAGAIN)
+            KVPI_WARN("ucx: progress thread: read: %s", strerror(errno));
+    }
+    pthread_mutex_lock(&s->queue_lock);
+    s->sleeping = 0;
+    pthread_mutex_unlock(&s->queue_lock);
+}
+
+static int stopping(kvpi_ucx_server *s)
+{
+    pthread_mutex_lock(&s->queue_lock);
+    int stop = s->stop && !s->queue;
+    pthread_mutex_unlock(&s->queue_lock);
+    return stop;
+}
+
+static void *progress_main(void *arg)
+{
+    kvpi_ucx_server *s = arg;
+    uint64_t idle_since = kvpi_now_ns();
+    while (!stopping(s)) {
+        unsigned did = run_queue(s) + drain(s->worker);
+        for (kvpi_ucx_pollee *p = s->pollees; p; p = p->next)
+            did += drain(p->worker) + p->service(s, p);
+        did += serve_retirees(s) + reap(s);
+        uint64_t now = kvpi_now_ns();
+        if (did) {
+            idle_since = now;
+        } else if (s->busy > 0 || s->retirees || now - idle_since < SPIN_NS) {
+            /* Waiting on a peer: let other threads have the CPU meanwhile. */
+            sched_yield();
+        } else {
+            sleep_once(s);
+            idle_since = kvpi_now_ns();
+        }
+    }
+    return NULL;
+}
+
+/* ---- connections from initiators ---- */
+
+static void conn_failed(void *arg, ucp_ep_h ep, ucs_status_t st)
+{
+    (void)ep;
+    ucx_conn *c = arg;
+    kvpi_ucx_server *s = c->server;
+    KVPI_DEBUG("ucx %s: connection %" PRIu64 " from an initiator failed: %s", s->segment, c->id,
+               ucs_status_string(st));
+    pthread_mutex_lock(&s->conns_lock);
+    c->dead = 1;
+    pthread_cond_broadcast(&s->conns_cond);
+    pthread_mutex_unlock(&s->conns_lock);
+}
+
+/* The answer to a HELLO of epoch, with the ranges deregistered since; adds
+ * c to the connections when it is OK. Called with conns_lock. */
+static uint8_t *hello_answer(kvpi_ucx_server *s, ucx_conn *c, int paired, uint64_t epoch,
+                             unsigned *status, size_t *len)
+{
+    uint64_t n = 0;
+    if (!paired)
+        *status = KVPI_UCX_HELLO_UNPAIRED;
+    else if (epoch > s->epoch || s->epoch - epoch > KVPI_UCX_REVOKE_LOG)
+        *status = KVPI_UCX_HELLO_STALE;
+    else
+        *status = KVPI_UCX_HELLO_OK, n = s->epoch - epoch;
+    *len = KVPI_UCX_HELLO_ACK_LEN + 16 * n;
+    uint8_t *ack = malloc(*len);
+    if (!ack) return NULL;
+    if (*status == KVPI_UCX_HELLO_OK) {
+        c->id = ++s->next_id;
+        c->next = s->conns;
+        s->conns = c;
+    }
+    kvpi_put_le64(ack, KVPI_UCX_MAGIC | (uint64_t)*status << 32 | n << 48);
+    kvpi_put_le64(ack + 8, c->id);
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t e = (epoch + 1 + i) % KVPI_UCX_REVOKE_LOG;
+        kvpi_put_le64(ack + 16 + 16 * i, s->log[e].addr);
+        kvpi_put_le64(ack + 24 + 16 * i, s->log[e].length);
+    }
+    return ack;
+}
+
+static ucs_status_t on_hello(void *arg, const void *header, size_t header_length, void *data,
+                             size_t length, const ucp_am_recv_param_t *param)
+{
+    (void)header;
+    (void)header_length;
+    kvpi_ucx_server *s = arg;
+    const uint8_t *d = data;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length <= KVPI_UCX_HELLO_LEN ||
+        !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ||
+        (uint32_t)kvpi_get_le64(d) != KVPI_UCX_MAGIC ||
+        (kvpi_get_le64(d) >> 32 & 0xffff) != KVPI_UCX_VERSION) {
+        KVPI_DEBUG("ucx %s: ignored a malformed HELLO (%zu bytes)", s->segment, length);
+        return UCS_OK;
+    }
+    ucx_conn *c = calloc(1, sizeof *c);
+    if (!c) return UCS_OK; /* the initiator's HELLO times out */
+    c->server = s;
+    ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
+                                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                                        UCP_EP_PARAM_FIELD_ERR_HANDLER,
+                          .address = (const ucp_address_t *)(d + KVPI_UCX_HELLO_LEN),
+                          .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+                          .err_handler = {.cb = conn_failed, .arg = c}};
+    ucs_status_t ust = ucp_ep_create(s->worker, &ep, &c->ep);
+    if (ust != UCS_OK) {
+        KVPI_WARN_LIMITED("ucx %s: cannot connect back to an initiator: %s", s->segment,
+                          ucs_status_string(ust));
+        free(c);
+        return UCS_OK;
+    }
+    unsigned status;
+    size_t len;
+    pthread_mutex_lock(&s->conns_lock);
+    uint8_t *ack = hello_answer(s, c, c->ep == param->reply_ep, kvpi_get_le64(d + 8), &status,
+                                &len);
+    pthread_mutex_unlock(&s->conns_lock);
+    if (ack) kvpi_ucx_am_send(c->ep, KVPI_UCX_AM_HELLO_ACK, ack, len, 0);
+    free(ack);
+    if (ack && status == KVPI_UCX_HELLO_OK) return UCS_OK;
+    if (ack)
+        KVPI_INFO("ucx %s: refused an initiator (%s)", s->segment,
+                  status == KVPI_UCX_HELLO_STALE ? "its descriptor is too old"
+                                                 : "its endpoint could not be paired");
+    /* Closed after the answer went out; a closed endpoint calls no error
+     * callback, so c can go. */
+    ucp_request_param_t prm = {0};
+    ucs_status_ptr_t r = ucp_ep_close_nbx(c->ep, &prm);
+    if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
+    free(c);
+    return UCS_OK;
+}
+
+static ucs_status_t on_revoke_ack(void *arg, const void *header, size_t header_length,
+                                  void *data, size_t length, const ucp_am_recv_param_t *param)
+{
+    (void)header;
+    (void)header_length;
+    (void)param;
+    kvpi_ucx_server *s = arg;
+    const uint8_t *d = data;
+    if (length != KVPI_UCX_REVOKE_ACK_LEN || (uint32_t)kvpi_get_le64(d) != KVPI_UCX_MAGIC)
+        return UCS_OK;
+    uint64_t id = kvpi_get_le64(d + 8), serial = kvpi_get_le64(d + 16);
+    pthread_mutex_lock(&s->conns_lock);
+    for (ucx_conn *c = s->conns; c; c = c->next)
+        if (c->id == id && serial > c->acked) c->acked = serial;
+    pthread_cond_broadcast(&s->conns_cond);
+    pthread_mutex_unlock(&s->conns_lock);
+    return UCS_OK;
+}
+
+static ucs_status_t on_bye(void *arg, const void *header, size_t header_length, void *data,
+                           size_t length, const ucp_am_recv_param_t *param)
+{
+    (void)header;
+    (void)header_length;
+    (void)param;
+    kvpi_ucx_server *s = arg;
+    const uint8_t *d = data;
+    if (length != KVPI_UCX_BYE_LEN || (uint32_t)kvpi_get_le64(d) != KVPI_UCX_MAGIC)
+        return UCS_OK;
+    uint64_t id = kvpi_get_le64(d + 8);
+    pthread_mutex_lock(&s->conns_lock);
+    for (ucx_conn *c = s->conns; c; c = c->next)
+        if (c->id == id) c->dead = 1; /* reap() closes it */
+    pthread_cond_broadcast(&s->conns_cond);
+    pthread_mutex_unlock(&s->conns_lock);
+    return UCS_OK;
+}
+
+/* ---- registrations ---- */
+
+kvp_status kvpi_ucx_mem_reg(void *server, const kvpi_region *region, void **handle)
+{
+    kvpi_ucx_server *s = server;
+    ucx_reg *r = calloc(1, sizeof *r);
+    if (!r) return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+    r->addr = region->addr;
+    r->length = region->length;
+    ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
+                                             UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+                               .address = (void *)(uintptr_t)region->addr,
+                               .length = region->length};
+    ucs_status_t st = ucp_mem_map(s->ctx, &mp, &r->memh);
+    if (st != UCS_OK) {
+        free(r);
+        return kvpi_error(kvpi_ucx_status(st),
+                          "ucx: ucp_mem_map of %" PRIu64 " bytes at 0x%" PRIx64 ": %s",
+                          region->length, region->addr, ucs_status_string(st));
+    }
+    void *rkey;
+    size_t rkey_len;
+    if ((st = ucp_rkey_pack(s->ctx, r->memh, &rkey, &rkey_len)) != UCS_OK) {
+        ucp_mem_unmap(s->ctx, r->memh);
+        free(r);
+        return kvpi_error(kvpi_ucx_status(st), "ucx: ucp_rkey_pack: %s", ucs_status_string(st));
+    }
+    r->rkey_hex = kvpi_ucx_hex(rkey, rkey_len);
+    ucp_rkey_buffer_release(rkey);
+    if (!r->rkey_hex) {
+        ucp_mem_unmap(s->ctx, r->memh);
+        free(r);
+        return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+    }
+    *handle = r;
+    return KVP_OK;
+}
+
+/* A deregistration as the progress thread sees it. */
+typedef struct ucx_dereg {
+    ucx_reg *reg;
+    uint64_t serial;  /* its REVOKE serial (= the epoch it ends) */
+    uint64_t last_id; /* connections up to this id were told */
+} ucx_dereg;
+
+/* From now on a HELLO learns of the range from its answer; every connection
+ * made before is sent a REVOKE. */
+static void dereg_begin(kvpi_ucx_server *s, void *arg)
+{
+    ucx_dereg *d = arg;
+    pthread_mutex_lock(&s->conns_lock);
+    d->serial = ++s->epoch;
+    s->log[d->serial % KVPI_UCX_REVOKE_LOG].addr = d->reg->addr;
+    s->log[d->serial % KVPI_UCX_REVOKE_LOG].length = d->reg->length;
+    d->last_id = s->next_id;
+    pthread_mutex_unlock(&s->conns_lock);
+    uint8_t msg[KVPI_UCX_REVOKE_LEN];
+    kvpi_put_le64(msg, KVPI_UCX_MAGIC);
+    kvpi_put_le64(msg + 8, d->serial);
+    kvpi_put_le64(msg + 16, d->reg->addr);
+    kvpi_put_le64(msg + 24, d->reg->length);
+    /* Only this thread changes the list or a connection's endpoint. */
+    for (ucx_conn *c = s->conns; c; c = c->next)
+        if (!c->dead && c->ep) kvpi_ucx_am_send(c->ep, KVPI_UCX_AM_REVOKE, msg, sizeof msg, 0);
+    s->busy++;
+}
+
+/* Is a connection told of d still to answer? conns_lock held. */
+static int unanswered(const ucx_conn *c, const ucx_dereg *d)
+{
+    return c->id <= d->last_id && !c->dead && c->acked < d->serial;
+}
+
+/* Cut off every connection that did not answer. */
+static void dereg_end(kvpi_ucx_server *s, void *arg)
+{
+    ucx_dereg *d = arg;
+    s->busy--;
+    pthread_mutex_lock(&s->conns_lock);
+    for (ucx_conn *c = s->conns; c; c = c->next)
+        if (unanswered(c, d)) {
+            KVPI_WARN_LIMITED("ucx %s: a peer did not confirm the deregistration of 0x%" PRIx64
+                              " within %d ms: cut off",
+                              s->segment, d->reg->addr, s->timeout_ms);
+            c->dead = 1; /* reap() closes its endpoint */
+        }
+    pthread_mutex_unlock(&s->conns_lock);
+    reap(s);
+}
+
+void kvpi_ucx_mem_dereg(void *server, void *handle)
+{
+    kvpi_ucx_server *s = server;
+    ucx_dereg d = {.reg = handle};
+    pthread_mutex_lock(&s->dereg_lock);
+    kvpi_ucx_call(s, dereg_begin, &d);
+    struct timespec dl = kvpi_deadline_after_ms(s->timeout_ms);
+    pthread_mutex_lock(&s->conns_lock);
+    for (;;) {
+        int waiting = 0;
+        for (ucx_conn *c = s->conns; c && !waiting; c = c->next)
+            waiting = unanswered(c, &d);
+        if (!waiting || pthread_cond_timedwait(&s->conns_cond, &s->conns_lock, &dl) == ETIMEDOUT)
+            break;
+    }
+    pthread_mutex_unlock(&s->conns_lock);
+    kvpi_ucx_call(s, dereg_end, &d);
+    /* No peer can reach the memory now: those told refuse it and flushed,
+     * the others are cut off. */
+    ucp_mem_unmap(s->ctx, d.reg->memh);
+    free(d.reg->rkey_hex);
+    free(d.reg);
+    pthread_mutex_unlock(&s->dereg_lock);
+}
+
+/* ---- descriptor ---- */
+
+kvp_status kvpi_ucx_server_describe(void *server, cJSON *doc)
+{
+    kvpi_ucx_server *s = server;
+    pthread_mutex_lock(&s->conns_lock);
+    double epoch = (double)s->epoch;
+    pthread_mutex_unlock(&s->conns_lock);
+    cJSON *o = cJSON_AddObjectToObject(doc, KVPI_UCX_FIELD);
+    if (!o || !cJSON_AddNumberToObject(o, "version", KVPI_UCX_VERSION) ||
+        !cJSON_AddStringToObject(o, "worker", s->worker_hex) ||
+        !cJSON_AddNumberToObject(o, "epoch", epoch) ||
+        (s->host_id[0] && (!cJSON_AddStringToObject(o, "host_id", s->host_id) ||
+                           !cJSON_AddNumberToObject(o, "pid", (double)getpid()))))
+        return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+    return KVP_OK;
+}
+
+kvp_status kvpi_ucx_buffer_describe(void *server, const kvpi_region *region, void *handle,
+                                    cJSON *buffer)
+{
+    (void)server;
+    (void)region;
+    ucx_reg *r = handle;
+    if (!cJSON_AddStringToObject(buffer, KVPI_UCX_RKEY_FIELD, r->rkey_hex))
+        return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+    return KVP_OK;
+}
+
+/* The end of a message saying why the ucx transport cannot run here. */
+#define TCP_HINT                                                                                   \
+    "; protocol 'rdma' (and 'ucx') cannot run here: to run over TCP, ask for protocol 'tcp' (in a " \
+    "mooncake config file: \"protocol\": \"tcp\") or set MC_FORCE_TCP=1"
+
+/* ---- devices ---- */
+
+typedef struct dev_list {
+    char **names;
+    size_t n, cap;
+} dev_list;
+
+static int dev_add(dev_list *l, const char *name)
+{
+    for (size_t i = 0; i < l->n; i++)
+        if (strcmp(l->names[i], name) == 0) return 0;
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? 2 * l->cap : 16;
+        char **grown = realloc(l->names, cap * sizeof *grown);
+        if (!grown) return -1;
+        l->names = grown;
+        l->cap = cap;
+    }
+    return (l->names[l->n] = strdup(name)) ? (l->n++, 0) : -1;
+}
+
+static void dev_free(dev_list *l)
+{
+    for (size_t i = 0; i < l->n; i++)
+        free(l->names[i]);
+    free(l->names);
+}
+
+/* The network devices UCX's transports find here ("mlx5_0:1", "eth0"). */
+static kvp_status net_devices(dev_list *out)
+{
+    uct_component_h *comps;
+    unsigned n_comps;
+    ucs_status_t st = uct_query_components(&comps, &n_comps);
+    if (st != UCS_OK)
+        return kvpi_error(KVP_ENOTSUP, "ucx: uct_query_components: %s", ucs_status_string(st));
+    kvp_status ret = KVP_OK;
+    for (unsigned c = 0; c < n_comps && !ret; c++) {
+        uct_component_attr_t a = {.field_mask = UCT_COMPONENT_ATTR_FIELD_MD_RESOURCE_COUNT};
+        if (uct_component_query(comps[c], &a) != UCS_OK || !a.md_resource_count) continue;
+        uct_md_resource_desc_t *mds = calloc(a.md_resource_count, sizeof *mds);
+        if (!mds) {
+            ret = kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+            break;
+        }
+        a.field_mask = UCT_COMPONENT_ATTR_FIELD_MD_RESOURCES;
+        a.md_resources = mds;
+        unsigned n_mds = uct_component_query(comps[c], &a) == UCS_OK ? a.md_resource_count : 0;
+        for (unsigned m = 0; m < n_mds && !ret; m++) {
+            uct_md_config_t *cfg;
+            uct_md_h md;
+            if (uct_md_config_read(comps[c], NULL, NULL, &cfg) != UCS_OK) continue;
+            st = uct_md_open(comps[c], mds[m].md_name, cfg, &md);
+            uct_config_release(cfg);
+            if (st != UCS_OK) continue;
+            uct_tl_resource_desc_t *tls;
+            unsigned n_tls;
+            if (uct_md_query_tl_resources(md, &tls, &n_tls) == UCS_OK) {
+                for (unsigned t = 0; t < n_tls && !ret; t++)
+                    if (tls[t].dev_type == UCT_DEVICE_TYPE_NET && dev_add(out, tls[t].dev_name))
+                        ret = kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+                uct_release_tl_resource_list(tls);
+            }
+            uct_md_close(md);
+        }
+        free(mds);
+    }
+    uct_release_component_list(comps);
+    return ret;
+}
+
+/* UCX_NET_DEVICES for device_name: each name (Mooncake's, an RDMA device
+ * like "mlx5_0", or a network interface) is taken as UCX spells it where it
+ * exists, else as every port of that device ("mlx5_0:1"). */
+static kvp_status map_devices(const char *names, char **out)
+{
+    dev_list have = {0}, want = {0};
+    kvp_status st = net_devices(&have);
+    char *copy = strdup(names), *save = NULL;
+    if (!st && !copy) st = kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+    for (char *tok = st ? NULL : strtok_r(copy, ", ", &save); tok && !st;
+         tok = strtok_r(NULL, ", ", &save)) {
+        size_t found = 0, len = strlen(tok);
+        for (size_t i = 0; i < have.n && !st; i++) {
+            const char *d = have.names[i];
+            if (strcmp(d, tok) == 0 || (strncmp(d, tok, len) == 0 && d[len] == ':')) {
+                found++;
+                if (dev_add(&want, d)) st = kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+            }
+        }
+        if (!found && !st) {
+            char list[512] = "";
+            for (size_t i = 0, used = 0; i < have.n && used < sizeof list; i++)
+                used += (size_t)snprintf(list + used, sizeof list - used, "%s%s", i ? ", " : "",
+                                         have.names[i]);
+            st = kvpi_error(KVP_ENOTSUP, "ucx: device '%s' (device_name) is not a network device "
+                            "UCX finds here (it finds: %s)" TCP_HINT, tok, have.n ? list : "none");
+        }
+    }
+    size_t total = 1;
+    for (size_t i = 0; i < want.n; i++)
+        total += strlen(want.names[i]) + 1;
+    char *joined = st ? NULL : calloc(1, total);
+    if (!st && !joined) st = kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+    for (size_t i = 0; joined && i < want.n; i++) {
+        if (i) strcat(joined, ",");
+        strcat(joined, want.names[i]);
+    }
+    free(copy);
+    dev_free(&have);
+    dev_free(&want);
+    if (!st) *out = joined;
+    return st;
+}
+
+/* ---- start and stop ---- */
+
+static kvp_status config_set(ucp_config_t *cfg, const char *name, const char *value)
+{
+    ucs_status_t st = ucp_config_modify(cfg, name, value);
+    if (st != UCS_OK)
+        return kvpi_error(KVP_ENOTSUP, "ucx: cannot set %s=%s: %s", name, value,
+                          ucs_status_string(st));
+    return KVP_OK;
+}
+
+/* Might UCX_TLS let UCX use its shared-memory transports? */
+static int may_use_mm(void)
+{
+    static const char *const mm[] = {"all", "sm", "shm", "mm", "posix", "sysv"};
+    const char *tls = getenv("UCX_TLS");
+    if (!tls || tls[0] == '^') return 1;
+    for (size_t i = 0; i < sizeof mm / sizeof mm[0]; i++)
+        if (strstr(tls, mm[i])) return 1;
+    return 0;
+}
+
+/* UCX's configuration: its environment (UCX_*), plus what kvpipe needs
+ * where the environment says nothing:
+ *  - peer failure handling on the shared-memory transports (posix, sysv):
+ *    off in UCX 1.13, and without it UCP refuses them for endpoints that
+ *    handle peer failure, as every endpoint here does;
+ *  - keepalive every second (UCX: 20 s), so that a dead same-host peer fails
+ *    its endpoint well within an engine's deadline;
+ *  - the devices, from device_name. */
+static kvp_status configure(const kvpi_server_ctx *ctx, ucp_config_t *cfg)
+{
+    kvp_status st = KVP_OK;
+    if (may_use_mm() && !getenv("UCX_POSIX_ERROR_HANDLING") &&
+        !getenv("UCX_SYSV_ERROR_HANDLING") && !getenv("UCX_MM_ERROR_HANDLING"))
+        st = config_set(cfg, "MM_ERROR_HANDLING", "y");
+    if (!st && !getenv("UCX_KEEPALIVE_INTERVAL")) st = config_set(cfg, "KEEPALIVE_INTERVAL", "1s");
+    if (st || !ctx->device_names || !*ctx->device_names) return st;
+    if (getenv("UCX_NET_DEVICES")) {
+        KVPI_INFO("ucx %s: UCX_NET_DEVICES=%s is set: device_name '%s' is not used",
+                  ctx->segment, getenv("UCX_NET_DEVICES"), ctx->device_names);
+        return KVP_OK;
+    }
+    char *devices;
+    if ((st = map_devices(ctx->device_names, &devices))) return st;
+    KVPI_INFO("ucx %s: device_name '%s': UCX_NET_DEVICES=%s", ctx->segment, ctx->device_names,
+              devices);
+    st = config_set(cfg, "NET_DEVICES", devices);
+    free(devices);
+    return st;
+}
+
+static kvp_status start_context(kvpi_ucx_server *s, const kvpi_server_ctx *ctx)
+{
+    ucp_config_t *cfg;
+    ucs_status_t ust = ucp_config_read(NULL, NULL, &cfg);
+    if (ust != UCS_OK)
+        return kvpi_error(KVP_ENOTSUP, "ucx: ucp_config_read: %s", ucs_status_string(ust));
+    kvp_status st = configure(ctx, cfg);
+    if (!st) {
+        ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES |
+                                        UCP_PARAM_FIELD_MT_WORKERS_SHARED,
+                          .features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
+                          .mt_workers_shared = 1};
+        if ((ust = ucp_init(&p, cfg, &s->ctx)) != UCS_OK) {
+            s->ctx = NULL;
+            st = kvpi_error(KVP_ENOTSUP, "ucx: UCX cannot start here (UCX_TLS=%s): %s" TCP_HINT,
+                            getenv("UCX_TLS") ? getenv("UCX_TLS") : "all",
+                            ucs_status_string(ust));
+        }
+    }
+    ucp_config_release(cfg);
+    return st;
+}
+
+static kvp_status start_worker(kvpi_ucx_server *s)
+{
+    kvp_status st = kvpi_ucx_worker_create(s, &s->worker);
+    if (st) {
+        s->worker = NULL;
+        return st;
+    }
+    ucp_address_t *addr;
+    size_t len;
+    ucs_status_t ust = ucp_worker_get_address(s->worker, &addr, &len);
+    if (ust != UCS_OK)
+        return kvpi_error(kvpi_ucx_status(ust), "ucx: ucp_worker_get_address: %s",
+                          ucs_status_string(ust));
+    s->worker_hex = kvpi_ucx_hex(addr, len);
+    ucp_worker_release_address(s->worker, addr);
+    if (!s->worker_hex) return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+    if ((st = kvpi_ucx_set_handler(s->worker, KVPI_UCX_AM_HELLO, on_hello, s)) ||
+        (st = kvpi_ucx_set_handler(s->worker, KVPI_UCX_AM_BYE, on_bye, s)))
+        return st;
+    return kvpi_ucx_set_handler(s->worker, KVPI_UCX_AM_REVOKE_ACK, on_revoke_ack, s);
+}
+
+/* The worker is created here, then only the progress thread touches it. */
+static kvp_status start_thread(kvpi_ucx_server *s)
+{
+    int wefd;
+    ucs_status_t ust = ucp_worker_get_efd(s->worker, &wefd);
+    if (ust != UCS_OK)
+        return kvpi_error(kvpi_ucx_status(ust), "ucx: ucp_worker_get_efd: %s",
+                          ucs_status_string(ust));
+    if ((s->epfd = epoll_create1(EPOLL_CLOEXEC)) < 0 ||
+        (s->evfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) < 0)
+        return kvpi_error(KVP_EIO, "ucx: epoll/eventfd: %s", strerror(errno));
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
+    struct epoll_event wev = {.events = EPOLLIN, .data.ptr = s};
+    if (epoll_ctl(s->epfd, EPOLL_CTL_ADD, s->evfd, &ev) != 0 ||
+        epoll_ctl(s->epfd, EPOLL_CTL_ADD, wefd, &wev) != 0)
+        return kvpi_error(KVP_EIO, "ucx: epoll_ctl: %s", strerror(errno));
+    int rc = pthread_create(&s->thread, NULL, progress_main, s);
+    if (rc != 0) return kvpi_error(KVP_EIO, "ucx: cannot start a thread: %s", strerror(rc));
+    s->thread_started = 1;
+    return KVP_OK;
+}
+
+kvp_status kvpi_ucx_server_start(const kvpi_server_ctx *ctx, void **server)
+{
+    kvpi_ucx_server *s = calloc(1, sizeof *s);
+    if (!s) return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+    s->epfd = s->evfd = -1;
+    s->queue_tail = &s->queue;
+    pthread_mutex_init(&s->queue_lock, NULL);
+    pthread_mutex_init(&s->conns_lock, NULL);
+    pthread_mutex_init(&s->dereg_lock, NULL);
+    kvpi_cond_init(&s->conns_cond);
+    s->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : DEFAULT_TIMEOUT_MS;
+    kvp_status st = KVP_OK;
+    if (!(s->segment = strdup(ctx->segment ? ctx->segment : "")))
+        st = kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+    if (!st && kvpi_shm_host_id(s->host_id, sizeof s->host_id)) s->host_id[0] = '\0';
+    if (!st) st = start_context(s, ctx);
+    if (!st) st = start_worker(s);
+    if (!st) st = start_thread(s);
+    if (st) {
+        kvpi_ucx_server_stop(s);
+        return st;
+    }
+    KVPI_INFO("ucx %s: serving (UCX %s, UCX_TLS=%s)", s->segment, ucp_get_version_string(),
+              getenv("UCX_TLS") ? getenv("UCX_TLS") : "all");
+    *server = s;
+    return KVP_OK;
+}
+
+void kvpi_ucx_server_stop(void *server)
+{
+    kvpi_ucx_server *s = server;
+    if (!s) return;
+    if (s->thread_started) {
+        pthread_mutex_lock(&s->queue_lock);
+        s->stop = 1;
+        pthread_mutex_unlock(&s->queue_lock);
+        uint64_t one = 1;
+        if (write(s->evfd, &one, sizeof one) < 0)
+            KVPI_WARN("ucx: cannot wake the progress thread: %s", strerror(errno));
+        pthread_join(s->thread, NULL);
+    }
+    /* The thread is gone: this one owns the workers now. Every peer was
+     * closed and every region deregistered before; what is left are the
+     * connections from initiators and workers still closing. */
+    for (ucx_conn *c = s->conns, *next; c; c = next) {
+        next = c->next;
+        if (c->ep) kvpi_ucx_ep_close_force(c->ep);
+        free(c);
+    }
+    s->conns = NULL; /* the handlers still run while the worker drains */
+    while (s->retirees) {
+        ucx_retiree *r = s->retirees;
+        s->retirees = r->next;
+        retiree_end(r);
+    }
+    if (s->worker) {
+        drain(s->worker);
+        ucp_worker_destroy(s->worker);
+    }
+    if (s->ctx) ucp_cleanup(s->ctx);
+    if (s->epfd >= 0) close(s->epfd);
+    if (s->evfd >= 0) close(s->evfd);
+    pthread_cond_destroy(&s->conns_cond);
+    pthread_mutex_destroy(&s->dereg_lock);
+    pthread_mutex_destroy(&s->conns_lock);
+    pthread_mutex_destroy(&s->queue_lock);
+    free(s->worker_hex);
+    free(s->segment);
+    free(s);
+}

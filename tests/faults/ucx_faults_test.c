@@ -1,0 +1,303 @@
+/* The ucx transport under faults, on UCX's own transports (tcp, and shared
+ * memory): a target deregisters memory a peer holds an rkey for - the peer
+ * is told, or, frozen, cut off - then unmaps it, and no later request of
+ * that peer touches it (over UCX's emulated RMA the target's own progress
+ * thread would write into the unmapped range and the target would die); a
+ * target stopped or killed mid-transfer fails the initiator's requests
+ * within the engine's deadline; a killed initiator does not hold up the
+ * target's deregistrations. Skips in a build without UCX. */
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "ctarget.h"
+#include "test.h"
+#include "transport/transport.h"
+#if KVP_HAVE_UCX
+#include <ucp/api/ucp.h>
+#endif
+
+#define SEED 0x3c
+#define MIB ((size_t)1 << 20)
+#define LEN (8 * MIB)
+#define TIMEOUT_MS 2000
+/* timeout_ms + 1 MiB at 16 MiB/s, and a second and a half of margin. */
+#define BOUND_MS (TIMEOUT_MS + 63 + 1500)
+
+static const char *tls; /* the row's UCX_TLS */
+
+static int start_target(kvpt_ctarget *t)
+{
+    if (!kvpi_transport_lookup("ucx")) {
+        kvpt_skip("built without UCX (KVP_WITH_UCX)");
+        return -1;
+    }
+    setenv("UCX_TLS", tls, 1);
+    kvpt_ctarget_opts o = {.protocol = "rdma", .disable_shm = 1, .len = LEN, .seed = SEED,
+                           .timeout_ms = TIMEOUT_MS};
+    return kvpt_ctarget_start(&o, t);
+}
+
+static int start_initiator(const kvpt_ctarget *t, kvp_engine **e, kvp_segment_id *seg)
+{
+    if (kvpt_initiator_start("rdma", 1, TIMEOUT_MS, e) != 0) return -1;
+    if (kvp_engine_open_segment(*e, t->name, seg) != KVP_OK) return -1;
+    return strcmp(kvp_engine_segment_transport(*e, *seg), "ucx") == 0 ? 0 : -1;
+}
+
+/* Is the UCX this runs with older than major.minor? */
+static int ucx_older_than(unsigned major, unsigned minor)
+{
+#if KVP_HAVE_UCX
+    unsigned ma, mi, rel;
+    ucp_get_version(&ma, &mi, &rel);
+    return ma < major || (ma == major && mi < minor);
+#else
+    (void)major, (void)minor;
+    return 0; /* every case skips */
+#endif
+}
+
+/* Is the target alive and answering? */
+static int target_alive(kvpt_ctarget *t)
+{
+    return kvpt_ctarget_cmd(t, KVPT_CT_FDS, 0, 3000) > 0 && waitpid(t->pid, NULL, WNOHANG) == 0;
+}
+
+/* A peer that answers: once the target's unregister returned (without
+ * waiting out the timeout), its next READ and WRITE of the range fail with
+ * KVP_ERANGE, before and after the target unmaps the memory. */
+static void deregistered_while_peer_holds_rkey(void)
+{
+    kvpt_ctarget t;
+    REQUIRE(start_target(&t) == 0);
+    kvp_engine *e;
+    kvp_segment_id seg;
+    REQUIRE(start_initiator(&t, &e, &seg) == 0);
+    char *local = malloc(MIB);
+    REQUIRE(local);
+    uint64_t base = (uint64_t)(uintptr_t)t.buf;
+    CHECK_OK(kvp_engine_read(e, seg, local, base + MIB, MIB));
+    CHECK(kvpt_verify(local, MIB, SEED + MIB) == (size_t)-1);
+    int64_t ms = kvpt_ctarget_cmd(&t, KVPT_CT_UNREGISTER, 0, BOUND_MS + 2000);
+    fprintf(stderr, "  UCX_TLS=%s: unregister took %lld ms\n", tls, (long long)ms);
+    CHECK(ms >= 0 && ms < TIMEOUT_MS / 2);
+    memset(local, 0, MIB);
+    CHECK_ST(kvp_engine_read(e, seg, local, base + MIB, MIB), KVP_ERANGE);
+    CHECK(strstr(kvp_last_error(), "deregistered") != NULL);
+    CHECK(kvpt_verify(local, 4096, 0) != (size_t)-1 || local[0] == 0); /* nothing landed */
+    kvpt_fill(local, MIB, 99);
+    CHECK_ST(kvp_engine_write(e, seg, local, base, MIB), KVP_ERANGE);
+    CHECK(kvpt_verify(t.buf, MIB, SEED) == (size_t)-1); /* the target's bytes are unchanged */
+    CHECK(kvpt_ctarget_cmd(&t, KVPT_CT_UNMAP, 0, 3000) == 0);
+    CHECK_ST(kvp_engine_write(e, seg, local, base, MIB), KVP_ERANGE);
+    CHECK_ST(kvp_engine_read(e, seg, local, base, MIB), KVP_ERANGE);
+    CHECK(target_alive(&t));
+    free(local);
+    kvp_engine_destroy(e);
+    CHECK(kvpt_ctarget_stop(&t) == 0);
+}
+
+/* An initiator in a child process that READs 1 MiB at a time from the
+ * target's buffer, or WRITEs all of it at a time, and reports each outcome on
+ * fd: 'o' OK, 'r' KVP_ERANGE, 'x' anything else. */
+static pid_t peer_child(const kvpt_ctarget *t, kvp_opcode op, int fd)
+{
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid != 0) return pid;
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    close(t->cmd); /* the target's command pipe: it ends when the test closes it */
+    kvp_engine *e;
+    kvp_segment_id seg;
+    if (start_initiator(t, &e, &seg) != 0) _exit(3);
+    char *buf = malloc(LEN);
+    if (!buf) _exit(4);
+    kvpt_fill(buf, LEN, 5);
+    uint64_t base = (uint64_t)(uintptr_t)t->buf;
+    for (uint64_t i = 0;; i++) {
+        kvp_status st;
+        if (op == KVP_OP_READ) {
+            st = kvp_engine_read(e, seg, buf, base + (i % 8) * MIB, MIB);
+        } else {
+            /* Four at once, so that some are in flight whenever it is stopped. */
+            kvp_request w[4];
+            for (int k = 0; k < 4; k++)
+                w[k] = (kvp_request){KVP_OP_WRITE, buf + k * (LEN / 4), base + k * (LEN / 4),
+                                     LEN / 4};
+            kvp_batch *b;
+            st = kvp_batch_submit(e, seg, w, 4, &b);
+            if (!st) {
+                st = kvp_batch_wait(b, -1);
+                kvp_batch_free(b);
+            }
+        }
+        char c = st == KVP_OK ? 'o' : st == KVP_ERANGE ? 'r' : 'x';
+        if (write(fd, &c, 1) != 1) _exit(0);
+    }
+}
+
+/* What the reader reported within ms: counts of each outcome. */
+static void outcomes(int fd, int ms, int *ok, int *range, int *other)
+{
+    *ok = *range = *other = 0;
+    uint64_t end = kvpi_now_ms() + (uint64_t)ms;
+    char c[64];
+    for (uint64_t now; (now = kvpi_now_ms()) < end;) {
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, (int)(end - now)) != 1) break;
+        ssize_t n = read(fd, c, sizeof c);
+        if (n <= 0) break;
+        for (ssize_t i = 0; i < n; i++)
+            c[i] == 'o' ? (*ok)++ : c[i] == 'r' ? (*range)++ : (*other)++;
+    }
+}
+
+/* A peer frozen (SIGSTOP) in the middle of 8 MiB WRITEs while the target
+ * deregisters: the target waits for its answer at most timeout_ms, cuts it
+ * off, and unmaps the memory; thawed, the rest of the WRITE it was sending
+ * does not land (over UCX's tcp and shared memory the target's own progress
+ * thread writes what arrives: into the unmapped range, it would die), its
+ * later requests fail, and the target lives. */
+static void deregistered_while_peer_frozen(void)
+{
+    kvpt_ctarget t;
+    REQUIRE(start_target(&t) == 0);
+    int p[2];
+    REQUIRE(pipe(p) == 0);
+    pid_t r = peer_child(&t, KVP_OP_WRITE, p[1]);
+    close(p[1]);
+    int ok, range, other;
+    outcomes(p[0], 1500, &ok, &range, &other);
+    CHECK(ok > 0 && range == 0 && other == 0);
+    kill(r, SIGSTOP);
+    usleep(100000);
+    int64_t ms = kvpt_ctarget_cmd(&t, KVPT_CT_UNREGISTER, 0, BOUND_MS + 3000);
+    CHECK(ms >= TIMEOUT_MS - 100 && ms < BOUND_MS);
+    CHECK(kvpt_ctarget_cmd(&t, KVPT_CT_UNMAP, 0, 3000) == 0);
+    kill(r, SIGCONT);
+    /* Its next requests fail (cut off: reset, or out of time), then, looked
+     * up again, the range is not in the descriptor any more. */
+    outcomes(p[0], BOUND_MS + 2000, &ok, &range, &other);
+    fprintf(stderr, "  UCX_TLS=%s: unregister %lld ms; thawed writer: %d ok, %d out of range, "
+            "%d failed\n", tls, (long long)ms, ok, range, other);
+    /* One report may have been in the pipe before the freeze, one WRITE
+     * complete at the target but not yet at the writer. */
+    CHECK(ok <= 2);
+    CHECK(range + other > 0);
+    CHECK(target_alive(&t));
+    /* UCX 1.13 over tcp aborts the target (its own assertion, "got REP
+     * message", removed in UCX 1.14: docs/transport-ucx.md) when a writer
+     * that connected again after being cut off dies: there the target stops
+     * first. */
+    int ucx_bug = strcmp(tls, "tcp") == 0 && ucx_older_than(1, 14);
+    if (ucx_bug) CHECK(kvpt_ctarget_stop(&t) == 0);
+    kill(r, SIGKILL);
+    waitpid(r, NULL, 0);
+    close(p[0]);
+    if (!ucx_bug) CHECK(kvpt_ctarget_stop(&t) == 0);
+}
+
+/* A killed initiator does not hold the target's deregistration up. */
+static void initiator_killed(void)
+{
+    kvpt_ctarget t;
+    REQUIRE(start_target(&t) == 0);
+    int p[2];
+    REQUIRE(pipe(p) == 0);
+    pid_t r = peer_child(&t, KVP_OP_READ, p[1]);
+    close(p[1]);
+    int ok, range, other;
+    outcomes(p[0], 1500, &ok, &range, &other);
+    CHECK(ok > 0);
+    kill(r, SIGKILL);
+    waitpid(r, NULL, 0);
+    close(p[0]);
+    usleep(2500000); /* UCX's keepalive (1 s here) finds it gone */
+    int64_t ms = kvpt_ctarget_cmd(&t, KVPT_CT_UNREGISTER, 0, BOUND_MS + 2000);
+    fprintf(stderr, "  UCX_TLS=%s: unregister after the reader died: %lld ms\n", tls,
+            (long long)ms);
+    CHECK(ms >= 0 && ms < TIMEOUT_MS / 2);
+    CHECK(kvpt_ctarget_stop(&t) == 0);
+}
+
+/* The target is stopped, or killed, while 1 MiB READs run: the initiator's
+ * request fails within its deadline; a stopped target that resumes serves
+ * again. */
+static void target_fault(int sig)
+{
+    kvpt_ctarget t;
+    REQUIRE(start_target(&t) == 0);
+    kvp_engine *e;
+    kvp_segment_id seg;
+    REQUIRE(start_initiator(&t, &e, &seg) == 0);
+    char *local = malloc(MIB);
+    REQUIRE(local);
+    uint64_t base = (uint64_t)(uintptr_t)t.buf;
+    CHECK_OK(kvp_engine_read(e, seg, local, base, MIB));
+    kill(t.pid, sig);
+    uint64_t t0 = kvpi_now_ms();
+    kvp_status st = KVP_OK;
+    for (int i = 0; i < 100 && st == KVP_OK; i++)
+        st = kvp_engine_read(e, seg, local, base + (i % 8) * MIB, MIB);
+    uint64_t took = kvpi_now_ms() - t0;
+    fprintf(stderr, "  UCX_TLS=%s: signal %d: %s after %llu ms: %s\n", tls, sig,
+            kvp_strerror(st), (unsigned long long)took, kvp_last_error());
+    CHECK(st == (sig == SIGSTOP ? KVP_ETIMEDOUT : KVP_ECONNRESET) ||
+          (sig == SIGKILL && st == KVP_ECONNREFUSED));
+    CHECK(took < BOUND_MS);
+    if (sig == SIGSTOP) {
+        kill(t.pid, SIGCONT);
+        /* Looked up again: served as before. */
+        int tries = 0;
+        while ((st = kvp_engine_read(e, seg, local, base + MIB, MIB)) != KVP_OK && ++tries < 3) {
+        }
+        CHECK_OK(st);
+        CHECK(kvpt_verify(local, MIB, SEED + MIB) == (size_t)-1);
+    } else {
+        waitpid(t.pid, NULL, 0);
+    }
+    free(local);
+    kvp_engine_destroy(e);
+    if (sig == SIGSTOP) CHECK(kvpt_ctarget_stop(&t) == 0);
+    else kvpt_ctarget_stop(&t);
+}
+
+static void target_stopped(void)
+{
+    target_fault(SIGSTOP);
+}
+
+static void target_killed(void)
+{
+    target_fault(SIGKILL);
+}
+
+#define CASES(X, row)                                                                        \
+    X(row, deregistered_while_peer_holds_rkey) X(row, deregistered_while_peer_frozen)        \
+    X(row, initiator_killed) X(row, target_stopped) X(row, target_killed)
+
+#define DEFINE(row, c)                                                                       \
+    static void row##__##c(void)                                                             \
+    {                                                                                        \
+        c();                                                                                 \
+    }
+CASES(DEFINE, tcp)
+CASES(DEFINE, sm)
+#define RUN_CASE(row, c) RUN_T(row##__##c, 60);
+
+int main(void)
+{
+    signal(SIGPIPE, SIG_IGN);
+    tls = "tcp";
+    CASES(RUN_CASE, tcp)
+    tls = "sm,self";
+    CASES(RUN_CASE, sm)
+    return kvpt_summary();
+}
