@@ -28,6 +28,8 @@
 #include "test.h"
 #include "transport/shm_internal.h"
 #include "transport/tcp_wire.h"
+#include "transport/transport.h"
+#include "transport/ucx_internal.h"
 
 #define SEED 0xa17
 #define LEN ((size_t)1 << 20)
@@ -680,6 +682,38 @@ static void unauthenticated_target_refused(void)
     drop_keys();
 }
 
+/* A transport that does not authenticate its peers (ucx: one-sided RMA with
+ * the rkeys of the descriptor) is not run in the authenticated mode: asked for
+ * it, the engine refuses to start; with tcp it leaves it out of its
+ * descriptor, so no peer without the key finds a way in through it. */
+static void unauthenticated_transport_left_out(void)
+{
+    if (!kvpi_transport_lookup("ucx")) SKIP("no ucx transport in this build");
+    make_keys();
+    kvp_engine_opts eo;
+    kvp_engine_opts_init(&eo);
+    eo.local_server_name = "127.0.0.1:0";
+    eo.metadata = "P2PHANDSHAKE";
+    eo.auth_key_file = key1;
+    eo.protocol = "rdma";
+    kvp_engine *e = NULL;
+    CHECK_ST(kvp_engine_create(&eo, &e), KVP_ENOTSUP);
+    CHECK(strstr(kvp_last_error(), "does not authenticate"));
+    eo.protocol = "tcp";
+    REQUIRE_OK(kvp_engine_create(&eo, &e));
+    static char buf[4096];
+    REQUIRE_OK(kvp_engine_register(e, buf, sizeof buf));
+    kvpi_auth *good = load(key1);
+    char *reply = NULL;
+    CHECK_OK(kvpi_rpc_call_auth("127.0.0.1", kvp_engine_rpc_port(e), good, KVPI_RPC_METADATA, "{}",
+                                WAIT_MS, &reply));
+    CHECK(reply && strstr(reply, "\"buffers\"") && !strstr(reply, "\"" KVPI_UCX_FIELD "\""));
+    free(reply);
+    kvpi_auth_free(good);
+    kvp_engine_destroy(e);
+    drop_keys();
+}
+
 int main(void)
 {
     unsetenv(KVPI_AUTH_ENV);
@@ -689,5 +723,6 @@ int main(void)
     RUN(replay_fails);
     RUN(descriptors_refused_and_repaired);
     RUN(unauthenticated_target_refused);
+    RUN(unauthenticated_transport_left_out);
     return kvpt_summary();
 }
