@@ -26,6 +26,7 @@ ECANCELED: int
 EINPROGRESS: int
 ECLOSED: int
 EINTR: int
+EAUTH: int
 
 class Error(RuntimeError):
     """A kvpipe operation failed; str(e) says what and why."""

@@ -24,10 +24,12 @@ typedef struct mode {
     int p2p;
     /* ucx rows: UCX_TLS for both engines (the target inherits it) */
     const char *ucx_tls;
+    int auth; /* both engines in the authenticated mode (a key file in the env) */
 } mode;
 
 static const mode *M;
 static char meta[160];
+static char key_file[64]; /* the auth modes' key, made in main */
 
 #define SEED 0x1234
 
@@ -52,6 +54,8 @@ static int setup(void)
         return -1;
     }
     if (M->ucx_tls) setenv("UCX_TLS", M->ucx_tls, 1); /* each case runs in a child */
+    /* This case's process and the target it starts inherit it. */
+    if (M->auth) setenv("KVPIPE_AUTH_KEY_FILE", key_file, 1);
     if (M->p2p) {
         snprintf(meta, sizeof meta, "P2PHANDSHAKE");
         return 0;
@@ -401,15 +405,19 @@ static void mooncake_rdma_segment(void)
 /* ucx runs on UCX's own transports here: tcp, and shared memory (UCX 1.13's
  * "sm": posix and sysv for messages, cma; self for loopback). */
 #define MODES(X)                                                                             \
-    X(tcp_http, "tcp", 0, NULL) X(tcp_p2p, "tcp", 1, NULL) X(shm_http, "shm", 0, NULL)       \
-    X(shm_p2p, "shm", 1, NULL) X(ucx_tcp_http, "rdma", 0, "tcp") X(ucx_tcp_p2p, "ucx", 1, "tcp") \
-    X(ucx_sm_http, "rdma", 0, "sm,self") X(ucx_sm_p2p, "ucx", 1, "sm,self")
+    X(tcp_http, "tcp", 0, NULL, 0) X(tcp_p2p, "tcp", 1, NULL, 0) X(shm_http, "shm", 0, NULL, 0) \
+    X(shm_p2p, "shm", 1, NULL, 0) X(ucx_tcp_http, "rdma", 0, "tcp", 0)                         \
+    X(ucx_tcp_p2p, "ucx", 1, "tcp", 0) X(ucx_sm_http, "rdma", 0, "sm,self", 0)                 \
+    X(ucx_sm_p2p, "ucx", 1, "sm,self", 0) X(tcp_http_auth, "tcp", 0, NULL, 1)                  \
+    X(tcp_p2p_auth, "tcp", 1, NULL, 1) X(shm_http_auth, "shm", 0, NULL, 1)                     \
+    X(shm_p2p_auth, "shm", 1, NULL, 1)
 
 #define CASES(X, m)                                                                          \
     X(m, sizes) X(m, batches) X(m, out_of_range) X(m, target_killed) X(m, target_restarted)  \
     X(m, managed_buffers) X(m, threads) X(m, unknown_segment)
 
-#define DEFINE_MODE(m, proto, p2p_, tls) static const mode mode_##m = {proto, p2p_, tls};
+#define DEFINE_MODE(m, proto, p2p_, tls, auth_)                                              \
+    static const mode mode_##m = {proto, p2p_, tls, auth_};
 MODES(DEFINE_MODE)
 
 #define DEFINE_CASE(m, c)                                                                    \
@@ -418,17 +426,30 @@ MODES(DEFINE_MODE)
         M = &mode_##m;                                                                       \
         c();                                                                                 \
     }
-#define DEFINE_MODE_CASES(m, proto, p2p_, tls) CASES(DEFINE_CASE, m)
+#define DEFINE_MODE_CASES(m, proto, p2p_, tls, auth_) CASES(DEFINE_CASE, m)
 MODES(DEFINE_MODE_CASES)
 
 #define RUN_CASE(m, c) RUN(m##__##c);
-#define RUN_MODE_CASES(m, proto, p2p_, tls) CASES(RUN_CASE, m)
+#define RUN_MODE_CASES(m, proto, p2p_, tls, auth_) CASES(RUN_CASE, m)
+/* The key of the auth modes: a file of mode 0600 for the whole run. */
+static int make_key(void)
+{
+    snprintf(key_file, sizeof key_file, "/tmp/kvpt_engine_key_%d_XXXXXX", (int)getpid());
+    int fd = mkstemp(key_file);
+    static const char key[] = "engine-test-0123456789abcdef0123456789abcdef\n";
+    int ok = fd >= 0 && write(fd, key, sizeof key - 1) == (ssize_t)(sizeof key - 1);
+    if (fd >= 0) close(fd);
+    return ok ? 0 : -1;
+}
 
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
+    unsetenv("KVPIPE_AUTH_KEY_FILE"); /* the plain modes are plain */
+    if (make_key() != 0) return 1;
     RUN(create_errors);
     RUN(mooncake_rdma_segment);
     MODES(RUN_MODE_CASES)
+    unlink(key_file);
     return kvpt_summary();
 }

@@ -1319,6 +1319,34 @@ static void test_cli_bench_pipe(void)
     CHECK(run_cli(block, out, sizeof out) == 2);
 }
 
+/* The same cases with both sides in the authenticated mode: a key file in the
+ * env, which the case's processes inherit (the pipe's links then use CURVE,
+ * its engines authenticate every connection and sign their descriptors). */
+static char key_file[64];
+
+static int make_key(void)
+{
+    snprintf(key_file, sizeof key_file, "/tmp/kvpt_pipe_key_%d_XXXXXX", (int)getpid());
+    int fd = mkstemp(key_file);
+    static const char key[] = "pipe-test-0123456789abcdef0123456789abcdef\n";
+    int ok = fd >= 0 && write(fd, key, sizeof key - 1) == (ssize_t)(sizeof key - 1);
+    if (fd >= 0) close(fd);
+    return ok ? 0 : -1;
+}
+
+#define AUTH_CASES(X)                                                                              \
+    X(test_round_trip_x_y)                                                                         \
+    X(test_p2p_handshake) X(test_same_host_transport_allowed) X(test_both_directions_at_once)      \
+        X(test_flow_control) X(test_receiver_killed) X(test_send_in_place_tcp)                     \
+            X(test_send_in_place_shm) X(test_cli_bench_pipe) X(test_stress_500_rounds)
+#define DEFINE_AUTH(fn)                                                                            \
+    static void fn##_auth(void)                                                                    \
+    {                                                                                              \
+        setenv("KVPIPE_AUTH_KEY_FILE", key_file, 1);                                               \
+        fn();                                                                                      \
+    }
+AUTH_CASES(DEFINE_AUTH)
+
 /* An optional argument runs only the cases whose name (with its row's
  * prefix) contains it, or, given as "=NAME", the case of that exact name. */
 static const char *only;
@@ -1341,6 +1369,8 @@ int main(int argc, char **argv)
 {
     only = argc > 1 ? argv[1] : NULL;
     signal(SIGPIPE, SIG_IGN);
+    unsetenv("KVPIPE_AUTH_KEY_FILE"); /* the plain rows are plain */
+    if (make_key() != 0) return 1;
     for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++) {
         R = &rows[r];
         if (R->ucx_tls) setenv("UCX_TLS", R->ucx_tls, 1); /* the sides inherit it */
@@ -1369,5 +1399,11 @@ int main(int argc, char **argv)
         CASE(test_stress_500_rounds, 240);
         CASE(test_one_gib_tensor, 400);
     }
+    /* The tcp row again, authenticated. */
+    R = &rows[0];
+    unsetenv("UCX_TLS");
+#define RUN_AUTH(fn) CASE(fn##_auth, 240);
+    AUTH_CASES(RUN_AUTH)
+    unlink(key_file);
     return kvpt_summary();
 }

@@ -110,6 +110,20 @@ typedef struct kvp_engine_opts {
      * min_transfer_rate, on either side (see timeout_ms). Lower it for links
      * slower than that per connection. */
     uint64_t min_transfer_rate;
+    /* The authenticated mode (docs/security.md), off by default: the path of
+     * a key file (one secret per line, mode 0600; the first is the one this
+     * engine proves and signs with, every one is accepted from peers). Then
+     * every connection to and from this engine's listeners proves the key
+     * first, its descriptor is signed, and peers' descriptors must be signed
+     * with an accepted key; peers without it (Mooncake's among them) are
+     * refused with KVP_EAUTH. NULL: the file env KVPIPE_AUTH_KEY_FILE names
+     * (unset or "": off); "": off whatever the env says. Read once, at
+     * kvp_engine_create (KVP_ECONFIG naming the file when it is unusable). */
+    const char *auth_key_file;
+    /* Authenticated mode: a peer descriptor signed longer ago than this is
+     * refused as stale (default 120000 ms); the engine signs its own anew
+     * every quarter of it, so clocks must agree to well within it. */
+    int auth_max_age_ms;
     /* The metrics endpoint: an HTTP server answering GET /metrics with the
      * engine's metrics as Prometheus text (include/kvpipe/metrics.h,
      * docs/metrics.md). 0 (the default): as env KVPIPE_METRICS_PORT says

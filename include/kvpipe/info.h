@@ -98,7 +98,11 @@ KVP_API kvp_status kvp_info_store_check(const char *conn, int timeout_ms);
  * on (rpc_meta); both malloc'ed, the caller frees them with free(); both set
  * only on success. Blocks at most timeout_ms (0: 5000) per request. Errors: as
  * kvp_info_store_check(), plus KVP_ENOTFOUND (no such segment) and the
- * handshake's connection errors; kvp_last_error() names the segment. */
+ * handshake's connection errors; kvp_last_error() names the segment. With env
+ * KVPIPE_AUTH_KEY_FILE set, the handshake proves that key (an authenticated
+ * engine answers nothing else; docs/security.md), and KVP_ECONFIG when the
+ * file is unusable; the descriptor is returned as stored, signature and all,
+ * without checking it. */
 KVP_API kvp_status kvp_info_segment(const char *conn, const char *segment, int timeout_ms,
                                     char **descriptor, char **host);
 

@@ -56,7 +56,8 @@ extern "C" {
 /* The mooncake JSON config (vLLM's MOONCAKE_CONFIG_PATH file):
  *   {"prefill_url": "host:port", "decode_url": "host:port",
  *    "metadata_server": "...", "metadata_backend": "etcd"|"redis" (optional),
- *    "protocol": "tcp" (default), "device_name": "" (default)}
+ *    "protocol": "tcp" (default), "device_name": "" (default),
+ *    "auth_key_file": "/path" (kvpipe's own, optional: docs/security.md)}
  * Unknown fields are ignored, as vLLM does. All strings are malloc'ed and owned
  * by the config; free it with kvp_pipe_config_free(). A program may also fill
  * the struct itself (with its own strings, not freed by kvp_pipe_config_free
@@ -68,6 +69,10 @@ typedef struct kvp_pipe_config {
     char *metadata_backend; /* NULL, "etcd" or "redis" (lower-cased on load) */
     char *protocol;         /* "tcp", "shm", or "rdma"/"ucx" where built with UCX */
     char *device_name;      /* network devices for rdma, comma-separated; may be "" */
+    /* The authenticated mode's key file (kvp_engine_opts.auth_key_file), for
+     * the engine and the ZeroMQ links alike; NULL: env KVPIPE_AUTH_KEY_FILE
+     * (unset: off); "": off. */
+    char *auth_key_file;
 } kvp_pipe_config;
 
 /* Parse config JSON text of len bytes. KVP_ECONFIG with a message naming the
@@ -197,9 +202,12 @@ KVP_API void kvp_pipe_opts_init(kvp_pipe_opts *opts);
 /* Open side kv_rank of the pipe: create the engine (segment "host:port" from
  * the config), bind the two PUSH sockets and connect the two PULL sockets. Does
  * not wait for the peer: the first send waits (up to send_timeout_ms) until
- * the peer is connected. opts NULL: defaults. Errors: KVP_ECONFIG for the
- * config, the engine's errors (metadata store unreachable, port in use), KVP_EIO
- * naming the ZeroMQ endpoint that failed to bind. */
+ * the peer is connected. In the authenticated mode (cfg->auth_key_file or env
+ * KVPIPE_AUTH_KEY_FILE) the four ZeroMQ sockets use CURVE with keys derived
+ * from the key, so only a peer with the same key connects (a MooncakePipe peer
+ * cannot: refused handshakes are logged, rate-limited, on both sides). opts NULL: defaults. Errors:
+ * KVP_ECONFIG for the config, the engine's errors (metadata store unreachable, port in use),
+ * KVP_EIO naming the ZeroMQ endpoint that failed to bind. */
 KVP_API kvp_status kvp_pipe_open(const kvp_pipe_config *cfg, int local_rank, int kv_rank,
                                  const kvp_pipe_opts *opts, kvp_pipe **out);
 

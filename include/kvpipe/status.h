@@ -54,7 +54,9 @@ extern "C" {
     /* the object was closed */                                                                    \
     X(KVP_ECLOSED, 16, "closed")                                                                   \
     /* a blocking call was interrupted (a signal) */                                               \
-    X(KVP_EINTR, 17, "interrupted")
+    X(KVP_EINTR, 17, "interrupted")                                                                \
+    /* a peer or descriptor failed authentication */                                               \
+    X(KVP_EAUTH, 18, "authentication failed")
 
 #define KVP_STATUS_ENUM_ENTRY_(name, value, text) name = value,
 typedef enum kvp_status { KVP_STATUS_LIST(KVP_STATUS_ENUM_ENTRY_) } kvp_status;

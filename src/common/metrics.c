@@ -226,6 +226,7 @@ const char *kvpi_metrics_status_name(kvp_status st)
         [KVP_EINPROGRESS] = "EINPROGRESS",
         [KVP_ECLOSED] = "ECLOSED",
         [KVP_EINTR] = "EINTR",
+        [KVP_EAUTH] = "EAUTH",
     };
     if ((unsigned)st < sizeof names / sizeof names[0] && names[st]) return names[st];
     return "EUNKNOWN";

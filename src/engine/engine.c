@@ -28,6 +28,7 @@ void kvp_engine_opts_init(kvp_engine_opts *opts)
     opts->max_connections = KVPI_CONN_MAX_DEFAULT;
     opts->idle_timeout_ms = KVPI_CONN_IDLE_MS_DEFAULT;
     opts->min_transfer_rate = KVPI_MIN_RATE_DEFAULT;
+    opts->auth_max_age_ms = KVPI_AUTH_MAX_AGE_MS_DEFAULT;
 }
 
 /* Add an upper layer's members (engine_ext.h), except those the descriptor
@@ -106,13 +107,32 @@ static kvp_status descriptor_render(kvp_engine *e, char **out)
     cJSON_Delete(doc);
     free(regions);
     kvpi_region_unpin_all(&e->regions, pins, n);
+    if (!st && e->auth) {
+        char *signed_text = kvpi_auth_desc_sign(e->auth, text);
+        free(text);
+        text = signed_text;
+        if (!text) st = kvpi_error(KVP_ENOMEM, "cannot sign the segment descriptor: out of memory");
+    }
     if (!st) *out = text;
     return st;
 }
 
+/* Authenticated: the descriptor's signature is a quarter of its accepted age
+ * old, so it is signed anew before peers would find it stale. */
+static int sign_due(const kvp_engine *e)
+{
+    return e->auth &&
+           kvpi_now_ns() - e->desc_signed_ns > (uint64_t)e->opts.auth_max_age_ms * 1000000u / 4;
+}
+
+static kvp_status render_locked(kvp_engine *e);
+
 char *kvpi_engine_descriptor_text(kvp_engine *e)
 {
     pthread_mutex_lock(&e->publish_lock);
+    /* A handshake answer must not be stale either (P2P mode has no keeper). */
+    if (e->desc_text && sign_due(e) && render_locked(e))
+        KVPI_WARN("segment %s: cannot sign its descriptor anew: %s", e->name, kvp_last_error());
     char *copy = e->desc_text ? strdup(e->desc_text) : NULL;
     pthread_mutex_unlock(&e->publish_lock);
     return copy;
@@ -131,6 +151,7 @@ static kvp_status render_locked(kvp_engine *e)
     if (st) return st;
     free(e->desc_text);
     e->desc_text = text;
+    e->desc_signed_ns = kvpi_now_ns();
     return KVP_OK;
 }
 
@@ -195,7 +216,7 @@ static kvp_status keep_once(kvp_engine *e)
 {
     pthread_mutex_lock(&e->publish_lock);
     kvp_status st = KVP_OK;
-    if (e->desc_stale && (st = render_locked(e)) == KVP_OK) e->desc_stale = 0;
+    if ((e->desc_stale || sign_due(e)) && (st = render_locked(e)) == KVP_OK) e->desc_stale = 0;
     char *text = st ? NULL : strdup(e->desc_text);
     pthread_mutex_unlock(&e->publish_lock);
     if (st) return st;
@@ -205,6 +226,11 @@ static kvp_status keep_once(kvp_engine *e)
     st = kvpi_meta_check(e->meta, &me, &lost);
     free(text);
     if (st || (!lost.rpc_meta && !lost.descriptor)) return st;
+    if (lost.forged || lost.rpc_foreign)
+        KVPI_WARN_LIMITED("segment %s: its %s in the metadata store %s not written with the "
+                          "key (forged, garbage or unsigned): putting the genuine one back",
+                          e->name, lost.forged ? "descriptor" : "rpc_meta",
+                          lost.forged ? "was" : "points elsewhere and was");
     pthread_mutex_lock(&e->publish_lock);
     me = self_of(e, e->desc_text);
     st = kvpi_meta_restore(e->meta, &me, &lost);
@@ -249,7 +275,11 @@ static kvp_status copy_opts(kvp_engine *e, const kvp_engine_opts *o)
     if (e->opts.max_connections <= 0) e->opts.max_connections = KVPI_CONN_MAX_DEFAULT;
     if (e->opts.idle_timeout_ms <= 0) e->opts.idle_timeout_ms = KVPI_CONN_IDLE_MS_DEFAULT;
     if (e->opts.min_transfer_rate == 0) e->opts.min_transfer_rate = KVPI_MIN_RATE_DEFAULT;
-    kvp_status st = kvpi_protocol_resolve(o->protocol, &e->transport);
+    if (e->opts.auth_max_age_ms <= 0) e->opts.auth_max_age_ms = KVPI_AUTH_MAX_AGE_MS_DEFAULT;
+    e->opts.auth_key_file = NULL; /* read once, below */
+    kvp_status st = kvpi_auth_resolve(o->auth_key_file, &e->auth);
+    if (st) return st;
+    st = kvpi_protocol_resolve(o->protocol, &e->transport);
     if (st) return st;
     size_t n = 0;
     while (e->transports[n] && e->transports[n] != e->transport)
@@ -299,8 +329,8 @@ static kvp_status start_rpc(kvp_engine *e)
     kvpi_conn_limits limits = {.timeout_ms = e->opts.timeout_ms,
                                .max_conns = e->opts.max_connections,
                                .min_rate = e->opts.min_transfer_rate};
-    kvp_status st =
-        kvpi_rpc_server_start(e->self.host, e->self.port, &limits, rpc_describe, e, &e->rpc);
+    kvp_status st = kvpi_rpc_server_start_auth(e->self.host, e->self.port, &limits, e->auth,
+                                               rpc_describe, e, &e->rpc);
     if (st != KVP_EBUSY) return st;
     char detail[512];
     snprintf(detail, sizeof detail, "%s", kvp_last_error());
@@ -341,11 +371,17 @@ static kvp_status start_servers(kvp_engine *e)
                            .timeout_ms = e->opts.timeout_ms,
                            .idle_timeout_ms = e->opts.idle_timeout_ms,
                            .max_conns = e->opts.max_connections,
-                           .min_rate = e->opts.min_transfer_rate};
+                           .min_rate = e->opts.min_transfer_rate,
+                           .auth = e->auth};
     for (size_t i = 0; e->transports[i]; i++) {
         const kvpi_transport_ops *ops = e->transports[i];
         ctx.served = served_slot(e, ops);
         kvp_status st = kvpi_transport_check(ops);
+        if (!st && e->auth && !(ops->caps & KVPI_CAP_AUTH))
+            st = kvpi_error(KVP_ENOTSUP,
+                            "the %s transport does not authenticate its peers, so the "
+                            "authenticated mode does not run it (docs/security.md)",
+                            ops->name);
         if (!st) st = ops->server_start(&ctx, &e->servers[i]);
         if (st == KVP_OK) {
             if (ops->mooncake_protocol && !e->data_port && ops->server_port)
@@ -411,6 +447,7 @@ static kvp_status engine_create(const kvp_engine_opts *opts,
     if ((st = copy_opts(e, opts))) goto fail;
     if ((st = kvpi_meta_open(e->metadata_conn, e->opts.timeout_ms, rpc_describe, e, &e->meta)))
         goto fail;
+    if (e->auth) kvpi_meta_set_auth(e->meta, e->auth, e->opts.auth_max_age_ms);
     if ((st = draw_instance(e))) goto fail;
     if ((st = start_rpc(e))) goto fail;
     if ((st = name_segment(e))) goto fail;
@@ -426,8 +463,9 @@ static kvp_status engine_create(const kvp_engine_opts *opts,
         }
         e->keeper_started = 1;
     }
-    KVPI_INFO("engine %s: serving (data port %d, metadata %s)", e->name, e->data_port,
-              e->metadata_conn);
+    KVPI_INFO("engine %s: serving (data port %d, metadata %s%s%s)", e->name, e->data_port,
+              e->metadata_conn, e->auth ? ", authenticated with key id " : "",
+              e->auth ? kvpi_auth_kid(e->auth) : "");
     *out = e;
     return KVP_OK;
 fail:
@@ -479,6 +517,7 @@ void kvp_engine_destroy(kvp_engine *e)
     free(e->metadata_conn);
     free(e->protocol);
     free(e->device_names);
+    kvpi_auth_free(e->auth);
     free(e);
 }
 

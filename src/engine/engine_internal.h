@@ -11,6 +11,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 
+#include "common/auth.h"
 #include "common/net.h"
 #include "common/region.h"
 #include "engine/buffer_pool.h"
@@ -83,6 +84,8 @@ struct kvp_engine {
     pthread_mutex_t publish_lock;
     char *desc_text; /* last rendered descriptor, for handshakes */
     int desc_stale;  /* desc_text may list regions no longer registered */
+    kvpi_auth *auth; /* NULL: unauthenticated */
+    uint64_t desc_signed_ns; /* authenticated: when desc_text was signed */
 
     pthread_mutex_t segments_lock;
     kvpi_segment **segments;

@@ -17,6 +17,7 @@
 #include <microhttpd.h>
 #endif
 
+#include "common/auth.h"
 #include "common/error.h"
 #include "common/region.h"
 #include "kvpipe/info.h"
@@ -230,14 +231,22 @@ kvp_status kvp_info_segment(const char *conn, const char *segment, int timeout_m
 {
     if (!descriptor || !host)
         return kvpi_error(KVP_EINVAL, "kvp_info_segment: descriptor or host is NULL");
-    kvpi_meta *meta;
-    kvp_status st = kvpi_meta_open(conn, timeout_ms > 0 ? timeout_ms : INFO_STORE_TIMEOUT_MS, NULL,
-                                   NULL, &meta);
+    kvpi_auth *auth = NULL;
+    kvp_status st = kvpi_auth_resolve(NULL, &auth);
     if (st) return st;
+    kvpi_meta *meta;
+    st = kvpi_meta_open(conn, timeout_ms > 0 ? timeout_ms : INFO_STORE_TIMEOUT_MS, NULL, NULL,
+                        &meta);
+    if (st) {
+        kvpi_auth_free(auth);
+        return st;
+    }
+    if (auth) kvpi_meta_set_auth(meta, auth, 0);
     char *desc = NULL, *rpc_host = NULL;
     /* A P2P handshake sends our own descriptor; an inspecting tool has none. */
     st = kvpi_meta_fetch(meta, segment, &desc, &rpc_host);
     kvpi_meta_close(meta);
+    kvpi_auth_free(auth);
     if (st) return st;
     *descriptor = desc;
     *host = rpc_host;

@@ -103,6 +103,7 @@ static void peer_put(kvpi_peer *peer)
  * only its own transport. */
 static int transport_allowed(const kvp_engine *e, const kvpi_transport_ops *ops)
 {
+    if (e->auth && !(ops->caps & KVPI_CAP_AUTH)) return 0; /* see KVPI_CAP_AUTH */
     if (ops == e->transport) return 1;
     if (e->transport->caps & KVPI_CAP_SAME_HOST) return 0;
     if (ops->caps & KVPI_CAP_SAME_HOST) return !e->opts.disable_shm;
@@ -126,7 +127,8 @@ static kvp_status link_open(kvp_engine *e, kvpi_peer *peer, const char *segname,
                          .timeout_ms = e->opts.timeout_ms,
                          .min_rate = e->opts.min_transfer_rate,
                          .conns = e->opts.conns_per_peer,
-                         .retries = &e->metrics.retries};
+                         .retries = &e->metrics.retries,
+                         .auth = e->auth};
     kvp_status st = l->ops->peer_open(&ctx, &l->handle);
     if (st) {
         l->handle = NULL;
@@ -205,6 +207,20 @@ kvp_status kvpi_peer_select(kvp_engine *e, kvpi_peer *peer, unsigned kinds, kvpi
                       peer->desc.name, names, refusals[0] ? "; refused: " : "", refusals);
 }
 
+/* Authenticated: only a descriptor signed with an accepted key, fresh and of
+ * this name, is used. Without a key, a signed one belongs to an engine that
+ * will refuse us: say so now rather than fail at its listener. */
+static kvp_status check_signature(const kvp_engine *e, const char *name, const char *text)
+{
+    if (e->auth) return kvpi_auth_desc_verify(e->auth, text, name, e->opts.auth_max_age_ms);
+    if (!kvpi_auth_desc_signed(text)) return KVP_OK;
+    return kvpi_error(KVP_EAUTH,
+                      "segment %s is authenticated (its descriptor is signed) and this engine "
+                      "has no key: give it the same key file (env " KVPI_AUTH_ENV
+                      " or auth_key_file; docs/security.md)",
+                      name);
+}
+
 static kvp_status peer_lookup(kvp_engine *e, const char *name, kvpi_peer **out)
 {
     kvpi_peer *peer = calloc(1, sizeof *peer);
@@ -214,7 +230,8 @@ static kvp_status peer_lookup(kvp_engine *e, const char *name, kvpi_peer **out)
     char *text = NULL;
     kvp_status st = kvpi_meta_fetch(e->meta, name, &text, &peer->host);
     if (!st) {
-        st = kvpi_descriptor_parse(text, &peer->desc);
+        st = check_signature(e, name, text);
+        if (!st) st = kvpi_descriptor_parse(text, &peer->desc);
         free(text);
     }
     if (!st) st = peer_connect(e, peer, name);

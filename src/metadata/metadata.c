@@ -7,6 +7,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "common/auth.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/net.h"
@@ -29,6 +30,8 @@ struct kvpi_meta {
     int timeout_ms;
     kvpi_rpc_desc_fn desc_fn; /* the local descriptor, for handshakes */
     void *desc_ctx;
+    const kvpi_auth *auth; /* NULL: unauthenticated */
+    int auth_max_age_ms;
 };
 
 const kvpi_store_ops *kvpi_store_lookup(const char *conn)
@@ -127,6 +130,12 @@ void kvpi_meta_close(kvpi_meta *meta)
 int kvpi_meta_is_p2p(const kvpi_meta *meta)
 {
     return meta && !meta->ops;
+}
+
+void kvpi_meta_set_auth(kvpi_meta *meta, const kvpi_auth *auth, int max_age_ms)
+{
+    meta->auth = auth;
+    meta->auth_max_age_ms = max_age_ms;
 }
 
 char *kvpi_meta_key(const char *kind, const char *segment)
@@ -278,8 +287,8 @@ static kvp_status fetch_p2p(kvpi_meta *m, const char *segment, char **desc, char
     if (!h) return kvpi_error(KVP_ENOMEM, "out of memory");
     char *reply = NULL;
     char *own = m->desc_fn ? m->desc_fn(m->desc_ctx) : NULL;
-    kvp_status st =
-        kvpi_rpc_call(hp.host, hp.port, KVPI_RPC_METADATA, own ? own : "{}", m->timeout_ms, &reply);
+    kvp_status st = kvpi_rpc_call_auth(hp.host, hp.port, m->auth, KVPI_RPC_METADATA,
+                                       own ? own : "{}", m->timeout_ms, &reply);
     free(own);
     if (st) {
         free(h);
@@ -384,13 +393,20 @@ static kvpi_meta_owner probe_owner(kvpi_meta *m, const kvpi_meta_self *self, con
         return KVPI_OWNER_GONE; /* it holds no address anyone could use */
     }
     char *reply = NULL;
-    kvp_status st =
-        kvpi_rpc_call(host, port, KVPI_RPC_METADATA, self->desc_json, m->timeout_ms, &reply);
+    kvp_status st = kvpi_rpc_call_auth(host, port, m->auth, KVPI_RPC_METADATA, self->desc_json,
+                                       m->timeout_ms, &reply);
+    /* Authenticated, whatever answers there without proving the key holds no
+     * name (an attacker's rpc_meta must not keep the real engine out): gone. */
     kvpi_meta_owner owner = kvpi_meta_judge_owner(st, reply, self->segment, self->instance);
     char *id = owner == KVPI_OWNER_LIVE ? kvpi_meta_instance_of(reply) : NULL;
     char hp[KVPI_HOST_MAX + 8];
     kvpi_hostport_format(host, port, hp, sizeof hp);
-    if (st)
+    if (st == KVP_EAUTH)
+        snprintf(where, where_len,
+                 "%s, where something answers that does not prove the key, so holds no name "
+                 "(%.200s)",
+                 hp, kvp_last_error());
+    else if (st)
         snprintf(where, where_len, "%s, where no engine answers (%.200s)", hp, kvp_last_error());
     else if (owner == KVPI_OWNER_LIVE)
         snprintf(where, where_len, "%s, where an engine of this name answers (%s%.64s)", hp,
@@ -509,7 +525,16 @@ kvp_status kvpi_meta_check(kvpi_meta *meta, const kvpi_meta_self *self, kvpi_met
     if ((st = get_optional(meta, "ram", self->segment, &ram)) ||
         (st = get_optional(meta, "rpc_meta", self->segment, &rpc)))
         goto out;
-    if ((ram && !is_own_desc(ram, self->instance)) || (rpc && !is_own_rpc(rpc, self))) {
+    /* Authenticated: only a descriptor signed with the key belongs to anyone;
+     * anything else under our name was written by someone without it. */
+    if (meta->auth && ram && !is_own_desc(ram, self->instance) &&
+        kvpi_auth_desc_verify(meta->auth, ram, self->segment, meta->auth_max_age_ms) != KVP_OK)
+        lost->forged = 1;
+    if (meta->auth && rpc && !is_own_rpc(rpc, self) &&
+        (!ram || lost->forged || is_own_desc(ram, self->instance)))
+        lost->rpc_foreign = 1;
+    if ((ram && !lost->forged && !is_own_desc(ram, self->instance)) ||
+        (rpc && !lost->rpc_foreign && !is_own_rpc(rpc, self))) {
         st = kvpi_error(KVP_EBUSY,
                         "segment %s: its keys in %s now belong to another engine (%s); this "
                         "engine no longer publishes them",
@@ -518,8 +543,8 @@ kvp_status kvpi_meta_check(kvpi_meta *meta, const kvpi_meta_self *self, kvpi_met
                                                                  : "rpc_meta points elsewhere");
         goto out;
     }
-    lost->rpc_meta = !rpc;
-    lost->descriptor = !ram || !same_text(ram, self->desc_json);
+    lost->rpc_meta = !rpc || lost->rpc_foreign;
+    lost->descriptor = !ram || lost->forged || !same_text(ram, self->desc_json);
 out:
     free(ram);
     free(rpc);
@@ -531,7 +556,15 @@ kvp_status kvpi_meta_restore(kvpi_meta *meta, const kvpi_meta_self *self,
 {
     if (meta && !meta->ops) return KVP_OK;
     kvp_status st = check_self(meta, self, "kvpi_meta_restore");
+    /* Over a forgery the descriptor goes first, as in a take-over: a reader
+     * of a foreign rpc_meta then finds this engine's descriptor at once. A
+     * foreign rpc_meta is deleted before it is written (a store may refuse
+     * to overwrite one). */
+    int desc_first = lost->forged && lost->descriptor;
+    if (!st && desc_first) st = put_kind(meta, "ram", self->segment, self->desc_json);
+    if (!st && lost->rpc_foreign) st = del_kind(meta, "rpc_meta", self->segment);
     if (!st && lost->rpc_meta) st = put_rpc_meta(meta, self);
+    if (desc_first) return st;
     if (!st && lost->descriptor) st = put_kind(meta, "ram", self->segment, self->desc_json);
     return st;
 }

@@ -76,6 +76,15 @@ void kvpi_meta_close(kvpi_meta *meta);
 /* Non-zero in P2PHANDSHAKE mode (no store; descriptors come by handshake). */
 int kvpi_meta_is_p2p(const kvpi_meta *meta);
 
+/* The authenticated mode (common/auth.h; call before any other use, auth
+ * outlives meta): the handshakes meta makes prove the key, and kvpi_meta_check
+ * judges the segment's keys by the key: a descriptor without a valid
+ * signature of this key (forged, garbage, unsigned, stale: max_age_ms) is
+ * nobody's and is put back (lost->forged), and so is an rpc_meta pointing
+ * elsewhere while the descriptor is this engine's or forged. */
+struct kvpi_auth;
+void kvpi_meta_set_auth(kvpi_meta *meta, const struct kvpi_auth *auth, int max_age_ms);
+
 /* An engine, as its keys show it. */
 typedef struct kvpi_meta_self {
     const char *segment;   /* the segment name */
@@ -107,8 +116,11 @@ kvp_status kvpi_meta_publish(kvpi_meta *meta, const char *segment, const char *d
 
 /* What of a claimed segment the store has lost (a restarted store). */
 typedef struct kvpi_meta_lost {
-    int rpc_meta;   /* missing */
+    int rpc_meta;   /* missing (or, authenticated, overwritten: then deleted first) */
     int descriptor; /* missing, or this instance's but not self->desc_json */
+    /* Authenticated mode: what was there instead was not genuine. */
+    int forged;      /* the descriptor */
+    int rpc_foreign; /* rpc_meta pointed elsewhere */
 } kvpi_meta_lost;
 
 /* Look (only reads) at what the store lost. KVP_EBUSY when the keys now belong
@@ -202,6 +214,15 @@ typedef struct kvpi_rpc_server kvpi_rpc_server;
 struct kvpi_conn_limits;
 kvp_status kvpi_rpc_server_start(const char *host, int port, const struct kvpi_conn_limits *limits,
                                  kvpi_rpc_desc_fn desc_fn, void *ctx, kvpi_rpc_server **out);
+/* The same in the authenticated mode (auth non-NULL, common/auth.h): every
+ * connection proves the key (channel "rpc") within timeout_ms of its accept,
+ * before its request is read; one that does not is closed, and logged
+ * (rate-limited). */
+struct kvpi_auth;
+kvp_status kvpi_rpc_server_start_auth(const char *host, int port,
+                                      const struct kvpi_conn_limits *limits,
+                                      const struct kvpi_auth *auth, kvpi_rpc_desc_fn desc_fn,
+                                      void *ctx, kvpi_rpc_server **out);
 void kvpi_rpc_server_stop(kvpi_rpc_server *server);
 
 /* The port the server listens on (the one chosen when started with port 0). */
@@ -212,5 +233,9 @@ int kvpi_rpc_server_port(const kvpi_rpc_server *server);
  * timeout_ms, else KVP_ETIMEDOUT. */
 kvp_status kvpi_rpc_call(const char *host, int port, int type, const char *json, int timeout_ms,
                          char **reply);
+/* The same, proving the key first when auth is non-NULL (KVP_EAUTH when the
+ * server does not prove it back, or refuses). */
+kvp_status kvpi_rpc_call_auth(const char *host, int port, const struct kvpi_auth *auth, int type,
+                              const char *json, int timeout_ms, char **reply);
 
 #endif

@@ -15,6 +15,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/auth.h"
 #include "common/clock.h"
 #include "common/conn_server.h"
 #include "common/error.h"
@@ -28,6 +29,7 @@ struct kvpi_rpc_server {
     kvpi_conn_server *conns;
     kvpi_rpc_desc_fn desc_fn;
     void *ctx;
+    const kvpi_auth *auth; /* NULL: unauthenticated */
     char addr[KVPI_HOST_MAX + 8];
     int port; /* the bound port, also when started with port 0 */
     pthread_mutex_t lock; /* guards warned */
@@ -140,10 +142,51 @@ static void serve(kvpi_conn *c)
     free(reply);
 }
 
+/* Refused connections of every listener of this kind, for the log. */
+static kvpi_log_limit auth_log;
+
+/* An unauthenticated request gets a reply frame of its own type that says
+ * why (a kvpipe peer without the key reports it; Mooncake's cannot parse it
+ * as a descriptor), then the close. */
+static void refuse_unauthenticated(kvpi_conn *c, kvpi_rpc_server *srv)
+{
+    uint8_t hdr[KVPI_RPC_HDR_LEN];
+    static const char why[] =
+        "{\"" KVPI_AUTH_FIELD "\":\"required\",\"error\":\"this kvpipe engine is "
+        "authenticated: its peers must hold its key (docs/security.md)\"}";
+    kvpi_log_limited(&auth_log, KVP_LOG_WARN, KVPI_LOG_SUBSYS,
+                     "handshake server %s: refused a connection: the peer sent a handshake frame "
+                     "without authenticating: a Mooncake peer or a kvpipe peer without the key",
+                     srv->addr);
+    int type;
+    size_t len;
+    if (kvpi_conn_recv(c, hdr, sizeof hdr) || kvpi_rpc_frame_decode(hdr, sizeof hdr, &type, &len))
+        return;
+    kvpi_rpc_frame_header(type, sizeof why - 1, hdr);
+    if (kvpi_conn_send(c, hdr, sizeof hdr) == KVP_OK) kvpi_conn_send(c, why, sizeof why - 1);
+}
+
+static kvp_status auth_setup(kvpi_conn *c)
+{
+    kvpi_rpc_server *srv = kvpi_conn_ctx(c);
+    int hello = kvpi_auth_peek(kvpi_conn_fd(c), kvpi_conn_deadline(c));
+    if (hello == 1) return kvpi_auth_conn_setup(c, srv->auth, "rpc", &auth_log);
+    if (hello == 0) refuse_unauthenticated(c, srv);
+    return kvpi_error(KVP_EAUTH, "handshake server %s: an unauthenticated connection", srv->addr);
+}
+
 static const kvpi_conn_handler rpc_handler = {.serve = serve};
+static const kvpi_conn_handler rpc_auth_handler = {.setup = auth_setup, .serve = serve};
 
 kvp_status kvpi_rpc_server_start(const char *host, int port, const kvpi_conn_limits *limits,
                                  kvpi_rpc_desc_fn desc_fn, void *ctx, kvpi_rpc_server **out)
+{
+    return kvpi_rpc_server_start_auth(host, port, limits, NULL, desc_fn, ctx, out);
+}
+
+kvp_status kvpi_rpc_server_start_auth(const char *host, int port, const kvpi_conn_limits *limits,
+                                      const kvpi_auth *auth, kvpi_rpc_desc_fn desc_fn, void *ctx,
+                                      kvpi_rpc_server **out)
 {
     if (!host || !desc_fn || !out)
         return kvpi_error(KVP_EINVAL, "handshake server: host, desc_fn and out are required");
@@ -151,6 +194,7 @@ kvp_status kvpi_rpc_server_start(const char *host, int port, const kvpi_conn_lim
     if (!srv) return kvpi_error(KVP_ENOMEM, "out of memory");
     srv->desc_fn = desc_fn;
     srv->ctx = ctx;
+    srv->auth = auth;
     pthread_mutex_init(&srv->lock, NULL);
     int fd, bound = 0;
     kvp_status st = kvpi_tcp_listen(host, port, &fd, &bound);
@@ -163,7 +207,9 @@ kvp_status kvpi_rpc_server_start(const char *host, int port, const kvpi_conn_lim
     lim.idle_timeout_ms = lim.timeout_ms;
     char name[KVPI_HOST_MAX + 32];
     snprintf(name, sizeof name, "handshake server %s", srv->addr);
-    if ((st = kvpi_conn_server_start(fd, name, &lim, &rpc_handler, srv, &srv->conns))) goto fail;
+    if ((st = kvpi_conn_server_start(fd, name, &lim, auth ? &rpc_auth_handler : &rpc_handler, srv,
+                                     &srv->conns)))
+        goto fail;
     KVPI_INFO("handshake server listening on %s", srv->addr);
     *out = srv;
     return KVP_OK;
@@ -217,6 +263,12 @@ static kvp_status call_on(int fd, int type, const char *json, uint64_t deadline,
 kvp_status kvpi_rpc_call(const char *host, int port, int type, const char *json, int timeout_ms,
                          char **reply)
 {
+    return kvpi_rpc_call_auth(host, port, NULL, type, json, timeout_ms, reply);
+}
+
+kvp_status kvpi_rpc_call_auth(const char *host, int port, const kvpi_auth *auth, int type,
+                              const char *json, int timeout_ms, char **reply)
+{
     char addr[KVPI_HOST_MAX + 8];
     if (!host || !json || !reply)
         return kvpi_error(KVP_EINVAL, "handshake: host, json and reply are required");
@@ -234,7 +286,8 @@ kvp_status kvpi_rpc_call(const char *host, int port, int type, const char *json,
     kvp_status st = kvpi_tcp_connect(host, port, timeout_ms, &fd);
     if (st) return wrap(st, "handshake with", addr);
     char *text = NULL;
-    st = call_on(fd, type, json, deadline, &text);
+    if (auth) st = kvpi_auth_client(auth, fd, "rpc", deadline);
+    if (!st) st = call_on(fd, type, json, deadline, &text);
     close(fd);
     if (st == KVP_ETIMEDOUT) {
         char detail[384];

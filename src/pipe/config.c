@@ -117,6 +117,7 @@ static kvp_status fill_config(const cJSON *root, kvp_pipe_config *cfg)
     if ((st = get_string(root, "metadata_backend", NULL, 0, &cfg->metadata_backend))) return st;
     if ((st = get_string(root, "protocol", "tcp", 0, &cfg->protocol))) return st;
     if ((st = get_string(root, "device_name", "", 0, &cfg->device_name))) return st;
+    if ((st = get_string(root, "auth_key_file", NULL, 0, &cfg->auth_key_file))) return st;
     /* vLLM lower-cases the backend before checking it. */
     for (char *p = cfg->metadata_backend; p && *p; p++)
         *p = (char)tolower((unsigned char)*p);
@@ -196,6 +197,7 @@ void kvp_pipe_config_free(kvp_pipe_config *cfg)
     free(cfg->metadata_backend);
     free(cfg->protocol);
     free(cfg->device_name);
+    free(cfg->auth_key_file);
     free(cfg);
 }
 

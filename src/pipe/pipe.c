@@ -32,6 +32,7 @@
 #include <sys/eventfd.h>
 #include <sys/timerfd.h>
 #include <unistd.h>
+#include <sodium.h>
 #include <zmq.h>
 
 #include "common/clock.h"
@@ -143,6 +144,8 @@ void kvpi_pipe_unref(kvp_pipe *p)
     close(p->rx_done_fd);
     close(p->ctl_wake_fd);
     close(p->ack_timer_fd);
+    kvpi_auth_free(p->auth);
+    sodium_memzero(&p->curve, sizeof p->curve);
     free(p);
 }
 
@@ -184,7 +187,25 @@ kvpi_held *kvpi_pipe_sendable(kvp_pipe *p, kvp_tensor *t)
  * announcements or ACKs that are then lost; every ZeroMQ 4 peer (pyzmq's
  * MooncakePipe included) speaks ZMTP 3. And every handshake waits for the
  * ZAP handler of the pipe's context (zap_answer()), which accepts everyone
- * but counts data_push's connections. */
+ * but counts data_push's connections.
+ *
+ * In the authenticated mode the PUSH sockets are CURVE servers and the PULL
+ * sockets CURVE clients, with keys derived from the key. The ZAP handler
+ * still accepts every client that completes the CURVE handshake, which takes
+ * the server's public key - derived from the secret, never sent - so only a
+ * holder of the key gets in. */
+static int set_curve(kvp_pipe *p, void *s, int type)
+{
+    const kvpi_auth_curve *c = &p->curve;
+    int one = 1;
+    if (type == ZMQ_PUSH)
+        return zmq_setsockopt(s, ZMQ_CURVE_SERVER, &one, sizeof one) ||
+               zmq_setsockopt(s, ZMQ_CURVE_SECRETKEY, c->server_secret, 32);
+    return zmq_setsockopt(s, ZMQ_CURVE_SERVERKEY, c->server_public, 32) ||
+           zmq_setsockopt(s, ZMQ_CURVE_PUBLICKEY, c->client_public, 32) ||
+           zmq_setsockopt(s, ZMQ_CURVE_SECRETKEY, c->client_secret, 32);
+}
+
 static kvp_status make_socket(kvp_pipe *p, int type, int linger_ms, size_t max_frame,
                               const char *domain, void **out)
 {
@@ -198,7 +219,8 @@ static kvp_status make_socket(kvp_pipe *p, int type, int linger_ms, size_t max_f
         zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg) != 0 ||
         zmq_setsockopt(s, ZMQ_ZAP_DOMAIN, domain, strlen(domain)) != 0 ||
         zmq_setsockopt(s, ZMQ_SNDHWM, &sndhwm, sizeof sndhwm) != 0 ||
-        zmq_setsockopt(s, ZMQ_RCVHWM, &rcvhwm, sizeof rcvhwm) != 0) {
+        zmq_setsockopt(s, ZMQ_RCVHWM, &rcvhwm, sizeof rcvhwm) != 0 ||
+        (p->auth && (type == ZMQ_PUSH || type == ZMQ_PULL) && set_curve(p, s, type) != 0)) {
         zmq_close(s);
         return kvpi_pipe_zmq_fail(p, "setsockopt");
     }
@@ -232,7 +254,12 @@ static kvp_status bind_socket(kvp_pipe *p, void *s, int port)
  * reconnect after it) from one it reconnects by itself (CONNECT_RETRIED). */
 #define LINK_EVENTS                                                                                \
     (ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_CONNECT_RETRIED | ZMQ_EVENT_CONNECT_DELAYED |              \
-     ZMQ_EVENT_CONNECTED)
+     ZMQ_EVENT_CONNECTED | AUTH_EVENTS)
+/* The authenticated mode's handshakes, on both kinds of socket. */
+#define HANDSHAKE_FAILED                                                                           \
+    (ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |                  \
+     ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
+#define AUTH_EVENTS (HANDSHAKE_FAILED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED)
 
 /* A PULL socket connected to the peer's port, with its monitor. */
 static kvp_status open_link(kvp_pipe *p, kvpi_pull_link *l, const char *what, int port,
@@ -247,7 +274,8 @@ static kvp_status open_link(kvp_pipe *p, kvpi_pull_link *l, const char *what, in
     /* The context is the pipe's own, so the name needs to be unique only in it. */
     snprintf(mon_ep, sizeof mon_ep, "inproc://kvpipe-monitor-%s", what);
     if ((st = make_socket(p, ZMQ_PULL, 0, max_frame, ZAP_DOMAIN, &l->sock))) return st;
-    if (zmq_socket_monitor(l->sock, mon_ep, LINK_EVENTS) != 0)
+    if (zmq_socket_monitor(l->sock, mon_ep, p->auth ? LINK_EVENTS : LINK_EVENTS & ~AUTH_EVENTS) !=
+        0)
         return kvpi_pipe_zmq_fail(p, "monitor");
     if ((st = make_socket(p, ZMQ_PAIR, 0, p->opts.max_control_frame, ZAP_DOMAIN, &l->mon)))
         return st;
@@ -255,6 +283,18 @@ static kvp_status open_link(kvp_pipe *p, kvpi_pull_link *l, const char *what, in
     if (zmq_connect(l->sock, l->endpoint) == 0) return KVP_OK;
     return kvpi_error(KVP_EIO, "pipe %s: cannot connect ZeroMQ endpoint %s: %s",
                       p->ep.local_segment, l->endpoint, zmq_strerror(zmq_errno()));
+}
+
+/* Authenticated: a monitor of a PUSH socket, for its refused handshakes. */
+static kvp_status monitor_push(kvp_pipe *p, void *sock, const char *what, void **mon)
+{
+    char ep[64];
+    snprintf(ep, sizeof ep, "inproc://kvpipe-monitor-push-%s", what);
+    if (zmq_socket_monitor(sock, ep, HANDSHAKE_FAILED) != 0)
+        return kvpi_pipe_zmq_fail(p, "monitor");
+    kvp_status st = make_socket(p, ZMQ_PAIR, 0, p->opts.max_control_frame, ZAP_DOMAIN, mon);
+    if (!st && zmq_connect(*mon, ep) != 0) st = kvpi_pipe_zmq_fail(p, "monitor connect");
+    return st;
 }
 
 /* The ZAP handler's socket, before any socket that asks it exists. */
@@ -284,6 +324,9 @@ static kvp_status open_sockets(kvp_pipe *p)
         return st;
     if ((st = bind_socket(p, p->data_push, p->ep.data_port))) return st;
     if ((st = bind_socket(p, p->ack_push, p->ep.ack_port))) return st;
+    if (p->auth && ((st = monitor_push(p, p->data_push, "announce", &p->data_push_mon)) ||
+                    (st = monitor_push(p, p->ack_push, "ACK", &p->ack_push_mon))))
+        return st;
     size_t inline_frame = o->inline_max_bytes ? KVPI_INLINE_TAG_LEN + o->inline_max_bytes : 0;
     size_t data_max = inline_frame > o->max_control_frame ? inline_frame : o->max_control_frame;
     if ((st = open_link(p, &p->data_in, "announce", p->ep.peer_data_port, data_max))) return st;
@@ -303,8 +346,9 @@ static void close_sockets(kvp_pipe *p)
     if (p->ctl_started) pthread_join(p->ctl_thread, NULL);
     p->ctl_started = 0;
     /* The monitored sockets first: closing one ends its monitor. */
-    void **socks[] = {&p->data_push,   &p->ack_push,   &p->data_in.sock, &p->ack_in.sock,
-                      &p->data_in.mon, &p->ack_in.mon, &p->zap};
+    void **socks[] = {&p->data_push,   &p->ack_push,      &p->data_in.sock,
+                      &p->ack_in.sock, &p->data_in.mon,   &p->ack_in.mon,
+                      &p->zap,         &p->data_push_mon, &p->ack_push_mon};
     for (size_t i = 0; i < sizeof socks / sizeof socks[0]; i++) {
         if (*socks[i]) zmq_close(*socks[i]);
         *socks[i] = NULL;
@@ -395,12 +439,51 @@ static int link_events(kvp_pipe *p, kvpi_pull_link *l)
         uint16_t event;
         memcpy(&event, ev, sizeof event);
         if (n != 6) continue;
+        if (event == ZMQ_EVENT_HANDSHAKE_SUCCEEDED) {
+            l->handshaken = 1;
+            continue;
+        }
+        if (event & HANDSHAKE_FAILED) {
+            l->refused = 1;
+            KVPI_WARN_LIMITED("pipe %s: the CURVE handshake of the %s link to %s (%s) failed: "
+                              "the peer holds another key, or none (a MooncakePipe peer, or "
+                              "kvpipe without the key, cannot join an authenticated pipe)",
+                              p->ep.local_segment, l->what, p->ep.peer_segment, l->endpoint);
+            continue;
+        }
+        if (event == ZMQ_EVENT_DISCONNECTED && p->auth && !l->handshaken && !l->refused)
+            KVPI_WARN_LIMITED("pipe %s: the %s link to %s (%s) was closed during its CURVE "
+                              "handshake: the peer holds another key, or none (a MooncakePipe "
+                              "peer, or kvpipe without the key, cannot join an authenticated "
+                              "pipe)",
+                              p->ep.local_segment, l->what, p->ep.peer_segment, l->endpoint);
+        if (event == ZMQ_EVENT_DISCONNECTED) l->handshaken = l->refused = 0;
         if (event == ZMQ_EVENT_DISCONNECTED) {
             if (atomic_exchange(&l->good, 0)) l->backoff_ms = p->opts.redial_min_ms;
             l->redial_at = kvpi_now_ms() + (uint64_t)l->backoff_ms;
         } else {
             l->redial_at = 0; /* ZeroMQ is (re)connecting by itself */
         }
+    }
+}
+
+/* Authenticated: read a PUSH socket's monitor, which shows only refused
+ * handshakes: a connection to our port by someone without the key. */
+static int push_events(kvp_pipe *p, void *mon, const char *what)
+{
+    for (;;) {
+        uint8_t ev[6];
+        char addr[256];
+        int n = zmq_recv(mon, ev, sizeof ev, ZMQ_DONTWAIT);
+        if (n < 0) return zmq_errno() == EAGAIN || zmq_errno() == EINTR ? 0 : -1;
+        int m = zmq_recv(mon, addr, sizeof addr - 1, 0);
+        if (m < 0) return -1;
+        addr[m < (int)sizeof addr - 1 ? m : (int)sizeof addr - 1] = '\0';
+        KVPI_WARN_LIMITED("pipe %s: refused a connection to its %s port %d (%s): its CURVE "
+                          "handshake failed: a peer without the pipe's key (a MooncakePipe "
+                          "peer, kvpipe without the key or with another, or a stranger)",
+                          p->ep.local_segment, what,
+                          strcmp(what, "ACK") == 0 ? p->ep.ack_port : p->ep.data_port, addr);
     }
 }
 
@@ -422,7 +505,8 @@ static int link_due(kvp_pipe *p, kvpi_pull_link *l, uint64_t now)
     if (!l->redial_at || now < l->redial_at) return 0;
     l->redial_at = 0;
     KVPI_WARN_LIMITED("pipe %s: ZeroMQ closed the %s link to %s (%s) after a protocol error (a "
-                      "frame above %zu bytes, or a malformed ZeroMQ stream); connecting again "
+                      "frame above %zu bytes, a malformed ZeroMQ stream, or a refused handshake: "
+                      "an authenticated peer refuses a pipe without its key); connecting again "
                       "after %d ms",
                       p->ep.local_segment, l->what, p->ep.peer_segment, l->endpoint,
                       l == &p->data_in && p->opts.inline_max_bytes > p->opts.max_control_frame
@@ -562,7 +646,7 @@ static void ack_due(kvp_pipe *p)
 static void *control_main(void *arg)
 {
     kvp_pipe *p = arg;
-    enum { WAKE, ACK_DUE, ACK_MON, DATA_MON, ZAP, ACKS };
+    enum { WAKE, ACK_DUE, ACK_MON, DATA_MON, ZAP, DATA_PUSH_MON, ACK_PUSH_MON, ACKS };
     for (;;) {
         zmq_pollitem_t it[] = {
             [WAKE] = {.fd = p->ctl_wake_fd, .events = ZMQ_POLLIN},
@@ -570,12 +654,16 @@ static void *control_main(void *arg)
             [ACK_MON] = {.socket = p->ack_in.mon, .events = ZMQ_POLLIN},
             [DATA_MON] = {.socket = p->data_in.mon, .events = ZMQ_POLLIN},
             [ZAP] = {.socket = p->zap, .events = ZMQ_POLLIN},
+            /* Not authenticated: no monitors, and nothing ever readable
+             * (a pollitem of no socket and fd -1 is skipped by poll). */
+            [DATA_PUSH_MON] = {.socket = p->data_push_mon, .fd = -1, .events = ZMQ_POLLIN},
+            [ACK_PUSH_MON] = {.socket = p->ack_push_mon, .fd = -1, .events = ZMQ_POLLIN},
             [ACKS] = {.socket = p->ack_in.sock, .events = ZMQ_POLLIN},
         };
         pthread_mutex_lock(&p->lock);
         int acks = kvpi_pipe_acks_wanted(p);
         pthread_mutex_unlock(&p->lock);
-        int r = zmq_poll(it, acks ? 6 : 5, control_timeout(p, kvpi_now_ms()));
+        int r = zmq_poll(it, acks ? 8 : 7, control_timeout(p, kvpi_now_ms()));
         if (r < 0 && zmq_errno() == EINTR) continue;
         if (r < 0) break; /* ETERM: the pipe is closing */
         uint64_t v;
@@ -585,6 +673,8 @@ static void *control_main(void *arg)
         if ((it[ZAP].revents && zap_answer(p) < 0) ||
             (it[ACK_MON].revents && link_events(p, &p->ack_in) < 0) ||
             (it[DATA_MON].revents && link_events(p, &p->data_in) < 0) ||
+            (it[DATA_PUSH_MON].revents && push_events(p, p->data_push_mon, "announce") < 0) ||
+            (it[ACK_PUSH_MON].revents && push_events(p, p->ack_push_mon, "ACK") < 0) ||
             (acks && it[ACKS].revents && take_acks(p) < 0))
             break;
         uint64_t now = kvpi_now_ms();
@@ -727,6 +817,7 @@ static kvp_status create_engine(kvp_pipe *p, const kvp_pipe_config *cfg)
     eo.timeout_ms = p->opts.io_timeout_ms;
     eo.disable_shm = p->opts.disable_shm;
     eo.pool_retain_bytes = pool_retention(&p->opts);
+    eo.auth_key_file = cfg->auth_key_file;
     eo.metrics_port = p->opts.metrics_port;
     eo.metrics_host = p->opts.metrics_host;
     cJSON *fields = pipe_fields(&p->opts);
@@ -841,13 +932,23 @@ kvp_status kvp_pipe_open(const kvp_pipe_config *cfg, int local_rank, int kv_rank
     p->ep = ep;
     p->opts = o;
     p->ack_lazy = ack_lazy_of(&o);
+    if ((st = kvpi_auth_resolve(cfg->auth_key_file, &p->auth))) goto fail;
+    if (p->auth && !zmq_has("curve")) {
+        st = kvpi_error(KVP_ENOTSUP,
+                        "pipe %s: authenticated mode needs ZeroMQ's CURVE, and "
+                        "this libzmq is built without it",
+                        ep.local_segment);
+        goto fail;
+    }
+    if (p->auth && (st = kvpi_auth_curve_keys(p->auth, &p->curve))) goto fail;
     if ((st = create_engine(p, cfg))) goto fail;
     if ((st = open_sockets(p))) goto fail;
     if ((st = start_threads(p))) goto fail;
     if ((st = kvpi_engine_metrics_attach(p->engine, kvpi_pipe_metrics_serve, p))) goto fail;
-    KVPI_INFO("pipe %s open (kv_rank %d, peer %s): ZeroMQ data %d ack %d, inline path %s",
+    KVPI_INFO("pipe %s open (kv_rank %d, peer %s): ZeroMQ data %d ack %d, inline path %s%s",
               ep.local_segment, kv_rank, ep.peer_segment, ep.data_port, ep.ack_port,
-              p->opts.inline_max_bytes ? "offered" : "off");
+              p->opts.inline_max_bytes ? "offered" : "off",
+              p->auth ? ", authenticated (CURVE)" : "");
     *out = p;
     return KVP_OK;
 fail:

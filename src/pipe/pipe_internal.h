@@ -37,6 +37,7 @@
 #include <stdint.h>
 
 #include "kvpipe/pipe.h"
+#include "common/auth.h"
 #include "pipe/announce.h"
 #include "pipe/pipe_metrics.h"
 
@@ -70,6 +71,8 @@ typedef struct kvpi_pull_link {
     uint64_t redial_at; /* kvpi_now_ms() when to connect again; 0: not due */
     int backoff_ms;
     atomic_int good; /* the reader saw a well-formed message: back-off resets */
+    int handshaken;  /* authenticated: the CURVE handshake of this connection passed */
+    int refused;     /* authenticated: it failed (and was logged) */
 } kvpi_pull_link;
 
 /* One message recv took off the data link, in arrival order. */
@@ -92,6 +95,11 @@ struct kvp_pipe {
 
     void *zctx;
     void *data_push, *ack_push, *zap;
+    /* Authenticated mode: the CURVE keys, and monitors of the two PUSH
+     * sockets that show refused handshakes (the control thread's). */
+    kvpi_auth *auth;
+    kvpi_auth_curve curve;
+    void *data_push_mon, *ack_push_mon;
     kvpi_pull_link data_in, ack_in;
     int data_in_fd; /* data_in's ZMQ_FD, for recv's poll(2) */
     int recv_wake_fd;       /* eventfd: wakes a receiver waiting on data_in */

@@ -290,9 +290,12 @@ static kvp_status wait_writable(kvp_pipe *p, uint64_t deadline)
             kvpi_counter_add(&p->counters.send_timeouts, 1);
             return kvpi_error(KVP_ETIMEDOUT,
                               "pipe %s: peer %s took no announcement within %d ms (is its pipe "
-                              "open and connected to port %d?)",
+                              "open and connected to port %d?%s)",
                               p->ep.local_segment, p->ep.peer_segment, p->opts.send_timeout_ms,
-                              p->ep.data_port);
+                              p->ep.data_port,
+                              p->auth ? " The pipe is authenticated: a peer without its key "
+                                        "cannot connect; the log says if one tried"
+                                      : "");
         }
     }
 }

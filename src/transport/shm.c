@@ -35,6 +35,7 @@ typedef struct shm_peer {
     size_t n_regions;
     int timeout_ms;
     uint64_t min_rate;
+    const kvpi_auth *auth; /* NULL: unauthenticated */
     pid_t target;
     char name[KVPI_SHM_SOCKET_MAX];
     pthread_mutex_t lock; /* guards busy[], fds[] of idle links */
@@ -162,8 +163,12 @@ static kvp_status link_connect(const shm_peer *p, uint64_t deadline, int *out)
         /* The name carries a random token, so this means a confused descriptor. */
         st = kvpi_error(KVP_ENOTSUP, "shm: @%s is served by pid %d, the descriptor says %d",
                         p->name, (int)cred.pid, (int)p->target);
-    } else {
+    } else if (!p->auth || (st = kvpi_auth_client(p->auth, fd, "shm", deadline)) == KVP_OK) {
         st = hello(p, fd, deadline);
+    } else if (st == KVP_EAUTH) {
+        char why[400];
+        snprintf(why, sizeof why, "%s", kvp_last_error());
+        st = kvpi_error(st, "shm peer @%s: %s", p->name, why);
     }
     if (st) {
         close(fd);
@@ -223,6 +228,7 @@ static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
     kvpi_cond_init(&p->freed);
     p->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : KVPI_CONN_TIMEOUT_MS_DEFAULT;
     p->min_rate = ctx->min_rate ? ctx->min_rate : KVPI_MIN_RATE_DEFAULT;
+    p->auth = ctx->auth;
     p->n_links = ctx->conns < 1 ? 1 : ctx->conns > MAX_LINKS ? MAX_LINKS : (size_t)ctx->conns;
     for (size_t i = 0; i < MAX_LINKS; i++) p->fds[i] = -1;
     kvp_status st = parse_endpoint(ctx->desc, p);
@@ -398,7 +404,7 @@ static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
 
 const kvpi_transport_ops kvpi_transport_shm = {
     .name = "shm",
-    .caps = KVPI_CAP_SAME_HOST,
+    .caps = KVPI_CAP_SAME_HOST | KVPI_CAP_AUTH,
     .mem_kinds = KVPI_MEM_HOST_BIT,
     .group_bytes = (size_t)16 << 20,
     .server_start = kvpi_shm_server_start,

@@ -38,6 +38,7 @@ typedef struct shm_server {
     kvpi_region_table *regions;
     kvpi_served *served; /* may be NULL */
     kvpi_conn_server *conns;
+    const kvpi_auth *auth; /* NULL: unauthenticated */
     pid_t pid;
     char host_id[KVPI_SHM_HOST_ID_MAX];
     char name[KVPI_SHM_SOCKET_MAX];
@@ -105,14 +106,21 @@ static int copy_with_peer(pid_t peer, kvp_opcode op, uint64_t mine, uint64_t the
     return 0;
 }
 
-/* The connection's setup step: check that the initiator speaks our protocol,
- * is the same user, and lets us reach its memory (it names 8 bytes of its
- * memory and their value). Bounded by the setup deadline. */
+/* Refused connections of every listener of this kind, for the log. */
+static kvpi_log_limit auth_log;
+
+/* The connection's setup step: in the authenticated mode the initiator proves
+ * the key first; then check that it speaks our protocol, is the same user,
+ * and lets us reach its memory (it names 8 bytes of its memory and their
+ * value). Bounded by the setup deadline. */
 static kvp_status serve_hello(kvpi_conn *conn)
 {
     shm_conn *c = kvpi_conn_data(conn);
     c->conn = conn;
     c->fd = kvpi_conn_fd(conn);
+    const shm_server *srv = kvpi_conn_ctx(conn);
+    kvp_status st = srv->auth ? kvpi_auth_conn_setup(conn, srv->auth, "shm", &auth_log) : KVP_OK;
+    if (st) return st;
     struct ucred cred;
     socklen_t len = sizeof cred;
     if (getsockopt(c->fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0)
@@ -120,7 +128,7 @@ static kvp_status serve_hello(kvpi_conn *conn)
     c->peer = cred.pid;
     uint8_t raw[KVPI_SHM_HELLO_LEN];
     kvpi_shm_hello h;
-    kvp_status st = kvpi_conn_recv(conn, raw, sizeof raw);
+    st = kvpi_conn_recv(conn, raw, sizeof raw);
     if (st) return st;
     if (kvpi_shm_hello_decode(raw, &h) != 0) {
         reply(c, KVP_EPROTO, 0);
@@ -239,7 +247,8 @@ kvp_status kvpi_shm_server_start(const kvpi_server_ctx *ctx, void **server)
     if (st) return st;
     shm_server *srv = calloc(1, sizeof *srv);
     if (!srv) return kvpi_error(KVP_ENOMEM, "shm server: out of memory");
-    *srv = (shm_server){.regions = ctx->regions, .served = ctx->served, .pid = getpid()};
+    *srv = (shm_server){
+        .regions = ctx->regions, .served = ctx->served, .auth = ctx->auth, .pid = getpid()};
     int fd = -1;
     if ((st = kvpi_shm_host_id(srv->host_id, sizeof srv->host_id)) ||
         (st = listen_abstract(srv, &fd))) {

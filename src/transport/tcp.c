@@ -35,6 +35,7 @@ typedef struct tcp_server {
     kvpi_served *served; /* may be NULL */
     kvpi_conn_server *conns;
     int port;
+    const kvpi_auth *auth; /* NULL: unauthenticated */
 } tcp_server;
 
 static const char *op_name(const kvpi_tcp_hdr *h)
@@ -158,13 +159,23 @@ static void serve(kvpi_conn *c)
         KVPI_DEBUG("%s: a request header was cut short: %s", kvpi_conn_name(c), kvp_last_error());
 }
 
+/* Refused connections of every listener of this kind, for the log. */
+static kvpi_log_limit auth_log;
+
+static kvp_status auth_setup(kvpi_conn *c)
+{
+    return kvpi_auth_conn_setup(c, ((tcp_server *)kvpi_conn_ctx(c))->auth, "tcp", &auth_log);
+}
+
 static const kvpi_conn_handler tcp_handler = {.serve = serve};
+static const kvpi_conn_handler tcp_auth_handler = {.setup = auth_setup, .serve = serve};
 
 static kvp_status tcp_server_start(const kvpi_server_ctx *ctx, void **out)
 {
     tcp_server *srv = calloc(1, sizeof *srv);
     if (!srv) return kvpi_error(KVP_ENOMEM, "tcp server: out of memory");
     srv->regions = ctx->regions;
+    srv->auth = ctx->auth;
     srv->served = ctx->served;
     int fd;
     kvp_status st = kvpi_tcp_listen(ctx->host, 0, &fd, &srv->port);
@@ -176,7 +187,8 @@ static kvp_status tcp_server_start(const kvpi_server_ctx *ctx, void **out)
     kvpi_hostport_format(ctx->host, srv->port, hp, sizeof hp);
     snprintf(name, sizeof name, "tcp data server %s", hp);
     kvpi_conn_limits lim = kvpi_server_limits(ctx);
-    if ((st = kvpi_conn_server_start(fd, name, &lim, &tcp_handler, srv, &srv->conns))) {
+    if ((st = kvpi_conn_server_start(fd, name, &lim, srv->auth ? &tcp_auth_handler : &tcp_handler,
+                                     srv, &srv->conns))) {
         free(srv);
         return st;
     }
@@ -216,6 +228,7 @@ typedef struct tcp_peer {
     uint64_t min_rate;
     kvpi_counter *retries; /* may be NULL */
     int max_idle;
+    const kvpi_auth *auth;
     pthread_mutex_t lock;
     int *idle;
     int n_idle;
@@ -270,6 +283,7 @@ static kvp_status tcp_peer_open(const kvpi_peer_ctx *ctx, void **out)
     p->min_rate = ctx->min_rate ? ctx->min_rate : KVPI_MIN_RATE_DEFAULT;
     p->retries = ctx->retries;
     p->max_idle = conns;
+    p->auth = ctx->auth;
     pthread_mutex_init(&p->lock, NULL);
     *out = p;
     return KVP_OK;
@@ -294,7 +308,19 @@ static kvp_status conn_take(tcp_peer *p, uint64_t deadline, int *fd, int *reused
     if (*reused) return KVP_OK;
     int left = kvpi_remaining_ms(deadline);
     if (left == 0) return kvpi_error(KVP_ETIMEDOUT, "connect: deadline passed");
-    return kvpi_tcp_connect(p->host, p->port, left < p->timeout_ms ? left : p->timeout_ms, fd);
+    kvp_status st =
+        kvpi_tcp_connect(p->host, p->port, left < p->timeout_ms ? left : p->timeout_ms, fd);
+    if (st || !p->auth) return st;
+    /* A new connection proves the key before its first request. */
+    if ((st = kvpi_auth_client(p->auth, *fd, "tcp", deadline))) {
+        close(*fd);
+        if (st == KVP_EAUTH) {
+            char why[400];
+            snprintf(why, sizeof why, "%s", kvp_last_error());
+            st = kvpi_error(st, "tcp peer %s:%d: %s", p->host, p->port, why);
+        }
+    }
+    return st;
 }
 
 static void conn_give(tcp_peer *p, int fd)
@@ -473,7 +499,7 @@ static kvp_status tcp_peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
 const kvpi_transport_ops kvpi_transport_tcp = {
     .name = "tcp",
     .mooncake_protocol = "tcp",
-    .caps = 0,
+    .caps = KVPI_CAP_AUTH,
     .mem_kinds = KVPI_MEM_HOST_BIT,
     .server_start = tcp_server_start,
     .server_stop = tcp_server_stop,

@@ -42,6 +42,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "common/auth.h"
 #include "common/conn_server.h"
 #include "common/metrics.h"
 #include "common/region.h"
@@ -78,6 +79,10 @@ typedef struct kvpi_server_ctx {
     int idle_timeout_ms;
     int max_conns;
     uint64_t min_rate;
+    /* Non-NULL in the authenticated mode (common/auth.h): the server must
+     * refuse a connection whose peer does not prove the key, before serving
+     * any request on it - with a conn_server, setup = kvpi_auth_conn_setup. */
+    const kvpi_auth *auth;
     /* Where the server counts the requests it serves (may be NULL). */
     kvpi_served *served;
 } kvpi_server_ctx;
@@ -101,6 +106,9 @@ typedef struct kvpi_peer_ctx {
     int timeout_ms;
     uint64_t min_rate;
     int conns; /* connections to keep */
+    /* Non-NULL in the authenticated mode: run kvpi_auth_client on every new
+     * connection before any request (its failure is the peer's error). */
+    const kvpi_auth *auth;
     /* Counts the requests run again on a new connection (may be NULL). */
     kvpi_counter *retries;
 } kvpi_peer_ctx;
@@ -131,6 +139,10 @@ static inline kvpi_conn_limits kvpi_server_limits(const kvpi_server_ctx *ctx)
  * (published per buffer by buffer_describe) is all it serves; the engine's
  * range check against the descriptor before each peer_xfer is mandatory. */
 #define KVPI_CAP_RDMA 0x4u
+/* Authenticates its connections in the authenticated mode (server_ctx and
+ * peer_ctx .auth, common/auth.h). An engine with a key runs only such
+ * transports: one without it would let a peer without the key in. */
+#define KVPI_CAP_AUTH 0x8u
 
 /* Small requests queued back to back for one peer are handed to peer_xfer
  * together, up to this many bytes, so that the transport can pipeline them;
