@@ -397,6 +397,10 @@ static int run_sender(const bp_opts *o)
         else if (kvp_pipe_send(pipe, &t) != KVP_OK)
             rc = 1;
     }
+    /* The warm-up acknowledged first, so that nothing is in flight when the
+     * clock starts: a receiver READs several announcements at once, and
+     * those started before the None would be moved off the clock. */
+    if (!rc && o->warmup > 0 && kvp_pipe_flush(pipe, FLUSH_TIMEOUT_MS) != KVP_OK) rc = 1;
     /* None next: the receiver starts its clock when it arrives. */
     if (!rc && (o->in_place ? send_none_in_place(pipe, &filled) != 0
                             : kvp_pipe_send(pipe, NULL) != KVP_OK))

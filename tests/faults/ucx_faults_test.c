@@ -207,6 +207,12 @@ static void deregistered_while_peer_frozen(void)
 /* A killed initiator does not hold the target's deregistration up. */
 static void initiator_killed(void)
 {
+    /* docs/transport-ucx.md, "Known UCX 1.13.1 bugs": the target's UCX
+     * aborts in ucp_get_req_handler when the GET it emulates over tcp meets
+     * the killed initiator's failed endpoint. */
+    if (strcmp(tls, "tcp") == 0 && ucx_older_than(1, 14))
+        SKIP("UCX older than 1.14 over tcp can abort the target when a reader dies mid-READ "
+             "(ucp_get_req_handler: \"unexpected error: Endpoint timeout\")");
     kvpt_ctarget t;
     REQUIRE(start_target(&t) == 0);
     int p[2];
