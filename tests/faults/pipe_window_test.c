@@ -188,7 +188,9 @@ static void test_out_of_order_completion(void)
     char err[128];
     raw_err_path(err, sizeof err, "window_decode");
     pid_t decode = raw_spawn_side(&s, 1, decode_in_order, NULL, err);
-    REQUIRE(raw_wait_event(mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, RAW_WAIT_MS) == 0);
+    int up = raw_wait_event(mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, RAW_WAIT_MS) == 0;
+    if (!up) raw_show(err, "decode"); /* why its pipe never connected */
+    REQUIRE(up);
 
     CHECK(raw_send_announcement(push, F.big_addr, F.big_len) == 0);
     for (int i = 0; i < SMALL; i++)
