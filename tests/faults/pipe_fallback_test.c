@@ -47,9 +47,14 @@ static int raw_decode_start(raw_decode *r, const raw_setup *s)
     r->ctx = zmq_ctx_new();
     r->pull = raw_socket(r->ctx, ZMQ_PULL);
     r->push = raw_socket(r->ctx, ZMQ_PUSH);
-    if (raw_bind(r->push, s->side[1].ack_port) || raw_connect(r->pull, s->side[0].data_port))
-        return -1;
-    return 0;
+    return raw_bind(r->push, s->side[1].ack_port);
+}
+
+/* Connect the PULL once prefill's pipe listens on its announce port. */
+static int raw_decode_connect(raw_decode *r, const raw_setup *s)
+{
+    if (kvpt_wait_port("127.0.0.1", s->side[0].data_port, RAW_WAIT_MS) != 0) return -1;
+    return raw_connect(r->pull, s->side[0].data_port);
 }
 
 static void raw_decode_stop(raw_decode *r)
@@ -126,10 +131,12 @@ static void test_raw_receiver_gets_announcements(void)
     raw_decode r = {0};
     REQUIRE(raw_decode_start(&r, &s) == 0);
     pid_t prefill = raw_spawn_side(&s, 0, send_after_lookup, NULL, err);
+    CHECK(raw_decode_connect(&r, &s) == 0);
     int good = 0;
-    for (int i = 0; i < AFTER; i++)
+    for (int i = 0; i < AFTER && good == i; i++)
         good += raw_take(&r, &s, i);
     CHECK(good == AFTER);
+    if (good != AFTER) kill(prefill, SIGKILL); /* and show why below */
     int rc = kvpt_wait_child(prefill, RAW_SIDE_MS);
     if (rc) raw_show(err, "prefill");
     CHECK(rc == 0);
@@ -205,6 +212,7 @@ static void test_receiver_replaced_by_raw_peer(void)
     usleep(200000);
     raw_decode r = {0};
     REQUIRE(raw_decode_start(&r, &s) == 0);
+    CHECK(raw_decode_connect(&r, &s) == 0); /* prefill listens already */
     int good = 0;
     for (int i = 0; i < AFTER; i++)
         good += raw_take(&r, &s, BEFORE + i);
