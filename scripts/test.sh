@@ -59,12 +59,22 @@ UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1} \
 took "ASan+UBSan"
 
 # ThreadSanitizer: a race report makes its process exit 66, which fails the
-# case. tests/tsan.supp holds the only suppressions, for races inside libzmq
-# (not built with TSan); see the comments there.
+# case. tests/tsan.supp holds the only suppressions, for races inside
+# third-party libraries not built with TSan (libzmq, UCX); see the comments
+# there. UCX's memory hooks (it patches malloc and mmap as it loads) crash
+# under TSan's own interceptors, so this pass turns them off; UCX then
+# serves its tcp and shared-memory lanes without them.
 cmake -S . -B build-tsan -DKVP_WERROR=ON -DKVP_TSAN=ON >/dev/null
 cmake --build build-tsan -j"$jobs"
+# Four programs fork their peers (pipe sides, targets) from a process that
+# already runs threads, which TSan refuses ("starting new threads after
+# multi-threaded fork"); they run in the other passes, and not in this one
+# until their children are fresh execs (docs/reliability.md).
+tsan_skip='^(auth_test|pipe_fallback_test|pipe_window_test|ucx_faults_test)$'
+echo "TSan: not run here (fork from threads): $tsan_skip"
+UCX_MEM_MALLOC_HOOKS=no UCX_MEM_MMAP_HOOK_MODE=none UCX_MEM_EVENTS=no \
 TSAN_OPTIONS=${TSAN_OPTIONS:-suppressions=$PWD/tests/tsan.supp:second_deadlock_stack=1} \
-    ctest --test-dir build-tsan --output-on-failure -j"$jobs"
+    ctest --test-dir build-tsan --output-on-failure -j"$jobs" -E "$tsan_skip"
 took TSan
 
 # ---- fuzzers (tests/fuzz, docs/fuzzing.md) ----
