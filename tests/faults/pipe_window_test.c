@@ -178,6 +178,13 @@ static void test_out_of_order_completion(void)
     signal(SIGPIPE, SIG_IGN);
     raw_setup s;
     REQUIRE(raw_setup_init(&s) == 0);
+    /* The side is forked before this process starts threads of its own (the
+     * fake target's server, ZeroMQ): a fork of a threaded process can
+     * inherit a lock some other thread held, and hang. It READs only once
+     * announced, when the fake target serves. */
+    char err[128];
+    raw_err_path(err, sizeof err, "window_decode");
+    pid_t decode = raw_spawn_side(&s, 1, decode_in_order, NULL, err);
     kvpi_rpc_server *rpc = NULL;
     REQUIRE(fake_start(&s, &rpc) == 0);
     void *ctx = zmq_ctx_new();
@@ -185,9 +192,6 @@ static void test_out_of_order_completion(void)
     void *mon = raw_monitor(ctx, push, "window");
     REQUIRE(mon && raw_bind(push, s.side[0].data_port) == 0 &&
             raw_connect(pull, s.side[1].ack_port) == 0);
-    char err[128];
-    raw_err_path(err, sizeof err, "window_decode");
-    pid_t decode = raw_spawn_side(&s, 1, decode_in_order, NULL, err);
     int up = raw_wait_event(mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, RAW_WAIT_MS) == 0;
     if (!up) raw_show(err, "decode"); /* why its pipe never connected */
     REQUIRE(up);
