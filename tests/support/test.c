@@ -38,6 +38,14 @@ void kvpt_run(const char *name, void (*fn)(void), int timeout_s)
     /* KVPT_FILTER=text runs only the cases whose name contains text. */
     const char *filter = getenv("KVPT_FILTER");
     if (filter && *filter && !strstr(name, filter)) return;
+    /* KVPT_EXCLUDE=text skips them instead, and says so. */
+    const char *exclude = getenv("KVPT_EXCLUDE");
+    if (exclude && *exclude && strstr(name, exclude)) {
+        printf("SKIP %s (KVPT_EXCLUDE=%s)\n", name, exclude);
+        fflush(stdout);
+        skipped++;
+        return;
+    }
     fflush(NULL);
     pid_t pid = fork();
     if (pid == 0) {
