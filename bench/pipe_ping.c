@@ -27,6 +27,7 @@
 #include "kvpipe/kvpipe.h"
 #include "kvpipe/metadata_server.h"
 #include "kvpipe/pipe.h"
+#include "../tools/pipe_ports.h"
 
 #define RECV_TIMEOUT_MS 30000
 
@@ -44,31 +45,6 @@ static uint64_t now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-static int port_free(int port)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET,
-                             .sin_port = htons((uint16_t)port),
-                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    int ok = fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
-    if (fd >= 0) close(fd);
-    return ok;
-}
-
-/* Both URLs 127.0.0.1:base: decode's base is base + 100. */
-static int pick_base(void)
-{
-    srand((unsigned)(getpid() ^ time(NULL)));
-    for (int tries = 0; tries < 500; tries++) {
-        int b = 20000 + rand() % 10000, ok = 1;
-        int need[] = {b, b + 9, b + 10, b + 100, b + 109, b + 110};
-        for (size_t i = 0; i < 6 && ok; i++)
-            ok = port_free(need[i]);
-        if (ok) return b;
-    }
-    return -1;
 }
 
 static kvp_pipe *open_side(const char *json, int rank, const ping_opts *o)
@@ -241,7 +217,7 @@ int main(int argc, char **argv)
         return 2;
     }
     kvp_metadata_server *store;
-    int base = pick_base();
+    int base = kvp_pick_pipe_base();
     if (base < 0 || kvp_metadata_server_start("127.0.0.1", 0, &store) != KVP_OK) {
         fprintf(stderr, "pipe_ping: no ports or no metadata store: %s\n", kvp_last_error());
         return 1;

@@ -16,34 +16,7 @@
 #include "cli_opts.h"
 #include "kvpipe/kvpipe.h"
 #include "pipe_launch.h"
-
-static int port_free(int port)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET,
-                             .sin_port = htons((uint16_t)port),
-                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    int ok = fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
-    if (fd >= 0) close(fd);
-    return ok;
-}
-
-/* Both URLs are 127.0.0.1:base, so decode's base is base+100 (vLLM's same-node
- * rule). The range stays below the usual ephemeral ports, which the engines'
- * data ports come from. */
-static int pick_base(void)
-{
-    srand((unsigned)(getpid() ^ time(NULL)));
-    for (int tries = 0; tries < 500; tries++) {
-        int b = 20000 + rand() % 10000;
-        int need[] = {b, b + 9, b + 10, b + 100, b + 109, b + 110};
-        int ok = 1;
-        for (size_t i = 0; i < 6 && ok; i++)
-            ok = port_free(need[i]);
-        if (ok) return b;
-    }
-    return -1;
-}
+#include "pipe_ports.h"
 
 static int start_metadata(kvp_launch *l, const char *metadata)
 {
@@ -89,7 +62,7 @@ int kvp_launch_prepare(kvp_launch *l, const char *metadata, const char *protocol
         l->dir[0] = '\0';
         return -1;
     }
-    l->base_port = base_port ? base_port : pick_base();
+    l->base_port = base_port ? base_port : kvp_pick_pipe_base();
     if (l->base_port <= 0) {
         kvp_cli_error("found no free port range for the pipe");
         return -1;
