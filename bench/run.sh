@@ -368,26 +368,40 @@ section_ucx() {
         echo "skipped: this kvpipe has no ucx transport (KVP_WITH_UCX)"; echo; return
     fi
     echo "ucx_perftest -e (peer error handling, as kvpipe's endpoints): ucp_get (1 request in"
-    echo "flight) and ucp_put_bw (32 in flight); kvpipe: --batch-size requests per batch, 2 threads."
+    echo "flight) and ucp_put_bw (32 in flight), one buffer of one block on each side, reused."
+    echo "kvpipe READ/WRITE: the bench's defaults (--batch-size requests per batch, 2 threads,"
+    echo "through 512 MiB on the target). \"1 block\": kvpipe closer to ucx_perftest: a target of"
+    echo "one block, one thread, and ucx_perftest's depth: 1 request per batch for READ (one block"
+    echo "on each side), 32 for WRITE (whose local side spans 32 blocks, 64 MiB at most)."
     echo
-    echo "| UCX_TLS | block | ucp_get GB/s | READ GB/s | READ / ucp_get | ucp_put_bw GB/s | WRITE GB/s | WRITE / ucp_put_bw |"
-    echo "|---|---|---|---|---|---|---|---|"
+    echo "| UCX_TLS | block | ucp_get GB/s | READ GB/s | READ / ucp_get | READ 1 block GB/s | READ 1 block / ucp_get | ucp_put_bw GB/s | WRITE GB/s | WRITE / ucp_put_bw | WRITE 1 block GB/s | WRITE 1 block / ucp_put_bw |"
+    echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
     for tls in $ucx_tls_sets; do
         ucx_env "$tls"
         start_target rdma --no-shm
+        local big=$segment
         for block in 65536 1048576 16777216; do
-            local gets=() puts=() reads=() writes=()
+            start_target rdma --no-shm --buffer-size "$block"
+            local small=$segment
+            local gets=() puts=() reads=() writes=() sreads=() swrites=()
             for _ in $(seq "$repeat"); do
                 gets+=("$(baseline_perftest ucp_get "$block")")
-                reads+=("$(initiator rdma read "$block" --no-shm)")
+                segment=$big; reads+=("$(initiator rdma read "$block" --no-shm)")
+                segment=$small
+                sreads+=("$(initiator rdma read "$block" --no-shm --threads 1 --batch-size 1 --buffer-size "$block")")
                 puts+=("$(baseline_perftest ucp_put_bw "$block")")
-                writes+=("$(initiator rdma write "$block" --no-shm)")
+                segment=$big; writes+=("$(initiator rdma write "$block" --no-shm)")
+                segment=$small
+                swrites+=("$(initiator rdma write "$block" --no-shm --threads 1 --batch-size 32 --buffer-size "$block")")
             done
-            local get put read write
+            stop_target
+            local get put read write sread swrite
             get=$(med "${gets[@]}"); put=$(med "${puts[@]}")
             read=$(med "${reads[@]}"); write=$(med "${writes[@]}")
-            echo "| $tls | $(human "$block") | $get | $read | $(ratio "$read" "$get") | $put | $write | $(ratio "$write" "$put") |"
+            sread=$(med "${sreads[@]}"); swrite=$(med "${swrites[@]}")
+            echo "| $tls | $(human "$block") | $get | $read | $(ratio "$read" "$get") | $sread | $(ratio "$sread" "$get") | $put | $write | $(ratio "$write" "$put") | $swrite | $(ratio "$swrite" "$put") |"
         done
+        segment=$big
         stop_target
     done
     echo
