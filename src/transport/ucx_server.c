@@ -596,9 +596,10 @@ static void conn_answer(kvpi_ucx_server *s, ucx_conn *c, int paired, uint64_t ep
     pthread_mutex_lock(&s->conns_lock);
     uint8_t *ack = hello_answer(s, c, paired, epoch, &status, &len);
     pthread_mutex_unlock(&s->conns_lock);
-    /* Eager, however many rkeys it carries: the initiator takes whole
-     * messages only (a rendezvous would be dropped). */
-    if (ack) kvpi_ucx_am_send(c->ep, KVPI_UCX_AM_HELLO_ACK, ack, len, UCP_AM_SEND_FLAG_EAGER);
+    /* Authenticated, eager however many rkeys it carries: the initiator
+     * takes whole messages only (a rendezvous would be dropped). */
+    uint32_t flags = s->auth ? UCP_AM_SEND_FLAG_EAGER : 0;
+    if (ack) kvpi_ucx_am_send(c->ep, KVPI_UCX_AM_HELLO_ACK, ack, len, flags);
     free(ack);
     if (ack && status == KVPI_UCX_HELLO_OK) return;
     if (ack)
