@@ -11,7 +11,9 @@
  * deadline. A transfer out of time closes the endpoint, which cancels what is
  * in flight, and the engine looks the peer up again. A REVOKE from the target
  * refuses its range from then on and is acknowledged once what was issued
- * before is flushed.
+ * before is flushed. In the authenticated mode the descriptor has no rkeys:
+ * the HELLO runs a challenge-response (we check the target's MAC over our
+ * fresh nonce before we send ours) and the rkeys come with its answer.
  */
 #include <errno.h>
 #include <inttypes.h>

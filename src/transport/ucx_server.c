@@ -9,7 +9,9 @@
  * refuse a request: what keeps peers inside its registered memory is their
  * own range check against the descriptor, and what keeps them out of memory
  * it deregisters is the REVOKE exchange below, backed by cutting off a peer
- * that does not answer it in time (docs/transport-ucx.md).
+ * that does not answer it in time (docs/transport-ucx.md). In the
+ * authenticated mode the rkeys are not published: a HELLO gets them only
+ * after its initiator answered a challenge with the key (docs/security.md).
  */
 #include <errno.h>
 #include <inttypes.h>
