@@ -3,26 +3,33 @@
 # the plain mode measured in the same run:
 #   - connection setup: bench/auth_setup (connect + handshake + first 8-byte
 #     READ, median over --count connections to each of two targets);
+#   - ucx link setup: bench/ucx_auth_setup (UCP worker and endpoint, the
+#     HELLO exchange - with the challenge-response when authenticated - and
+#     a first 8-byte READ, median over --ucx-count links to each of two
+#     targets), on UCX's tcp and on its shared memory; left out in a build
+#     without UCX;
 #   - throughput: kvpipe bench READ and WRITE over TCP (shm off) at 4 KiB and
 #     64 MiB, plain and authenticated back to back, median of --repeat runs.
 #
-#   bench/auth_cost.sh [--build DIR] [--duration SECONDS] [--repeat N]
+#   bench/auth_cost.sh [--build DIR] [--duration SECONDS] [--repeat N] [--ucx-count N]
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 build="$here/../build"
 duration=3
 repeat=3
+ucx_count=200
 while [ $# -gt 0 ]; do
     case "$1" in
     --build) build=$2; shift 2 ;;
     --duration) duration=$2; shift 2 ;;
     --repeat) repeat=$2; shift 2 ;;
-    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+    --ucx-count) ucx_count=$2; shift 2 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "bench/auth_cost.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
 kvpipe="$build/kvpipe"
-for bin in "$kvpipe" "$build/auth_setup"; do
+for bin in "$kvpipe" "$build/auth_setup" "$build/ucx_auth_setup"; do
     [ -x "$bin" ] || { echo "bench/auth_cost.sh: $bin not built" >&2; exit 1; }
 done
 tmp=$(mktemp -d)
@@ -35,6 +42,14 @@ median() { sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
 
 echo "connection setup:"
 "$build/auth_setup" --key "$tmp/key" --count 2000 | tee "$tmp/setup.json"
+
+echo "ucx link setup:"
+for tls in tcp sm,self; do
+    rc=0
+    UCX_TLS=$tls "$build/ucx_auth_setup" --key "$tmp/key" --count "$ucx_count" || rc=$?
+    if [ "$rc" = 77 ]; then echo "(no ucx transport in this build)"; break; fi
+    [ "$rc" = 0 ] || exit 1
+done
 
 # run KEY OP BLOCK BATCH: one target + initiator pair; prints GB/s. Up to
 # three tries: a free port can be taken by another program before we bind it.

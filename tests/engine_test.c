@@ -410,7 +410,9 @@ static void mooncake_rdma_segment(void)
     X(ucx_tcp_p2p, "ucx", 1, "tcp", 0) X(ucx_sm_http, "rdma", 0, "sm,self", 0)                 \
     X(ucx_sm_p2p, "ucx", 1, "sm,self", 0) X(tcp_http_auth, "tcp", 0, NULL, 1)                  \
     X(tcp_p2p_auth, "tcp", 1, NULL, 1) X(shm_http_auth, "shm", 0, NULL, 1)                     \
-    X(shm_p2p_auth, "shm", 1, NULL, 1)
+    X(shm_p2p_auth, "shm", 1, NULL, 1) X(ucx_tcp_http_auth, "rdma", 0, "tcp", 1)              \
+    X(ucx_tcp_p2p_auth, "ucx", 1, "tcp", 1) X(ucx_sm_http_auth, "rdma", 0, "sm,self", 1)       \
+    X(ucx_sm_p2p_auth, "ucx", 1, "sm,self", 1)
 
 #define CASES(X, m)                                                                          \
     X(m, sizes) X(m, batches) X(m, out_of_range) X(m, target_killed) X(m, target_restarted)  \

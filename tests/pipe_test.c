@@ -1351,11 +1351,13 @@ static int make_key(void)
     return ok ? 0 : -1;
 }
 
-#define AUTH_CASES(X)                                                                              \
+/* Those of every authenticated row, and those of the tcp row only (the CLI). */
+#define AUTH_ROW_CASES(X)                                                                          \
     X(test_round_trip_x_y)                                                                         \
     X(test_p2p_handshake) X(test_same_host_transport_allowed) X(test_both_directions_at_once)      \
         X(test_flow_control) X(test_receiver_killed) X(test_send_in_place_tcp)                     \
-            X(test_send_in_place_shm) X(test_cli_bench_pipe) X(test_stress_500_rounds)
+            X(test_send_in_place_shm) X(test_stress_500_rounds)
+#define AUTH_CASES(X) AUTH_ROW_CASES(X) X(test_cli_bench_pipe)
 #define DEFINE_AUTH(fn)                                                                            \
     static void fn##_auth(void)                                                                    \
     {                                                                                              \
@@ -1416,11 +1418,17 @@ int main(int argc, char **argv)
         CASE(test_stress_500_rounds, 240);
         CASE(test_one_gib_tensor, 400);
     }
-    /* The tcp row again, authenticated. */
+    /* The tcp and ucx rows again, authenticated. */
     R = &rows[0];
     unsetenv("UCX_TLS");
 #define RUN_AUTH(fn) CASE(fn##_auth, 240);
     AUTH_CASES(RUN_AUTH)
+    for (size_t r = 0; r < sizeof rows / sizeof rows[0]; r++) {
+        R = &rows[r];
+        if (!R->ucx_tls) continue;
+        setenv("UCX_TLS", R->ucx_tls, 1);
+        AUTH_ROW_CASES(RUN_AUTH)
+    }
     unlink(key_file);
     return kvpt_summary();
 }

@@ -35,6 +35,10 @@
 #define HELLO_MARK 0xFF
 #define KDF_CONTEXT "kvpipeau"
 
+_Static_assert(KVPI_AUTH_KID_LEN == KID_LEN && KVPI_AUTH_NONCE_LEN == NONCE_LEN &&
+                   KVPI_AUTH_MAC_LEN == MAC_LEN,
+               "auth.h's lengths are the handshake's");
+
 /* Subkey ids of crypto_kdf_derive_from_key. */
 enum { SUB_HANDSHAKE = 1, SUB_DESC = 2, SUB_CURVE_SERVER = 3, SUB_CURVE_CLIENT = 4, SUB_KID = 5 };
 
@@ -197,6 +201,37 @@ static void handshake_mac(const auth_key *k, const char *role, const char *chann
     crypto_auth_hmacsha512256_update(&s, nc, NONCE_LEN);
     crypto_auth_hmacsha512256_update(&s, ns, NONCE_LEN);
     crypto_auth_hmacsha512256_final(&s, out);
+}
+
+void kvpi_auth_nonce(uint8_t out[KVPI_AUTH_NONCE_LEN])
+{
+    randombytes_buf(out, KVPI_AUTH_NONCE_LEN);
+}
+
+void kvpi_auth_kid_bytes(const kvpi_auth *a, uint8_t out[KVPI_AUTH_KID_LEN])
+{
+    memcpy(out, a->keys[0].kid, KID_LEN);
+}
+
+int kvpi_auth_mac(const kvpi_auth *a, const uint8_t kid[KVPI_AUTH_KID_LEN], const char *role,
+                  const char *channel, const uint8_t nc[KVPI_AUTH_NONCE_LEN],
+                  const uint8_t ns[KVPI_AUTH_NONCE_LEN], uint8_t out[KVPI_AUTH_MAC_LEN])
+{
+    const auth_key *k = key_of(a, kid);
+    if (!k) return -1;
+    handshake_mac(k, role, channel, nc, ns, out);
+    return 0;
+}
+
+int kvpi_auth_mac_check(const kvpi_auth *a, const uint8_t kid[KVPI_AUTH_KID_LEN], const char *role,
+                        const char *channel, const uint8_t nc[KVPI_AUTH_NONCE_LEN],
+                        const uint8_t ns[KVPI_AUTH_NONCE_LEN], const uint8_t mac[KVPI_AUTH_MAC_LEN])
+{
+    uint8_t want[MAC_LEN];
+    if (kvpi_auth_mac(a, kid, role, channel, nc, ns, want) != 0) return -1;
+    int ok = sodium_memcmp(want, mac, MAC_LEN) == 0;
+    sodium_memzero(want, sizeof want);
+    return ok ? 0 : -1;
 }
 
 static void put_verdict(uint8_t *frame, int verdict)

@@ -112,6 +112,34 @@ kvp_status kvpi_auth_conn_setup(struct kvpi_conn *conn, const kvpi_auth *auth, c
  * unauthenticated peer in its own protocol with a clear refusal. */
 int kvpi_auth_peek(int fd, uint64_t deadline_ns);
 
+/* ---- the same challenge-response over a transport's own messages ----
+ * For a transport that exchanges its connection parameters over a channel of
+ * its own (ucx: UCP active messages) instead of a stream: it carries the
+ * client's key id and nonce, the server's nonce and the two MACs in its own
+ * messages, and computes and checks them here, so that the MACs are the
+ * stream handshake's (same subkey, labels, binding of role, channel, key
+ * id and both nonces). role is "server" (the side that proves first: the
+ * target) or "client" (the initiator). */
+#define KVPI_AUTH_KID_LEN 8
+#define KVPI_AUTH_NONCE_LEN 32
+#define KVPI_AUTH_MAC_LEN 32
+
+/* A fresh nonce (randombytes_buf). */
+void kvpi_auth_nonce(uint8_t out[KVPI_AUTH_NONCE_LEN]);
+/* The key id this process proves with. */
+void kvpi_auth_kid_bytes(const kvpi_auth *auth, uint8_t out[KVPI_AUTH_KID_LEN]);
+/* role's MAC under the key of kid: 0, or -1 when no key of that kid is held. */
+int kvpi_auth_mac(const kvpi_auth *auth, const uint8_t kid[KVPI_AUTH_KID_LEN], const char *role,
+                  const char *channel, const uint8_t nc[KVPI_AUTH_NONCE_LEN],
+                  const uint8_t ns[KVPI_AUTH_NONCE_LEN], uint8_t out[KVPI_AUTH_MAC_LEN]);
+/* 0 when mac is role's MAC under the key of kid (compared with
+ * sodium_memcmp); -1 when it is not or no key of that kid is held. */
+int kvpi_auth_mac_check(const kvpi_auth *auth, const uint8_t kid[KVPI_AUTH_KID_LEN],
+                        const char *role, const char *channel,
+                        const uint8_t nc[KVPI_AUTH_NONCE_LEN],
+                        const uint8_t ns[KVPI_AUTH_NONCE_LEN],
+                        const uint8_t mac[KVPI_AUTH_MAC_LEN]);
+
 /* ---- descriptors ---- */
 
 /* desc_json (a JSON object's text, ending in '}') with the signature field

@@ -11,7 +11,9 @@
  * deadline. A transfer out of time closes the endpoint, which cancels what is
  * in flight, and the engine looks the peer up again. A REVOKE from the target
  * refuses its range from then on and is acknowledged once what was issued
- * before is flushed.
+ * before is flushed. In the authenticated mode the descriptor has no rkeys:
+ * the HELLO runs a challenge-response (we check the target's MAC over our
+ * fresh nonce before we send ours) and the rkeys come with its answer.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -49,12 +51,16 @@ typedef struct ucx_peer {
     kvpi_region *regions;
     void **rkey_bufs; /* packed, until unpacked on the endpoint */
     size_t *rkey_lens;
+    /* Authenticated mode: the key, and our half of the HELLO's challenge. */
+    const kvpi_auth *auth;
+    uint8_t kid[KVPI_AUTH_KID_LEN], nc[KVPI_AUTH_NONCE_LEN];
+    int proved; /* our PROOF went out: a HELLO_ACK may hand us rkeys now */
 
     /* The progress thread's. */
     ucp_worker_h worker;
     ucp_ep_h ep; /* NULL once closed */
     ucp_rkey_h *rkeys;
-    unsigned char *revoked;
+    unsigned char *revoked; /* REVOKED_*: refused from now on */
     ucx_revoke *revokes, **revokes_tail;
     uint64_t conn_id;
     int awaiting_hello;
@@ -88,12 +94,64 @@ static void ep_failed(void *arg, ucp_ep_h ep, ucs_status_t st)
     pthread_mutex_unlock(&p->lock);
 }
 
+/* Why a region of the peer is refused. */
+enum { REVOKED_DEREG = 1, REVOKED_NO_RKEY = 2 };
+
+/* Statuses of the HELLO exchange this side decides (the target's are
+ * KVPI_UCX_HELLO_*). */
+enum { HELLO_IMPOSTOR = 0x100, HELLO_BAD_RKEY = 0x101 };
+
 /* Refuse every region of ours that overlaps [addr, addr+length). */
 static void revoke_range(ucx_peer *p, uint64_t addr, uint64_t length)
 {
     for (size_t i = 0; i < p->n_regions; i++)
         if (p->regions[i].addr < addr + length && addr < p->regions[i].addr + p->regions[i].length)
-            p->revoked[i] = 1;
+            p->revoked[i] = REVOKED_DEREG;
+}
+
+/* The HELLO exchange ended with status. */
+static void hello_finish(ucx_peer *p, unsigned status)
+{
+    p->awaiting_hello = 0;
+    kvpi_ucx_busy_add(p->server, -1);
+    pthread_mutex_lock(&p->lock);
+    p->hello_status = status;
+    p->hello_done = 1;
+    pthread_cond_broadcast(&p->answered);
+    pthread_mutex_unlock(&p->lock);
+}
+
+/* Authenticated: unpack the rkeys of a HELLO_ACK (m entries from d, end
+ * at end) for the regions of our descriptor; a region without one is
+ * refused (it is not registered there any more, or again with another
+ * length; the engine looks the segment up again). 0, or -1 when the list is
+ * malformed or UCX refuses an rkey. */
+static int take_rkeys(ucx_peer *p, const uint8_t *d, const uint8_t *end)
+{
+    if (end - d < 8) return -1;
+    uint64_t m = kvpi_get_le64(d);
+    d += 8;
+    for (size_t i = 0; i < p->n_regions; i++)
+        p->revoked[i] = p->revoked[i] ? p->revoked[i] : REVOKED_NO_RKEY;
+    for (uint64_t j = 0; j < m; j++) {
+        if (end - d < 24) return -1;
+        uint64_t addr = kvpi_get_le64(d), len = kvpi_get_le64(d + 8);
+        uint64_t klen = kvpi_get_le64(d + 16), padded = (klen + 7) / 8 * 8;
+        if (klen == 0 || padded < klen || (uint64_t)(end - d - 24) < padded) return -1;
+        for (size_t i = 0; i < p->n_regions; i++) {
+            if (p->regions[i].addr != addr || p->regions[i].length != len || p->rkeys[i]) continue;
+            ucs_status_t ust = ucp_ep_rkey_unpack(p->ep, d + 24, &p->rkeys[i]);
+            if (ust != UCS_OK) {
+                p->rkeys[i] = NULL;
+                KVPI_DEBUG("ucx peer %s: buffer 0x%" PRIx64 ": ucp_ep_rkey_unpack: %s", p->segment,
+                           addr, ucs_status_string(ust));
+                return -1;
+            }
+            if (p->revoked[i] == REVOKED_NO_RKEY) p->revoked[i] = 0;
+        }
+        d += 24 + padded;
+    }
+    return d == end ? 0 : -1;
 }
 
 static ucs_status_t on_hello_ack(void *arg, const void *header, size_t header_length,
@@ -108,17 +166,48 @@ static ucs_status_t on_hello_ack(void *arg, const void *header, size_t header_le
         return UCS_OK;
     uint64_t w0 = kvpi_get_le64(d);
     size_t n = (size_t)(w0 >> 48);
-    if (length != KVPI_UCX_HELLO_ACK_LEN + 16 * n) return UCS_OK;
-    p->awaiting_hello = 0;
-    kvpi_ucx_busy_add(p->server, -1);
-    p->conn_id = kvpi_get_le64(d + 8);
-    for (size_t i = 0; i < n; i++)
-        revoke_range(p, kvpi_get_le64(d + 16 + 16 * i), kvpi_get_le64(d + 24 + 16 * i));
-    pthread_mutex_lock(&p->lock);
-    p->hello_status = (unsigned)(w0 >> 32 & 0xffff);
-    p->hello_done = 1;
-    pthread_cond_broadcast(&p->answered);
-    pthread_mutex_unlock(&p->lock);
+    unsigned status = (unsigned)(w0 >> 32 & 0xffff);
+    /* Authenticated, an accepting answer counts only once we proved the
+     * key, and it carries the rkeys after the ranges. */
+    int keys = p->auth && status == KVPI_UCX_HELLO_OK;
+    if (keys && !p->proved) return UCS_OK;
+    size_t ranges = KVPI_UCX_HELLO_ACK_LEN + 16 * n;
+    if (keys ? length < ranges : length != ranges) return UCS_OK;
+    if (status == KVPI_UCX_HELLO_OK) {
+        p->conn_id = kvpi_get_le64(d + 8);
+        for (size_t i = 0; i < n; i++)
+            revoke_range(p, kvpi_get_le64(d + 16 + 16 * i), kvpi_get_le64(d + 24 + 16 * i));
+    }
+    if (keys && take_rkeys(p, d + ranges, d + length) != 0) status = HELLO_BAD_RKEY;
+    hello_finish(p, status);
+    return UCS_OK;
+}
+
+/* Authenticated: the target's answer to our HELLO. Only a target that holds
+ * the key can make its MAC over our fresh nonce; then we prove ours. */
+static ucs_status_t on_challenge(void *arg, const void *header, size_t header_length, void *data,
+                                 size_t length, const ucp_am_recv_param_t *param)
+{
+    (void)header;
+    (void)header_length;
+    ucx_peer *p = arg;
+    const uint8_t *d = data;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length != KVPI_UCX_CHALLENGE_LEN ||
+        (uint32_t)kvpi_get_le64(d) != KVPI_UCX_MAGIC || !p->auth || !p->awaiting_hello || p->proved)
+        return UCS_OK;
+    const uint8_t *ns = d + 16;
+    if (kvpi_auth_mac_check(p->auth, p->kid, "server", KVPI_UCX_AUTH_CHANNEL, p->nc, ns,
+                            ns + KVPI_AUTH_NONCE_LEN) != 0) {
+        hello_finish(p, HELLO_IMPOSTOR); /* no proof of ours goes to it */
+        return UCS_OK;
+    }
+    uint8_t proof[KVPI_UCX_PROOF_LEN];
+    kvpi_put_le64(proof, KVPI_UCX_MAGIC);
+    memcpy(proof + 8, d + 8, 8); /* the challenge's id */
+    kvpi_auth_mac(p->auth, p->kid, "client", KVPI_UCX_AUTH_CHANNEL, p->nc, ns, proof + 16);
+    if (kvpi_ucx_am_send(p->ep, KVPI_UCX_AM_PROOF, proof, sizeof proof, UCP_AM_SEND_FLAG_REPLY))
+        return UCS_OK; /* the HELLO times out */
+    p->proved = 1;
     return UCS_OK;
 }
 
@@ -255,17 +344,25 @@ static kvp_status send_hello(ucx_peer *p, uint64_t epoch)
     if (ust != UCS_OK)
         return kvpi_error(kvpi_ucx_status(ust), "ucx: ucp_worker_get_address: %s",
                           ucs_status_string(ust));
-    uint8_t *msg = malloc(KVPI_UCX_HELLO_LEN + len);
+    size_t head = p->auth ? KVPI_UCX_HELLO_AUTH_LEN : KVPI_UCX_HELLO_LEN;
+    uint8_t *msg = malloc(head + len);
     if (!msg) {
         ucp_worker_release_address(p->worker, addr);
         return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
     }
-    kvpi_put_le64(msg, KVPI_UCX_MAGIC | (uint64_t)KVPI_UCX_VERSION << 32);
+    uint64_t flags = p->auth ? KVPI_UCX_HELLO_FLAG_AUTH : 0;
+    kvpi_put_le64(msg, KVPI_UCX_MAGIC | (uint64_t)KVPI_UCX_VERSION << 32 | flags << 48);
     kvpi_put_le64(msg + 8, epoch);
-    memcpy(msg + KVPI_UCX_HELLO_LEN, addr, len);
+    if (p->auth) { /* a fresh nonce per connection: a recorded answer fails */
+        kvpi_auth_kid_bytes(p->auth, p->kid);
+        kvpi_auth_nonce(p->nc);
+        memcpy(msg + KVPI_UCX_HELLO_LEN, p->kid, KVPI_AUTH_KID_LEN);
+        memcpy(msg + KVPI_UCX_HELLO_LEN + KVPI_AUTH_KID_LEN, p->nc, KVPI_AUTH_NONCE_LEN);
+    }
+    memcpy(msg + head, addr, len);
     ucp_worker_release_address(p->worker, addr);
-    kvp_status st = kvpi_ucx_am_send(p->ep, KVPI_UCX_AM_HELLO, msg, KVPI_UCX_HELLO_LEN + len,
-                                     UCP_AM_SEND_FLAG_REPLY);
+    kvp_status st =
+        kvpi_ucx_am_send(p->ep, KVPI_UCX_AM_HELLO, msg, head + len, UCP_AM_SEND_FLAG_REPLY);
     free(msg);
     if (st) return st;
     p->awaiting_hello = 1;
@@ -288,6 +385,7 @@ static kvp_status open_steps(kvpi_ucx_server *s, open_args *a)
         return st;
     }
     if ((st = kvpi_ucx_set_handler(p->worker, KVPI_UCX_AM_HELLO_ACK, on_hello_ack, p)) ||
+        (st = kvpi_ucx_set_handler(p->worker, KVPI_UCX_AM_CHALLENGE, on_challenge, p)) ||
         (st = kvpi_ucx_set_handler(p->worker, KVPI_UCX_AM_REVOKE, on_revoke, p)))
         return st;
     p->poll.worker = p->worker;
@@ -310,7 +408,8 @@ static kvp_status open_steps(kvpi_ucx_server *s, open_args *a)
                           "ucx: no endpoint to segment %s: %s (UCX_TLS=%s)", p->segment,
                           ucs_status_string(ust), getenv("UCX_TLS") ? getenv("UCX_TLS") : "all");
     }
-    if ((st = unpack_rkeys(p))) return st;
+    /* Authenticated, the rkeys come with the HELLO's answer. */
+    if (!p->auth && (st = unpack_rkeys(p))) return st;
     return send_hello(p, a->epoch);
 }
 
@@ -341,6 +440,7 @@ static void close_run(kvpi_ucx_server *s, void *arg)
     /* The worker outlives p while its endpoint closes: nothing of p may be
      * called back. A closed endpoint calls no error callback. */
     kvpi_ucx_set_handler(p->worker, KVPI_UCX_AM_HELLO_ACK, on_nothing, NULL);
+    kvpi_ucx_set_handler(p->worker, KVPI_UCX_AM_CHALLENGE, on_nothing, NULL);
     kvpi_ucx_set_handler(p->worker, KVPI_UCX_AM_REVOKE, on_nothing, NULL);
     void *req = NULL;
     if (p->ep && atomic_load(&p->ep_status)) {
@@ -458,6 +558,20 @@ static kvp_status parse_endpoint(const kvpi_peer_ctx *ctx, void **addr, uint64_t
     if (ver->valuedouble != KVPI_UCX_VERSION)
         return kvpi_error(KVP_ENOTSUP, "ucx: segment %s speaks ucx version %g, we speak %d",
                           ctx->segment, ver->valuedouble, KVPI_UCX_VERSION);
+    /* Authenticated on both sides or on neither: a target with the key hands
+     * rkeys only to peers that prove it, one without publishes them. */
+    int authed = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, KVPI_UCX_AUTH_FIELD));
+    if (authed && !ctx->auth)
+        return kvpi_error(KVP_EAUTH,
+                          "ucx: segment %s is authenticated (it hands its rkeys only to peers "
+                          "that prove its key) and this engine has no key: give it the same key "
+                          "file (env " KVPI_AUTH_ENV " or auth_key_file; docs/security.md)",
+                          ctx->segment);
+    if (!authed && ctx->auth)
+        return kvpi_error(KVP_ENOTSUP,
+                          "ucx: segment %s's ucx endpoint does not authenticate its peers, so "
+                          "this authenticated engine does not use it",
+                          ctx->segment);
     size_t len;
     if (kvpi_ucx_unhex(worker->valuestring, addr, &len))
         return kvpi_error(KVP_EPROTO, "ucx: segment %s: its worker address is not hex",
@@ -473,6 +587,7 @@ static kvp_status peer_init(ucx_peer *p, const kvpi_peer_ctx *ctx)
     p->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : KVPI_CONN_TIMEOUT_MS_DEFAULT;
     p->min_rate = ctx->min_rate ? ctx->min_rate : KVPI_MIN_RATE_DEFAULT;
     p->n_regions = ctx->n_regions;
+    p->auth = ctx->auth;
     p->revokes_tail = &p->revokes;
     size_t n = ctx->n_regions ? ctx->n_regions : 1;
     if (!(p->segment = strdup(ctx->segment ? ctx->segment : "?")) ||
@@ -483,6 +598,7 @@ static kvp_status peer_init(ucx_peer *p, const kvpi_peer_ctx *ctx)
     for (size_t i = 0; i < ctx->n_regions; i++) {
         p->regions[i].addr = ctx->regions[i].addr;
         p->regions[i].length = ctx->regions[i].length;
+        if (p->auth) continue; /* its rkeys come with the HELLO's answer */
         const cJSON *k = ctx->buffers && ctx->buffers[i]
                              ? cJSON_GetObjectItemCaseSensitive(ctx->buffers[i], KVPI_UCX_RKEY_FIELD)
                              : NULL;
@@ -494,6 +610,50 @@ static kvp_status peer_init(ucx_peer *p, const kvpi_peer_ctx *ctx)
                               ": its rkey is not hex", p->segment, p->regions[i].addr);
     }
     return KVP_OK;
+}
+
+/* The error of a HELLO exchange that ended with status. */
+static kvp_status hello_error(const ucx_peer *p, unsigned status)
+{
+    const char *kid = p->auth ? kvpi_auth_kid(p->auth) : "";
+    switch (status) {
+    case KVPI_UCX_HELLO_OK:
+        return KVP_OK;
+    case KVPI_UCX_HELLO_STALE:
+        return kvpi_error(KVP_ECONNRESET,
+                          "ucx: segment %s: the descriptor read is older than "
+                          "its last %d deregistrations (the next transfer looks it up again)",
+                          p->segment, KVPI_UCX_REVOKE_LOG);
+    case KVPI_UCX_HELLO_AUTH_REQUIRED:
+        return kvpi_error(KVP_EAUTH,
+                          "ucx: segment %s refused us: it authenticates its peers and "
+                          "this engine has no key (docs/security.md)",
+                          p->segment);
+    case KVPI_UCX_HELLO_AUTH_KEY:
+        return kvpi_error(KVP_EAUTH,
+                          "ucx: segment %s refused our key (key id %s): it holds no "
+                          "key of our key id: a different key",
+                          p->segment, kid);
+    case KVPI_UCX_HELLO_AUTH_PROOF:
+        return kvpi_error(KVP_EAUTH, "ucx: segment %s refused our proof (key id %s)", p->segment,
+                          kid);
+    case KVPI_UCX_HELLO_BUSY:
+        return kvpi_error(KVP_ECONNREFUSED,
+                          "ucx: segment %s has too many authentications "
+                          "pending (the next transfer tries again)",
+                          p->segment);
+    case HELLO_IMPOSTOR:
+        return kvpi_error(KVP_EAUTH,
+                          "ucx: segment %s failed to prove the key (its MAC does not "
+                          "match): an impostor, or a replayed answer",
+                          p->segment);
+    case HELLO_BAD_RKEY:
+        return kvpi_error(KVP_EPROTO, "ucx: segment %s: malformed rkeys in its HELLO's answer",
+                          p->segment);
+    default:
+        return kvpi_error(KVP_ENOTSUP, "ucx: segment %s could not pair our endpoint with its own",
+                          p->segment);
+    }
 }
 
 /* Wait for the HELLO's answer within the peer's timeout. */
@@ -513,14 +673,7 @@ static kvp_status await_hello(ucx_peer *p)
     if (!done)
         return kvpi_error(KVP_ETIMEDOUT, "ucx: segment %s did not answer within %d ms",
                           p->segment, p->timeout_ms);
-    if (status == KVPI_UCX_HELLO_STALE)
-        return kvpi_error(KVP_ECONNRESET, "ucx: segment %s: the descriptor read is older than "
-                          "its last %d deregistrations (the next transfer looks it up again)",
-                          p->segment, KVPI_UCX_REVOKE_LOG);
-    if (status != KVPI_UCX_HELLO_OK)
-        return kvpi_error(KVP_ENOTSUP, "ucx: segment %s could not pair our endpoint with its own",
-                          p->segment);
-    return KVP_OK;
+    return hello_error(p, status);
 }
 
 static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
@@ -575,7 +728,7 @@ typedef struct ucx_item {
     size_t length, region;
 } ucx_item;
 
-enum { REFUSED_OUTSIDE = 1, REFUSED_REVOKED = 2 };
+enum { REFUSED_OUTSIDE = 1, REFUSED_REVOKED = 2, REFUSED_NO_RKEY = 3 };
 enum { XFER_QUEUED, XFER_ISSUED, XFER_DONE, XFER_ABANDONED };
 
 /* One peer_xfer call's requests, shared by the calling thread and the
@@ -666,7 +819,8 @@ static void xfer_issue(ucx_xfer *x)
             continue;
         }
         if (p->revoked[it->region]) {
-            it->refused = REFUSED_REVOKED;
+            it->refused =
+                p->revoked[it->region] == REVOKED_NO_RKEY ? REFUSED_NO_RKEY : REFUSED_REVOKED;
             continue;
         }
         prm.user_data = it;
@@ -722,6 +876,11 @@ static kvp_status slice_status(const ucx_peer *p, const ucx_item *it, ucs_status
 {
     if (it->refused == REFUSED_REVOKED)
         return kvpi_error(KVP_ERANGE, "ucx: segment %s deregistered the buffer of 0x%" PRIx64,
+                          p->segment, s->remote);
+    if (it->refused == REFUSED_NO_RKEY)
+        return kvpi_error(KVP_ERANGE,
+                          "ucx: segment %s handed us no rkey for its buffer of 0x%" PRIx64
+                          " (not registered there as the descriptor says any more)",
                           p->segment, s->remote);
     if (it->refused == REFUSED_OUTSIDE)
         return kvpi_error(KVP_ERANGE, "ucx: 0x%" PRIx64 "+%zu lies outside segment %s's buffer",
@@ -827,7 +986,7 @@ static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
 
 const kvpi_transport_ops kvpi_transport_ucx = {
     .name = "ucx",
-    .caps = KVPI_CAP_RDMA,
+    .caps = KVPI_CAP_RDMA | KVPI_CAP_AUTH,
     .mem_kinds = KVPI_MEM_HOST_BIT,
     .group_bytes = (size_t)1 << 20,
     .server_start = kvpi_ucx_server_start,

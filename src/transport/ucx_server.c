@@ -9,7 +9,9 @@
  * refuse a request: what keeps peers inside its registered memory is their
  * own range check against the descriptor, and what keeps them out of memory
  * it deregisters is the REVOKE exchange below, backed by cutting off a peer
- * that does not answer it in time (docs/transport-ucx.md).
+ * that does not answer it in time (docs/transport-ucx.md). In the
+ * authenticated mode the rkeys are not published: a HELLO gets them only
+ * after its initiator answered a challenge with the key (docs/security.md).
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -45,8 +47,11 @@
 #define DEFAULT_TIMEOUT_MS 5000
 
 typedef struct ucx_reg {
+    struct ucx_reg *next; /* the server's list of live registrations */
     ucp_mem_h memh;
     char *rkey_hex;
+    void *rkey; /* packed */
+    size_t rkey_len;
     uint64_t addr, length;
 } ucx_reg;
 
@@ -62,6 +67,16 @@ typedef struct ucx_conn {
     uint64_t acked; /* the highest REVOKE serial it acknowledged */
     int dead;       /* failed or cut off: nothing more is sent to it */
 } ucx_conn;
+
+/* Authenticated mode: an initiator's HELLO answered with a CHALLENGE, its
+ * PROOF awaited. Only the progress thread touches these. */
+typedef struct ucx_chal {
+    struct ucx_chal *next;
+    ucx_conn *conn; /* its endpoint; joins the connections once proven */
+    uint64_t id, epoch, deadline;
+    uint8_t kid[KVPI_AUTH_KID_LEN];
+    uint8_t nc[KVPI_AUTH_NONCE_LEN], ns[KVPI_AUTH_NONCE_LEN];
+} ucx_chal;
 
 /* A worker whose endpoint is closing. */
 typedef struct ucx_retiree {
@@ -80,6 +95,7 @@ struct kvpi_ucx_server {
     char *segment;
     char host_id[KVPI_SHM_HOST_ID_MAX]; /* "" where unknown */
     int timeout_ms;
+    const kvpi_auth *auth; /* the engine's, outlives the server; NULL: plain */
 
     pthread_t thread;
     int thread_started;
@@ -93,10 +109,14 @@ struct kvpi_ucx_server {
     kvpi_ucx_pollee *pollees;
     ucx_retiree *retirees;
     long busy;
+    ucx_chal *chals; /* authenticated mode: challenges pending */
+    int n_chals;
+    uint64_t next_chal;
 
     pthread_mutex_t conns_lock; /* never held across a UCX call */
     pthread_cond_t conns_cond;  /* an acknowledgement came, or a connection failed */
     ucx_conn *conns;
+    ucx_reg *regs; /* live registrations, for the rkeys of a HELLO_ACK */
     uint64_t next_id;
     uint64_t epoch; /* deregistrations so far */
     struct {
@@ -134,17 +154,22 @@ kvp_status kvpi_ucx_status(ucs_status_t st)
     }
 }
 
-char *kvpi_ucx_hex(const void *bytes, size_t n)
+/* Hex text of n bytes into out (2 * n + 1 chars). */
+static void hex_into(const void *bytes, size_t n, char *out)
 {
     static const char digits[] = "0123456789abcdef";
     const uint8_t *b = bytes;
-    char *s = malloc(2 * n + 1);
-    if (!s) return NULL;
     for (size_t i = 0; i < n; i++) {
-        s[2 * i] = digits[b[i] >> 4];
-        s[2 * i + 1] = digits[b[i] & 15];
+        out[2 * i] = digits[b[i] >> 4];
+        out[2 * i + 1] = digits[b[i] & 15];
     }
-    s[2 * n] = '\0';
+    out[2 * n] = '\0';
+}
+
+char *kvpi_ucx_hex(const void *bytes, size_t n)
+{
+    char *s = malloc(2 * n + 1);
+    if (s) hex_into(bytes, n, s);
     return s;
 }
 
@@ -442,6 +467,8 @@ static int stopping(kvpi_ucx_server *s)
     return stop;
 }
 
+static unsigned expire_challenges(kvpi_ucx_server *s);
+
 static void *progress_main(void *arg)
 {
     kvpi_ucx_server *s = arg;
@@ -450,7 +477,7 @@ static void *progress_main(void *arg)
         unsigned did = run_queue(s) + drain(s->worker);
         for (kvpi_ucx_pollee *p = s->pollees; p; p = p->next)
             did += drain(p->worker) + p->service(s, p);
-        did += serve_retirees(s) + reap(s);
+        did += serve_retirees(s) + reap(s) + expire_challenges(s);
         uint64_t now = kvpi_now_ns();
         if (did) {
             idle_since = now;
@@ -480,8 +507,35 @@ static void conn_failed(void *arg, ucp_ep_h ep, ucs_status_t st)
     pthread_mutex_unlock(&s->conns_lock);
 }
 
-/* The answer to a HELLO of epoch, with the ranges deregistered since; adds
- * c to the connections when it is OK. Called with conns_lock. */
+/* The bytes of the rkeys of every live registration in a HELLO_ACK
+ * (authenticated mode). Called with conns_lock. */
+static size_t rkeys_len(const kvpi_ucx_server *s)
+{
+    size_t n = 8;
+    for (const ucx_reg *r = s->regs; r; r = r->next)
+        n += 24 + (r->rkey_len + 7) / 8 * 8;
+    return n;
+}
+
+static void rkeys_put(const kvpi_ucx_server *s, uint8_t *at)
+{
+    uint64_t m = 0;
+    uint8_t *p = at + 8;
+    for (const ucx_reg *r = s->regs; r; r = r->next, m++) {
+        kvpi_put_le64(p, r->addr);
+        kvpi_put_le64(p + 8, r->length);
+        kvpi_put_le64(p + 16, r->rkey_len);
+        size_t padded = (r->rkey_len + 7) / 8 * 8;
+        memset(p + 24, 0, padded);
+        memcpy(p + 24, r->rkey, r->rkey_len);
+        p += 24 + padded;
+    }
+    kvpi_put_le64(at, m);
+}
+
+/* The answer to a HELLO of epoch, with the ranges deregistered since (and,
+ * authenticated, the rkeys); adds c to the connections when it is OK.
+ * Called with conns_lock. */
 static uint8_t *hello_answer(kvpi_ucx_server *s, ucx_conn *c, int paired, uint64_t epoch,
                              unsigned *status, size_t *len)
 {
@@ -492,7 +546,8 @@ static uint8_t *hello_answer(kvpi_ucx_server *s, ucx_conn *c, int paired, uint64
         *status = KVPI_UCX_HELLO_STALE;
     else
         *status = KVPI_UCX_HELLO_OK, n = s->epoch - epoch;
-    *len = KVPI_UCX_HELLO_ACK_LEN + 16 * n;
+    int keys = s->auth && *status == KVPI_UCX_HELLO_OK;
+    *len = KVPI_UCX_HELLO_ACK_LEN + 16 * n + (keys ? rkeys_len(s) : 0);
     uint8_t *ack = malloc(*len);
     if (!ack) return NULL;
     if (*status == KVPI_UCX_HELLO_OK) {
@@ -507,7 +562,104 @@ static uint8_t *hello_answer(kvpi_ucx_server *s, ucx_conn *c, int paired, uint64
         kvpi_put_le64(ack + 16 + 16 * i, s->log[e].addr);
         kvpi_put_le64(ack + 24 + 16 * i, s->log[e].length);
     }
+    if (keys) rkeys_put(s, ack + KVPI_UCX_HELLO_ACK_LEN + 16 * n);
     return ack;
+}
+
+/* Refusals of initiators that do not prove the key, logged as the other
+ * listeners' are: once, then counted (common/log.h). */
+static kvpi_log_limit refusals;
+
+/* Close c's endpoint once its last message went out; a closed endpoint
+ * calls no error callback, so c can go. */
+static void conn_drop(ucx_conn *c)
+{
+    ucp_request_param_t prm = {0};
+    ucs_status_ptr_t r = ucp_ep_close_nbx(c->ep, &prm);
+    if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
+    free(c);
+}
+
+/* Answer a HELLO with a refusal (no connection id, no rkeys) and drop c. */
+static void conn_refuse(ucx_conn *c, unsigned status)
+{
+    uint8_t ack[KVPI_UCX_HELLO_ACK_LEN];
+    kvpi_put_le64(ack, KVPI_UCX_MAGIC | (uint64_t)status << 32);
+    kvpi_put_le64(ack + 8, 0);
+    kvpi_ucx_am_send(c->ep, KVPI_UCX_AM_HELLO_ACK, ack, sizeof ack, 0);
+    conn_drop(c);
+}
+
+/* Answer a HELLO (or, authenticated, a right PROOF) of epoch on c. */
+static void conn_answer(kvpi_ucx_server *s, ucx_conn *c, int paired, uint64_t epoch)
+{
+    unsigned status;
+    size_t len;
+    pthread_mutex_lock(&s->conns_lock);
+    uint8_t *ack = hello_answer(s, c, paired, epoch, &status, &len);
+    pthread_mutex_unlock(&s->conns_lock);
+    /* Authenticated, eager however many rkeys it carries: the initiator
+     * takes whole messages only (a rendezvous would be dropped). */
+    uint32_t flags = s->auth ? UCP_AM_SEND_FLAG_EAGER : 0;
+    if (ack) kvpi_ucx_am_send(c->ep, KVPI_UCX_AM_HELLO_ACK, ack, len, flags);
+    free(ack);
+    if (ack && status == KVPI_UCX_HELLO_OK) return;
+    if (ack)
+        KVPI_INFO("ucx %s: refused an initiator (%s)", s->segment,
+                  status == KVPI_UCX_HELLO_STALE ? "its descriptor is too old"
+                                                 : "its endpoint could not be paired");
+    conn_drop(c);
+}
+
+/* Authenticated: answer an initiator's HELLO (key id kid, nonce nc) with
+ * our nonce and our proof; it joins the connections once its own proof is
+ * right (on_proof). */
+static void challenge(kvpi_ucx_server *s, ucx_conn *c, const uint8_t *kid, const uint8_t *nc,
+                      uint64_t epoch)
+{
+    char hex[2 * KVPI_AUTH_KID_LEN + 1];
+    hex_into(kid, KVPI_AUTH_KID_LEN, hex);
+    if (s->n_chals >= KVPI_UCX_CHALLENGES_MAX) {
+        kvpi_log_limited(&refusals, KVP_LOG_WARN, KVPI_LOG_SUBSYS,
+                         "ucx %s: refused a connection: %d authentications are pending already",
+                         s->segment, KVPI_UCX_CHALLENGES_MAX);
+        conn_refuse(c, KVPI_UCX_HELLO_BUSY);
+        return;
+    }
+    ucx_chal *ch = calloc(1, sizeof *ch);
+    if (!ch) {
+        conn_drop(c); /* the initiator's HELLO times out */
+        return;
+    }
+    memcpy(ch->kid, kid, KVPI_AUTH_KID_LEN);
+    memcpy(ch->nc, nc, KVPI_AUTH_NONCE_LEN);
+    kvpi_auth_nonce(ch->ns);
+    uint8_t msg[KVPI_UCX_CHALLENGE_LEN];
+    if (kvpi_auth_mac(s->auth, kid, "server", KVPI_UCX_AUTH_CHANNEL, ch->nc, ch->ns,
+                      msg + 16 + KVPI_AUTH_NONCE_LEN) != 0) {
+        kvpi_log_limited(&refusals, KVP_LOG_WARN, KVPI_LOG_SUBSYS,
+                         "ucx %s: refused a connection: the peer proves with key id %s, which "
+                         "is not ours (%s): a different key",
+                         s->segment, hex, kvpi_auth_kid(s->auth));
+        free(ch);
+        conn_refuse(c, KVPI_UCX_HELLO_AUTH_KEY);
+        return;
+    }
+    ch->conn = c;
+    ch->id = ++s->next_chal;
+    ch->epoch = epoch;
+    ch->deadline = kvpi_deadline_ns(s->timeout_ms);
+    kvpi_put_le64(msg, KVPI_UCX_MAGIC);
+    kvpi_put_le64(msg + 8, ch->id);
+    memcpy(msg + 16, ch->ns, KVPI_AUTH_NONCE_LEN);
+    if (kvpi_ucx_am_send(c->ep, KVPI_UCX_AM_CHALLENGE, msg, sizeof msg, 0)) {
+        free(ch);
+        conn_drop(c);
+        return;
+    }
+    ch->next = s->chals;
+    s->chals = ch;
+    s->n_chals++;
 }
 
 static ucs_status_t on_hello(void *arg, const void *header, size_t header_length, void *data,
@@ -517,7 +669,9 @@ static ucs_status_t on_hello(void *arg, const void *header, size_t header_length
     (void)header_length;
     kvpi_ucx_server *s = arg;
     const uint8_t *d = data;
-    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length <= KVPI_UCX_HELLO_LEN ||
+    int authed = length >= 8 && (kvpi_get_le64(d) >> 48 & KVPI_UCX_HELLO_FLAG_AUTH);
+    size_t head = authed ? KVPI_UCX_HELLO_AUTH_LEN : KVPI_UCX_HELLO_LEN;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length <= head ||
         !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ||
         (uint32_t)kvpi_get_le64(d) != KVPI_UCX_MAGIC ||
         (kvpi_get_le64(d) >> 32 & 0xffff) != KVPI_UCX_VERSION) {
@@ -530,7 +684,7 @@ static ucs_status_t on_hello(void *arg, const void *header, size_t header_length
     ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
                                         UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                                         UCP_EP_PARAM_FIELD_ERR_HANDLER,
-                          .address = (const ucp_address_t *)(d + KVPI_UCX_HELLO_LEN),
+                          .address = (const ucp_address_t *)(d + head),
                           .err_mode = UCP_ERR_HANDLING_MODE_PEER,
                           .err_handler = {.cb = conn_failed, .arg = c}};
     ucs_status_t ust = ucp_ep_create(s->worker, &ep, &c->ep);
@@ -540,26 +694,92 @@ static ucs_status_t on_hello(void *arg, const void *header, size_t header_length
         free(c);
         return UCS_OK;
     }
-    unsigned status;
-    size_t len;
-    pthread_mutex_lock(&s->conns_lock);
-    uint8_t *ack = hello_answer(s, c, c->ep == param->reply_ep, kvpi_get_le64(d + 8), &status,
-                                &len);
-    pthread_mutex_unlock(&s->conns_lock);
-    if (ack) kvpi_ucx_am_send(c->ep, KVPI_UCX_AM_HELLO_ACK, ack, len, 0);
-    free(ack);
-    if (ack && status == KVPI_UCX_HELLO_OK) return UCS_OK;
-    if (ack)
-        KVPI_INFO("ucx %s: refused an initiator (%s)", s->segment,
-                  status == KVPI_UCX_HELLO_STALE ? "its descriptor is too old"
-                                                 : "its endpoint could not be paired");
-    /* Closed after the answer went out; a closed endpoint calls no error
-     * callback, so c can go. */
-    ucp_request_param_t prm = {0};
-    ucs_status_ptr_t r = ucp_ep_close_nbx(c->ep, &prm);
-    if (UCS_PTR_IS_PTR(r)) ucp_request_free(r);
-    free(c);
+    int paired = c->ep == param->reply_ep;
+    uint64_t epoch = kvpi_get_le64(d + 8);
+    if (s->auth && !authed) {
+        kvpi_log_limited(&refusals, KVP_LOG_WARN, KVPI_LOG_SUBSYS,
+                         "ucx %s: refused a connection: the peer sent a HELLO without "
+                         "authenticating (a kvpipe peer without the key)",
+                         s->segment);
+        conn_refuse(c, KVPI_UCX_HELLO_AUTH_REQUIRED);
+    } else if (authed && !s->auth) {
+        conn_refuse(c, KVPI_UCX_HELLO_AUTH_KEY); /* we hold no key at all */
+    } else if (authed && !paired) {
+        conn_refuse(c, KVPI_UCX_HELLO_UNPAIRED);
+    } else if (authed) {
+        challenge(s, c, d + KVPI_UCX_HELLO_LEN, d + KVPI_UCX_HELLO_LEN + KVPI_AUTH_KID_LEN, epoch);
+    } else {
+        conn_answer(s, c, paired, epoch);
+    }
     return UCS_OK;
+}
+
+/* Authenticated: the initiator's answer to our CHALLENGE. It must come on
+ * the endpoint the challenge went to and carry the client's MAC over both
+ * nonces; only then does the initiator get its connection and the rkeys. */
+static ucs_status_t on_proof(void *arg, const void *header, size_t header_length, void *data,
+                             size_t length, const ucp_am_recv_param_t *param)
+{
+    (void)header;
+    (void)header_length;
+    kvpi_ucx_server *s = arg;
+    const uint8_t *d = data;
+    if (!s->auth || length != KVPI_UCX_PROOF_LEN || (uint32_t)kvpi_get_le64(d) != KVPI_UCX_MAGIC ||
+        !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP))
+        return UCS_OK;
+    uint64_t id = kvpi_get_le64(d + 8);
+    ucx_chal **pc = &s->chals;
+    while (*pc && ((*pc)->id != id || (*pc)->conn->ep != param->reply_ep))
+        pc = &(*pc)->next;
+    ucx_chal *ch = *pc;
+    if (!ch) {
+        KVPI_DEBUG("ucx %s: ignored a PROOF of no pending challenge", s->segment);
+        return UCS_OK;
+    }
+    *pc = ch->next;
+    s->n_chals--;
+    ucx_conn *c = ch->conn;
+    int ok = kvpi_auth_mac_check(s->auth, ch->kid, "client", KVPI_UCX_AUTH_CHANNEL, ch->nc, ch->ns,
+                                 d + 16) == 0;
+    if (!ok) {
+        char hex[2 * KVPI_AUTH_KID_LEN + 1];
+        hex_into(ch->kid, KVPI_AUTH_KID_LEN, hex);
+        kvpi_log_limited(&refusals, KVP_LOG_WARN, KVPI_LOG_SUBSYS,
+                         "ucx %s: refused a connection: the peer's proof does not match (key "
+                         "id %s): a wrong or replayed handshake",
+                         s->segment, hex);
+        conn_refuse(c, KVPI_UCX_HELLO_AUTH_PROOF);
+    } else {
+        conn_answer(s, c, 1, ch->epoch);
+    }
+    free(ch);
+    return UCS_OK;
+}
+
+/* Drop challenges unanswered in time, and those whose endpoint failed. */
+static unsigned expire_challenges(kvpi_ucx_server *s)
+{
+    unsigned n = 0;
+    uint64_t now = kvpi_now_ns();
+    for (ucx_chal **pc = &s->chals; *pc;) {
+        ucx_chal *ch = *pc;
+        pthread_mutex_lock(&s->conns_lock);
+        int dead = ch->conn->dead;
+        pthread_mutex_unlock(&s->conns_lock);
+        if (!dead && now < ch->deadline) {
+            pc = &ch->next;
+            continue;
+        }
+        *pc = ch->next;
+        s->n_chals--;
+        KVPI_DEBUG("ucx %s: an initiator did not answer its challenge%s", s->segment,
+                   dead ? " (its endpoint failed)" : " in time");
+        kvpi_ucx_ep_close_force(ch->conn->ep);
+        free(ch->conn);
+        free(ch);
+        n++;
+    }
+    return n;
 }
 
 static ucs_status_t on_revoke_ack(void *arg, const void *header, size_t header_length,
@@ -628,12 +848,23 @@ kvp_status kvpi_ucx_mem_reg(void *server, const kvpi_region *region, void **hand
         return kvpi_error(kvpi_ucx_status(st), "ucx: ucp_rkey_pack: %s", ucs_status_string(st));
     }
     r->rkey_hex = kvpi_ucx_hex(rkey, rkey_len);
+    r->rkey = malloc(rkey_len);
+    if (r->rkey) memcpy(r->rkey, rkey, rkey_len);
+    r->rkey_len = rkey_len;
     ucp_rkey_buffer_release(rkey);
-    if (!r->rkey_hex) {
+    if (!r->rkey_hex || !r->rkey) {
         ucp_mem_unmap(s->ctx, r->memh);
+        free(r->rkey_hex);
+        free(r->rkey);
         free(r);
         return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
     }
+    /* From now on a HELLO_ACK hands its rkey out (authenticated mode): before
+     * the region is in any descriptor. */
+    pthread_mutex_lock(&s->conns_lock);
+    r->next = s->regs;
+    s->regs = r;
+    pthread_mutex_unlock(&s->conns_lock);
     *handle = r;
     return KVP_OK;
 }
@@ -655,6 +886,11 @@ static void dereg_begin(kvpi_ucx_server *s, void *arg)
     s->log[d->serial % KVPI_UCX_REVOKE_LOG].addr = d->reg->addr;
     s->log[d->serial % KVPI_UCX_REVOKE_LOG].length = d->reg->length;
     d->last_id = s->next_id;
+    for (ucx_reg **pr = &s->regs; *pr; pr = &(*pr)->next)
+        if (*pr == d->reg) {
+            *pr = d->reg->next; /* no HELLO_ACK hands its rkey out any more */
+            break;
+        }
     pthread_mutex_unlock(&s->conns_lock);
     uint8_t msg[KVPI_UCX_REVOKE_LEN];
     kvpi_put_le64(msg, KVPI_UCX_MAGIC);
@@ -711,6 +947,7 @@ void kvpi_ucx_mem_dereg(void *server, void *handle)
      * the others are cut off. */
     ucp_mem_unmap(s->ctx, d.reg->memh);
     free(d.reg->rkey_hex);
+    free(d.reg->rkey);
     free(d.reg);
     pthread_mutex_unlock(&s->dereg_lock);
 }
@@ -727,6 +964,7 @@ kvp_status kvpi_ucx_server_describe(void *server, cJSON *doc)
     if (!o || !cJSON_AddNumberToObject(o, "version", KVPI_UCX_VERSION) ||
         !cJSON_AddStringToObject(o, "worker", s->worker_hex) ||
         !cJSON_AddNumberToObject(o, "epoch", epoch) ||
+        (s->auth && !cJSON_AddTrueToObject(o, KVPI_UCX_AUTH_FIELD)) ||
         (s->host_id[0] && (!cJSON_AddStringToObject(o, "host_id", s->host_id) ||
                            !cJSON_AddNumberToObject(o, "pid", (double)getpid()))))
         return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
@@ -736,9 +974,10 @@ kvp_status kvpi_ucx_server_describe(void *server, cJSON *doc)
 kvp_status kvpi_ucx_buffer_describe(void *server, const kvpi_region *region, void *handle,
                                     cJSON *buffer)
 {
-    (void)server;
     (void)region;
+    kvpi_ucx_server *s = server;
     ucx_reg *r = handle;
+    if (s->auth) return KVP_OK; /* rkeys go to authenticated initiators only */
     if (!cJSON_AddStringToObject(buffer, KVPI_UCX_RKEY_FIELD, r->rkey_hex))
         return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
     return KVP_OK;
@@ -956,7 +1195,8 @@ static kvp_status start_worker(kvpi_ucx_server *s)
     ucp_worker_release_address(s->worker, addr);
     if (!s->worker_hex) return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
     if ((st = kvpi_ucx_set_handler(s->worker, KVPI_UCX_AM_HELLO, on_hello, s)) ||
-        (st = kvpi_ucx_set_handler(s->worker, KVPI_UCX_AM_BYE, on_bye, s)))
+        (st = kvpi_ucx_set_handler(s->worker, KVPI_UCX_AM_BYE, on_bye, s)) ||
+        (st = kvpi_ucx_set_handler(s->worker, KVPI_UCX_AM_PROOF, on_proof, s)))
         return st;
     return kvpi_ucx_set_handler(s->worker, KVPI_UCX_AM_REVOKE_ACK, on_revoke_ack, s);
 }
@@ -994,6 +1234,7 @@ kvp_status kvpi_ucx_server_start(const kvpi_server_ctx *ctx, void **server)
     pthread_mutex_init(&s->dereg_lock, NULL);
     kvpi_cond_init(&s->conns_cond);
     s->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : DEFAULT_TIMEOUT_MS;
+    s->auth = ctx->auth;
     kvp_status st = KVP_OK;
     if (!(s->segment = strdup(ctx->segment ? ctx->segment : "")))
         st = kvpi_error(KVP_ENOMEM, "ucx: out of memory");
@@ -1005,8 +1246,8 @@ kvp_status kvpi_ucx_server_start(const kvpi_server_ctx *ctx, void **server)
         kvpi_ucx_server_stop(s);
         return st;
     }
-    KVPI_INFO("ucx %s: serving (UCX %s, UCX_TLS=%s)", s->segment, ucp_get_version_string(),
-              getenv("UCX_TLS") ? getenv("UCX_TLS") : "all");
+    KVPI_INFO("ucx %s: serving (UCX %s, UCX_TLS=%s%s)", s->segment, ucp_get_version_string(),
+              getenv("UCX_TLS") ? getenv("UCX_TLS") : "all", s->auth ? ", authenticated" : "");
     *server = s;
     return KVP_OK;
 }
@@ -1033,6 +1274,13 @@ void kvpi_ucx_server_stop(void *server)
         free(c);
     }
     s->conns = NULL; /* the handlers still run while the worker drains */
+    for (ucx_chal *ch = s->chals, *next; ch; ch = next) {
+        next = ch->next;
+        kvpi_ucx_ep_close_force(ch->conn->ep);
+        free(ch->conn);
+        free(ch);
+    }
+    s->chals = NULL;
     while (s->retirees) {
         ucx_retiree *r = s->retirees;
         s->retirees = r->next;
