@@ -64,7 +64,7 @@
  *              rkey length | the packed rkey, zero-padded to 8 bytes: every
  *              region registered at that moment.
  * A challenge unanswered within timeout_ms is dropped and its endpoint
- * closed; at most KVPI_UCX_CHALLENGES_MAX are pending at once. A plain HELLO
+ * closed; at most max_connections are pending at once. A plain HELLO
  * to an authenticated target gets a HELLO_ACK of status AUTH_REQUIRED.
  */
 #ifndef KVPI_TRANSPORT_UCX_INTERNAL_H
@@ -99,7 +99,7 @@ enum kvpi_ucx_hello_status {
     KVPI_UCX_HELLO_AUTH_REQUIRED = 3, /* authenticated target, plain HELLO */
     KVPI_UCX_HELLO_AUTH_KEY = 4,      /* the target holds no key of the HELLO's kid */
     KVPI_UCX_HELLO_AUTH_PROOF = 5,    /* the initiator's proof was wrong */
-    KVPI_UCX_HELLO_BUSY = 6,          /* KVPI_UCX_CHALLENGES_MAX pending already */
+    KVPI_UCX_HELLO_BUSY = 6,          /* max_connections challenges pending already */
 };
 
 #define KVPI_UCX_HELLO_FLAG_AUTH 1u
@@ -110,8 +110,9 @@ enum kvpi_ucx_hello_status {
 #define KVPI_UCX_CHALLENGE_LEN (16 + KVPI_AUTH_NONCE_LEN + KVPI_AUTH_MAC_LEN)
 #define KVPI_UCX_PROOF_LEN (16 + KVPI_AUTH_MAC_LEN)
 /* Challenges an authenticated target keeps pending at once (strangers' HELLOs
- * beyond it are refused). */
-#define KVPI_UCX_CHALLENGES_MAX 64
+ * beyond it are refused): the listener's max_connections, as for every other
+ * listener's incomplete connections, or this without one. */
+#define KVPI_UCX_CHALLENGES_DEFAULT 256
 
 #define KVPI_UCX_HELLO_LEN 16
 #define KVPI_UCX_HELLO_ACK_LEN 16

@@ -110,7 +110,7 @@ struct kvpi_ucx_server {
     ucx_retiree *retirees;
     long busy;
     ucx_chal *chals; /* authenticated mode: challenges pending */
-    int n_chals;
+    int n_chals, max_chals;
     uint64_t next_chal;
 
     pthread_mutex_t conns_lock; /* never held across a UCX call */
@@ -619,10 +619,11 @@ static void challenge(kvpi_ucx_server *s, ucx_conn *c, const uint8_t *kid, const
 {
     char hex[2 * KVPI_AUTH_KID_LEN + 1];
     hex_into(kid, KVPI_AUTH_KID_LEN, hex);
-    if (s->n_chals >= KVPI_UCX_CHALLENGES_MAX) {
+    if (s->n_chals >= s->max_chals) {
         kvpi_log_limited(&refusals, KVP_LOG_WARN, KVPI_LOG_SUBSYS,
-                         "ucx %s: refused a connection: %d authentications are pending already",
-                         s->segment, KVPI_UCX_CHALLENGES_MAX);
+                         "ucx %s: refused a connection: %d authentications are pending already "
+                         "(max_connections)",
+                         s->segment, s->max_chals);
         conn_refuse(c, KVPI_UCX_HELLO_BUSY);
         return;
     }
@@ -1235,6 +1236,7 @@ kvp_status kvpi_ucx_server_start(const kvpi_server_ctx *ctx, void **server)
     kvpi_cond_init(&s->conns_cond);
     s->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : DEFAULT_TIMEOUT_MS;
     s->auth = ctx->auth;
+    s->max_chals = ctx->max_conns > 0 ? ctx->max_conns : KVPI_UCX_CHALLENGES_DEFAULT;
     kvp_status st = KVP_OK;
     if (!(s->segment = strdup(ctx->segment ? ctx->segment : "")))
         st = kvpi_error(KVP_ENOMEM, "ucx: out of memory");
