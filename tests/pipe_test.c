@@ -660,6 +660,13 @@ static int recv_then_die(kvp_pipe *pipe, int rank)
 
 static void test_receiver_killed(void)
 {
+    /* The receiver dies with READs in flight (its window READs ahead); over
+     * UCX's tcp, UCX older than 1.14 then aborts the sender in the GET it
+     * emulates (docs/transport-ucx.md, "Known UCX 1.13.1 bugs";
+     * ucx_faults_test's initiator_killed skips alike). */
+    if (R->ucx_tls && strcmp(R->ucx_tls, "tcp") == 0 && kvpt_ucx_older_than(1, 14))
+        SKIP("UCX older than 1.14 over tcp can abort the sender when a reader dies mid-READ "
+             "(ucp_get_req_handler: \"unexpected error: Endpoint timeout\")");
     setup s;
     REQUIRE(make_setup(&s, 0) == 0);
     kvp_pipe_opts o = tcp_opts();

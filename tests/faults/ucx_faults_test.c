@@ -19,9 +19,6 @@
 #include "ctarget.h"
 #include "test.h"
 #include "transport/transport.h"
-#if KVP_HAVE_UCX
-#include <ucp/api/ucp.h>
-#endif
 
 #define SEED 0x3c
 #define MIB ((size_t)1 << 20)
@@ -49,19 +46,6 @@ static int start_initiator(const kvpt_ctarget *t, kvp_engine **e, kvp_segment_id
     if (kvpt_initiator_start("rdma", 1, TIMEOUT_MS, e) != 0) return -1;
     if (kvp_engine_open_segment(*e, t->name, seg) != KVP_OK) return -1;
     return strcmp(kvp_engine_segment_transport(*e, *seg), "ucx") == 0 ? 0 : -1;
-}
-
-/* Is the UCX this runs with older than major.minor? */
-static int ucx_older_than(unsigned major, unsigned minor)
-{
-#if KVP_HAVE_UCX
-    unsigned ma, mi, rel;
-    ucp_get_version(&ma, &mi, &rel);
-    return ma < major || (ma == major && mi < minor);
-#else
-    (void)major, (void)minor;
-    return 0; /* every case skips */
-#endif
 }
 
 /* Is the target alive and answering? */
@@ -196,7 +180,7 @@ static void deregistered_while_peer_frozen(void)
      * message", removed in UCX 1.14: docs/transport-ucx.md) when a writer
      * that connected again after being cut off dies: there the target stops
      * first. */
-    int ucx_bug = strcmp(tls, "tcp") == 0 && ucx_older_than(1, 14);
+    int ucx_bug = strcmp(tls, "tcp") == 0 && kvpt_ucx_older_than(1, 14);
     if (ucx_bug) CHECK(kvpt_ctarget_stop(&t) == 0);
     kill(r, SIGKILL);
     waitpid(r, NULL, 0);
@@ -210,7 +194,7 @@ static void initiator_killed(void)
     /* docs/transport-ucx.md, "Known UCX 1.13.1 bugs": the target's UCX
      * aborts in ucp_get_req_handler when the GET it emulates over tcp meets
      * the killed initiator's failed endpoint. */
-    if (strcmp(tls, "tcp") == 0 && ucx_older_than(1, 14))
+    if (strcmp(tls, "tcp") == 0 && kvpt_ucx_older_than(1, 14))
         SKIP("UCX older than 1.14 over tcp can abort the target when a reader dies mid-READ "
              "(ucp_get_req_handler: \"unexpected error: Endpoint timeout\")");
     kvpt_ctarget t;

@@ -15,6 +15,9 @@
 
 #include "common/net.h"
 #include "test.h"
+#if KVP_HAVE_UCX
+#include <ucp/api/ucp.h>
+#endif
 
 int kvpt_failures;
 static int passed, failed, skipped;
@@ -227,4 +230,16 @@ size_t kvpt_verify(const void *buf, size_t len, uint64_t seed)
 const char *kvpt_cli(void)
 {
     return KVP_CLI_PATH;
+}
+
+int kvpt_ucx_older_than(unsigned major, unsigned minor)
+{
+#if KVP_HAVE_UCX
+    unsigned ma, mi, rel;
+    ucp_get_version(&ma, &mi, &rel);
+    return ma < major || (ma == major && mi < minor);
+#else
+    (void)major, (void)minor;
+    return 0;
+#endif
 }

@@ -65,6 +65,11 @@ void kvpt_run(const char *name, void (*fn)(void), int timeout_s);
  * ctest reports such a program as skipped (SKIP_RETURN_CODE). */
 #define KVPT_SKIP_EXIT 77
 
+/* Whether the UCX this process runs with is older than major.minor (0 in a
+ * build without UCX, whose ucx cases skip anyway). For cases that meet a bug
+ * of an old UCX (docs/transport-ucx.md, "Known UCX 1.13.1 bugs"). */
+int kvpt_ucx_older_than(unsigned major, unsigned minor);
+
 /* Print the summary line; returns the process exit code: 1 if a case failed,
  * KVPT_SKIP_EXIT if every case that ran skipped, else 0. */
 int kvpt_summary(void);
