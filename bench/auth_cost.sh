@@ -3,7 +3,7 @@
 # the plain mode measured in the same run:
 #   - connection setup: bench/auth_setup (connect + handshake + first 8-byte
 #     READ, median over --count connections to each of two targets);
-#   - ucx link setup: bench/ucx_auth_setup (UCP worker and endpoint, the
+#   - ucx link setup: bench/auth_setup --transport ucx (UCP worker and endpoint, the
 #     HELLO exchange - with the challenge-response when authenticated - and
 #     a first 8-byte READ, median over --ucx-count links to each of two
 #     targets), on UCX's tcp and on its shared memory; left out in a build
@@ -29,7 +29,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 kvpipe="$build/kvpipe"
-for bin in "$kvpipe" "$build/auth_setup" "$build/ucx_auth_setup"; do
+for bin in "$kvpipe" "$build/auth_setup"; do
     [ -x "$bin" ] || { echo "bench/auth_cost.sh: $bin not built" >&2; exit 1; }
 done
 tmp=$(mktemp -d)
@@ -46,7 +46,7 @@ echo "connection setup:"
 echo "ucx link setup:"
 for tls in tcp sm,self; do
     rc=0
-    UCX_TLS=$tls "$build/ucx_auth_setup" --key "$tmp/key" --count "$ucx_count" || rc=$?
+    UCX_TLS=$tls "$build/auth_setup" --transport ucx --key "$tmp/key" --count "$ucx_count" || rc=$?
     if [ "$rc" = 77 ]; then echo "(no ucx transport in this build)"; break; fi
     [ "$rc" = 0 ] || exit 1
 done

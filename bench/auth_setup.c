@@ -1,11 +1,20 @@
-/* auth_setup: what the authenticated mode adds to setting up a connection.
+/* auth_setup: what the authenticated mode adds to setting up a connection
+ * (--transport tcp, the default) or a ucx link (--transport ucx).
  *
- * Two target engines in child processes on loopback, one plain and one with
- * the key file given; this process opens --count connections to each TCP
- * data port, in alternating rounds so that both see the same machine: a
- * connection is connect(), the authentication handshake (the authenticated
- * target only), one 8-byte v2 READ and its answer, close(). Prints one JSON
- * line {"plain_us": median, "auth_us": median, "ratio": auth / plain}. */
+ * Two target engines in child processes (P2PHANDSHAKE, shm off), one plain
+ * and one with the key file given; this process opens --count connections
+ * (or links) to each, in alternating rounds so that both see the same
+ * machine, and times each:
+ *   tcp: connect() to the TCP data port, the authentication handshake (the
+ *        authenticated target only), one 8-byte v2 READ and its answer,
+ *        close();
+ *   ucx: the target's descriptor is read once; a link is a UCP worker and
+ *        endpoint to the target's worker through the ucx transport's ops,
+ *        the HELLO exchange (plain: one round trip; authenticated: the
+ *        challenge-response, two), one 8-byte READ and the close. UCX_TLS
+ *        chooses UCX's transport as usual; exits 77 in a build without ucx.
+ * Prints one JSON line {"transport", "count", "plain_us": median, "auth_us":
+ * median, "ratio": auth / plain} (ucx: with "UCX_TLS"). */
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,17 +26,21 @@
 #include "common/auth.h"
 #include "common/clock.h"
 #include "common/net.h"
+#include "engine/descriptor.h"
 #include "kvpipe/kvpipe.h"
+#include "metadata/metadata.h"
 #include "transport/tcp_wire.h"
+#include "transport/transport.h"
 
 typedef struct target {
     pid_t pid;
     int ctl; /* closing it stops the child */
-    int port;
+    int port, rpc_port;
     uint64_t addr;
 } target;
 
-static int start_target(const char *key, target *t)
+/* A target engine serving protocol ("tcp" or "rdma") with key (empty: plain). */
+static int start_target(const char *key, const char *protocol, target *t)
 {
     int up[2], ctl[2];
     if (pipe(up) || pipe(ctl)) return -1;
@@ -40,6 +53,7 @@ static int start_target(const char *key, target *t)
         kvp_engine_opts_init(&o);
         o.local_server_name = "127.0.0.1:0";
         o.metadata = "P2PHANDSHAKE";
+        o.protocol = protocol;
         o.disable_shm = 1;
         o.auth_key_file = key;
         kvp_engine *e;
@@ -48,7 +62,8 @@ static int start_target(const char *key, target *t)
             fprintf(stderr, "auth_setup: target: %s\n", kvp_last_error());
             _exit(1);
         }
-        uint64_t msg[2] = {(uint64_t)kvp_engine_data_port(e), (uint64_t)(uintptr_t)buf};
+        uint64_t msg[3] = {(uint64_t)kvp_engine_data_port(e), (uint64_t)kvp_engine_rpc_port(e),
+                           (uint64_t)(uintptr_t)buf};
         if (write(up[1], msg, sizeof msg) != (ssize_t)sizeof msg) _exit(1);
         char c;
         while (read(ctl[0], &c, 1) > 0) {
@@ -58,18 +73,19 @@ static int start_target(const char *key, target *t)
     }
     close(up[1]);
     close(ctl[0]);
-    uint64_t msg[2];
+    uint64_t msg[3];
     int ok = read(up[0], msg, sizeof msg) == (ssize_t)sizeof msg;
     close(up[0]);
     t->ctl = ctl[1];
     t->port = (int)msg[0];
-    t->addr = msg[1];
+    t->rpc_port = (int)msg[1];
+    t->addr = msg[2];
     return ok ? 0 : -1;
 }
 
 /* One connection's setup and first request; its time in microseconds, or
  * -1 on failure. */
-static double one(const target *t, const kvpi_auth *a)
+static double tcp_one(const target *t, const kvpi_auth *a)
 {
     uint64_t t0 = kvpi_now_ns(), deadline = kvpi_deadline_ns(5000);
     int fd;
@@ -88,6 +104,80 @@ static double one(const target *t, const kvpi_auth *a)
     return (double)(kvpi_now_ns() - t0) / 1000.0;
 }
 
+/* What a link to one target needs: its descriptor and a local ucx server
+ * in the target's mode. */
+typedef struct side {
+    const kvpi_auth *auth;
+    kvpi_descriptor desc;
+    kvpi_region_table regions;
+    void *server;
+} side;
+
+static const kvpi_transport_ops *ucx;
+
+static int side_open(side *s, const target *t, const kvpi_auth *a)
+{
+    char *text = NULL;
+    s->auth = a;
+    if (kvpi_rpc_call_auth("127.0.0.1", t->rpc_port, a, KVPI_RPC_METADATA, "{}", 5000, &text) ||
+        kvpi_descriptor_parse(text, &s->desc)) {
+        fprintf(stderr, "auth_setup: descriptor: %s\n", kvp_last_error());
+        free(text);
+        return -1;
+    }
+    free(text);
+    kvpi_region_table_init(&s->regions);
+    kvpi_server_ctx sc = {
+        .segment = "auth_setup", .host = "127.0.0.1", .regions = &s->regions, .auth = a};
+    if (ucx->server_start(&sc, &s->server)) {
+        fprintf(stderr, "auth_setup: %s\n", kvp_last_error());
+        return -1;
+    }
+    return 0;
+}
+
+static void side_close(side *s)
+{
+    ucx->server_stop(s->server);
+    kvpi_region_table_destroy(&s->regions);
+    kvpi_descriptor_free(&s->desc);
+}
+
+/* One link's setup and first READ; its time in microseconds, or -1. */
+static double ucx_one(side *s)
+{
+    uint64_t t0 = kvpi_now_ns();
+    kvpi_peer_ctx pc = {.segment = s->desc.name,
+                        .host = "127.0.0.1",
+                        .desc = s->desc.json,
+                        .regions = s->desc.regions,
+                        .buffers = s->desc.buffers,
+                        .n_regions = s->desc.n_regions,
+                        .server = s->server,
+                        .timeout_ms = 5000,
+                        .auth = s->auth};
+    void *peer;
+    if (ucx->peer_open(&pc, &peer)) {
+        fprintf(stderr, "auth_setup: %s\n", kvp_last_error());
+        return -1;
+    }
+    char local[8];
+    kvpi_slice sl = {.opcode = KVP_OP_READ,
+                     .local = local,
+                     .remote = s->desc.regions[0].addr,
+                     .length = sizeof local,
+                     .remote_region = 0};
+    kvpi_slice *slices[1] = {&sl};
+    kvp_status st = ucx->peer_xfer(peer, slices, 1);
+    if (!st) st = sl.status;
+    ucx->peer_close(peer);
+    if (st) {
+        fprintf(stderr, "auth_setup: READ: %s\n", kvp_strerror(st));
+        return -1;
+    }
+    return (double)(kvpi_now_ns() - t0) / 1000.0;
+}
+
 static int cmp(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
@@ -96,37 +186,54 @@ static int cmp(const void *a, const void *b)
 
 int main(int argc, char **argv)
 {
-    const char *key = NULL;
-    int count = 2000;
-    static const struct option opts[] = {
-        {"key", required_argument, NULL, 'k'}, {"count", required_argument, NULL, 'n'}, {0}};
+    const char *key = NULL, *transport = "tcp";
+    int count = 0;
+    static const struct option opts[] = {{"key", required_argument, NULL, 'k'},
+                                         {"count", required_argument, NULL, 'n'},
+                                         {"transport", required_argument, NULL, 't'},
+                                         {0}};
     for (int c; (c = getopt_long(argc, argv, "", opts, NULL)) != -1;) {
         if (c == 'k')
             key = optarg;
         else if (c == 'n')
             count = atoi(optarg);
+        else if (c == 't')
+            transport = optarg;
         else
             return 2;
     }
-    if (!key || count < 10) {
-        fprintf(stderr, "usage: auth_setup --key FILE [--count N]\n");
+    int over_ucx = strcmp(transport, "ucx") == 0;
+    if (!count) count = over_ucx ? 200 : 2000;
+    if (!key || count < 10 || (!over_ucx && strcmp(transport, "tcp") != 0)) {
+        fprintf(stderr, "usage: auth_setup --key FILE [--count N] [--transport tcp|ucx]\n");
         return 2;
+    }
+    if (over_ucx && !(ucx = kvpi_transport_lookup("ucx"))) {
+        fprintf(stderr, "auth_setup: this build has no ucx transport\n");
+        return 77;
     }
     kvpi_auth *a;
     if (kvpi_auth_load(key, &a)) {
         fprintf(stderr, "auth_setup: %s\n", kvp_last_error());
         return 1;
     }
+    const char *protocol = over_ucx ? "rdma" : "tcp";
     target plain, authed;
-    if (start_target("", &plain) || start_target(key, &authed)) return 1;
+    if (start_target("", protocol, &plain) || start_target(key, protocol, &authed)) return 1;
+    side sp = {0}, sa = {0};
+    int bad = over_ucx && (side_open(&sp, &plain, NULL) || side_open(&sa, &authed, a));
     double *tp = calloc((size_t)count, sizeof *tp), *ta = calloc((size_t)count, sizeof *ta);
-    int n = 0, bad = 0;
-    for (int round = 0; n < count && !bad; round++)
-        for (int i = 0; i < 50 && n < count; i++, n++) {
-            tp[n] = one(&plain, NULL);
-            ta[n] = one(&authed, a);
+    /* Rounds of a few of each: a ucx link takes milliseconds, a connection
+     * tens of microseconds. */
+    int n = 0, per_round = over_ucx ? 10 : 50;
+    while (n < count && !bad)
+        for (int i = 0; i < per_round && n < count; i++, n++) {
+            tp[n] = over_ucx ? ucx_one(&sp) : tcp_one(&plain, NULL);
+            ta[n] = over_ucx ? ucx_one(&sa) : tcp_one(&authed, a);
             bad = tp[n] < 0 || ta[n] < 0;
         }
+    if (sp.server) side_close(&sp);
+    if (sa.server) side_close(&sa);
     close(plain.ctl);
     close(authed.ctl);
     waitpid(plain.pid, NULL, 0);
@@ -135,8 +242,10 @@ int main(int argc, char **argv)
     qsort(tp, (size_t)n, sizeof *tp, cmp);
     qsort(ta, (size_t)n, sizeof *ta, cmp);
     double mp = tp[n / 2], ma = ta[n / 2];
-    printf("{\"connections\": %d, \"plain_us\": %.1f, \"auth_us\": %.1f, \"ratio\": %.2f}\n", n, mp,
-           ma, ma / mp);
+    const char *tls = getenv("UCX_TLS");
+    printf("{\"transport\": \"%s\", \"count\": %d", transport, n);
+    if (over_ucx) printf(", \"UCX_TLS\": \"%s\"", tls ? tls : "all");
+    printf(", \"plain_us\": %.1f, \"auth_us\": %.1f, \"ratio\": %.2f}\n", mp, ma, ma / mp);
     free(tp);
     free(ta);
     kvpi_auth_free(a);
