@@ -145,6 +145,16 @@ static int count_lines(const char *path, const char *needle)
     return n;
 }
 
+/* A case's target log: named on stderr when the case failed, removed when
+ * it passed. */
+static void keep_log_if_failed(const char *log)
+{
+    if (kvpt_failures)
+        fprintf(stderr, "  target log: %s\n", log);
+    else
+        unlink(log);
+}
+
 /* The peer closed fd: end of stream (or a reset) with no byte before it,
  * within WAIT_MS. */
 static int closed_silently(int fd)
@@ -398,10 +408,7 @@ static void listeners_refuse_strangers(void)
     int data_lines = count_lines(log, "tcp data server");
     CHECK(count_lines(log, "refused a connection") >= 3);
     CHECK(data_lines >= 1 && data_lines <= 3);
-    if (kvpt_failures)
-        fprintf(stderr, "  target log: %s\n", log);
-    else
-        unlink(log);
+    keep_log_if_failed(log);
     kvpi_auth_free(good);
     kvpi_auth_free(bad);
     drop_keys();
@@ -1050,10 +1057,7 @@ static void ucx_refuses_strangers(const char *tls)
     /* Refusals logged, rate-limited: one line for the lot. */
     int lines = count_lines(log, "refused a connection");
     CHECK(lines >= 1 && lines <= 2);
-    if (kvpt_failures)
-        fprintf(stderr, "  target log: %s\n", log);
-    else
-        unlink(log);
+    keep_log_if_failed(log);
     kvpi_auth_free(good);
     kvpi_auth_free(bad);
     drop_keys();
