@@ -24,6 +24,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <sodium.h>
 #include <uct/api/uct.h>
 
 #include "common/clock.h"
@@ -154,22 +155,10 @@ kvp_status kvpi_ucx_status(ucs_status_t st)
     }
 }
 
-/* Hex text of n bytes into out (2 * n + 1 chars). */
-static void hex_into(const void *bytes, size_t n, char *out)
-{
-    static const char digits[] = "0123456789abcdef";
-    const uint8_t *b = bytes;
-    for (size_t i = 0; i < n; i++) {
-        out[2 * i] = digits[b[i] >> 4];
-        out[2 * i + 1] = digits[b[i] & 15];
-    }
-    out[2 * n] = '\0';
-}
-
 char *kvpi_ucx_hex(const void *bytes, size_t n)
 {
     char *s = malloc(2 * n + 1);
-    if (s) hex_into(bytes, n, s);
+    if (s) sodium_bin2hex(s, 2 * n + 1, bytes, n);
     return s;
 }
 
@@ -618,7 +607,7 @@ static void challenge(kvpi_ucx_server *s, ucx_conn *c, const uint8_t *kid, const
                       uint64_t epoch)
 {
     char hex[2 * KVPI_AUTH_KID_LEN + 1];
-    hex_into(kid, KVPI_AUTH_KID_LEN, hex);
+    sodium_bin2hex(hex, sizeof hex, kid, KVPI_AUTH_KID_LEN);
     if (s->n_chals >= s->max_chals) {
         kvpi_log_limited(&refusals, KVP_LOG_WARN, KVPI_LOG_SUBSYS,
                          "ucx %s: refused a connection: %d authentications are pending already "
@@ -744,7 +733,7 @@ static ucs_status_t on_proof(void *arg, const void *header, size_t header_length
                                  d + 16) == 0;
     if (!ok) {
         char hex[2 * KVPI_AUTH_KID_LEN + 1];
-        hex_into(ch->kid, KVPI_AUTH_KID_LEN, hex);
+        sodium_bin2hex(hex, sizeof hex, ch->kid, KVPI_AUTH_KID_LEN);
         kvpi_log_limited(&refusals, KVP_LOG_WARN, KVPI_LOG_SUBSYS,
                          "ucx %s: refused a connection: the peer's proof does not match (key "
                          "id %s): a wrong or replayed handshake",
