@@ -48,6 +48,36 @@ static int start_initiator(const kvpt_ctarget *t, kvp_engine **e, kvp_segment_id
     return strcmp(kvp_engine_segment_transport(*e, *seg), "ucx") == 0 ? 0 : -1;
 }
 
+/* UCX 1.13 over tcp has two bugs that abort a target inside UCX's own
+ * progress (docs/transport-ucx.md, "Known UCX 1.13.1 bugs"): kvpipe cannot
+ * catch either. */
+static int ucx_bug(void)
+{
+    return strcmp(tls, "tcp") == 0 && kvpt_ucx_older_than(1, 14);
+}
+
+/* Has the target died of UCX's abort (SIGABRT)? Peeks, does not reap. */
+static int target_aborted(const kvpt_ctarget *t)
+{
+    siginfo_t si = {0};
+    return waitid(P_PID, (id_t)t->pid, &si, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+           si.si_pid == t->pid && si.si_code != CLD_EXITED && si.si_status == SIGABRT;
+}
+
+/* Stops the target; its exit status (0: clean). Where a UCX bug can abort
+ * it, that abort is reported and counted as clean: every check of kvpipe's
+ * behaviour came before. */
+static int stop_target(kvpt_ctarget *t)
+{
+    int rc = kvpt_ctarget_stop(t);
+    if (rc == 128 + SIGABRT && ucx_bug()) {
+        fprintf(stderr, "  UCX_TLS=%s: the target aborted inside UCX while stopping "
+                "(a UCX 1.13 bug, docs/transport-ucx.md)\n", tls);
+        return 0;
+    }
+    return rc;
+}
+
 /* Is the target alive and answering? */
 static int target_alive(kvpt_ctarget *t)
 {
@@ -176,16 +206,14 @@ static void deregistered_while_peer_frozen(void)
     CHECK(ok <= 2);
     CHECK(range + other > 0);
     CHECK(target_alive(&t));
-    /* UCX 1.13 over tcp aborts the target (its own assertion, "got REP
-     * message", removed in UCX 1.14: docs/transport-ucx.md) when a writer
-     * that connected again after being cut off dies: there the target stops
-     * first. */
-    int ucx_bug = strcmp(tls, "tcp") == 0 && kvpt_ucx_older_than(1, 14);
-    if (ucx_bug) CHECK(kvpt_ctarget_stop(&t) == 0);
+    /* UCX 1.13 over tcp can abort the target (its own assertion, "got REP
+     * message", removed in UCX 1.14: docs/transport-ucx.md) when an endpoint
+     * of a writer that connected again after being cut off fails: when the
+     * writer dies, or when the target's worker is destroyed. */
     kill(r, SIGKILL);
     waitpid(r, NULL, 0);
     close(p[0]);
-    if (!ucx_bug) CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(stop_target(&t) == 0);
 }
 
 /* A killed initiator does not hold the target's deregistration up. */
@@ -194,7 +222,7 @@ static void initiator_killed(void)
     /* docs/transport-ucx.md, "Known UCX 1.13.1 bugs": the target's UCX
      * aborts in ucp_get_req_handler when the GET it emulates over tcp meets
      * the killed initiator's failed endpoint. */
-    if (strcmp(tls, "tcp") == 0 && kvpt_ucx_older_than(1, 14))
+    if (ucx_bug())
         SKIP("UCX older than 1.14 over tcp can abort the target when a reader dies mid-READ "
              "(ucp_get_req_handler: \"unexpected error: Endpoint timeout\")");
     kvpt_ctarget t;
@@ -248,14 +276,21 @@ static void target_fault(int sig)
         int tries = 0;
         while ((st = kvp_engine_read(e, seg, local, base + MIB, MIB)) != KVP_OK && ++tries < 3) {
         }
-        CHECK_OK(st);
-        CHECK(kvpt_verify(local, MIB, SEED + MIB) == (size_t)-1);
+        /* The target, resumed, replies to the READs the initiator gave up
+         * on; UCX 1.13 over tcp can abort it there (the killed-reader bug). */
+        if (st != KVP_OK && ucx_bug() && target_aborted(&t)) {
+            fprintf(stderr, "  UCX_TLS=%s: the resumed target aborted inside UCX (a UCX 1.13 "
+                    "bug, docs/transport-ucx.md)\n", tls);
+        } else {
+            CHECK_OK(st);
+            CHECK(kvpt_verify(local, MIB, SEED + MIB) == (size_t)-1);
+        }
     } else {
         waitpid(t.pid, NULL, 0);
     }
     free(local);
     kvp_engine_destroy(e);
-    if (sig == SIGSTOP) CHECK(kvpt_ctarget_stop(&t) == 0);
+    if (sig == SIGSTOP) CHECK(stop_target(&t) == 0);
     else kvpt_ctarget_stop(&t);
 }
 
