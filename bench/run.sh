@@ -364,7 +364,7 @@ section_ucx() {
     if ! command -v ucx_perftest > /dev/null; then
         echo "skipped: ucx_perftest not found (Debian package ucx-utils)"; echo; return
     fi
-    if ! "$kvpipe" info 2>/dev/null | grep -q '^  ucx '; then
+    if ! grep -q '^  ucx ' <<<"$("$kvpipe" info 2>/dev/null)"; then
         echo "skipped: this kvpipe has no ucx transport (KVP_WITH_UCX)"; echo; return
     fi
     echo "ucx_perftest -e (peer error handling, as kvpipe's endpoints): ucp_get (1 request in"
@@ -413,7 +413,7 @@ section_ucx() {
 section_samehost() {
     echo "## Same host: shm vs ucx on UCX's shared memory"
     echo
-    if ! "$kvpipe" info 2>/dev/null | grep -q '^  ucx '; then
+    if ! grep -q '^  ucx ' <<<"$("$kvpipe" info 2>/dev/null)"; then
         echo "skipped: this kvpipe has no ucx transport (KVP_WITH_UCX)"; echo; return
     fi
     echo "kvpipe over shm against kvpipe over ucx with UCX_TLS=sm,self (--no-shm), back to back."

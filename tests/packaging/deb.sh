@@ -79,8 +79,10 @@ cc -o "$work/initiator" "$src/examples/initiator.c" $(pkg-config --cflags --libs
 out=$("$work/initiator" 2>&1 || true)
 grep -q usage <<<"$out" || { echo "FAIL: the client does not run: $out"; exit 1; }
 # (/lib is /usr/lib on a merged-/usr system.)
-ldd "$work/initiator" | grep -qE "libkvpipe.so.$soversion => (/usr)?/lib/libkvpipe.so.$soversion" ||
-    { echo "FAIL: the client does not load /usr/lib/libkvpipe.so.$soversion"; exit 1; }
+# (A pipe into grep -q fails under pipefail when ldd is still writing: SIGPIPE.)
+linked=$(ldd "$work/initiator")
+grep -qE "libkvpipe.so.$soversion => (/usr)?/lib/libkvpipe.so.$soversion" <<<"$linked" ||
+    { echo "FAIL: the client does not load /usr/lib/libkvpipe.so.$soversion: $linked"; exit 1; }
 echo "ok: dpkg -i; /usr/bin/kvpipe and a client built with pkg-config run"
 dpkg -r kvpipe libkvpipe-dev libkvpipe > "$work/dpkg-r.log" 2>&1 || { cat "$work/dpkg-r.log"; echo "FAIL: dpkg -r"; exit 1; }
 left=""

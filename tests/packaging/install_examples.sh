@@ -65,7 +65,7 @@ export PKG_CONFIG_PATH=$prefix/lib/pkgconfig
 cc -o "$work/initiator-static" "$src/examples/initiator.c" $(pkg-config --cflags kvpipe) \
     $(pkg-config --static --libs kvpipe | sed 's/-lkvpipe/-l:libkvpipe.a/') ||
     { echo "FAIL: linking libkvpipe.a with pkg-config --static"; exit 1; }
-readelf -d "$work/initiator-static" | grep -q 'NEEDED.*libkvpipe' &&
+grep -q 'NEEDED.*libkvpipe' <<<"$(readelf -d "$work/initiator-static")" &&
     { echo "FAIL: the static client links libkvpipe.so"; exit 1; }
 make -s -C "$src/examples" OUT="$work/pc" > "$work/make.log" 2>&1 ||
     { cat "$work/make.log"; echo "FAIL: examples with pkg-config"; exit 1; }
@@ -84,7 +84,7 @@ for variant in shared static; do
     cmake --build "$work/cm-$variant" >> "$work/cm-$variant.log" 2>&1 ||
         { cat "$work/cm-$variant.log"; echo "FAIL: examples with find_package ($variant)"; exit 1; }
 done
-readelf -d "$work/cm-static/target" | grep -q 'NEEDED.*libkvpipe' &&
+grep -q 'NEEDED.*libkvpipe' <<<"$(readelf -d "$work/cm-static/target")" &&
     { echo "FAIL: the static example links libkvpipe.so"; exit 1; }
 mkdir -p "$work/badver"
 cat > "$work/badver/CMakeLists.txt" <<CM

@@ -32,7 +32,7 @@ if [ "$got" != "$soname" ]; then
     echo "FAIL: SONAME is '$got', expected '$soname'"; fail=1
 fi
 # The CLI links the shared library (so it can only use what it exports).
-if ! readelf -d "$cli" | grep -q "NEEDED.*\[$soname\]"; then
+if ! grep -q "NEEDED.*\[$soname\]" <<<"$(readelf -d "$cli")"; then
     echo "FAIL: $cli does not link $soname"; fail=1
 fi
 n=$(wc -l <<<"$exported")
