@@ -371,8 +371,13 @@ section_ucx() {
     echo "flight) and ucp_put_bw (32 in flight), one buffer of one block on each side, reused."
     echo "kvpipe READ/WRITE: the bench's defaults (--batch-size requests per batch, 2 threads,"
     echo "through 512 MiB on the target). \"1 block\": kvpipe closer to ucx_perftest: a target of"
-    echo "one block, one thread, and ucx_perftest's depth: 1 request per batch for READ (one block"
-    echo "on each side), 32 for WRITE (whose local side spans 32 blocks, 64 MiB at most)."
+    echo "one block, one thread, and ucx_perftest's depth: for READ one request at a time through"
+    echo "kvp_engine_read (--sync: on the calling thread; one block on each side), for WRITE 32 per"
+    echo "batch (whose local side spans 32 blocks, 64 MiB at most). ucx_perftest's buffers are"
+    echo "UCX's own (ucp_mem_map ALLOCATE): over sm its peer maps them and copies directly, its"
+    echo "responder idle (ucx_perftest -o gives the same figures); kvpipe's are the application's,"
+    echo "registered, which UCX 1.13 serves over sm by emulation (the target copies each block into"
+    echo "its FIFO, the initiator out of it): docs/transport-ucx.md, Measurements."
     echo
     echo "| UCX_TLS | block | ucp_get GB/s | READ GB/s | READ / ucp_get | READ 1 block GB/s | READ 1 block / ucp_get | ucp_put_bw GB/s | WRITE GB/s | WRITE / ucp_put_bw | WRITE 1 block GB/s | WRITE 1 block / ucp_put_bw |"
     echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
@@ -388,7 +393,7 @@ section_ucx() {
                 gets+=("$(baseline_perftest ucp_get "$block")")
                 segment=$big; reads+=("$(initiator rdma read "$block" --no-shm)")
                 segment=$small
-                sreads+=("$(initiator rdma read "$block" --no-shm --threads 1 --batch-size 1 --buffer-size "$block")")
+                sreads+=("$(initiator rdma read "$block" --no-shm --threads 1 --batch-size 1 --sync --buffer-size "$block")")
                 puts+=("$(baseline_perftest ucp_put_bw "$block")")
                 segment=$big; writes+=("$(initiator rdma write "$block" --no-shm)")
                 segment=$small

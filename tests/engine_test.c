@@ -272,7 +272,7 @@ static void managed_buffers(void)
     CHECK(kvpt_target_stop(&t, 0) == 0);
 }
 
-/* Several threads submitting at once to one segment. */
+/* Several threads transferring at once from one segment. */
 typedef struct thr {
     pthread_t th;
     kvp_engine *e;
@@ -282,15 +282,31 @@ typedef struct thr {
     int bad;
 } thr;
 
+/* Even threads read one block at a time (on their own thread), odd ones a
+ * batch of four quarters (through the engine's workers), so that requests
+ * of callers and of workers meet on one peer. */
 static void *thr_main(void *arg)
 {
     thr *x = arg;
     char buf[65536];
+    enum { Q = sizeof buf / 4 };
     for (int i = 0; i < 50; i++) {
         uint64_t off = (uint64_t)((x->id * 50 + i) % 64) * sizeof buf;
-        if (kvp_engine_read(x->e, x->seg, buf, x->base + off, sizeof buf) != KVP_OK ||
-            kvpt_verify(buf, sizeof buf, SEED + off) != (size_t)-1)
-            x->bad++;
+        kvp_status st;
+        if (x->id % 2 == 0) {
+            st = kvp_engine_read(x->e, x->seg, buf, x->base + off, sizeof buf);
+        } else {
+            kvp_request r[4];
+            for (int q = 0; q < 4; q++)
+                r[q] = (kvp_request){KVP_OP_READ, buf + q * Q, x->base + off + q * Q, Q};
+            kvp_batch *b;
+            st = kvp_batch_submit(x->e, x->seg, r, 4, &b);
+            if (st == KVP_OK) {
+                st = kvp_batch_wait(b, -1);
+                kvp_batch_free(b);
+            }
+        }
+        if (st != KVP_OK || kvpt_verify(buf, sizeof buf, SEED + off) != (size_t)-1) x->bad++;
     }
     return NULL;
 }

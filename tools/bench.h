@@ -21,6 +21,7 @@ typedef struct bench_opts {
     double duration;
     int duration_set;
     int verify, json, no_shm, sweep;
+    int sync; /* --sync: kvp_engine_read/write per request, not batches */
     int unit;      /* index into bench_units */
     int precision; /* digits of the throughput (Mooncake's --report_precision) */
 } bench_opts;

@@ -58,22 +58,45 @@ static void record(worker *w, uint64_t ns)
     w->lat_ns[w->n_lat++] = ns;
 }
 
+/* Request i of a batch succeeded: into the worker's counts. */
+static void count_ok(worker *w, size_t i, const char *local, size_t slots, const uint64_t *offs)
+{
+    size_t block = w->at.block;
+    w->ops++;
+    w->bytes += block;
+    if (w->written) w->written[offs[i] / block] = 1;
+    if (!w->o->write && w->o->verify &&
+        kvp_pattern_check(local + (i % slots) * block, block, KVP_PATTERN_TARGET, offs[i]))
+        w->mismatches++;
+}
+
 /* One batch's results into the worker's counts. */
 static void account(worker *w, kvp_batch *b, char *local, size_t slots, const uint64_t *offs)
 {
-    const bench_opts *o = w->o;
-    size_t block = w->at.block;
     for (size_t i = 0; i < w->at.batch; i++) {
-        if (kvp_batch_request_status(b, i) != KVP_OK) {
+        if (kvp_batch_request_status(b, i) != KVP_OK)
             w->errors++;
+        else
+            count_ok(w, i, local, slots, offs);
+    }
+}
+
+/* --sync: the batch's requests one after the other, each through the
+ * blocking calls, accounted as account() does. */
+static void sync_batch(worker *w, const kvp_request *reqs, char *local, size_t slots,
+                       const uint64_t *offs)
+{
+    for (size_t i = 0; i < w->at.batch; i++) {
+        const kvp_request *r = &reqs[i];
+        kvp_status st = r->opcode == KVP_OP_WRITE
+                            ? kvp_engine_write(w->e, w->seg, r->local, r->remote, r->length)
+                            : kvp_engine_read(w->e, w->seg, r->local, r->remote, r->length);
+        if (st == KVP_OK) {
+            count_ok(w, i, local, slots, offs);
             continue;
         }
-        w->ops++;
-        w->bytes += block;
-        if (w->written) w->written[offs[i] / block] = 1;
-        if (!o->write && o->verify &&
-            kvp_pattern_check(local + (i % slots) * block, block, KVP_PATTERN_TARGET, offs[i]))
-            w->mismatches++;
+        if (!w->error[0]) snprintf(w->error, sizeof w->error, "%s", kvp_last_error());
+        w->errors++;
     }
 }
 
@@ -107,6 +130,12 @@ static void *worker_main(void *arg)
                                     w->remote_base + offs[i], block};
         }
         uint64_t t0 = kvp_cli_now_ns();
+        if (o->sync) {
+            sync_batch(w, reqs, local, slots, offs);
+            record(w, kvp_cli_now_ns() - t0);
+            if (w->errors) break;
+            continue;
+        }
         kvp_batch *b;
         kvp_status st = kvp_batch_submit(w->e, w->seg, reqs, batch, &b);
         if (st == KVP_OK) {

@@ -45,6 +45,7 @@ enum {
     O_VERIFY,
     O_JSON,
     O_SWEEP,
+    O_SYNC,
     O_WORKERS,
     O_CONNS,
     O_SLICE,
@@ -90,6 +91,10 @@ static const kvp_cli_opt opts[] = {
      "target fills a pattern; initiator checks every byte\nread, or writes a pattern the target "
      "checks on exit\nand reads back every block it wrote, checking it",
      .id = O_VERIFY},
+    {"sync", KVP_ARG_FLAG, NULL,
+     "initiator: each request by itself through the blocking\nkvp_engine_read/write (on the "
+     "calling thread, no\nbatch): a batch's requests run one after the other",
+     .id = O_SYNC},
     {"sweep", KVP_ARG_FLAG, NULL,
      "measure every combination of --block-size, --batch-size\nand --threads, each a "
      "comma-separated list (default\n4K,64K,1M,16M x 1,32 x 1,2), and print a table",
@@ -195,6 +200,9 @@ static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value 
         break;
     case O_SWEEP:
         o->sweep = (int)v->i;
+        break;
+    case O_SYNC:
+        o->sync = (int)v->i;
         break;
     case O_JSON:
         o->json = (int)v->i;

@@ -5,11 +5,14 @@
  * engine-wide part. A peer gets its own UCP worker (so that UCP pairs the
  * endpoint its target makes back to it, see ucx_internal.h) with one
  * endpoint to the target's published worker and the target's packed rkeys
- * unpacked on it. A transfer hands its slices to the progress thread, which
- * issues ucp_get_nbx/ucp_put_nbx (and one flush after writes, so that they
- * completed at the target); the engine's thread waits within the transfer's
- * deadline. A transfer out of time closes the endpoint, which cancels what is
- * in flight, and the engine looks the peer up again. A REVOKE from the target
+ * unpacked on it. A transfer issues ucp_get_nbx/ucp_put_nbx (and one flush
+ * after writes, so that they completed at the target) on the calling thread
+ * when it can take the peer's worker, and progresses the worker there while
+ * it makes progress; what is left (or a transfer that found the worker
+ * taken) the progress thread serves, the calling thread waiting within the
+ * transfer's deadline (ucx_internal.h, "Threads"). A transfer out of time
+ * closes the endpoint, which cancels what is in flight, and the engine looks
+ * the peer up again. A REVOKE from the target
  * refuses its range from then on and is acknowledged once what was issued
  * before is flushed. In the authenticated mode the descriptor has no rkeys:
  * the HELLO runs a challenge-response (we check the target's MAC over our
@@ -32,6 +35,10 @@
 
 /* How often a busy peer on this host is checked for being alive. */
 #define ALIVE_CHECK_NS (100 * 1000 * 1000)
+/* A calling thread that leads its transfer (progresses the worker itself)
+ * hands it to the progress thread once the worker made no progress for this
+ * long: a slow peer is waited for asleep, not by spinning. */
+#define LEAD_IDLE_NS (200 * 1000)
 
 /* A REVOKE being answered. */
 typedef struct ucx_revoke {
@@ -42,7 +49,7 @@ typedef struct ucx_revoke {
 } ucx_revoke;
 
 typedef struct ucx_peer {
-    kvpi_ucx_pollee poll; /* first: the progress thread hands it back */
+    kvpi_ucx_pollee poll; /* first: the progress thread hands it back; its lock is the worker's */
     kvpi_ucx_server *server;
     char *segment;
     int timeout_ms;
@@ -56,7 +63,7 @@ typedef struct ucx_peer {
     uint8_t kid[KVPI_AUTH_KID_LEN], nc[KVPI_AUTH_NONCE_LEN];
     int proved; /* our PROOF went out: a HELLO_ACK may hand us rkeys now */
 
-    /* The progress thread's. */
+    /* Whoever holds poll.lock's (the progress thread, or a caller). */
     ucp_worker_h worker;
     ucp_ep_h ep; /* NULL once closed */
     ucp_rkey_h *rkeys;
@@ -317,6 +324,7 @@ static unsigned peer_service(kvpi_ucx_server *s, kvpi_ucx_pollee *poll)
         free(rv);
         did++;
     }
+    poll->busy = p->inflight > 0;
     return did;
 }
 
@@ -417,7 +425,9 @@ static void open_run(kvpi_ucx_server *s, void *arg)
 {
     open_args *a = arg;
     ucx_peer *p = a->p;
+    pthread_mutex_lock(&p->poll.lock); /* no caller has p yet: for the rule's sake */
     p->open_status = open_steps(s, a);
+    pthread_mutex_unlock(&p->poll.lock);
     if (p->open_status) snprintf(p->open_error, sizeof p->open_error, "%s", kvp_last_error());
 }
 
@@ -427,6 +437,10 @@ static void close_run(kvpi_ucx_server *s, void *arg)
 {
     ucx_peer *p = arg;
     if (!p->worker) return;
+    /* No transfer runs any more: the lock is free, and what is still posted
+     * was abandoned. */
+    pthread_mutex_lock(&p->poll.lock);
+    kvpi_ucx_run_posted(s, &p->poll);
     if (p->poll.worker) kvpi_ucx_poll_remove(s, &p->poll);
     if (p->awaiting_hello) kvpi_ucx_busy_add(s, -1);
     for (size_t i = 0; p->rkeys && i < p->n_regions; i++)
@@ -459,6 +473,7 @@ static void close_run(kvpi_ucx_server *s, void *arg)
     p->ep = NULL;
     kvpi_ucx_retire(s, p->worker, req, NULL, NULL);
     p->worker = NULL;
+    pthread_mutex_unlock(&p->poll.lock);
 }
 
 static void peer_close(void *peer)
@@ -470,6 +485,7 @@ static void peer_close(void *peer)
         free(p->rkey_bufs[i]);
     pthread_cond_destroy(&p->answered);
     pthread_mutex_destroy(&p->lock);
+    kvpi_ucx_pollee_destroy(&p->poll);
     free(p->rkey_bufs);
     free(p->rkey_lens);
     free(p->revoked);
@@ -481,31 +497,21 @@ static void peer_close(void *peer)
 
 /* ---- what UCX chose ---- */
 
-typedef struct lanes_args {
-    ucx_peer *p;
-    char *text;
-    size_t len;
-} lanes_args;
-
-static void lanes_run(kvpi_ucx_server *s, void *arg)
-{
-    (void)s;
-    lanes_args *a = arg;
-    FILE *f = open_memstream(&a->text, &a->len);
-    if (!f) return;
-    if (a->p->ep) ucp_ep_print_info(a->p->ep, f);
-    fclose(f);
-}
-
 size_t kvpi_ucx_peer_lanes(void *peer, char *buf, size_t len)
 {
-    lanes_args a = {.p = peer};
-    size_t used = 0;
+    ucx_peer *p = peer;
+    char *text = NULL;
+    size_t text_len = 0, used = 0;
     if (len) buf[0] = '\0';
-    kvpi_ucx_call(a.p->server, lanes_run, &a);
+    FILE *f = open_memstream(&text, &text_len);
+    if (!f) return 0;
+    pthread_mutex_lock(&p->poll.lock);
+    if (p->ep) ucp_ep_print_info(p->ep, f);
+    pthread_mutex_unlock(&p->poll.lock);
+    fclose(f);
     /* "#  lane[0]:  1:tcp/lo.0 md[0]  -> md[0]/tcp/sysdev[255] am am_bw#0 keepalive"
      * becomes "tcp/lo.0 (am am_bw#0 keepalive)". */
-    for (char *line = a.text, *next; line && *line; line = next) {
+    for (char *line = text, *next; line && *line; line = next) {
         next = strchr(line, '\n');
         if (next) *next++ = '\0';
         char *lane = strstr(line, "lane[");
@@ -521,7 +527,7 @@ size_t kvpi_ucx_peer_lanes(void *peer, char *buf, size_t len)
             used += (size_t)snprintf(buf + used, len - used, "%s%.*s (%s)", used ? ", " : "",
                                      (int)tl_len, tl + 1, roles && *roles ? roles : "rma");
     }
-    free(a.text);
+    free(text);
     return used < len ? used : len ? len - 1 : 0;
 }
 
@@ -691,6 +697,7 @@ static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
     }
     pthread_mutex_init(&p->lock, NULL);
     kvpi_cond_init(&p->answered);
+    kvpi_ucx_pollee_init(&p->poll);
     if (!(st = peer_init(p, ctx))) {
         parse_process(p, cJSON_GetObjectItemCaseSensitive(ctx->desc, KVPI_UCX_FIELD));
         open_args a = {.p = p, .addr = addr, .epoch = epoch};
@@ -731,15 +738,16 @@ typedef struct ucx_item {
 enum { REFUSED_OUTSIDE = 1, REFUSED_REVOKED = 2, REFUSED_NO_RKEY = 3 };
 enum { XFER_QUEUED, XFER_ISSUED, XFER_DONE, XFER_ABANDONED };
 
-/* One peer_xfer call's requests, shared by the calling thread and the
- * progress thread (each holds a reference). */
+/* One peer_xfer call's requests, shared by the calling thread and whoever
+ * issues them (each holds a reference): the calling thread itself when it
+ * leads, or the holder of the worker it was posted to. */
 struct ucx_xfer {
     kvpi_ucx_cmd cmd; /* first */
     ucx_peer *p;
     pthread_mutex_t lock;
     pthread_cond_t done;
-    int state;
-    int pending; /* requests not completed */
+    atomic_int state; /* changes under lock; a leader reads it without */
+    int pending;      /* requests not completed */
     int issuing; /* the progress thread is still issuing */
     int refs;
     int writes;
@@ -779,7 +787,6 @@ static void request_done(void *request, ucs_status_t st, void *user_data)
     ucx_xfer *x = it->x;
     it->status = st;
     ucp_request_free(request);
-    kvpi_ucx_busy_add(x->p->server, -1);
     x->p->inflight--;
     xfer_settle(x, -1);
 }
@@ -788,7 +795,6 @@ static void request_done(void *request, ucs_status_t st, void *user_data)
 static void issued(ucx_xfer *x, ucx_item *it, ucs_status_ptr_t r)
 {
     if (UCS_PTR_IS_PTR(r)) {
-        kvpi_ucx_busy_add(x->p->server, 1);
         x->p->inflight++;
         pthread_mutex_lock(&x->lock);
         x->pending++;
@@ -846,7 +852,10 @@ static void xfer_run(kvpi_ucx_server *s, kvpi_ucx_cmd *cmd)
     ucx_xfer *x = (ucx_xfer *)cmd;
     pthread_mutex_lock(&x->lock);
     int abandoned = x->state == XFER_ABANDONED;
-    if (!abandoned) x->state = XFER_ISSUED, x->issuing = 1;
+    if (!abandoned) {
+        x->state = XFER_ISSUED;
+        x->issuing = 1;
+    }
     pthread_mutex_unlock(&x->lock);
     if (abandoned) {
         xfer_put(x);
@@ -860,15 +869,20 @@ static void xfer_run(kvpi_ucx_server *s, kvpi_ucx_cmd *cmd)
 }
 
 /* Out of time: close the endpoint, which completes what is in flight with
- * UCS_ERR_CANCELED; the engine then looks the segment up again. */
-static void cut_run(kvpi_ucx_server *s, void *arg)
+ * UCS_ERR_CANCELED (at the next progress, the progress thread's); the engine
+ * then looks the segment up again. The worker's holder lets go of it within
+ * LEAD_IDLE_NS or its own deadline. */
+static void cut(ucx_peer *p)
 {
-    (void)s;
-    ucx_peer *p = arg;
-    if (!p->ep) return;
-    atomic_store(&p->timed_out, 1);
-    kvpi_ucx_ep_close_force(p->ep);
-    p->ep = NULL;
+    pthread_mutex_lock(&p->poll.lock);
+    if (p->ep) {
+        atomic_store(&p->timed_out, 1);
+        kvpi_ucx_ep_close_force(p->ep);
+        p->ep = NULL;
+    }
+    int more = p->inflight > 0;
+    pthread_mutex_unlock(&p->poll.lock);
+    kvpi_ucx_let_go(p->server, &p->poll, more);
 }
 
 static kvp_status slice_status(const ucx_peer *p, const ucx_item *it, ucs_status_t st,
@@ -926,7 +940,7 @@ static void xfer_wait(ucx_peer *p, ucx_xfer *x, uint64_t deadline)
     pthread_mutex_unlock(&x->lock);
     if (queued) atomic_store(&p->timed_out, 1);
     if (!late) return;
-    kvpi_ucx_call(p->server, cut_run, p);
+    cut(p);
     /* The closed endpoint completed its requests, or does so at the next
      * round of progress. */
     struct timespec grace = kvpi_deadline_after_ms(1000);
@@ -937,6 +951,34 @@ static void xfer_wait(ucx_peer *p, ucx_xfer *x, uint64_t deadline)
         KVPI_ERROR("ucx peer %s: requests still in flight after their endpoint was closed",
                    p->segment);
     pthread_mutex_unlock(&x->lock);
+}
+
+/* With the worker's lock: issue x (and what others posted) and progress the
+ * worker on this thread until x is done, the worker made no progress for
+ * LEAD_IDLE_NS, or the deadline passed; then let go of it (the progress
+ * thread serves what is left). No thread wake-up on the way of a request
+ * that completes meanwhile: the same loop as ucx_perftest's. */
+static void lead(ucx_peer *p, ucx_xfer *x, uint64_t deadline)
+{
+    kvpi_ucx_server *s = p->server;
+    kvpi_ucx_run_posted(s, &p->poll);
+    xfer_run(s, &x->cmd);
+    uint64_t last = kvpi_now_ns();
+    int moved = 0;
+    for (unsigned i = 1; atomic_load(&x->state) != XFER_DONE && p->ep; i++) {
+        moved |= ucp_worker_progress(p->worker) != 0;
+        if (i % 16) continue;
+        kvpi_ucx_run_posted(s, &p->poll);
+        uint64_t now = kvpi_now_ns();
+        if (moved)
+            last = now, moved = 0;
+        else if (now - last > LEAD_IDLE_NS || now >= deadline)
+            break;
+    }
+    peer_service(s, &p->poll);
+    int more = p->inflight > 0;
+    pthread_mutex_unlock(&p->poll.lock);
+    kvpi_ucx_let_go(s, &p->poll, more);
 }
 
 static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
@@ -955,7 +997,15 @@ static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
     }
     int down = atomic_load(&p->ep_status) || atomic_load(&p->timed_out);
     if (!down) {
-        kvpi_ucx_submit(p->server, &x->cmd);
+        /* The progress thread holds the worker for one round at most: wait
+         * for it. Another caller leads it until its own transfer is done:
+         * post ours to it. */
+        if (pthread_mutex_trylock(&p->poll.lock) == 0 ||
+            (atomic_load_explicit(&p->poll.by_progress, memory_order_relaxed) &&
+             pthread_mutex_lock(&p->poll.lock) == 0))
+            lead(p, x, deadline);
+        else
+            kvpi_ucx_post(p->server, &p->poll, &x->cmd);
         xfer_wait(p, x, deadline);
     } else {
         x->refs--; /* never queued */

@@ -7,15 +7,21 @@
  * ucp_get_nbx/ucp_put_nbx) and the ops table. docs/transport-ucx.md has the
  * reasons and the trust model.
  *
- * Threads: the progress thread is the only one that calls UCP on a worker,
- * an endpoint or a request, so workers run in UCS_THREAD_MODE_SINGLE and
- * nothing spins on UCX's locks; other threads hand it work (kvpi_ucx_call,
- * kvpi_ucx_submit) and wait on their own condition variables. Only the
- * context's memory calls (ucp_mem_map, ucp_rkey_pack, ucp_mem_unmap) run on
- * the caller's thread, the context being shared by workers (measured: a
+ * Threads: a worker is called by one thread at a time, so workers run in
+ * UCS_THREAD_MODE_SERIALIZED and nothing spins on UCX's locks (measured: a
  * MULTI-mode worker shared by the engine's threads and a progress thread ran
  * 1 MiB reads 30 times slower on a loaded 2-core host, its spinlock held by
- * preempted threads).
+ * preempted threads). The progress thread owns the server's worker, and
+ * serves each peer's worker (a pollee) whenever no caller holds that
+ * pollee's lock. A transfer's calling thread that takes the lock issues its
+ * requests and progresses the worker itself while the worker keeps making
+ * progress ("leads"), then hands what is left back to the progress thread:
+ * a short request is served without a thread wake-up. A caller that finds
+ * the lock taken posts its transfer for whoever holds it (kvpi_ucx_post).
+ * Other threads hand work to the progress thread (kvpi_ucx_call,
+ * kvpi_ucx_submit) and wait on their own condition variables. Only the
+ * context's memory calls (ucp_mem_map, ucp_rkey_pack, ucp_mem_unmap) run on
+ * any thread, the context being shared by workers.
  *
  * Descriptor fields (kvpipe's own; Mooncake peers ignore them, "protocol"
  * stays "tcp"): a top-level object
@@ -70,6 +76,8 @@
 #ifndef KVPI_TRANSPORT_UCX_INTERNAL_H
 #define KVPI_TRANSPORT_UCX_INTERNAL_H
 
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -131,13 +139,23 @@ typedef struct kvpi_ucx_cmd {
     void (*run)(kvpi_ucx_server *s, struct kvpi_ucx_cmd *cmd);
 } kvpi_ucx_cmd;
 
-/* A worker the progress thread serves besides its own (a peer's): after
- * each round of progress it calls service, which returns non-zero if it
- * did something. Only the progress thread touches the list. */
+/* A worker the progress thread serves besides its own (a peer's). Whoever
+ * holds lock may call UCP on the worker (and what lives on it) and runs the
+ * commands posted to it; the progress thread only ever try-locks it, and
+ * after each round of progress on it calls service, which returns non-zero
+ * if it did something and sets busy while requests are in flight. The
+ * progress thread alone touches next; pending, npending and driven_ns change
+ * under the server's queue lock (npending and driven_ns are read without). */
 typedef struct kvpi_ucx_pollee {
     ucp_worker_h worker;
     int efd;
+    pthread_mutex_t lock;
+    int busy;
     unsigned (*service)(kvpi_ucx_server *s, struct kvpi_ucx_pollee *self);
+    kvpi_ucx_cmd *pending, **pending_tail;
+    atomic_int npending;
+    _Atomic uint64_t driven_ns; /* when a caller last let go of it */
+    atomic_int by_progress;     /* the progress thread holds lock (briefly) */
     struct kvpi_ucx_pollee *next;
 } kvpi_ucx_pollee;
 
@@ -162,11 +180,26 @@ void kvpi_ucx_submit(kvpi_ucx_server *s, kvpi_ucx_cmd *cmd);
 /* Run fn(s, arg) on the progress thread and wait until it ran. Any thread
  * but the progress thread. */
 void kvpi_ucx_call(kvpi_ucx_server *s, void (*fn)(kvpi_ucx_server *s, void *arg), void *arg);
+/* Queue cmd for whoever holds p's lock (the progress thread, unless a
+ * caller leads), and wake the progress thread if it sleeps. Any thread. */
+void kvpi_ucx_post(kvpi_ucx_server *s, kvpi_ucx_pollee *p, kvpi_ucx_cmd *cmd);
+/* Run the commands posted to p; the caller holds p's lock. Returns how many. */
+unsigned kvpi_ucx_run_posted(kvpi_ucx_server *s, kvpi_ucx_pollee *p);
+/* A caller that held p's lock let go of it (after unlocking): the progress
+ * thread is woken if it sleeps and more is non-zero (requests still in
+ * flight) or commands are posted. */
+void kvpi_ucx_let_go(kvpi_ucx_server *s, kvpi_ucx_pollee *p, int more);
+/* Wake the progress thread if it sleeps. Any thread. */
+void kvpi_ucx_wake(kvpi_ucx_server *s);
+/* A pollee's lock and queue, before it is added, and after it is removed. */
+void kvpi_ucx_pollee_init(kvpi_ucx_pollee *p);
+void kvpi_ucx_pollee_destroy(kvpi_ucx_pollee *p);
 
 /* The rest runs on the progress thread only. */
-/* A new worker on the server's context (for a peer). */
+/* A new worker on the server's context (for a peer), SERIALIZED. */
 kvp_status kvpi_ucx_worker_create(kvpi_ucx_server *s, ucp_worker_h *out);
-/* Serve p->worker (and p->service) from now on, or no longer. */
+/* Serve p->worker (and p->service) from now on, or no longer. p's lock and
+ * queue are initialised by kvpi_ucx_pollee_init (any thread, before). */
 kvp_status kvpi_ucx_poll_add(kvpi_ucx_server *s, kvpi_ucx_pollee *p);
 void kvpi_ucx_poll_remove(kvpi_ucx_server *s, kvpi_ucx_pollee *p);
 /* Hand over a worker whose endpoint is closing (req: the close request, or
@@ -175,7 +208,8 @@ void kvpi_ucx_poll_remove(kvpi_ucx_server *s, kvpi_ucx_pollee *p);
  * used). */
 void kvpi_ucx_retire(kvpi_ucx_server *s, ucp_worker_h w, void *req, void (*done)(void *arg),
                      void *arg);
-/* Requests in flight: the thread does not sleep while there are any. */
+/* Requests in flight that only the progress thread serves (not a pollee's):
+ * it does not sleep while there are any. */
 void kvpi_ucx_busy_add(kvpi_ucx_server *s, long n);
 /* Set the active-message handler id of worker w (whole messages only). */
 kvp_status kvpi_ucx_set_handler(ucp_worker_h w, unsigned id, ucp_am_recv_callback_t cb,

@@ -43,6 +43,10 @@
 #define ROUNDS 64
 /* The thread's longest sleep, so that failed connections are reaped. */
 #define SLEEP_MS 1000
+/* A pollee a caller let go of this recently is not armed before a sleep,
+ * which then lasts this long at most (sleep_once). */
+#define DRIVEN_NS (10 * 1000 * 1000)
+#define DRIVEN_SLEEP_MS 2
 /* How long a retired worker's closing endpoint may take. */
 #define CLOSE_MS 1000
 #define DEFAULT_TIMEOUT_MS 5000
@@ -241,8 +245,9 @@ kvp_status kvpi_ucx_set_handler(ucp_worker_h w, unsigned id, ucp_am_recv_callbac
 
 kvp_status kvpi_ucx_worker_create(kvpi_ucx_server *s, ucp_worker_h *out)
 {
+    /* One thread at a time (ucx_internal.h), not always the same one. */
     ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
-                              .thread_mode = UCS_THREAD_MODE_SINGLE};
+                              .thread_mode = UCS_THREAD_MODE_SERIALIZED};
     ucs_status_t st = ucp_worker_create(s->ctx, &wp, out);
     if (st != UCS_OK)
         return kvpi_error(kvpi_ucx_status(st), "ucx: ucp_worker_create: %s",
@@ -252,18 +257,92 @@ kvp_status kvpi_ucx_worker_create(kvpi_ucx_server *s, ucp_worker_h *out)
 
 /* ---- handing work to the progress thread ---- */
 
+/* Wake the thread if wake; called after the queue lock was let go. */
+static void wake_if(kvpi_ucx_server *s, int wake)
+{
+    uint64_t one = 1;
+    if (wake && write(s->evfd, &one, sizeof one) < 0 && errno != EAGAIN)
+        KVPI_WARN("ucx: cannot wake the progress thread: %s", strerror(errno));
+}
+
+/* Under the queue lock: is the thread asleep? It is not, after this. */
+static int rouse(kvpi_ucx_server *s)
+{
+    int wake = s->sleeping;
+    s->sleeping = 0;
+    return wake;
+}
+
 void kvpi_ucx_submit(kvpi_ucx_server *s, kvpi_ucx_cmd *cmd)
 {
     cmd->next = NULL;
     pthread_mutex_lock(&s->queue_lock);
     *s->queue_tail = cmd;
     s->queue_tail = &cmd->next;
-    int wake = s->sleeping;
-    s->sleeping = 0;
+    int wake = rouse(s);
     pthread_mutex_unlock(&s->queue_lock);
-    uint64_t one = 1;
-    if (wake && write(s->evfd, &one, sizeof one) < 0 && errno != EAGAIN)
-        KVPI_WARN("ucx: cannot wake the progress thread: %s", strerror(errno));
+    wake_if(s, wake);
+}
+
+void kvpi_ucx_wake(kvpi_ucx_server *s)
+{
+    pthread_mutex_lock(&s->queue_lock);
+    int wake = rouse(s);
+    pthread_mutex_unlock(&s->queue_lock);
+    wake_if(s, wake);
+}
+
+void kvpi_ucx_post(kvpi_ucx_server *s, kvpi_ucx_pollee *p, kvpi_ucx_cmd *cmd)
+{
+    cmd->next = NULL;
+    pthread_mutex_lock(&s->queue_lock);
+    *p->pending_tail = cmd;
+    p->pending_tail = &cmd->next;
+    atomic_fetch_add(&p->npending, 1);
+    int wake = rouse(s);
+    pthread_mutex_unlock(&s->queue_lock);
+    wake_if(s, wake);
+}
+
+unsigned kvpi_ucx_run_posted(kvpi_ucx_server *s, kvpi_ucx_pollee *p)
+{
+    if (atomic_load_explicit(&p->npending, memory_order_relaxed) == 0) return 0;
+    pthread_mutex_lock(&s->queue_lock);
+    kvpi_ucx_cmd *cmd = p->pending;
+    p->pending = NULL;
+    p->pending_tail = &p->pending;
+    atomic_store(&p->npending, 0);
+    pthread_mutex_unlock(&s->queue_lock);
+    unsigned n = 0;
+    for (kvpi_ucx_cmd *next; cmd; cmd = next, n++) {
+        next = cmd->next; /* run may free cmd */
+        cmd->run(s, cmd);
+    }
+    return n;
+}
+
+void kvpi_ucx_let_go(kvpi_ucx_server *s, kvpi_ucx_pollee *p, int more)
+{
+    pthread_mutex_lock(&s->queue_lock);
+    atomic_store_explicit(&p->driven_ns, kvpi_now_ns(), memory_order_relaxed);
+    int wake = (more || p->pending) && rouse(s);
+    pthread_mutex_unlock(&s->queue_lock);
+    wake_if(s, wake);
+}
+
+void kvpi_ucx_pollee_init(kvpi_ucx_pollee *p)
+{
+    pthread_mutex_init(&p->lock, NULL);
+    p->pending = NULL;
+    p->pending_tail = &p->pending;
+    atomic_init(&p->npending, 0);
+    atomic_init(&p->driven_ns, 0);
+    atomic_init(&p->by_progress, 0);
+}
+
+void kvpi_ucx_pollee_destroy(kvpi_ucx_pollee *p)
+{
+    pthread_mutex_destroy(&p->lock);
 }
 
 typedef struct ucx_call {
@@ -425,19 +504,31 @@ static unsigned reap(kvpi_ucx_server *s)
 }
 
 /* Arm every worker and sleep until one has an event, work is queued, or
- * SLEEP_MS passed. */
+ * SLEEP_MS passed. A pollee that a caller holds, or let go of within
+ * DRIVEN_NS, is not armed (a caller streaming requests on it would wake us
+ * at each one): the sleep is then DRIVEN_SLEEP_MS at most, after which it is
+ * served, and armed, once idle. */
 static void sleep_once(kvpi_ucx_server *s)
 {
-    int busy = ucp_worker_arm(s->worker) == UCS_ERR_BUSY;
-    for (kvpi_ucx_pollee *p = s->pollees; p; p = p->next)
-        busy |= ucp_worker_arm(p->worker) == UCS_ERR_BUSY;
+    int busy = ucp_worker_arm(s->worker) == UCS_ERR_BUSY, driven = 0;
+    uint64_t now = kvpi_now_ns();
     pthread_mutex_lock(&s->queue_lock);
+    for (kvpi_ucx_pollee *p = s->pollees; p; p = p->next) {
+        busy |= p->pending != NULL;
+        if (now - atomic_load_explicit(&p->driven_ns, memory_order_relaxed) < DRIVEN_NS ||
+            pthread_mutex_trylock(&p->lock) != 0) {
+            driven = 1;
+            continue;
+        }
+        busy |= p->busy || ucp_worker_arm(p->worker) == UCS_ERR_BUSY;
+        pthread_mutex_unlock(&p->lock);
+    }
     busy |= s->queue != NULL || s->stop;
     s->sleeping = !busy;
     pthread_mutex_unlock(&s->queue_lock);
     if (busy) return;
     struct epoll_event ev[8];
-    int n = epoll_wait(s->epfd, ev, 8, SLEEP_MS);
+    int n = epoll_wait(s->epfd, ev, 8, driven ? DRIVEN_SLEEP_MS : SLEEP_MS);
     for (int i = 0; i < n; i++) {
         uint64_t v;
         if (ev[i].data.ptr == NULL && read(s->evfd, &v, sizeof v) < 0 && errno != EAGAIN)
@@ -446,6 +537,24 @@ static void sleep_once(kvpi_ucx_server *s)
     pthread_mutex_lock(&s->queue_lock);
     s->sleeping = 0;
     pthread_mutex_unlock(&s->queue_lock);
+}
+
+/* One round on each pollee no caller holds: what was posted, progress, its
+ * service. *busy is set where one has requests in flight. */
+static unsigned serve_pollees(kvpi_ucx_server *s, int *busy)
+{
+    unsigned did = 0;
+    for (kvpi_ucx_pollee *p = s->pollees; p; p = p->next) {
+        if (pthread_mutex_trylock(&p->lock) != 0) continue; /* a caller leads it */
+        atomic_store_explicit(&p->by_progress, 1, memory_order_relaxed);
+        did += kvpi_ucx_run_posted(s, p);
+        did += drain(p->worker);
+        did += p->service(s, p);
+        *busy |= p->busy;
+        atomic_store_explicit(&p->by_progress, 0, memory_order_relaxed);
+        pthread_mutex_unlock(&p->lock);
+    }
+    return did;
 }
 
 static int stopping(kvpi_ucx_server *s)
@@ -463,19 +572,18 @@ static void *progress_main(void *arg)
     kvpi_ucx_server *s = arg;
     uint64_t idle_since = kvpi_now_ns();
     while (!stopping(s)) {
-        unsigned did = run_queue(s) + drain(s->worker);
-        for (kvpi_ucx_pollee *p = s->pollees; p; p = p->next)
-            did += drain(p->worker) + p->service(s, p);
+        int busy = 0;
+        unsigned did = run_queue(s) + drain(s->worker) + serve_pollees(s, &busy);
         did += serve_retirees(s) + reap(s) + expire_challenges(s);
         uint64_t now = kvpi_now_ns();
         if (did) {
             idle_since = now;
-        } else if (s->busy > 0 || s->retirees || now - idle_since < SPIN_NS) {
+        } else if (busy || s->busy > 0 || s->retirees || now - idle_since < SPIN_NS) {
             /* Waiting on a peer: let other threads have the CPU meanwhile. */
             sched_yield();
         } else {
+            /* Woken, it spins again only once it found work. */
             sleep_once(s);
-            idle_since = kvpi_now_ns();
         }
     }
     return NULL;
