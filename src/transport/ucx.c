@@ -38,7 +38,7 @@
 /* A calling thread that leads its transfer (progresses the worker itself)
  * hands it to the progress thread once the worker made no progress for this
  * long: a slow peer is waited for asleep, not by spinning. */
-#define LEAD_IDLE_NS (200 * 1000)
+#define LEAD_IDLE_NS (1000 * 1000)
 
 /* A REVOKE being answered. */
 typedef struct ucx_revoke {

@@ -144,7 +144,7 @@ typedef struct kvpi_ucx_cmd {
  * commands posted to it; the progress thread only ever try-locks it, and
  * after each round of progress on it calls service, which returns non-zero
  * if it did something and sets busy while requests are in flight. The
- * progress thread alone touches next; pending, npending and driven_ns change
+ * progress thread alone touches next and watched; pending, npending and driven_ns change
  * under the server's queue lock (npending and driven_ns are read without). */
 typedef struct kvpi_ucx_pollee {
     ucp_worker_h worker;
@@ -156,6 +156,7 @@ typedef struct kvpi_ucx_pollee {
     atomic_int npending;
     _Atomic uint64_t driven_ns; /* when a caller last let go of it */
     atomic_int by_progress;     /* the progress thread holds lock (briefly) */
+    int watched;                /* the progress thread's sleep wakes on efd */
     struct kvpi_ucx_pollee *next;
 } kvpi_ucx_pollee;
 

@@ -394,6 +394,7 @@ kvp_status kvpi_ucx_poll_add(kvpi_ucx_server *s, kvpi_ucx_pollee *p)
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = p};
     if (epoll_ctl(s->epfd, EPOLL_CTL_ADD, p->efd, &ev) != 0)
         return kvpi_error(KVP_EIO, "ucx: epoll_ctl: %s", strerror(errno));
+    p->watched = 1;
     p->next = s->pollees;
     s->pollees = p;
     return KVP_OK;
@@ -503,6 +504,14 @@ static unsigned reap(kvpi_ucx_server *s)
     return n;
 }
 
+/* Have the sleep wake on p's event descriptor, or not. */
+static void watch(kvpi_ucx_server *s, kvpi_ucx_pollee *p, int on)
+{
+    if (p->watched == on) return;
+    struct epoll_event ev = {.events = on ? EPOLLIN : 0, .data.ptr = p};
+    if (epoll_ctl(s->epfd, EPOLL_CTL_MOD, p->efd, &ev) == 0) p->watched = on;
+}
+
 /* Arm every worker and sleep until one has an event, work is queued, or
  * SLEEP_MS passed. A pollee that a caller holds, or let go of within
  * DRIVEN_NS, is not armed (a caller streaming requests on it would wake us
@@ -518,10 +527,13 @@ static void sleep_once(kvpi_ucx_server *s)
         if (now - atomic_load_explicit(&p->driven_ns, memory_order_relaxed) < DRIVEN_NS ||
             pthread_mutex_trylock(&p->lock) != 0) {
             driven = 1;
+            /* Unarmed, its descriptor may stay readable: not watched. */
+            watch(s, p, 0);
             continue;
         }
         busy |= p->busy || ucp_worker_arm(p->worker) == UCS_ERR_BUSY;
         pthread_mutex_unlock(&p->lock);
+        watch(s, p, 1);
     }
     busy |= s->queue != NULL || s->stop;
     s->sleeping = !busy;
@@ -573,12 +585,16 @@ static void *progress_main(void *arg)
     uint64_t idle_since = kvpi_now_ns();
     while (!stopping(s)) {
         int busy = 0;
-        unsigned did = run_queue(s) + drain(s->worker) + serve_pollees(s, &busy);
+        /* Work as a target (and commands) keeps the thread polling for
+         * SPIN_NS; a peer's worker, only while requests are in flight on it
+         * (a caller leads it otherwise, or nobody waits). */
+        unsigned did = run_queue(s) + drain(s->worker);
         did += serve_retirees(s) + reap(s) + expire_challenges(s);
+        unsigned peers = serve_pollees(s, &busy);
         uint64_t now = kvpi_now_ns();
         if (did) {
             idle_since = now;
-        } else if (busy || s->busy > 0 || s->retirees || now - idle_since < SPIN_NS) {
+        } else if (peers || busy || s->busy > 0 || s->retirees || now - idle_since < SPIN_NS) {
             /* Waiting on a peer: let other threads have the CPU meanwhile. */
             sched_yield();
         } else {
