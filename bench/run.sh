@@ -17,7 +17,8 @@
 #   sweep kvpipe bench --sweep over TCP and shm: GB/s and batch latency
 #         p50/p99/p999 per block size x batch size x threads (one run each)
 #   ucx   kvpipe bench READ/WRITE over ucx (protocol rdma) vs ucx_perftest
-#         ucp_get/ucp_put_bw (Debian ucx-utils), each UCX_TLS of this host
+#         ucp_get/ucp_put_bw (Debian ucx-utils), each UCX_TLS of this host,
+#         and vs bench/ucp_reg (the same loop on registered application memory)
 #   samehost  kvpipe READ/WRITE over shm vs over ucx on UCX's shared memory
 # Each pair runs back to back and the median of --repeat runs is kept, which
 # damps noise from other load. Results go to stdout and bench/results/latest.md
@@ -358,6 +359,9 @@ baseline_perftest() {
     perftest_once "$test" "$size" "$n"
 }
 
+# baseline_ucp_reg get|put SIZE: bench/ucp_reg for --duration seconds
+baseline_ucp_reg() { "$build/ucp_reg" --op "$1" --block-size "$2" --duration "$duration" | gbps_of; }
+
 section_ucx() {
     echo "## ucx (protocol rdma) vs ucx_perftest on the same UCX_TLS"
     echo
@@ -381,6 +385,7 @@ section_ucx() {
     echo
     echo "| UCX_TLS | block | ucp_get GB/s | READ GB/s | READ / ucp_get | READ 1 block GB/s | READ 1 block / ucp_get | ucp_put_bw GB/s | WRITE GB/s | WRITE / ucp_put_bw | WRITE 1 block GB/s | WRITE 1 block / ucp_put_bw |"
     echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    local reg_rows=()
     for tls in $ucx_tls_sets; do
         ucx_env "$tls"
         start_target rdma --no-shm
@@ -388,13 +393,15 @@ section_ucx() {
         for block in 65536 1048576 16777216; do
             start_target rdma --no-shm --buffer-size "$block"
             local small=$segment
-            local gets=() puts=() reads=() writes=() sreads=() swrites=()
+            local gets=() puts=() reads=() writes=() sreads=() swrites=() rgets=() rputs=()
             for _ in $(seq "$repeat"); do
                 gets+=("$(baseline_perftest ucp_get "$block")")
+                rgets+=("$(baseline_ucp_reg get "$block")")
                 segment=$big; reads+=("$(initiator rdma read "$block" --no-shm)")
                 segment=$small
                 sreads+=("$(initiator rdma read "$block" --no-shm --threads 1 --batch-size 1 --sync --buffer-size "$block")")
                 puts+=("$(baseline_perftest ucp_put_bw "$block")")
+                rputs+=("$(baseline_ucp_reg put "$block")")
                 segment=$big; writes+=("$(initiator rdma write "$block" --no-shm)")
                 segment=$small
                 swrites+=("$(initiator rdma write "$block" --no-shm --threads 1 --batch-size 32 --buffer-size "$block")")
@@ -405,10 +412,19 @@ section_ucx() {
             read=$(med "${reads[@]}"); write=$(med "${writes[@]}")
             sread=$(med "${sreads[@]}"); swrite=$(med "${swrites[@]}")
             echo "| $tls | $(human "$block") | $get | $read | $(ratio "$read" "$get") | $sread | $(ratio "$sread" "$get") | $put | $write | $(ratio "$write" "$put") | $swrite | $(ratio "$swrite" "$put") |"
+            local rget rput; rget=$(med "${rgets[@]}"); rput=$(med "${rputs[@]}")
+            reg_rows+=("| $tls | $(human "$block") | $rget | $sread | $(ratio "$sread" "$rget") | $rput | $swrite | $(ratio "$swrite" "$rput") |")
         done
         segment=$big
         stop_target
     done
+    echo
+    echo "The same \"1 block\" kvpipe rows against UCP's own loop on registered application memory,"
+    echo "as kvpipe's (bench/ucp_reg: ucp_get_nbx one at a time, ucp_put_nbx 32 per flush), same run:"
+    echo
+    echo "| UCX_TLS | block | ucp_reg get GB/s | READ 1 block GB/s | READ 1 block / ucp_reg get | ucp_reg put GB/s | WRITE 1 block GB/s | WRITE 1 block / ucp_reg put |"
+    echo "|---|---|---|---|---|---|---|---|"
+    printf '%s\n' "${reg_rows[@]}"
     echo
 }
 

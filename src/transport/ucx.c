@@ -969,10 +969,12 @@ static void lead(ucx_peer *p, ucx_xfer *x, uint64_t deadline)
         moved |= ucp_worker_progress(p->worker) != 0;
         if (i % 16) continue;
         kvpi_ucx_run_posted(s, &p->poll);
+        check_alive(p); /* a same-host target's death, which UCX may not see */
         uint64_t now = kvpi_now_ns();
+        if (now >= deadline) break;
         if (moved)
             last = now, moved = 0;
-        else if (now - last > LEAD_IDLE_NS || now >= deadline)
+        else if (now - last > LEAD_IDLE_NS)
             break;
     }
     peer_service(s, &p->poll);
