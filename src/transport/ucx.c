@@ -87,7 +87,7 @@ typedef struct ucx_peer {
     char open_error[256];
 } ucx_peer;
 
-/* ---- the peer's endpoint and control messages (progress thread) ---- */
+/* ---- the peer's endpoint and control messages (the worker's holder) ---- */
 
 static void ep_failed(void *arg, ucp_ep_h ep, ucs_status_t st)
 {
@@ -748,7 +748,7 @@ struct ucx_xfer {
     pthread_cond_t done;
     atomic_int state; /* changes under lock; a leader reads it without */
     int pending;      /* requests not completed */
-    int issuing; /* the progress thread is still issuing */
+    int issuing; /* its issuer is still issuing */
     int refs;
     int writes;
     size_t n;
@@ -767,7 +767,7 @@ static void xfer_put(ucx_xfer *x)
     free(x);
 }
 
-/* The progress thread is done with x once nothing is pending. */
+/* The issuer is done with x once nothing is pending. */
 static void xfer_settle(ucx_xfer *x, int pending_delta)
 {
     pthread_mutex_lock(&x->lock);
@@ -914,7 +914,7 @@ static ucx_xfer *xfer_new(ucx_peer *p, kvpi_slice *const *slices, size_t n)
     kvpi_cond_init(&x->done);
     x->cmd.run = xfer_run;
     x->p = p;
-    x->refs = 2; /* this thread's and the progress thread's */
+    x->refs = 2; /* this thread's and its issuer's (maybe this thread too) */
     x->n = n;
     for (size_t i = 0; i < n; i++)
         x->items[i] = (ucx_item){.status = UCS_INPROGRESS,
@@ -935,7 +935,7 @@ static void xfer_wait(ucx_peer *p, ucx_xfer *x, uint64_t deadline)
     while (x->state != XFER_DONE && kvpi_now_ns() < deadline)
         pthread_cond_timedwait(&x->done, &x->lock, &dl);
     int queued = x->state == XFER_QUEUED;
-    if (queued) x->state = XFER_ABANDONED; /* the progress thread skips it */
+    if (queued) x->state = XFER_ABANDONED; /* its issuer skips it */
     int late = x->state == XFER_ISSUED;
     pthread_mutex_unlock(&x->lock);
     if (queued) atomic_store(&p->timed_out, 1);
