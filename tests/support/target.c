@@ -1,3 +1,4 @@
+#include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
 #include <signal.h>
@@ -23,6 +24,9 @@
 #define CHILD_ENV_NAME "KVPT_TARGET_NAME" /* segment name */
 #define CHILD_ENV_META "KVPT_TARGET_METADATA"
 #define CHILD_ENV_PROTO "KVPT_TARGET_PROTOCOL" /* unset: the default */
+/* The child's exit status when the parent's address is taken in it. */
+#define ADDR_TAKEN_EXIT 7
+#define ADDR_TRIES 4
 
 static void target_child(const kvpt_target_opts *o, kvpt_target *t, int ready_fd, int ctl_fd)
 {
@@ -71,8 +75,11 @@ __attribute__((constructor)) static void target_child_entry(void)
     t.buf = mmap((void *)(uintptr_t)addr, len, PROT_READ | PROT_WRITE,
                  MAP_SHARED | MAP_FIXED_NOREPLACE, mem_fd, 0);
     if (t.buf != (void *)(uintptr_t)addr) {
+        /* Something of ours landed there (address layout is random): the
+         * parent tries another address. */
+        int taken = t.buf == MAP_FAILED && errno == EEXIST;
         perror("target: mapping the buffer at the parent's address");
-        _exit(6);
+        _exit(taken ? ADDR_TAKEN_EXIT : 6);
     }
     close(mem_fd);
     target_child(&o, &t, ready_fd, ctl_fd);
@@ -105,23 +112,20 @@ static char **child_env(const kvpt_target_opts *o, const kvpt_target *t, int mem
     return NULL;
 }
 
-int kvpt_target_start(const kvpt_target_opts *o, kvpt_target *t)
+/* Map the memfd and start the child on it; 0 once it is ready, else the
+ * child's exit status (ADDR_TAKEN_EXIT: try another address), or -1. */
+static int spawn_at(const kvpt_target_opts *o, kvpt_target *t, const char *exe, int mem_fd)
 {
-    memset(t, 0, sizeof *t);
-    t->len = o->len;
-    snprintf(t->name, sizeof t->name, "127.0.0.1:%d", o->port ? o->port : kvpt_free_port());
-    char exe[4096];
-    ssize_t exe_len = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    int mem_fd = memfd_create("kvpt-target", MFD_CLOEXEC);
-    if (exe_len <= 0 || mem_fd < 0 || ftruncate(mem_fd, (off_t)o->len) != 0) return -1;
-    exe[exe_len] = '\0';
     t->buf = mmap(NULL, o->len, PROT_READ | PROT_WRITE, MAP_SHARED, mem_fd, 0);
     if (t->buf == MAP_FAILED) return -1;
-    kvpt_fill(t->buf, o->len, o->seed);
     /* Close-on-exec everywhere, so that a target holds no other target's
      * control pipe; the child clears it on the three it keeps. */
     int ready[2], ctl[2];
-    if (pipe2(ready, O_CLOEXEC) || pipe2(ctl, O_CLOEXEC)) return -1;
+    if (pipe2(ready, O_CLOEXEC)) return -1;
+    if (pipe2(ctl, O_CLOEXEC)) {
+        close(ready[0]), close(ready[1]);
+        return -1;
+    }
     size_t first_own;
     char **env = child_env(o, t, mem_fd, ready[1], ctl[0], &first_own);
     if (!env) return -1;
@@ -132,7 +136,7 @@ int kvpt_target_start(const kvpt_target_opts *o, kvpt_target *t)
         int keep[] = {mem_fd, ready[1], ctl[0]};
         for (size_t i = 0; i < 3; i++)
             fcntl(keep[i], F_SETFD, 0);
-        char *argv[] = {exe, NULL};
+        char *argv[] = {(char *)exe, NULL};
         execve(exe, argv, env);
         perror(exe);
         _exit(127);
@@ -140,18 +144,43 @@ int kvpt_target_start(const kvpt_target_opts *o, kvpt_target *t)
     for (size_t i = first_own; env[i]; i++)
         free(env[i]);
     free(env);
-    close(mem_fd);
     close(ready[1]);
     close(ctl[0]);
     t->ctl = ctl[1];
     char c;
     ssize_t n = read(ready[0], &c, 1);
     close(ready[0]);
-    if (n != 1) {
-        kvpt_wait_child(t->pid, 5000);
-        return -1;
-    }
-    return 0;
+    if (n == 1) return 0;
+    close(t->ctl);
+    int rc = kvpt_wait_child(t->pid, 5000);
+    return rc ? rc : -1;
+}
+
+int kvpt_target_start(const kvpt_target_opts *o, kvpt_target *t)
+{
+    memset(t, 0, sizeof *t);
+    t->len = o->len;
+    snprintf(t->name, sizeof t->name, "127.0.0.1:%d", o->port ? o->port : kvpt_free_port());
+    char exe[4096];
+    ssize_t exe_len = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    int mem_fd = memfd_create("kvpt-target", MFD_CLOEXEC);
+    if (exe_len <= 0 || mem_fd < 0 || ftruncate(mem_fd, (off_t)o->len) != 0) return -1;
+    exe[exe_len] = '\0';
+    void *fill = mmap(NULL, o->len, PROT_READ | PROT_WRITE, MAP_SHARED, mem_fd, 0);
+    if (fill == MAP_FAILED) return -1;
+    kvpt_fill(fill, o->len, o->seed);
+    munmap(fill, o->len);
+    /* A mapping whose address the child had taken stays mapped here until
+     * the end, so that the next try gets another address. */
+    void *taken[ADDR_TRIES];
+    int n_taken = 0, rc;
+    while ((rc = spawn_at(o, t, exe, mem_fd)) == ADDR_TAKEN_EXIT && n_taken + 1 < ADDR_TRIES)
+        taken[n_taken++] = t->buf;
+    for (int i = 0; i < n_taken; i++)
+        munmap(taken[i], o->len);
+    close(mem_fd);
+    if (rc != 0 && t->buf != MAP_FAILED) munmap(t->buf, o->len);
+    return rc == 0 ? 0 : -1;
 }
 
 int kvpt_target_stop(kvpt_target *t, int keep_buffer)
