@@ -190,8 +190,6 @@ unsigned kvpi_ucx_run_posted(kvpi_ucx_server *s, kvpi_ucx_pollee *p);
  * thread is woken if it sleeps and more is non-zero (requests still in
  * flight) or commands are posted. */
 void kvpi_ucx_let_go(kvpi_ucx_server *s, kvpi_ucx_pollee *p, int more);
-/* Wake the progress thread if it sleeps. Any thread. */
-void kvpi_ucx_wake(kvpi_ucx_server *s);
 /* A pollee's lock and queue, before it is added, and after it is removed. */
 void kvpi_ucx_pollee_init(kvpi_ucx_pollee *p);
 void kvpi_ucx_pollee_destroy(kvpi_ucx_pollee *p);

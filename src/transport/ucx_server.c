@@ -284,14 +284,6 @@ void kvpi_ucx_submit(kvpi_ucx_server *s, kvpi_ucx_cmd *cmd)
     wake_if(s, wake);
 }
 
-void kvpi_ucx_wake(kvpi_ucx_server *s)
-{
-    pthread_mutex_lock(&s->queue_lock);
-    int wake = rouse(s);
-    pthread_mutex_unlock(&s->queue_lock);
-    wake_if(s, wake);
-}
-
 void kvpi_ucx_post(kvpi_ucx_server *s, kvpi_ucx_pollee *p, kvpi_ucx_cmd *cmd)
 {
     cmd->next = NULL;
@@ -304,6 +296,17 @@ void kvpi_ucx_post(kvpi_ucx_server *s, kvpi_ucx_pollee *p, kvpi_ucx_cmd *cmd)
     wake_if(s, wake);
 }
 
+/* Run a detached list of commands; returns how many. */
+static unsigned run_cmds(kvpi_ucx_server *s, kvpi_ucx_cmd *cmd)
+{
+    unsigned n = 0;
+    for (kvpi_ucx_cmd *next; cmd; cmd = next, n++) {
+        next = cmd->next; /* run may free cmd */
+        cmd->run(s, cmd);
+    }
+    return n;
+}
+
 unsigned kvpi_ucx_run_posted(kvpi_ucx_server *s, kvpi_ucx_pollee *p)
 {
     if (atomic_load_explicit(&p->npending, memory_order_relaxed) == 0) return 0;
@@ -313,12 +316,7 @@ unsigned kvpi_ucx_run_posted(kvpi_ucx_server *s, kvpi_ucx_pollee *p)
     p->pending_tail = &p->pending;
     atomic_store(&p->npending, 0);
     pthread_mutex_unlock(&s->queue_lock);
-    unsigned n = 0;
-    for (kvpi_ucx_cmd *next; cmd; cmd = next, n++) {
-        next = cmd->next; /* run may free cmd */
-        cmd->run(s, cmd);
-    }
-    return n;
+    return run_cmds(s, cmd);
 }
 
 void kvpi_ucx_let_go(kvpi_ucx_server *s, kvpi_ucx_pollee *p, int more)
@@ -443,14 +441,7 @@ static unsigned run_queue(kvpi_ucx_server *s)
     s->queue = NULL;
     s->queue_tail = &s->queue;
     pthread_mutex_unlock(&s->queue_lock);
-    unsigned n = 0;
-    while (cmd) {
-        kvpi_ucx_cmd *next = cmd->next; /* run may free cmd */
-        cmd->run(s, cmd);
-        cmd = next;
-        n++;
-    }
-    return n;
+    return run_cmds(s, cmd);
 }
 
 static void retiree_end(ucx_retiree *r)
