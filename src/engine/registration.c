@@ -183,12 +183,20 @@ static void pool_unregister(void *ctx, void *addr)
     kvp_engine_unregister(ctx, addr);
 }
 
-/* The running server whose transport maps the pool's chunks, if any. */
+/* The slot of the transport that maps the pool's chunks: the protocol's,
+ * where it has chunk_map and its server runs (ucx: memory a same-host peer
+ * maps); else the slot of the list's end, and the pool maps its own. Not in
+ * the authenticated mode: such memory can be reachable without the key (UCX's
+ * shared memory segments: by any process of the user or group that names
+ * the segment), where the pool's own is reachable only through the
+ * transports' authenticated connections. */
 static size_t pool_mapper(const kvp_engine *e)
 {
     size_t i = 0;
     for (; e->transports[i]; i++)
-        if (e->servers[i] && e->transports[i]->chunk_map) break;
+        if (e->transports[i] == e->transport) break;
+    if (e->transports[i] && (e->auth || !e->servers[i] || !e->transports[i]->chunk_map))
+        while (e->transports[i]) i++;
     return i;
 }
 

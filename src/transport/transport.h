@@ -206,12 +206,14 @@ typedef struct kvpi_transport_ops {
     void (*mem_dereg)(void *server, void *handle);
 
     /* Optional: the memory of the buffer pool's chunks (kvp_engine_alloc),
-     * for a transport that needs special memory there. The engine uses the
-     * first running server (in kvpi_transports[] order) that has chunk_map,
-     * else anonymous 2 MiB-aligned mappings with transparent huge pages
+     * for a transport that moves special memory faster (ucx: memory UCX
+     * allocates, which a same-host peer maps). The engine uses it when this
+     * transport is its protocol's and its server runs, else anonymous 2
+     * MiB-aligned mappings with transparent huge pages
      * (kvpi_pool_map_default). length is a multiple of 2 MiB; *addr must be
      * host memory that every other transport can serve. Chunks are then
-     * registered like any region (all transports' mem_reg). */
+     * registered like any region (all transports' mem_reg, this one's
+     * included: it knows its chunks by their address and length). */
     kvp_status (*chunk_map)(void *server, size_t length, void **addr);
     /* With chunk_map, required: unmap a chunk after its unregistration. */
     void (*chunk_unmap)(void *server, void *addr, size_t length);

@@ -174,6 +174,8 @@ kvp_status kvpi_ucx_buffer_describe(void *server, const kvpi_region *region, voi
                                     cJSON *buffer);
 kvp_status kvpi_ucx_mem_reg(void *server, const kvpi_region *region, void **handle);
 void kvpi_ucx_mem_dereg(void *server, void *handle);
+kvp_status kvpi_ucx_chunk_map(void *server, size_t length, void **addr);
+void kvpi_ucx_chunk_unmap(void *server, void *addr, size_t length);
 
 /* ---- ucx_server.c: for ucx.c ---- */
 /* Queue cmd for the progress thread and wake it. Any thread. */

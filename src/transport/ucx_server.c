@@ -58,7 +58,17 @@ typedef struct ucx_reg {
     void *rkey; /* packed */
     size_t rkey_len;
     uint64_t addr, length;
+    int in_chunk; /* memh is a pool chunk's (ucx_chunk): chunk_unmap frees it */
 } ucx_reg;
+
+/* A buffer-pool chunk UCX allocated (chunk_map): memory a same-host peer's
+ * UCX maps into its own address space from the rkey, and then copies
+ * directly, without this process's progress (docs/transport-ucx.md). */
+typedef struct ucx_chunk {
+    struct ucx_chunk *next;
+    ucp_mem_h memh;
+    uint64_t addr, length;
+} ucx_chunk;
 
 /* An initiator that said HELLO: the endpoint to it is the one its requests
  * arrive on (UCP paired them). The progress thread owns it; id, acked and
@@ -128,6 +138,8 @@ struct kvpi_ucx_server {
         uint64_t addr, length;
     } log[KVPI_UCX_REVOKE_LOG]; /* the range of deregistration e at [e % LOG] */
     pthread_mutex_t dereg_lock; /* one deregistration at a time */
+    pthread_mutex_t chunks_lock;
+    ucx_chunk *chunks; /* the pool's chunks UCX allocated */
 };
 
 /* ---- small helpers ---- */
@@ -925,6 +937,69 @@ static ucs_status_t on_bye(void *arg, const void *header, size_t header_length, 
     return UCS_OK;
 }
 
+/* ---- the buffer pool's chunks ---- */
+
+kvp_status kvpi_ucx_chunk_map(void *server, size_t length, void **addr)
+{
+    kvpi_ucx_server *s = server;
+    ucx_chunk *c = calloc(1, sizeof *c);
+    if (!c) return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+    /* UCX picks the memory by UCX_ALLOC_PRIO: its shared memory (sysv,
+     * posix) first where UCX_TLS lets it use it, else plain pages. */
+    ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
+                                             UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                                             UCP_MEM_MAP_PARAM_FIELD_FLAGS,
+                               .address = NULL,
+                               .length = length,
+                               .flags = UCP_MEM_MAP_ALLOCATE};
+    ucs_status_t st = ucp_mem_map(s->ctx, &mp, &c->memh);
+    ucp_mem_attr_t attr = {.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH};
+    if (st == UCS_OK && (st = ucp_mem_query(c->memh, &attr)) != UCS_OK)
+        ucp_mem_unmap(s->ctx, c->memh);
+    if (st != UCS_OK) {
+        free(c);
+        return kvpi_error(st == UCS_ERR_NO_MEMORY ? KVP_ENOMEM : kvpi_ucx_status(st),
+                          "ucx: allocating a pool chunk of %zu bytes (ucp_mem_map): %s", length,
+                          ucs_status_string(st));
+    }
+    c->addr = (uint64_t)(uintptr_t)attr.address;
+    c->length = length;
+    pthread_mutex_lock(&s->chunks_lock);
+    c->next = s->chunks;
+    s->chunks = c;
+    pthread_mutex_unlock(&s->chunks_lock);
+    *addr = attr.address;
+    return KVP_OK;
+}
+
+/* The chunk at [addr, +length) exactly, or NULL. */
+static ucx_chunk *chunk_find(kvpi_ucx_server *s, uint64_t addr, uint64_t length)
+{
+    pthread_mutex_lock(&s->chunks_lock);
+    ucx_chunk *c = s->chunks;
+    while (c && !(c->addr == addr && c->length == length)) c = c->next;
+    pthread_mutex_unlock(&s->chunks_lock);
+    return c;
+}
+
+void kvpi_ucx_chunk_unmap(void *server, void *addr, size_t length)
+{
+    kvpi_ucx_server *s = server;
+    pthread_mutex_lock(&s->chunks_lock);
+    ucx_chunk **pc = &s->chunks;
+    while (*pc && !((*pc)->addr == (uint64_t)(uintptr_t)addr && (*pc)->length == length))
+        pc = &(*pc)->next;
+    ucx_chunk *c = *pc;
+    if (c) *pc = c->next;
+    pthread_mutex_unlock(&s->chunks_lock);
+    if (!c) {
+        KVPI_ERROR("ucx: unmapping %zu bytes at %p that no chunk_map gave", length, addr);
+        return;
+    }
+    ucp_mem_unmap(s->ctx, c->memh);
+    free(c);
+}
+
 /* ---- registrations ---- */
 
 kvp_status kvpi_ucx_mem_reg(void *server, const kvpi_region *region, void **handle)
@@ -934,11 +1009,20 @@ kvp_status kvpi_ucx_mem_reg(void *server, const kvpi_region *region, void **hand
     if (!r) return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
     r->addr = region->addr;
     r->length = region->length;
-    ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
-                                             UCP_MEM_MAP_PARAM_FIELD_LENGTH,
-                               .address = (void *)(uintptr_t)region->addr,
-                               .length = region->length};
-    ucs_status_t st = ucp_mem_map(s->ctx, &mp, &r->memh);
+    ucs_status_t st = UCS_OK;
+    /* A pool chunk UCX allocated is registered already, and only its own
+     * memory handle packs the rkey a same-host peer maps it with. */
+    ucx_chunk *chunk = chunk_find(s, region->addr, region->length);
+    if (chunk) {
+        r->memh = chunk->memh;
+        r->in_chunk = 1;
+    } else {
+        ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
+                                                 UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+                                   .address = (void *)(uintptr_t)region->addr,
+                                   .length = region->length};
+        st = ucp_mem_map(s->ctx, &mp, &r->memh);
+    }
     if (st != UCS_OK) {
         free(r);
         return kvpi_error(kvpi_ucx_status(st),
@@ -948,7 +1032,7 @@ kvp_status kvpi_ucx_mem_reg(void *server, const kvpi_region *region, void **hand
     void *rkey;
     size_t rkey_len;
     if ((st = ucp_rkey_pack(s->ctx, r->memh, &rkey, &rkey_len)) != UCS_OK) {
-        ucp_mem_unmap(s->ctx, r->memh);
+        if (!r->in_chunk) ucp_mem_unmap(s->ctx, r->memh);
         free(r);
         return kvpi_error(kvpi_ucx_status(st), "ucx: ucp_rkey_pack: %s", ucs_status_string(st));
     }
@@ -958,7 +1042,7 @@ kvp_status kvpi_ucx_mem_reg(void *server, const kvpi_region *region, void **hand
     r->rkey_len = rkey_len;
     ucp_rkey_buffer_release(rkey);
     if (!r->rkey_hex || !r->rkey) {
-        ucp_mem_unmap(s->ctx, r->memh);
+        if (!r->in_chunk) ucp_mem_unmap(s->ctx, r->memh);
         free(r->rkey_hex);
         free(r->rkey);
         free(r);
@@ -1049,8 +1133,9 @@ void kvpi_ucx_mem_dereg(void *server, void *handle)
     pthread_mutex_unlock(&s->conns_lock);
     kvpi_ucx_call(s, dereg_end, &d);
     /* No peer can reach the memory now: those told refuse it and flushed,
-     * the others are cut off. */
-    ucp_mem_unmap(s->ctx, d.reg->memh);
+     * the others are cut off. A pool chunk's memory handle stays until its
+     * chunk_unmap. */
+    if (!d.reg->in_chunk) ucp_mem_unmap(s->ctx, d.reg->memh);
     free(d.reg->rkey_hex);
     free(d.reg->rkey);
     free(d.reg);
@@ -1337,6 +1422,7 @@ kvp_status kvpi_ucx_server_start(const kvpi_server_ctx *ctx, void **server)
     pthread_mutex_init(&s->queue_lock, NULL);
     pthread_mutex_init(&s->conns_lock, NULL);
     pthread_mutex_init(&s->dereg_lock, NULL);
+    pthread_mutex_init(&s->chunks_lock, NULL);
     kvpi_cond_init(&s->conns_cond);
     s->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : DEFAULT_TIMEOUT_MS;
     s->auth = ctx->auth;
@@ -1400,6 +1486,7 @@ void kvpi_ucx_server_stop(void *server)
     if (s->epfd >= 0) close(s->epfd);
     if (s->evfd >= 0) close(s->evfd);
     pthread_cond_destroy(&s->conns_cond);
+    pthread_mutex_destroy(&s->chunks_lock);
     pthread_mutex_destroy(&s->dereg_lock);
     pthread_mutex_destroy(&s->conns_lock);
     pthread_mutex_destroy(&s->queue_lock);
