@@ -2,12 +2,15 @@
  * the conformance suites really run through UCX (UCX's own report of the
  * endpoint's lanes names the transport UCX_TLS asked for), its descriptor
  * fields ("protocol" stays "tcp"), the fallback to TCP for a peer that
- * publishes no ucx endpoint, device_name, and MC_FORCE_TCP. Each case runs
+ * publishes no ucx endpoint, device_name, MC_FORCE_TCP, and who maps the
+ * buffer pool's memory. Each case runs
  * with UCX's own transports (tcp, shared memory); it skips in a build
  * without UCX. */
 #include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cjson/cJSON.h>
 
@@ -215,8 +218,71 @@ static void force_tcp(void)
     CHECK(kvpt_target_stop(&t, 0) == 0);
 }
 
+/* Is the mapping that holds addr shared ('s' in /proc/self/maps)? 1, 0, or
+ * -1 when none holds it. */
+static int mapping_shared(const void *addr)
+{
+    FILE *f = fopen("/proc/self/maps", "r");
+    if (!f) return -1;
+    char line[512];
+    int shared = -1;
+    uintptr_t a = (uintptr_t)addr;
+    while (shared < 0 && fgets(line, sizeof line, f)) {
+        unsigned long lo, hi;
+        char perms[8];
+        if (sscanf(line, "%lx-%lx %7s", &lo, &hi, perms) == 3 && a >= lo && a < hi)
+            shared = perms[3] == 's';
+    }
+    fclose(f);
+    return shared;
+}
+
+/* A pool buffer (kvp_engine_alloc) of an engine whose protocol is proto,
+ * authenticated with the key file key unless NULL: is its memory shared? */
+static int pool_shared(const char *proto, const char *key)
+{
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
+    kvp_engine_opts eo;
+    kvp_engine_opts_init(&eo);
+    eo.local_server_name = name;
+    eo.metadata = "P2PHANDSHAKE";
+    eo.protocol = proto;
+    eo.disable_shm = 1;
+    eo.auth_key_file = key;
+    kvp_engine *e;
+    if (kvp_engine_create(&eo, &e) != KVP_OK) {
+        fprintf(stderr, "  engine: %s\n", kvp_last_error());
+        return -1;
+    }
+    void *p;
+    int shared = kvp_engine_alloc(e, 1u << 20, &p) == KVP_OK ? mapping_shared(p) : -1;
+    kvp_engine_destroy(e);
+    return shared;
+}
+
+/* The pool's memory: UCX allocates it (its shared memory, which a same-host
+ * peer maps) when ucx is the engine's protocol and UCX_TLS lets it use shared
+ * memory; the pool's own private pages for another protocol, and in the
+ * authenticated mode (a UCX segment can be attached without the key). */
+static void pool_memory(void)
+{
+    setenv("UCX_TLS", "sm,self", 1);
+    CHECK(pool_shared("rdma", NULL) == 1);
+    CHECK(pool_shared("tcp", NULL) == 0);
+    char key[64];
+    snprintf(key, sizeof key, "/tmp/kvpt_ucx_key_%d_XXXXXX", (int)getpid());
+    int fd = mkstemp(key);
+    REQUIRE(fd >= 0);
+    static const char text[] = "0123456789abcdef0123456789abcdef-ucx\n";
+    CHECK(write(fd, text, sizeof text - 1) == (ssize_t)(sizeof text - 1));
+    close(fd);
+    CHECK(pool_shared("rdma", key) == 0);
+    unlink(key);
+}
+
 #define CASES(X) X(uses_ucx_tcp) X(uses_ucx_sm) X(descriptor_fields) X(peer_without_ucx) \
-    X(device_names) X(force_tcp)
+    X(device_names) X(force_tcp) X(pool_memory)
 
 #else
 

@@ -5,7 +5,9 @@
  * thread would write into the unmapped range and the target would die); a
  * target stopped or killed mid-transfer fails the initiator's requests
  * within the engine's deadline; a killed initiator does not hold up the
- * target's deregistrations. Skips in a build without UCX. */
+ * target's deregistrations; a buffer of the target's pool is read over UCX's
+ * shared memory without the target's progress. Skips in a build without
+ * UCX. */
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -294,6 +296,54 @@ static void target_fault(int sig)
     else kvpt_ctarget_stop(&t);
 }
 
+/* A buffer of the target's pool (kvp_engine_alloc) is memory UCX allocated:
+ * over UCX's shared memory a same-host peer maps it and copies it itself, so
+ * it reads it even while the target is stopped, where memory the target
+ * registered needs the target's progress and the READ times out. Over UCX's
+ * tcp every byte needs the target: skipped there. */
+static void pool_read_while_target_stopped(void)
+{
+    if (strcmp(tls, "tcp") == 0) {
+        kvpt_skip("over UCX's tcp every byte needs the target's progress");
+        return;
+    }
+    kvpt_ctarget t;
+    REQUIRE(start_target(&t) == 0);
+    int64_t pool = kvpt_ctarget_cmd(&t, KVPT_CT_POOL, MIB, 3000);
+    REQUIRE(pool > 0);
+    kvp_engine *e;
+    kvp_segment_id seg;
+    REQUIRE(start_initiator(&t, &e, &seg) == 0);
+    char *local = malloc(MIB);
+    REQUIRE(local);
+    uint64_t base = (uint64_t)(uintptr_t)t.buf;
+    CHECK_OK(kvp_engine_read(e, seg, local, (uint64_t)pool, MIB));
+    CHECK(kvpt_verify(local, MIB, MIB) == (size_t)-1);
+    CHECK_OK(kvp_engine_read(e, seg, local, base, MIB));
+    kill(t.pid, SIGSTOP);
+    memset(local, 0, MIB);
+    CHECK_OK(kvp_engine_read(e, seg, local, (uint64_t)pool + 4096, MIB - 4096));
+    CHECK(kvpt_verify(local, MIB - 4096, MIB + 4096) == (size_t)-1);
+    kvpt_fill(local, MIB, 7);
+    CHECK_OK(kvp_engine_write(e, seg, local, (uint64_t)pool, MIB));
+    uint64_t t0 = kvpi_now_ms();
+    kvp_status st = kvp_engine_read(e, seg, local, base, MIB);
+    fprintf(stderr, "  UCX_TLS=%s: registered memory of a stopped target: %s after %llu ms\n",
+            tls, kvp_strerror(st), (unsigned long long)(kvpi_now_ms() - t0));
+    CHECK_ST(st, KVP_ETIMEDOUT);
+    kill(t.pid, SIGCONT);
+    /* Looked up again once resumed: what the WRITE put there is there. */
+    memset(local, 0, MIB);
+    int tries = 0;
+    while ((st = kvp_engine_read(e, seg, local, (uint64_t)pool, MIB)) != KVP_OK && ++tries < 3) {
+    }
+    CHECK_OK(st);
+    CHECK(kvpt_verify(local, MIB, 7) == (size_t)-1);
+    free(local);
+    kvp_engine_destroy(e);
+    CHECK(stop_target(&t) == 0);
+}
+
 static void target_stopped(void)
 {
     target_fault(SIGSTOP);
@@ -306,7 +356,8 @@ static void target_killed(void)
 
 #define CASES(X, row)                                                                        \
     X(row, deregistered_while_peer_holds_rkey) X(row, deregistered_while_peer_frozen)        \
-    X(row, initiator_killed) X(row, target_stopped) X(row, target_killed)
+    X(row, initiator_killed) X(row, target_stopped) X(row, target_killed)                    \
+    X(row, pool_read_while_target_stopped)
 
 #define DEFINE(row, c)                                                                       \
     static void row##__##c(void)                                                             \

@@ -64,6 +64,12 @@ static int64_t child_do(kvp_engine *e, kvpt_ctarget *t, const ct_cmd *c)
         void *p;
         return kvp_engine_alloc(e, c->arg, &p) == KVP_OK ? timed_ms(t0) : -1;
     }
+    case KVPT_CT_POOL: {
+        void *p;
+        if (kvp_engine_alloc(e, c->arg, &p) != KVP_OK) return -1;
+        kvpt_fill(p, c->arg, c->arg); /* the pattern's seed is the length */
+        return (int64_t)(uintptr_t)p;
+    }
     case KVPT_CT_UNREGISTER:
         return kvp_engine_unregister(e, t->buf) == KVP_OK ? timed_ms(t0) : -1;
     case KVPT_CT_UNMAP:

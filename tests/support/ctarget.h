@@ -47,6 +47,8 @@ int kvpt_ctarget_start(const kvpt_ctarget_opts *opts, kvpt_ctarget *out);
 enum kvpt_ctarget_op {
     KVPT_CT_REGISTER = 'r',   /* register arg fresh bytes of malloc'ed memory: ms taken */
     KVPT_CT_ALLOC = 'a',      /* kvp_engine_alloc of arg bytes: ms taken */
+    KVPT_CT_POOL = 'p',       /* kvp_engine_alloc of arg bytes filled with
+                                 kvpt_fill(seed arg): their address */
     KVPT_CT_UNREGISTER = 'u', /* unregister the buffer: ms taken */
     KVPT_CT_UNMAP = 'm',      /* munmap the buffer (still registered): 0 */
     KVPT_CT_FDS = 'f',        /* open descriptors of the child */
