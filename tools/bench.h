@@ -22,6 +22,7 @@ typedef struct bench_opts {
     int duration_set;
     int verify, json, no_shm, sweep;
     int sync; /* --sync: kvp_engine_read/write per request, not batches */
+    int pool; /* --pool: the target serves kvp_engine_alloc memory */
     int unit;      /* index into bench_units */
     int precision; /* digits of the throughput (Mooncake's --report_precision) */
 } bench_opts;

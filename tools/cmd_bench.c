@@ -46,6 +46,7 @@ enum {
     O_JSON,
     O_SWEEP,
     O_SYNC,
+    O_POOL,
     O_WORKERS,
     O_CONNS,
     O_SLICE,
@@ -95,6 +96,10 @@ static const kvp_cli_opt opts[] = {
      "initiator: each request by itself through the blocking\nkvp_engine_read/write (on the "
      "calling thread, no\nbatch): a batch's requests run one after the other",
      .id = O_SYNC},
+    {"pool", KVP_ARG_FLAG, NULL,
+     "target: serve a buffer from the engine's pool\n(kvp_engine_alloc, as the pipe's tensors; over "
+     "rdma/ucx\nmemory UCX allocates) instead of memory it registers",
+     .id = O_POOL},
     {"sweep", KVP_ARG_FLAG, NULL,
      "measure every combination of --block-size, --batch-size\nand --threads, each a "
      "comma-separated list (default\n4K,64K,1M,16M x 1,32 x 1,2), and print a table",
@@ -203,6 +208,9 @@ static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value 
         break;
     case O_SYNC:
         o->sync = (int)v->i;
+        break;
+    case O_POOL:
+        o->pool = (int)v->i;
         break;
     case O_JSON:
         o->json = (int)v->i;
@@ -334,31 +342,63 @@ static int verify_target(const void *buf, size_t len)
     return 0;
 }
 
-static int run_target(const bench_opts *o)
+/* The target's buffer: from the pool, or mapped here and registered. */
+static int target_buffer(const bench_opts *o, kvp_engine *e, void **out)
 {
-    kvp_engine *e;
-    if (bench_engine(o, o->local_name, &e)) return 1;
-    /* Populated now, so that no initiator's first pass pays our page faults. */
-    void *buf = mmap(NULL, o->buffer_size, PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    void *buf;
+    if (o->pool) {
+        if (kvp_engine_alloc(e, o->buffer_size, &buf)) {
+            kvp_cli_error("target: cannot allocate %zu bytes from the pool: %s", o->buffer_size,
+                          kvp_last_error());
+            return 1;
+        }
+        /* Populated now, so that no initiator's first pass pays our faults. */
+        if (o->verify) kvp_pattern_fill(buf, o->buffer_size, KVP_PATTERN_TARGET, 0);
+        else memset(buf, 0, o->buffer_size);
+        *out = buf;
+        return 0;
+    }
+    buf = mmap(NULL, o->buffer_size, PROT_READ | PROT_WRITE,
+               MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (buf == MAP_FAILED) {
         kvp_cli_error("target: cannot map %zu bytes: %s", o->buffer_size, strerror(errno));
-        kvp_engine_destroy(e);
         return 1;
     }
     if (o->verify) kvp_pattern_fill(buf, o->buffer_size, KVP_PATTERN_TARGET, 0);
     if (kvp_engine_register(e, buf, o->buffer_size)) {
         kvp_cli_error("target: cannot register the buffer: %s", kvp_last_error());
+        munmap(buf, o->buffer_size);
+        return 1;
+    }
+    *out = buf;
+    return 0;
+}
+
+static int run_target(const bench_opts *o)
+{
+    kvp_engine *e;
+    if (bench_engine(o, o->local_name, &e)) return 1;
+    void *buf;
+    if (target_buffer(o, e, &buf)) {
         kvp_engine_destroy(e);
         return 1;
     }
-    printf("kvpipe bench target: serving segment %s (data port %d, %zu bytes at 0x%" PRIxPTR ")\n",
-           kvp_engine_segment_name(e), kvp_engine_data_port(e), o->buffer_size, (uintptr_t)buf);
+    printf("kvpipe bench target: serving segment %s (data port %d, %zu bytes at 0x%" PRIxPTR
+           "%s)\n",
+           kvp_engine_segment_name(e), kvp_engine_data_port(e), o->buffer_size, (uintptr_t)buf,
+           o->pool ? ", from the pool" : "");
     if (kvp_engine_metrics_port(e))
         printf("kvpipe bench target: metrics at http://127.0.0.1:%d/metrics\n",
                kvp_engine_metrics_port(e));
     fflush(stdout);
     kvp_cli_wait_for_signal();
+    if (o->pool) {
+        /* The pool's memory goes with the engine: checked first (the
+         * initiators are done when the signal comes). */
+        int rc = o->verify ? verify_target(buf, o->buffer_size) : 0;
+        kvp_engine_destroy(e);
+        return rc;
+    }
     /* Unpublish before checking, so no initiator writes while we look. */
     kvp_engine_destroy(e);
     int rc = o->verify ? verify_target(buf, o->buffer_size) : 0;
@@ -387,6 +427,7 @@ static pid_t spawn_target(const bench_opts *o, char segment[256], FILE **out)
     args[n++] = (char *)o->protocol;
     if (o->no_shm) args[n++] = "--no-shm";
     if (o->verify) args[n++] = "--verify";
+    if (o->pool) args[n++] = "--pool";
     args[n] = NULL;
     int fds[2];
     if (pipe(fds) != 0) return -1;
