@@ -9,7 +9,8 @@
  * microseconds, and the path the pair used ("inline" or "announced", from
  * kvp_pipe_stats). Options: --no-shm, --protocol P, --inline-max-bytes B
  * (0: MooncakePipe's path), --busy-poll-us N, --ack-delay-us N, as
- * kvp_pipe_opts. */
+ * kvp_pipe_opts. The echo side runs as this program with --echo JSON (the
+ * pipe's config). */
 #include <arpa/inet.h>
 #include <getopt.h>
 #include <netinet/in.h>
@@ -38,6 +39,7 @@ typedef struct ping_opts {
     int no_shm, busy_poll_us;
     long inline_max; /* < 0: the default */
     long ack_delay;  /* < 0: the default */
+    const char *echo_json; /* --echo JSON: be rank 1 of that pipe (the child) */
 } ping_opts;
 
 static uint64_t now_ns(void)
@@ -172,6 +174,7 @@ static int parse(int argc, char **argv, ping_opts *o)
                                          {"inline-max-bytes", required_argument, 0, 'i'},
                                          {"busy-poll-us", required_argument, 0, 'b'},
                                          {"ack-delay-us", required_argument, 0, 'a'},
+                                         {"echo", required_argument, 0, 'e'},
                                          {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -200,6 +203,9 @@ static int parse(int argc, char **argv, ping_opts *o)
         case 'a':
             o->ack_delay = atol(optarg);
             break;
+        case 'e':
+            o->echo_json = optarg;
+            break;
         default:
             return -1;
         }
@@ -216,6 +222,7 @@ int main(int argc, char **argv)
                         "[--ack-delay-us N]\n");
         return 2;
     }
+    if (o.echo_json) return echo(o.echo_json, &o);
     kvp_metadata_server *store;
     int base = kvp_pick_pipe_base();
     if (base < 0 || kvp_metadata_server_start("127.0.0.1", 0, &store) != KVP_OK) {
@@ -227,12 +234,22 @@ int main(int argc, char **argv)
              "{\"prefill_url\":\"127.0.0.1:%d\",\"decode_url\":\"127.0.0.1:%d\","
              "\"metadata_server\":\"http://127.0.0.1:%d/metadata\",\"protocol\":\"%s\"}",
              base, base, kvp_metadata_server_port(store), o.protocol);
+    /* The echo side is this program again, executed afresh: a child forked
+     * from threads (the store's) may only exec (a lock one of them held,
+     * UCX's memory-event lock say, would stay held in the child for ever). */
+    char **args = calloc((size_t)argc + 3, sizeof *args);
+    if (!args) return 1;
+    for (int i = 0; i < argc; i++) args[i] = argv[i];
+    args[argc] = "--echo";
+    args[argc + 1] = json;
     fflush(NULL);
     pid_t pid = fork();
     if (pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
-        _exit(echo(json, &o));
+        execv("/proc/self/exe", args);
+        _exit(127);
     }
+    free(args);
     int rc = ping(json, &o);
     int status = 0;
     if (rc) kill(pid, SIGKILL);
