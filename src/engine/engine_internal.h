@@ -50,6 +50,7 @@ typedef struct kvpi_segment {
     int failing;            /* the last transfer failed: log the next failure quietly */
     int looked_up;          /* a descriptor was fetched once: later lookups refresh it */
     atomic_size_t group_bytes; /* the transport's group size (see transport.h) */
+    atomic_int one_sided;      /* its transport is KVPI_CAP_RDMA (see batch.c) */
 } kvpi_segment;
 
 typedef struct kvpi_work kvpi_work;

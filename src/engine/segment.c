@@ -259,6 +259,7 @@ kvp_status kvpi_segment_acquire(kvp_engine *e, kvpi_segment *seg, kvpi_peer **ou
             seg->transport = ops->name;
             atomic_store(&seg->group_bytes,
                          ops->group_bytes ? ops->group_bytes : KVPI_GROUP_BYTES_DEFAULT);
+            atomic_store(&seg->one_sided, (ops->caps & KVPI_CAP_RDMA) != 0);
         }
     }
     if (st == KVP_OK) {
