@@ -16,9 +16,10 @@
 #         request/response (bench/engine_lat.c, raw_tcp --request)
 #   sweep kvpipe bench --sweep over TCP and shm: GB/s and batch latency
 #         p50/p99/p999 per block size x batch size x threads (one run each)
-#   ucx   kvpipe bench READ/WRITE over ucx (protocol rdma) vs ucx_perftest
-#         ucp_get/ucp_put_bw (Debian ucx-utils), each UCX_TLS of this host,
-#         and vs bench/ucp_reg (the same loop on registered application memory)
+#   ucx   kvpipe bench READ/WRITE over ucx (protocol rdma) of the target's pool
+#         memory vs ucx_perftest ucp_get/ucp_put_bw (Debian ucx-utils), each
+#         UCX_TLS of this host, and of registered memory vs bench/ucp_reg (the
+#         same loop on registered application memory)
 #   samehost  kvpipe READ/WRITE over shm vs over ucx on UCX's shared memory
 # Each pair runs back to back and the median of --repeat runs is kept, which
 # damps noise from other load. Results go to stdout and bench/results/latest.md
@@ -372,55 +373,66 @@ section_ucx() {
         echo "skipped: this kvpipe has no ucx transport (KVP_WITH_UCX)"; echo; return
     fi
     echo "ucx_perftest -e (peer error handling, as kvpipe's endpoints): ucp_get (1 request in"
-    echo "flight) and ucp_put_bw (32 in flight), one buffer of one block on each side, reused."
-    echo "kvpipe READ/WRITE: the bench's defaults (--batch-size requests per batch, 2 threads,"
-    echo "through 512 MiB on the target). \"1 block\": kvpipe closer to ucx_perftest: a target of"
-    echo "one block, one thread, and ucx_perftest's depth: for READ one request at a time through"
-    echo "kvp_engine_read (--sync: on the calling thread; one block on each side), for WRITE 32 per"
-    echo "batch (whose local side spans 32 blocks, 64 MiB at most). ucx_perftest's buffers are"
-    echo "UCX's own (ucp_mem_map ALLOCATE): over sm its peer maps them and copies directly, its"
-    echo "responder idle (ucx_perftest -o gives the same figures); kvpipe's are the application's,"
-    echo "registered, which UCX 1.13 serves over sm by emulation (the target copies each block into"
-    echo "its FIFO, the initiator out of it): docs/transport-ucx.md, Measurements."
+    echo "flight) and ucp_put_bw (32 in flight), one buffer of one block on each side, reused,"
+    echo "allocated by UCX (ucp_mem_map ALLOCATE). kvpipe's target serves a buffer of its pool"
+    echo "(kvpipe bench --pool: kvp_engine_alloc, the memory the pipe's tensors are in), which the"
+    echo "ucx transport allocates the same way. READ/WRITE: the bench's defaults (--batch-size"
+    echo "requests per batch, 2 threads, through 512 MiB on the target). \"1 block\": kvpipe at"
+    echo "ucx_perftest's footprint: a target of one block, one thread, one request at a time"
+    echo "through kvp_engine_read/write (--sync: on the calling thread; one block on each side),"
+    echo "so below ucp_put_bw's depth (over shared memory a put into mapped memory completes at"
+    echo "once, and a batch's local side would span a block per request)."
     echo
     echo "| UCX_TLS | block | ucp_get GB/s | READ GB/s | READ / ucp_get | READ 1 block GB/s | READ 1 block / ucp_get | ucp_put_bw GB/s | WRITE GB/s | WRITE / ucp_put_bw | WRITE 1 block GB/s | WRITE 1 block / ucp_put_bw |"
     echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
     local reg_rows=()
     for tls in $ucx_tls_sets; do
         ucx_env "$tls"
-        start_target rdma --no-shm
+        start_target rdma --no-shm --pool
         local big=$segment
         for block in 65536 1048576 16777216; do
-            start_target rdma --no-shm --buffer-size "$block"
+            start_target rdma --no-shm --pool --buffer-size "$block"
             local small=$segment
+            start_target rdma --no-shm --buffer-size "$block"
+            local reg=$segment
             local gets=() puts=() reads=() writes=() sreads=() swrites=() rgets=() rputs=()
+            local greads=() gwrites=()
+            local one=(--no-shm --threads 1 --batch-size 1 --sync --buffer-size "$block")
+            local one_write=(--no-shm --threads 1 --batch-size 32 --buffer-size "$block")
             for _ in $(seq "$repeat"); do
                 gets+=("$(baseline_perftest ucp_get "$block")")
                 rgets+=("$(baseline_ucp_reg get "$block")")
                 segment=$big; reads+=("$(initiator rdma read "$block" --no-shm)")
-                segment=$small
-                sreads+=("$(initiator rdma read "$block" --no-shm --threads 1 --batch-size 1 --sync --buffer-size "$block")")
+                segment=$small; sreads+=("$(initiator rdma read "$block" "${one[@]}")")
+                segment=$reg; greads+=("$(initiator rdma read "$block" "${one[@]}")")
                 puts+=("$(baseline_perftest ucp_put_bw "$block")")
                 rputs+=("$(baseline_ucp_reg put "$block")")
                 segment=$big; writes+=("$(initiator rdma write "$block" --no-shm)")
-                segment=$small
-                swrites+=("$(initiator rdma write "$block" --no-shm --threads 1 --batch-size 32 --buffer-size "$block")")
+                segment=$small; swrites+=("$(initiator rdma write "$block" "${one[@]}")")
+                segment=$reg; gwrites+=("$(initiator rdma write "$block" "${one_write[@]}")")
             done
+            stop_target
             stop_target
             local get put read write sread swrite
             get=$(med "${gets[@]}"); put=$(med "${puts[@]}")
             read=$(med "${reads[@]}"); write=$(med "${writes[@]}")
             sread=$(med "${sreads[@]}"); swrite=$(med "${swrites[@]}")
             echo "| $tls | $(human "$block") | $get | $read | $(ratio "$read" "$get") | $sread | $(ratio "$sread" "$get") | $put | $write | $(ratio "$write" "$put") | $swrite | $(ratio "$swrite" "$put") |"
-            local rget rput; rget=$(med "${rgets[@]}"); rput=$(med "${rputs[@]}")
-            reg_rows+=("| $tls | $(human "$block") | $rget | $sread | $(ratio "$sread" "$rget") | $rput | $swrite | $(ratio "$swrite" "$rput") |")
+            local rget rput gread gwrite
+            rget=$(med "${rgets[@]}"); rput=$(med "${rputs[@]}")
+            gread=$(med "${greads[@]}"); gwrite=$(med "${gwrites[@]}")
+            reg_rows+=("| $tls | $(human "$block") | $rget | $gread | $(ratio "$gread" "$rget") | $rput | $gwrite | $(ratio "$gwrite" "$rput") |")
         done
         segment=$big
         stop_target
     done
     echo
-    echo "The same \"1 block\" kvpipe rows against UCP's own loop on registered application memory,"
-    echo "as kvpipe's (bench/ucp_reg: ucp_get_nbx one at a time, ucp_put_nbx 32 per flush), same run:"
+    echo "Memory the application registers (kvp_engine_register) instead, which UCX 1.13 serves"
+    echo "over shared memory by emulation (the target's progress copies each block into its FIFO,"
+    echo "the initiator out of it: docs/transport-ucx.md, Measurements): a target of one block,"
+    echo "one thread, READ one request at a time (--sync), WRITE 32 per batch (whose local side"
+    echo "spans 32 blocks, 64 MiB at most), against UCP's own loop on registered memory"
+    echo "(bench/ucp_reg: ucp_get_nbx one at a time, ucp_put_nbx 32 per flush), same run:"
     echo
     echo "| UCX_TLS | block | ucp_reg get GB/s | READ 1 block GB/s | READ 1 block / ucp_reg get | ucp_reg put GB/s | WRITE 1 block GB/s | WRITE 1 block / ucp_reg put |"
     echo "|---|---|---|---|---|---|---|---|"
