@@ -953,7 +953,7 @@ kvp_status kvpi_ucx_chunk_map(void *server, size_t length, void **addr)
                                .length = length,
                                .flags = UCP_MEM_MAP_ALLOCATE};
     ucs_status_t st = ucp_mem_map(s->ctx, &mp, &c->memh);
-    ucp_mem_attr_t attr = {.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH};
+    ucp_mem_attr_t attr = {.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS};
     if (st == UCS_OK && (st = ucp_mem_query(c->memh, &attr)) != UCS_OK)
         ucp_mem_unmap(s->ctx, c->memh);
     if (st != UCS_OK) {
@@ -972,23 +972,20 @@ kvp_status kvpi_ucx_chunk_map(void *server, size_t length, void **addr)
     return KVP_OK;
 }
 
-/* The chunk at [addr, +length) exactly, or NULL. */
-static ucx_chunk *chunk_find(kvpi_ucx_server *s, uint64_t addr, uint64_t length)
+/* The link to the chunk at [addr, +length) exactly (*link NULL where there
+ * is none). chunks_lock held. */
+static ucx_chunk **chunk_link(kvpi_ucx_server *s, uint64_t addr, uint64_t length)
 {
-    pthread_mutex_lock(&s->chunks_lock);
-    ucx_chunk *c = s->chunks;
-    while (c && !(c->addr == addr && c->length == length)) c = c->next;
-    pthread_mutex_unlock(&s->chunks_lock);
-    return c;
+    ucx_chunk **pc = &s->chunks;
+    while (*pc && !((*pc)->addr == addr && (*pc)->length == length)) pc = &(*pc)->next;
+    return pc;
 }
 
 void kvpi_ucx_chunk_unmap(void *server, void *addr, size_t length)
 {
     kvpi_ucx_server *s = server;
     pthread_mutex_lock(&s->chunks_lock);
-    ucx_chunk **pc = &s->chunks;
-    while (*pc && !((*pc)->addr == (uint64_t)(uintptr_t)addr && (*pc)->length == length))
-        pc = &(*pc)->next;
+    ucx_chunk **pc = chunk_link(s, (uint64_t)(uintptr_t)addr, length);
     ucx_chunk *c = *pc;
     if (c) *pc = c->next;
     pthread_mutex_unlock(&s->chunks_lock);
@@ -1012,7 +1009,9 @@ kvp_status kvpi_ucx_mem_reg(void *server, const kvpi_region *region, void **hand
     ucs_status_t st = UCS_OK;
     /* A pool chunk UCX allocated is registered already, and only its own
      * memory handle packs the rkey a same-host peer maps it with. */
-    ucx_chunk *chunk = chunk_find(s, region->addr, region->length);
+    pthread_mutex_lock(&s->chunks_lock);
+    ucx_chunk *chunk = *chunk_link(s, region->addr, region->length);
+    pthread_mutex_unlock(&s->chunks_lock);
     if (chunk) {
         r->memh = chunk->memh;
         r->in_chunk = 1;
