@@ -200,7 +200,9 @@ KVP_API kvp_status kvp_engine_register_mem(kvp_engine *engine, void *addr, size_
 KVP_API kvp_status kvp_engine_unregister(kvp_engine *engine, void *addr);
 
 /* Allocate length bytes (length > 0) of engine-owned registered memory. The
- * pool grows in chunks and reuses freed memory. */
+ * pool grows in chunks and reuses freed memory. With the rdma/ucx protocol
+ * (unauthenticated) the chunks are shared memory UCX allocates, which a
+ * same-host peer copies directly (docs/transport-ucx.md). */
 KVP_API kvp_status kvp_engine_alloc(kvp_engine *engine, size_t length, void **out);
 
 /* Return a managed buffer; addr must come from kvp_engine_alloc(). NULL is a
