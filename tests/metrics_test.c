@@ -598,8 +598,10 @@ static void counts_shm(void)
  * this test scrapes both while the initiator runs and parses every scrape. */
 static void endpoint_live_transfer(void)
 {
-    int tport = kvpt_free_port(), iport = kvpt_free_port();
-    int tm = kvpt_free_port(), im = kvpt_free_port();
+    /* Four ports picked together, so that no two of them are the same. */
+    static const int offsets[] = {0, 1, 2, 3};
+    int base = kvpt_free_port_block(offsets, 4);
+    int tport = base, iport = base + 1, tm = base + 2, im = base + 3;
     char tname[64], iname[64], tm_s[16], im_s[16];
     snprintf(tname, sizeof tname, "127.0.0.1:%d", tport);
     snprintf(iname, sizeof iname, "127.0.0.1:%d", iport);
