@@ -14,6 +14,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "ctarget.h"
 #include "target.h"
 #include "test.h"
 #include "transport/transport.h"
@@ -238,23 +239,15 @@ static int mapping_shared(const void *addr)
 }
 
 /* A pool buffer (kvp_engine_alloc) of an engine whose protocol is proto,
- * authenticated with the key file key unless NULL: is its memory shared? */
+ * authenticated with the key file key unless NULL (through
+ * KVPIPE_AUTH_KEY_FILE): is its memory shared? */
 static int pool_shared(const char *proto, const char *key)
 {
-    char name[64];
-    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
-    kvp_engine_opts eo;
-    kvp_engine_opts_init(&eo);
-    eo.local_server_name = name;
-    eo.metadata = "P2PHANDSHAKE";
-    eo.protocol = proto;
-    eo.disable_shm = 1;
-    eo.auth_key_file = key;
+    if (key) setenv("KVPIPE_AUTH_KEY_FILE", key, 1);
     kvp_engine *e;
-    if (kvp_engine_create(&eo, &e) != KVP_OK) {
-        fprintf(stderr, "  engine: %s\n", kvp_last_error());
-        return -1;
-    }
+    int up = kvpt_initiator_start(proto, 1, 0, &e) == 0;
+    unsetenv("KVPIPE_AUTH_KEY_FILE");
+    if (!up) return -1;
     void *p;
     int shared = kvp_engine_alloc(e, 1u << 20, &p) == KVP_OK ? mapping_shared(p) : -1;
     kvp_engine_destroy(e);
