@@ -142,7 +142,6 @@ void kvpi_pipe_unref(kvp_pipe *p)
     pthread_cond_destroy(&p->neg_cond);
     close(p->recv_wake_fd);
     close(p->rx_done_fd);
-    close(p->ctl_wake_fd);
     close(p->ack_timer_fd);
     kvpi_auth_free(p->auth);
     sodium_memzero(&p->curve, sizeof p->curve);
@@ -604,33 +603,7 @@ static int zap_answer(kvp_pipe *p)
     return rc && zmq_errno() == ETERM ? -1 : 0;
 }
 
-/* ------------------------------------------------------- lazy ACKs --- */
-
-int kvpi_pipe_acks_wanted(const kvp_pipe *p)
-{
-    return p->q_count == 0 || p->q_buffers > 0 || p->room_waiters > 0 ||
-           p->q_count > p->ack_lazy;
-}
-
-void kvpi_pipe_acks_changed(kvp_pipe *p, int was)
-{
-    uint64_t one = 1;
-    if (!was && kvpi_pipe_acks_wanted(p) && write(p->ctl_wake_fd, &one, sizeof one) < 0 &&
-        errno != EAGAIN)
-        KVPI_WARN("pipe %s: cannot wake the control thread: %s", p->ep.local_segment,
-                  strerror(errno));
-}
-
-/* ACKs of a few inline messages may wait: nothing is freed by them, and a
- * thread woken for each costs more than the message (a round trip of 4 KiB
- * took 165 us with one, 85-130 us with none, on the 2-core test machine). At
- * most an eighth of the ZeroMQ queue waits, so the peer's ACKs never find it
- * full. */
-static size_t ack_lazy_of(const kvp_pipe_opts *o)
-{
-    size_t hwm = o->zmq_hwm > 0 ? (size_t)o->zmq_hwm : 1000;
-    return hwm / 8 < 64 ? hwm / 8 : 64;
-}
+/* ------------------------------------------------------ deferred ACKs --- */
 
 /* ACKs of inline messages a receiver owes are due (pipe_recv.c): send them.
  * When a receiver holds recv_lock (a receiver in recv sends them itself
@@ -646,10 +619,14 @@ static void ack_due(kvp_pipe *p)
 static void *control_main(void *arg)
 {
     kvp_pipe *p = arg;
-    enum { WAKE, ACK_DUE, ACK_MON, DATA_MON, ZAP, DATA_PUSH_MON, ACK_PUSH_MON, ACKS };
+    enum { ACKS, ACK_DUE, ACK_MON, DATA_MON, ZAP, DATA_PUSH_MON, ACK_PUSH_MON };
     for (;;) {
+        /* ACKs are taken as they arrive, so that a sender's inflight_count
+         * and room follow the receiver's ACKs at once; the receiver batches
+         * those of inline messages (pipe_recv.c), so a stream of them costs
+         * this thread one wake-up per batch, not per message. */
         zmq_pollitem_t it[] = {
-            [WAKE] = {.fd = p->ctl_wake_fd, .events = ZMQ_POLLIN},
+            [ACKS] = {.socket = p->ack_in.sock, .events = ZMQ_POLLIN},
             [ACK_DUE] = {.fd = p->ack_timer_fd, .events = ZMQ_POLLIN},
             [ACK_MON] = {.socket = p->ack_in.mon, .events = ZMQ_POLLIN},
             [DATA_MON] = {.socket = p->data_in.mon, .events = ZMQ_POLLIN},
@@ -658,24 +635,18 @@ static void *control_main(void *arg)
              * (a pollitem of no socket and fd -1 is skipped by poll). */
             [DATA_PUSH_MON] = {.socket = p->data_push_mon, .fd = -1, .events = ZMQ_POLLIN},
             [ACK_PUSH_MON] = {.socket = p->ack_push_mon, .fd = -1, .events = ZMQ_POLLIN},
-            [ACKS] = {.socket = p->ack_in.sock, .events = ZMQ_POLLIN},
         };
-        pthread_mutex_lock(&p->lock);
-        int acks = kvpi_pipe_acks_wanted(p);
-        pthread_mutex_unlock(&p->lock);
-        int r = zmq_poll(it, acks ? 8 : 7, control_timeout(p, kvpi_now_ms()));
+        int r = zmq_poll(it, sizeof it / sizeof it[0], control_timeout(p, kvpi_now_ms()));
         if (r < 0 && zmq_errno() == EINTR) continue;
         if (r < 0) break; /* ETERM: the pipe is closing */
         uint64_t v;
-        if (it[WAKE].revents && read(p->ctl_wake_fd, &v, sizeof v) < 0 && errno != EAGAIN)
-            KVPI_WARN("pipe %s: eventfd: %s", p->ep.local_segment, strerror(errno));
         if (it[ACK_DUE].revents && read(p->ack_timer_fd, &v, sizeof v) >= 0) ack_due(p);
         if ((it[ZAP].revents && zap_answer(p) < 0) ||
             (it[ACK_MON].revents && link_events(p, &p->ack_in) < 0) ||
             (it[DATA_MON].revents && link_events(p, &p->data_in) < 0) ||
             (it[DATA_PUSH_MON].revents && push_events(p, p->data_push_mon, "announce") < 0) ||
             (it[ACK_PUSH_MON].revents && push_events(p, p->ack_push_mon, "ACK") < 0) ||
-            (acks && it[ACKS].revents && take_acks(p) < 0))
+            (it[ACKS].revents && take_acks(p) < 0))
             break;
         uint64_t now = kvpi_now_ms();
         if (link_due(p, &p->ack_in, now)) kvpi_pipe_link_reconnect(p, &p->ack_in);
@@ -855,7 +826,7 @@ static kvp_status check_opts(const kvp_pipe_opts *o)
 
 static void close_eventfds(kvp_pipe *p)
 {
-    int *fds[] = {&p->recv_wake_fd, &p->rx_done_fd, &p->ctl_wake_fd, &p->ack_timer_fd};
+    int *fds[] = {&p->recv_wake_fd, &p->rx_done_fd, &p->ack_timer_fd};
     for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
         if (*fds[i] >= 0) close(*fds[i]);
 }
@@ -864,9 +835,8 @@ static kvp_status pipe_init_sync(kvp_pipe *p)
 {
     p->recv_wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     p->rx_done_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    p->ctl_wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     p->ack_timer_fd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
-    if (p->recv_wake_fd < 0 || p->rx_done_fd < 0 || p->ctl_wake_fd < 0 || p->ack_timer_fd < 0) {
+    if (p->recv_wake_fd < 0 || p->rx_done_fd < 0 || p->ack_timer_fd < 0) {
         int err = errno;
         close_eventfds(p);
         return kvpi_error(KVP_EIO, "pipe: eventfd: %s", strerror(err));
@@ -931,7 +901,6 @@ kvp_status kvp_pipe_open(const kvp_pipe_config *cfg, int local_rank, int kv_rank
     atomic_init(&p->closing, 0);
     p->ep = ep;
     p->opts = o;
-    p->ack_lazy = ack_lazy_of(&o);
     if ((st = kvpi_auth_resolve(cfg->auth_key_file, &p->auth))) goto fail;
     if (p->auth && !zmq_has("curve")) {
         st = kvpi_error(KVP_ENOTSUP,

@@ -119,11 +119,6 @@ struct kvp_pipe {
     kvpi_inflight *q;
     size_t q_head, q_count, q_cap;
     size_t inflight_bytes;
-    /* When the control thread takes ACKs (see kvpi_pipe_acks_wanted()). */
-    size_t q_buffers; /* entries with a managed buffer to free */
-    int room_waiters; /* senders and flushes waiting on room */
-    size_t ack_lazy;  /* in-flight messages whose ACKs may wait in ZeroMQ */
-    int ctl_wake_fd;  /* eventfd: the control thread must look again */
     uint64_t seq;       /* of the last message queued */
     atomic_int closing; /* written under lock, read anywhere */
     kvp_pipe_stats stats;
@@ -171,17 +166,6 @@ void kvpi_pipe_drop_message(kvp_pipe *p, int frames, size_t size0, size_t size1)
  * generation gen. */
 void kvpi_pipe_negotiate(kvp_pipe *p, uint64_t gen);
 void kvpi_pipe_unref(kvp_pipe *p);
-
-/* Whether the control thread must take ACKs now: nothing is in flight (an
- * ACK then is a stray, counted and dropped at once, as it would free the
- * next message's buffer otherwise), a buffer waits to be freed, someone
- * waits for room, or more than ack_lazy messages are in flight. Otherwise
- * (inline messages only, a few) their ACKs wait in ZeroMQ's queue and no
- * thread wakes for each. Under lock. */
-int kvpi_pipe_acks_wanted(const kvp_pipe *p);
-/* Under lock: the state changed, possibly so that ACKs are wanted (was:
- * the value before): wake the control thread. */
-void kvpi_pipe_acks_changed(kvp_pipe *p, int was);
 
 /* pipe_send.c: the FIFO of messages awaiting ACK (all under lock). */
 /* One ACK arrived: free the oldest message's buffer. The control thread. */

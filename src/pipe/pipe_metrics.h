@@ -11,7 +11,7 @@
 /* What a pipe counts besides kvp_pipe_stats. */
 typedef struct kvpi_pipe_counters {
     kvpi_counter send_timeouts; /* sends that ran out of time (room or announcement) */
-    kvpi_counter recv_timeouts; /* receives that found no announcement in time */
+    kvpi_counter recv_timeouts; /* receives that ended at their timeout */
 } kvpi_pipe_counters;
 
 /* pipe.c: the pipe's counters. */

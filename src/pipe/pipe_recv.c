@@ -102,14 +102,18 @@ static void rx_start(kvp_pipe *p, kvpi_rx_entry *e)
     e->state = RX_READING;
 }
 
-/* Start the READs of waiting entries, in order, while the window's bytes
- * allow (the first always goes). */
+/* Start the READs of waiting entries, in order. The head always starts,
+ * whatever the entries behind it hold (inline copies taken meanwhile count
+ * in rx_bytes too), so recv always makes progress; an entry behind it
+ * starts only while the bytes held stay within recv_window_bytes. So the
+ * window holds at most recv_window_bytes + one message (the head) + the
+ * inline copies (at most recv_window of inline_max_bytes). */
 static void rx_start_waiting(kvp_pipe *p)
 {
     for (size_t i = 0; i < p->rx_count; i++) {
         kvpi_rx_entry *e = rx_at(p, i);
         if (e->state != RX_WAITING) continue;
-        if (p->rx_bytes > 0 && p->rx_bytes + e->len > p->opts.recv_window_bytes) return;
+        if (i > 0 && p->rx_bytes + e->len > p->opts.recv_window_bytes) return;
         rx_start(p, e);
     }
 }
@@ -461,16 +465,25 @@ kvp_status kvp_pipe_recv(kvp_pipe *p, int timeout_ms, kvp_tensor **out)
             continue;
         }
         int left = timeout_ms < 0 ? -1 : kvpi_pipe_remaining_ms(deadline);
-        if (!p->rx_count && left == 0) {
+        if (left == 0) {
+            /* The window stays as it is: a READ running goes on (the engine's
+             * deadlines end it), and the next recv hands out its message. */
             kvpi_counter_add(&p->counters.recv_timeouts, 1);
-            st = kvpi_error(KVP_ETIMEDOUT, "pipe %s: nothing announced by %s within %d ms",
-                            p->ep.local_segment, p->ep.peer_segment, timeout_ms);
+            if (!p->rx_count)
+                st = kvpi_error(KVP_ETIMEDOUT, "pipe %s: nothing announced by %s within %d ms",
+                                p->ep.local_segment, p->ep.peer_segment, timeout_ms);
+            else
+                st = kvpi_error(KVP_ETIMEDOUT,
+                                "pipe %s: the next message from %s (%llu bytes) is still being "
+                                "read after %d ms; %zu in the window, nothing consumed",
+                                p->ep.local_segment, p->ep.peer_segment,
+                                (unsigned long long)rx_at(p, 0)->len, timeout_ms, p->rx_count);
             break;
         }
         if (!drained && p->rx_count < (size_t)p->opts.recv_window) continue; /* more to take */
-        /* With a READ running, the engine's deadlines end it; look again
-         * now and then all the same. Deferred ACKs leave when due. */
-        int wait = p->rx_count ? 1000 : left, acks = acks_due_in_ms(p);
+        /* A READ of the window ending wakes rx_wait (rx_done_fd); deferred
+         * ACKs leave when due. */
+        int wait = left, acks = acks_due_in_ms(p);
         if (acks == 0) {
             flush_acks(p);
             continue;

@@ -37,12 +37,9 @@ static int q_push(kvp_pipe *p, void *buf, size_t len, uint64_t *seq)
         p->q_cap = cap;
         p->q_head = 0;
     }
-    int was = kvpi_pipe_acks_wanted(p);
     *seq = ++p->seq;
     p->q[(p->q_head + p->q_count++) % p->q_cap] = (kvpi_inflight){buf, len, *seq};
     p->inflight_bytes += len;
-    if (buf) p->q_buffers++;
-    kvpi_pipe_acks_changed(p, was);
     return 0;
 }
 
@@ -52,7 +49,6 @@ static kvpi_inflight q_pop_head(kvp_pipe *p)
     p->q_head = (p->q_head + 1) % p->q_cap;
     p->q_count--;
     p->inflight_bytes -= e.len;
-    if (e.buf) p->q_buffers--;
     return e;
 }
 
@@ -62,7 +58,6 @@ static void q_drop_tail(kvp_pipe *p)
 {
     kvpi_inflight *e = &p->q[(p->q_head + p->q_count - 1) % p->q_cap];
     p->inflight_bytes -= e->len;
-    if (e->buf) p->q_buffers--;
     p->q_count--;
 }
 
@@ -111,11 +106,7 @@ static kvp_status wait_for_room(kvp_pipe *p, size_t size, uint64_t deadline)
     pthread_mutex_lock(&p->lock);
     while (!atomic_load(&p->closing) && p->inflight_bytes > 0 &&
            p->inflight_bytes + size > p->opts.kv_buffer_size) {
-        int was = kvpi_pipe_acks_wanted(p);
-        p->room_waiters++;
-        kvpi_pipe_acks_changed(p, was);
         int rc = pthread_cond_timedwait(&p->room, &p->lock, &ts);
-        p->room_waiters--;
         if (rc == ETIMEDOUT && p->inflight_bytes > 0 &&
             p->inflight_bytes + size > p->opts.kv_buffer_size) {
             kvpi_counter_add(&p->counters.send_timeouts, 1);
@@ -442,14 +433,11 @@ kvp_status kvp_pipe_flush(kvp_pipe *p, int timeout_ms)
     kvp_status st = KVP_OK;
     pthread_mutex_lock(&p->lock);
     while (p->q_count > 0 && !atomic_load(&p->closing) && !atomic_load(&p->broken)) {
-        int was = kvpi_pipe_acks_wanted(p), rc = 0;
-        p->room_waiters++;
-        kvpi_pipe_acks_changed(p, was);
+        int rc = 0;
         if (timeout_ms < 0)
             pthread_cond_wait(&p->room, &p->lock);
         else
             rc = pthread_cond_timedwait(&p->room, &p->lock, &ts);
-        p->room_waiters--;
         if (rc == ETIMEDOUT && p->q_count > 0) {
             st = kvpi_error(KVP_ETIMEDOUT,
                             "pipe %s: %zu messages (%zu bytes) still unacknowledged by %s after "
