@@ -12,7 +12,15 @@
  * killed once the receiver has the first, while the window's next READs run;
  * every announcement still gives exactly one result, in order - the tensor
  * it announced or an error - and an ACK that nobody takes costs one wait,
- * not one per message. */
+ * not one per message.
+ *
+ * The head behind inline copies: a message larger than recv_window_bytes,
+ * then an inline one, both on the link before recv runs: the head's READ
+ * starts all the same (the default demo's deadlock).
+ *
+ * A timeout with a READ running: recv returns KVP_ETIMEDOUT at its deadline
+ * while the head's READ is stalled (its sender stopped), and the window is
+ * intact afterwards: the message arrives once, with one ACK. */
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
@@ -365,9 +373,191 @@ static void test_killed_sender(void)
     unlink(derr);
 }
 
+/* ---------------------------------------- the head behind inline copies --- */
+
+/* The default demo's deadlock (issue 21): a message larger than
+ * recv_window_bytes at the head and an inline message behind it, both taken
+ * before recv runs. The inline copy's bytes counted in the window, and the
+ * head started only into an empty window: no READ ever ran, no ACK left. */
+#define HEAD_TENSOR ((size_t)64 << 20) /* its message passes the default window */
+#define TAIL_TENSOR 4096               /* inline */
+
+typedef struct two_steps {
+    raw_chan sent; /* prefill -> decode: both are sent */
+    raw_chan done; /* decode -> prefill: both received */
+} two_steps;
+
+/* Wait until the inline path is negotiated; 0 when it was. */
+static int wait_inline(kvp_pipe *pipe)
+{
+    uint64_t deadline = kvpi_now_ms() + RAW_WAIT_MS;
+    kvp_pipe_stats st;
+    do {
+        kvp_pipe_get_stats(pipe, &st);
+        if (st.peer_inline_max) return 0;
+        usleep(5000);
+    } while (kvpi_now_ms() < deadline);
+    return -1;
+}
+
+static void send_u8_tensor(kvp_pipe *pipe, size_t n, int seed)
+{
+    uint8_t *data = malloc(n);
+    REQUIRE(data);
+    kvpt_fill(data, n, (uint64_t)seed);
+    int64_t shape = (int64_t)n;
+    kvp_tensor t;
+    kvp_tensor_init(&t, KVP_DTYPE_U8, 1, &shape, data);
+    CHECK_OK(kvp_pipe_send(pipe, &t));
+    free(data);
+}
+
+/* The next tensor is n bytes of seed's pattern, within timeout_ms. */
+static void expect_u8_tensor(kvp_pipe *pipe, size_t n, int seed, int timeout_ms)
+{
+    kvp_tensor *t = NULL;
+    uint64_t t0 = kvpi_now_ms();
+    kvp_status st = kvp_pipe_recv(pipe, timeout_ms, &t);
+    if (st) fprintf(stderr, "  recv after %llu ms: %s\n", (unsigned long long)(kvpi_now_ms() - t0),
+                    kvp_last_error());
+    CHECK_OK(st);
+    CHECK(t && t->nbytes == n && kvpt_verify(t->data, n, (uint64_t)seed) == (size_t)-1);
+    kvp_tensor_free(t);
+}
+
+static void prefill_head_and_tail(kvp_pipe *pipe, void *arg)
+{
+    two_steps *k = arg;
+    REQUIRE(wait_inline(pipe) == 0);
+    send_u8_tensor(pipe, HEAD_TENSOR, 1);
+    send_u8_tensor(pipe, TAIL_TENSOR, 2);
+    usleep(300 * 1000); /* ZeroMQ's I/O thread writes them out */
+    raw_step(&k->sent, 's');
+    CHECK(raw_wait_step(&k->done, RAW_SIDE_MS) == 'd');
+    CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
+    kvp_pipe_stats st;
+    kvp_pipe_get_stats(pipe, &st);
+    CHECK(st.sent == 2 && st.acks == 2 && st.bad_acks == 0 && st.inline_sent == 1);
+}
+
+static void decode_head_and_tail(kvp_pipe *pipe, void *arg)
+{
+    two_steps *k = arg;
+    CHECK(raw_wait_step(&k->sent, RAW_SIDE_MS) == 's');
+    usleep(300 * 1000); /* both are queued on the link before recv looks */
+    expect_u8_tensor(pipe, HEAD_TENSOR, 1, 10000);
+    expect_u8_tensor(pipe, TAIL_TENSOR, 2, 10000);
+    raw_step(&k->done, 'd');
+}
+
+static void test_head_larger_than_window_behind_inline(void)
+{
+    raw_setup s;
+    REQUIRE(raw_setup_init(&s) == 0);
+    two_steps k;
+    REQUIRE(raw_chan_init(&k.sent) == 0 && raw_chan_init(&k.done) == 0);
+    char perr[128], derr[128];
+    raw_err_path(perr, sizeof perr, "head_prefill");
+    raw_err_path(derr, sizeof derr, "head_decode");
+    pid_t prefill = raw_spawn_side(&s, 0, prefill_head_and_tail, &k, perr);
+    pid_t decode = raw_spawn_side(&s, 1, decode_head_and_tail, &k, derr);
+    int rd = kvpt_wait_child(decode, RAW_SIDE_MS), rp = kvpt_wait_child(prefill, RAW_SIDE_MS);
+    if (rd || rp) {
+        raw_show(perr, "prefill");
+        raw_show(derr, "decode");
+    }
+    CHECK(rd == 0 && rp == 0);
+    unlink(perr);
+    unlink(derr);
+}
+
+/* ------------------------------------------- a timeout with a READ running --- */
+
+/* recv's timeout holds while the window's head is being READ (the sender is
+ * stopped, so the READ cannot end), and leaves the window as it was: once
+ * the sender runs again the next recv hands out that very message, once,
+ * and the sender gets exactly one ACK. A first tensor opens the peer's
+ * segment before: that open (a handshake with the peer, in P2P mode) is
+ * bounded by the engine's I/O timeout, not by recv's (docs/pipe.md). */
+#define STALLED_TENSOR ((size_t)1 << 20) /* announced */
+#define STALLED_TIMEOUT_MS 1000
+
+typedef struct stalled {
+    raw_chan sent;   /* prefill -> parent: announced */
+    raw_chan go;     /* parent -> decode: prefill is stopped */
+    raw_chan timed;  /* decode -> parent: recv timed out */
+    raw_chan resume; /* parent -> decode: prefill runs again */
+} stalled;
+
+static void prefill_then_stopped(kvp_pipe *pipe, void *arg)
+{
+    stalled *k = arg;
+    send_u8_tensor(pipe, STALLED_TENSOR, 6);
+    CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
+    send_u8_tensor(pipe, STALLED_TENSOR, 7);
+    usleep(300 * 1000);
+    raw_step(&k->sent, 's');
+    /* Stopped and continued in here. */
+    CHECK_OK(kvp_pipe_flush(pipe, RAW_SIDE_MS / 2));
+    kvp_pipe_stats st;
+    kvp_pipe_get_stats(pipe, &st);
+    CHECK(st.sent == 2 && st.acks == 2 && st.bad_acks == 0 && st.inflight_count == 0);
+}
+
+static void decode_times_out(kvp_pipe *pipe, void *arg)
+{
+    stalled *k = arg;
+    expect_u8_tensor(pipe, STALLED_TENSOR, 6, RAW_WAIT_MS);
+    CHECK(raw_wait_step(&k->go, RAW_SIDE_MS) == 'g');
+    kvp_tensor *t = NULL;
+    uint64_t t0 = kvpi_now_ms();
+    kvp_status st = kvp_pipe_recv(pipe, STALLED_TIMEOUT_MS, &t);
+    uint64_t took = kvpi_now_ms() - t0;
+    fprintf(stderr, "  recv: %s after %llu ms: %s\n", kvp_strerror(st), (unsigned long long)took,
+            kvp_last_error());
+    CHECK(st == KVP_ETIMEDOUT && t == NULL);
+    CHECK(strstr(kvp_last_error(), "still being read") != NULL);
+    CHECK(took >= STALLED_TIMEOUT_MS - 10 && took < STALLED_TIMEOUT_MS + 1500);
+    raw_step(&k->timed, 't');
+    CHECK(raw_wait_step(&k->resume, RAW_SIDE_MS) == 'c');
+    expect_u8_tensor(pipe, STALLED_TENSOR, 7, RAW_WAIT_MS);
+    CHECK_ST(kvp_pipe_recv(pipe, 300, &t), KVP_ETIMEDOUT); /* nothing twice */
+    kvp_pipe_stats ps;
+    kvp_pipe_get_stats(pipe, &ps);
+    CHECK(ps.received == 2 && ps.bad_messages == 0);
+}
+
+static void test_timeout_with_read_running(void)
+{
+    raw_setup s;
+    REQUIRE(raw_setup_init(&s) == 0);
+    stalled k;
+    REQUIRE(raw_chan_init(&k.sent) == 0 && raw_chan_init(&k.go) == 0 &&
+            raw_chan_init(&k.timed) == 0 && raw_chan_init(&k.resume) == 0);
+    char perr[128], derr[128];
+    raw_err_path(perr, sizeof perr, "stalled_prefill");
+    raw_err_path(derr, sizeof derr, "stalled_decode");
+    pid_t prefill = raw_spawn_side(&s, 0, prefill_then_stopped, &k, perr);
+    pid_t decode = raw_spawn_side(&s, 1, decode_times_out, &k, derr);
+    CHECK(raw_wait_step(&k.sent, RAW_SIDE_MS) == 's');
+    kill(prefill, SIGSTOP);
+    raw_step(&k.go, 'g');
+    CHECK(raw_wait_step(&k.timed, RAW_SIDE_MS) == 't');
+    kill(prefill, SIGCONT);
+    raw_step(&k.resume, 'c');
+    int rd = kvpt_wait_child(decode, RAW_SIDE_MS), rp = kvpt_wait_child(prefill, RAW_SIDE_MS);
+    raw_show(derr, "decode");
+    if (rp) raw_show(perr, "prefill");
+    CHECK(rd == 0 && rp == 0);
+    unlink(perr);
+    unlink(derr);
+}
+
 int main(void)
 {
     RUN_T(test_out_of_order_completion, 180);
     RUN_T(test_killed_sender, 180);
+    RUN_T(test_head_larger_than_window_behind_inline, 120);
+    RUN_T(test_timeout_with_read_running, 120);
     return kvpt_summary();
 }
