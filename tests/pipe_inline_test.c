@@ -365,9 +365,12 @@ static void test_sender_turns_it_off(void)
 
 /* ------------------------------------------------------ deferred ACKs --- */
 
-enum { ACKS_IDLE, ACKS_WAITING, ACKS_ANNOUNCED, ACKS_SIXTEEN, ACKS_CLOSE };
+enum { ACKS_IDLE, ACKS_WAITING, ACKS_ANNOUNCED, ACKS_SIXTEEN, ACKS_CLOSE, ACKS_NO_FLUSH };
 static int acks_case;
 static int done_fds[2];        /* prefill -> decode: one byte once prefill has checked */
+static int took_fds[2];        /* decode -> prefill: when it took the last (kvpi_now_ns) */
+#define NO_FLUSH_N 10
+#define NO_FLUSH_SLACK_MS 250 /* beyond ack_delay_us; a loaded 2-core VM's scheduling */
 #define SMALL_BYTES 1024       /* inline */
 #define LARGE_BYTES (64 << 10) /* announced: above THRESHOLD */
 #define LONG_DELAY_US 60000000 /* longer than any wait of the test */
@@ -405,10 +408,26 @@ static void acks_prefill(kvp_pipe *pipe, const side *s)
 {
     (void)s;
     REQUIRE(wait_negotiated(pipe) == THRESHOLD);
-    int n = acks_case == ACKS_SIXTEEN ? 16 : 3;
+    int n = acks_case == ACKS_SIXTEEN ? 16 : acks_case == ACKS_NO_FLUSH ? NO_FLUSH_N : 3;
     for (int i = 0; i < n; i++)
         send_u8(pipe, SMALL_BYTES, i + 1);
     switch (acks_case) {
+    case ACKS_NO_FLUSH: { /* nobody flushes: the ACKs are taken as they come all the same */
+        uint64_t took = 0;
+        CHECK(read(took_fds[0], &took, sizeof took) == (ssize_t)sizeof took);
+        kvp_pipe_stats st;
+        uint64_t deadline = kvpi_now_ms() + WAIT_MS;
+        do {
+            kvp_pipe_get_stats(pipe, &st);
+            if (st.inflight_count == 0) break;
+            usleep(500);
+        } while (kvpi_now_ms() < deadline);
+        double after_ms = ((double)kvpi_now_ns() - (double)took) / 1e6;
+        fprintf(stderr, "  in flight 0 %.1f ms after decode took the last (ack_delay 1 ms)\n",
+                after_ms);
+        CHECK(st.inflight_count == 0 && after_ms < 1 + NO_FLUSH_SLACK_MS);
+        break;
+    }
     case ACKS_IDLE:    /* decode took them and does nothing: the control thread sends them */
     case ACKS_SIXTEEN: /* the sixteenth sends them all, long before they are due */
     case ACKS_CLOSE:   /* owed for a minute, but decode closes at once: close sends them */
@@ -440,9 +459,14 @@ static void acks_prefill(kvp_pipe *pipe, const side *s)
 static void acks_decode(kvp_pipe *pipe, const side *s)
 {
     (void)s;
-    int n = acks_case == ACKS_SIXTEEN ? 16 : 3;
+    int n = acks_case == ACKS_SIXTEEN ? 16 : acks_case == ACKS_NO_FLUSH ? NO_FLUSH_N : 3;
+    if (acks_case == ACKS_NO_FLUSH) usleep(200 * 1000); /* all of them wait on the link */
     for (int i = 0; i < n; i++)
         recv_u8(pipe, SMALL_BYTES, i + 1);
+    if (acks_case == ACKS_NO_FLUSH) {
+        uint64_t now = kvpi_now_ns();
+        CHECK(write(took_fds[1], &now, sizeof now) == (ssize_t)sizeof now);
+    }
     if (acks_case == ACKS_WAITING) recv_u8(pipe, SMALL_BYTES, n + 1);
     if (acks_case == ACKS_ANNOUNCED) recv_u8(pipe, LARGE_BYTES, n + 1);
     if (acks_case == ACKS_CLOSE) return;
@@ -455,7 +479,7 @@ static void acks_pair(int which, long delay_us)
 {
     char json[512];
     REQUIRE(make_config(json, sizeof json, 1) == 0);
-    REQUIRE(pipe(done_fds) == 0);
+    REQUIRE(pipe(done_fds) == 0 && pipe(took_fds) == 0);
     acks_case = which;
     kvp_pipe_opts o = opts_with(THRESHOLD);
     o.ack_delay_us = (int)delay_us;
@@ -482,6 +506,15 @@ static void test_deferred_acks_leave_with_announced(void)
 static void test_deferred_acks_sixteen_at_once(void)
 {
     acks_pair(ACKS_SIXTEEN, LONG_DELAY_US);
+}
+
+/* The receiver takes them all and then does nothing; the sender neither
+ * flushes nor sends: its inflight_count still reaches 0 about ack_delay_us
+ * after the last was taken (it stayed up for good while ACKs of inline
+ * messages waited in ZeroMQ until someone wanted room). */
+static void test_deferred_acks_reach_an_idle_sender(void)
+{
+    acks_pair(ACKS_NO_FLUSH, 1000);
 }
 
 static void test_deferred_acks_sent_at_close(void)
@@ -620,5 +653,6 @@ int main(void)
     RUN_T(test_deferred_acks_leave_with_announced, 200);
     RUN_T(test_deferred_acks_sixteen_at_once, 200);
     RUN_T(test_deferred_acks_sent_at_close, 200);
+    RUN_T(test_deferred_acks_reach_an_idle_sender, 200);
     return kvpt_summary();
 }
