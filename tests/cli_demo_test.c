@@ -117,8 +117,61 @@ static void baseline_in_place_p2p(void)
     cJSON_Delete(doc);
 }
 
+/* The README's first command as a user runs it: no arguments, the default
+ * Llama-3-8B shape, whose keys and values (64 MiB each) pass the pipe's
+ * default recv_window_bytes; it deadlocked in most runs (issue 21). Then the
+ * same shape with the variations users reach for. Each must pass, every
+ * byte verified. */
+static void check_default_shape(const char *args)
+{
+    char a[256];
+    snprintf(a, sizeof a, "%s --json", args);
+    int rc = run(a);
+    if (rc != 0) fprintf(stderr, "  kvpipe demo %s: exit %d\n%s", a, rc, out);
+    REQUIRE(rc == 0);
+    CHECK(strstr(out, "every byte verified") != NULL);
+    cJSON *doc = last_json();
+    REQUIRE(doc);
+    CHECK(num(doc, "errors") == 0 && num(doc, "tokens") == 1024);
+    cJSON_Delete(doc);
+}
+
+static void defaults(void)
+{
+    int rc = run("");
+    if (rc != 0) fprintf(stderr, "  kvpipe demo: exit %d\n%s", rc, out);
+    CHECK(rc == 0 && strstr(out, "every byte verified") != NULL);
+}
+
+static void default_shape_16_requests(void)
+{
+    check_default_shape("--requests 16");
+}
+
+static void default_shape_no_shm(void)
+{
+    check_default_shape("--no-shm");
+}
+
+static void default_shape_in_place(void)
+{
+    check_default_shape("--send in-place");
+}
+
+static void default_shape_rdma_ucx_tcp(void)
+{
+    if (!KVP_HAVE_UCX) SKIP("built without UCX");
+    check_default_shape("--protocol rdma --no-shm --requests 4");
+}
+
 int main(void)
 {
+    setenv("UCX_TLS", "tcp", 1); /* read by the rdma case's sides only */
+    RUN_T(defaults, 240);
+    RUN_T(default_shape_16_requests, 240);
+    RUN_T(default_shape_no_shm, 240);
+    RUN_T(default_shape_in_place, 240);
+    RUN_T(default_shape_rdma_ucx_tcp, 240);
     RUN_T(first_and_steady, 180);
     RUN_T(first_is_the_first, 180);
     RUN_T(cold_single_request, 180);
