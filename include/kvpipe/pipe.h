@@ -265,7 +265,11 @@ KVP_API kvp_status kvp_pipe_send_take(kvp_pipe *pipe, kvp_tensor *t);
  * FIFO of buffers stays in step. A message that is not an announcement is
  * dropped unanswered, counted in bad_messages and logged (rate-limited), and
  * recv goes on waiting. Errors:
- *   KVP_ETIMEDOUT   nothing was announced in time; nothing consumed.
+ *   KVP_ETIMEDOUT   nothing was announced in time, or the next message's READ
+ *                   still runs at the deadline; nothing consumed (the next
+ *                   recv hands that message out). A message whose own READ
+ *                   timed out in the engine is consumed and reported with the
+ *                   engine's KVP_ETIMEDOUT ("not done within ...").
  *   KVP_EPROTO      an announced length of 0 or above max_message_bytes, or
  *                   malformed safetensors.
  *   KVP_ERANGE      the announced range lies outside the peer's registered
