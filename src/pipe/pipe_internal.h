@@ -140,6 +140,7 @@ struct kvp_pipe {
     kvpi_rx_entry *rx;
     size_t rx_head, rx_count;
     size_t rx_bytes;
+    size_t rx_bytes_peak; /* the most rx_bytes held since open (tests read it) */
     int rx_done_fd;  /* eventfd: a READ of the window completed */
     int ack_stalled; /* the last ACK was not taken in time: do not wait for the next */
     /* Deferred ACKs (pipe_recv.c): inline messages handed out and not yet

@@ -98,6 +98,7 @@ static void rx_start(kvp_pipe *p, kvpi_rx_entry *e)
         return;
     }
     p->rx_bytes += (size_t)e->len;
+    if (p->rx_bytes > p->rx_bytes_peak) p->rx_bytes_peak = p->rx_bytes;
     e->batch = b;
     e->state = RX_READING;
 }
@@ -152,6 +153,7 @@ static void take_inline(kvp_pipe *p, zmq_msg_t *f0)
     }
     memcpy(e->buf, (const uint8_t *)zmq_msg_data(f0) + KVPI_INLINE_TAG_LEN, len);
     p->rx_bytes += len;
+    if (p->rx_bytes > p->rx_bytes_peak) p->rx_bytes_peak = p->rx_bytes;
 }
 
 static int is_inline(zmq_msg_t *m)
