@@ -9,6 +9,7 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "cli.h"
@@ -24,6 +25,9 @@
 
 typedef struct demo_opts {
     int tokens, requests, layers, kv_heads, head_dim, hidden;
+    int tokens_min, tokens_max; /* --tokens-mix MIN..MAX (tokens_min 0: every request --tokens) */
+    unsigned long long seed;    /* of the mix */
+    int decode_lag_ms;          /* decode's pause between requests */
     kvp_dtype dtype;
     const char *protocol, *metadata;
     int no_shm, json, port, timeout_ms, prefault, baseline, in_place;
@@ -96,6 +100,9 @@ static int parse_dtype(const char *s, kvp_dtype *out)
 
 enum {
     O_TOKENS = 1,
+    O_TOKENS_MIX,
+    O_SEED,
+    O_DECODE_LAG,
     O_REQUESTS,
     O_LAYERS,
     O_KV_HEADS,
@@ -117,6 +124,17 @@ enum {
 
 static const kvp_cli_opt opts[] = {
     {"tokens", KVP_ARG_INT, "T", "tokens per request (default 1024)", 1, 1 << 20, .id = O_TOKENS},
+    {"tokens-mix", KVP_ARG_STRING, "MIN..MAX",
+     "tokens per request drawn from MIN..MAX, log-uniformly:\n"
+     "an octave [MIN*2^k, MIN*2^(k+1)) uniformly (the last\n"
+     "one up to MAX), then a count in it uniformly; the same\n"
+     "--seed draws the same counts (instead of --tokens)",
+     .id = O_TOKENS_MIX},
+    {"seed", KVP_ARG_INT, "S", "seed of --tokens-mix (default 1)", 0, 4294967295LL, .id = O_SEED},
+    {"decode-lag-ms", KVP_ARG_INT, "MS",
+     "decode pauses MS between requests, so that prefill runs\nahead, as far as kv_buffer_size "
+     "lets it (default 0)",
+     0, 10000, .id = O_DECODE_LAG},
     {"requests", KVP_ARG_INT, "N", "requests (default 8)", 1, 1 << 20, .id = O_REQUESTS},
     {"layers", KVP_ARG_INT, "L", "layers (default 32: Llama-3-8B)", 1, 4096, .id = O_LAYERS},
     {"kv-heads", KVP_ARG_INT, "H", "KV heads (default 8)", 1, 4096, .id = O_KV_HEADS},
@@ -163,7 +181,7 @@ static const kvp_cli_spec spec = {
              "values, hidden states [tokens, hidden-size]). Decode checks every byte. Both\n"
              "sides pre-fault the buffer memory they will use before the clock starts.\n"
              "Prints the first request's latency apart from the steady state's (p50/p99,\n"
-             "first send to last receipt of a request) and GB/s.\n",
+             "first send to last receipt of a request), GB/s, and each side's peak RSS.\n",
     .opts = opts,
     .n_opts = sizeof opts / sizeof opts[0],
     .epilog = "docs/demo.md explains every figure.\n",
@@ -175,6 +193,25 @@ static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value 
     switch (opt->id) {
     case O_TOKENS:
         o->tokens = (int)v->i;
+        o->tokens_min = o->tokens_max = 0; /* the last of --tokens and --tokens-mix counts */
+        break;
+    case O_TOKENS_MIX: {
+        const char *bad = "MIN..MAX, integers with 1 <= MIN <= MAX <= 1048576";
+        char *end;
+        long lo = strtol(v->text, &end, 10);
+        if (end == v->text || strncmp(end, "..", 2) != 0) return bad;
+        const char *rest = end + 2;
+        long hi = strtol(rest, &end, 10);
+        if (end == rest || *end || lo < 1 || hi < lo || hi > 1 << 20) return bad;
+        o->tokens_min = (int)lo;
+        o->tokens_max = (int)hi;
+        break;
+    }
+    case O_SEED:
+        o->seed = (unsigned long long)v->i;
+        break;
+    case O_DECODE_LAG:
+        o->decode_lag_ms = (int)v->i;
         break;
     case O_REQUESTS:
         o->requests = (int)v->i;
@@ -245,6 +282,7 @@ static int parse_args(int argc, char **argv, demo_opts *o)
                      .dtype = KVP_DTYPE_BF16,
                      .protocol = "tcp",
                      .metadata = "http",
+                     .seed = 1,
                      .prefault = 1};
     int r = kvp_cli_parse(&spec, argc, argv, 0, set_opt, o);
     if (r) return r;
@@ -261,9 +299,9 @@ typedef struct part {
     size_t nbytes;
 } part;
 
-static int parts_of(const demo_opts *o, part p[N_PARTS])
+static int parts_of(const demo_opts *o, int tokens, part p[N_PARTS])
 {
-    int64_t T = o->tokens;
+    int64_t T = tokens;
     p[0] = (part){KVP_DTYPE_I64, 1, {T}, 0};
     p[1] = (part){KVP_DTYPE_BOOL, 1, {T}, 0};
     p[2] = (part){o->dtype, 4, {o->layers, T, o->kv_heads, o->head_dim}, 0};
@@ -272,6 +310,53 @@ static int parts_of(const demo_opts *o, part p[N_PARTS])
     for (int k = 0; k < N_PARTS; k++)
         if (kvp_tensor_size(p[k].dtype, p[k].ndim, p[k].shape, NULL, &p[k].nbytes)) return -1;
     return 0;
+}
+
+/* ------------------------------------------------------ the token counts --- */
+
+static uint64_t splitmix64(uint64_t x)
+{
+    x += 0x9e3779b97f4a7c15ULL;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+}
+
+/* Request r's tokens: --tokens, or with --tokens-mix an octave of MIN..MAX
+ * drawn uniformly (octave k holds MIN*2^k .. MIN*2^(k+1)-1; there are
+ * floor(log2((MAX+1)/MIN)) of them, at least one, and the last reaches up
+ * to MAX), then a count in it uniformly. Every process of the run draws the
+ * same counts from the seed. */
+static int tokens_of(const demo_opts *o, int r)
+{
+    if (!o->tokens_min) return o->tokens;
+    int64_t lo = o->tokens_min, hi = o->tokens_max, n_oct = 0;
+    while (lo << (n_oct + 1) <= hi + 1)
+        n_oct++;
+    if (n_oct == 0) n_oct = 1;
+    uint64_t x = splitmix64(o->seed * 0x100000001b3ULL ^ (uint64_t)r);
+    int64_t k = (int64_t)(x % (uint64_t)n_oct);
+    int64_t a = lo << k, b = k == n_oct - 1 ? hi : (lo << (k + 1)) - 1;
+    if (b > hi) b = hi;
+    return (int)(a + (int64_t)(splitmix64(x) % (uint64_t)(b - a + 1)));
+}
+
+/* The largest token count of the run. */
+static int tokens_most(const demo_opts *o)
+{
+    int most = 0;
+    for (int r = 0; r < o->requests; r++) {
+        int t = tokens_of(o, r);
+        if (t > most) most = t;
+    }
+    return most;
+}
+
+/* This process's peak resident set, KiB. */
+static long peak_rss_kib(void)
+{
+    struct rusage ru;
+    return getrusage(RUSAGE_SELF, &ru) == 0 ? ru.ru_maxrss : -1;
 }
 
 static uint64_t seed_of(int request, int k)
@@ -394,6 +479,22 @@ static double request_bytes(const part *p)
     return per;
 }
 
+static double bytes_of(const demo_opts *o, int r)
+{
+    part p[N_PARTS];
+    parts_of(o, tokens_of(o, r), p);
+    return request_bytes(p);
+}
+
+/* Bytes of requests from..requests-1. */
+static double bytes_from(const demo_opts *o, int from)
+{
+    double sum = 0;
+    for (int r = from; r < o->requests; r++)
+        sum += bytes_of(o, r);
+    return sum;
+}
+
 /* The sides tell each other through files in the run directory how far
  * they are, so that nothing but the transfers runs on prefill's clock:
  * ROLE.open once its pipe is open, decode.ready once decode's memory is
@@ -481,8 +582,8 @@ static int send_in_place(const demo_opts *o, kvp_pipe *pipe, const part *p, int 
 
 static int run_prefill(const demo_opts *o)
 {
-    part p[N_PARTS];
-    parts_of(o, p);
+    part p[N_PARTS]; /* of the largest request: the buffers' sizes */
+    parts_of(o, tokens_most(o), p);
     kvp_pipe *pipe = open_pipe(o, 0);
     FILE *report = open_report(o);
     void *bufs[N_PARTS] = {0};
@@ -497,16 +598,23 @@ static int run_prefill(const demo_opts *o)
     if (!rc && meet(o, "prefill.open", "decode.open")) rc = 1;
     if (!rc && o->prefault && prefault(pipe, p, inflight)) rc = 1;
     if (!rc && wait_mark(o, "decode.ready")) rc = 1;
-    for (int r = 0; r < o->requests && !rc; r++)
-        rc = o->in_place ? send_in_place(o, pipe, p, r, report)
-                         : send_copying(pipe, p, bufs, r, report);
-    /* Stay until decode has read everything: closing frees the buffers. */
-    if (!rc && kvp_pipe_flush(pipe, RECV_TIMEOUT_MS) != KVP_OK) {
+    for (int r = 0; r < o->requests && !rc; r++) {
+        part pr[N_PARTS];
+        parts_of(o, tokens_of(o, r), pr);
+        rc = o->in_place ? send_in_place(o, pipe, pr, r, report)
+                         : send_copying(pipe, pr, bufs, r, report);
+    }
+    /* Stay until decode has read everything: closing frees the buffers. A
+     * lagging decode takes its pause before each request still queued. */
+    long long lag_ms = (long long)o->decode_lag_ms * o->requests;
+    int flush_ms = RECV_TIMEOUT_MS + (int)(lag_ms > 1000000000 ? 1000000000 : lag_ms);
+    if (!rc && kvp_pipe_flush(pipe, flush_ms) != KVP_OK) {
         kvp_cli_error("prefill: %s", kvp_last_error());
         rc = 1;
     }
     for (int k = 0; k < N_PARTS; k++)
         free(bufs[k]);
+    if (report) fprintf(report, "rss 0 %ld\n", peak_rss_kib());
     if (report) fclose(report);
     kvp_pipe_close(pipe);
     return rc;
@@ -552,8 +660,8 @@ static int receive_request(kvp_pipe *pipe, const part *p, int r, uint64_t *done_
 
 static int run_decode(const demo_opts *o)
 {
-    part p[N_PARTS];
-    parts_of(o, p);
+    part p[N_PARTS]; /* of the largest request */
+    parts_of(o, tokens_most(o), p);
     kvp_pipe *pipe = open_pipe(o, 1);
     FILE *report = open_report(o);
     int rc = !pipe || !report;
@@ -564,9 +672,14 @@ static int run_decode(const demo_opts *o)
     progress(0, o->requests);
     for (int r = 0; r < o->requests && !rc; r++) {
         uint64_t done;
-        rc = receive_request(pipe, p, r, &done);
+        part pr[N_PARTS];
+        parts_of(o, tokens_of(o, r), pr);
+        rc = receive_request(pipe, pr, r, &done);
         fprintf(report, "done %d %llu\n", r, (unsigned long long)done);
         progress(r + 1, o->requests);
+        /* A decode busy with other work: prefill runs ahead meanwhile. */
+        if (!rc && o->decode_lag_ms && r + 1 < o->requests)
+            usleep((useconds_t)o->decode_lag_ms * 1000);
     }
     if (!rc) {
         kvp_segment_id seg;
@@ -576,6 +689,7 @@ static int run_decode(const demo_opts *o)
             tr = kvp_engine_segment_transport(e, seg);
         fprintf(report, "transport %s\n", tr ? tr : "?");
     }
+    if (report) fprintf(report, "rss 1 %ld\n", peak_rss_kib());
     if (report) fclose(report);
     kvp_pipe_close(pipe);
     return rc;
@@ -586,6 +700,7 @@ static int run_decode(const demo_opts *o)
 typedef struct results {
     uint64_t *start, *done;
     char transport[32];
+    long rss_kib[2]; /* peak RSS of prefill and decode, as each reported it (-1: unknown) */
 } results;
 
 static int read_reports(const kvp_launch *l, int n, results *res)
@@ -599,7 +714,12 @@ static int read_reports(const kvp_launch *l, int n, results *res)
         int r;
         while (fscanf(f, "%31s", kind) == 1) {
             if (strcmp(kind, "transport") == 0 && fscanf(f, "%31s", res->transport) == 1) continue;
-            if (fscanf(f, "%d %63s", &r, val) != 2 || r < 0 || r >= n) break;
+            if (fscanf(f, "%d %63s", &r, val) != 2 || r < 0) break;
+            if (strcmp(kind, "rss") == 0) { /* "rss SIDE KiB" */
+                if (r < 2) res->rss_kib[r] = strtol(val, NULL, 10);
+                continue;
+            }
+            if (r >= n) break;
             (strcmp(kind, "start") == 0 ? res->start : res->done)[r] = strtoull(val, NULL, 10);
         }
         fclose(f);
@@ -620,9 +740,10 @@ static double percentile(const double *v, int n, double q)
     return v[i < 0 ? 0 : i >= n ? n - 1 : i];
 }
 
-/* memcpy of the run's bytes, part by part, between two pre-faulted buffers
- * of the largest part; *ms is per request. */
-static double memcpy_gbps(const demo_opts *o, const part *p, double *ms)
+/* memcpy of the run's bytes (total), part by part, between two pre-faulted
+ * buffers of the largest part (p: the largest request's); *ms is per
+ * request. */
+static double memcpy_gbps(const demo_opts *o, const part *p, double total, double *ms)
 {
     size_t big = 1;
     for (int k = 0; k < N_PARTS; k++)
@@ -635,11 +756,14 @@ static double memcpy_gbps(const demo_opts *o, const part *p, double *ms)
     if (src != MAP_FAILED && dst != MAP_FAILED) {
         memset(src, 0x5a, big);
         uint64_t t0 = kvp_cli_now_ns();
-        for (int r = 0; r < o->requests; r++)
+        for (int r = 0; r < o->requests; r++) {
+            part pr[N_PARTS];
+            parts_of(o, tokens_of(o, r), pr);
             for (int k = 0; k < N_PARTS; k++)
-                memcpy(dst, src, p[k].nbytes);
+                memcpy(dst, src, pr[k].nbytes);
+        }
         double secs = (double)(kvp_cli_now_ns() - t0) / 1e9;
-        gbps = secs > 0 ? request_bytes(p) * o->requests / secs / 1e9 : 0;
+        gbps = secs > 0 ? total / secs / 1e9 : 0;
         *ms = secs * 1e3 / o->requests;
     }
     if (src != MAP_FAILED) munmap(src, big);
@@ -652,6 +776,7 @@ typedef struct summary {
     double first_ms;                            /* request 0 */
     double steady_p50, steady_p99, steady_gbps; /* requests 1.. (NAN with one request) */
     double memcpy_gbps, memcpy_ms;              /* --baseline */
+    int max_ahead; /* most requests prefill had started beyond one decode was still receiving */
 } summary;
 
 static void compute(const demo_opts *o, const part *p, const results *res, summary *s)
@@ -664,14 +789,14 @@ static void compute(const demo_opts *o, const part *p, const results *res, summa
         if (res->done[r] > last) last = res->done[r];
     }
     s->first_ms = lat[0];
-    s->bytes = request_bytes(p) * n;
+    s->bytes = bytes_from(o, 0);
     s->secs = (double)(last - first) / 1e9;
     s->gbps = s->secs > 0 ? s->bytes / s->secs / 1e9 : 0;
     s->steady_p50 = s->steady_p99 = s->steady_gbps = NAN;
     if (n > 1) {
         /* Requests 1.. finish between request 0's receipt and the last. */
         double secs = (double)(last - res->done[0]) / 1e9;
-        s->steady_gbps = secs > 0 ? request_bytes(p) * (n - 1) / secs / 1e9 : 0;
+        s->steady_gbps = secs > 0 ? bytes_from(o, 1) / secs / 1e9 : 0;
         qsort(lat + 1, (size_t)n - 1, sizeof *lat, cmp_double);
         s->steady_p50 = percentile(lat + 1, n - 1, 0.5);
         s->steady_p99 = percentile(lat + 1, n - 1, 0.99);
@@ -680,8 +805,17 @@ static void compute(const demo_opts *o, const part *p, const results *res, summa
     s->p50 = percentile(lat, n, 0.5);
     s->p99 = percentile(lat, n, 0.99);
     free(lat);
+    /* How far prefill ran ahead: for each request, the later ones whose
+     * sending began before decode held all of it. */
+    s->max_ahead = 0;
+    for (int r = 0; r < n; r++) {
+        int ahead = 0;
+        for (int j = r + 1; j < n; j++)
+            ahead += res->start[j] < res->done[r];
+        if (ahead > s->max_ahead) s->max_ahead = ahead;
+    }
     s->memcpy_gbps = s->memcpy_ms = NAN;
-    if (o->baseline) s->memcpy_gbps = memcpy_gbps(o, p, &s->memcpy_ms);
+    if (o->baseline) s->memcpy_gbps = memcpy_gbps(o, p, s->bytes, &s->memcpy_ms);
 }
 
 /* A JSON number, or null for NAN. */
@@ -710,9 +844,27 @@ static void summarize(const demo_opts *o, const part *p, const results *res)
         printf("  memcpy of the same bytes (one thread, pre-faulted): %.1f ms per request, "
                "%.2f GB/s\n",
                s.memcpy_ms, s.memcpy_gbps);
+    double rss[2];
+    for (int i = 0; i < 2; i++)
+        rss[i] = res->rss_kib[i] >= 0 ? res->rss_kib[i] / 1024.0 : NAN;
+    printf("  peak RSS: prefill %.1f MiB, decode %.1f MiB; prefill ran up to %d request%s ahead\n",
+           rss[0], rss[1], s.max_ahead, s.max_ahead == 1 ? "" : "s");
     if (!o->json) return;
-    printf("{\"gbps\": %.4f, \"bytes\": %.0f, \"requests\": %d, \"tokens\": %d, ", s.gbps, s.bytes,
-           n, o->tokens);
+    printf("{\"gbps\": %.4f, \"bytes\": %.0f, \"requests\": %d, ", s.gbps, s.bytes, n);
+    if (o->tokens_min)
+        printf("\"tokens\": null, \"tokens_min\": %d, \"tokens_max\": %d, \"seed\": %llu, ",
+               o->tokens_min, o->tokens_max, o->seed);
+    else
+        printf("\"tokens\": %d, \"tokens_min\": %d, \"tokens_max\": %d, ", o->tokens, o->tokens,
+               o->tokens);
+    printf("\"decode_lag_ms\": %d, ", o->decode_lag_ms);
+    json_num("prefill_rss_mib", rss[0], 0);
+    json_num("decode_rss_mib", rss[1], 0);
+    printf("\"max_ahead\": %d, ", s.max_ahead);
+    kvp_pipe_opts po;
+    kvp_pipe_opts_init(&po);
+    printf("\"largest_request_bytes\": %.0f, \"kv_buffer_size\": %zu, ", request_bytes(p),
+           po.kv_buffer_size);
     json_num("p50_ms", s.p50, 0);
     json_num("p99_ms", s.p99, 0);
     json_num("first_ms", s.first_ms, 0);
@@ -729,14 +881,29 @@ static void summarize(const demo_opts *o, const part *p, const results *res)
 
 static void describe(const demo_opts *o, const part *p, const kvp_launch *l)
 {
-    printf("kvpipe demo: %d requests x %d tokens; model shape %d layers, %d KV heads, head dim "
+    char tokens[96];
+    if (o->tokens_min)
+        snprintf(tokens, sizeof tokens, "%d..%d tokens (log-uniform, seed %llu)", o->tokens_min,
+                 o->tokens_max, o->seed);
+    else
+        snprintf(tokens, sizeof tokens, "%d tokens", o->tokens);
+    printf("kvpipe demo: %d requests x %s; model shape %d layers, %d KV heads, head dim "
            "%d, hidden %d, %s\n",
-           o->requests, o->tokens, o->layers, o->kv_heads, o->head_dim, o->hidden,
+           o->requests, tokens, o->layers, o->kv_heads, o->head_dim, o->hidden,
            kvp_dtype_name(o->dtype));
-    printf("  per request: keys %.1f MiB, values %.1f MiB, hidden %.1f MiB, tokens+roi %.1f KiB "
-           "(%.1f MiB)\n",
-           p[2].nbytes / 1048576.0, p[3].nbytes / 1048576.0, p[4].nbytes / 1048576.0,
-           (p[0].nbytes + p[1].nbytes) / 1024.0, request_bytes(p) / 1048576.0);
+    if (o->tokens_min)
+        printf("  largest request, %d tokens: keys %.1f MiB, values %.1f MiB, hidden %.1f MiB, "
+               "tokens+roi %.1f KiB (%.1f MiB); %.2f GB in all\n",
+               tokens_most(o), p[2].nbytes / 1048576.0, p[3].nbytes / 1048576.0,
+               p[4].nbytes / 1048576.0, (p[0].nbytes + p[1].nbytes) / 1024.0,
+               request_bytes(p) / 1048576.0, bytes_from(o, 0) / 1e9);
+    else
+        printf("  per request: keys %.1f MiB, values %.1f MiB, hidden %.1f MiB, tokens+roi %.1f "
+               "KiB (%.1f MiB)\n",
+               p[2].nbytes / 1048576.0, p[3].nbytes / 1048576.0, p[4].nbytes / 1048576.0,
+               (p[0].nbytes + p[1].nbytes) / 1024.0, request_bytes(p) / 1048576.0);
+    if (o->decode_lag_ms)
+        printf("  decode pauses %d ms between requests (prefill runs ahead)\n", o->decode_lag_ms);
     printf("  prefill 127.0.0.1:%d, decode 127.0.0.1:%d, metadata %s, protocol %s%s\n",
            l->base_port, l->base_port + 100, l->metadata, o->protocol,
            o->no_shm ? " (no shm)" : "");
@@ -745,8 +912,8 @@ static void describe(const demo_opts *o, const part *p, const kvp_launch *l)
 
 static int run_both(int argc, char **argv, const demo_opts *o)
 {
-    part p[N_PARTS];
-    if (parts_of(o, p) != 0) {
+    part p[N_PARTS]; /* of the largest request */
+    if (parts_of(o, tokens_most(o), p) != 0) {
         kvp_cli_error("the model shape is too large");
         return 2;
     }
@@ -773,10 +940,11 @@ static int run_both(int argc, char **argv, const demo_opts *o)
         pids[i] = kvp_launch_spawn(&l, args);
     }
     free(args);
-    double total = request_bytes(p) * o->requests;
-    int limit_ms = 120000 + (int)(total / 20e6 * 1000 > 1e9 ? 1e9 : total / 20e6 * 1000);
+    double total = bytes_from(o, 0);
+    double extra = total / 20e6 * 1000 + (double)o->decode_lag_ms * o->requests;
+    int limit_ms = 120000 + (int)(extra > 1e9 ? 1e9 : extra);
     int rc = kvp_launch_wait(pids, roles, 2, limit_ms);
-    results res = {calloc((size_t)o->requests, 8), calloc((size_t)o->requests, 8), "?"};
+    results res = {calloc((size_t)o->requests, 8), calloc((size_t)o->requests, 8), "?", {-1, -1}};
     if (rc == 0 && read_reports(&l, o->requests, &res) == 0)
         summarize(o, p, &res);
     else if (rc == 0)
