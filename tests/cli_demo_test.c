@@ -1,8 +1,11 @@
 /* kvpipe demo, as a user runs it (the CLI spawns the prefill and decode
  * processes): the first request is reported apart from the steady state,
- * with what it paid for; --json carries both; --baseline, --send in-place
- * and torch dtype names work. Small shapes: figures are not checked, only
- * that each is there and consistent. */
+ * with what it paid for; --json carries both; --baseline, --send in-place,
+ * --tokens-mix and torch dtype names work. Small shapes: figures are not
+ * checked, only that each is there and consistent. Then the default model
+ * shape (Llama-3-8B, the README's demo) over every transport, with the
+ * in-place send, a lagging decode and one 8192-token request: every byte
+ * verified, no errors. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -117,25 +120,41 @@ static void baseline_in_place_p2p(void)
     cJSON_Delete(doc);
 }
 
-/* The README's first command as a user runs it: no arguments, the default
- * Llama-3-8B shape, whose keys and values (64 MiB each) pass the pipe's
- * default recv_window_bytes; it deadlocked in most runs (issue 21). Then the
- * same shape with the variations users reach for. Each must pass, every
- * byte verified. */
-static void check_default_shape(const char *args)
+/* ---------------------------------------- the default model shape --- */
+
+/* The demo as the README runs it, Llama-3-8B's shape (keys and values of 64
+ * MiB per 1024-token request), under variations: each must exit 0 with
+ * every byte verified and no errors. extra: more flags. Returns the JSON
+ * document (the caller deletes it), or NULL after failing the case. */
+static cJSON *default_shape(const char *extra)
 {
-    char a[256];
-    snprintf(a, sizeof a, "%s --json", args);
-    int rc = run(a);
-    if (rc != 0) fprintf(stderr, "  kvpipe demo %s: exit %d\n%s", a, rc, out);
-    REQUIRE(rc == 0);
+    char args[512];
+    snprintf(args, sizeof args, "%s --json", extra);
+    int rc = run(args);
+    if (rc != 0) fprintf(stderr, "  kvpipe demo %s: exit %d\n%s", args, rc, out);
+    CHECK(rc == 0);
     CHECK(strstr(out, "every byte verified") != NULL);
-    cJSON *doc = last_json();
-    REQUIRE(doc);
-    CHECK(num(doc, "errors") == 0 && num(doc, "tokens") == 1024);
-    cJSON_Delete(doc);
+    CHECK(strstr(out, "32 layers, 8 KV heads, head dim 128, hidden 4096, BF16") != NULL);
+    cJSON *doc = rc == 0 ? last_json() : NULL;
+    CHECK(doc != NULL);
+    if (doc) {
+        CHECK(num(doc, "errors") == 0);
+        CHECK(num(doc, "prefill_rss_mib") > 0 && num(doc, "decode_rss_mib") > 0);
+    }
+    return doc;
 }
 
+static int transport_is(const cJSON *doc, const char *want)
+{
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(doc, "transport");
+    if (cJSON_IsString(t) && !strcmp(t->valuestring, want)) return 1;
+    fprintf(stderr, "  transport %s, want %s\n", cJSON_IsString(t) ? t->valuestring : "?", want);
+    return 0;
+}
+
+/* The README's first command as a user runs it: no arguments, the default
+ * Llama-3-8B shape, whose keys and values (64 MiB each) pass the pipe's
+ * default recv_window_bytes; it deadlocked in most runs (issue 21). */
 static void defaults(void)
 {
     int rc = run("");
@@ -143,38 +162,132 @@ static void defaults(void)
     CHECK(rc == 0 && strstr(out, "every byte verified") != NULL);
 }
 
-static void default_shape_16_requests(void)
+/* 16 requests of 1024 tokens: twice the README's, 2.3 GB over shm. */
+static void default_16_requests(void)
 {
-    check_default_shape("--requests 16");
+    cJSON *doc = default_shape("--requests 16");
+    REQUIRE(doc);
+    CHECK(num(doc, "requests") == 16 && num(doc, "tokens") == 1024);
+    CHECK(num(doc, "bytes") == 16.0 * (2 * 64 * 1048576.0 + 8 * 1048576.0 + 1024 * 9));
+    CHECK(transport_is(doc, "shm"));
+    cJSON_Delete(doc);
 }
 
-static void default_shape_no_shm(void)
+static void default_no_shm(void)
 {
-    check_default_shape("--no-shm");
+    cJSON *doc = default_shape("--requests 16 --no-shm");
+    REQUIRE(doc);
+    CHECK(transport_is(doc, "tcp"));
+    cJSON_Delete(doc);
 }
 
-static void default_shape_in_place(void)
+static void default_in_place(void)
 {
-    check_default_shape("--send in-place");
+    cJSON *doc = default_shape("--requests 16 --send in-place");
+    REQUIRE(doc);
+    const cJSON *send = cJSON_GetObjectItemCaseSensitive(doc, "send");
+    CHECK(cJSON_IsString(send) && !strcmp(send->valuestring, "in-place"));
+    cJSON_Delete(doc);
 }
 
-static void default_shape_rdma_ucx_tcp(void)
+/* --protocol rdma --no-shm: UCX (a same-host peer would otherwise take shm),
+ * over its tcp and over its shared memory. */
+static void default_ucx(const char *tls)
 {
     if (!KVP_HAVE_UCX) SKIP("built without UCX");
-    check_default_shape("--protocol rdma --no-shm --requests 4");
+    setenv("UCX_TLS", tls, 1); /* the demo's sides inherit it (each case is a child) */
+    cJSON *doc = default_shape("--requests 16 --protocol rdma --no-shm");
+    REQUIRE(doc);
+    CHECK(transport_is(doc, "ucx"));
+    cJSON_Delete(doc);
+}
+
+static void default_ucx_tcp(void)
+{
+    default_ucx("tcp");
+}
+
+static void default_ucx_sm(void)
+{
+    default_ucx("sm,self");
+}
+
+/* A decode that pauses 100 ms between requests: prefill runs ahead by
+ * several requests, as many as kv_buffer_size (1e9 bytes: 6.7 of 142.6 MB)
+ * lets be unacknowledged, plus the one whose send waits for room. */
+static void default_decode_lag(void)
+{
+    cJSON *doc = default_shape("--requests 16 --decode-lag-ms 100");
+    REQUIRE(doc);
+    CHECK(num(doc, "decode_lag_ms") == 100);
+    double per = 2 * 64 * 1048576.0 + 8 * 1048576.0 + 1024 * 9;
+    double ahead = num(doc, "max_ahead");
+    fprintf(stderr, "  prefill ran up to %.0f requests ahead\n", ahead);
+    CHECK(ahead >= 3 && ahead <= 1e9 / per + 2);
+    /* The later requests queued behind the paused ones. */
+    CHECK(num(doc, "steady_p99_ms") > 300);
+    cJSON_Delete(doc);
+}
+
+/* One request of 8192 tokens (1.14 GB: keys and values of 512 MiB), larger
+ * than kv_buffer_size. */
+static void default_8192_tokens(void)
+{
+    cJSON *doc = default_shape("--tokens 8192 --requests 1");
+    REQUIRE(doc);
+    CHECK(num(doc, "requests") == 1 && num(doc, "tokens") == 8192);
+    CHECK(num(doc, "bytes") == 8.0 * (2 * 64 * 1048576.0 + 8 * 1048576.0 + 1024 * 9));
+    cJSON_Delete(doc);
+}
+
+/* --tokens-mix: the same seed draws the same counts (the same bytes), a
+ * count is within the range, and a bad range is refused. Small shape. */
+static void tokens_mix(void)
+{
+    REQUIRE(run("--requests 12 --tokens-mix 1..64 --seed 7 --layers 2 --json") == 0);
+    CHECK(strstr(out, "12 requests x 1..64 tokens (log-uniform, seed 7)") != NULL);
+    cJSON *a = last_json();
+    REQUIRE(a);
+    CHECK(cJSON_IsNull(cJSON_GetObjectItemCaseSensitive(a, "tokens")));
+    CHECK(num(a, "tokens_min") == 1 && num(a, "tokens_max") == 64 && num(a, "seed") == 7);
+    CHECK(num(a, "errors") == 0);
+    double bytes = num(a, "bytes");
+    /* 1..64 tokens of 2*2*8*128*2 + 4096*2 + 9 bytes each. */
+    double per_token = 2 * 2 * 8 * 128 * 2 + 4096 * 2 + 9;
+    CHECK(bytes >= 12 * per_token && bytes <= 12 * 64 * per_token);
+    cJSON_Delete(a);
+    REQUIRE(run("--requests 12 --tokens-mix 1..64 --seed 7 --layers 2 --json") == 0);
+    cJSON *b = last_json();
+    REQUIRE(b);
+    CHECK(num(b, "bytes") == bytes);
+    cJSON_Delete(b);
+    REQUIRE(run("--requests 12 --tokens-mix 1..64 --seed 8 --layers 2 --json") == 0);
+    cJSON *c = last_json();
+    REQUIRE(c);
+    CHECK(num(c, "bytes") != bytes); /* another seed, other counts */
+    cJSON_Delete(c);
+    CHECK(run("--tokens-mix 64..1") == 2);
+    CHECK(run("--tokens-mix 5") == 2);
+    CHECK(run("--tokens-mix 0..8") == 2);
+    CHECK(run("--decode-lag-ms 10001") == 2);
 }
 
 int main(void)
 {
-    setenv("UCX_TLS", "tcp", 1); /* read by the rdma case's sides only */
-    RUN_T(defaults, 240);
-    RUN_T(default_shape_16_requests, 240);
-    RUN_T(default_shape_no_shm, 240);
-    RUN_T(default_shape_in_place, 240);
-    RUN_T(default_shape_rdma_ucx_tcp, 240);
     RUN_T(first_and_steady, 180);
     RUN_T(first_is_the_first, 180);
     RUN_T(cold_single_request, 180);
     RUN_T(baseline_in_place_p2p, 180);
+    RUN_T(tokens_mix, 120);
+    /* The default model shape. Each case is bounded: a stalled pipe fails
+     * its tensor's receipt after 60 s, and the alarm stops the rest. */
+    RUN_T(defaults, 120);
+    RUN_T(default_16_requests, 120);
+    RUN_T(default_no_shm, 120);
+    RUN_T(default_in_place, 120);
+    RUN_T(default_ucx_tcp, 120);
+    RUN_T(default_ucx_sm, 120);
+    RUN_T(default_decode_lag, 120);
+    RUN_T(default_8192_tokens, 120);
     return kvpt_summary();
 }
