@@ -311,13 +311,9 @@ static kvp_pipe_opts model_opts(void)
 
 static kvp_pipe *open_side(int rank)
 {
-    kvp_pipe_config *cfg;
     kvp_pipe *p = NULL;
     kvp_pipe_opts o = model_opts();
-    if (kvp_pipe_config_parse(B.setup.json, strlen(B.setup.json), &cfg) ||
-        kvp_pipe_open(cfg, 0, rank, &o, &p))
-        fail("open rank %d: %s", rank, kvp_last_error());
-    kvp_pipe_config_free(cfg);
+    if (raw_open_pipe(&B.setup, rank, &o, &p)) fail("open rank %d: %s", rank, kvp_last_error());
     return p;
 }
 
@@ -620,22 +616,10 @@ static void raw_sender(void)
 
 /* -------------------------------------------------------- the parent --- */
 
-static void err_path(char *buf, size_t len, const char *who)
-{
-    snprintf(buf, len, "/tmp/kvpt_model_%d_%s.err", (int)getpid(), who);
-}
-
 static pid_t spawn(void (*fn)(void), const char *path)
 {
-    fflush(NULL);
-    pid_t pid = fork();
+    pid_t pid = raw_fork(path);
     if (pid != 0) return pid;
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    if (fd >= 0) {
-        dup2(fd, STDERR_FILENO);
-        close(fd);
-    }
     fn();
     _exit(0);
 }
@@ -659,8 +643,8 @@ static int run_batch(int raw, uint64_t bseed, int from, int to, const int *keep,
         return from;
     }
     char sp[128], rp[128];
-    err_path(sp, sizeof sp, "send");
-    err_path(rp, sizeof rp, "recv");
+    raw_err_path(sp, sizeof sp, "model_send");
+    raw_err_path(rp, sizeof rp, "model_recv");
     B.sender = spawn(raw ? raw_sender : pipe_sender, sp);
     pid_t recv_pid = spawn(receiver, rp);
     rng r = {bseed};

@@ -61,13 +61,14 @@ static inline kvp_pipe_opts raw_pipe_opts(void)
     return o;
 }
 
-static inline kvp_status raw_open_pipe(const raw_setup *s, int rank, kvp_pipe **out)
+/* Open side rank of the setup's pipe with opts. */
+static inline kvp_status raw_open_pipe(const raw_setup *s, int rank, const kvp_pipe_opts *opts,
+                                       kvp_pipe **out)
 {
     kvp_pipe_config *cfg;
     kvp_status st = kvp_pipe_config_parse(s->json, strlen(s->json), &cfg);
     if (st) return st;
-    kvp_pipe_opts o = raw_pipe_opts();
-    st = kvp_pipe_open(cfg, 0, rank, &o, out);
+    st = kvp_pipe_open(cfg, 0, rank, opts, out);
     kvp_pipe_config_free(cfg);
     return st;
 }
@@ -76,10 +77,9 @@ static inline kvp_status raw_open_pipe(const raw_setup *s, int rank, kvp_pipe **
 
 typedef void (*raw_side_fn)(kvp_pipe *pipe, void *arg);
 
-/* Run fn on a pipe of side rank in a child whose stderr goes to err_path.
- * The child exits 1 when a check failed, 2 when the pipe did not open. */
-static inline pid_t raw_spawn_side(const raw_setup *s, int rank, raw_side_fn fn, void *arg,
-                                   const char *err_path)
+/* Fork a child that dies with this process and whose stderr goes to
+ * err_path; returns 0 in the child, its pid in the parent. */
+static inline pid_t raw_fork(const char *err_path)
 {
     fflush(NULL);
     pid_t pid = fork();
@@ -91,8 +91,18 @@ static inline pid_t raw_spawn_side(const raw_setup *s, int rank, raw_side_fn fn,
         close(fd);
     }
     kvpt_failures = 0;
+    return 0;
+}
+
+/* Run fn on a pipe of side rank, opened with opts, in a raw_fork() child.
+ * The child exits 1 when a check failed, 2 when the pipe did not open. */
+static inline pid_t raw_spawn_side_with(const raw_setup *s, int rank, const kvp_pipe_opts *opts,
+                                        raw_side_fn fn, void *arg, const char *err_path)
+{
+    pid_t pid = raw_fork(err_path);
+    if (pid != 0) return pid;
     kvp_pipe *pipe;
-    kvp_status st = raw_open_pipe(s, rank, &pipe);
+    kvp_status st = raw_open_pipe(s, rank, opts, &pipe);
     if (st) {
         fprintf(stderr, "  rank %d: open: %s\n", rank, kvp_last_error());
         _exit(2);
@@ -100,6 +110,14 @@ static inline pid_t raw_spawn_side(const raw_setup *s, int rank, raw_side_fn fn,
     fn(pipe, arg);
     kvp_pipe_close(pipe);
     _exit(kvpt_failures ? 1 : 0);
+}
+
+/* The same with raw_pipe_opts(). */
+static inline pid_t raw_spawn_side(const raw_setup *s, int rank, raw_side_fn fn, void *arg,
+                                   const char *err_path)
+{
+    kvp_pipe_opts o = raw_pipe_opts();
+    return raw_spawn_side_with(s, rank, &o, fn, arg, err_path);
 }
 
 /* A temporary file name for a side's stderr. */

@@ -250,31 +250,11 @@ static kvp_pipe_opts announced_opts(void)
     return o;
 }
 
-/* A side with its own options (raw_spawn_side opens with the defaults). */
+/* A side with the announced path's options. */
 static pid_t spawn_with(const raw_setup *s, int rank, raw_side_fn fn, void *arg, const char *path)
 {
-    fflush(NULL);
-    pid_t pid = fork();
-    if (pid != 0) return pid;
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    if (fd >= 0) {
-        dup2(fd, STDERR_FILENO);
-        close(fd);
-    }
-    kvpt_failures = 0;
-    kvp_pipe_config *cfg;
-    kvp_pipe *pipe;
     kvp_pipe_opts o = announced_opts();
-    if (kvp_pipe_config_parse(s->json, strlen(s->json), &cfg) ||
-        kvp_pipe_open(cfg, 0, rank, &o, &pipe)) {
-        fprintf(stderr, "  rank %d: open: %s\n", rank, kvp_last_error());
-        _exit(2);
-    }
-    kvp_pipe_config_free(cfg);
-    fn(pipe, arg);
-    kvp_pipe_close(pipe);
-    _exit(kvpt_failures ? 1 : 0);
+    return raw_spawn_side_with(s, rank, &o, fn, arg, path);
 }
 
 static void prefill_announce_all(kvp_pipe *pipe, void *arg)
