@@ -70,6 +70,13 @@ static kvp_status check_announcement(kvp_pipe *p, uint64_t addr, uint64_t len)
                                p->ep.peer_segment);
 }
 
+/* The window holds len more bytes (a READ started, an inline copy taken). */
+static void rx_hold(kvp_pipe *p, size_t len)
+{
+    p->rx_bytes += len;
+    if (p->rx_bytes > p->rx_bytes_peak) p->rx_bytes_peak = p->rx_bytes;
+}
+
 /* Start e's READ into a new local managed buffer. */
 static void rx_start(kvp_pipe *p, kvpi_rx_entry *e)
 {
@@ -97,8 +104,7 @@ static void rx_start(kvp_pipe *p, kvpi_rx_entry *e)
         e->state = RX_DONE;
         return;
     }
-    p->rx_bytes += (size_t)e->len;
-    if (p->rx_bytes > p->rx_bytes_peak) p->rx_bytes_peak = p->rx_bytes;
+    rx_hold(p, (size_t)e->len);
     e->batch = b;
     e->state = RX_READING;
 }
@@ -152,8 +158,7 @@ static void take_inline(kvp_pipe *p, zmq_msg_t *f0)
         return;
     }
     memcpy(e->buf, (const uint8_t *)zmq_msg_data(f0) + KVPI_INLINE_TAG_LEN, len);
-    p->rx_bytes += len;
-    if (p->rx_bytes > p->rx_bytes_peak) p->rx_bytes_peak = p->rx_bytes;
+    rx_hold(p, len);
 }
 
 static int is_inline(zmq_msg_t *m)
