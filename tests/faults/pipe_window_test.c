@@ -21,7 +21,6 @@
  * A timeout with a READ running: recv returns KVP_ETIMEDOUT at its deadline
  * while the head's READ is stalled (its sender stopped), and the window is
  * intact afterwards: the message arrives once, with one ACK. */
-#include <dirent.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
@@ -508,35 +507,6 @@ static void decode_times_out(kvp_pipe *pipe, void *arg)
     CHECK(ps.received == 2 && ps.bad_messages == 0);
 }
 
-/* Wait until every thread of pid is stopped (state T): kill() returns before
- * the threads of a busy process have all taken a SIGSTOP. 0 when they have. */
-static int wait_stopped(pid_t pid, int timeout_ms)
-{
-    char dir[64];
-    snprintf(dir, sizeof dir, "/proc/%d/task", (int)pid);
-    uint64_t deadline = kvpi_now_ms() + (uint64_t)timeout_ms;
-    do {
-        DIR *d = opendir(dir);
-        if (!d) return -1;
-        int running = 0;
-        for (struct dirent *t; (t = readdir(d));) {
-            if (t->d_name[0] == '.') continue;
-            char path[384], stat[512];
-            snprintf(path, sizeof path, "%s/%s/stat", dir, t->d_name);
-            FILE *f = fopen(path, "r");
-            size_t n = f ? fread(stat, 1, sizeof stat - 1, f) : 0;
-            if (f) fclose(f);
-            stat[n] = '\0';
-            const char *end = strrchr(stat, ')'); /* the state follows the name */
-            running += !end || end[1] != ' ' || (end[2] != 'T' && end[2] != 't');
-        }
-        closedir(d);
-        if (!running) return 0;
-        usleep(1000);
-    } while (kvpi_now_ms() < deadline);
-    return -1;
-}
-
 static void test_timeout_with_read_running(void)
 {
     raw_setup s;
@@ -550,8 +520,7 @@ static void test_timeout_with_read_running(void)
     pid_t prefill = raw_spawn_side(&s, 0, prefill_then_stopped, &k, perr);
     pid_t decode = raw_spawn_side(&s, 1, decode_times_out, &k, derr);
     CHECK(raw_wait_step(&k.sent, RAW_SIDE_MS) == 's');
-    kill(prefill, SIGSTOP);
-    CHECK(wait_stopped(prefill, RAW_WAIT_MS) == 0);
+    CHECK(kvpt_stop(prefill, RAW_WAIT_MS) == 0);
     raw_step(&k.go, 'g');
     CHECK(raw_wait_step(&k.timed, RAW_SIDE_MS) == 't');
     kill(prefill, SIGCONT);

@@ -261,7 +261,10 @@ static void target_fault(int sig)
     REQUIRE(local);
     uint64_t base = (uint64_t)(uintptr_t)t.buf;
     CHECK_OK(kvp_engine_read(e, seg, local, base, MIB));
-    kill(t.pid, sig);
+    if (sig == SIGSTOP)
+        CHECK(kvpt_stop(t.pid, 5000) == 0);
+    else
+        kill(t.pid, sig);
     uint64_t t0 = kvpi_now_ms();
     kvp_status st = KVP_OK;
     for (int i = 0; i < 100 && st == KVP_OK; i++)
@@ -320,7 +323,7 @@ static void pool_read_while_target_stopped(void)
     CHECK_OK(kvp_engine_read(e, seg, local, (uint64_t)pool, MIB));
     CHECK(kvpt_verify(local, MIB, MIB) == (size_t)-1);
     CHECK_OK(kvp_engine_read(e, seg, local, base, MIB));
-    kill(t.pid, SIGSTOP);
+    CHECK(kvpt_stop(t.pid, 5000) == 0);
     memset(local, 0, MIB);
     CHECK_OK(kvp_engine_read(e, seg, local, (uint64_t)pool + 4096, MIB - 4096));
     CHECK(kvpt_verify(local, MIB - 4096, MIB + 4096) == (size_t)-1);

@@ -1,4 +1,5 @@
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -13,6 +14,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/net.h"
 #include "test.h"
 #if KVP_HAVE_UCX
@@ -242,4 +244,32 @@ int kvpt_ucx_older_than(unsigned major, unsigned minor)
     (void)major, (void)minor;
     return 0;
 #endif
+}
+
+int kvpt_stop(pid_t pid, int timeout_ms)
+{
+    if (kill(pid, SIGSTOP) != 0) return -1;
+    char dir[64];
+    snprintf(dir, sizeof dir, "/proc/%d/task", (int)pid);
+    uint64_t deadline = kvpi_now_ms() + (uint64_t)timeout_ms;
+    do {
+        DIR *d = opendir(dir);
+        if (!d) return -1;
+        int running = 0;
+        for (struct dirent *t; (t = readdir(d));) {
+            if (t->d_name[0] == '.') continue;
+            char path[384], stat[512];
+            snprintf(path, sizeof path, "%s/%s/stat", dir, t->d_name);
+            FILE *f = fopen(path, "r");
+            size_t n = f ? fread(stat, 1, sizeof stat - 1, f) : 0;
+            if (f) fclose(f);
+            stat[n] = '\0';
+            const char *end = strrchr(stat, ')'); /* the state follows the name */
+            running += !end || end[1] != ' ' || (end[2] != 'T' && end[2] != 't');
+        }
+        closedir(d);
+        if (!running) return 0;
+        usleep(1000);
+    } while (kvpi_now_ms() < deadline);
+    return -1;
 }

@@ -96,6 +96,12 @@ int kvpt_wait_port(const char *host, int port, int timeout_ms);
  * started with kvpt_spawn() writes it; 0 on success. */
 int kvpt_wait_file_has(const char *path, const char *text, int timeout_ms);
 
+/* SIGSTOP pid and wait (up to timeout_ms) until every thread of it is
+ * stopped: kill() returns before the threads of a busy process have all
+ * taken the signal, and one still running may serve a request meanwhile.
+ * 0 once they are all stopped. */
+int kvpt_stop(pid_t pid, int timeout_ms);
+
 /* Start a program (argv[0] is a path) with stdout to out_path (NULL: inherit).
  * Returns its pid. */
 pid_t kvpt_spawn(char *const argv[], const char *out_path);
