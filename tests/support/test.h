@@ -56,7 +56,8 @@ extern int kvpt_failures; /* checks failed in the current case */
 
 /* Run one case in a child process with a timeout in seconds. With env
  * KVPT_FILTER set, only cases whose name contains it run; with KVPT_EXCLUDE
- * set, cases whose name contains it are reported as skipped, not run. */
+ * set (one text or several, comma-separated), cases whose name contains one
+ * of them are reported as skipped, not run. */
 void kvpt_run(const char *name, void (*fn)(void), int timeout_s);
 #define RUN(fn) kvpt_run(#fn, fn, 120)
 #define RUN_T(fn, secs) kvpt_run(#fn, fn, secs)
