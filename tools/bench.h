@@ -20,6 +20,7 @@ typedef struct bench_opts {
     int workers, conns, timeout_ms, metrics_port;
     double duration;
     int duration_set;
+    double wait; /* --wait: seconds to wait for the store and (initiator) the segment */
     int verify, json, no_shm, sweep;
     int sync; /* --sync: kvp_engine_read/write per request, not batches */
     int pool; /* --pool: the target serves kvp_engine_alloc memory */
@@ -38,7 +39,15 @@ extern const bench_unit bench_units[];
  * o->segment; prints the results. Returns the exit code. */
 int bench_initiator(const bench_opts *o);
 
-/* An engine from the options (prints why on failure). */
+/* Calls probe every 100 ms until it passes, fails for good, or --wait runs
+ * out (saying once on stderr what it waits for, and at the end why it
+ * failed); returns its last status. A failure that waiting may mend: the
+ * store, the peer or its segment not up. probe writes why it failed. */
+kvp_status bench_wait_for(const bench_opts *o, const char *what,
+                          kvp_status (*probe)(const bench_opts *o, char *why, size_t cap));
+
+/* An engine from the options (prints why on failure). With --mode, waits for
+ * the metadata store first (bench_wait_for). */
 kvp_status bench_engine(const bench_opts *o, const char *name, kvp_engine **out);
 
 #endif

@@ -10,6 +10,8 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#include <cjson/cJSON.h>
+
 #include "bench.h"
 #include "cli.h"
 #include "pattern.h"
@@ -353,9 +355,31 @@ static void table_row(const bench_opts *o, const result *r)
 
 /* -------------------------------------------------------------- run --- */
 
+/* Whether the store (or, P2P, the target) has o->segment with a buffer. */
+static kvp_status segment_serves(const bench_opts *o, char *why, size_t cap)
+{
+    char *desc, *host;
+    kvp_status st = kvp_info_segment(o->metadata, o->segment, 1000, &desc, &host);
+    if (st) {
+        snprintf(why, cap, "%s", kvp_last_error());
+        return st;
+    }
+    cJSON *doc = cJSON_Parse(desc);
+    int n = cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(doc, "buffers"));
+    cJSON_Delete(doc);
+    free(desc);
+    free(host);
+    if (n > 0) return KVP_OK;
+    /* Published before its buffer is registered: a target starting up. */
+    snprintf(why, cap, "segment %s has no registered buffer yet", o->segment);
+    return KVP_ENOTFOUND;
+}
+
 static int open_target(const bench_opts *o, target *t)
 {
     if (bench_engine(o, o->local_name, &t->e)) return -1;
+    /* Started by hand beside its target, which may still be starting. */
+    if (o->mode == BENCH_INITIATOR) bench_wait_for(o, "the target's segment", segment_serves);
     size_t nb = 0;
     if (kvp_engine_open_segment(t->e, o->segment, &t->seg) ||
         kvp_engine_segment_buffers(t->e, t->seg, &t->rb, 1, &nb)) {

@@ -51,6 +51,7 @@ enum {
     O_CONNS,
     O_SLICE,
     O_TIMEOUT,
+    O_WAIT,
     O_METRICS_PORT,
     O_UNIT,
     O_PRECISION,
@@ -120,9 +121,13 @@ static const kvp_cli_opt opts[] = {
      1ll << 40, .id = O_SLICE},
     {"timeout-ms", KVP_ARG_INT, "MS", "the engine's I/O timeout (default 5000)", 1, 86400000,
      .id = O_TIMEOUT},
+    {"wait", KVP_ARG_SECONDS, "SECONDS",
+     "with --mode: wait this long for the metadata store to answer\nand (initiator) for "
+     "--segment-id to serve a buffer, so the\nsides may start in any order (default 10)",
+     .hi = 3600, .id = O_WAIT},
     {"metrics-port", KVP_ARG_INT, "P",
      "serve the engine's metrics at http://127.0.0.1:P/metrics\n(default: env "
-     "KVPIPE_METRICS_PORT, else none)",
+     "KVPIPE_METRICS_PORT, else none); without\n--mode the target's engine serves them",
      1, 65535, .id = O_METRICS_PORT},
     {"auto-discovery", KVP_ARG_FLAG, NULL, "Mooncake's RDMA device discovery: only =false",
      .id = O_AUTO_DISCOVERY},
@@ -233,6 +238,9 @@ static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value 
     case O_TIMEOUT:
         o->timeout_ms = (int)v->i;
         break;
+    case O_WAIT:
+        o->wait = v->seconds;
+        break;
     case O_METRICS_PORT:
         o->metrics_port = (int)v->i;
         break;
@@ -274,7 +282,8 @@ static const char *check(bench_opts *o)
 
 static int parse_args(int argc, char **argv, bench_opts *o)
 {
-    *o = (bench_opts){.protocol = "tcp", .buffer_size = 256u << 20, .duration = 5, .precision = 3};
+    *o = (bench_opts){.protocol = "tcp", .buffer_size = 256u << 20, .duration = 5, .wait = 10,
+                       .precision = 3};
     int r = kvp_cli_parse(&spec, argc, argv, 0, set_opt, o);
     if (r) return r;
     if (!o->n_blocks) {
@@ -303,8 +312,46 @@ static int parse_args(int argc, char **argv, bench_opts *o)
     return 0;
 }
 
+/* Whether st may pass by waiting: the store, the peer or its segment is not
+ * up yet. */
+static int transient(kvp_status st)
+{
+    return st == KVP_EMETADATA || st == KVP_ENOTFOUND || st == KVP_ECONNREFUSED ||
+           st == KVP_ECONNRESET || st == KVP_ETIMEDOUT;
+}
+
+kvp_status bench_wait_for(const bench_opts *o, const char *what,
+                          kvp_status (*probe)(const bench_opts *o, char *why, size_t cap))
+{
+    uint64_t end = kvp_cli_now_ms() + (uint64_t)(o->wait * 1000);
+    char why[512] = "";
+    kvp_status st;
+    int said = 0;
+    while ((st = probe(o, why, sizeof why)) != KVP_OK && transient(st) &&
+           kvp_cli_now_ms() < end) {
+        if (!said++)
+            fprintf(stderr, "kvpipe bench: waiting up to %g s for %s (now: %s)\n", o->wait, what,
+                    why);
+        usleep(100 * 1000);
+    }
+    if (st) fprintf(stderr, "kvpipe bench: %s\n", why);
+    return st;
+}
+
+static kvp_status store_answers(const bench_opts *o, char *why, size_t cap)
+{
+    kvp_status st = kvp_info_store_check(o->metadata, 1000);
+    if (st) snprintf(why, cap, "%s", kvp_last_error());
+    return st;
+}
+
 kvp_status bench_engine(const bench_opts *o, const char *name, kvp_engine **out)
 {
+    /* One side of a pair started by hand: the store may still be starting. */
+    if (o->mode != BENCH_BOTH && bench_wait_for(o, "the metadata store", store_answers)) {
+        kvp_cli_error("cannot start the engine: the metadata store does not answer");
+        return KVP_EMETADATA;
+    }
     kvp_engine_opts eo;
     kvp_engine_opts_init(&eo);
     eo.local_server_name = name;
@@ -428,6 +475,12 @@ static pid_t spawn_target(const bench_opts *o, char segment[256], FILE **out)
     if (o->no_shm) args[n++] = "--no-shm";
     if (o->verify) args[n++] = "--verify";
     if (o->pool) args[n++] = "--pool";
+    char metrics[16];
+    if (o->metrics_port) {
+        snprintf(metrics, sizeof metrics, "%d", o->metrics_port);
+        args[n++] = "--metrics-port";
+        args[n++] = metrics;
+    }
     args[n] = NULL;
     int fds[2];
     if (pipe(fds) != 0) return -1;
@@ -469,6 +522,11 @@ static int run_both(bench_opts *o)
     FILE *out = NULL;
     pid_t target = spawn_target(o, segment, &out);
     if (target < 0) return 1;
+    /* The metrics endpoint (--metrics-port or the environment's) is the
+     * target's, which serves the bytes; two engines of two processes cannot
+     * share one port. */
+    o->metrics_port = 0;
+    unsetenv("KVPIPE_METRICS_PORT");
     o->segment = segment;
     o->metadata = "P2PHANDSHAKE";
     o->local_name = "127.0.0.1:0";
