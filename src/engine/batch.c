@@ -170,10 +170,12 @@ static void local_handles(kvp_engine *e, const kvpi_link *l, kvpi_slice **slices
 }
 
 /* Move n checked slices whose memory is of the kinds in mask kinds through
- * the peer's link for them; every slice gets its final status. Returns the
+ * the peer's link for them; every slice gets its final status, but for one
+ * the peer refused as outside its buffers (KVP_ERANGE) when stale is not
+ * NULL: those are appended to stale[*n_stale], not completed. Returns the
  * connection-level error, if any. */
 static kvp_status run_slices(kvp_engine *e, kvpi_peer *peer, unsigned kinds, kvpi_work **works,
-                             kvpi_slice **slices, size_t n)
+                             kvpi_slice **slices, size_t n, kvpi_work **stale, size_t *n_stale)
 {
     kvpi_link *link;
     kvp_status st = kvpi_peer_select(e, peer, kinds, &link);
@@ -190,10 +192,15 @@ static kvp_status run_slices(kvp_engine *e, kvpi_peer *peer, unsigned kinds, kvp
     uint64_t done_ns = kvpi_now_ns();
     for (size_t i = 0; i < n; i++)
         if (pins[i]) kvpi_region_unpin(&e->regions, pins[i]);
-    for (size_t i = 0; i < n; i++)
+    for (size_t i = 0; i < n; i++) {
+        if (stale && slices[i]->status == KVP_ERANGE) {
+            stale[(*n_stale)++] = works[i];
+            continue;
+        }
         complete(works[i],
                  slices[i]->status == KVP_EINPROGRESS ? (st ? st : KVP_EIO) : slices[i]->status,
                  done_ns);
+    }
     return st;
 }
 
@@ -204,20 +211,17 @@ static unsigned kinds_of(const kvpi_peer *peer, const kvpi_work *w)
            KVPI_MEM_BIT(peer->desc.regions[w->slice.remote_region].kind);
 }
 
-static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
+/* Run the m live works of one segment. A slice the peer refuses as outside
+ * its buffers although our descriptor lists the range means the peer
+ * re-registered meanwhile (a pool chunk given back and mapped again at the
+ * same address, whose old rkey a one-sided transport still holds): such
+ * slices run once more (retried 0) against a fresh lookup, and fail with the
+ * peer's answer only then. */
+static void run_live(kvp_engine *e, kvpi_segment *seg, kvpi_work **live, size_t m, int retried)
 {
-    kvpi_segment *seg = group[0]->batch->seg;
     kvpi_slice *slices[GROUP_MAX];
-    kvpi_work *live[GROUP_MAX];
-    size_t m = 0;
-    for (size_t i = 0; i < n; i++) {
-        kvp_status skip = skip_reason(group[i]);
-        if (skip)
-            complete(group[i], skip, 0);
-        else
-            live[m++] = group[i];
-    }
-    if (m == 0) return;
+    kvpi_work *stale[GROUP_MAX];
+    size_t n_stale = 0;
     kvpi_peer *peer;
     kvp_status st = acquire_for(e, seg, live, m, &peer);
     if (st) {
@@ -234,8 +238,9 @@ static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
         kvpi_slice *s = &live[i]->slice;
         long r = kvpi_regions_find(peer->desc.regions, peer->desc.n_regions, s->remote, s->length);
         if (r < 0) {
-            kvpi_error(KVP_ERANGE, "segment %s: [0x%llx, +%zu) is outside its registered buffers",
-                       seg->name, (unsigned long long)s->remote, s->length);
+            kvpi_error(KVP_ERANGE, "segment %s: [0x%llx, +%zu) is outside its registered buffers%s",
+                       seg->name, (unsigned long long)s->remote, s->length,
+                       retried ? " (it deregistered them meanwhile)" : "");
             complete(live[i], KVP_ERANGE, 0);
             continue;
         }
@@ -264,14 +269,33 @@ static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
                 complete(same[i], conn, 0);
             continue;
         }
-        kvp_status sub = run_slices(e, peer, kinds, same, slices, ns);
+        kvp_status sub = run_slices(e, peer, kinds, same, slices, ns, retried ? NULL : stale,
+                                    &n_stale);
         if (sub) last = sub;
         if (connection_level(sub)) conn = sub;
     }
     /* Any failure the transport reports (a refused slice included: the
      * peer's registrations changed) drops the peer, to look it up again. */
-    kvpi_segment_release(seg, peer, last != KVP_OK);
+    kvpi_segment_release(seg, peer, last != KVP_OK || n_stale > 0);
     kvpi_segment_note(seg, last);
+    if (n_stale > 0) {
+        kvpi_counter_add(&e->metrics.retries, n_stale);
+        run_live(e, seg, stale, n_stale, 1);
+    }
+}
+
+static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
+{
+    kvpi_work *live[GROUP_MAX];
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        kvp_status skip = skip_reason(group[i]);
+        if (skip)
+            complete(group[i], skip, 0);
+        else
+            live[m++] = group[i];
+    }
+    if (m > 0) run_live(e, group[0]->batch->seg, live, m, 0);
 }
 
 static void *worker_main(void *arg)

@@ -247,11 +247,94 @@ static void test_garbage_flood(void)
     unlink(r.err);
 }
 
+/* The receiver of test_none_after_garbage: ERRORS refused announcements
+ * (each one error from recv, the pipe still usable), then None, each recv
+ * returning within its timeout; then nothing. */
+enum { NONE_GARBAGE = 1000, NONE_ERRORS = 1000 };
+static void receive_none(kvp_pipe *pipe, void *arg)
+{
+    (void)arg;
+    int errors = 0, none = 0;
+    uint64_t start = kvpi_now_ms();
+    while (!none && errors <= NONE_ERRORS) {
+        kvp_tensor *t = NULL;
+        uint64_t t0 = kvpi_now_ms();
+        kvp_status st = kvp_pipe_recv(pipe, RAW_WAIT_MS, &t);
+        CHECK(kvpi_now_ms() - t0 <= RAW_WAIT_MS + 500);
+        if (st == KVP_ETIMEDOUT) {
+            fprintf(stderr, "  decode: None did not come after %d errors: %s\n", errors,
+                    kvp_last_error());
+            kvpt_failures++;
+            return;
+        }
+        if (st) {
+            errors++;
+            CHECK(kvp_pipe_usable(pipe));
+            continue;
+        }
+        CHECK(t == NULL); /* None */
+        kvp_tensor_free(t);
+        none = 1;
+    }
+    fprintf(stderr, "  decode: None after %d errors in %llu ms\n", errors,
+            (unsigned long long)(kvpi_now_ms() - start));
+    CHECK(none && errors == NONE_ERRORS);
+    kvp_tensor *t = NULL;
+    CHECK_ST(kvp_pipe_recv(pipe, 500, &t), KVP_ETIMEDOUT);
+    kvp_pipe_stats s;
+    kvp_pipe_get_stats(pipe, &s);
+    CHECK(s.received == 1 && s.bad_messages == NONE_GARBAGE + NONE_ERRORS);
+    usleep(300000); /* let the last ACK leave */
+}
+
+/* A fault run saw a raw MooncakePipe-wire sender's None, sent after 2000
+ * malformed announcements, not arrive within the receiver's timeout (issue
+ * 21): 1000 malformed frames and 1000 announcements outside registered
+ * memory, interleaved, then None. Every refused one is ACKed, and None. */
+static void test_none_after_garbage(void)
+{
+    raw_prefill r = {0};
+    r.decode = -1;
+    REQUIRE(raw_setup_init(&r.s) == 0);
+    raw_err_path(r.err, sizeof r.err, "announce_decode");
+    r.decode = raw_spawn_side(&r.s, 1, receive_none, NULL, r.err);
+    REQUIRE(raw_engine(&r.s, 0, &r.engine) == 0);
+    r.ctx = zmq_ctx_new();
+    r.push = raw_socket(r.ctx, ZMQ_PUSH);
+    r.pull = raw_socket(r.ctx, ZMQ_PULL);
+    r.mon = raw_monitor(r.ctx, r.push, "push");
+    REQUIRE(r.mon && raw_bind(r.push, r.s.side[0].data_port) == 0 &&
+            raw_connect(r.pull, r.s.side[1].ack_port) == 0);
+    REQUIRE(raw_wait_event(r.mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, RAW_WAIT_MS) == 0);
+    uint8_t b8[8] = {0};
+    const void *f[1] = {b8};
+    size_t sz[1] = {8};
+    for (int i = 0; i < NONE_GARBAGE; i++) {
+        CHECK(raw_send_frames(r.push, f, sz, 1) == 0);
+        CHECK(raw_send_announcement(r.push, 0x1000, 64) == 0); /* ERANGE */
+    }
+    int64_t one = 1, none_value = KVP_PIPE_NONE_VALUE;
+    kvp_tensor t;
+    kvp_tensor_init(&t, KVP_DTYPE_I64, 1, &one, &none_value);
+    size_t size, written;
+    void *buf;
+    REQUIRE_OK(kvpi_safetensors_size(&t, &size));
+    REQUIRE_OK(kvp_engine_alloc(r.engine, size, &buf));
+    REQUIRE_OK(kvpi_safetensors_write(&t, buf, size, &written));
+    CHECK(raw_send_announcement(r.push, (uint64_t)(uintptr_t)buf, written) == 0);
+    int acks = raw_count_acks(r.pull, NONE_ERRORS + 10, 3000);
+    if (acks != NONE_ERRORS + 1) fprintf(stderr, "  %d ACKs, want %d\n", acks, NONE_ERRORS + 1);
+    CHECK(acks == NONE_ERRORS + 1);
+    CHECK(prefill_finish(&r) == 0);
+    unlink(r.err);
+}
+
 int main(void)
 {
     RUN_T(test_oversized_frames, 180);
     RUN_T(test_oversized_frame_while_away, 120);
     RUN_T(test_malformed_announcements, 120);
     RUN_T(test_garbage_flood, 180);
+    RUN_T(test_none_after_garbage, 120);
     return kvpt_summary();
 }

@@ -72,6 +72,10 @@ static int64_t child_do(kvp_engine *e, kvpt_ctarget *t, const ct_cmd *c)
     }
     case KVPT_CT_UNREGISTER:
         return kvp_engine_unregister(e, t->buf) == KVP_OK ? timed_ms(t0) : -1;
+    case KVPT_CT_REREGISTER:
+        if (kvp_engine_unregister(e, t->buf) != KVP_OK) return -1;
+        kvpt_fill(t->buf, t->len, c->arg);
+        return kvp_engine_register(e, t->buf, t->len) == KVP_OK ? 0 : -1;
     case KVPT_CT_UNMAP:
         return munmap(t->buf, t->len) == 0 ? 0 : -1;
     case KVPT_CT_FDS:

@@ -50,6 +50,8 @@ enum kvpt_ctarget_op {
     KVPT_CT_POOL = 'p',       /* kvp_engine_alloc of arg bytes filled with
                                  kvpt_fill(seed arg): their address */
     KVPT_CT_UNREGISTER = 'u', /* unregister the buffer: ms taken */
+    KVPT_CT_REREGISTER = 'R', /* unregister the buffer, fill it with kvpt_fill(seed
+                                 arg) and register it again (the same range): 0 */
     KVPT_CT_UNMAP = 'm',      /* munmap the buffer (still registered): 0 */
     KVPT_CT_FDS = 'f',        /* open descriptors of the child */
 };
