@@ -142,8 +142,15 @@ typedef struct kvp_engine_opts {
 /* kvp_engine_opts.metrics_port: any free port. */
 #define KVP_METRICS_PORT_ANY (-1)
 
-/* Fill opts with the defaults above and NULL strings. */
-KVP_API void kvp_engine_opts_init(kvp_engine_opts *opts);
+/* Fill opts with the defaults above and NULL strings. Call it before
+ * setting fields: kvp_engine_opts grows at its end from release to release,
+ * and a program built against an older header passes the smaller struct
+ * (the inline wrappers below pass its size; docs/abi.md). */
+KVP_API void kvp_engine_opts_init_size(kvp_engine_opts *opts, size_t size);
+static inline void kvp_engine_opts_init(kvp_engine_opts *opts)
+{
+    kvp_engine_opts_init_size(opts, sizeof *opts);
+}
 
 /* Create an engine: bind its handshake port and data port, connect to the
  * metadata store and publish the (empty) segment: rpc_meta once, then the
@@ -152,7 +159,12 @@ KVP_API void kvp_engine_opts_init(kvp_engine_opts *opts);
  * KVP_EBUSY. On failure nothing is left behind (and no key another engine
  * wrote is deleted) and kvp_last_error() names the part that failed (for
  * example the metadata store and its address). */
-KVP_API kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out);
+KVP_API kvp_status kvp_engine_create_size(const kvp_engine_opts *opts, size_t size,
+                                          kvp_engine **out);
+static inline kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out)
+{
+    return kvp_engine_create_size(opts, sizeof *opts, out);
+}
 
 /* Unpublish the segment (its keys, if they are still this engine's), stop all
  * threads, close connections, free managed memory. Requests still running fail

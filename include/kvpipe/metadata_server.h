@@ -53,14 +53,24 @@ typedef struct kvp_metadata_server_opts {
     unsigned request_timeout_s;
 } kvp_metadata_server_opts;
 
-/* Fill opts with the defaults above (host NULL, port 0). */
-KVP_API void kvp_metadata_server_opts_init(kvp_metadata_server_opts *opts);
+/* Fill opts with the defaults above (host NULL, port 0). The struct grows
+ * at its end (docs/abi.md): the inline wrappers pass its size. */
+KVP_API void kvp_metadata_server_opts_init_size(kvp_metadata_server_opts *opts, size_t size);
+static inline void kvp_metadata_server_opts_init(kvp_metadata_server_opts *opts)
+{
+    kvp_metadata_server_opts_init_size(opts, sizeof *opts);
+}
 
 /* Start serving with opts (NULL: the defaults). KVP_EINVAL for a port outside
  * 0..65535, KVP_EIO when the address cannot be bound. *out is set only on
  * success. */
-KVP_API kvp_status kvp_metadata_server_start_opts(const kvp_metadata_server_opts *opts,
-                                                  kvp_metadata_server **out);
+KVP_API kvp_status kvp_metadata_server_start_opts_size(const kvp_metadata_server_opts *opts,
+                                                       size_t size, kvp_metadata_server **out);
+static inline kvp_status kvp_metadata_server_start_opts(const kvp_metadata_server_opts *opts,
+                                                        kvp_metadata_server **out)
+{
+    return kvp_metadata_server_start_opts_size(opts, sizeof *opts, out);
+}
 
 /* Start serving on host:port with the default limits (port 0: any free port;
  * host NULL: 127.0.0.1). */

@@ -118,8 +118,14 @@ typedef struct kvp_pipe_endpoints {
 /* Compute the ports of side kv_rank (0 prefill, 1 decode) for local_rank >= 0.
  * KVP_EINVAL for a bad rank; KVP_ECONFIG, naming the field, when a derived port
  * passes 65535. */
-KVP_API kvp_status kvp_pipe_config_endpoints(const kvp_pipe_config *cfg, int local_rank,
-                                             int kv_rank, kvp_pipe_endpoints *out);
+KVP_API kvp_status kvp_pipe_config_endpoints_size(const kvp_pipe_config *cfg, int local_rank,
+                                                  int kv_rank, kvp_pipe_endpoints *out,
+                                                  size_t size);
+static inline kvp_status kvp_pipe_config_endpoints(const kvp_pipe_config *cfg, int local_rank,
+                                                   int kv_rank, kvp_pipe_endpoints *out)
+{
+    return kvp_pipe_config_endpoints_size(cfg, local_rank, kv_rank, out, sizeof *out);
+}
 
 /* ------------------------------------------------------------------ pipe --- */
 
@@ -196,8 +202,13 @@ typedef struct kvp_pipe_opts {
     const char *metrics_host;
 } kvp_pipe_opts;
 
-/* Fill opts with the defaults above. */
-KVP_API void kvp_pipe_opts_init(kvp_pipe_opts *opts);
+/* Fill opts with the defaults above. The struct grows at its end
+ * (docs/abi.md): the inline wrappers pass its size. */
+KVP_API void kvp_pipe_opts_init_size(kvp_pipe_opts *opts, size_t size);
+static inline void kvp_pipe_opts_init(kvp_pipe_opts *opts)
+{
+    kvp_pipe_opts_init_size(opts, sizeof *opts);
+}
 
 /* Open side kv_rank of the pipe: create the engine (segment "host:port" from
  * the config), bind the two PUSH sockets and connect the two PULL sockets. Does
@@ -208,8 +219,13 @@ KVP_API void kvp_pipe_opts_init(kvp_pipe_opts *opts);
  * cannot: refused handshakes are logged, rate-limited, on both sides). opts NULL: defaults. Errors:
  * KVP_ECONFIG for the config, the engine's errors (metadata store unreachable, port in use),
  * KVP_EIO naming the ZeroMQ endpoint that failed to bind. */
-KVP_API kvp_status kvp_pipe_open(const kvp_pipe_config *cfg, int local_rank, int kv_rank,
-                                 const kvp_pipe_opts *opts, kvp_pipe **out);
+KVP_API kvp_status kvp_pipe_open_size(const kvp_pipe_config *cfg, int local_rank, int kv_rank,
+                                      const kvp_pipe_opts *opts, size_t size, kvp_pipe **out);
+static inline kvp_status kvp_pipe_open(const kvp_pipe_config *cfg, int local_rank, int kv_rank,
+                                       const kvp_pipe_opts *opts, kvp_pipe **out)
+{
+    return kvp_pipe_open_size(cfg, local_rank, kv_rank, opts, sizeof *opts, out);
+}
 
 /* Send tensor t, or None when t is NULL. The tensor's bytes are copied (once)
  * before send returns, so the caller may reuse t at once. Blocks while in-flight
@@ -311,7 +327,12 @@ typedef struct kvp_pipe_stats {
      * inline_max_bytes 0). */
     uint64_t peer_lookups;
 } kvp_pipe_stats;
-KVP_API void kvp_pipe_get_stats(kvp_pipe *pipe, kvp_pipe_stats *out);
+/* The struct grows at its end (docs/abi.md): the wrapper passes its size. */
+KVP_API void kvp_pipe_get_stats_size(kvp_pipe *pipe, kvp_pipe_stats *out, size_t size);
+static inline void kvp_pipe_get_stats(kvp_pipe *pipe, kvp_pipe_stats *out)
+{
+    kvp_pipe_get_stats_size(pipe, out, sizeof *out);
+}
 
 /* The ports this side uses. Valid until the pipe is closed. */
 KVP_API const kvp_pipe_endpoints *kvp_pipe_get_endpoints(const kvp_pipe *pipe);

@@ -6,6 +6,7 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "common/sized.h"
 #include "common/log.h"
 #include "engine/engine_ext.h"
 #include "engine/engine_internal.h"
@@ -17,18 +18,23 @@
 #define DEFAULT_SLICE (4u << 20)
 #define KEEPER_INTERVAL_MS 2000
 
-void kvp_engine_opts_init(kvp_engine_opts *opts)
+static kvp_engine_opts default_opts(void)
 {
-    memset(opts, 0, sizeof *opts);
-    opts->protocol = "tcp";
-    opts->timeout_ms = DEFAULT_TIMEOUT_MS;
-    opts->workers = DEFAULT_WORKERS;
-    opts->conns_per_peer = DEFAULT_CONNS;
-    opts->slice_size = DEFAULT_SLICE;
-    opts->max_connections = KVPI_CONN_MAX_DEFAULT;
-    opts->idle_timeout_ms = KVPI_CONN_IDLE_MS_DEFAULT;
-    opts->min_transfer_rate = KVPI_MIN_RATE_DEFAULT;
-    opts->auth_max_age_ms = KVPI_AUTH_MAX_AGE_MS_DEFAULT;
+    return (kvp_engine_opts){.protocol = "tcp",
+                             .timeout_ms = DEFAULT_TIMEOUT_MS,
+                             .workers = DEFAULT_WORKERS,
+                             .conns_per_peer = DEFAULT_CONNS,
+                             .slice_size = DEFAULT_SLICE,
+                             .max_connections = KVPI_CONN_MAX_DEFAULT,
+                             .idle_timeout_ms = KVPI_CONN_IDLE_MS_DEFAULT,
+                             .min_transfer_rate = KVPI_MIN_RATE_DEFAULT,
+                             .auth_max_age_ms = KVPI_AUTH_MAX_AGE_MS_DEFAULT};
+}
+
+void kvp_engine_opts_init_size(kvp_engine_opts *opts, size_t size)
+{
+    kvp_engine_opts d = default_opts();
+    if (opts) kvpi_sized_out(opts, size, &d, sizeof d);
 }
 
 /* Add an upper layer's members (engine_ext.h), except those the descriptor
@@ -401,9 +407,12 @@ static kvp_status start_servers(kvp_engine *e)
     return KVP_OK;
 }
 
-kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engine **out)
+kvp_status kvp_engine_create_size(const kvp_engine_opts *opts, size_t size, kvp_engine **out)
 {
-    return kvpi_engine_create_with(opts, kvpi_transports, out);
+    if (!opts) return kvpi_error(KVP_EINVAL, "engine: NULL argument");
+    kvp_engine_opts o = default_opts();
+    kvp_status st = kvpi_sized_in(&o, sizeof o, opts, size, "kvp_engine_opts");
+    return st ? st : kvpi_engine_create_with(&o, kvpi_transports, out);
 }
 
 static kvp_status engine_create(const kvp_engine_opts *opts,

@@ -29,6 +29,7 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "common/sized.h"
 #include "common/log.h"
 #include "common/net.h"
 #include "kvpipe/metadata_server.h"
@@ -278,9 +279,9 @@ static void on_mhd_log(void *cls, const char *fmt, va_list ap)
     KVPI_DEBUG("metadata server (libmicrohttpd): %s", line);
 }
 
-void kvp_metadata_server_opts_init(kvp_metadata_server_opts *o)
+static kvp_metadata_server_opts default_opts(void)
 {
-    *o = (kvp_metadata_server_opts){
+    return (kvp_metadata_server_opts){
         .max_value_bytes = DEFAULT_MAX_VALUE,
         .max_total_bytes = DEFAULT_MAX_TOTAL,
         .max_connections = DEFAULT_MAX_CONNS,
@@ -290,12 +291,17 @@ void kvp_metadata_server_opts_init(kvp_metadata_server_opts *o)
     };
 }
 
+void kvp_metadata_server_opts_init_size(kvp_metadata_server_opts *o, size_t size)
+{
+    kvp_metadata_server_opts d = default_opts();
+    if (o) kvpi_sized_out(o, size, &d, sizeof d);
+}
+
 /* Zero fields take their defaults; connections stay within the open-file
  * limit, since MHD stops accepting for good once accept() fails with EMFILE. */
 static void resolve_opts(kvp_metadata_server_opts *o)
 {
-    kvp_metadata_server_opts d;
-    kvp_metadata_server_opts_init(&d);
+    kvp_metadata_server_opts d = default_opts();
     if (!o->max_value_bytes) o->max_value_bytes = d.max_value_bytes;
     if (!o->max_total_bytes) o->max_total_bytes = d.max_total_bytes;
     if (!o->max_connections) o->max_connections = d.max_connections;
@@ -364,15 +370,14 @@ static kvp_status start_threads(kvp_metadata_server *srv, const char *host,
     return KVP_OK;
 }
 
-kvp_status kvp_metadata_server_start_opts(const kvp_metadata_server_opts *opts,
-                                          kvp_metadata_server **out)
+kvp_status kvp_metadata_server_start_opts_size(const kvp_metadata_server_opts *opts, size_t size,
+                                               kvp_metadata_server **out)
 {
     if (!out) return kvpi_error(KVP_EINVAL, "metadata server: out is NULL");
-    kvp_metadata_server_opts o;
-    if (opts)
-        o = *opts;
-    else
-        kvp_metadata_server_opts_init(&o);
+    kvp_metadata_server_opts o = default_opts();
+    kvp_status st = opts ? kvpi_sized_in(&o, sizeof o, opts, size, "kvp_metadata_server_opts")
+                         : KVP_OK;
+    if (st) return st;
     if (o.port < 0 || o.port > 65535)
         return kvpi_error(KVP_EINVAL, "metadata server: port %d is not in 0..65535", o.port);
     resolve_opts(&o);
@@ -383,7 +388,7 @@ kvp_status kvp_metadata_server_start_opts(const kvp_metadata_server_opts *opts,
     srv->request_timeout_s = o.request_timeout_s;
     pthread_mutex_init(&srv->lock, NULL);
     kvpi_kvt_limits limits = {o.max_value_bytes, o.max_total_bytes};
-    kvp_status st = kvpi_kvt_create(&limits, &srv->table);
+    st = kvpi_kvt_create(&limits, &srv->table);
     if (!st && pipe2(srv->wake, O_CLOEXEC) != 0)
         st = kvpi_error(KVP_EIO, "metadata server: cannot create a pipe");
     if (!st) st = start_threads(srv, host, &o);

@@ -2,6 +2,8 @@
  * KVP_WITH_HTTP_SERVER OFF or the library not found): starting one fails with
  * KVP_ENOTSUP naming the option. Engines still use any HTTP store as clients
  * (KVP_WITH_HTTP). */
+#include <string.h>
+
 #include "common/error.h"
 #include "kvpipe/metadata_server.h"
 
@@ -23,15 +25,16 @@ void kvp_metadata_server_stop(kvp_metadata_server *server)
     (void)server;
 }
 
-void kvp_metadata_server_opts_init(kvp_metadata_server_opts *opts)
+void kvp_metadata_server_opts_init_size(kvp_metadata_server_opts *opts, size_t size)
 {
     /* Zero fields mean the defaults; there is no server to apply them. */
-    if (opts) *opts = (kvp_metadata_server_opts){0};
+    if (opts) memset(opts, 0, size);
 }
 
-kvp_status kvp_metadata_server_start_opts(const kvp_metadata_server_opts *opts,
-                                          kvp_metadata_server **out)
+kvp_status kvp_metadata_server_start_opts_size(const kvp_metadata_server_opts *opts, size_t size,
+                                               kvp_metadata_server **out)
 {
+    (void)size;
     return kvp_metadata_server_start(opts ? opts->host : NULL, opts ? opts->port : 0, out);
 }
 

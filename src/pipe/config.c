@@ -8,6 +8,7 @@
 #include <strings.h>
 
 #include "common/error.h"
+#include "common/sized.h"
 #include "common/net.h"
 #include "engine/protocol.h"
 #include "kvpipe/pipe.h"
@@ -247,8 +248,21 @@ static kvp_status side_ports(const char *field, const kvpi_hostport *hp, int bas
     return KVP_OK;
 }
 
-kvp_status kvp_pipe_config_endpoints(const kvp_pipe_config *cfg, int local_rank, int kv_rank,
-                                     kvp_pipe_endpoints *out)
+static kvp_status endpoints(const kvp_pipe_config *cfg, int local_rank, int kv_rank,
+                            kvp_pipe_endpoints *out);
+
+kvp_status kvp_pipe_config_endpoints_size(const kvp_pipe_config *cfg, int local_rank, int kv_rank,
+                                          kvp_pipe_endpoints *out, size_t size)
+{
+    kvp_pipe_endpoints ep;
+    kvp_status st = out ? endpoints(cfg, local_rank, kv_rank, &ep)
+                        : kvpi_error(KVP_EINVAL, "endpoints: NULL output");
+    if (!st) kvpi_sized_out(out, size, &ep, sizeof ep);
+    return st;
+}
+
+static kvp_status endpoints(const kvp_pipe_config *cfg, int local_rank, int kv_rank,
+                            kvp_pipe_endpoints *out)
 {
     kvp_status st = kvp_pipe_config_check(cfg);
     if (st) return st;

@@ -37,6 +37,7 @@
 
 #include "common/clock.h"
 #include "common/error.h"
+#include "common/sized.h"
 #include "common/log.h"
 #include "common/net.h"
 #include "engine/engine_ext.h"
@@ -75,23 +76,28 @@
 #define MAX_MS 86400000
 #define MAX_RECV_WINDOW 65536
 
-void kvp_pipe_opts_init(kvp_pipe_opts *opts)
+static kvp_pipe_opts default_opts(void)
 {
-    memset(opts, 0, sizeof *opts);
-    opts->kv_buffer_size = DEFAULT_KV_BUFFER_SIZE;
-    opts->send_timeout_ms = DEFAULT_SEND_TIMEOUT_MS;
-    opts->io_timeout_ms = DEFAULT_IO_TIMEOUT_MS;
-    opts->max_message_bytes = DEFAULT_MAX_MESSAGE;
-    opts->inline_max_bytes = DEFAULT_INLINE_MAX;
-    opts->recv_window = DEFAULT_RECV_WINDOW;
-    opts->recv_window_bytes = DEFAULT_RECV_WINDOW_BYTES;
-    opts->max_control_frame = DEFAULT_MAX_CONTROL_FRAME;
-    opts->redial_min_ms = DEFAULT_REDIAL_MIN_MS;
-    opts->redial_max_ms = DEFAULT_REDIAL_MAX_MS;
-    opts->ack_timeout_ms = DEFAULT_ACK_TIMEOUT_MS;
-    opts->ack_delay_us = DEFAULT_ACK_DELAY_US;
-    opts->ack_linger_ms = DEFAULT_ACK_LINGER_MS;
-    opts->zmq_hwm = DEFAULT_ZMQ_HWM;
+    return (kvp_pipe_opts){.kv_buffer_size = DEFAULT_KV_BUFFER_SIZE,
+                           .send_timeout_ms = DEFAULT_SEND_TIMEOUT_MS,
+                           .io_timeout_ms = DEFAULT_IO_TIMEOUT_MS,
+                           .max_message_bytes = DEFAULT_MAX_MESSAGE,
+                           .inline_max_bytes = DEFAULT_INLINE_MAX,
+                           .recv_window = DEFAULT_RECV_WINDOW,
+                           .recv_window_bytes = DEFAULT_RECV_WINDOW_BYTES,
+                           .max_control_frame = DEFAULT_MAX_CONTROL_FRAME,
+                           .redial_min_ms = DEFAULT_REDIAL_MIN_MS,
+                           .redial_max_ms = DEFAULT_REDIAL_MAX_MS,
+                           .ack_timeout_ms = DEFAULT_ACK_TIMEOUT_MS,
+                           .ack_delay_us = DEFAULT_ACK_DELAY_US,
+                           .ack_linger_ms = DEFAULT_ACK_LINGER_MS,
+                           .zmq_hwm = DEFAULT_ZMQ_HWM};
+}
+
+void kvp_pipe_opts_init_size(kvp_pipe_opts *opts, size_t size)
+{
+    kvp_pipe_opts d = default_opts();
+    if (opts) kvpi_sized_out(opts, size, &d, sizeof d);
 }
 
 /* ------------------------------------------------------------ helpers --- */
@@ -874,16 +880,15 @@ static void stop_negotiator(kvp_pipe *p)
     p->neg_started = 0;
 }
 
-kvp_status kvp_pipe_open(const kvp_pipe_config *cfg, int local_rank, int kv_rank,
-                         const kvp_pipe_opts *opts, kvp_pipe **out)
+kvp_status kvp_pipe_open_size(const kvp_pipe_config *cfg, int local_rank, int kv_rank,
+                              const kvp_pipe_opts *opts, size_t size, kvp_pipe **out)
 {
     if (!out) return kvpi_error(KVP_EINVAL, "pipe open: NULL output");
     kvp_pipe_endpoints ep;
     kvp_status st = kvp_pipe_config_endpoints(cfg, local_rank, kv_rank, &ep);
     if (st) return st;
-    kvp_pipe_opts o;
-    kvp_pipe_opts_init(&o);
-    if (opts) o = *opts;
+    kvp_pipe_opts o = default_opts();
+    if (opts && (st = kvpi_sized_in(&o, sizeof o, opts, size, "kvp_pipe_opts"))) return st;
     if ((st = check_opts(&o))) return st;
     kvp_pipe *p = calloc(1, sizeof *p);
     if (p) p->rx = calloc((size_t)o.recv_window, sizeof *p->rx);
@@ -934,17 +939,18 @@ int kvp_pipe_usable(const kvp_pipe *p)
     return p && !atomic_load(&((kvp_pipe *)p)->broken) && !atomic_load(&((kvp_pipe *)p)->closing);
 }
 
-void kvp_pipe_get_stats(kvp_pipe *p, kvp_pipe_stats *out)
+void kvp_pipe_get_stats_size(kvp_pipe *p, kvp_pipe_stats *out, size_t size)
 {
     pthread_mutex_lock(&p->push_lock);
     uint64_t gen = p->push_gen;
     pthread_mutex_unlock(&p->push_lock);
     pthread_mutex_lock(&p->lock);
-    *out = p->stats;
-    out->inflight_bytes = p->inflight_bytes;
-    out->inflight_count = p->q_count;
-    out->peer_inline_max = p->neg_done == gen && gen ? p->neg_peer_inline : 0;
+    kvp_pipe_stats s = p->stats;
+    s.inflight_bytes = p->inflight_bytes;
+    s.inflight_count = p->q_count;
+    s.peer_inline_max = p->neg_done == gen && gen ? p->neg_peer_inline : 0;
     pthread_mutex_unlock(&p->lock);
+    kvpi_sized_out(out, size, &s, sizeof s);
 }
 
 const kvpi_pipe_counters *kvpi_pipe_counters_of(const kvp_pipe *p)
