@@ -174,8 +174,10 @@ typedef struct kvp_pipe_opts {
      * a failed descriptor lookup of the inline path's negotiation. */
     int redial_min_ms;
     int redial_max_ms;
-    /* Longest a receiver waits for the ACK socket to take an ACK before it
-     * drops it with a warning (default 2000 ms); the data has arrived. */
+    /* How long an ACK the ACK socket does not take (a sender stopped or
+     * gone) is tried again before it is dropped with a warning (default
+     * 2000 ms); the data has arrived. recv never waits for it: a receiver in
+     * recv or the pipe's control thread retries it every millisecond. */
     int ack_timeout_ms;
     /* Inline messages only (between two kvpipe pipes; an announced
      * message's ACK always leaves before recv returns): the ACK of one

@@ -142,7 +142,7 @@ struct kvp_pipe {
     size_t rx_bytes;
     size_t rx_bytes_peak; /* the most rx_bytes held since open (tests read it) */
     int rx_done_fd;  /* eventfd: a READ of the window completed */
-    int ack_stalled; /* the last ACK was not taken in time: do not wait for the next */
+    int ack_stalled; /* the last ACKs were given up: give up the next at once */
     /* Deferred ACKs (pipe_recv.c): inline messages handed out and not yet
      * acknowledged, written under recv_lock; when the oldest must leave. */
     atomic_size_t acks_owed;

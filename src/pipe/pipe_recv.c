@@ -16,9 +16,10 @@
  * first: then what the window holds is dropped unacknowledged, as what is
  * still queued in ZeroMQ is.
  *
- * Deferred ACKs. The ACK of an announced message leaves when the message is
- * handed out, before recv returns, as MooncakePipe's does: the sender waits
- * for it to free its buffer. Only a kvpipe pipe sends inline messages, and
+ * Deferred ACKs. The ACK of an announced message is due when the message is
+ * handed out, and leaves before recv returns if the link takes it at once,
+ * as MooncakePipe's does: the sender waits for it to free its buffer (a link
+ * that does not take it: see acks_try). Only a kvpipe pipe sends inline messages, and
  * no buffer waits for their ACKs (the sender lets them wait in ZeroMQ too):
  * those are owed, and leave together, when 16 are owed, when an announced
  * message's ACK leaves (behind them: the count stays in FIFO order), or
@@ -293,23 +294,6 @@ static kvp_status busy_poll(kvp_pipe *p)
 
 /* --------------------------------------------------------- handing out --- */
 
-/* An ACK waits up to ack_timeout_ms to be taken; once one was not, the next
- * ones do not wait until one is taken again, so that a dead sender costs one
- * wait, not one per message of the window. */
-static void send_ack(kvp_pipe *p)
-{
-    int wait_ms = p->ack_stalled ? 0 : p->opts.ack_timeout_ms;
-    if (kvpi_pipe_zsend(p->ack_push, KVPI_ACK_TEXT, KVPI_ACK_LEN, 0, wait_ms) == KVPI_ACK_LEN) {
-        p->ack_stalled = 0;
-        return;
-    }
-    p->ack_stalled = 1;
-    /* The data is here already; only the sender's buffer release depends on the
-     * ACK, and a sender that does not take it is gone or not listening. */
-    KVPI_WARN_LIMITED("pipe %s: could not send ACK to %s within %d ms: %s", p->ep.local_segment,
-                      p->ep.peer_segment, wait_ms, zmq_strerror(zmq_errno()));
-}
-
 static int is_none(const kvp_tensor *t)
 {
     if (t->dtype != KVP_DTYPE_I64 || t->nbytes != 8) return 0;
@@ -345,16 +329,62 @@ static kvp_status deliver(kvp_pipe *p, void *buf, size_t len, kvp_tensor **out)
     return KVP_OK;
 }
 
-/* Send the deferred ACKs owed (under recv_lock), each as send_ack() does. */
-static void flush_acks(kvp_pipe *p)
+/* Sending ACKs never makes recv wait: every ACK is owed first, and the
+ * owed ones that are due leave while the link takes them at once. What it
+ * does not take (a sender stopped or gone, its PULL not reading) is tried
+ * again every millisecond - by a receiver waiting in recv, else by the
+ * control thread (ack_timer_fd) - and given up ack_timeout_ms after it was
+ * due, or at once while the link is stalled (the last ones were given up),
+ * so that a dead sender costs one wait, not one per message. ACK frames are
+ * all alike and the sender frees its buffers in order, so an ACK that leaves
+ * late still frees the right one. */
+
+/* Arm the control thread's timer to fire in us microseconds. */
+static int ack_timer_in(kvp_pipe *p, long us)
 {
-    for (; atomic_load(&p->acks_owed) > 0; atomic_fetch_sub(&p->acks_owed, 1))
-        send_ack(p);
+    struct itimerspec due = {.it_value = {.tv_sec = us / 1000000, .tv_nsec = us % 1000000 * 1000}};
+    return timerfd_settime(p->ack_timer_fd, 0, &due, NULL);
+}
+
+/* Under recv_lock, with the owed ACKs due: send them while the link takes
+ * them, give up as above. Returns how many are left, to try again. */
+static size_t acks_try(kvp_pipe *p)
+{
+    while (atomic_load(&p->acks_owed) > 0 &&
+           kvpi_pipe_zsend(p->ack_push, KVPI_ACK_TEXT, KVPI_ACK_LEN, ZMQ_DONTWAIT, 0) ==
+               KVPI_ACK_LEN) {
+        atomic_fetch_sub(&p->acks_owed, 1);
+        p->ack_stalled = 0;
+    }
+    size_t left = atomic_load(&p->acks_owed);
+    uint64_t limit = p->acks_due_ns + (uint64_t)p->opts.ack_timeout_ms * 1000000u;
+    if (left && (p->ack_stalled || kvpi_now_ns() >= limit)) {
+        p->ack_stalled = 1;
+        atomic_store(&p->acks_owed, 0);
+        /* The data is here already; only the sender's buffer release
+         * depends on the ACK, and a sender that does not take it is gone
+         * or not listening. */
+        KVPI_WARN_LIMITED("pipe %s: could not send %zu ACKs to %s within %d ms: %s",
+                          p->ep.local_segment, left, p->ep.peer_segment, p->opts.ack_timeout_ms,
+                          zmq_strerror(zmq_errno()));
+        left = 0;
+    }
+    return left;
 }
 
 void kvpi_pipe_close_acks(kvp_pipe *p)
 {
-    flush_acks(p);
+    /* Closing: the owed ACKs may wait for the link, up to ack_timeout_ms
+     * (not when it is stalled); ack_linger_ms then lets them go out. */
+    int wait_ms = p->ack_stalled ? 0 : p->opts.ack_timeout_ms;
+    size_t left = atomic_exchange(&p->acks_owed, 0);
+    for (; left > 0; left--)
+        if (kvpi_pipe_zsend(p->ack_push, KVPI_ACK_TEXT, KVPI_ACK_LEN, 0, wait_ms) != KVPI_ACK_LEN)
+            break;
+    if (left)
+        KVPI_WARN_LIMITED("pipe %s: could not send %zu ACKs to %s within %d ms: %s",
+                          p->ep.local_segment, left, p->ep.peer_segment, wait_ms,
+                          zmq_strerror(zmq_errno()));
 }
 
 int kvpi_pipe_acks_due(kvp_pipe *p)
@@ -363,25 +393,7 @@ int kvpi_pipe_acks_due(kvp_pipe *p)
     if (pthread_mutex_trylock(&p->recv_lock) != 0) return 0;
     /* Never waits: this thread answers the ZAP requests that a connection
      * of the ACK link itself may need first. */
-    while (atomic_load(&p->acks_owed) > 0 &&
-           kvpi_pipe_zsend(p->ack_push, KVPI_ACK_TEXT, KVPI_ACK_LEN, ZMQ_DONTWAIT, 0) ==
-               KVPI_ACK_LEN) {
-        atomic_fetch_sub(&p->acks_owed, 1);
-        p->ack_stalled = 0;
-    }
-    size_t left = atomic_load(&p->acks_owed);
-    /* Not taken (the peer's PULL is not connected yet, or is gone): given up
-     * as send_ack() gives up, ack_timeout_ms after they were due, or at once
-     * while the link is stalled. */
-    uint64_t limit = p->acks_due_ns + (uint64_t)p->opts.ack_timeout_ms * 1000000u;
-    if (left && (p->ack_stalled || kvpi_now_ns() >= limit)) {
-        p->ack_stalled = 1;
-        atomic_store(&p->acks_owed, 0);
-        KVPI_WARN_LIMITED("pipe %s: could not send %zu ACKs to %s within %d ms: %s",
-                          p->ep.local_segment, left, p->ep.peer_segment, p->opts.ack_timeout_ms,
-                          zmq_strerror(zmq_errno()));
-        left = 0;
-    }
+    size_t left = acks_try(p);
     pthread_mutex_unlock(&p->recv_lock);
     return left == 0;
 }
@@ -396,24 +408,21 @@ static int acks_due_in_ms(const kvp_pipe *p)
     return (int)((p->acks_due_ns - now + 999999) / 1000000);
 }
 
-/* The ACK of a message handed out (see the top): at once for an announced
- * message, after the deferred ones owed; owed for an inline one. */
+/* The ACK of a message handed out (see the top): due at once for an
+ * announced message (with the deferred ones owed before it); deferred for
+ * an inline one, up to ACKS_OWED_MAX of them. */
 static void ack_taken(kvp_pipe *p, int is_inline)
 {
-    if (!is_inline || p->opts.ack_delay_us == 0) {
-        flush_acks(p);
-        send_ack(p);
-        return;
+    uint64_t now = kvpi_now_ns();
+    long us = is_inline ? p->opts.ack_delay_us : 0;
+    size_t owed = atomic_fetch_add(&p->acks_owed, 1) + 1;
+    if (owed == 1) p->acks_due_ns = now + (uint64_t)us * 1000u;
+    if (us > 0 && owed < ACKS_OWED_MAX) {
+        if (owed == 1 && ack_timer_in(p, us) != 0) p->acks_due_ns = now;
+        if (p->acks_due_ns > now) return;
     }
-    if (atomic_fetch_add(&p->acks_owed, 1) + 1 >= ACKS_OWED_MAX) {
-        flush_acks(p);
-        return;
-    }
-    if (atomic_load(&p->acks_owed) > 1) return;
-    long us = p->opts.ack_delay_us;
-    p->acks_due_ns = kvpi_now_ns() + (uint64_t)us * 1000u;
-    struct itimerspec due = {.it_value = {.tv_sec = us / 1000000, .tv_nsec = us % 1000000 * 1000}};
-    if (timerfd_settime(p->ack_timer_fd, 0, &due, NULL) != 0) flush_acks(p);
+    if (p->acks_due_ns > now) p->acks_due_ns = now;
+    if (acks_try(p)) ack_timer_in(p, 1000); /* the control thread tries again */
 }
 
 /* Hand out the head (done): acknowledge it, then its tensor or its error. */
@@ -491,10 +500,7 @@ kvp_status kvp_pipe_recv(kvp_pipe *p, int timeout_ms, kvp_tensor **out)
         /* A READ of the window ending wakes rx_wait (rx_done_fd); deferred
          * ACKs leave when due. */
         int wait = left, acks = acks_due_in_ms(p);
-        if (acks == 0) {
-            flush_acks(p);
-            continue;
-        }
+        if (acks == 0) acks = acks_try(p) ? 1 : -1; /* not all taken: again in 1 ms */
         if (acks > 0 && (wait < 0 || acks < wait)) wait = acks;
         if ((st = rx_wait(p, wait))) break;
     }

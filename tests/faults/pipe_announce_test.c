@@ -329,6 +329,54 @@ static void test_none_after_garbage(void)
     unlink(r.err);
 }
 
+/* The receiver of test_ack_link_not_connected: two tensors, each recv
+ * returning at once though its ACK cannot leave yet. */
+static void receive_quickly(kvp_pipe *pipe, void *arg)
+{
+    (void)arg;
+    for (int i = 0; i < 2; i++) {
+        kvp_tensor *t = NULL;
+        uint64_t t0 = kvpi_now_ms();
+        CHECK_OK(kvp_pipe_recv(pipe, RAW_WAIT_MS, &t));
+        uint64_t took = kvpi_now_ms() - t0;
+        if (took > 500) fprintf(stderr, "  decode: recv of tensor %d took %llu ms\n", i,
+                                 (unsigned long long)took);
+        CHECK(took <= 500);
+        CHECK(raw_tensor_check(t, i));
+        kvp_tensor_free(t);
+    }
+    usleep(2500 * 1000); /* the ACKs leave meanwhile, from the control thread */
+}
+
+/* A sender whose ACK link is not connected yet (its PULL connects late: a
+ * MooncakePipe peer starting, or a kvpipe sender stopped before its I/O
+ * thread connected, as the model test's 30-minute run found): recv hands
+ * out each tensor at once instead of waiting ack_timeout_ms (2 s) for the
+ * ACK socket, and the ACKs leave once the link is up. */
+static void test_ack_link_not_connected(void)
+{
+    raw_prefill r = {0};
+    REQUIRE(raw_setup_init(&r.s) == 0);
+    raw_err_path(r.err, sizeof r.err, "announce_decode");
+    r.decode = raw_spawn_side(&r.s, 1, receive_quickly, NULL, r.err);
+    REQUIRE(raw_engine(&r.s, 0, &r.engine) == 0);
+    r.ctx = zmq_ctx_new();
+    r.push = raw_socket(r.ctx, ZMQ_PUSH);
+    r.pull = raw_socket(r.ctx, ZMQ_PULL);
+    r.mon = raw_monitor(r.ctx, r.push, "push");
+    REQUIRE(r.mon && raw_bind(r.push, r.s.side[0].data_port) == 0);
+    REQUIRE(raw_wait_event(r.mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, RAW_WAIT_MS) == 0);
+    CHECK(raw_announce_good(r.engine, r.push, 0) == 0);
+    CHECK(raw_announce_good(r.engine, r.push, 1) == 0);
+    usleep(1500 * 1000); /* both handed out by now; their ACKs due 1.5 s ago */
+    REQUIRE(raw_connect(r.pull, r.s.side[1].ack_port) == 0);
+    int acks = raw_count_acks(r.pull, 10, 1500);
+    if (acks != 2) fprintf(stderr, "  %d ACKs, want 2\n", acks);
+    CHECK(acks == 2);
+    CHECK(prefill_finish(&r) == 0);
+    unlink(r.err);
+}
+
 int main(void)
 {
     RUN_T(test_oversized_frames, 180);
@@ -336,5 +384,6 @@ int main(void)
     RUN_T(test_malformed_announcements, 120);
     RUN_T(test_garbage_flood, 180);
     RUN_T(test_none_after_garbage, 120);
+    RUN_T(test_ack_link_not_connected, 120);
     return kvpt_summary();
 }
