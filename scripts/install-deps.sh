@@ -6,12 +6,12 @@ set -eu
 # Tests: real stores, valgrind, clang for the fuzzers, nftables and iproute2 for
 # the network-fault suite, UCX's perftest, gnuplot for benchmark plots, and
 # Python's packaging tools for the wheel and venv tests, curl for the README's
-# metrics line.
+# metrics line, libabigail's abidiff (and xz) for the ABI check.
 PKGS="build-essential cmake pkg-config libzmq3-dev libcurl4-openssl-dev libmicrohttpd-dev
 libhiredis-dev libcjson-dev libucx-dev libsodium-dev
 redis-server etcd-server python3 python3-dev python3-numpy valgrind
 clang libclang-rt-14-dev nftables iproute2 ucx-utils gnuplot-nox
-python3-venv python3-setuptools python3-wheel python3-build curl"
+python3-venv python3-setuptools python3-wheel python3-build curl abigail-tools xz-utils"
 missing=""
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
