@@ -36,6 +36,14 @@ kvp_status kvpi_error(kvp_status status, const char *fmt, ...)
     return status;
 }
 
+kvpi_error_kept kvpi_error_keep(void)
+{
+    kvpi_error_kept k;
+    _Static_assert(sizeof k.text == sizeof last_error, "the kept text holds the whole detail");
+    memcpy(k.text, last_error, sizeof k.text);
+    return k;
+}
+
 void kvpi_error_clear(void)
 {
     last_error[0] = '\0';

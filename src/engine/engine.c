@@ -338,13 +338,11 @@ static kvp_status start_rpc(kvp_engine *e)
     kvp_status st = kvpi_rpc_server_start_auth(e->self.host, e->self.port, &limits, e->auth,
                                                rpc_describe, e, &e->rpc);
     if (st != KVP_EBUSY) return st;
-    char detail[512];
-    snprintf(detail, sizeof detail, "%s", kvp_last_error());
     return kvpi_error(KVP_EBUSY,
                       "segment name '%s' is in use on this host: its handshake port is taken, "
                       "by another engine of this name or another program (%s); stop it or "
                       "choose another local_server_name",
-                      e->opts.local_server_name, detail);
+                      e->opts.local_server_name, kvp_last_error());
 }
 
 /* The segment name is host:port of the handshake server, whose port may have
@@ -480,10 +478,9 @@ static kvp_status engine_create(const kvp_engine_opts *opts,
 fail:
     {
         /* Keep the first failure's detail across the teardown's own calls. */
-        char detail[512];
-        snprintf(detail, sizeof detail, "%s", kvp_last_error());
+        kvpi_error_kept detail = kvpi_error_keep();
         kvp_engine_destroy(e);
-        return kvpi_error(st, "%s", detail);
+        return kvpi_error(st, "%s", detail.text);
     }
 }
 

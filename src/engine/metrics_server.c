@@ -117,9 +117,7 @@ static kvp_status server_start(kvpi_metrics_server *srv)
     int fd = -1;
     kvp_status st = kvpi_tcp_listen(srv->host, srv->asked_port, &fd, &srv->port);
     if (st) {
-        char detail[256];
-        snprintf(detail, sizeof detail, "%s", kvp_last_error());
-        return kvpi_error(st, "metrics endpoint: %s", detail);
+        return kvpi_error(st, "metrics endpoint: %s", kvp_last_error());
     }
     srv->daemon = MHD_start_daemon(
         MHD_USE_AUTO_INTERNAL_THREAD | MHD_USE_ERROR_LOG, 0, NULL, NULL, on_request, srv,

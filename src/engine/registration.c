@@ -85,13 +85,12 @@ static kvp_status region_register(kvp_engine *e, const kvpi_region *r)
         void *handle = NULL;
         if ((st = e->transports[i]->mem_reg(e->servers[i], reg, &handle))) {
             /* Keep this failure's detail across the undoing. */
-            char detail[400];
-            snprintf(detail, sizeof detail, "%s", kvp_last_error());
+            kvpi_error_kept detail = kvpi_error_keep();
             deregister(e, reg, i);
             kvpi_region_discard(&e->regions, entry);
             return kvpi_error(st, "register [0x%llx, +%llu): the %s transport refused it: %s",
                               (unsigned long long)r->addr, (unsigned long long)r->length,
-                              e->transports[i]->name, detail);
+                              e->transports[i]->name, detail.text);
         }
         reg->handle[i] = handle;
     }
@@ -116,11 +115,10 @@ static kvp_status register_and_publish(kvp_engine *e, const kvpi_region *r)
     kvp_status st = region_register(e, r);
     if (st || !e->meta) return st;
     if ((st = kvpi_engine_publish(e))) {
-        char detail[400];
-        snprintf(detail, sizeof detail, "%s", kvp_last_error());
+        kvpi_error_kept detail = kvpi_error_keep();
         region_unregister(e, r->addr);
         kvpi_engine_mark_stale(e); /* the rendered descriptor still lists it */
-        kvpi_error(st, "%s", detail);
+        kvpi_error(st, "%s", detail.text);
     }
     return st;
 }

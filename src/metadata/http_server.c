@@ -393,10 +393,9 @@ kvp_status kvp_metadata_server_start_opts_size(const kvp_metadata_server_opts *o
         st = kvpi_error(KVP_EIO, "metadata server: cannot create a pipe");
     if (!st) st = start_threads(srv, host, &o);
     if (st) {
-        char detail[512];
-        snprintf(detail, sizeof detail, "%s", kvp_last_error());
+        kvpi_error_kept detail = kvpi_error_keep();
         server_free(srv);
-        return kvpi_error(st, "%s", detail);
+        return kvpi_error(st, "%s", detail.text);
     }
     KVPI_INFO("metadata server listening on %s port %d", host, srv->port);
     *out = srv;

@@ -46,9 +46,7 @@ const kvpi_store_ops *kvpi_store_lookup(const char *conn)
  * buffer is also kvpi_error's target, hence the copy). */
 static kvp_status wrap(kvp_status st, const char *prefix)
 {
-    char detail[512];
-    snprintf(detail, sizeof detail, "%s", kvp_last_error());
-    return kvpi_error(st, "%s: %s", prefix, detail);
+    return kvpi_error(st, "%s: %s", prefix, kvp_last_error());
 }
 
 /* Messages get logged, so a URL's "user:pass@" is shown as "***@". */
@@ -424,11 +422,10 @@ static kvpi_meta_owner probe_owner(kvpi_meta *m, const kvpi_meta_self *self, con
  * message. */
 static void undo(kvpi_meta *m, const char *kind, const char *segment)
 {
-    char detail[512];
-    snprintf(detail, sizeof detail, "%s", kvp_last_error());
+    kvpi_error_kept detail = kvpi_error_keep();
     if (del_kind(m, kind, segment) != KVP_OK)
         KVPI_INFO("segment %s: cannot remove its %s again: %s", segment, kind, kvp_last_error());
-    kvpi_error(KVP_OK, "%s", detail);
+    kvpi_error(KVP_OK, "%s", detail.text);
 }
 
 /* The name's keys are stale: replace them, the descriptor first. */

@@ -44,9 +44,7 @@ static int valid_type(unsigned type)
 /* Copy the current detail so it can be wrapped in a new message. */
 static kvp_status wrap(kvp_status st, const char *what, const char *addr)
 {
-    char detail[512];
-    snprintf(detail, sizeof detail, "%s", kvp_last_error());
-    return kvpi_error(st, "%s %s: %s", what, addr, detail);
+    return kvpi_error(st, "%s %s: %s", what, addr, kvp_last_error());
 }
 
 void kvpi_rpc_frame_header(int type, size_t json_len, uint8_t hdr[KVPI_RPC_HDR_LEN])
@@ -290,10 +288,8 @@ kvp_status kvpi_rpc_call_auth(const char *host, int port, const kvpi_auth *auth,
     if (!st) st = call_on(fd, type, json, deadline, &text);
     close(fd);
     if (st == KVP_ETIMEDOUT) {
-        char detail[384];
-        snprintf(detail, sizeof detail, "%s", kvp_last_error());
         return kvpi_error(st, "handshake with %s: no complete reply within %d ms: %s", addr,
-                          timeout_ms, detail);
+                          timeout_ms, kvp_last_error());
     }
     if (st) return wrap(st, "handshake with", addr);
     *reply = text;

@@ -25,10 +25,8 @@ static kvp_status check_url(const char *field, const char *value, kvpi_hostport 
 {
     if (!value) return kvpi_error(KVP_ECONFIG, "config field '%s' is missing", field);
     if (kvpi_hostport_parse(value, -1, hp) != KVP_OK) {
-        char why[256];
-        snprintf(why, sizeof why, "%s", kvp_last_error());
         return kvpi_error(KVP_ECONFIG, "config field '%s': '%.300s' is not host:port (%s)", field,
-                          value, why);
+                          value, kvp_last_error());
     }
     if (hp->port < 1)
         return kvpi_error(KVP_ECONFIG, "config field '%s': '%.300s' needs a port in 1..65535",
@@ -174,9 +172,7 @@ kvp_status kvp_pipe_config_load(const char *path, kvp_pipe_config **out)
     st = kvp_pipe_config_parse(text, len, out);
     free(text);
     if (st == KVP_ECONFIG) {
-        char why[512];
-        snprintf(why, sizeof why, "%s", kvp_last_error());
-        return kvpi_error(st, "%s: %s", path, why);
+        return kvpi_error(st, "%s: %s", path, kvp_last_error());
     }
     return st;
 }

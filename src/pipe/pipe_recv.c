@@ -308,11 +308,10 @@ static kvp_status deliver(kvp_pipe *p, void *buf, size_t len, kvp_tensor **out)
     kvp_tensor t;
     kvp_status st = kvpi_safetensors_parse(buf, len, &t);
     if (st) {
-        char why[512];
-        snprintf(why, sizeof why, "%s", kvp_last_error());
+        kvpi_error_kept why = kvpi_error_keep();
         kvp_engine_free(p->engine, buf);
         return kvpi_error(st, "pipe %s: message from %s: %s", p->ep.local_segment,
-                          p->ep.peer_segment, why);
+                          p->ep.peer_segment, why.text);
     }
     if (is_none(&t)) {
         kvp_engine_free(p->engine, buf);

@@ -132,9 +132,7 @@ static kvp_status hello(const shm_peer *p, int fd, uint64_t deadline)
     int err = 0;
     if (!st) st = kvpi_shm_get_status(s, &remote, &err);
     if (st) {
-        char why[256]; /* kvpi_error must not format its own buffer */
-        snprintf(why, sizeof why, "%s", kvp_last_error());
-        return kvpi_error(st, "shm peer @%s: handshake failed: %s", p->name, why);
+        return kvpi_error(st, "shm peer @%s: handshake failed: %s", p->name, kvp_last_error());
     }
     if (remote == KVP_ENOTSUP)
         return kvpi_error(KVP_ENOTSUP, "shm peer pid %d cannot reach our memory with "
@@ -166,9 +164,7 @@ static kvp_status link_connect(const shm_peer *p, uint64_t deadline, int *out)
     } else if (!p->auth || (st = kvpi_auth_client(p->auth, fd, "shm", deadline)) == KVP_OK) {
         st = hello(p, fd, deadline);
     } else if (st == KVP_EAUTH) {
-        char why[400];
-        snprintf(why, sizeof why, "%s", kvp_last_error());
-        st = kvpi_error(st, "shm peer @%s: %s", p->name, why);
+        st = kvpi_error(st, "shm peer @%s: %s", p->name, kvp_last_error());
     }
     if (st) {
         close(fd);
@@ -243,9 +239,7 @@ static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
     pthread_once(&once, allow_attach_once);
     /* One link now proves the peer reachable; the rest connect on demand. */
     if ((st = link_connect(p, kvpi_deadline_ns(p->timeout_ms), &p->fds[0])) == KVP_ECONNREFUSED) {
-        char why[256]; /* kvpi_error must not format its own buffer */
-        snprintf(why, sizeof why, "%s", kvp_last_error());
-        st = kvpi_error(KVP_ENOTSUP, "%s (not reachable through shm)", why);
+        st = kvpi_error(KVP_ENOTSUP, "%s (not reachable through shm)", kvp_last_error());
     }
     if (st) goto fail;
     *out = p;
@@ -383,14 +377,12 @@ static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
         }
     }
     if (st == KVP_ETIMEDOUT) {
-        char detail[256];
-        snprintf(detail, sizeof detail, "%s", kvp_last_error());
         kvpi_error(st,
                    "shm peer pid %d: %llu bytes (%zu requests) not done within %llu ms "
                    "(timeout_ms %d + the bytes at %llu bytes/s): %s",
                    (int)p->target, (unsigned long long)bytes, n,
                    (unsigned long long)((deadline - start) / 1000000u), p->timeout_ms,
-                   (unsigned long long)p->min_rate, detail);
+                   (unsigned long long)p->min_rate, kvp_last_error());
     }
     if (l < 0) {
         for (size_t j = 0; j < n; j++)

@@ -315,9 +315,7 @@ static kvp_status conn_take(tcp_peer *p, uint64_t deadline, int *fd, int *reused
     if ((st = kvpi_auth_client(p->auth, *fd, "tcp", deadline))) {
         close(*fd);
         if (st == KVP_EAUTH) {
-            char why[400];
-            snprintf(why, sizeof why, "%s", kvp_last_error());
-            st = kvpi_error(st, "tcp peer %s:%d: %s", p->host, p->port, why);
+            st = kvpi_error(st, "tcp peer %s:%d: %s", p->host, p->port, kvp_last_error());
         }
     }
     return st;
@@ -440,15 +438,13 @@ static kvp_status run_writes(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n
 static kvp_status deadline_error(tcp_peer *p, kvpi_slice *const *s, size_t n, uint64_t bytes,
                                  uint64_t start, uint64_t deadline)
 {
-    char detail[256];
-    snprintf(detail, sizeof detail, "%s", kvp_last_error());
     return kvpi_error(KVP_ETIMEDOUT,
                       "tcp peer %s:%d: %s of %llu bytes (%zu requests) not done within %llu ms "
                       "(timeout_ms %d + the bytes at %llu bytes/s): %s",
                       p->host, p->port, s[0]->opcode == KVP_OP_READ ? "READ" : "WRITE",
                       (unsigned long long)bytes, n,
                       (unsigned long long)((deadline - start) / 1000000u), p->timeout_ms,
-                      (unsigned long long)p->min_rate, detail);
+                      (unsigned long long)p->min_rate, kvp_last_error());
 }
 
 static kvp_status tcp_peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)

@@ -707,10 +707,9 @@ static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
     free(addr);
     if (!st) st = await_hello(p);
     if (st) {
-        char why[512]; /* closing may log */
-        snprintf(why, sizeof why, "%s", kvp_last_error());
+        kvpi_error_kept why = kvpi_error_keep(); /* closing may log */
         peer_close(p);
-        return kvpi_error(st, "%s", why);
+        return kvpi_error(st, "%s", why.text);
     }
     if (kvpi_log_enabled(KVP_LOG_INFO)) {
         char lanes[512];
