@@ -135,19 +135,18 @@ static void hello_finish(ucx_peer *p, unsigned status)
  * malformed or UCX refuses an rkey. */
 static int take_rkeys(ucx_peer *p, const uint8_t *d, const uint8_t *end)
 {
-    if (end - d < 8) return -1;
-    uint64_t m = kvpi_get_le64(d);
-    d += 8;
+    kvpi_ucx_rkey_iter it;
+    if (kvpi_ucx_rkeys_begin(d, end, &it)) return -1;
     for (size_t i = 0; i < p->n_regions; i++)
         p->revoked[i] = p->revoked[i] ? p->revoked[i] : REVOKED_NO_RKEY;
-    for (uint64_t j = 0; j < m; j++) {
-        if (end - d < 24) return -1;
-        uint64_t addr = kvpi_get_le64(d), len = kvpi_get_le64(d + 8);
-        uint64_t klen = kvpi_get_le64(d + 16), padded = (klen + 7) / 8 * 8;
-        if (klen == 0 || padded < klen || (uint64_t)(end - d - 24) < padded) return -1;
+    uint64_t addr, len;
+    const uint8_t *key;
+    size_t klen;
+    int r;
+    while ((r = kvpi_ucx_rkeys_next(&it, &addr, &len, &key, &klen)) == 1) {
         for (size_t i = 0; i < p->n_regions; i++) {
             if (p->regions[i].addr != addr || p->regions[i].length != len || p->rkeys[i]) continue;
-            ucs_status_t ust = ucp_ep_rkey_unpack(p->ep, d + 24, &p->rkeys[i]);
+            ucs_status_t ust = ucp_ep_rkey_unpack(p->ep, key, &p->rkeys[i]);
             if (ust != UCS_OK) {
                 p->rkeys[i] = NULL;
                 KVPI_DEBUG("ucx peer %s: buffer 0x%" PRIx64 ": ucp_ep_rkey_unpack: %s", p->segment,
@@ -156,9 +155,8 @@ static int take_rkeys(ucx_peer *p, const uint8_t *d, const uint8_t *end)
             }
             if (p->revoked[i] == REVOKED_NO_RKEY) p->revoked[i] = 0;
         }
-        d += 24 + padded;
     }
-    return d == end ? 0 : -1;
+    return r;
 }
 
 static ucs_status_t on_hello_ack(void *arg, const void *header, size_t header_length,
@@ -167,25 +165,24 @@ static ucs_status_t on_hello_ack(void *arg, const void *header, size_t header_le
     (void)header;
     (void)header_length;
     ucx_peer *p = arg;
-    const uint8_t *d = data;
-    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length < KVPI_UCX_HELLO_ACK_LEN ||
-        (uint32_t)kvpi_get_le64(d) != KVPI_UCX_MAGIC || !p->awaiting_hello)
+    kvpi_ucx_hello_ack m;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || !p->awaiting_hello ||
+        kvpi_ucx_hello_ack_get(data, length, p->auth != NULL, &m))
         return UCS_OK;
-    uint64_t w0 = kvpi_get_le64(d);
-    size_t n = (size_t)(w0 >> 48);
-    unsigned status = (unsigned)(w0 >> 32 & 0xffff);
+    unsigned status = m.status;
     /* Authenticated, an accepting answer counts only once we proved the
      * key, and it carries the rkeys after the ranges. */
-    int keys = p->auth && status == KVPI_UCX_HELLO_OK;
+    int keys = m.rkeys != NULL;
     if (keys && !p->proved) return UCS_OK;
-    size_t ranges = KVPI_UCX_HELLO_ACK_LEN + 16 * n;
-    if (keys ? length < ranges : length != ranges) return UCS_OK;
     if (status == KVPI_UCX_HELLO_OK) {
-        p->conn_id = kvpi_get_le64(d + 8);
-        for (size_t i = 0; i < n; i++)
-            revoke_range(p, kvpi_get_le64(d + 16 + 16 * i), kvpi_get_le64(d + 24 + 16 * i));
+        p->conn_id = m.conn_id;
+        for (size_t i = 0; i < m.n_ranges; i++) {
+            uint64_t addr, len;
+            kvpi_ucx_range_get(m.ranges + 16 * i, &addr, &len);
+            revoke_range(p, addr, len);
+        }
     }
-    if (keys && take_rkeys(p, d + ranges, d + length) != 0) status = HELLO_BAD_RKEY;
+    if (keys && take_rkeys(p, m.rkeys, m.rkeys_end) != 0) status = HELLO_BAD_RKEY;
     hello_finish(p, status);
     return UCS_OK;
 }
@@ -198,20 +195,19 @@ static ucs_status_t on_challenge(void *arg, const void *header, size_t header_le
     (void)header;
     (void)header_length;
     ucx_peer *p = arg;
-    const uint8_t *d = data;
-    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length != KVPI_UCX_CHALLENGE_LEN ||
-        (uint32_t)kvpi_get_le64(d) != KVPI_UCX_MAGIC || !p->auth || !p->awaiting_hello || p->proved)
+    uint64_t id;
+    const uint8_t *ns, *mac;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || !p->auth || !p->awaiting_hello ||
+        p->proved || kvpi_ucx_challenge_get(data, length, &id, &ns, &mac))
         return UCS_OK;
-    const uint8_t *ns = d + 16;
-    if (kvpi_auth_mac_check(p->auth, p->kid, "server", KVPI_UCX_AUTH_CHANNEL, p->nc, ns,
-                            ns + KVPI_AUTH_NONCE_LEN) != 0) {
+    if (kvpi_auth_mac_check(p->auth, p->kid, "server", KVPI_UCX_AUTH_CHANNEL, p->nc, ns, mac) !=
+        0) {
         hello_finish(p, HELLO_IMPOSTOR); /* no proof of ours goes to it */
         return UCS_OK;
     }
-    uint8_t proof[KVPI_UCX_PROOF_LEN];
-    kvpi_put_le64(proof, KVPI_UCX_MAGIC);
-    memcpy(proof + 8, d + 8, 8); /* the challenge's id */
-    kvpi_auth_mac(p->auth, p->kid, "client", KVPI_UCX_AUTH_CHANNEL, p->nc, ns, proof + 16);
+    uint8_t ours[KVPI_AUTH_MAC_LEN], proof[KVPI_UCX_PROOF_LEN];
+    kvpi_auth_mac(p->auth, p->kid, "client", KVPI_UCX_AUTH_CHANNEL, p->nc, ns, ours);
+    kvpi_ucx_proof_put(proof, id, ours);
     if (kvpi_ucx_am_send(p->ep, KVPI_UCX_AM_PROOF, proof, sizeof proof, UCP_AM_SEND_FLAG_REPLY))
         return UCS_OK; /* the HELLO times out */
     p->proved = 1;
@@ -227,15 +223,13 @@ static ucs_status_t on_revoke(void *arg, const void *header, size_t header_lengt
     (void)header_length;
     (void)param;
     ucx_peer *p = arg;
-    const uint8_t *d = data;
-    if (length != KVPI_UCX_REVOKE_LEN || (uint32_t)kvpi_get_le64(d) != KVPI_UCX_MAGIC)
-        return UCS_OK;
-    uint64_t addr = kvpi_get_le64(d + 16), len = kvpi_get_le64(d + 24);
+    uint64_t serial, addr, len;
+    if (kvpi_ucx_revoke_get(data, length, &serial, &addr, &len)) return UCS_OK;
     revoke_range(p, addr, len);
     KVPI_DEBUG("ucx peer %s: revoked 0x%" PRIx64 "+%" PRIu64, p->segment, addr, len);
     ucx_revoke *rv = calloc(1, sizeof *rv);
     if (!rv) return UCS_OK; /* unanswered, the target cuts us off: safe, if abrupt */
-    rv->serial = kvpi_get_le64(d + 8);
+    rv->serial = serial;
     *p->revokes_tail = rv;
     p->revokes_tail = &rv->next;
     return UCS_OK;
@@ -315,9 +309,7 @@ static unsigned peer_service(kvpi_ucx_server *s, kvpi_ucx_pollee *poll)
         ucx_revoke *rv = p->revokes;
         if (rv->flush) ucp_request_free(rv->flush);
         uint8_t msg[KVPI_UCX_REVOKE_ACK_LEN];
-        kvpi_put_le64(msg, KVPI_UCX_MAGIC);
-        kvpi_put_le64(msg + 8, p->conn_id);
-        kvpi_put_le64(msg + 16, rv->serial);
+        kvpi_ucx_revoke_ack_put(msg, p->conn_id, rv->serial);
         if (p->ep && !atomic_load(&p->ep_status))
             kvpi_ucx_am_send(p->ep, KVPI_UCX_AM_REVOKE_ACK, msg, sizeof msg, 0);
         if (!(p->revokes = rv->next)) p->revokes_tail = &p->revokes;
@@ -352,25 +344,19 @@ static kvp_status send_hello(ucx_peer *p, uint64_t epoch)
     if (ust != UCS_OK)
         return kvpi_error(kvpi_ucx_status(ust), "ucx: ucp_worker_get_address: %s",
                           ucs_status_string(ust));
-    size_t head = p->auth ? KVPI_UCX_HELLO_AUTH_LEN : KVPI_UCX_HELLO_LEN;
-    uint8_t *msg = malloc(head + len);
-    if (!msg) {
-        ucp_worker_release_address(p->worker, addr);
-        return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
-    }
-    uint64_t flags = p->auth ? KVPI_UCX_HELLO_FLAG_AUTH : 0;
-    kvpi_put_le64(msg, KVPI_UCX_MAGIC | (uint64_t)KVPI_UCX_VERSION << 32 | flags << 48);
-    kvpi_put_le64(msg + 8, epoch);
+    kvpi_ucx_hello m = {.version = KVPI_UCX_VERSION, .epoch = epoch, .addr = addr, .addr_len = len};
     if (p->auth) { /* a fresh nonce per connection: a recorded answer fails */
         kvpi_auth_kid_bytes(p->auth, p->kid);
         kvpi_auth_nonce(p->nc);
-        memcpy(msg + KVPI_UCX_HELLO_LEN, p->kid, KVPI_AUTH_KID_LEN);
-        memcpy(msg + KVPI_UCX_HELLO_LEN + KVPI_AUTH_KID_LEN, p->nc, KVPI_AUTH_NONCE_LEN);
+        m.kid = p->kid;
+        m.nonce = p->nc;
     }
-    memcpy(msg + head, addr, len);
+    size_t size = kvpi_ucx_hello_size(&m);
+    uint8_t *msg = malloc(size);
+    if (msg) kvpi_ucx_hello_put(&m, msg);
     ucp_worker_release_address(p->worker, addr);
-    kvp_status st =
-        kvpi_ucx_am_send(p->ep, KVPI_UCX_AM_HELLO, msg, head + len, UCP_AM_SEND_FLAG_REPLY);
+    if (!msg) return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+    kvp_status st = kvpi_ucx_am_send(p->ep, KVPI_UCX_AM_HELLO, msg, size, UCP_AM_SEND_FLAG_REPLY);
     free(msg);
     if (st) return st;
     p->awaiting_hello = 1;
@@ -462,8 +448,7 @@ static void close_run(kvpi_ucx_server *s, void *arg)
     } else if (p->ep) {
         if (p->conn_id) {
             uint8_t bye[KVPI_UCX_BYE_LEN];
-            kvpi_put_le64(bye, KVPI_UCX_MAGIC);
-            kvpi_put_le64(bye + 8, p->conn_id);
+            kvpi_ucx_bye_put(bye, p->conn_id);
             kvpi_ucx_am_send(p->ep, KVPI_UCX_AM_BYE, bye, sizeof bye, 0);
         }
         ucp_request_param_t prm = {0}; /* flushes the BYE out first */

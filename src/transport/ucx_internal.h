@@ -32,46 +32,8 @@
  * host_id and pid let a peer on the same host see that the process died while
  * UCX cannot (shared memory outlives it; a zombie keeps its pid).
  *
- * Control messages: UCP active messages with no header part, their data a
- * sequence of little-endian u64 words, word 0 = KVPI_UCX_MAGIC | aux << 32:
- *   HELLO      initiator -> target, on the initiator's new endpoint, with
- *              UCP_AM_SEND_FLAG_REPLY; aux = version; word 1 = epoch of the
- *              descriptor the initiator read; then the initiator worker's
- *              address. The target creates its own endpoint to that address,
- *              which UCP pairs with the endpoint the initiator's requests
- *              arrive on, so that closing it cuts the initiator off.
- *   HELLO_ACK  target -> initiator; aux = status | n << 16; word 1 = the
- *              connection's id; then n ranges (addr, length) deregistered
- *              since that epoch.
- *   REVOKE     target -> initiator; words: serial, addr, length: the region
- *              is being deregistered.
- *   REVOKE_ACK initiator -> target; words: connection id, serial: no request
- *              of ours touches that range any more (refused from now on, and
- *              those issued before are flushed).
- *   BYE        initiator -> target; words: connection id: the initiator
- *              closes its endpoint (over shared memory UCX may not tell the
- *              target, whose deregistrations would then wait for it).
- *
- * Authenticated mode (docs/security.md; the engine has a key): the "ucx"
- * field also holds "auth": true and the buffers carry no "ucx_rkey": rkeys
- * are handed only to an initiator that proved the key, by a challenge-
- * response over the HELLO exchange (MACs: common/auth.h, channel "ucx",
- * the target in the "server" role):
- *   HELLO      as above with KVPI_UCX_HELLO_FLAG_AUTH in bits 48..63 of
- *              word 0, and before the worker address: kid[8] | Nc[32].
- *   CHALLENGE  target -> initiator, on the target's endpoint to it; aux =
- *              status (OK, or AUTH_KEY: no key of that kid); word 1 = the
- *              challenge's id; Ns[32] | MAC(server, ucx, kid, Nc, Ns).
- *   PROOF      initiator -> target, once it checked the target's MAC;
- *              word 1 = the challenge's id; MAC(client, ucx, kid, Nc, Ns).
- *   HELLO_ACK  sent only after a right PROOF (a wrong one gets a HELLO_ACK
- *              of status AUTH_PROOF, no rkeys, and the endpoint is closed);
- *              after the ranges: word m, then m entries addr | length |
- *              rkey length | the packed rkey, zero-padded to 8 bytes: every
- *              region registered at that moment.
- * A challenge unanswered within timeout_ms is dropped and its endpoint
- * closed; at most max_connections are pending at once. A plain HELLO
- * to an authenticated target gets a HELLO_ACK of status AUTH_REQUIRED.
+ * Control messages (HELLO, HELLO_ACK, REVOKE, ...): ucx_wire.h, their one
+ * encoder and decoder.
  */
 #ifndef KVPI_TRANSPORT_UCX_INTERNAL_H
 #define KVPI_TRANSPORT_UCX_INTERNAL_H
@@ -84,49 +46,14 @@
 #include <ucp/api/ucp.h>
 
 #include "transport/transport.h"
+#include "transport/ucx_wire.h"
 
 #define KVPI_UCX_FIELD "ucx"
 #define KVPI_UCX_RKEY_FIELD "ucx_rkey"
-#define KVPI_UCX_VERSION 1
-#define KVPI_UCX_MAGIC 0x5550564bu /* "KVPU" little-endian */
-
-enum kvpi_ucx_am {
-    KVPI_UCX_AM_HELLO = 1,
-    KVPI_UCX_AM_HELLO_ACK = 2,
-    KVPI_UCX_AM_REVOKE = 3,
-    KVPI_UCX_AM_REVOKE_ACK = 4,
-    KVPI_UCX_AM_BYE = 5,
-    KVPI_UCX_AM_CHALLENGE = 6,
-    KVPI_UCX_AM_PROOF = 7,
-};
-
-enum kvpi_ucx_hello_status {
-    KVPI_UCX_HELLO_OK = 0,
-    KVPI_UCX_HELLO_STALE = 1,         /* the descriptor predates what the log keeps */
-    KVPI_UCX_HELLO_UNPAIRED = 2,      /* the target could not pair its endpoint */
-    KVPI_UCX_HELLO_AUTH_REQUIRED = 3, /* authenticated target, plain HELLO */
-    KVPI_UCX_HELLO_AUTH_KEY = 4,      /* the target holds no key of the HELLO's kid */
-    KVPI_UCX_HELLO_AUTH_PROOF = 5,    /* the initiator's proof was wrong */
-    KVPI_UCX_HELLO_BUSY = 6,          /* max_connections challenges pending already */
-};
-
-#define KVPI_UCX_HELLO_FLAG_AUTH 1u
-#define KVPI_UCX_AUTH_CHANNEL "ucx"
-#define KVPI_UCX_AUTH_FIELD "auth"
-/* The HELLO's kid and nonce, the CHALLENGE's and PROOF's lengths. */
-#define KVPI_UCX_HELLO_AUTH_LEN (KVPI_UCX_HELLO_LEN + KVPI_AUTH_KID_LEN + KVPI_AUTH_NONCE_LEN)
-#define KVPI_UCX_CHALLENGE_LEN (16 + KVPI_AUTH_NONCE_LEN + KVPI_AUTH_MAC_LEN)
-#define KVPI_UCX_PROOF_LEN (16 + KVPI_AUTH_MAC_LEN)
 /* Challenges an authenticated target keeps pending at once (strangers' HELLOs
  * beyond it are refused): the listener's max_connections, as for every other
  * listener's incomplete connections, or this without one. */
 #define KVPI_UCX_CHALLENGES_DEFAULT 256
-
-#define KVPI_UCX_HELLO_LEN 16
-#define KVPI_UCX_HELLO_ACK_LEN 16
-#define KVPI_UCX_REVOKE_LEN 32
-#define KVPI_UCX_REVOKE_ACK_LEN 24
-#define KVPI_UCX_BYE_LEN 16
 /* Deregistrations whose ranges a HELLO_ACK can still report. */
 #define KVPI_UCX_REVOKE_LOG 256
 

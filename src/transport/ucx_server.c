@@ -629,7 +629,7 @@ static size_t rkeys_len(const kvpi_ucx_server *s)
 {
     size_t n = 8;
     for (const ucx_reg *r = s->regs; r; r = r->next)
-        n += 24 + (r->rkey_len + 7) / 8 * 8;
+        n += kvpi_ucx_rkey_entry_size(r->rkey_len);
     return n;
 }
 
@@ -637,16 +637,9 @@ static void rkeys_put(const kvpi_ucx_server *s, uint8_t *at)
 {
     uint64_t m = 0;
     uint8_t *p = at + 8;
-    for (const ucx_reg *r = s->regs; r; r = r->next, m++) {
-        kvpi_put_le64(p, r->addr);
-        kvpi_put_le64(p + 8, r->length);
-        kvpi_put_le64(p + 16, r->rkey_len);
-        size_t padded = (r->rkey_len + 7) / 8 * 8;
-        memset(p + 24, 0, padded);
-        memcpy(p + 24, r->rkey, r->rkey_len);
-        p += 24 + padded;
-    }
-    kvpi_put_le64(at, m);
+    for (const ucx_reg *r = s->regs; r; r = r->next, m++)
+        p = kvpi_ucx_rkey_entry_put(p, r->addr, r->length, r->rkey, r->rkey_len);
+    kvpi_ucx_rkeys_count_put(at, m);
 }
 
 /* The answer to a HELLO of epoch, with the ranges deregistered since (and,
@@ -663,7 +656,7 @@ static uint8_t *hello_answer(kvpi_ucx_server *s, ucx_conn *c, int paired, uint64
     else
         *status = KVPI_UCX_HELLO_OK, n = s->epoch - epoch;
     int keys = s->auth && *status == KVPI_UCX_HELLO_OK;
-    *len = KVPI_UCX_HELLO_ACK_LEN + 16 * n + (keys ? rkeys_len(s) : 0);
+    *len = kvpi_ucx_hello_ack_size(n, keys ? rkeys_len(s) : 0);
     uint8_t *ack = malloc(*len);
     if (!ack) return NULL;
     if (*status == KVPI_UCX_HELLO_OK) {
@@ -671,12 +664,11 @@ static uint8_t *hello_answer(kvpi_ucx_server *s, ucx_conn *c, int paired, uint64
         c->next = s->conns;
         s->conns = c;
     }
-    kvpi_put_le64(ack, KVPI_UCX_MAGIC | (uint64_t)*status << 32 | n << 48);
-    kvpi_put_le64(ack + 8, c->id);
+    kvpi_ucx_hello_ack_put(ack, *status, n, c->id);
     for (uint64_t i = 0; i < n; i++) {
         uint64_t e = (epoch + 1 + i) % KVPI_UCX_REVOKE_LOG;
-        kvpi_put_le64(ack + 16 + 16 * i, s->log[e].addr);
-        kvpi_put_le64(ack + 24 + 16 * i, s->log[e].length);
+        kvpi_ucx_range_put(ack + KVPI_UCX_HELLO_ACK_LEN + 16 * i, s->log[e].addr,
+                           s->log[e].length);
     }
     if (keys) rkeys_put(s, ack + KVPI_UCX_HELLO_ACK_LEN + 16 * n);
     return ack;
@@ -700,8 +692,7 @@ static void conn_drop(ucx_conn *c)
 static void conn_refuse(ucx_conn *c, unsigned status)
 {
     uint8_t ack[KVPI_UCX_HELLO_ACK_LEN];
-    kvpi_put_le64(ack, KVPI_UCX_MAGIC | (uint64_t)status << 32);
-    kvpi_put_le64(ack + 8, 0);
+    kvpi_ucx_hello_ack_put(ack, status, 0, 0);
     kvpi_ucx_am_send(c->ep, KVPI_UCX_AM_HELLO_ACK, ack, sizeof ack, 0);
     conn_drop(c);
 }
@@ -751,9 +742,8 @@ static void challenge(kvpi_ucx_server *s, ucx_conn *c, const uint8_t *kid, const
     memcpy(ch->kid, kid, KVPI_AUTH_KID_LEN);
     memcpy(ch->nc, nc, KVPI_AUTH_NONCE_LEN);
     kvpi_auth_nonce(ch->ns);
-    uint8_t msg[KVPI_UCX_CHALLENGE_LEN];
-    if (kvpi_auth_mac(s->auth, kid, "server", KVPI_UCX_AUTH_CHANNEL, ch->nc, ch->ns,
-                      msg + 16 + KVPI_AUTH_NONCE_LEN) != 0) {
+    uint8_t mac[KVPI_AUTH_MAC_LEN], msg[KVPI_UCX_CHALLENGE_LEN];
+    if (kvpi_auth_mac(s->auth, kid, "server", KVPI_UCX_AUTH_CHANNEL, ch->nc, ch->ns, mac) != 0) {
         kvpi_log_limited(&refusals, KVP_LOG_WARN, KVPI_LOG_SUBSYS,
                          "ucx %s: refused a connection: the peer proves with key id %s, which "
                          "is not ours (%s): a different key",
@@ -766,9 +756,7 @@ static void challenge(kvpi_ucx_server *s, ucx_conn *c, const uint8_t *kid, const
     ch->id = ++s->next_chal;
     ch->epoch = epoch;
     ch->deadline = kvpi_deadline_ns(s->timeout_ms);
-    kvpi_put_le64(msg, KVPI_UCX_MAGIC);
-    kvpi_put_le64(msg + 8, ch->id);
-    memcpy(msg + 16, ch->ns, KVPI_AUTH_NONCE_LEN);
+    kvpi_ucx_challenge_put(msg, KVPI_UCX_HELLO_OK, ch->id, ch->ns, mac);
     if (kvpi_ucx_am_send(c->ep, KVPI_UCX_AM_CHALLENGE, msg, sizeof msg, 0)) {
         free(ch);
         conn_drop(c);
@@ -785,23 +773,21 @@ static ucs_status_t on_hello(void *arg, const void *header, size_t header_length
     (void)header;
     (void)header_length;
     kvpi_ucx_server *s = arg;
-    const uint8_t *d = data;
-    int authed = length >= 8 && (kvpi_get_le64(d) >> 48 & KVPI_UCX_HELLO_FLAG_AUTH);
-    size_t head = authed ? KVPI_UCX_HELLO_AUTH_LEN : KVPI_UCX_HELLO_LEN;
-    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) || length <= head ||
+    kvpi_ucx_hello m;
+    if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ||
         !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ||
-        (uint32_t)kvpi_get_le64(d) != KVPI_UCX_MAGIC ||
-        (kvpi_get_le64(d) >> 32 & 0xffff) != KVPI_UCX_VERSION) {
+        kvpi_ucx_hello_get(data, length, &m) || m.version != KVPI_UCX_VERSION) {
         KVPI_DEBUG("ucx %s: ignored a malformed HELLO (%zu bytes)", s->segment, length);
         return UCS_OK;
     }
+    int authed = m.kid != NULL;
     ucx_conn *c = calloc(1, sizeof *c);
     if (!c) return UCS_OK; /* the initiator's HELLO times out */
     c->server = s;
     ucp_ep_params_t ep = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
                                         UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                                         UCP_EP_PARAM_FIELD_ERR_HANDLER,
-                          .address = (const ucp_address_t *)(d + head),
+                          .address = (const ucp_address_t *)m.addr,
                           .err_mode = UCP_ERR_HANDLING_MODE_PEER,
                           .err_handler = {.cb = conn_failed, .arg = c}};
     ucs_status_t ust = ucp_ep_create(s->worker, &ep, &c->ep);
@@ -812,7 +798,7 @@ static ucs_status_t on_hello(void *arg, const void *header, size_t header_length
         return UCS_OK;
     }
     int paired = c->ep == param->reply_ep;
-    uint64_t epoch = kvpi_get_le64(d + 8);
+    uint64_t epoch = m.epoch;
     if (s->auth && !authed) {
         kvpi_log_limited(&refusals, KVP_LOG_WARN, KVPI_LOG_SUBSYS,
                          "ucx %s: refused a connection: the peer sent a HELLO without "
@@ -824,7 +810,7 @@ static ucs_status_t on_hello(void *arg, const void *header, size_t header_length
     } else if (authed && !paired) {
         conn_refuse(c, KVPI_UCX_HELLO_UNPAIRED);
     } else if (authed) {
-        challenge(s, c, d + KVPI_UCX_HELLO_LEN, d + KVPI_UCX_HELLO_LEN + KVPI_AUTH_KID_LEN, epoch);
+        challenge(s, c, m.kid, m.nonce, epoch);
     } else {
         conn_answer(s, c, paired, epoch);
     }
@@ -840,11 +826,11 @@ static ucs_status_t on_proof(void *arg, const void *header, size_t header_length
     (void)header;
     (void)header_length;
     kvpi_ucx_server *s = arg;
-    const uint8_t *d = data;
-    if (!s->auth || length != KVPI_UCX_PROOF_LEN || (uint32_t)kvpi_get_le64(d) != KVPI_UCX_MAGIC ||
-        !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP))
+    uint64_t id;
+    const uint8_t *mac;
+    if (!s->auth || !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ||
+        kvpi_ucx_proof_get(data, length, &id, &mac))
         return UCS_OK;
-    uint64_t id = kvpi_get_le64(d + 8);
     ucx_chal **pc = &s->chals;
     while (*pc && ((*pc)->id != id || (*pc)->conn->ep != param->reply_ep))
         pc = &(*pc)->next;
@@ -857,7 +843,7 @@ static ucs_status_t on_proof(void *arg, const void *header, size_t header_length
     s->n_chals--;
     ucx_conn *c = ch->conn;
     int ok = kvpi_auth_mac_check(s->auth, ch->kid, "client", KVPI_UCX_AUTH_CHANNEL, ch->nc, ch->ns,
-                                 d + 16) == 0;
+                                 mac) == 0;
     if (!ok) {
         char hex[2 * KVPI_AUTH_KID_LEN + 1];
         sodium_bin2hex(hex, sizeof hex, ch->kid, KVPI_AUTH_KID_LEN);
@@ -906,10 +892,8 @@ static ucs_status_t on_revoke_ack(void *arg, const void *header, size_t header_l
     (void)header_length;
     (void)param;
     kvpi_ucx_server *s = arg;
-    const uint8_t *d = data;
-    if (length != KVPI_UCX_REVOKE_ACK_LEN || (uint32_t)kvpi_get_le64(d) != KVPI_UCX_MAGIC)
-        return UCS_OK;
-    uint64_t id = kvpi_get_le64(d + 8), serial = kvpi_get_le64(d + 16);
+    uint64_t id, serial;
+    if (kvpi_ucx_revoke_ack_get(data, length, &id, &serial)) return UCS_OK;
     pthread_mutex_lock(&s->conns_lock);
     for (ucx_conn *c = s->conns; c; c = c->next)
         if (c->id == id && serial > c->acked) c->acked = serial;
@@ -925,10 +909,8 @@ static ucs_status_t on_bye(void *arg, const void *header, size_t header_length, 
     (void)header_length;
     (void)param;
     kvpi_ucx_server *s = arg;
-    const uint8_t *d = data;
-    if (length != KVPI_UCX_BYE_LEN || (uint32_t)kvpi_get_le64(d) != KVPI_UCX_MAGIC)
-        return UCS_OK;
-    uint64_t id = kvpi_get_le64(d + 8);
+    uint64_t id;
+    if (kvpi_ucx_bye_get(data, length, &id)) return UCS_OK;
     pthread_mutex_lock(&s->conns_lock);
     for (ucx_conn *c = s->conns; c; c = c->next)
         if (c->id == id) c->dead = 1; /* reap() closes it */
@@ -1081,10 +1063,7 @@ static void dereg_begin(kvpi_ucx_server *s, void *arg)
         }
     pthread_mutex_unlock(&s->conns_lock);
     uint8_t msg[KVPI_UCX_REVOKE_LEN];
-    kvpi_put_le64(msg, KVPI_UCX_MAGIC);
-    kvpi_put_le64(msg + 8, d->serial);
-    kvpi_put_le64(msg + 16, d->reg->addr);
-    kvpi_put_le64(msg + 24, d->reg->length);
+    kvpi_ucx_revoke_put(msg, d->serial, d->reg->addr, d->reg->length);
     /* Only this thread changes the list or a connection's endpoint. */
     for (ucx_conn *c = s->conns; c; c = c->next)
         if (!c->dead && c->ep) kvpi_ucx_am_send(c->ep, KVPI_UCX_AM_REVOKE, msg, sizeof msg, 0);

@@ -48,7 +48,7 @@ fi
 # enough that mutations stay near the format.
 declare -A max_len=(
     [safetensors]=4096 [descriptor]=8192 [p2p]=8192 [rpc_meta]=1024 [config]=2048
-    [tcp_wire]=1024 [shm_wire]=1024 [pipe_announce]=256 [http_store]=4096
+    [tcp_wire]=1024 [shm_wire]=1024 [ucx_wire]=1024 [pipe_announce]=256 [http_store]=4096
 )
 # Targets whose dictionary adds the JSON tokens of dict/json.dict.
 declare -A json=([safetensors]=1 [descriptor]=1 [p2p]=1 [rpc_meta]=1 [config]=1)

@@ -124,6 +124,29 @@ def shm_wire():
     }
 
 
+def ucx_wire():
+    magic = 0x5550564B
+    w0 = lambda aux: LE(magic | aux << 32)
+    addr = bytes(range(1, 41))  # a worker address
+    kid, nonce, mac = b"K" * 8, b"N" * 32, b"M" * 32
+    rkey = lambda a, n, key: LE(a) + LE(n) + LE(len(key)) + key + b"\0" * (-len(key) % 8)
+    # The first byte: the kind (AM id - 1, low 3 bits), bit 3: the receiver has a key.
+    return {
+        "hello": b"\x00" + w0(1) + LE(7) + addr,
+        "hello_auth": b"\x00" + w0(1 | 1 << 16) + LE(0) + kid + nonce + addr,
+        "hello_ack": b"\x01" + w0(0 | 2 << 16) + LE(5) + LE(0x10000) + LE(0x1000)
+        + LE(0x20000) + LE(0x100),
+        "hello_ack_refused": b"\x01" + w0(1) + LE(0),
+        "hello_ack_rkeys": b"\x09" + w0(0 | 1 << 16) + LE(3) + LE(0x10000) + LE(0x1000)
+        + LE(2) + rkey(0x30000, 0x2000, b"rkey-bytes") + rkey(0x40000, 0x100, b"12345678"),
+        "revoke": b"\x02" + w0(0) + LE(4) + LE(0x10000) + LE(0x1000),
+        "revoke_ack": b"\x03" + w0(0) + LE(5) + LE(4),
+        "bye": b"\x04" + w0(0) + LE(5),
+        "challenge": b"\x05" + w0(0) + LE(9) + nonce + mac,
+        "proof": b"\x06" + w0(0) + LE(9) + mac,
+    }
+
+
 def frame(type_, text, length=None):
     body = text.encode()
     return LE(len(body) + 1 if length is None else length) + bytes([type_]) + body
@@ -314,6 +337,7 @@ def main():
     write("safetensors", safetensors())
     write("tcp_wire", tcp_wire())
     write("shm_wire", shm_wire())
+    write("ucx_wire", ucx_wire())
     write("descriptor", descriptor())
     write("p2p", p2p())
     write("rpc_meta", rpc_meta())
