@@ -91,7 +91,7 @@ took TSan
 
 # ---- fuzzers (tests/fuzz, docs/fuzzing.md) ----
 # Each libFuzzer target for a short bounded time (KVP_FUZZ_SECONDS, default
-# 9 s: the nine take under 2 minutes) from its seed corpus; a crash,
+# 9 s: the ten take about 2 minutes) from its seed corpus; a crash,
 # sanitizer report or broken invariant fails the run. Needs clang; without it
 # this step is skipped, and says so.
 if command -v clang >/dev/null; then
