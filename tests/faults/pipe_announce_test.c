@@ -63,21 +63,28 @@ typedef struct raw_prefill {
     pid_t decode;
 } raw_prefill;
 
-static int prefill_start(raw_prefill *r, expect *e)
+/* The decode side running fn(arg), and the raw prefill; its PULL connects
+ * to decode's ACK port now when connect_acks (else the test connects it). */
+static int prefill_start_with(raw_prefill *r, raw_side_fn fn, void *arg, int connect_acks)
 {
     if (raw_setup_init(&r->s)) return -1;
     raw_err_path(r->err, sizeof r->err, "announce_decode");
-    r->decode = raw_spawn_side(&r->s, 1, receive_expected, e, r->err);
+    r->decode = raw_spawn_side(&r->s, 1, fn, arg, r->err);
     if (raw_engine(&r->s, 0, &r->engine)) return -1;
     r->ctx = zmq_ctx_new();
     r->push = raw_socket(r->ctx, ZMQ_PUSH);
     r->pull = raw_socket(r->ctx, ZMQ_PULL);
     r->mon = raw_monitor(r->ctx, r->push, "push");
     if (!r->mon || raw_bind(r->push, r->s.side[0].data_port) ||
-        raw_connect(r->pull, r->s.side[1].ack_port))
+        (connect_acks && raw_connect(r->pull, r->s.side[1].ack_port)))
         return -1;
     /* The decode pipe's PULL is connected once the handshake is done. */
     return raw_wait_event(r->mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, RAW_WAIT_MS);
+}
+
+static int prefill_start(raw_prefill *r, expect *e)
+{
+    return prefill_start_with(r, receive_expected, e, 1);
 }
 
 /* Wait for the decode side; 0 when it passed. */
@@ -294,18 +301,7 @@ static void receive_none(kvp_pipe *pipe, void *arg)
 static void test_none_after_garbage(void)
 {
     raw_prefill r = {0};
-    r.decode = -1;
-    REQUIRE(raw_setup_init(&r.s) == 0);
-    raw_err_path(r.err, sizeof r.err, "announce_decode");
-    r.decode = raw_spawn_side(&r.s, 1, receive_none, NULL, r.err);
-    REQUIRE(raw_engine(&r.s, 0, &r.engine) == 0);
-    r.ctx = zmq_ctx_new();
-    r.push = raw_socket(r.ctx, ZMQ_PUSH);
-    r.pull = raw_socket(r.ctx, ZMQ_PULL);
-    r.mon = raw_monitor(r.ctx, r.push, "push");
-    REQUIRE(r.mon && raw_bind(r.push, r.s.side[0].data_port) == 0 &&
-            raw_connect(r.pull, r.s.side[1].ack_port) == 0);
-    REQUIRE(raw_wait_event(r.mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, RAW_WAIT_MS) == 0);
+    REQUIRE(prefill_start_with(&r, receive_none, NULL, 1) == 0);
     uint8_t b8[8] = {0};
     const void *f[1] = {b8};
     size_t sz[1] = {8};
@@ -356,16 +352,7 @@ static void receive_quickly(kvp_pipe *pipe, void *arg)
 static void test_ack_link_not_connected(void)
 {
     raw_prefill r = {0};
-    REQUIRE(raw_setup_init(&r.s) == 0);
-    raw_err_path(r.err, sizeof r.err, "announce_decode");
-    r.decode = raw_spawn_side(&r.s, 1, receive_quickly, NULL, r.err);
-    REQUIRE(raw_engine(&r.s, 0, &r.engine) == 0);
-    r.ctx = zmq_ctx_new();
-    r.push = raw_socket(r.ctx, ZMQ_PUSH);
-    r.pull = raw_socket(r.ctx, ZMQ_PULL);
-    r.mon = raw_monitor(r.ctx, r.push, "push");
-    REQUIRE(r.mon && raw_bind(r.push, r.s.side[0].data_port) == 0);
-    REQUIRE(raw_wait_event(r.mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, RAW_WAIT_MS) == 0);
+    REQUIRE(prefill_start_with(&r, receive_quickly, NULL, 0) == 0);
     CHECK(raw_announce_good(r.engine, r.push, 0) == 0);
     CHECK(raw_announce_good(r.engine, r.push, 1) == 0);
     usleep(1500 * 1000); /* both handed out by now; their ACKs due 1.5 s ago */

@@ -89,18 +89,24 @@ static int target_alive(kvpt_ctarget *t)
 /* A peer that answers: once the target's unregister returned (without
  * waiting out the timeout), its next READ and WRITE of the range fail with
  * KVP_ERANGE, before and after the target unmaps the memory. */
+/* A target, an initiator here that opened it, and a first READ of its
+ * second MiB into *local (MIB bytes, the caller frees it), verified. */
+static int read_once(kvpt_ctarget *t, kvp_engine **e, kvp_segment_id *seg, char **local)
+{
+    if (start_target(t) || start_initiator(t, e, seg) || !(*local = malloc(MIB))) return -1;
+    CHECK_OK(kvp_engine_read(*e, *seg, *local, (uint64_t)(uintptr_t)t->buf + MIB, MIB));
+    CHECK(kvpt_verify(*local, MIB, SEED + MIB) == (size_t)-1);
+    return 0;
+}
+
 static void deregistered_while_peer_holds_rkey(void)
 {
     kvpt_ctarget t;
-    REQUIRE(start_target(&t) == 0);
     kvp_engine *e;
     kvp_segment_id seg;
-    REQUIRE(start_initiator(&t, &e, &seg) == 0);
-    char *local = malloc(MIB);
-    REQUIRE(local);
+    char *local;
+    REQUIRE(read_once(&t, &e, &seg, &local) == 0);
     uint64_t base = (uint64_t)(uintptr_t)t.buf;
-    CHECK_OK(kvp_engine_read(e, seg, local, base + MIB, MIB));
-    CHECK(kvpt_verify(local, MIB, SEED + MIB) == (size_t)-1);
     int64_t ms = kvpt_ctarget_cmd(&t, KVPT_CT_UNREGISTER, 0, BOUND_MS + 2000);
     fprintf(stderr, "  UCX_TLS=%s: unregister took %lld ms\n", tls, (long long)ms);
     CHECK(ms >= 0 && ms < TIMEOUT_MS / 2);
@@ -128,15 +134,11 @@ static void deregistered_while_peer_holds_rkey(void)
 static void reregistered_same_range(void)
 {
     kvpt_ctarget t;
-    REQUIRE(start_target(&t) == 0);
     kvp_engine *e;
     kvp_segment_id seg;
-    REQUIRE(start_initiator(&t, &e, &seg) == 0);
-    char *local = malloc(MIB);
-    REQUIRE(local);
+    char *local;
+    REQUIRE(read_once(&t, &e, &seg, &local) == 0);
     uint64_t base = (uint64_t)(uintptr_t)t.buf;
-    CHECK_OK(kvp_engine_read(e, seg, local, base + MIB, MIB));
-    CHECK(kvpt_verify(local, MIB, SEED + MIB) == (size_t)-1);
     CHECK(kvpt_ctarget_cmd(&t, KVPT_CT_REREGISTER, 77, BOUND_MS + 2000) == 0);
     CHECK_OK(kvp_engine_read(e, seg, local, base + MIB, MIB));
     CHECK(kvpt_verify(local, MIB, 77 + MIB) == (size_t)-1);
