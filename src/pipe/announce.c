@@ -53,3 +53,23 @@ int kvpi_ack_is_valid(const kvpi_control_msg *m)
     return m->frames == 1 && m->size[0] == KVPI_ACK_LEN &&
            memcmp(m->head[0], KVPI_ACK_TEXT, KVPI_ACK_LEN) == 0;
 }
+
+size_t kvpi_inline_size(size_t body_len)
+{
+    return KVPI_INLINE_TAG_LEN + body_len;
+}
+
+uint8_t *kvpi_inline_put_tag(uint8_t *frame)
+{
+    memcpy(frame, KVPI_INLINE_TAG, KVPI_INLINE_TAG_LEN);
+    return frame + KVPI_INLINE_TAG_LEN;
+}
+
+int kvpi_inline_decode(const kvpi_control_msg *m, size_t *body_len)
+{
+    if (m->frames != 1 || m->size[0] < KVPI_INLINE_TAG_LEN + KVPI_INLINE_MIN ||
+        memcmp(m->head[0], KVPI_INLINE_TAG, KVPI_INLINE_TAG_LEN) != 0)
+        return 0;
+    *body_len = m->size[0] - KVPI_INLINE_TAG_LEN;
+    return 1;
+}

@@ -3,7 +3,12 @@
  *   announcement (data link): one ZeroMQ message of two 8-byte frames, the
  *       big-endian address and the big-endian length of the sender's managed
  *       buffer, which the receiver READs and then acknowledges;
- *   ACK (ACK link): one message of the one 3-byte frame "ACK".
+ *   ACK (ACK link): one message of the one 3-byte frame "ACK";
+ * and kvpipe's own, between two kvpipe pipes (pipe_internal.h, "The inline
+ * path"):
+ *   inline message (data link): one frame, KVPI_INLINE_TAG then the
+ *       safetensors file itself (at least KVPI_INLINE_MIN bytes), copied out
+ *       of ZeroMQ instead of READ; acknowledged like an announcement.
  *
  * A reader takes the frames of one message into a kvpi_control_msg, then asks
  * whether it is an announcement or an ACK; anything else is dropped by the
@@ -21,6 +26,13 @@
 #define KVPI_ANNOUNCE_FRAME_LEN 8
 #define KVPI_ACK_TEXT "ACK"
 #define KVPI_ACK_LEN 3
+/* As the first frame of an announcement these 8 bytes would be a
+ * non-canonical address, so no announcement, and no malformed message but a
+ * forged one, starts like that. */
+#define KVPI_INLINE_TAG "KVPINL01"
+#define KVPI_INLINE_TAG_LEN 8
+/* The smallest safetensors file: its 8-byte header length and a header of 8. */
+#define KVPI_INLINE_MIN 16
 
 /* One message as it arrived: its frame count, the sizes of its first two
  * frames and the first 8 bytes of each (fewer when shorter; the rest is
@@ -50,5 +62,15 @@ kvp_status kvpi_announce_check(uint64_t addr, uint64_t len, size_t max_bytes, co
 
 /* 1 if m is an ACK (the one 3-byte frame "ACK"), else 0. */
 int kvpi_ack_is_valid(const kvpi_control_msg *m);
+
+/* The frame of an inline message of a body_len-byte file: its size, and its
+ * tag written at frame; the file goes at frame + KVPI_INLINE_TAG_LEN. */
+size_t kvpi_inline_size(size_t body_len);
+uint8_t *kvpi_inline_put_tag(uint8_t *frame);
+
+/* 1 if m is an inline message (one frame: the tag, then at least
+ * KVPI_INLINE_MIN bytes), with *body_len set: the file is the frame's bytes
+ * from KVPI_INLINE_TAG_LEN on; 0 otherwise, *body_len untouched. */
+int kvpi_inline_decode(const kvpi_control_msg *m, size_t *body_len);
 
 #endif

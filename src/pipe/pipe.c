@@ -332,7 +332,7 @@ static kvp_status open_sockets(kvp_pipe *p)
     if (p->auth && ((st = monitor_push(p, p->data_push, "announce", &p->data_push_mon)) ||
                     (st = monitor_push(p, p->ack_push, "ACK", &p->ack_push_mon))))
         return st;
-    size_t inline_frame = o->inline_max_bytes ? KVPI_INLINE_TAG_LEN + o->inline_max_bytes : 0;
+    size_t inline_frame = o->inline_max_bytes ? kvpi_inline_size(o->inline_max_bytes) : 0;
     size_t data_max = inline_frame > o->max_control_frame ? inline_frame : o->max_control_frame;
     if ((st = open_link(p, &p->data_in, "announce", p->ep.peer_data_port, data_max))) return st;
     size_t fd_len = sizeof p->data_in_fd;

@@ -46,13 +46,6 @@
 #define KVPI_PIPE_FIELD "kvpipe_pipe"
 #define KVPI_PIPE_FIELD_VERSION 1
 
-/* An inline message is one frame: these 8 bytes, then the safetensors file.
- * As the first frame of an announcement they would be a non-canonical
- * address, so no announcement, and no malformed message but a forged one,
- * starts like that. */
-#define KVPI_INLINE_TAG "KVPINL01"
-#define KVPI_INLINE_TAG_LEN 8
-
 /* One message sent and not yet acknowledged; buf is the managed buffer to
  * free on its ACK (NULL for an inline message, which ZeroMQ owns). */
 typedef struct kvpi_inflight {

@@ -45,9 +45,6 @@
 #include "pipe/pipe_internal.h"
 #include "pipe/safetensors.h"
 
-/* An inline message is a safetensors file: at least its 8-byte header length
- * and a header of 8. */
-#define INLINE_MIN 16
 /* Deferred ACKs owed that make the receiver send them at once. */
 #define ACKS_OWED_MAX 16
 
@@ -145,10 +142,10 @@ static void take_announcement(kvp_pipe *p, uint64_t addr, uint64_t len)
     e->state = RX_WAITING;
 }
 
-/* An inline message: copied into a managed buffer, like the one a READ fills. */
-static void take_inline(kvp_pipe *p, zmq_msg_t *f0)
+/* An inline message of a len-byte file in frame f0: copied into a managed
+ * buffer, like the one a READ fills. */
+static void take_inline(kvp_pipe *p, zmq_msg_t *f0, size_t len)
 {
-    size_t len = zmq_msg_size(f0) - KVPI_INLINE_TAG_LEN;
     kvpi_rx_entry *e = rx_push(p, 0, len, 1);
     e->state = RX_DONE;
     kvp_status st = check_announcement(p, 0, len);
@@ -160,12 +157,6 @@ static void take_inline(kvp_pipe *p, zmq_msg_t *f0)
     }
     memcpy(e->buf, (const uint8_t *)zmq_msg_data(f0) + KVPI_INLINE_TAG_LEN, len);
     rx_hold(p, len);
-}
-
-static int is_inline(zmq_msg_t *m)
-{
-    return zmq_msg_size(m) >= KVPI_INLINE_TAG_LEN + INLINE_MIN &&
-           memcmp(zmq_msg_data(m), KVPI_INLINE_TAG, KVPI_INLINE_TAG_LEN) == 0;
 }
 
 /* Take one message off the data link into the window. Returns 1 when one was
@@ -194,12 +185,13 @@ static int take_one(kvp_pipe *p)
         more = zmq_msg_more(part);
     }
     uint64_t addr, len;
+    size_t body;
     if (kvpi_announce_decode(&m, &addr, &len)) {
         atomic_store(&p->data_in.good, 1);
         take_announcement(p, addr, len);
-    } else if (frames == 1 && p->opts.inline_max_bytes && is_inline(&f[0])) {
+    } else if (p->opts.inline_max_bytes && kvpi_inline_decode(&m, &body)) {
         atomic_store(&p->data_in.good, 1);
-        take_inline(p, &f[0]);
+        take_inline(p, &f[0], body);
     } else if (frames > 0) {
         /* No MooncakePipe sends it and no buffer of the peer waits for its
          * ACK: dropped unanswered. */

@@ -161,13 +161,11 @@ static kvp_status make_announced(kvp_pipe *p, outgoing *m)
 static kvp_status make_inline(kvp_pipe *p, outgoing *m)
 {
     if (m->have_zmsg) return KVP_OK;
-    if (zmq_msg_init_size(&m->zmsg, KVPI_INLINE_TAG_LEN + m->size) != 0)
+    if (zmq_msg_init_size(&m->zmsg, kvpi_inline_size(m->size)) != 0)
         return kvpi_error(KVP_ENOMEM, "pipe %s: out of memory for an inline message of %zu bytes",
                           p->ep.local_segment, m->size);
     m->have_zmsg = 1;
-    uint8_t *out = zmq_msg_data(&m->zmsg);
-    memcpy(out, KVPI_INLINE_TAG, KVPI_INLINE_TAG_LEN);
-    out += KVPI_INLINE_TAG_LEN;
+    uint8_t *out = kvpi_inline_put_tag(zmq_msg_data(&m->zmsg));
     if (m->msg) {
         memcpy(out, m->msg, m->size);
         return KVP_OK;

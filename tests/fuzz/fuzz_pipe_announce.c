@@ -7,7 +7,10 @@
  * frames, and an ACK iff it is the one frame "ACK"; the range is taken iff it
  * is non-empty, within max_message_bytes and does not wrap (KVP_ERANGE for a
  * wrap, else KVP_EPROTO); encoding what was decoded and decoding it again
- * gives the same address and length. */
+ * gives the same address and length; a message is inline iff it is one frame
+ * of the tag and at least KVPI_INLINE_MIN bytes more, never both an inline
+ * message and an announcement, and a tag put before a body decodes back to
+ * that body's length. */
 #include "common/net.h"
 #include "fuzz.h"
 #include "pipe/announce.h"
@@ -25,7 +28,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     kvpf_reader in = {data, size};
     size_t max = (size_t)kvpf_take(&in, 8);
     kvpi_control_msg m = {0};
-    int frames = 0, all_eight = 1, is_ack = 0;
+    int frames = 0, all_eight = 1, is_ack = 0, tagged = 0;
+    size_t size0 = 0;
     const uint8_t *first[2] = {NULL, NULL};
     while (in.left) {
         size_t n = (size_t)kvpf_take(&in, 1);
@@ -40,7 +44,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             first[frames] = in.p;
             all_eight &= n == KVPI_ANNOUNCE_FRAME_LEN;
         }
-        if (frames == 0) is_ack = n == 3 && memcmp(in.p, "ACK", 3) == 0;
+        if (frames == 0) {
+            is_ack = n == 3 && memcmp(in.p, "ACK", 3) == 0;
+            tagged = n >= KVPI_INLINE_TAG_LEN && memcmp(in.p, KVPI_INLINE_TAG, 8) == 0;
+            size0 = n;
+        }
         frames++;
         in.p += n;
         in.left -= n;
@@ -48,8 +56,23 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     FUZZ_CHECK(m.frames == frames);
     FUZZ_CHECK(kvpi_ack_is_valid(&m) == (frames == 1 && is_ack));
 
+    size_t body = 5;
+    int in_line = kvpi_inline_decode(&m, &body);
+    FUZZ_CHECK(in_line == (frames == 1 && tagged && size0 >= KVPI_INLINE_TAG_LEN + KVPI_INLINE_MIN));
+    FUZZ_CHECK(in_line ? body == size0 - KVPI_INLINE_TAG_LEN : body == 5);
+    if (in_line) {
+        uint8_t frame[KVPI_INLINE_TAG_LEN + KVPI_INLINE_MIN] = {0};
+        FUZZ_CHECK(kvpi_inline_put_tag(frame) == frame + KVPI_INLINE_TAG_LEN);
+        FUZZ_CHECK(kvpi_inline_size(body) == size0);
+        kvpi_control_msg again = {0};
+        kvpi_control_add_frame(&again, frame, sizeof frame);
+        size_t b2 = 0;
+        FUZZ_CHECK(kvpi_inline_decode(&again, &b2) && b2 == KVPI_INLINE_MIN);
+    }
+
     uint64_t addr = 7, len = 9;
     int ok = kvpi_announce_decode(&m, &addr, &len);
+    FUZZ_CHECK(!(ok && in_line));
     FUZZ_CHECK(ok == (frames == 2 && all_eight));
     if (!ok) {
         FUZZ_CHECK(addr == 7 && len == 9);

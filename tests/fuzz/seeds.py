@@ -277,6 +277,9 @@ def pipe_announce():
         "ack_lower": msg(default_max, b"ack"),
         "ack_long": msg(default_max, b"ACKS"),
         "ack_two_frames": msg(default_max, b"ACK", b"ACK"),
+        "inline": msg(default_max, b"KVPINL01" + LE(8) + b'{"a":1} '),
+        "inline_short": msg(default_max, b"KVPINL01" + LE(8) + b"{}"),
+        "inline_two_frames": msg(default_max, b"KVPINL01" + LE(8) + b'{"a":1} ', BE(8)),
     }
 
 
