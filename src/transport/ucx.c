@@ -1,8 +1,8 @@
 /* The ucx transport: one-sided RMA through UCX's UCP API (protocols rdma and
  * ucx).
  *
- * This file is the initiator side and the ops table; ucx_server.c is the
- * engine-wide part. A peer gets its own UCP worker (so that UCP pairs the
+ * This file is the initiator side and the ops table; ucx_server.c and
+ * ucx_target.c are the engine-wide part. A peer gets its own UCP worker (so that UCP pairs the
  * endpoint its target makes back to it, see ucx_internal.h) with one
  * endpoint to the target's published worker and the target's packed rkeys
  * unpacked on it. A transfer issues ucp_get_nbx/ucp_put_nbx (and one flush

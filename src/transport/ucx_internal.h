@@ -1,11 +1,14 @@
 /* Internal: the ucx transport's parts and the messages between them.
  *
- * ucx_server.c is the engine-wide part: the UCP context, the progress thread,
- * the worker peers reach (the target side), memory registration (ucp_mem_map,
- * packed rkeys) and the connections initiators open to it. ucx.c is the
- * initiator side (a worker and an endpoint per peer, one-sided
- * ucp_get_nbx/ucp_put_nbx) and the ops table. docs/transport-ucx.md has the
- * reasons and the trust model.
+ * The engine-wide part is two files sharing ucx_server.h: ucx_server.c, the
+ * runtime (the UCP context, the progress thread, the worker peers reach, the
+ * hand-offs to that thread, start and stop), and ucx_target.c, what the
+ * target serves (memory registration with ucp_mem_map and packed rkeys, the
+ * pool's chunks, the connections initiators open to it and the REVOKE
+ * exchange, the descriptor fields). ucx.c is the initiator side (a worker
+ * and an endpoint per peer, one-sided ucp_get_nbx/ucp_put_nbx) and the ops
+ * table; ucx_wire.{h,c} the control messages between the two sides.
+ * docs/transport-ucx.md has the reasons and the trust model.
  *
  * Threads: a worker is called by one thread at a time, so workers run in
  * UCS_THREAD_MODE_SERIALIZED and nothing spins on UCX's locks (measured: a
@@ -93,7 +96,7 @@ typedef struct kvpi_ucx_pollee {
  * length written. For logs and for tests that check what UCX used. */
 size_t kvpi_ucx_peer_lanes(void *peer, char *buf, size_t len);
 
-/* ---- ucx_server.c: the ops of the server side ---- */
+/* ---- ucx_server.c and ucx_target.c: the ops of the server side ---- */
 kvp_status kvpi_ucx_server_start(const kvpi_server_ctx *ctx, void **server);
 void kvpi_ucx_server_stop(void *server);
 kvp_status kvpi_ucx_server_describe(void *server, cJSON *doc);
