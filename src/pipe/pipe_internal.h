@@ -1,7 +1,8 @@
 /* Internal: the tensor pipe's parts and how they meet.
- *   pipe.c       open and close, the ZeroMQ sockets and links, the control
- *                thread (ACKs in, link monitors, the ZAP handler), the
- *                negotiation of the inline path, stats
+ *   pipe.c       open and close, the options, the ZeroMQ sockets, stats
+ *   pipe_control.c  the control thread (ACKs in, the links' monitors and
+ *                redials, the ZAP handler, the deferred ACKs' timer) and the
+ *                negotiator thread (the inline path's descriptor reads)
  *   pipe_send.c  send: the FIFO of messages awaiting ACK, flow control, the
  *                choice between an announcement and an inline message
  *   pipe_recv.c  recv: the window of messages taken and READ ahead
@@ -40,6 +41,16 @@
 #include "common/auth.h"
 #include "pipe/announce.h"
 #include "pipe/pipe_metrics.h"
+
+/* The ZAP domains of the pipe's sockets (pipe.c, make_socket): data_push
+ * has one of its own, so that the ZAP handler (pipe_control.c) tells its
+ * connections from the others'. */
+#define KVPI_PIPE_ZAP_DOMAIN "kvpipe"
+#define KVPI_PIPE_ZAP_ANNOUNCE "kvpipe-announce"
+/* The monitor events of a failed ZeroMQ handshake. */
+#define KVPI_PIPE_HANDSHAKE_FAILED                                                                 \
+    (ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |                  \
+     ZMQ_EVENT_HANDSHAKE_FAILED_AUTH)
 
 /* The descriptor field a pipe's engine publishes:
  * {"kvpipe_pipe": {"version": 1, "inline_max_bytes": N}}. */
@@ -152,6 +163,9 @@ kvp_status kvpi_pipe_zmq_fail(kvp_pipe *p, const char *what);
 int kvpi_pipe_remaining_ms(uint64_t deadline);
 struct timespec kvpi_pipe_mono_deadline(uint64_t deadline_ms);
 int kvpi_pipe_zsend(void *s, const void *buf, size_t len, int flags, int timeout_ms);
+void kvpi_pipe_unref(kvp_pipe *p);
+
+/* pipe_control.c */
 void kvpi_pipe_link_reconnect(kvp_pipe *p, kvpi_pull_link *l);
 /* A message from a stranger or a broken peer on the data link: counted and
  * logged (rate-limited). frames and the sizes of the first two. */
@@ -159,7 +173,6 @@ void kvpi_pipe_drop_message(kvp_pipe *p, int frames, size_t size0, size_t size1)
 /* Ask the negotiator to read the peer's descriptor for data_push connection
  * generation gen. */
 void kvpi_pipe_negotiate(kvp_pipe *p, uint64_t gen);
-void kvpi_pipe_unref(kvp_pipe *p);
 
 /* pipe_send.c: the FIFO of messages awaiting ACK (all under lock). */
 /* One ACK arrived: free the oldest message's buffer. The control thread. */
@@ -170,13 +183,17 @@ void kvpi_pipe_drop_queue(kvp_pipe *p);
 /* pipe_recv.c */
 /* Drop the window (close): waits for READs still running. */
 void kvpi_pipe_drop_window(kvp_pipe *p);
-/* Close: send the deferred ACKs owed, each as recv would (waiting up to
- * ack_timeout_ms unless the link is stalled); caller holds recv_lock. */
+/* Close: send the ACKs owed, waiting up to ack_timeout_ms for the link to
+ * take them (not when it is stalled); caller holds recv_lock. */
 void kvpi_pipe_close_acks(kvp_pipe *p);
 /* The control thread, when ack_timer_fd fires: send what ACKs are owed
- * without waiting, unless a receiver holds recv_lock; 1 when none is owed
- * any more. */
+ * without waiting (giving them up ack_timeout_ms after they were due),
+ * unless a receiver holds recv_lock; 1 when none is owed any more. */
 int kvpi_pipe_acks_due(kvp_pipe *p);
+
+/* pipe_control.c: the two threads kvp_pipe_open starts (arg: the pipe). */
+void *kvpi_pipe_control_main(void *arg);
+void *kvpi_pipe_negotiator_main(void *arg);
 
 /* The heap tensor behind a received or kvp_pipe_tensor_alloc() tensor. */
 typedef struct kvpi_held {
