@@ -14,6 +14,10 @@
 #include "kvpipe/kvpipe.h"
 #include "test.h"
 
+/* The sizeof of an older release's T that ended before field f: offsetof
+ * rounded up to T's alignment, as the compiler pads a struct. */
+#define OLDER_SIZE(T, f) ((offsetof(T, f) + _Alignof(T) - 1) / _Alignof(T) * _Alignof(T))
+
 /* size bytes that end where a PROT_NONE page begins; freed with unguard. */
 static void *guarded(size_t size)
 {
@@ -30,10 +34,10 @@ static void unguard(void *p, size_t size)
     munmap((char *)p + size - span, span + page);
 }
 
-/* An older program's kvp_engine_opts: everything before metrics_port. */
+/* An older program's kvp_engine_opts: everything before metrics_host. */
 static void engine_opts_older(void)
 {
-    size_t size = offsetof(kvp_engine_opts, metrics_port);
+    size_t size = OLDER_SIZE(kvp_engine_opts, metrics_host);
     kvp_engine_opts *o = guarded(size);
     REQUIRE(o);
     kvp_engine_opts_init_size(o, size);
@@ -42,7 +46,7 @@ static void engine_opts_older(void)
     o->metadata = "P2PHANDSHAKE";
     kvp_engine *e = NULL;
     CHECK_OK(kvp_engine_create_size(o, size, &e));
-    /* metrics_port and metrics_host took their defaults: no endpoint. */
+    /* metrics_host took its default (metrics_port is 0: no endpoint). */
     CHECK(e && kvp_engine_metrics_port(e) == 0);
     kvp_engine_destroy(e);
     unguard(o, size);
@@ -85,8 +89,8 @@ static void pipe_opts_and_stats_older(void)
              base, base);
     kvp_pipe_config *cfg;
     REQUIRE_OK(kvp_pipe_config_parse(json, strlen(json), &cfg));
-    /* Options without their last two fields (metrics_port, metrics_host). */
-    size_t osize = offsetof(kvp_pipe_opts, metrics_port);
+    /* Options without their last field (metrics_host). */
+    size_t osize = OLDER_SIZE(kvp_pipe_opts, metrics_host);
     kvp_pipe_opts *o = guarded(osize);
     REQUIRE(o);
     kvp_pipe_opts_init_size(o, osize);
@@ -95,13 +99,13 @@ static void pipe_opts_and_stats_older(void)
     CHECK_OK(kvp_pipe_open_size(cfg, 0, 0, o, osize, &p));
     REQUIRE(p);
     /* Stats without peer_lookups: the library writes only what the program has. */
-    size_t ssize = offsetof(kvp_pipe_stats, peer_lookups);
+    size_t ssize = OLDER_SIZE(kvp_pipe_stats, peer_lookups);
     kvp_pipe_stats *s = guarded(ssize);
     REQUIRE(s);
     memset(s, 0x5a, ssize);
     kvp_pipe_get_stats_size(p, s, ssize);
     CHECK(s->sent == 0 && s->inflight_count == 0 && s->peer_inline_max == 0);
-    size_t esize = offsetof(kvp_pipe_endpoints, peer_ack_port);
+    size_t esize = OLDER_SIZE(kvp_pipe_endpoints, peer_ack_port);
     kvp_pipe_endpoints *ep = guarded(esize);
     REQUIRE(ep);
     CHECK_OK(kvp_pipe_config_endpoints_size(cfg, 0, 1, ep, esize));
@@ -115,7 +119,7 @@ static void pipe_opts_and_stats_older(void)
 
 static void metadata_server_opts_sizes(void)
 {
-    size_t size = offsetof(kvp_metadata_server_opts, request_timeout_s);
+    size_t size = OLDER_SIZE(kvp_metadata_server_opts, request_timeout_s);
     kvp_metadata_server_opts *o = guarded(size);
     REQUIRE(o);
     kvp_metadata_server_opts_init_size(o, size);
