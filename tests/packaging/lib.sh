@@ -13,7 +13,7 @@ def free(p):
             return False
     return True
 for _ in range(200):
-    base = random.randint(20000, 60000 - span)
+    base = random.randint(20000, 32000 - span)  # below the ephemeral range
     if all(free(base + i) for i in range(span)):
         print(base)
         sys.exit(0)
