@@ -168,7 +168,7 @@ static double ucx_one(side *s)
                      .length = sizeof local,
                      .remote_region = 0};
     kvpi_slice *slices[1] = {&sl};
-    kvp_status st = ucx->peer_xfer(peer, slices, 1);
+    kvp_status st = kvpi_transport_xfer_sync(ucx, peer, slices, 1);
     if (!st) st = sl.status;
     ucx->peer_close(peer);
     if (st) {

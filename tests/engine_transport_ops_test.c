@@ -160,9 +160,13 @@ static kvp_status tp_open(const kvpi_peer_ctx *ctx, const char *name, unsigned k
     return KVP_OK;
 }
 
-static kvp_status tp_xfer(void *peer, kvpi_slice *const *slices, size_t n)
+/* Completes on the posting thread, as a transport may. */
+static void tp_post(void *peer, kvpi_xfer *x, unsigned flags)
 {
+    (void)flags;
     test_peer *p = peer;
+    kvpi_slice *const *slices = x->slices;
+    size_t n = x->n;
     atomic_fetch_add(p->xfers, 1);
     for (size_t i = 0; i < n; i++) {
         kvpi_slice *s = slices[i];
@@ -180,7 +184,7 @@ static kvp_status tp_xfer(void *peer, kvpi_slice *const *slices, size_t n)
             memcpy(remote, s->local, s->length);
         s->status = KVP_OK;
     }
-    return KVP_OK;
+    x->done(x, KVP_OK);
 }
 
 static void tp_close(void *peer)
@@ -211,7 +215,7 @@ static void tp_close(void *peer)
         .mem_reg = ts_mem_reg,                                                                     \
         .mem_dereg = ts_mem_dereg,                                                                 \
         .peer_open = peer_open_fn,                                                                 \
-        .peer_xfer = tp_xfer,                                                                      \
+        .peer_post = tp_post,                                                                      \
         .peer_close = tp_close,                                                                    \
     };
 

@@ -174,7 +174,7 @@ static kvp_status xfer1(void *peer, kvp_opcode op, void *local, uint64_t remote,
 {
     kvpi_slice s = {.opcode = op, .local = local, .remote = remote, .length = len};
     kvpi_slice *ps = &s;
-    kvp_status st = kvpi_transport_shm.peer_xfer(peer, &ps, 1);
+    kvp_status st = kvpi_transport_xfer_sync(&kvpi_transport_shm, peer, &ps, 1);
     *slice_st = s.status;
     return st;
 }
@@ -229,7 +229,7 @@ static void test_many_slices_one_bad(void)
         ps[i] = &s[i];
     }
     s[333].remote = t.a + BIG - 10; /* crosses the end of region A */
-    CHECK_OK(kvpi_transport_shm.peer_xfer(peer, ps, N));
+    CHECK_OK(kvpi_transport_xfer_sync(&kvpi_transport_shm, peer, ps, N));
     for (size_t i = 0; i < N; i++) CHECK_ST(s[i].status, i == 333 ? KVP_ERANGE : KVP_OK);
     CHECK(kvpt_verify(local, 333 * LEN, 7) == (size_t)-1);
     for (size_t i = 0; i < LEN; i++) CHECK(local[333 * LEN + i] == 0); /* failed: untouched */
@@ -279,7 +279,7 @@ static void test_out_of_range(void)
         ps[i] = &s[i];
     }
     s[150].remote = t.b + SMALL; /* outside, but inside the forged region */
-    CHECK_OK(kvpi_transport_shm.peer_xfer(forged, ps, N));
+    CHECK_OK(kvpi_transport_xfer_sync(&kvpi_transport_shm, forged, ps, N));
     for (size_t i = 0; i < N; i++) CHECK_ST(s[i].status, i == 150 ? KVP_ERANGE : KVP_OK);
 
     /* B unregistered at the target: our cached view still lists it. */

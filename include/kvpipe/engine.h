@@ -82,7 +82,9 @@ typedef struct kvp_engine_opts {
      *    timeout_ms; the metadata store's clients use it as their request
      *    timeout (docs/metadata-*.md). */
     int timeout_ms;
-    /* Worker threads that run transfers (default 4). */
+    /* Threads per transport whose I/O blocks (tcp, shm) that run its
+     * transfers, and the engine's workers that look peers up (default 4;
+     * docs/architecture.md, "Threads"). */
     int workers;
     /* Connections kept per peer (default 4). */
     int conns_per_peer;
@@ -275,8 +277,15 @@ KVP_API size_t kvp_batch_pending(const kvp_batch *batch);
  * KVP_ETIMEDOUT, or the first failed request's status. */
 KVP_API kvp_status kvp_batch_wait(kvp_batch *batch, int timeout_ms);
 
-/* Release a batch. Requests not yet started are canceled; running ones are
- * waited for (bounded by their deadlines). NULL is a no-op. */
+/* Cancel what of the batch has not started: those requests complete with
+ * KVP_ECANCELED; what a transport has started finishes, or fails at its
+ * deadline, first. Returns at once; once kvp_batch_wait (or
+ * kvp_batch_pending) says a request completed, nothing touches its local
+ * memory any more, whatever its status. NULL is a no-op. */
+KVP_API void kvp_batch_cancel(kvp_batch *batch);
+
+/* Release a batch: kvp_batch_cancel, then wait for what runs (bounded by its
+ * deadlines). NULL is a no-op. */
 KVP_API void kvp_batch_free(kvp_batch *batch);
 
 /* Synchronous single transfers: submit, wait without limit, free. */

@@ -1,3 +1,22 @@
+/* The batch API, and the engine's one execution path: a request is cut into
+ * slices of at most slice_size (kvpi_work); consecutive slices of a batch
+ * that touch the same kinds of memory are grouped, up to the transport's
+ * group_bytes, into an xfer posted to the peer's transport (transport.h);
+ * the xfer's completion completes its slices. Every transport, blocking or
+ * one-sided, goes this way.
+ *
+ * Who posts: the submitting thread, when the segment's peer is looked up
+ * and its link open (posting never blocks); otherwise the engine's workers,
+ * which look the segment up (metadata, peer_open) and then post. A
+ * synchronous call (kvp_engine_read/write) posts on its own thread, the
+ * last group inline (KVPI_POST_INLINE), and may block on the lookup itself.
+ * Completions run on the transports' threads; what they must not do there
+ * (a lookup for a retry, closing a peer) goes to the workers.
+ *
+ * Cancel: kvp_batch_cancel and kvp_batch_free set the cancel flag of every
+ * xfer of the batch in flight; a connection-level failure does the same to
+ * the batch's other xfers, which fail with it instead of each waiting out
+ * its own deadline against a dead peer. */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,18 +29,34 @@
 #include "engine/engine_ext.h"
 #include "engine/engine_internal.h"
 
-/* Consecutive small slices to one segment are handed to a transport together,
- * so that it can pipeline them on one connection. */
-#define GROUP_MAX 64
-
-struct kvpi_work {
-    kvpi_work *next;
+typedef struct kvpi_work {
     kvp_batch *batch;
     size_t req;
     kvp_mem_kind local_kind; /* of the request's local memory */
     kvpi_slice slice;
     const kvpi_transport_ops *ops; /* that ran it, for the metrics */
+} kvpi_work;
+
+/* Works waiting for a worker: a lookup (or a link to open) comes first. */
+struct kvpi_job {
+    kvpi_job *next;
+    int retried;
+    size_t n;
+    kvpi_work *works[];
 };
+
+/* One posted xfer. */
+typedef struct group {
+    kvpi_xfer x; /* first: the completion finds the group */
+    kvp_engine *e;
+    kvp_batch *b;
+    kvpi_peer *peer; /* a reference, until the completion */
+    int retried;
+    struct group *prev, *next; /* the batch's groups in flight */
+    kvpi_work **works;
+    kvpi_pin *pins;
+    kvpi_slice *slices[];
+} group;
 
 typedef struct req_state {
     kvp_status status; /* KVP_EINPROGRESS until its last slice completes */
@@ -35,17 +70,18 @@ struct kvp_batch {
     size_t n;
     req_state *reqs;
     kvpi_work *works;
+    kvpi_work **order; /* &works[i], what dispatch takes */
     size_t n_works;
     pthread_mutex_t lock;
     pthread_cond_t cond;
     size_t pending;     /* requests not completed */
     size_t outstanding; /* works not completed */
+    group *groups;      /* in flight */
     atomic_int canceled;
     /* The first connection-level failure (the peer timed out, reset or
-     * refused): works not started yet fail with it instead of each waiting
-     * out its own deadline against a dead or stopped peer. */
+     * refused): the batch's other works fail with it. */
     kvp_status conn_error;
-    char detail[256]; /* kvp_last_error() of the first failure, from its worker */
+    char detail[256]; /* kvp_last_error() of the first failure, from its thread */
     int notify_fd;    /* -1, or an eventfd told when pending reaches 0 */
     kvpi_engine_metrics *metrics;
     uint64_t submit_ns;
@@ -64,18 +100,30 @@ static void notify(kvp_batch *b)
         KVPI_WARN("batch: cannot write its completion eventfd: %s", strerror(errno));
 }
 
+/* Cancel every xfer of the batch in flight; the caller holds b->lock. */
+static void cancel_groups(kvp_batch *b)
+{
+    for (group *g = b->groups; g; g = g->next) atomic_store(&g->x.canceled, 1);
+}
+
 /* done_ns: when the work's transfer finished (the clock read once for a
- * group), for the latency of a request that succeeds; 0 for a failure. */
+ * group), for the latency of a request that succeeds; 0 for a failure. The
+ * last work completed may free the batch: the caller touches neither after. */
 static void complete(kvpi_work *w, kvp_status st, uint64_t done_ns)
 {
     kvp_batch *b = w->batch;
     pthread_mutex_lock(&b->lock);
+    /* A slice cancelled because the peer failed fails as the peer did. */
+    if (st == KVP_ECANCELED && b->conn_error) st = b->conn_error;
     req_state *r = &b->reqs[w->req];
     if (st != KVP_OK && r->first_error == KVP_OK) r->first_error = st;
     if (st != KVP_OK && !b->detail[0])
         snprintf(b->detail, sizeof b->detail, "%s",
                  *kvp_last_error() ? kvp_last_error() : kvp_strerror(st));
-    if (connection_level(st) && b->conn_error == KVP_OK) b->conn_error = st;
+    if (connection_level(st) && b->conn_error == KVP_OK) {
+        b->conn_error = st;
+        cancel_groups(b);
+    }
     int done = --r->slices_left == 0;
     if (done) {
         r->status = r->first_error;
@@ -90,66 +138,113 @@ static void complete(kvpi_work *w, kvp_status st, uint64_t done_ns)
     pthread_mutex_unlock(&b->lock);
 }
 
-static int groupable(const kvpi_work *first, const kvpi_work *next, size_t bytes, size_t limit)
+static void complete_all(kvpi_work **w, size_t n, kvp_status st)
 {
-    return next && next->batch->seg == first->batch->seg &&
-           next->slice.opcode == first->slice.opcode && next->local_kind == first->local_kind &&
-           bytes + next->slice.length <= limit;
+    for (size_t i = 0; i < n; i++) complete(w[i], st, 0);
 }
 
-/* Pop a group of works; returns its size, 0 when stopping with nothing left. */
-static size_t queue_pop(kvp_engine *e, kvpi_work **group, int *stopping)
+/* ---- the workers ---- */
+
+static void enqueue(kvp_engine *e, kvpi_job *job)
 {
     kvpi_queue *q = &e->queue;
     pthread_mutex_lock(&q->lock);
-    while (!q->head && !q->stopping) pthread_cond_wait(&q->cond, &q->lock);
-    *stopping = q->stopping;
-    size_t n = 0, bytes = 0;
-    kvpi_work *first = q->head;
-    while (q->head && n < GROUP_MAX &&
-           (n == 0 || groupable(first, q->head, bytes, atomic_load(&first->batch->seg->group_bytes)))) {
-        group[n++] = q->head;
-        bytes += q->head->slice.length;
-        q->head = q->head->next;
-    }
-    if (!q->head) q->tail = NULL;
+    job->next = NULL;
+    *q->tail = job;
+    q->tail = &job->next;
+    pthread_cond_signal(&q->cond);
     pthread_mutex_unlock(&q->lock);
-    return n;
 }
 
-static int all_inside(const kvpi_peer *peer, kvpi_work **live, size_t m)
+/* Hand n works to the workers. */
+static void defer(kvp_engine *e, kvpi_work **w, size_t n, int retried)
 {
-    for (size_t i = 0; i < m; i++)
-        if (!kvpi_regions_contain(peer->desc.regions, peer->desc.n_regions, live[i]->slice.remote,
-                                  live[i]->slice.length))
-            return 0;
-    return 1;
+    kvpi_job *job = malloc(sizeof *job + n * sizeof job->works[0]);
+    if (!job) {
+        complete_all(w, n, kvpi_error(KVP_ENOMEM, "engine: out of memory"));
+        return;
+    }
+    job->retried = retried;
+    job->n = n;
+    memcpy(job->works, w, n * sizeof *w);
+    enqueue(e, job);
 }
 
-/* A referenced peer whose descriptor covers the group, if any does: a range
- * outside the cached descriptor may mean the peer re-registered or restarted,
- * so look it up once more before calling the range bad. */
-static kvp_status acquire_for(kvp_engine *e, kvpi_segment *seg, kvpi_work **live, size_t m,
-                              kvpi_peer **out)
+void kvpi_workers_close(kvp_engine *e, kvpi_peer *peer)
 {
-    kvp_status st = kvpi_segment_acquire(e, seg, out);
-    if (st || all_inside(*out, live, m)) return st;
-    kvpi_segment_release(seg, *out, 1);
-    return kvpi_segment_acquire(e, seg, out);
+    kvpi_queue *q = &e->queue;
+    pthread_mutex_lock(&q->lock);
+    peer->next_closing = q->closing;
+    q->closing = peer;
+    pthread_cond_signal(&q->cond);
+    pthread_mutex_unlock(&q->lock);
 }
 
-/* Why a work need not run: its batch was freed, its request already failed
- * (a request fails with its first failed slice), or its batch lost the peer.
- * KVP_OK to run it. */
-static kvp_status skip_reason(kvpi_work *w)
+static void dispatch(kvp_engine *e, kvpi_work **w, size_t m, int retried, int blocking,
+                     int inline_last);
+
+static void *worker_main(void *arg)
 {
-    kvp_batch *b = w->batch;
-    if (atomic_load(&b->canceled)) return kvpi_error(KVP_ECANCELED, "the batch was freed");
-    pthread_mutex_lock(&b->lock);
-    kvp_status st = b->conn_error ? b->conn_error : b->reqs[w->req].first_error;
-    pthread_mutex_unlock(&b->lock);
-    return st;
+    kvp_engine *e = arg;
+    kvpi_queue *q = &e->queue;
+    pthread_mutex_lock(&q->lock);
+    for (;;) {
+        while (!q->head && !q->closing && !q->stopping) pthread_cond_wait(&q->cond, &q->lock);
+        if (q->closing) {
+            kvpi_peer *peer = q->closing;
+            q->closing = peer->next_closing;
+            pthread_mutex_unlock(&q->lock);
+            kvpi_peer_free(peer);
+        } else if (q->head) {
+            kvpi_job *job = q->head;
+            if (!(q->head = job->next)) q->tail = &q->head;
+            pthread_mutex_unlock(&q->lock);
+            dispatch(e, job->works, job->n, job->retried, 1, 0);
+            free(job);
+        } else {
+            break; /* stopping, nothing left */
+        }
+        pthread_mutex_lock(&q->lock);
+    }
+    pthread_mutex_unlock(&q->lock);
+    return NULL;
 }
+
+kvp_status kvpi_workers_start(kvp_engine *e)
+{
+    pthread_mutex_init(&e->queue.lock, NULL);
+    kvpi_cond_init(&e->queue.cond);
+    e->queue.tail = &e->queue.head;
+    e->workers = calloc((size_t)e->opts.workers, sizeof *e->workers);
+    if (!e->workers) return kvpi_error(KVP_ENOMEM, "engine: out of memory");
+    for (int i = 0; i < e->opts.workers; i++) {
+        if (pthread_create(&e->workers[i], NULL, worker_main, e) != 0)
+            return kvpi_error(KVP_EIO, "engine: cannot start a worker: %s", strerror(errno));
+        e->n_workers++;
+    }
+    return KVP_OK;
+}
+
+void kvpi_workers_stop(kvp_engine *e)
+{
+    if (!e->workers) return;
+    kvpi_queue *q = &e->queue;
+    /* No new xfer from now on (see post_group); wait for those in flight,
+     * whose completions may still hand the workers peers to close. */
+    atomic_store(&q->draining, 1);
+    pthread_mutex_lock(&q->lock);
+    while (atomic_load(&q->inflight) > 0) pthread_cond_wait(&q->cond, &q->lock);
+    q->stopping = 1;
+    pthread_cond_broadcast(&q->cond);
+    pthread_mutex_unlock(&q->lock);
+    for (int i = 0; i < e->n_workers; i++) pthread_join(e->workers[i], NULL);
+    free(e->workers);
+    e->workers = NULL;
+    pthread_mutex_destroy(&q->lock);
+    pthread_cond_destroy(&q->cond);
+}
+
+/* ---- posting ---- */
 
 /* For a transport that wants local memory registered with it: pin the
  * local region of each slice and hand the slice its handle (NULL where the
@@ -169,38 +264,130 @@ static void local_handles(kvp_engine *e, const kvpi_link *l, kvpi_slice **slices
     }
 }
 
-/* Move n checked slices whose memory is of the kinds in mask kinds through
- * the peer's link for them; every slice gets its final status, but for one
- * the peer refused as outside its buffers (KVP_ERANGE) when stale is not
- * NULL: those are appended to stale[*n_stale], not completed. Returns the
- * connection-level error, if any. */
-static kvp_status run_slices(kvp_engine *e, kvpi_peer *peer, unsigned kinds, kvpi_work **works,
-                             kvpi_slice **slices, size_t n, kvpi_work **stale, size_t *n_stale)
+static void inflight_done(kvp_engine *e)
 {
-    kvpi_link *link;
-    kvp_status st = kvpi_peer_select(e, peer, kinds, &link);
-    if (st) {
-        for (size_t i = 0; i < n; i++)
-            complete(works[i], st, 0);
-        return KVP_OK; /* nothing wrong with the connection */
-    }
-    kvpi_pin pins[GROUP_MAX];
-    local_handles(e, link, slices, n, pins);
-    for (size_t i = 0; i < n; i++)
-        works[i]->ops = link->ops;
-    st = link->ops->peer_xfer(link->handle, slices, n);
+    kvpi_queue *q = &e->queue;
+    if (atomic_fetch_sub(&q->inflight, 1) != 1 || !atomic_load(&q->draining)) return;
+    pthread_mutex_lock(&q->lock);
+    pthread_cond_broadcast(&q->cond);
+    pthread_mutex_unlock(&q->lock);
+}
+
+/* The completion of a group: every slice completes, but for one the peer
+ * refused as outside its buffers although our descriptor lists the range.
+ * That means the peer re-registered meanwhile (a pool chunk given back and
+ * mapped again at the same address, whose old rkey a one-sided transport
+ * still holds): such slices run once more against a fresh lookup, and fail
+ * with the peer's answer only then. */
+static void group_done(kvpi_xfer *x, kvp_status st)
+{
+    group *g = (group *)x;
+    kvp_engine *e = g->e;
+    kvp_batch *b = g->b;
+    kvpi_segment *seg = b->seg;
     uint64_t done_ns = kvpi_now_ns();
-    for (size_t i = 0; i < n; i++)
-        if (pins[i]) kvpi_region_unpin(&e->regions, pins[i]);
-    for (size_t i = 0; i < n; i++) {
-        if (stale && slices[i]->status == KVP_ERANGE) {
-            stale[(*n_stale)++] = works[i];
-            continue;
-        }
-        complete(works[i],
-                 slices[i]->status == KVP_EINPROGRESS ? (st ? st : KVP_EIO) : slices[i]->status,
-                 done_ns);
+    for (size_t i = 0; i < x->n; i++)
+        if (g->pins[i]) kvpi_region_unpin(&e->regions, g->pins[i]);
+    pthread_mutex_lock(&b->lock);
+    if (g->prev)
+        g->prev->next = g->next;
+    else
+        b->groups = g->next;
+    if (g->next) g->next->prev = g->prev;
+    pthread_mutex_unlock(&b->lock);
+    int failed = st != KVP_OK && st != KVP_ECANCELED;
+    if (failed) kvpi_segment_note(seg, st);
+    kvpi_work *stale[KVPI_XFER_MAX];
+    size_t n_stale = 0;
+    for (size_t i = 0; i < x->n; i++)
+        if (!g->retried && x->slices[i]->status == KVP_ERANGE) stale[n_stale++] = g->works[i];
+    /* Any failure the transport reports (a refused slice included) drops
+     * the peer, to look it up again - before a retry looks it up. */
+    kvpi_segment_release_later(e, seg, g->peer, failed || n_stale > 0);
+    if (n_stale > 0) {
+        kvpi_counter_add(&e->metrics.retries, n_stale);
+        defer(e, stale, n_stale, 1);
     }
+    for (size_t i = 0; i < x->n; i++) {
+        kvp_status s = x->slices[i]->status;
+        if (!g->retried && s == KVP_ERANGE) continue;
+        complete(g->works[i], s == KVP_EINPROGRESS ? (st ? st : KVP_EIO) : s, done_ns);
+    }
+    free(g);
+    inflight_done(e);
+}
+
+static void post_group(kvp_engine *e, kvpi_peer *peer, kvpi_link *link, kvpi_work **w, size_t n,
+                       int retried, unsigned flags)
+{
+    kvp_batch *b = w[0]->batch;
+    kvpi_queue *q = &e->queue;
+    atomic_fetch_add(&q->inflight, 1);
+    if (atomic_load(&q->draining)) {
+        complete_all(w, n, kvpi_error(KVP_ECLOSED, "the engine is shutting down"));
+        inflight_done(e);
+        return;
+    }
+    group *g = malloc(sizeof *g + n * (sizeof g->slices[0] + sizeof *g->works + sizeof *g->pins));
+    if (!g) {
+        complete_all(w, n, kvpi_error(KVP_ENOMEM, "engine: out of memory"));
+        inflight_done(e);
+        return;
+    }
+    *g = (group){.x = {.slices = g->slices, .n = n, .done = group_done},
+                 .e = e,
+                 .b = b,
+                 .peer = peer,
+                 .retried = retried};
+    g->works = (kvpi_work **)(g->slices + n);
+    g->pins = (kvpi_pin *)(g->works + n);
+    for (size_t i = 0; i < n; i++) {
+        g->works[i] = w[i];
+        g->slices[i] = &w[i]->slice;
+        w[i]->ops = link->ops;
+    }
+    local_handles(e, link, g->slices, n, g->pins);
+    atomic_fetch_add(&peer->refs, 1);
+    pthread_mutex_lock(&b->lock);
+    g->next = b->groups;
+    if (b->groups) b->groups->prev = g;
+    b->groups = g;
+    if (atomic_load(&b->canceled) || b->conn_error) atomic_store(&g->x.canceled, 1);
+    pthread_mutex_unlock(&b->lock);
+    link->ops->peer_post(link->handle, &g->x, flags);
+}
+
+static int all_inside(const kvpi_peer *peer, kvpi_work **w, size_t m)
+{
+    for (size_t i = 0; i < m; i++)
+        if (!kvpi_regions_contain(peer->desc.regions, peer->desc.n_regions, w[i]->slice.remote,
+                                  w[i]->slice.length))
+            return 0;
+    return 1;
+}
+
+/* A referenced peer whose descriptor covers the works, if any does: a range
+ * outside the cached descriptor may mean the peer re-registered or
+ * restarted, so look it up once more before calling the range bad. Without
+ * blocking, KVP_EBUSY where that needs a lookup. */
+static kvp_status acquire_for(kvp_engine *e, kvpi_segment *seg, kvpi_work **w, size_t m,
+                              int blocking, kvpi_peer **out)
+{
+    kvp_status st = blocking ? kvpi_segment_acquire(e, seg, out) : kvpi_segment_try_acquire(seg, out);
+    if (st || all_inside(*out, w, m)) return st;
+    kvpi_segment_release(seg, *out, 1);
+    return blocking ? kvpi_segment_acquire(e, seg, out) : KVP_EBUSY;
+}
+
+/* Why a work need not run: its batch was cancelled or freed, or it lost the
+ * peer. KVP_OK to run it. */
+static kvp_status skip_reason(kvpi_work *w)
+{
+    kvp_batch *b = w->batch;
+    if (atomic_load(&b->canceled)) return kvpi_error(KVP_ECANCELED, "the batch was cancelled");
+    pthread_mutex_lock(&b->lock);
+    kvp_status st = b->conn_error;
+    pthread_mutex_unlock(&b->lock);
     return st;
 }
 
@@ -211,138 +398,82 @@ static unsigned kinds_of(const kvpi_peer *peer, const kvpi_work *w)
            KVPI_MEM_BIT(peer->desc.regions[w->slice.remote_region].kind);
 }
 
-/* Run the m live works of one segment. A slice the peer refuses as outside
- * its buffers although our descriptor lists the range means the peer
- * re-registered meanwhile (a pool chunk given back and mapped again at the
- * same address, whose old rkey a one-sided transport still holds): such
- * slices run once more (retried 0) against a fresh lookup, and fail with the
- * peer's answer only then. */
-static void run_live(kvp_engine *e, kvpi_segment *seg, kvpi_work **live, size_t m, int retried)
+/* Post m works of one batch (in order) to its segment's peer. Without
+ * blocking, what needs a lookup or a link opened goes to the workers.
+ * inline_last: the caller waits for the batch (KVPI_POST_INLINE for the
+ * last group). Nothing of the batch is touched after the last post. */
+static void dispatch(kvp_engine *e, kvpi_work **w, size_t m, int retried, int blocking,
+                     int inline_last)
 {
-    kvpi_slice *slices[GROUP_MAX];
-    kvpi_work *stale[GROUP_MAX];
-    size_t n_stale = 0;
+    if (m == 0) return;
+    kvpi_segment *seg = w[0]->batch->seg;
+    /* The batch stays alive while any of these works is not completed: skip
+     * and check in one pass, then post, completing nothing after the last
+     * post. */
+    size_t k = 0;
+    for (size_t i = 0; i < m; i++) {
+        kvp_status skip = skip_reason(w[i]);
+        if (skip) {
+            complete(w[i], skip, 0);
+            continue;
+        }
+        w[k++] = w[i];
+    }
+    if (k == 0) return;
     kvpi_peer *peer;
-    kvp_status st = acquire_for(e, seg, live, m, &peer);
+    kvp_status st = acquire_for(e, seg, w, k, blocking, &peer);
+    if (st == KVP_EBUSY && !blocking) {
+        defer(e, w, k, retried);
+        return;
+    }
     if (st) {
-        for (size_t i = 0; i < m; i++)
-            complete(live[i], st, 0);
+        complete_all(w, k, st);
         return;
     }
     /* Check against the peer's published buffers before sending anything;
      * the peer checks again, since its descriptor may have changed since -
      * except a one-sided (KVPI_CAP_RDMA) transport's, whose target checks
      * nothing: for it this is the only check. */
-    size_t k = 0;
-    for (size_t i = 0; i < m; i++) {
-        kvpi_slice *s = &live[i]->slice;
+    size_t live = 0;
+    for (size_t i = 0; i < k; i++) {
+        kvpi_slice *s = &w[i]->slice;
         long r = kvpi_regions_find(peer->desc.regions, peer->desc.n_regions, s->remote, s->length);
         if (r < 0) {
             kvpi_error(KVP_ERANGE, "segment %s: [0x%llx, +%zu) is outside its registered buffers%s",
                        seg->name, (unsigned long long)s->remote, s->length,
                        retried ? " (it deregistered them meanwhile)" : "");
-            complete(live[i], KVP_ERANGE, 0);
+            complete(w[i], KVP_ERANGE, 0);
             continue;
         }
         s->remote_region = (size_t)r;
         s->status = KVP_EINPROGRESS;
-        live[k++] = live[i];
+        w[live++] = w[i];
     }
-    /* Slices go by the kinds of memory they touch (all the same, but for a
-     * group that spans remote buffers of different kinds). */
-    kvp_status last = KVP_OK, conn = KVP_OK;
-    while (k > 0) {
-        unsigned kinds = kinds_of(peer, live[0]);
-        kvpi_work *same[GROUP_MAX];
-        size_t ns = 0, rest = 0;
-        for (size_t i = 0; i < k; i++) {
-            if (kinds_of(peer, live[i]) == kinds) {
-                same[ns] = live[i];
-                slices[ns++] = &live[i]->slice;
-            } else {
-                live[rest++] = live[i];
-            }
+    for (size_t i = 0; i < live;) {
+        unsigned kinds = kinds_of(peer, w[i]);
+        kvpi_link *link = NULL;
+        st = kvpi_peer_select(e, peer, kinds, blocking, &link);
+        if (st == KVP_EBUSY) {
+            defer(e, w + i, live - i, retried);
+            break;
         }
-        k = rest;
-        if (conn) { /* the peer's connection failed: so do the rest */
-            for (size_t i = 0; i < ns; i++)
-                complete(same[i], conn, 0);
-            continue;
-        }
-        kvp_status sub = run_slices(e, peer, kinds, same, slices, ns, retried ? NULL : stale,
-                                    &n_stale);
-        if (sub) last = sub;
-        if (connection_level(sub)) conn = sub;
-    }
-    /* Any failure the transport reports (a refused slice included: the
-     * peer's registrations changed) drops the peer, to look it up again. */
-    kvpi_segment_release(seg, peer, last != KVP_OK || n_stale > 0);
-    kvpi_segment_note(seg, last);
-    if (n_stale > 0) {
-        kvpi_counter_add(&e->metrics.retries, n_stale);
-        run_live(e, seg, stale, n_stale, 1);
-    }
-}
-
-static void run_group(kvp_engine *e, kvpi_work **group, size_t n)
-{
-    kvpi_work *live[GROUP_MAX];
-    size_t m = 0;
-    for (size_t i = 0; i < n; i++) {
-        kvp_status skip = skip_reason(group[i]);
-        if (skip)
-            complete(group[i], skip, 0);
+        size_t limit = link && link->ops->group_bytes ? link->ops->group_bytes
+                                                      : KVPI_GROUP_BYTES_DEFAULT;
+        size_t j = i + 1, bytes = w[i]->slice.length;
+        while (j < live && j - i < KVPI_XFER_MAX && w[j]->slice.opcode == w[i]->slice.opcode &&
+               kinds_of(peer, w[j]) == kinds && bytes + w[j]->slice.length <= limit)
+            bytes += w[j++]->slice.length;
+        if (st)
+            complete_all(w + i, j - i, st);
         else
-            live[m++] = group[i];
+            post_group(e, peer, link, w + i, j - i, retried,
+                       inline_last && j == live ? KVPI_POST_INLINE : 0);
+        i = j;
     }
-    if (m > 0) run_live(e, group[0]->batch->seg, live, m, 0);
+    kvpi_segment_release(seg, peer, 0);
 }
 
-static void *worker_main(void *arg)
-{
-    kvp_engine *e = arg;
-    kvpi_work *group[GROUP_MAX];
-    for (;;) {
-        int stopping;
-        size_t n = queue_pop(e, group, &stopping);
-        if (n == 0) break;
-        if (stopping) {
-            for (size_t i = 0; i < n; i++)
-                complete(group[i], kvpi_error(KVP_ECLOSED, "the engine is shutting down"), 0);
-            continue;
-        }
-        run_group(e, group, n);
-    }
-    return NULL;
-}
-
-kvp_status kvpi_workers_start(kvp_engine *e)
-{
-    pthread_mutex_init(&e->queue.lock, NULL);
-    kvpi_cond_init(&e->queue.cond);
-    e->workers = calloc((size_t)e->opts.workers, sizeof *e->workers);
-    if (!e->workers) return kvpi_error(KVP_ENOMEM, "engine: out of memory");
-    for (int i = 0; i < e->opts.workers; i++) {
-        if (pthread_create(&e->workers[i], NULL, worker_main, e) != 0)
-            return kvpi_error(KVP_EIO, "engine: cannot start a worker: %s", strerror(errno));
-        e->n_workers++;
-    }
-    return KVP_OK;
-}
-
-void kvpi_workers_stop(kvp_engine *e)
-{
-    if (!e->workers) return;
-    pthread_mutex_lock(&e->queue.lock);
-    e->queue.stopping = 1;
-    pthread_cond_broadcast(&e->queue.cond);
-    pthread_mutex_unlock(&e->queue.lock);
-    for (int i = 0; i < e->n_workers; i++) pthread_join(e->workers[i], NULL);
-    free(e->workers);
-    e->workers = NULL;
-    pthread_mutex_destroy(&e->queue.lock);
-    pthread_cond_destroy(&e->queue.cond);
-}
+/* ---- the batch API ---- */
 
 static size_t slices_of(const kvp_request *r, size_t slice_size)
 {
@@ -367,19 +498,6 @@ static kvp_status check_requests(const kvp_request *reqs, size_t n, size_t slice
     return KVP_OK;
 }
 
-static void enqueue(kvp_engine *e, kvpi_work *first, kvpi_work *last)
-{
-    kvpi_queue *q = &e->queue;
-    pthread_mutex_lock(&q->lock);
-    if (q->tail)
-        q->tail->next = first;
-    else
-        q->head = first;
-    q->tail = last;
-    pthread_cond_broadcast(&q->cond);
-    pthread_mutex_unlock(&q->lock);
-}
-
 /* Returns the bytes of the requests. */
 static uint64_t build_works(kvp_engine *e, kvp_batch *b, const kvp_request *reqs, size_t slice_size)
 {
@@ -396,7 +514,7 @@ static uint64_t build_works(kvp_engine *e, kvp_batch *b, const kvp_request *reqs
         bytes += r->length;
         for (size_t off = 0; off < r->length; off += slice_size) {
             kvpi_work *work = &b->works[w];
-            work->next = w + 1 < b->n_works ? &b->works[w + 1] : NULL;
+            b->order[w] = work;
             work->batch = b;
             work->req = i;
             work->local_kind = kind;
@@ -412,14 +530,9 @@ static uint64_t build_works(kvp_engine *e, kvp_batch *b, const kvp_request *reqs
     return bytes;
 }
 
-kvp_status kvp_batch_submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request *reqs,
-                            size_t n, kvp_batch **out)
-{
-    return kvpi_batch_submit_notify(e, seg_id, reqs, n, -1, out);
-}
-
-kvp_status kvpi_batch_submit_notify(kvp_engine *e, kvp_segment_id seg_id, const kvp_request *reqs,
-                                    size_t n, int notify_fd, kvp_batch **out)
+/* sync: the caller waits for the batch at once (see dispatch). */
+static kvp_status submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request *reqs, size_t n,
+                         int notify_fd, int sync, kvp_batch **out)
 {
     if (!e || !out || (n && !reqs)) return kvpi_error(KVP_EINVAL, "batch_submit: NULL argument");
     kvpi_segment *seg = kvpi_segment_get(e, seg_id);
@@ -431,9 +544,11 @@ kvp_status kvpi_batch_submit_notify(kvp_engine *e, kvp_segment_id seg_id, const 
     if (!b) return kvpi_error(KVP_ENOMEM, "batch_submit: out of memory");
     b->reqs = calloc(n ? n : 1, sizeof *b->reqs);
     b->works = calloc(n_works ? n_works : 1, sizeof *b->works);
-    if (!b->reqs || !b->works) {
+    b->order = calloc(n_works ? n_works : 1, sizeof *b->order);
+    if (!b->reqs || !b->works || !b->order) {
         free(b->reqs);
         free(b->works);
+        free(b->order);
         free(b);
         return kvpi_error(KVP_ENOMEM, "batch_submit: out of memory");
     }
@@ -448,9 +563,23 @@ kvp_status kvpi_batch_submit_notify(kvp_engine *e, kvp_segment_id seg_id, const 
     uint64_t bytes = build_works(e, b, reqs, e->opts.slice_size);
     kvpi_metrics_submitted(&e->metrics, b->pending, bytes);
     if (b->pending == 0) notify(b);
-    if (n_works) enqueue(e, &b->works[0], &b->works[n_works - 1]);
     *out = b;
+    /* b may complete (and be freed by a waiter on another thread) once the
+     * last group is posted: out is set first. */
+    dispatch(e, b->order, n_works, 0, sync, sync);
     return KVP_OK;
+}
+
+kvp_status kvp_batch_submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request *reqs,
+                            size_t n, kvp_batch **out)
+{
+    return submit(e, seg_id, reqs, n, -1, 0, out);
+}
+
+kvp_status kvpi_batch_submit_notify(kvp_engine *e, kvp_segment_id seg_id, const kvp_request *reqs,
+                                    size_t n, int notify_fd, kvp_batch **out)
+{
+    return submit(e, seg_id, reqs, n, notify_fd, 0, out);
 }
 
 kvp_status kvp_batch_request_status(const kvp_batch *b, size_t i)
@@ -497,10 +626,19 @@ out:
     return st;
 }
 
-void kvp_batch_free(kvp_batch *b)
+void kvp_batch_cancel(kvp_batch *b)
 {
     if (!b) return;
     atomic_store(&b->canceled, 1);
+    pthread_mutex_lock(&b->lock);
+    cancel_groups(b);
+    pthread_mutex_unlock(&b->lock);
+}
+
+void kvp_batch_free(kvp_batch *b)
+{
+    if (!b) return;
+    kvp_batch_cancel(b);
     pthread_mutex_lock(&b->lock);
     while (b->outstanding > 0) pthread_cond_wait(&b->cond, &b->lock);
     pthread_mutex_unlock(&b->lock);
@@ -508,60 +646,20 @@ void kvp_batch_free(kvp_batch *b)
     pthread_cond_destroy(&b->cond);
     free(b->reqs);
     free(b->works);
+    free(b->order);
     free(b);
 }
 
-/* A synchronous request runs in the calling thread when it is one slice:
- * handing it to a worker and waiting for it costs two thread wake-ups, which
- * were most of a 4 KiB READ's time on loopback. Larger requests go to the
- * workers, to spread their slices over connections - except over a one-sided
- * (KVPI_CAP_RDMA) transport, whose slices all go to the one UCX endpoint of
- * the peer whichever thread issues them, and which the caller then issues one
- * after another itself: UCX stripes over its lanes, and over shared memory
- * the caller copies. Measured (docs/transport-ucx.md): a 16 MiB READ of a
- * pool buffer over UCX's shared memory, 4 MiB slices through the workers,
- * 13.0 and 15.6 GB/s; here, 20.1 and 25.1 GB/s. */
-static kvp_status transfer_here(kvp_engine *e, kvpi_segment *seg, const kvp_request *req,
-                                size_t n_works)
-{
-    kvp_batch b = {.seg = seg, .n = 1, .n_works = n_works, .outstanding = n_works, .notify_fd = -1,
-                   .metrics = &e->metrics, .submit_ns = kvpi_now_ns()};
-    req_state r = {0};
-    kvpi_work one = {0};
-    kvpi_work *w = n_works == 1 ? &one : calloc(n_works, sizeof *w);
-    if (!w) return kvpi_error(KVP_ENOMEM, "transfer: out of memory");
-    b.reqs = &r;
-    b.works = w;
-    pthread_mutex_init(&b.lock, NULL);
-    kvpi_cond_init(&b.cond);
-    /* The same work as a batch of one would queue: the local memory's kind
-     * included, which transport selection needs. A slice after a failed one
-     * completes with its error without running (run_group's skip_reason). */
-    uint64_t bytes = build_works(e, &b, req, e->opts.slice_size);
-    kvpi_metrics_submitted(&e->metrics, b.pending, bytes);
-    for (size_t i = 0; i < n_works; i++) {
-        kvpi_work *group[1] = {&w[i]};
-        run_group(e, group, 1);
-    }
-    kvp_status st = kvp_batch_wait(&b, 0);
-    pthread_mutex_destroy(&b.lock);
-    pthread_cond_destroy(&b.cond);
-    if (w != &one) free(w);
-    return st;
-}
-
+/* A synchronous transfer posts on the calling thread, its last group inline:
+ * a one-slice request then runs without a thread wake-up (tcp and shm do
+ * the I/O on this thread; ucx issues and progresses its worker here), and
+ * a larger one spreads its other groups over the transport's threads. */
 static kvp_status transfer_sync(kvp_engine *e, kvp_segment_id seg, kvp_opcode op, void *local,
                                 uint64_t remote, size_t length)
 {
     kvp_request req = {op, local, remote, length};
-    kvpi_segment *s = e ? kvpi_segment_get(e, seg) : NULL;
-    if (s && length > 0 && (length <= e->opts.slice_size || atomic_load(&s->one_sided))) {
-        size_t works;
-        kvp_status st = check_requests(&req, 1, e->opts.slice_size, &works);
-        return st ? st : transfer_here(e, s, &req, works);
-    }
     kvp_batch *b;
-    kvp_status st = kvp_batch_submit(e, seg, &req, 1, &b);
+    kvp_status st = submit(e, seg, &req, 1, -1, 1, &b);
     if (st) return st;
     st = kvp_batch_wait(b, -1);
     kvp_batch_free(b);

@@ -2,7 +2,9 @@
  *   engine.c   - create/destroy, publishing, the keeper thread
  *   registration.c - memory registration with the transports, the pool's hooks
  *   segment.c  - the table of opened peer segments and their transports
- *   batch.c    - the work queue, worker threads and the batch API
+ *   batch.c    - the batch API: requests cut into slices, grouped and
+ *                posted to the transports; the workers (lookups, retries,
+ *                closing peers)
  *   metrics.c  - the engine's metrics, their endpoint and MC_TE_METRIC
  */
 #ifndef KVPI_ENGINE_INTERNAL_H
@@ -40,6 +42,7 @@ typedef struct kvpi_peer {
     kvpi_link links[KVPI_MAX_TRANSPORTS]; /* the allowed transports, preferred first */
     size_t n_links;
     kvpi_link *primary; /* the first that opened at lookup (links before it refused) */
+    struct kvpi_peer *next_closing; /* on the workers' queue, once unreferenced */
 } kvpi_peer;
 
 typedef struct kvpi_segment {
@@ -49,17 +52,23 @@ typedef struct kvpi_segment {
     const char *transport;  /* name of the last transport used, for callers */
     int failing;            /* the last transfer failed: log the next failure quietly */
     int looked_up;          /* a descriptor was fetched once: later lookups refresh it */
-    atomic_size_t group_bytes; /* the transport's group size (see transport.h) */
-    atomic_int one_sided;      /* its transport is KVPI_CAP_RDMA (see batch.c) */
 } kvpi_segment;
 
-typedef struct kvpi_work kvpi_work;
+typedef struct kvpi_job kvpi_job;
 
+/* The workers' queue: works that need a lookup (or a link opened) before
+ * they can be posted, and peers to close. */
 typedef struct kvpi_queue {
     pthread_mutex_t lock;
     pthread_cond_t cond;
-    kvpi_work *head, *tail;
+    kvpi_job *head, **tail;
+    kvpi_peer *closing;
     int stopping;
+    /* Set at destroy: work from now on fails with KVP_ECLOSED instead of
+     * being posted, and the destroying thread waits for inflight (xfers
+     * posted and not completed) to reach 0. */
+    atomic_int draining;
+    atomic_long inflight;
 } kvpi_queue;
 
 struct kvp_engine {
@@ -114,21 +123,34 @@ struct kvp_engine {
 kvpi_segment *kvpi_segment_get(kvp_engine *e, kvp_segment_id id);
 /* A referenced peer for the segment, looking it up (again) if needed. */
 kvp_status kvpi_segment_acquire(kvp_engine *e, kvpi_segment *seg, kvpi_peer **out);
+/* The same without blocking: KVP_EBUSY where a lookup is needed (or one
+ * runs). */
+kvp_status kvpi_segment_try_acquire(kvpi_segment *seg, kvpi_peer **out);
 /* Drop a reference; if failed is non-zero and the segment still uses this
  * peer, detach it so that the next transfer looks the segment up again. */
 void kvpi_segment_release(kvpi_segment *seg, kvpi_peer *peer, int failed);
+/* The same from a completion, which must not close a peer: the last
+ * reference goes to e's workers (kvpi_workers_close). */
+void kvpi_segment_release_later(kvp_engine *e, kvpi_segment *seg, kvpi_peer *peer, int failed);
+/* Close and free a peer nothing references any more. */
+void kvpi_peer_free(kvpi_peer *peer);
 void kvpi_segments_destroy(kvp_engine *e);
 /* The link to move memory of the kinds in mask kinds (KVPI_MEM_BIT of the
  * local and the remote memory) with: the first allowed transport, in
  * preference order, that moves all of them and opens for this peer.
- * KVP_ENOTSUP naming the kinds when none does. */
-kvp_status kvpi_peer_select(kvp_engine *e, kvpi_peer *peer, unsigned kinds, kvpi_link **out);
+ * KVP_ENOTSUP naming the kinds when none does. Without blocking (0), a
+ * link that would have to be opened first is KVP_EBUSY. */
+kvp_status kvpi_peer_select(kvp_engine *e, kvpi_peer *peer, unsigned kinds, int blocking,
+                            kvpi_link **out);
 /* Record a transfer's outcome; a failure is logged once until one succeeds. */
 void kvpi_segment_note(kvpi_segment *seg, kvp_status st);
 
 /* batch.c */
 kvp_status kvpi_workers_start(kvp_engine *e);
+/* Wait for every xfer in flight, then stop the workers (destroy). */
 void kvpi_workers_stop(kvp_engine *e);
+/* Hand an unreferenced peer to the workers to close. */
+void kvpi_workers_close(kvp_engine *e, kvpi_peer *peer);
 
 /* engine.c */
 char *kvpi_engine_descriptor_text(kvp_engine *e);

@@ -34,7 +34,6 @@ kvp_status kvp_engine_open_segment(kvp_engine *e, const char *name, kvp_segment_
             goto out;
         }
         pthread_mutex_init(&seg->lock, NULL);
-        atomic_init(&seg->group_bytes, KVPI_GROUP_BYTES_DEFAULT);
         e->segments[e->n_segments++] = seg;
     }
     seg = e->segments[id];
@@ -67,7 +66,7 @@ const char *kvp_engine_segment_transport(kvp_engine *e, kvp_segment_id id)
     return name;
 }
 
-static void peer_put(kvpi_peer *peer);
+static void peer_put(kvp_engine *later, kvpi_peer *peer);
 
 kvp_status kvp_engine_segment_buffers(kvp_engine *e, kvp_segment_id id, kvp_remote_buffer *out,
                                       size_t cap, size_t *count)
@@ -84,15 +83,25 @@ kvp_status kvp_engine_segment_buffers(kvp_engine *e, kvp_segment_id id, kvp_remo
     return KVP_OK;
 }
 
-static void peer_put(kvpi_peer *peer)
+void kvpi_peer_free(kvpi_peer *peer)
 {
-    if (atomic_fetch_sub(&peer->refs, 1) != 1) return;
     for (size_t i = 0; i < peer->n_links; i++)
         if (peer->links[i].handle) peer->links[i].ops->peer_close(peer->links[i].handle);
     pthread_mutex_destroy(&peer->lock);
     kvpi_descriptor_free(&peer->desc);
     free(peer->host);
     free(peer);
+}
+
+/* Drop a reference; the last one closes the peer here, or on later's
+ * workers. */
+static void peer_put(kvp_engine *later, kvpi_peer *peer)
+{
+    if (atomic_fetch_sub(&peer->refs, 1) != 1) return;
+    if (later)
+        kvpi_workers_close(later, peer);
+    else
+        kvpi_peer_free(peer);
 }
 
 /* May the engine use this transport for a peer? Decided by capability, never
@@ -175,7 +184,8 @@ static kvp_status peer_connect(kvp_engine *e, kvpi_peer *peer, const char *segna
                       segname, refusals);
 }
 
-kvp_status kvpi_peer_select(kvp_engine *e, kvpi_peer *peer, unsigned kinds, kvpi_link **out)
+kvp_status kvpi_peer_select(kvp_engine *e, kvpi_peer *peer, unsigned kinds, int blocking,
+                            kvpi_link **out)
 {
     /* Links before the primary refused the peer or move no host memory: for
      * host memory and what else it moves, it is the first choice. */
@@ -185,10 +195,18 @@ kvp_status kvpi_peer_select(kvp_engine *e, kvpi_peer *peer, unsigned kinds, kvpi
     }
     char refusals[300] = "";
     kvp_status st = KVP_ENOTSUP;
-    pthread_mutex_lock(&peer->lock);
+    if (!blocking) {
+        if (pthread_mutex_trylock(&peer->lock) != 0) return KVP_EBUSY; /* one opens */
+    } else {
+        pthread_mutex_lock(&peer->lock);
+    }
     for (size_t i = 0; i < peer->n_links; i++) {
         kvpi_link *l = &peer->links[i];
         if ((l->ops->mem_kinds & kinds) != kinds || l->refused) continue;
+        if (!blocking && !l->handle) {
+            st = KVP_EBUSY;
+            break;
+        }
         if ((st = link_open(e, peer, peer->desc.name, l)) == KVP_OK) {
             *out = l;
             break;
@@ -196,7 +214,7 @@ kvp_status kvpi_peer_select(kvp_engine *e, kvpi_peer *peer, unsigned kinds, kvpi
         note_refusal(refusals, sizeof refusals, l, kvp_last_error());
     }
     pthread_mutex_unlock(&peer->lock);
-    if (st == KVP_OK) return KVP_OK;
+    if (st == KVP_OK || st == KVP_EBUSY) return st;
     char names[64] = "";
     for (unsigned k = 0; k < 32; k++)
         if (kinds & KVPI_MEM_BIT(k))
@@ -236,7 +254,7 @@ static kvp_status peer_lookup(kvp_engine *e, const char *name, kvpi_peer **out)
     }
     if (!st) st = peer_connect(e, peer, name);
     if (st) {
-        peer_put(peer);
+        peer_put(NULL, peer);
         return st;
     }
     *out = peer;
@@ -257,9 +275,6 @@ kvp_status kvpi_segment_acquire(kvp_engine *e, kvpi_segment *seg, kvpi_peer **ou
             seg->looked_up = 1;
             const kvpi_transport_ops *ops = seg->peer->primary->ops;
             seg->transport = ops->name;
-            atomic_store(&seg->group_bytes,
-                         ops->group_bytes ? ops->group_bytes : KVPI_GROUP_BYTES_DEFAULT);
-            atomic_store(&seg->one_sided, (ops->caps & KVPI_CAP_RDMA) != 0);
         }
     }
     if (st == KVP_OK) {
@@ -270,17 +285,38 @@ kvp_status kvpi_segment_acquire(kvp_engine *e, kvpi_segment *seg, kvpi_peer **ou
     return st;
 }
 
-void kvpi_segment_release(kvpi_segment *seg, kvpi_peer *peer, int failed)
+kvp_status kvpi_segment_try_acquire(kvpi_segment *seg, kvpi_peer **out)
+{
+    if (pthread_mutex_trylock(&seg->lock) != 0) return KVP_EBUSY;
+    kvpi_peer *peer = seg->peer;
+    if (peer) atomic_fetch_add(&peer->refs, 1);
+    pthread_mutex_unlock(&seg->lock);
+    if (!peer) return KVP_EBUSY;
+    *out = peer;
+    return KVP_OK;
+}
+
+static void release(kvp_engine *later, kvpi_segment *seg, kvpi_peer *peer, int failed)
 {
     if (failed) {
         pthread_mutex_lock(&seg->lock);
         if (seg->peer == peer) {
             seg->peer = NULL;
-            peer_put(peer);
+            peer_put(later, peer);
         }
         pthread_mutex_unlock(&seg->lock);
     }
-    peer_put(peer);
+    peer_put(later, peer);
+}
+
+void kvpi_segment_release(kvpi_segment *seg, kvpi_peer *peer, int failed)
+{
+    release(NULL, seg, peer, failed);
+}
+
+void kvpi_segment_release_later(kvp_engine *e, kvpi_segment *seg, kvpi_peer *peer, int failed)
+{
+    release(e, seg, peer, failed);
 }
 
 void kvpi_segment_note(kvpi_segment *seg, kvp_status st)
@@ -300,7 +336,7 @@ void kvpi_segments_destroy(kvp_engine *e)
 {
     for (size_t i = 0; i < e->n_segments; i++) {
         kvpi_segment *seg = e->segments[i];
-        if (seg->peer) peer_put(seg->peer);
+        if (seg->peer) peer_put(NULL, seg->peer);
         pthread_mutex_destroy(&seg->lock);
         free(seg->name);
         free(seg);

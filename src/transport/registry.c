@@ -1,5 +1,7 @@
 /* The transports of this build and the protocol names that select them: the
  * one place where a name maps to an ops table. */
+#include <pthread.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "common/error.h"
@@ -58,9 +60,44 @@ kvp_status kvpi_transport_check(const kvpi_transport_ops *o)
                        : !o->server_describe                 ? "server_describe"
                        : !o->mem_reg != !o->mem_dereg        ? "mem_reg with mem_dereg"
                        : !o->chunk_map != !o->chunk_unmap    ? "chunk_map with chunk_unmap"
-                       : !o->peer_open || !o->peer_xfer || !o->peer_close ? "peer_open/xfer/close"
+                       : !o->peer_open || !o->peer_post || !o->peer_close ? "peer_open/post/close"
                                                                           : NULL;
     if (!lack) return KVP_OK;
     return kvpi_error(KVP_EINVAL, "transport %s: its ops table lacks %s",
                       o->name ? o->name : "(unnamed)", lack);
+}
+
+typedef struct sync_xfer {
+    kvpi_xfer x; /* first */
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    int done;
+    kvp_status st;
+    char detail[256];
+} sync_xfer;
+
+static void sync_done(kvpi_xfer *x, kvp_status st)
+{
+    sync_xfer *s = (sync_xfer *)x;
+    pthread_mutex_lock(&s->lock);
+    s->st = st;
+    if (st) snprintf(s->detail, sizeof s->detail, "%s", kvp_last_error());
+    s->done = 1;
+    pthread_cond_signal(&s->cond);
+    pthread_mutex_unlock(&s->lock);
+}
+
+kvp_status kvpi_transport_xfer_sync(const kvpi_transport_ops *ops, void *peer,
+                                    kvpi_slice *const *slices, size_t n)
+{
+    sync_xfer s = {.x = {.slices = slices, .n = n, .done = sync_done}};
+    pthread_mutex_init(&s.lock, NULL);
+    pthread_cond_init(&s.cond, NULL);
+    ops->peer_post(peer, &s.x, KVPI_POST_INLINE);
+    pthread_mutex_lock(&s.lock);
+    while (!s.done) pthread_cond_wait(&s.cond, &s.lock);
+    pthread_mutex_unlock(&s.lock);
+    pthread_mutex_destroy(&s.lock);
+    pthread_cond_destroy(&s.cond);
+    return s.st ? kvpi_error(s.st, "%s", s.detail) : KVP_OK;
 }

@@ -43,6 +43,7 @@ typedef struct shm_peer {
     size_t n_links;
     int fds[MAX_LINKS]; /* -1: not connected (yet, or after an error) */
     int busy[MAX_LINKS];
+    kvpi_runner *runner; /* the server's; NULL without one */
 } shm_peer;
 
 /* The initiator's probe: the target proves it can read our memory by
@@ -225,6 +226,7 @@ static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
     p->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : KVPI_CONN_TIMEOUT_MS_DEFAULT;
     p->min_rate = ctx->min_rate ? ctx->min_rate : KVPI_MIN_RATE_DEFAULT;
     p->auth = ctx->auth;
+    p->runner = kvpi_shm_server_runner(ctx->server);
     p->n_links = ctx->conns < 1 ? 1 : ctx->conns > MAX_LINKS ? MAX_LINKS : (size_t)ctx->conns;
     for (size_t i = 0; i < MAX_LINKS; i++) p->fds[i] = -1;
     kvp_status st = parse_endpoint(ctx->desc, p);
@@ -252,8 +254,8 @@ fail:
 /* ---- transferring ---- */
 
 /* Take an idle link, waiting until the call's deadline; -1 if none came free.
- * One link per call: the engine already spreads slices over its workers, so a
- * call that took more would only make the others wait. */
+ * One link per call: the engine already spreads slices over the runner's
+ * threads, so a call that took more would only make the others wait. */
 static int link_acquire(shm_peer *p, uint64_t deadline_ns)
 {
     struct timespec deadline = kvpi_timespec_at_ns(deadline_ns);
@@ -394,6 +396,11 @@ static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
     return st;
 }
 
+static void peer_post(void *peer, kvpi_xfer *x, unsigned flags)
+{
+    kvpi_runner_post(((shm_peer *)peer)->runner, peer_xfer, peer, x, flags);
+}
+
 const kvpi_transport_ops kvpi_transport_shm = {
     .name = "shm",
     .caps = KVPI_CAP_SAME_HOST | KVPI_CAP_AUTH,
@@ -403,6 +410,6 @@ const kvpi_transport_ops kvpi_transport_shm = {
     .server_stop = kvpi_shm_server_stop,
     .server_describe = kvpi_shm_server_describe,
     .peer_open = peer_open,
-    .peer_xfer = peer_xfer,
+    .peer_post = peer_post,
     .peer_close = peer_close,
 };

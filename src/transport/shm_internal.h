@@ -30,6 +30,7 @@
 #include <sys/un.h>
 
 #include "common/net.h"
+#include "transport/runner.h"
 #include "transport/transport.h"
 
 #define KVPI_SHM_MAGIC 0x4B565348u /* "KVSH" */
@@ -108,5 +109,7 @@ kvp_status kvpi_shm_get_status(const uint8_t *p, kvp_status *st, int *err);
 kvp_status kvpi_shm_server_start(const kvpi_server_ctx *ctx, void **server);
 kvp_status kvpi_shm_server_describe(void *server, cJSON *desc);
 void kvpi_shm_server_stop(void *server);
+/* The server's runner, for its peers' transfers (NULL server: NULL). */
+kvpi_runner *kvpi_shm_server_runner(void *server);
 
 #endif

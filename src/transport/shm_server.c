@@ -42,6 +42,7 @@ typedef struct shm_server {
     pid_t pid;
     char host_id[KVPI_SHM_HOST_ID_MAX];
     char name[KVPI_SHM_SOCKET_MAX];
+    kvpi_runner *runner; /* the initiator side's threads (shm.c's peer_post) */
 } shm_server;
 
 /* Per connection (kvpi_conn_data). */
@@ -251,7 +252,12 @@ kvp_status kvpi_shm_server_start(const kvpi_server_ctx *ctx, void **server)
         .regions = ctx->regions, .served = ctx->served, .auth = ctx->auth, .pid = getpid()};
     int fd = -1;
     if ((st = kvpi_shm_host_id(srv->host_id, sizeof srv->host_id)) ||
-        (st = listen_abstract(srv, &fd))) {
+        (st = kvpi_runner_create(ctx->threads, &srv->runner))) {
+        free(srv);
+        return st;
+    }
+    if ((st = listen_abstract(srv, &fd))) {
+        kvpi_runner_stop(srv->runner);
         free(srv);
         return st;
     }
@@ -259,6 +265,7 @@ kvp_status kvpi_shm_server_start(const kvpi_server_ctx *ctx, void **server)
     snprintf(name, sizeof name, "shm server @%s", srv->name);
     kvpi_conn_limits lim = kvpi_server_limits(ctx);
     if ((st = kvpi_conn_server_start(fd, name, &lim, &shm_handler, srv, &srv->conns))) {
+        kvpi_runner_stop(srv->runner);
         free(srv);
         return st;
     }
@@ -287,5 +294,11 @@ void kvpi_shm_server_stop(void *server)
     shm_server *srv = server;
     if (!srv) return;
     kvpi_conn_server_stop(srv->conns);
+    kvpi_runner_stop(srv->runner);
     free(srv);
+}
+
+kvpi_runner *kvpi_shm_server_runner(void *server)
+{
+    return server ? ((shm_server *)server)->runner : NULL;
 }

@@ -23,6 +23,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/tsan.h"
+#include "transport/runner.h"
 #include "transport/tcp_wire.h"
 #include "transport/transport.h"
 
@@ -36,6 +37,7 @@ typedef struct tcp_server {
     kvpi_conn_server *conns;
     int port;
     const kvpi_auth *auth; /* NULL: unauthenticated */
+    kvpi_runner *runner;   /* the initiator side's threads (peer_post) */
 } tcp_server;
 
 static const char *op_name(const kvpi_tcp_hdr *h)
@@ -178,7 +180,8 @@ static kvp_status tcp_server_start(const kvpi_server_ctx *ctx, void **out)
     srv->auth = ctx->auth;
     srv->served = ctx->served;
     int fd;
-    kvp_status st = kvpi_tcp_listen(ctx->host, 0, &fd, &srv->port);
+    kvp_status st = kvpi_runner_create(ctx->threads, &srv->runner);
+    if (!st && (st = kvpi_tcp_listen(ctx->host, 0, &fd, &srv->port))) kvpi_runner_stop(srv->runner);
     if (st) {
         free(srv);
         return st;
@@ -189,6 +192,7 @@ static kvp_status tcp_server_start(const kvpi_server_ctx *ctx, void **out)
     kvpi_conn_limits lim = kvpi_server_limits(ctx);
     if ((st = kvpi_conn_server_start(fd, name, &lim, srv->auth ? &tcp_auth_handler : &tcp_handler,
                                      srv, &srv->conns))) {
+        kvpi_runner_stop(srv->runner);
         free(srv);
         return st;
     }
@@ -215,6 +219,7 @@ static void tcp_server_stop(void *server)
     tcp_server *srv = server;
     if (!srv) return;
     kvpi_conn_server_stop(srv->conns);
+    kvpi_runner_stop(srv->runner);
     free(srv);
 }
 
@@ -229,6 +234,7 @@ typedef struct tcp_peer {
     kvpi_counter *retries; /* may be NULL */
     int max_idle;
     const kvpi_auth *auth;
+    kvpi_runner *runner; /* the server's; NULL without one */
     pthread_mutex_t lock;
     int *idle;
     int n_idle;
@@ -284,6 +290,7 @@ static kvp_status tcp_peer_open(const kvpi_peer_ctx *ctx, void **out)
     p->retries = ctx->retries;
     p->max_idle = conns;
     p->auth = ctx->auth;
+    p->runner = ctx->server ? ((tcp_server *)ctx->server)->runner : NULL;
     pthread_mutex_init(&p->lock, NULL);
     *out = p;
     return KVP_OK;
@@ -492,6 +499,11 @@ static kvp_status tcp_peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
     return result;
 }
 
+static void tcp_peer_post(void *peer, kvpi_xfer *x, unsigned flags)
+{
+    kvpi_runner_post(((tcp_peer *)peer)->runner, tcp_peer_xfer, peer, x, flags);
+}
+
 const kvpi_transport_ops kvpi_transport_tcp = {
     .name = "tcp",
     .mooncake_protocol = "tcp",
@@ -502,6 +514,6 @@ const kvpi_transport_ops kvpi_transport_tcp = {
     .server_port = tcp_server_port,
     .server_describe = tcp_server_describe,
     .peer_open = tcp_peer_open,
-    .peer_xfer = tcp_peer_xfer,
+    .peer_post = tcp_peer_post,
     .peer_close = tcp_peer_close,
 };

@@ -25,9 +25,19 @@
  * on that server. Every other op may run on any thread, concurrently with
  * itself and with every other op except server_stop: mem_reg/mem_dereg on
  * the application's threads (kvp_engine_register and the pool), the describe
- * ops on whichever thread publishes, peer_* on the engine's workers (several
- * at once on one peer). A server's own threads (its listener) are its
- * business; they must stop in server_stop.
+ * ops on whichever thread publishes, peer_open and peer_close on the
+ * engine's workers, peer_post on whichever thread submits (the
+ * application's, or an engine worker after a lookup; several at once on one
+ * peer). A server's own threads (its listener, its progress or I/O threads)
+ * are its business; they must stop in server_stop.
+ *
+ * Transfers are asynchronous: peer_post hands the transport an xfer (a
+ * group of slices) and returns; the transport calls the xfer's completion
+ * once, from a thread of its own or (KVPI_POST_INLINE) from the posting
+ * thread before peer_post returns. A transport whose I/O blocks runs it on
+ * threads it owns (transport/runner.h: tcp, shm); ucx issues UCP's
+ * nonblocking calls and completes from its progress. Cancel is a flag the
+ * poster sets (kvpi_xfer.canceled); there is no op for it.
  *
  * Errors: every fallible op returns a kvp_status and, on failure, sets
  * kvp_last_error() to one line naming the peer, region or field; outputs are
@@ -37,6 +47,7 @@
 #ifndef KVPI_TRANSPORT_H
 #define KVPI_TRANSPORT_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -48,7 +59,7 @@
 #include "common/region.h"
 #include "kvpipe/engine.h"
 
-/* One contiguous piece of a request, handed to peer_xfer. The engine checked
+/* One contiguous piece of a request, posted in an xfer. The engine checked
  * [remote, remote+length) against the peer's descriptor before the call: it
  * lies inside regions[remote_region] of the peer's context, whatever the
  * transport (for one-sided transports, KVPI_CAP_RDMA, that check is the only
@@ -62,12 +73,54 @@ typedef struct kvpi_slice {
     size_t remote_region; /* index into kvpi_peer_ctx.regions */
     /* KVPI_CAP_NEEDS_LOCAL_REG transports only: this transport's mem_reg
      * handle of the registered local region that holds [local, +length)
-     * whole, pinned (its unregistration waits) until peer_xfer returns; NULL
+     * whole, pinned (its unregistration waits) until the xfer completes; NULL
      * when the local memory is not registered as one region. A transport
      * that gets NULL copes (registers or bounces it) or fails the slice with
      * KVP_EINVAL saying why. Always NULL for other transports. */
     void *local_handle;
 } kvpi_slice;
+
+/* A group of slices posted to a peer (peer_post): all READ or all WRITE,
+ * n <= KVPI_XFER_MAX, at most the transport's group_bytes together unless
+ * n == 1. Ownership: the poster owns x, the slices and the memory they
+ * name; the transport uses them from peer_post until it calls done, and
+ * after done touches none of them again - not the local memory, not the
+ * slices, not x (the poster may free it in done). */
+typedef struct kvpi_xfer kvpi_xfer;
+struct kvpi_xfer {
+    kvpi_slice *const *slices;
+    size_t n;
+    /* Set by the poster at any time before done runs. A slice the transport
+     * has not started completes with KVP_ECANCELED without touching memory;
+     * a started one finishes, or fails at its deadline, first. So done's
+     * promise holds for a cancelled xfer too: once it ran, nothing of it is
+     * in flight. */
+    atomic_int canceled;
+    /* Called exactly once, every slice's status set, with: KVP_OK; the
+     * connection-level error that failed some slices (KVP_ECONNRESET,
+     * KVP_ECONNREFUSED, KVP_ETIMEDOUT); KVP_ERANGE when the peer refused a
+     * slice (outside its registered memory now: its registrations changed)
+     * and the others still ran; KVP_ECANCELED when cancelled slices are its
+     * only failures. kvp_last_error() on the calling thread describes a
+     * failure. done must neither block nor call this peer's ops (it may run
+     * inside the transport's progress): the engine hands what follows (a
+     * lookup, a retry, closing the peer) to its own workers. After a failure
+     * the engine closes this peer (once nothing uses it) and looks the
+     * segment up again before the next transfer. */
+    void (*done)(kvpi_xfer *x, kvp_status st);
+    /* The transport's, between peer_post and done. */
+    kvpi_xfer *next;
+    void *peer;
+    kvp_status (*run)(void *peer, kvpi_slice *const *slices, size_t n);
+};
+
+#define KVPI_XFER_MAX 64
+/* peer_post flag: the poster waits for this xfer (a synchronous transfer).
+ * The transport may run it on the posting thread (tcp, shm: the blocking
+ * I/O; ucx: issue and progress its worker until done, or until it stops
+ * making progress), which saves the thread wake-ups that cost most of a
+ * small request's time. */
+#define KVPI_POST_INLINE 0x1u
 
 typedef struct kvpi_server_ctx {
     const char *segment;        /* the local segment name, for messages */
@@ -85,6 +138,9 @@ typedef struct kvpi_server_ctx {
     const kvpi_auth *auth;
     /* Where the server counts the requests it serves (may be NULL). */
     kvpi_served *served;
+    /* Threads a transport with blocking I/O may run transfers on
+     * (kvp_engine_opts.workers; 0: its default). */
+    int threads;
 } kvpi_server_ctx;
 
 typedef struct kvpi_peer_ctx {
@@ -100,7 +156,7 @@ typedef struct kvpi_peer_ctx {
     /* This transport's local server, or NULL when it did not start here (a
      * transport that needs its server to reach peers refuses: KVP_ENOTSUP). */
     void *server;
-    /* Each peer_xfer call must finish within timeout_ms + its bytes /
+    /* Each xfer must complete within timeout_ms + its bytes /
      * min_rate (bytes per second; 0: the default), waiting for a connection
      * included. */
     int timeout_ms;
@@ -137,14 +193,14 @@ static inline kvpi_conn_limits kvpi_server_limits(const kvpi_server_ctx *ctx)
 #define KVPI_CAP_NEEDS_LOCAL_REG 0x2u
 /* One-sided: the target's CPU checks nothing, what its registrations allow
  * (published per buffer by buffer_describe) is all it serves; the engine's
- * range check against the descriptor before each peer_xfer is mandatory. */
+ * range check against the descriptor before each peer_post is mandatory. */
 #define KVPI_CAP_RDMA 0x4u
 /* Authenticates its connections in the authenticated mode (server_ctx and
  * peer_ctx .auth, common/auth.h). An engine with a key runs only such
  * transports: one without it would let a peer without the key in. */
 #define KVPI_CAP_AUTH 0x8u
 
-/* Small requests queued back to back for one peer are handed to peer_xfer
+/* Small requests submitted back to back for one peer are posted in one xfer
  * together, up to this many bytes, so that the transport can pipeline them;
  * larger requests go one per call, spread over workers and connections. */
 #define KVPI_GROUP_BYTES_DEFAULT ((size_t)1 << 20)
@@ -159,7 +215,7 @@ typedef struct kvpi_transport_ops {
     const char *mooncake_protocol;
     unsigned caps;      /* KVPI_CAP_* */
     unsigned mem_kinds; /* KVPI_MEM_BIT() of each kvp_mem_kind it can move; not 0 */
-    /* Bytes per peer_xfer group; 0 means KVPI_GROUP_BYTES_DEFAULT. Measured on
+    /* Bytes per xfer; 0 means KVPI_GROUP_BYTES_DEFAULT. Measured on
      * loopback TCP, 1 MiB requests ran 30% faster one per connection than
      * pipelined four to one; shm, whose round trips cost more than its copies
      * of small slices, does best with large groups. */
@@ -193,7 +249,7 @@ typedef struct kvpi_transport_ops {
     /* Optional (then regions need no registration with this transport).
      * Register a region (of a kind in mem_kinds; others are not passed) so
      * that peers can reach it through this server; *handle is kept in the
-     * region's slot and given back to buffer_describe, peer_xfer
+     * region's slot and given back to buffer_describe, peer_post
      * (local_handle) and mem_dereg. The region is not yet visible to peers
      * or pinnable during the call. On failure nothing stays registered; the
      * engine then deregisters what other transports registered and fails
@@ -229,18 +285,14 @@ typedef struct kvpi_transport_ops {
      * own, KVP_ECONNREFUSED, ...) fail the lookup when no other transport
      * serves. */
     kvp_status (*peer_open)(const kvpi_peer_ctx *ctx, void **peer);
-    /* Required. Run n slices (all READ or all WRITE, n <= 64, at most
-     * group_bytes together unless n == 1) against the peer, in order or
-     * overlapped, within one deadline (see kvpi_peer_ctx), and set every
-     * slice's status. Returns KVP_OK; the connection-level error that failed
-     * some slices (KVP_ECONNRESET, KVP_ECONNREFUSED, KVP_ETIMEDOUT), which
-     * also fails the batch's requests not yet started; or KVP_ERANGE when the
-     * peer refused a slice (outside its registered memory now: its
-     * registrations changed) and the others still ran. After any of these
-     * the engine closes this peer (once no worker uses it) and looks the
-     * segment up again before the next transfer. */
-    kvp_status (*peer_xfer)(void *peer, kvpi_slice *const *slices, size_t n);
-    /* Required. Close and free; no peer_xfer runs on it any more. */
+    /* Required. Start moving x (see kvpi_xfer) within one deadline (see
+     * kvpi_peer_ctx), in order or overlapped; flags: KVPI_POST_INLINE. Never
+     * fails: every outcome, an xfer refused at once included, comes through
+     * x->done. */
+    void (*peer_post)(void *peer, kvpi_xfer *x, unsigned flags);
+    /* Required. Close and free; called once every xfer posted on it has
+     * completed, from an engine worker or the destroying thread (never from
+     * a completion). */
     void (*peer_close)(void *peer);
 } kvpi_transport_ops;
 
@@ -259,6 +311,11 @@ const kvpi_transport_ops *kvpi_transport_lookup(const char *name);
 /* Why a protocol name this build knows has no transport ("rdma" without
  * UCX), or NULL for a name it does not know or serves. */
 const char *kvpi_transport_missing(const char *name);
+
+/* Post x inline and wait for its completion; returns done's status. For
+ * callers with no completion of their own (tests, tools). */
+kvp_status kvpi_transport_xfer_sync(const kvpi_transport_ops *ops, void *peer,
+                                    kvpi_slice *const *slices, size_t n);
 
 /* KVP_EINVAL naming the first mandatory op or field ops lacks. */
 kvp_status kvpi_transport_check(const kvpi_transport_ops *ops);

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "common/clock.h"
+#include "common/conn_server.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/net.h"
@@ -72,6 +73,7 @@ typedef struct ucx_peer {
     uint64_t conn_id;
     int awaiting_hello;
     long inflight;        /* requests issued and not completed */
+    struct ucx_xfer *issued; /* xfers with requests in flight */
     pid_t target_pid;     /* on this host; 0 where not, or unknown */
     unsigned long long target_start;
     uint64_t next_check;
@@ -286,6 +288,8 @@ static void check_alive(ucx_peer *p)
     p->ep = NULL;
 }
 
+static void check_deadlines(ucx_peer *p);
+
 /* After each round of progress: flush behind each new REVOKE, and answer
  * them in order once flushed, so that the target may read an answer as
  * covering every earlier serial. */
@@ -295,6 +299,7 @@ static unsigned peer_service(kvpi_ucx_server *s, kvpi_ucx_pollee *poll)
     ucx_peer *p = (ucx_peer *)poll;
     unsigned did = 0;
     check_alive(p);
+    check_deadlines(p);
     for (ucx_revoke *rv = p->revokes; rv; rv = rv->next) {
         if (rv->issued) continue;
         rv->issued = 1;
@@ -710,168 +715,36 @@ static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
 typedef struct ucx_xfer ucx_xfer;
 
 typedef struct ucx_item {
-    ucx_xfer *x;
+    ucx_xfer *ux;
     ucs_status_t status;
     int refused; /* never issued: REFUSED_* */
-    kvp_opcode opcode;
-    void *local;
-    uint64_t remote;
-    size_t length, region;
 } ucx_item;
 
-enum { REFUSED_OUTSIDE = 1, REFUSED_REVOKED = 2, REFUSED_NO_RKEY = 3 };
-enum { XFER_QUEUED, XFER_ISSUED, XFER_DONE, XFER_ABANDONED };
+enum { REFUSED_OUTSIDE = 1, REFUSED_REVOKED = 2, REFUSED_NO_RKEY = 3, REFUSED_CANCELED = 4 };
 
-/* One peer_xfer call's requests, shared by the calling thread and whoever
- * issues them (each holds a reference): the calling thread itself when it
- * leads, or the holder of the worker it was posted to. */
+/* One posted xfer. Everything here changes under the worker's lock: it is
+ * issued by the lock's holder, and UCP calls its requests back from the
+ * holder's progress. */
 struct ucx_xfer {
-    kvpi_ucx_cmd cmd; /* first */
+    kvpi_ucx_cmd cmd; /* first: posted to the worker's holder */
     ucx_peer *p;
-    pthread_mutex_t lock;
-    pthread_cond_t done;
-    atomic_int state; /* changes under lock; a leader reads it without */
-    int pending;      /* requests not completed */
-    int issuing; /* its issuer is still issuing */
-    int refs;
+    kvpi_xfer *x;
+    uint64_t deadline;
+    uint64_t bytes;
+    int pending; /* requests in flight */
     int writes;
-    size_t n;
+    int *led;                  /* a leading caller's flag, set when done; NULL if none */
+    ucx_xfer *prev, *next;     /* the peer's issued xfers (p->issued) */
     ucx_item flush;
     ucx_item items[];
 };
 
-static void xfer_put(ucx_xfer *x)
-{
-    pthread_mutex_lock(&x->lock);
-    int last = --x->refs == 0;
-    pthread_mutex_unlock(&x->lock);
-    if (!last) return;
-    pthread_cond_destroy(&x->done);
-    pthread_mutex_destroy(&x->lock);
-    free(x);
-}
-
-/* The issuer is done with x once nothing is pending. */
-static void xfer_settle(ucx_xfer *x, int pending_delta)
-{
-    pthread_mutex_lock(&x->lock);
-    x->pending += pending_delta;
-    int done = !x->issuing && x->pending == 0 && x->state == XFER_ISSUED;
-    if (done) {
-        x->state = XFER_DONE;
-        pthread_cond_broadcast(&x->done);
-    }
-    pthread_mutex_unlock(&x->lock);
-    if (done) xfer_put(x);
-}
-
-static void request_done(void *request, ucs_status_t st, void *user_data)
-{
-    ucx_item *it = user_data;
-    ucx_xfer *x = it->x;
-    it->status = st;
-    ucp_request_free(request);
-    x->p->inflight--;
-    xfer_settle(x, -1);
-}
-
-/* Issue one request; r is what ucp_*_nbx returned. */
-static void issued(ucx_xfer *x, ucx_item *it, ucs_status_ptr_t r)
-{
-    if (UCS_PTR_IS_PTR(r)) {
-        x->p->inflight++;
-        pthread_mutex_lock(&x->lock);
-        x->pending++;
-        pthread_mutex_unlock(&x->lock);
-    } else {
-        it->status = UCS_PTR_STATUS(r);
-    }
-}
-
-static void xfer_issue(ucx_xfer *x)
-{
-    ucx_peer *p = x->p;
-    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
-                                               UCP_OP_ATTR_FIELD_USER_DATA,
-                               .cb.send = request_done};
-    for (size_t i = 0; i < x->n; i++) {
-        ucx_item *it = &x->items[i];
-        it->x = x;
-        if (!p->ep) {
-            it->status = UCS_ERR_CANCELED;
-            continue;
-        }
-        /* The engine checked the range before; one-sided, this is the last
-         * place a bad one can be stopped. */
-        if (it->region >= p->n_regions ||
-            !kvpi_regions_contain(&p->regions[it->region], 1, it->remote, it->length)) {
-            it->refused = REFUSED_OUTSIDE;
-            continue;
-        }
-        if (p->revoked[it->region]) {
-            it->refused =
-                p->revoked[it->region] == REVOKED_NO_RKEY ? REFUSED_NO_RKEY : REFUSED_REVOKED;
-            continue;
-        }
-        prm.user_data = it;
-        ucp_rkey_h rkey = p->rkeys[it->region];
-        issued(x, it,
-               it->opcode == KVP_OP_READ
-                   ? ucp_get_nbx(p->ep, it->local, it->length, it->remote, rkey, &prm)
-                   : ucp_put_nbx(p->ep, it->local, it->length, it->remote, rkey, &prm));
-        x->writes |= it->opcode == KVP_OP_WRITE;
-    }
-    if (x->writes && p->ep) {
-        /* A put completes when its buffer may be reused; the flush, when the
-         * target has the bytes. */
-        x->flush.x = x;
-        prm.user_data = &x->flush;
-        issued(x, &x->flush, ucp_ep_flush_nbx(p->ep, &prm));
-    }
-}
-
-static void xfer_run(kvpi_ucx_server *s, kvpi_ucx_cmd *cmd)
-{
-    (void)s;
-    ucx_xfer *x = (ucx_xfer *)cmd;
-    pthread_mutex_lock(&x->lock);
-    int abandoned = x->state == XFER_ABANDONED;
-    if (!abandoned) {
-        x->state = XFER_ISSUED;
-        x->issuing = 1;
-    }
-    pthread_mutex_unlock(&x->lock);
-    if (abandoned) {
-        xfer_put(x);
-        return;
-    }
-    xfer_issue(x);
-    pthread_mutex_lock(&x->lock);
-    x->issuing = 0;
-    pthread_mutex_unlock(&x->lock);
-    xfer_settle(x, 0);
-}
-
-/* Out of time: close the endpoint, which completes what is in flight with
- * UCS_ERR_CANCELED (at the next progress, the progress thread's); the engine
- * then looks the segment up again. The worker's holder lets go of it within
- * LEAD_IDLE_NS or its own deadline. */
-static void cut(ucx_peer *p)
-{
-    pthread_mutex_lock(&p->poll.lock);
-    if (p->ep) {
-        atomic_store(&p->timed_out, 1);
-        kvpi_ucx_ep_close_force(p->ep);
-        p->ep = NULL;
-    }
-    int more = p->inflight > 0;
-    pthread_mutex_unlock(&p->poll.lock);
-    kvpi_ucx_let_go(p->server, &p->poll, more);
-}
-
 static kvp_status slice_status(const ucx_peer *p, const ucx_item *it, ucs_status_t st,
                                const kvpi_slice *s)
 {
+    if (it->refused == REFUSED_CANCELED)
+        return kvpi_error(KVP_ECANCELED, "ucx: segment %s: cancelled before it was issued",
+                          p->segment);
     if (it->refused == REFUSED_REVOKED)
         return kvpi_error(KVP_ERANGE, "ucx: segment %s deregistered the buffer of 0x%" PRIx64,
                           p->segment, s->remote);
@@ -890,66 +763,169 @@ static kvp_status slice_status(const ucx_peer *p, const ucx_item *it, ucs_status
     return k == KVP_EIO || k == KVP_ECONNREFUSED ? KVP_ECONNRESET : k;
 }
 
-static ucx_xfer *xfer_new(ucx_peer *p, kvpi_slice *const *slices, size_t n)
+/* Every request of ux completed (or none was issued): set the slices'
+ * statuses and complete. The worker's holder, or a poster before anything
+ * was issued. */
+static void finish(ucx_xfer *ux)
 {
-    ucx_xfer *x = calloc(1, sizeof *x + n * sizeof x->items[0]);
-    if (!x) return NULL;
-    pthread_mutex_init(&x->lock, NULL);
-    kvpi_cond_init(&x->done);
-    x->cmd.run = xfer_run;
-    x->p = p;
-    x->refs = 2; /* this thread's and its issuer's (maybe this thread too) */
-    x->n = n;
-    for (size_t i = 0; i < n; i++)
-        x->items[i] = (ucx_item){.status = UCS_INPROGRESS,
-                                 .opcode = slices[i]->opcode,
-                                 .local = slices[i]->local,
-                                 .remote = slices[i]->remote,
-                                 .length = slices[i]->length,
-                                 .region = slices[i]->remote_region};
-    return x;
+    ucx_peer *p = ux->p;
+    kvpi_xfer *x = ux->x;
+    if (ux->led) *ux->led = 1;
+    kvp_status conn = KVP_OK, result = KVP_OK;
+    for (size_t i = 0; i < x->n; i++) {
+        ucs_status_t st = ux->items[i].status;
+        if (st == UCS_OK && ux->writes && x->slices[i]->opcode == KVP_OP_WRITE)
+            st = ux->flush.status;
+        kvp_status k = slice_status(p, &ux->items[i], st, x->slices[i]);
+        x->slices[i]->status = k;
+        if (k == KVP_ECONNRESET || k == KVP_ETIMEDOUT) conn = k;
+        if (k && !result) result = k;
+    }
+    if (conn == KVP_ETIMEDOUT) {
+        result = kvpi_error(conn, "ucx: segment %s: %" PRIu64 " bytes not done within %d ms + the bytes at %" PRIu64 " bytes/s",
+                            p->segment, ux->bytes, p->timeout_ms, p->min_rate);
+    } else if (conn) {
+        int st = atomic_load(&p->ep_status);
+        result = kvpi_error(conn, "ucx: segment %s: %s", p->segment,
+                            st ? ucs_status_string((ucs_status_t)st) : "endpoint closed");
+    }
+    free(ux);
+    x->done(x, result);
 }
 
-/* Wait for x until deadline; out of time, make sure nothing of it is in
- * flight any more before the caller's buffers are given back. */
-static void xfer_wait(ucx_peer *p, ucx_xfer *x, uint64_t deadline)
+static void request_done(void *request, ucs_status_t st, void *user_data)
 {
-    struct timespec dl = kvpi_timespec_at_ns(deadline);
-    pthread_mutex_lock(&x->lock);
-    while (x->state != XFER_DONE && kvpi_now_ns() < deadline)
-        pthread_cond_timedwait(&x->done, &x->lock, &dl);
-    int queued = x->state == XFER_QUEUED;
-    if (queued) x->state = XFER_ABANDONED; /* its issuer skips it */
-    int late = x->state == XFER_ISSUED;
-    pthread_mutex_unlock(&x->lock);
-    if (queued) atomic_store(&p->timed_out, 1);
-    if (!late) return;
-    cut(p);
-    /* The closed endpoint completed its requests, or does so at the next
-     * round of progress. */
-    struct timespec grace = kvpi_deadline_after_ms(1000);
-    pthread_mutex_lock(&x->lock);
-    while (x->state != XFER_DONE)
-        if (pthread_cond_timedwait(&x->done, &x->lock, &grace) == ETIMEDOUT) break;
-    if (x->state != XFER_DONE)
-        KVPI_ERROR("ucx peer %s: requests still in flight after their endpoint was closed",
-                   p->segment);
-    pthread_mutex_unlock(&x->lock);
+    ucx_item *it = user_data;
+    ucx_xfer *ux = it->ux;
+    ucx_peer *p = ux->p;
+    it->status = st;
+    ucp_request_free(request);
+    p->inflight--;
+    if (--ux->pending > 0) return;
+    if (ux->prev)
+        ux->prev->next = ux->next;
+    else
+        p->issued = ux->next;
+    if (ux->next) ux->next->prev = ux->prev;
+    finish(ux);
 }
 
-/* With the worker's lock: issue x (and what others posted) and progress the
- * worker on this thread until x is done, the worker made no progress for
- * LEAD_IDLE_NS, or the deadline passed; then let go of it (the progress
- * thread serves what is left). No thread wake-up on the way of a request
- * that completes meanwhile: the same loop as ucx_perftest's. */
-static void lead(ucx_peer *p, ucx_xfer *x, uint64_t deadline)
+/* Issue one request; r is what ucp_*_nbx returned. */
+static void issued(ucx_xfer *ux, ucx_item *it, ucs_status_ptr_t r)
+{
+    if (UCS_PTR_IS_PTR(r)) {
+        ux->p->inflight++;
+        ux->pending++;
+    } else {
+        it->status = UCS_PTR_STATUS(r);
+    }
+}
+
+/* Issue ux's requests; the caller holds the worker's lock. */
+static void xfer_run(kvpi_ucx_server *s, kvpi_ucx_cmd *cmd)
+{
+    (void)s;
+    ucx_xfer *ux = (ucx_xfer *)cmd;
+    ucx_peer *p = ux->p;
+    kvpi_xfer *x = ux->x;
+    int canceled = atomic_load(&x->canceled);
+    if (!canceled && kvpi_now_ns() >= ux->deadline) atomic_store(&p->timed_out, 1);
+    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                                               UCP_OP_ATTR_FIELD_USER_DATA,
+                               .cb.send = request_done};
+    for (size_t i = 0; i < x->n; i++) {
+        ucx_item *it = &ux->items[i];
+        const kvpi_slice *sl = x->slices[i];
+        it->ux = ux;
+        it->status = UCS_INPROGRESS;
+        if (canceled) {
+            it->refused = REFUSED_CANCELED;
+            continue;
+        }
+        if (!p->ep || atomic_load(&p->timed_out)) {
+            it->status = UCS_ERR_CANCELED;
+            continue;
+        }
+        /* The engine checked the range before; one-sided, this is the last
+         * place a bad one can be stopped. */
+        if (sl->remote_region >= p->n_regions ||
+            !kvpi_regions_contain(&p->regions[sl->remote_region], 1, sl->remote, sl->length)) {
+            it->refused = REFUSED_OUTSIDE;
+            continue;
+        }
+        if (p->revoked[sl->remote_region]) {
+            it->refused = p->revoked[sl->remote_region] == REVOKED_NO_RKEY ? REFUSED_NO_RKEY
+                                                                             : REFUSED_REVOKED;
+            continue;
+        }
+        prm.user_data = it;
+        ucp_rkey_h rkey = p->rkeys[sl->remote_region];
+        issued(ux, it,
+               sl->opcode == KVP_OP_READ
+                   ? ucp_get_nbx(p->ep, sl->local, sl->length, sl->remote, rkey, &prm)
+                   : ucp_put_nbx(p->ep, sl->local, sl->length, sl->remote, rkey, &prm));
+        ux->writes |= sl->opcode == KVP_OP_WRITE;
+    }
+    if (ux->writes && p->ep) {
+        /* A put completes when its buffer may be reused; the flush, when the
+         * target has the bytes. */
+        ux->flush.ux = ux;
+        ux->flush.status = UCS_INPROGRESS;
+        prm.user_data = &ux->flush;
+        issued(ux, &ux->flush, ucp_ep_flush_nbx(p->ep, &prm));
+    }
+    if (ux->pending == 0) {
+        finish(ux);
+        return;
+    }
+    ux->prev = NULL;
+    ux->next = p->issued;
+    if (p->issued) p->issued->prev = ux;
+    p->issued = ux;
+}
+
+/* Out of time: close the endpoint, which completes what is in flight with
+ * UCS_ERR_CANCELED at the next progress; the engine then looks the peer up
+ * again. The caller holds the worker's lock. */
+static void cut(ucx_peer *p)
+{
+    if (!p->ep) return;
+    atomic_store(&p->timed_out, 1);
+    kvpi_ucx_ep_close_force(p->ep);
+    p->ep = NULL;
+}
+
+/* The worker's holder, after each round of progress: an xfer past its
+ * deadline cuts the endpoint. */
+static void check_deadlines(ucx_peer *p)
+{
+    if (!p->issued) return;
+    uint64_t now = kvpi_now_ns();
+    for (ucx_xfer *ux = p->issued; ux; ux = ux->next)
+        if (now >= ux->deadline) {
+            KVPI_DEBUG("ucx peer %s: a transfer passed its deadline: closing the endpoint",
+                       p->segment);
+            cut(p);
+            return;
+        }
+}
+
+/* With the worker's lock: issue ux (and what others posted); when led is
+ * not NULL, progress the worker on this thread until ux is done, the worker
+ * made no progress for LEAD_IDLE_NS, or its deadline passed - no thread
+ * wake-up on the way of a request that completes meanwhile, the same loop
+ * as ucx_perftest's. Then let go of the worker (the progress thread serves
+ * what is left). */
+static void lead(ucx_peer *p, ucx_xfer *ux, int *led)
 {
     kvpi_ucx_server *s = p->server;
+    uint64_t deadline = ux->deadline;
+    ux->led = led;
     kvpi_ucx_run_posted(s, &p->poll);
-    xfer_run(s, &x->cmd);
+    xfer_run(s, &ux->cmd); /* may finish (and free) ux */
     uint64_t last = kvpi_now_ns();
     int moved = 0;
-    for (unsigned i = 1; atomic_load(&x->state) != XFER_DONE && p->ep; i++) {
+    for (unsigned i = 1; led && !*led && p->ep; i++) {
         moved |= ucp_worker_progress(p->worker) != 0;
         if (i % 16) continue;
         kvpi_ucx_run_posted(s, &p->poll);
@@ -961,63 +937,49 @@ static void lead(ucx_peer *p, ucx_xfer *x, uint64_t deadline)
         else if (now - last > LEAD_IDLE_NS)
             break;
     }
+    if (led && !*led) ux->led = NULL; /* still in flight: nobody leads it now */
     peer_service(s, &p->poll);
     int more = p->inflight > 0;
     pthread_mutex_unlock(&p->poll.lock);
     kvpi_ucx_let_go(s, &p->poll, more);
 }
 
-static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
+static void peer_post(void *peer, kvpi_xfer *x, unsigned flags)
 {
     ucx_peer *p = peer;
     uint64_t bytes = 0;
-    for (size_t i = 0; i < n; i++)
-        bytes += slices[i]->length;
-    uint64_t budget_ms = (uint64_t)p->timeout_ms + bytes * 1000u / p->min_rate;
-    uint64_t deadline = kvpi_now_ns() + budget_ms * 1000000u;
-    ucx_xfer *x = xfer_new(p, slices, n);
-    if (!x) {
-        for (size_t i = 0; i < n; i++)
-            slices[i]->status = KVP_ENOMEM;
-        return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+    for (size_t i = 0; i < x->n; i++)
+        bytes += x->slices[i]->length;
+    ucx_xfer *ux = calloc(1, sizeof *ux + x->n * sizeof ux->items[0]);
+    if (!ux) {
+        for (size_t i = 0; i < x->n; i++)
+            x->slices[i]->status = KVP_ENOMEM;
+        x->done(x, kvpi_error(KVP_ENOMEM, "ucx: out of memory"));
+        return;
     }
-    int down = atomic_load(&p->ep_status) || atomic_load(&p->timed_out);
-    if (!down) {
-        /* The progress thread holds the worker for one round at most: wait
-         * for it. Another caller leads it until its own transfer is done:
-         * post ours to it. */
-        if (pthread_mutex_trylock(&p->poll.lock) == 0 ||
-            (atomic_load_explicit(&p->poll.by_progress, memory_order_relaxed) &&
-             pthread_mutex_lock(&p->poll.lock) == 0))
-            lead(p, x, deadline);
-        else
-            kvpi_ucx_post(p->server, &p->poll, &x->cmd);
-        xfer_wait(p, x, deadline);
+    ux->cmd.run = xfer_run;
+    ux->p = p;
+    ux->x = x;
+    ux->bytes = bytes;
+    ux->deadline = kvpi_transfer_deadline(p->timeout_ms, p->min_rate, bytes);
+    if (atomic_load(&p->ep_status) || atomic_load(&p->timed_out)) {
+        /* Down: fails at once, without the worker. */
+        for (size_t i = 0; i < x->n; i++)
+            ux->items[i].status = UCS_ERR_CANCELED;
+        finish(ux);
+        return;
+    }
+    /* The progress thread holds the worker for one round at most: wait for
+     * it. Another caller leads it until its own transfer is done: post ours
+     * to it. */
+    if (pthread_mutex_trylock(&p->poll.lock) == 0 ||
+        (atomic_load_explicit(&p->poll.by_progress, memory_order_relaxed) &&
+         pthread_mutex_lock(&p->poll.lock) == 0)) {
+        int led = 0;
+        lead(p, ux, (flags & KVPI_POST_INLINE) ? &led : NULL);
     } else {
-        x->refs--; /* never queued */
-        for (size_t i = 0; i < n; i++)
-            x->items[i].status = UCS_ERR_CANCELED;
+        kvpi_ucx_post(p->server, &p->poll, &ux->cmd);
     }
-    kvp_status conn = KVP_OK;
-    pthread_mutex_lock(&x->lock);
-    for (size_t i = 0; i < n; i++) {
-        ucs_status_t st = x->items[i].status;
-        if (st == UCS_OK && x->writes && slices[i]->opcode == KVP_OP_WRITE) st = x->flush.status;
-        kvp_status k = slice_status(p, &x->items[i], st, slices[i]);
-        slices[i]->status = k;
-        if (k == KVP_ECONNRESET || k == KVP_ETIMEDOUT) conn = k;
-    }
-    pthread_mutex_unlock(&x->lock);
-    xfer_put(x);
-    if (conn == KVP_ETIMEDOUT)
-        return kvpi_error(conn, "ucx: segment %s: %" PRIu64 " bytes not done within %" PRIu64
-                          " ms", p->segment, bytes, budget_ms);
-    if (conn) {
-        int st = atomic_load(&p->ep_status);
-        return kvpi_error(conn, "ucx: segment %s: %s", p->segment,
-                          st ? ucs_status_string((ucs_status_t)st) : "endpoint closed");
-    }
-    return KVP_OK;
 }
 
 const kvpi_transport_ops kvpi_transport_ucx = {
@@ -1034,6 +996,6 @@ const kvpi_transport_ops kvpi_transport_ucx = {
     .chunk_map = kvpi_ucx_chunk_map,
     .chunk_unmap = kvpi_ucx_chunk_unmap,
     .peer_open = peer_open,
-    .peer_xfer = peer_xfer,
+    .peer_post = peer_post,
     .peer_close = peer_close,
 };

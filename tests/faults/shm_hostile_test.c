@@ -255,7 +255,7 @@ static void client_status_trickle(void)
         ps[i] = &s[i];
     }
     uint64_t t0 = kvpi_now_ms();
-    CHECK_ST(kvpi_transport_shm.peer_xfer(peer, ps, 4), KVP_ETIMEDOUT);
+    CHECK_ST(kvpi_transport_xfer_sync(&kvpi_transport_shm, peer, ps, 4), KVP_ETIMEDOUT);
     uint64_t took = kvpi_now_ms() - t0;
     fprintf(stderr, "  trickled statuses: %s after %llu ms\n", kvp_last_error(),
             (unsigned long long)took);
