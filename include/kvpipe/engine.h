@@ -278,10 +278,12 @@ KVP_API size_t kvp_batch_pending(const kvp_batch *batch);
 KVP_API kvp_status kvp_batch_wait(kvp_batch *batch, int timeout_ms);
 
 /* Cancel what of the batch has not started: those requests complete with
- * KVP_ECANCELED; what a transport has started finishes, or fails at its
- * deadline, first. Returns at once; once kvp_batch_wait (or
- * kvp_batch_pending) says a request completed, nothing touches its local
- * memory any more, whatever its status. NULL is a no-op. */
+ * KVP_ECANCELED at once; what a transport has started (over ucx: everything
+ * posted to UCX) finishes, or fails at its deadline, first. Returns without
+ * waiting; thread-safe, also against kvp_batch_wait on another thread. Once
+ * kvp_batch_wait (or kvp_batch_pending) says a request completed, nothing
+ * of kvpipe's touches its local memory any more, whatever its status
+ * (docs/reliability.md, "Cancel"). NULL is a no-op. */
 KVP_API void kvp_batch_cancel(kvp_batch *batch);
 
 /* Release a batch: kvp_batch_cancel, then wait for what runs (bounded by its

@@ -66,6 +66,7 @@ typedef struct req_state {
 } req_state;
 
 struct kvp_batch {
+    kvp_engine *e;
     kvpi_segment *seg;
     size_t n;
     req_state *reqs;
@@ -554,6 +555,7 @@ static kvp_status submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request
     }
     pthread_mutex_init(&b->lock, NULL);
     kvpi_cond_init(&b->cond);
+    b->e = e;
     b->seg = seg;
     b->n = n;
     b->n_works = b->outstanding = n_works;
@@ -633,6 +635,12 @@ void kvp_batch_cancel(kvp_batch *b)
     pthread_mutex_lock(&b->lock);
     cancel_groups(b);
     pthread_mutex_unlock(&b->lock);
+    /* What a transport holds unstarted completes now, not when one of its
+     * threads (maybe all stuck on a stalled peer) comes free. */
+    kvp_engine *e = b->e;
+    for (size_t i = 0; e->transports[i]; i++)
+        if (e->servers[i] && e->transports[i]->server_cancel)
+            e->transports[i]->server_cancel(e->servers[i]);
 }
 
 void kvp_batch_free(kvp_batch *b)

@@ -89,6 +89,32 @@ void kvpi_runner_stop(kvpi_runner *r)
     free(r);
 }
 
+void kvpi_runner_cancel(kvpi_runner *r)
+{
+    if (!r) return;
+    kvpi_xfer *canceled = NULL, **last = &canceled;
+    pthread_mutex_lock(&r->lock);
+    for (kvpi_xfer **pp = &r->head; *pp;) {
+        kvpi_xfer *x = *pp;
+        if (!atomic_load(&x->canceled)) {
+            pp = &x->next;
+            continue;
+        }
+        *pp = x->next;
+        *last = x;
+        last = &x->next;
+    }
+    *last = NULL;
+    r->tail = &r->head;
+    while (*r->tail) r->tail = &(*r->tail)->next;
+    pthread_mutex_unlock(&r->lock);
+    while (canceled) {
+        kvpi_xfer *x = canceled;
+        canceled = x->next; /* before done: x may be freed there */
+        finish(x, kvpi_error(KVP_ECANCELED, "the transfer was cancelled before it started"));
+    }
+}
+
 void kvpi_runner_post(kvpi_runner *r, kvpi_run_fn run, void *peer, kvpi_xfer *x, unsigned flags)
 {
     if (!r || (flags & KVPI_POST_INLINE)) {

@@ -9,8 +9,9 @@
  * kvpi_runner_post returns.
  *
  * An xfer cancelled (kvpi_xfer.canceled) before a thread takes it completes
- * with KVP_ECANCELED without running; one already running finishes (or fails
- * at its deadline) first. The threads start at the first post that needs one,
+ * with KVP_ECANCELED without running, at once with kvpi_runner_cancel (even
+ * while every thread is busy with a stalled peer), or when a thread takes it;
+ * one already running finishes (or fails at its deadline) first. The threads start at the first post that needs one,
  * so that a transport no peer uses costs nothing; kvpi_runner_stop completes
  * what is still queued with KVP_ECLOSED and joins them.
  */
@@ -29,6 +30,10 @@ typedef struct kvpi_runner kvpi_runner;
 #define KVPI_RUNNER_THREADS_DEFAULT 4
 kvp_status kvpi_runner_create(int threads, kvpi_runner **out);
 void kvpi_runner_stop(kvpi_runner *r);
+
+/* The body of a blocking transport's server_cancel: complete now, with
+ * KVP_ECANCELED, every queued xfer whose cancel flag is set. */
+void kvpi_runner_cancel(kvpi_runner *r);
 
 /* The body of a blocking transport's peer_post. r may be NULL (see above). */
 void kvpi_runner_post(kvpi_runner *r, kvpi_run_fn run, void *peer, kvpi_xfer *x, unsigned flags);

@@ -10,11 +10,13 @@
  */
 #include <errno.h>
 #include <inttypes.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -337,6 +339,29 @@ static kvp_status link_collect(const shm_peer *p, int fd, kvpi_slice *const *win
     return KVP_OK;
 }
 
+/* The target copies into our memory itself: before a request it gave up
+ * completes, tell it (shut our end down: it checks before each copy of
+ * KVPI_SHM_COPY_CHUNK) and wait, up to one copy's time at the floor rate,
+ * for it to close its end - then nothing of the request lands in the buffer
+ * after the completion. A target that does not answer in time is stopped or
+ * hung: a copy it had begun has ended (a stopped process is stopped outside
+ * its system calls), and it checks again before the next one. */
+static void fence(const shm_peer *p, int fd)
+{
+    if (shutdown(fd, SHUT_WR) != 0) return; /* already gone */
+    uint64_t deadline = kvpi_deadline_ns(100 + (int)(KVPI_SHM_COPY_CHUNK * 1000 / p->min_rate));
+    uint8_t sink[256];
+    for (;;) {
+        int left = (int)((deadline - kvpi_now_ns()) / 1000000u);
+        struct pollfd pfd = {.fd = fd, .events = POLLIN};
+        if (kvpi_now_ns() >= deadline || poll(&pfd, 1, left > 0 ? left : 0) <= 0) break;
+        ssize_t k = recv(fd, sink, sizeof sink, MSG_DONTWAIT);
+        if (k == 0 || (k < 0 && errno != EAGAIN && errno != EINTR)) return; /* closed */
+    }
+    KVPI_DEBUG("shm peer pid %d: no answer to the fence within its wait (stopped or hung)",
+               (int)p->target);
+}
+
 /* A link failed: drop it (it reconnects on its next use) and fail every slice
  * not yet answered with the connection-level status. */
 static kvp_status link_failed(shm_peer *p, int i, kvp_status st, kvpi_slice *const *slices,
@@ -344,6 +369,7 @@ static kvp_status link_failed(shm_peer *p, int i, kvp_status st, kvpi_slice *con
 {
     kvp_status conn = st == KVP_ETIMEDOUT || st == KVP_ECONNREFUSED ? st : KVP_ECONNRESET;
     KVPI_DEBUG("shm peer @%s: connection failed: %s", p->name, kvp_last_error());
+    if (p->fds[i] >= 0 && conn == KVP_ETIMEDOUT) fence(p, p->fds[i]);
     if (p->fds[i] >= 0) close(p->fds[i]); /* ours while busy: no lock needed */
     p->fds[i] = -1;
     for (size_t j = 0; j < n; j++)
@@ -401,6 +427,11 @@ static void peer_post(void *peer, kvpi_xfer *x, unsigned flags)
     kvpi_runner_post(((shm_peer *)peer)->runner, peer_xfer, peer, x, flags);
 }
 
+static void server_cancel(void *server)
+{
+    kvpi_runner_cancel(kvpi_shm_server_runner(server));
+}
+
 const kvpi_transport_ops kvpi_transport_shm = {
     .name = "shm",
     .caps = KVPI_CAP_SAME_HOST | KVPI_CAP_AUTH,
@@ -411,5 +442,6 @@ const kvpi_transport_ops kvpi_transport_shm = {
     .server_describe = kvpi_shm_server_describe,
     .peer_open = peer_open,
     .peer_post = peer_post,
+    .server_cancel = server_cancel,
     .peer_close = peer_close,
 };

@@ -38,6 +38,11 @@
 #define KVPI_SHM_HELLO_LEN 24
 #define KVPI_SHM_REQ_LEN 32
 #define KVPI_SHM_STATUS_LEN 8
+/* The server copies a request this much at a time, and stops between two
+ * copies when the initiator has closed or shut down the connection (it gave
+ * the request up at its deadline); the initiator then waits up to one copy's
+ * time for the server to close its end before it completes the request. */
+#define KVPI_SHM_COPY_CHUNK ((size_t)4 << 20)
 
 /* The descriptor field: {"kvpipe_shm": {"version", "host_id", "pid", "socket"}}. */
 #define KVPI_SHM_FIELD "kvpipe_shm"

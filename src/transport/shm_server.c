@@ -26,8 +26,9 @@
 #include "common/net.h"
 #include "transport/shm_internal.h"
 
-/* One process_vm_* call at most; the kernel copies in page batches anyway. */
-#define COPY_CHUNK ((size_t)1 << 30)
+/* One process_vm_* call at most. Before each, the server checks that the
+ * initiator has not given the request up (see copy_with_peer). */
+#define COPY_CHUNK KVPI_SHM_COPY_CHUNK
 /* Statuses of requests that arrived together go back together, so that the
  * initiator wakes once per window and not once per request; but never more
  * than these, so that it hears from us within its timeout. */
@@ -85,12 +86,25 @@ static kvp_status reply(shm_conn *c, kvp_status st, int err)
     return answer(c, st, err, 0) ? KVP_ECONNRESET : flush(c);
 }
 
-/* Copy len bytes between our memory at mine and the initiator's at theirs.
- * Returns 0 or the errno that stopped it. */
-static int copy_with_peer(pid_t peer, kvp_opcode op, uint64_t mine, uint64_t theirs, uint64_t len)
+/* Has the initiator closed or shut down its end? It does when it gives a
+ * request up (its deadline passed): its memory is the caller's again. */
+static int initiator_gone(int fd)
+{
+    struct pollfd pfd = {.fd = fd, .events = POLLRDHUP};
+    return poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR));
+}
+
+/* Copy len bytes between our memory at mine and the initiator's at theirs,
+ * COPY_CHUNK at a time, as long as the initiator holds the connection (fd)
+ * open: a copy into memory it gave back would corrupt whatever the caller
+ * put there since. Returns 0 or the errno that stopped it (ECONNABORTED:
+ * the initiator gave up). */
+static int copy_with_peer(int fd, pid_t peer, kvp_opcode op, uint64_t mine, uint64_t theirs,
+                          uint64_t len)
 {
     uint64_t done = 0;
     while (done < len) {
+        if (initiator_gone(fd)) return ECONNABORTED;
         size_t n = len - done > COPY_CHUNK ? COPY_CHUNK : (size_t)(len - done);
         struct iovec local = {(void *)(uintptr_t)(mine + done), n};
         struct iovec remote = {(void *)(uintptr_t)(theirs + done), n};
@@ -140,7 +154,7 @@ static kvp_status serve_hello(kvpi_conn *conn)
         return kvpi_error(KVP_ENOTSUP, "shm server: initiator is another user or pid namespace");
     }
     uint64_t probe = 0;
-    int err = copy_with_peer(c->peer, KVP_OP_WRITE, (uint64_t)(uintptr_t)&probe, h.probe_addr,
+    int err = copy_with_peer(c->fd, c->peer, KVP_OP_WRITE, (uint64_t)(uintptr_t)&probe, h.probe_addr,
                              sizeof probe);
     if (!err && probe != h.probe_value) err = EFAULT;
     if (err) {
@@ -184,8 +198,10 @@ static kvp_status serve_request(shm_conn *c, const uint8_t h[KVPI_SHM_REQ_LEN], 
         if (srv->served) kvpi_counter_add(&srv->served->refused, 1);
         return answer(c, KVP_ERANGE, 0, 0);
     }
-    int err = copy_with_peer(c->peer, (kvp_opcode)op, remote, local, len);
+    int err = copy_with_peer(c->fd, c->peer, (kvp_opcode)op, remote, local, len);
     kvpi_region_unpin(reg, pin);
+    if (err == ECONNABORTED)
+        return kvpi_error(KVP_ECLOSED, "shm server: pid %d gave the request up", (int)c->peer);
     int fatal = 0;
     kvp_status st = copy_status(err, &fatal);
     if (st == KVP_OK && srv->served) kvpi_served_add(srv->served, op == KVP_OP_WRITE, len);

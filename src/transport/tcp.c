@@ -504,6 +504,11 @@ static void tcp_peer_post(void *peer, kvpi_xfer *x, unsigned flags)
     kvpi_runner_post(((tcp_peer *)peer)->runner, tcp_peer_xfer, peer, x, flags);
 }
 
+static void tcp_server_cancel(void *server)
+{
+    kvpi_runner_cancel(((tcp_server *)server)->runner);
+}
+
 const kvpi_transport_ops kvpi_transport_tcp = {
     .name = "tcp",
     .mooncake_protocol = "tcp",
@@ -515,5 +520,6 @@ const kvpi_transport_ops kvpi_transport_tcp = {
     .server_describe = tcp_server_describe,
     .peer_open = tcp_peer_open,
     .peer_post = tcp_peer_post,
+    .server_cancel = tcp_server_cancel,
     .peer_close = tcp_peer_close,
 };

@@ -37,7 +37,8 @@
  * thread before peer_post returns. A transport whose I/O blocks runs it on
  * threads it owns (transport/runner.h: tcp, shm); ucx issues UCP's
  * nonblocking calls and completes from its progress. Cancel is a flag the
- * poster sets (kvpi_xfer.canceled); there is no op for it.
+ * poster sets (kvpi_xfer.canceled), then server_cancel to complete at once
+ * what waits unstarted.
  *
  * Errors: every fallible op returns a kvp_status and, on failure, sets
  * kvp_last_error() to one line naming the peer, region or field; outputs are
@@ -156,9 +157,11 @@ typedef struct kvpi_peer_ctx {
     /* This transport's local server, or NULL when it did not start here (a
      * transport that needs its server to reach peers refuses: KVP_ENOTSUP). */
     void *server;
-    /* Each xfer must complete within timeout_ms + its bytes /
-     * min_rate (bytes per second; 0: the default), waiting for a connection
-     * included. */
+    /* Each xfer must complete within timeout_ms + its bytes / min_rate
+     * (bytes per second; 0: the default), waiting for a connection included;
+     * a transport that hands every posted xfer to the wire at once (ucx)
+     * counts the bytes posted before it and not completed too, since they
+     * go first. */
     int timeout_ms;
     uint64_t min_rate;
     int conns; /* connections to keep */
@@ -290,6 +293,13 @@ typedef struct kvpi_transport_ops {
      * fails: every outcome, an xfer refused at once included, comes through
      * x->done. */
     void (*peer_post)(void *peer, kvpi_xfer *x, unsigned flags);
+    /* Optional (for a transport that can hold xfers unstarted: a queue for
+     * its threads). Complete now, with KVP_ECANCELED and without touching
+     * their memory, the xfers of any peer of this server that wait unstarted
+     * with their cancel flag set. Called after the poster set flags, on its
+     * thread, holding no lock: the completions may run on it. Without this
+     * op a flagged xfer completes when the transport would have started it. */
+    void (*server_cancel)(void *server);
     /* Required. Close and free; called once every xfer posted on it has
      * completed, from an engine worker or the destroying thread (never from
      * a completion). */

@@ -73,6 +73,9 @@ typedef struct ucx_peer {
     uint64_t conn_id;
     int awaiting_hello;
     long inflight;        /* requests issued and not completed */
+    /* Bytes of xfers posted and not completed: a new xfer's deadline counts
+     * them, since UCX moves them first (see peer_post). */
+    atomic_uint_fast64_t posted_bytes;
     struct ucx_xfer *issued; /* xfers with requests in flight */
     pid_t target_pid;     /* on this host; 0 where not, or unknown */
     unsigned long long target_start;
@@ -461,7 +464,13 @@ static void close_run(kvpi_ucx_server *s, void *arg)
         if (UCS_PTR_IS_PTR(r)) req = r;
     }
     p->ep = NULL;
-    kvpi_ucx_retire(s, p->worker, req, NULL, NULL);
+    if (atomic_load(&p->poll.frozen)) {
+        /* Draining it could deliver what abandon gave up. */
+        if (req) ucp_request_free(req);
+        ucp_worker_destroy(p->worker);
+    } else {
+        kvpi_ucx_retire(s, p->worker, req, NULL, NULL);
+    }
     p->worker = NULL;
     pthread_mutex_unlock(&p->poll.lock);
 }
@@ -733,6 +742,7 @@ struct ucx_xfer {
     uint64_t bytes;
     int pending; /* requests in flight */
     int writes;
+    int abandoned; /* completed without its requests (see abandon) */
     int *led;                  /* a leading caller's flag, set when done; NULL if none */
     ucx_xfer *prev, *next;     /* the peer's issued xfers (p->issued) */
     ucx_item flush;
@@ -763,11 +773,10 @@ static kvp_status slice_status(const ucx_peer *p, const ucx_item *it, ucs_status
     return k == KVP_EIO || k == KVP_ECONNREFUSED ? KVP_ECONNRESET : k;
 }
 
-/* Every request of ux completed (or none was issued): set the slices'
- * statuses and complete. The worker's holder, or a poster before anything
- * was issued. */
-static void finish(ucx_xfer *ux)
+/* Set the slices' statuses and complete x; ux stays. */
+static void report(ucx_xfer *ux)
 {
+    atomic_fetch_sub(&ux->p->posted_bytes, ux->bytes);
     ucx_peer *p = ux->p;
     kvpi_xfer *x = ux->x;
     if (ux->led) *ux->led = 1;
@@ -789,24 +798,40 @@ static void finish(ucx_xfer *ux)
         result = kvpi_error(conn, "ucx: segment %s: %s", p->segment,
                             st ? ucs_status_string((ucs_status_t)st) : "endpoint closed");
     }
-    free(ux);
     x->done(x, result);
+}
+
+/* Every request of ux completed (or none was issued): complete. The
+ * worker's holder, or a poster before anything was issued. */
+static void finish(ucx_xfer *ux)
+{
+    report(ux);
+    free(ux);
+}
+
+static void unlink_issued(ucx_peer *p, ucx_xfer *ux)
+{
+    if (ux->prev)
+        ux->prev->next = ux->next;
+    else
+        p->issued = ux->next;
+    if (ux->next) ux->next->prev = ux->prev;
 }
 
 static void request_done(void *request, ucs_status_t st, void *user_data)
 {
     ucx_item *it = user_data;
     ucx_xfer *ux = it->ux;
-    ucx_peer *p = ux->p;
     it->status = st;
     ucp_request_free(request);
+    if (ux->abandoned) { /* its peer may be gone: ux is all that is left */
+        if (--ux->pending == 0) free(ux);
+        return;
+    }
+    ucx_peer *p = ux->p;
     p->inflight--;
     if (--ux->pending > 0) return;
-    if (ux->prev)
-        ux->prev->next = ux->next;
-    else
-        p->issued = ux->next;
-    if (ux->next) ux->next->prev = ux->prev;
+    unlink_issued(p, ux);
     finish(ux);
 }
 
@@ -895,19 +920,45 @@ static void cut(ucx_peer *p)
     p->ep = NULL;
 }
 
+/* Requests of a force-closed endpoint normally complete (cancelled) at the
+ * next progress; UCX 1.13 on shared memory keeps READs of memory the target
+ * registered pending while the target is stopped, and delivers their bytes
+ * once it resumes (cancel_test crashed writing into a freed buffer). After
+ * this long the xfer completes without them, so that no caller waits for
+ * ever, and the worker is frozen: never progressed again, destroyed without
+ * draining when the peer closes (the engine closes it after the failure),
+ * so that nothing lands in memory its caller owns again. ux stays (leaked
+ * if UCX never calls its requests back). */
+#define ABANDON_NS (1000u * 1000000u)
+
+static void abandon(ucx_peer *p, ucx_xfer *ux)
+{
+    unlink_issued(p, ux);
+    p->inflight -= ux->pending;
+    ux->abandoned = 1;
+    atomic_store(&p->poll.frozen, 1);
+    KVPI_WARN("ucx peer %s: %d requests still pending %u ms after their endpoint was closed: "
+              "the transfer fails without them, and this peer's worker is never progressed "
+              "again",
+              p->segment, ux->pending, ABANDON_NS / 1000000u);
+    report(ux);
+}
+
 /* The worker's holder, after each round of progress: an xfer past its
- * deadline cuts the endpoint. */
+ * deadline cuts the endpoint, and is given up ABANDON_NS later. */
 static void check_deadlines(ucx_peer *p)
 {
-    if (!p->issued) return;
     uint64_t now = kvpi_now_ns();
-    for (ucx_xfer *ux = p->issued; ux; ux = ux->next)
-        if (now >= ux->deadline) {
+    for (ucx_xfer *ux = p->issued, *next; ux; ux = next) {
+        next = ux->next;
+        if (now < ux->deadline) continue;
+        if (p->ep) {
             KVPI_DEBUG("ucx peer %s: a transfer passed its deadline: closing the endpoint",
                        p->segment);
             cut(p);
-            return;
         }
+        if (now - ux->deadline >= ABANDON_NS) abandon(p, ux);
+    }
 }
 
 /* With the worker's lock: issue ux (and what others posted); when led is
@@ -961,7 +1012,10 @@ static void peer_post(void *peer, kvpi_xfer *x, unsigned flags)
     ux->p = p;
     ux->x = x;
     ux->bytes = bytes;
-    ux->deadline = kvpi_transfer_deadline(p->timeout_ms, p->min_rate, bytes);
+    /* Everything posted goes to UCX at once, so an xfer waits behind the
+     * bytes posted before it: its budget at the floor rate counts them. */
+    uint64_t ahead = atomic_fetch_add(&p->posted_bytes, bytes);
+    ux->deadline = kvpi_transfer_deadline(p->timeout_ms, p->min_rate, ahead + bytes);
     if (atomic_load(&p->ep_status) || atomic_load(&p->timed_out)) {
         /* Down: fails at once, without the worker. */
         for (size_t i = 0; i < x->n; i++)

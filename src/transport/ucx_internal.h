@@ -86,6 +86,10 @@ typedef struct kvpi_ucx_pollee {
     atomic_int npending;
     _Atomic uint64_t driven_ns; /* when a caller last let go of it */
     atomic_int by_progress;     /* the progress thread holds lock (briefly) */
+    /* Never progressed again: requests on it were given up, and progress
+     * could still deliver their bytes into memory their callers own again
+     * (ucx.c, abandon). Its owner destroys the worker without draining it. */
+    atomic_int frozen;
     int watched;                /* the progress thread's sleep wakes on efd */
     struct kvpi_ucx_pollee *next;
 } kvpi_ucx_pollee;

@@ -250,6 +250,7 @@ void kvpi_ucx_pollee_init(kvpi_ucx_pollee *p)
     atomic_init(&p->npending, 0);
     atomic_init(&p->driven_ns, 0);
     atomic_init(&p->by_progress, 0);
+    atomic_init(&p->frozen, 0);
 }
 
 void kvpi_ucx_pollee_destroy(kvpi_ucx_pollee *p)
@@ -404,6 +405,10 @@ static void sleep_once(kvpi_ucx_server *s)
     uint64_t now = kvpi_now_ns();
     pthread_mutex_lock(&s->queue_lock);
     for (kvpi_ucx_pollee *p = s->pollees; p; p = p->next) {
+        if (atomic_load(&p->frozen)) {
+            watch(s, p, 0);
+            continue;
+        }
         busy |= p->pending != NULL;
         if (now - atomic_load_explicit(&p->driven_ns, memory_order_relaxed) < DRIVEN_NS ||
             pthread_mutex_trylock(&p->lock) != 0) {
@@ -438,6 +443,7 @@ static unsigned serve_pollees(kvpi_ucx_server *s, int *busy)
 {
     unsigned did = 0;
     for (kvpi_ucx_pollee *p = s->pollees; p; p = p->next) {
+        if (atomic_load(&p->frozen)) continue;
         if (pthread_mutex_trylock(&p->lock) != 0) continue; /* a caller leads it */
         atomic_store_explicit(&p->by_progress, 1, memory_order_relaxed);
         did += kvpi_ucx_run_posted(s, p);
