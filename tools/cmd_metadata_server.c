@@ -39,8 +39,10 @@ static const kvp_cli_opt opts[] = {
      .id = O_MAX_CONNS},
     {"max-connections-per-ip", KVP_ARG_INT, "N", "from one client address (default 256)", 1,
      1000000, .id = O_MAX_CONNS_PER_IP},
-    {"idle-timeout", KVP_ARG_INT, "S", "close a connection silent for S s (default 15)", 1, 86400,
-     .id = O_IDLE_TIMEOUT},
+    {"idle-timeout", KVP_ARG_INT, "S",
+     "close a connection silent for S s, or that takes\nover S s for its request header (default "
+     "15)",
+     1, 86400, .id = O_IDLE_TIMEOUT},
     {"request-timeout", KVP_ARG_INT, "S",
      "close one that takes over S s for a request\n(default 30)", 1, 86400,
      .id = O_REQUEST_TIMEOUT},

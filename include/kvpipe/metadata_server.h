@@ -45,7 +45,10 @@ typedef struct kvp_metadata_server_opts {
     /* Connections served at once from one client address (default 256);
      * more are closed as they arrive. */
     unsigned max_connections_per_ip;
-    /* A connection that sends nothing for this long is closed (default 15 s). */
+    /* A connection that sends nothing for this long is closed (default 15 s).
+     * Also the header deadline: a connection must finish its request line and
+     * headers within this long (at most request_timeout_s) of connecting or
+     * of its previous answer, however slowly it trickles; else it is closed. */
     unsigned idle_timeout_s;
     /* A connection must complete each request - headers, body and answer -
      * within this many seconds of its previous one (or of connecting), however

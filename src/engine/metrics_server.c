@@ -3,9 +3,13 @@
  *
  * A scraper is a trusted operator's tool, but the port is still a socket:
  * MHD runs one internal thread with epoll, so a slow client holds no thread;
- * connections are capped (CONNS_MAX in all, CONNS_PER_IP from one address),
- * closed after IDLE_S without a byte, and a request's headers get
- * CONN_MEMORY bytes. Requests carry no body worth reading: anything but GET
+ * connections are capped (CONNS_MAX in all, within the open-file limit;
+ * CONNS_PER_IP from one address), closed after IDLE_S without a byte, and a
+ * request's headers get CONN_MEMORY bytes. A client that trickles its
+ * header a byte at a time defeats the idle timeout, so every connection has
+ * deadlines too (common/conn_deadline.c): HEADER_S for its request line and
+ * headers, from connecting or from its previous answer, and REQUEST_S until
+ * its answer is sent. Requests carry no body worth reading: anything but GET
  * or HEAD of /metrics is answered 404 or 405 at once. */
 #include <microhttpd.h>
 #include <pthread.h>
@@ -13,17 +17,22 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include "common/conn_deadline.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/net.h"
 #include "engine/metrics_server.h"
 
-#define CONNS_MAX 64u
-#define CONNS_PER_IP 16u
+#define CONNS_MAX 1024u
+#define CONNS_PER_IP 64u
 #define IDLE_S 10u
+#define HEADER_S 10u
+#define REQUEST_S 30u
+#define FD_RESERVE 64 /* descriptors left to the engine besides this endpoint */
 #define CONN_MEMORY (16u << 10)
 #define CONTENT_TYPE "text/plain; version=0.0.4; charset=utf-8"
 
@@ -38,6 +47,7 @@ struct kvpi_metrics_server {
     int port, asked_port;
     int refs;
     struct MHD_Daemon *daemon;
+    kvpi_deadlines *deadlines;
     pthread_mutex_t lock; /* guards sources; held while a scrape collects */
     source *sources;
     size_t n_sources, cap_sources;
@@ -85,6 +95,13 @@ static enum MHD_Result scrape(kvpi_metrics_server *srv, struct MHD_Connection *c
     return reply(c, MHD_HTTP_OK, text, len, MHD_RESPMEM_MUST_FREE, CONTENT_TYPE);
 }
 
+static kvpi_deadline_conn *conn_of(struct MHD_Connection *c)
+{
+    const union MHD_ConnectionInfo *info =
+        MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    return info ? info->socket_context : NULL;
+}
+
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
                                   const char *method, const char *version, const char *upload_data,
                                   size_t *upload_size, void **con_cls)
@@ -94,11 +111,56 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     *upload_size = 0;
     if (*con_cls) return MHD_YES;
     *con_cls = c;
+    kvpi_metrics_server *srv = cls;
+    kvpi_deadlines_set(srv->deadlines, conn_of(c), (uint64_t)REQUEST_S * 1000, "answer", 0);
     if (strcmp(url, "/metrics") != 0)
         return reply_text(c, MHD_HTTP_NOT_FOUND, "not found: the metrics are at /metrics\n");
     if (strcmp(method, MHD_HTTP_METHOD_GET) != 0 && strcmp(method, MHD_HTTP_METHOD_HEAD) != 0)
         return reply_text(c, MHD_HTTP_METHOD_NOT_ALLOWED, "method not allowed\n");
-    return scrape(cls, c);
+    return scrape(srv, c);
+}
+
+/* The next request's header has HEADER_S from now. */
+static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
+                         enum MHD_RequestTerminationCode toe)
+{
+    (void)toe;
+    kvpi_metrics_server *srv = cls;
+    *con_cls = NULL;
+    kvpi_deadlines_set(srv->deadlines, conn_of(c), (uint64_t)HEADER_S * 1000, "request header", 1);
+}
+
+static void on_connection(void *cls, struct MHD_Connection *c, void **socket_context,
+                          enum MHD_ConnectionNotificationCode code)
+{
+    kvpi_metrics_server *srv = cls;
+    if (code == MHD_CONNECTION_NOTIFY_STARTED) {
+        const union MHD_ConnectionInfo *info =
+            MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+        /* Untracked when out of memory: it still has the idle timeout. */
+        if (info)
+            *socket_context = kvpi_deadlines_add(srv->deadlines, info->connect_fd,
+                                                 (uint64_t)HEADER_S * 1000, "request header");
+        return;
+    }
+    /* MHD closes the socket after this returns: the reaper never shuts down
+     * a reused descriptor. */
+    kvpi_deadlines_remove(srv->deadlines, *socket_context);
+    *socket_context = NULL;
+}
+
+/* At most CONNS_MAX, and within the open-file limit: MHD stops accepting
+ * for good once accept() fails with EMFILE. */
+static unsigned conns_max(void)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY ||
+        rl.rlim_cur >= (rlim_t)CONNS_MAX + 2 * FD_RESERVE)
+        return CONNS_MAX;
+    unsigned cap = rl.rlim_cur > 2 * FD_RESERVE ? (unsigned)rl.rlim_cur / 2 : 16;
+    KVPI_INFO("metrics endpoint: serving at most %u connections (open-file limit %llu)", cap,
+              (unsigned long long)rl.rlim_cur);
+    return cap;
 }
 
 static void on_mhd_log(void *cls, const char *fmt, va_list ap)
@@ -119,12 +181,17 @@ static kvp_status server_start(kvpi_metrics_server *srv)
     if (st) {
         return kvpi_error(st, "metrics endpoint: %s", kvp_last_error());
     }
+    if ((st = kvpi_deadlines_start("metrics endpoint", &srv->deadlines))) {
+        close(fd);
+        return st;
+    }
     srv->daemon = MHD_start_daemon(
         MHD_USE_AUTO_INTERNAL_THREAD | MHD_USE_ERROR_LOG, 0, NULL, NULL, on_request, srv,
-        MHD_OPTION_LISTEN_SOCKET, (MHD_socket)fd, MHD_OPTION_CONNECTION_LIMIT, CONNS_MAX,
+        MHD_OPTION_LISTEN_SOCKET, (MHD_socket)fd, MHD_OPTION_CONNECTION_LIMIT, conns_max(),
         MHD_OPTION_PER_IP_CONNECTION_LIMIT, CONNS_PER_IP, MHD_OPTION_CONNECTION_TIMEOUT, IDLE_S,
-        MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)CONN_MEMORY, MHD_OPTION_EXTERNAL_LOGGER,
-        on_mhd_log, srv, MHD_OPTION_END);
+        MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)CONN_MEMORY, MHD_OPTION_NOTIFY_COMPLETED,
+        on_completed, srv, MHD_OPTION_NOTIFY_CONNECTION, on_connection, srv,
+        MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, srv, MHD_OPTION_END);
     if (!srv->daemon) {
         close(fd);
         return kvpi_error(KVP_EIO, "metrics endpoint: libmicrohttpd failed to start on %s:%d",
@@ -137,6 +204,7 @@ static void server_free(kvpi_metrics_server *srv)
 {
     /* Stopping the daemon closes its listening socket too. */
     if (srv->daemon) MHD_stop_daemon(srv->daemon);
+    kvpi_deadlines_stop(srv->deadlines);
     pthread_mutex_destroy(&srv->lock);
     free(srv->sources);
     free(srv->host);

@@ -8,26 +8,25 @@
  *     kernel's listen queue), max_connections_per_ip from one address
  *     (MHD_OPTION_PER_IP_CONNECTION_LIMIT; more are closed at once);
  *   - idle_timeout_s without a byte (MHD_OPTION_CONNECTION_TIMEOUT);
- *   - request_timeout_s for a whole request, however it trickles: MHD has no
- *     such deadline, so a reaper thread shuts down (shutdown(2), never close)
- *     the socket of a connection whose request is overdue, and MHD, seeing
- *     the socket end, closes it on its own thread;
+ *   - idle_timeout_s too for the request line and headers, however they
+ *     trickle, and request_timeout_s for a whole request: MHD has no such
+ *     deadlines, so a reaper thread (common/conn_deadline.c) shuts down
+ *     (shutdown(2), never close) the socket of a connection whose header or
+ *     request is overdue, and MHD, seeing the socket end, closes it on its
+ *     own thread;
  *   - header memory per connection (MHD_OPTION_CONNECTION_MEMORY_LIMIT), and
  *     every body, value and listing in the table's one budget. */
 #include <microhttpd.h>
 #include <fcntl.h>
-#include <poll.h>
-#include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
-#include "common/clock.h"
+#include "common/conn_deadline.h"
 #include "common/error.h"
 #include "common/sized.h"
 #include "common/log.h"
@@ -43,29 +42,13 @@
 #define DEFAULT_REQUEST_S 30u
 #define FD_RESERVE 32           /* descriptors kept for the process besides connections */
 #define CONN_MEMORY (32u << 10) /* request line and headers of one connection */
-#define REAPER_TICK_MS 250
-
-/* One accepted connection, for the request deadline. */
-typedef struct conn {
-    int fd;
-    uint64_t since_ms; /* accepted, or finished its previous request */
-    int reaped;
-    struct conn *prev, *next;
-} conn;
 
 struct kvp_metadata_server {
     struct MHD_Daemon *daemon;
     int port;
     kvpi_kvt *table;
-    unsigned request_timeout_s;
-
-    pthread_mutex_t lock; /* guards conns, and each conn's since_ms and reaped */
-    conn *conns;
-    unsigned long reaped; /* connections shut down for their deadline */
-
-    pthread_t reaper;
-    int reaper_started;
-    int wake[2]; /* a byte here stops the reaper */
+    uint64_t header_ms, request_ms; /* the deadlines: idle_timeout_s, request_timeout_s */
+    kvpi_deadlines *deadlines;
 };
 
 /* Per-request state: the request as the table sees it and its body so far. */
@@ -143,6 +126,13 @@ static enum MHD_Result begin(kvp_metadata_server *srv, struct MHD_Connection *c,
     return MHD_YES;
 }
 
+static kvpi_deadline_conn *conn_of(struct MHD_Connection *c)
+{
+    const union MHD_ConnectionInfo *info =
+        MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    return info ? info->socket_context : NULL;
+}
+
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
                                   const char *method, const char *version, const char *upload_data,
                                   size_t *upload_size, void **con_cls)
@@ -150,7 +140,12 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     (void)version;
     kvp_metadata_server *srv = cls;
     request *r = *con_cls;
-    if (!r) return begin(srv, c, url, method, con_cls);
+    if (!r) {
+        /* The header is in: the rest of the request has until its deadline,
+         * counted from the same start. */
+        kvpi_deadlines_set(srv->deadlines, conn_of(c), srv->request_ms, "request", 0);
+        return begin(srv, c, url, method, con_cls);
+    }
     if (*upload_size) {
         if (kvpi_kvt_upload_append(srv->table, &r->upload, upload_data, *upload_size) != 0) {
             /* Only a body without Content-Length gets here (a declared one
@@ -167,15 +162,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     return send_reply(c, &reply);
 }
 
-static conn *conn_of(struct MHD_Connection *c)
-{
-    const union MHD_ConnectionInfo *info =
-        MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
-    return info ? info->socket_context : NULL;
-}
-
 /* A request ended (answered, or its connection failed): free its state and
- * restart the connection's deadline for the next request. */
+ * give the connection's next request header its deadline from now. */
 static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
                          enum MHD_RequestTerminationCode toe)
 {
@@ -187,12 +175,7 @@ static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
         free(r);
         *con_cls = NULL;
     }
-    conn *k = conn_of(c);
-    if (k) {
-        pthread_mutex_lock(&srv->lock);
-        k->since_ms = kvpi_now_ms();
-        pthread_mutex_unlock(&srv->lock);
-    }
+    kvpi_deadlines_set(srv->deadlines, conn_of(c), srv->header_ms, "request header", 1);
 }
 
 /* ---- connections and their deadline ---- */
@@ -204,67 +187,16 @@ static void on_connection(void *cls, struct MHD_Connection *c, void **socket_con
     if (code == MHD_CONNECTION_NOTIFY_STARTED) {
         const union MHD_ConnectionInfo *info =
             MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
-        conn *k = info ? calloc(1, sizeof *k) : NULL;
-        if (!k) return; /* untracked: it still has the idle timeout */
-        k->fd = info->connect_fd;
-        pthread_mutex_lock(&srv->lock);
-        k->since_ms = kvpi_now_ms();
-        k->next = srv->conns;
-        if (srv->conns) srv->conns->prev = k;
-        srv->conns = k;
-        pthread_mutex_unlock(&srv->lock);
-        *socket_context = k;
+        /* Untracked when out of memory: it still has the idle timeout. */
+        if (info)
+            *socket_context = kvpi_deadlines_add(srv->deadlines, info->connect_fd, srv->header_ms,
+                                                 "request header");
         return;
     }
     /* Closed: MHD closes the socket only after this returns, so the reaper,
-     * which shuts sockets down under the lock, never touches a reused one. */
-    conn *k = *socket_context;
-    if (!k) return;
-    pthread_mutex_lock(&srv->lock);
-    if (k->prev)
-        k->prev->next = k->next;
-    else
-        srv->conns = k->next;
-    if (k->next) k->next->prev = k->prev;
-    pthread_mutex_unlock(&srv->lock);
-    free(k);
+     * which shuts sockets down under its lock, never touches a reused one. */
+    kvpi_deadlines_remove(srv->deadlines, *socket_context);
     *socket_context = NULL;
-}
-
-static unsigned reap_overdue(kvp_metadata_server *srv)
-{
-    uint64_t now = kvpi_now_ms(), limit = (uint64_t)srv->request_timeout_s * 1000;
-    unsigned n = 0;
-    pthread_mutex_lock(&srv->lock);
-    for (conn *k = srv->conns; k; k = k->next) {
-        if (k->reaped || now - k->since_ms <= limit) continue;
-        shutdown(k->fd, SHUT_RDWR);
-        k->reaped = 1;
-        n++;
-    }
-    srv->reaped += n;
-    pthread_mutex_unlock(&srv->lock);
-    return n;
-}
-
-static void *reaper_main(void *arg)
-{
-    kvp_metadata_server *srv = arg;
-    int warned = 0;
-    for (;;) {
-        struct pollfd p = {.fd = srv->wake[0], .events = POLLIN};
-        if (poll(&p, 1, REAPER_TICK_MS) > 0) break;
-        unsigned n = reap_overdue(srv);
-        if (n && !warned) {
-            KVPI_WARN("metadata server: closed %u connection(s) that did not complete a request "
-                      "within %u s (request_timeout_s)",
-                      n, srv->request_timeout_s);
-            warned = 1;
-        } else if (n) {
-            KVPI_DEBUG("metadata server: closed %u more overdue connection(s)", n);
-        }
-    }
-    return NULL;
 }
 
 /* ---- start and stop ---- */
@@ -339,22 +271,16 @@ static kvp_status start_daemon(kvp_metadata_server *srv, int fd, const kvp_metad
 
 static void server_free(kvp_metadata_server *srv)
 {
-    if (srv->reaper_started) {
-        if (write(srv->wake[1], "x", 1) != 1) KVPI_WARN("metadata server: cannot wake the reaper");
-        pthread_join(srv->reaper, NULL);
-    }
     /* Closing the daemon releases every answer still holding a value, so the
-     * table goes after it. */
+     * table goes after it; its connections leave the deadlines as they close. */
     if (srv->daemon) MHD_stop_daemon(srv->daemon);
+    kvpi_deadlines_stop(srv->deadlines);
     kvpi_kvt_destroy(srv->table);
-    if (srv->wake[0] >= 0) close(srv->wake[0]);
-    if (srv->wake[1] >= 0) close(srv->wake[1]);
-    pthread_mutex_destroy(&srv->lock);
     free(srv);
 }
 
-static kvp_status start_threads(kvp_metadata_server *srv, const char *host,
-                                const kvp_metadata_server_opts *o)
+static kvp_status start_listening(kvp_metadata_server *srv, const char *host,
+                                  const kvp_metadata_server_opts *o)
 {
     int fd = -1;
     kvp_status st = kvpi_tcp_listen(host, o->port, &fd, &srv->port);
@@ -363,11 +289,7 @@ static kvp_status start_threads(kvp_metadata_server *srv, const char *host,
     fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
     /* From here MHD owns fd and closes it in MHD_stop_daemon. On a start
      * failure it is left open rather than risk closing it twice. */
-    if ((st = start_daemon(srv, fd, o))) return st;
-    if (pthread_create(&srv->reaper, NULL, reaper_main, srv) != 0)
-        return kvpi_error(KVP_EIO, "metadata server: cannot start a thread");
-    srv->reaper_started = 1;
-    return KVP_OK;
+    return start_daemon(srv, fd, o);
 }
 
 kvp_status kvp_metadata_server_start_opts_size(const kvp_metadata_server_opts *opts, size_t size,
@@ -375,8 +297,8 @@ kvp_status kvp_metadata_server_start_opts_size(const kvp_metadata_server_opts *o
 {
     if (!out) return kvpi_error(KVP_EINVAL, "metadata server: out is NULL");
     kvp_metadata_server_opts o = default_opts();
-    kvp_status st = opts ? kvpi_sized_in(&o, sizeof o, opts, size, "kvp_metadata_server_opts")
-                         : KVP_OK;
+    kvp_status st =
+        opts ? kvpi_sized_in(&o, sizeof o, opts, size, "kvp_metadata_server_opts") : KVP_OK;
     if (st) return st;
     if (o.port < 0 || o.port > 65535)
         return kvpi_error(KVP_EINVAL, "metadata server: port %d is not in 0..65535", o.port);
@@ -384,14 +306,13 @@ kvp_status kvp_metadata_server_start_opts_size(const kvp_metadata_server_opts *o
     const char *host = o.host && *o.host ? o.host : "127.0.0.1";
     kvp_metadata_server *srv = calloc(1, sizeof *srv);
     if (!srv) return kvpi_error(KVP_ENOMEM, "metadata server: out of memory");
-    srv->wake[0] = srv->wake[1] = -1;
-    srv->request_timeout_s = o.request_timeout_s;
-    pthread_mutex_init(&srv->lock, NULL);
+    srv->request_ms = (uint64_t)o.request_timeout_s * 1000;
+    srv->header_ms = (uint64_t)o.idle_timeout_s * 1000;
+    if (srv->header_ms > srv->request_ms) srv->header_ms = srv->request_ms;
     kvpi_kvt_limits limits = {o.max_value_bytes, o.max_total_bytes};
     st = kvpi_kvt_create(&limits, &srv->table);
-    if (!st && pipe2(srv->wake, O_CLOEXEC) != 0)
-        st = kvpi_error(KVP_EIO, "metadata server: cannot create a pipe");
-    if (!st) st = start_threads(srv, host, &o);
+    if (!st) st = kvpi_deadlines_start("metadata server", &srv->deadlines);
+    if (!st) st = start_listening(srv, host, &o);
     if (st) {
         kvpi_error_kept detail = kvpi_error_keep();
         server_free(srv);

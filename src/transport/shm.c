@@ -45,7 +45,8 @@ typedef struct shm_peer {
     size_t n_links;
     int fds[MAX_LINKS]; /* -1: not connected (yet, or after an error) */
     int busy[MAX_LINKS];
-    kvpi_runner *runner; /* the server's; NULL without one */
+    kvpi_runner *runner;   /* the server's; NULL without one */
+    kvpi_counter *retries; /* may be NULL */
 } shm_peer;
 
 /* The initiator's probe: the target proves it can read our memory by
@@ -229,6 +230,7 @@ static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
     p->min_rate = ctx->min_rate ? ctx->min_rate : KVPI_MIN_RATE_DEFAULT;
     p->auth = ctx->auth;
     p->runner = kvpi_shm_server_runner(ctx->server);
+    p->retries = ctx->retries;
     p->n_links = ctx->conns < 1 ? 1 : ctx->conns > MAX_LINKS ? MAX_LINKS : (size_t)ctx->conns;
     for (size_t i = 0; i < MAX_LINKS; i++) p->fds[i] = -1;
     kvp_status st = parse_endpoint(ctx->desc, p);
@@ -377,13 +379,39 @@ static kvp_status link_failed(shm_peer *p, int i, kvp_status st, kvpi_slice *con
     return conn;
 }
 
+/* The slices still KVP_EINPROGRESS, WINDOW at a time on link fd. */
+static kvp_status link_run(const shm_peer *p, int fd, kvpi_slice *const *slices, size_t n,
+                           uint64_t deadline)
+{
+    kvp_status st = KVP_OK;
+    for (size_t next = 0; !st && next < n;) {
+        kvpi_slice *win[WINDOW];
+        size_t k = 0;
+        for (; next < n && k < WINDOW; next++)
+            if (slices[next]->status == KVP_EINPROGRESS) win[k++] = slices[next];
+        if (k) st = link_send(fd, win, k, deadline);
+        if (k && !st) st = link_collect(p, fd, win, k, deadline);
+    }
+    return st;
+}
+
+static size_t in_progress(kvpi_slice *const *slices, size_t n)
+{
+    size_t k = 0;
+    for (size_t j = 0; j < n; j++)
+        k += slices[j]->status == KVP_EINPROGRESS;
+    return k;
+}
+
 /* Slices go out WINDOW at a time on one link, their statuses read after. The
  * whole call, waiting for a link included, has one deadline: timeout_ms plus
- * its bytes at min_rate. */
+ * its bytes at min_rate. A link the target closed while it sat idle is
+ * replaced once, when nothing was answered on it. */
 static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
 {
     shm_peer *p = peer;
-    if (check_slices(p, slices, n) == 0) return KVP_OK;
+    size_t todo = check_slices(p, slices, n);
+    if (todo == 0) return KVP_OK;
     uint64_t bytes = 0;
     for (size_t j = 0; j < n; j++)
         if (slices[j]->status == KVP_EINPROGRESS) bytes += slices[j]->length;
@@ -394,14 +422,20 @@ static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
     if (l < 0) {
         st = kvpi_error(KVP_ETIMEDOUT, "no idle connection came free");
     } else {
-        if (p->fds[l] < 0) st = link_connect(p, deadline, &p->fds[l]);
-        for (size_t next = 0; !st && next < n;) {
-            kvpi_slice *win[WINDOW];
-            size_t k = 0;
-            for (; next < n && k < WINDOW; next++)
-                if (slices[next]->status == KVP_EINPROGRESS) win[k++] = slices[next];
-            if (k) st = link_send(p->fds[l], win, k, deadline);
-            if (k && !st) st = link_collect(p, p->fds[l], win, k, deadline);
+        int reused = p->fds[l] >= 0;
+        if (!reused) st = link_connect(p, deadline, &p->fds[l]);
+        if (!st) st = link_run(p, p->fds[l], slices, n, deadline);
+        if (st == KVP_ECONNRESET && reused && in_progress(slices, n) == todo) {
+            /* An idle link the target had closed (its idle_timeout_ms) and
+             * nothing answered: once more on a new link, by the same deadline,
+             * as the tcp transport does. */
+            KVPI_DEBUG("shm peer @%s: idle link closed by the peer (%s); reconnecting", p->name,
+                       kvp_last_error());
+            close(p->fds[l]); /* ours while busy: no lock needed */
+            p->fds[l] = -1;
+            if (p->retries) kvpi_counter_add(p->retries, 1);
+            st = link_connect(p, deadline, &p->fds[l]);
+            if (!st) st = link_run(p, p->fds[l], slices, n, deadline);
         }
     }
     if (st == KVP_ETIMEDOUT) {

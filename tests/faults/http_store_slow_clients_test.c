@@ -11,9 +11,19 @@
  *
  * On efddc24 (before the limits), slowloris_one_address failed: 520
  * unfinished requests filled the server's 512 connections, and none of the
- * 10 legitimate GETs was answered within its 3 s timeout. */
+ * 10 legitimate GETs was answered within its 3 s timeout.
+ *
+ * Issue 23 item 6 adds the same attack at 500 connections from several
+ * addresses against both of the project's HTTP listeners, the metadata store
+ * and the metrics endpoint (an engine's /metrics, served from a child
+ * process), each with its defaults: a legitimate GET and PUT must each be
+ * answered within LEGIT_BOUND_MS (env KVPT_SLOW_BOUND_MS), on a fresh
+ * connection. */
 #include <arpa/inet.h>
+#include <curl/curl.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
@@ -28,10 +38,12 @@
 
 #include "common/clock.h"
 #include "metadata/metadata.h"
+#include "ctarget.h"
 #include "servers.h"
 #include "test.h"
 
 #define LEGIT_GETS 10
+#define LEGIT_BOUND_MS 1000 /* each legitimate request of the 500-connection cases */
 
 /* ---- the attacker ---- */
 
@@ -41,27 +53,46 @@ typedef struct attack {
     int conns;          /* connections per source address */
     int addrs;          /* source addresses 127.0.0.2, 127.0.0.3, ... */
     int trickle_ms;     /* one more header byte on each connection this often */
+    const char *prefix; /* what each connection sends first; NULL: a request line cut short */
 } attack;
 
+/* A non-blocking connection from src: the server may not accept at once
+ * (its listen queue full), and the attacker must not wait on any one. */
 static int connect_from(const char *src, int port)
 {
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return -1;
     struct sockaddr_in a = {.sin_family = AF_INET};
     inet_pton(AF_INET, src, &a.sin_addr);
     struct sockaddr_in to = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
     inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
     if (bind(fd, (struct sockaddr *)&a, sizeof a) != 0 ||
-        connect(fd, (struct sockaddr *)&to, sizeof to) != 0) {
+        (connect(fd, (struct sockaddr *)&to, sizeof to) != 0 && errno != EINPROGRESS)) {
         close(fd);
         return -1;
     }
     return fd;
 }
 
+/* One step on a connection: its prefix until sent, then one byte. 0: keep
+ * it; -1: the server closed it (or it failed to connect). */
+static int nudge(int fd, const char *prefix, size_t *sent)
+{
+    size_t len = strlen(prefix);
+    const char *what = *sent < len ? prefix + *sent : "x";
+    size_t n = *sent < len ? len - *sent : 1;
+    ssize_t w = send(fd, what, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w > 0) {
+        if (*sent < len) *sent += (size_t)w;
+        return 0;
+    }
+    return w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOTCONN) ? 0 : -1;
+}
+
 /* The attacker process: open every connection, send the start of a request,
  * say so on ready_fd, then trickle one header byte per connection per period
- * until killed. A connection the server closed is not reopened. */
+ * until killed. A connection the server closed is not reopened; one the
+ * server has not accepted yet gets its prefix once it can. */
 static void attacker_main(const attack *a, int ready_fd)
 {
     struct rlimit rl;
@@ -70,20 +101,27 @@ static void attacker_main(const attack *a, int ready_fd)
         setrlimit(RLIMIT_NOFILE, &rl);
     }
     signal(SIGPIPE, SIG_IGN);
+    const char *prefix = a->prefix ? a->prefix : "GET /metadata?key=slow";
     int n = a->conns * a->addrs;
     int *fds = calloc((size_t)n, sizeof *fds);
-    if (!fds) _exit(2);
+    size_t *sent = calloc((size_t)n, sizeof *sent);
+    if (!fds || !sent) _exit(2);
     for (int i = 0; i < n; i++) {
         char src[32];
         snprintf(src, sizeof src, "127.0.0.%d", 2 + i / a->conns);
         fds[i] = connect_from(src, a->port);
-        if (fds[i] >= 0) send(fds[i], "GET /metadata?key=slow", 22, MSG_NOSIGNAL);
     }
+    usleep(100 * 1000); /* the handshakes the server's queue takes complete */
+    for (int i = 0; i < n; i++)
+        if (fds[i] >= 0 && nudge(fds[i], prefix, &sent[i]) != 0) {
+            close(fds[i]);
+            fds[i] = -1;
+        }
     if (write(ready_fd, "R", 1) != 1) _exit(2);
     for (;;) {
         usleep((useconds_t)a->trickle_ms * 1000);
         for (int i = 0; i < n; i++)
-            if (fds[i] >= 0 && send(fds[i], "x", 1, MSG_NOSIGNAL) != 1) {
+            if (fds[i] >= 0 && nudge(fds[i], prefix, &sent[i]) != 0) {
                 close(fds[i]);
                 fds[i] = -1;
             }
@@ -209,10 +247,228 @@ static void slowloris_many_addresses(void)
     run_attack(args, &a);
 }
 
+/* ---- 500 unfinished requests against each listener (issue 23 item 6) ---- */
+
+static int legit_bound_ms(void)
+{
+    const char *e = getenv("KVPT_SLOW_BOUND_MS");
+    return e && atoi(e) > 0 ? atoi(e) : LEGIT_BOUND_MS;
+}
+
+static size_t discard(char *data, size_t size, size_t n, void *user)
+{
+    (void)data, (void)user;
+    return size * n;
+}
+
+/* One request on a fresh connection, given three times the bound: its HTTP
+ * status (0: no answer), and how long it took in *took_ms. body non-NULL: a
+ * PUT of it. */
+static long one_request(int port, const char *path, const char *body, uint64_t *took_ms)
+{
+    char url[256];
+    snprintf(url, sizeof url, "http://127.0.0.1:%d%s", port, path);
+    CURL *c = curl_easy_init();
+    if (!c) return 0;
+    curl_easy_setopt(c, CURLOPT_URL, url);
+    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 3L * legit_bound_ms());
+    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(c, CURLOPT_FORBID_REUSE, 1L);
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, discard);
+    if (body) {
+        curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, "PUT");
+        curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
+    }
+    uint64_t t0 = kvpi_now_ms();
+    long status = 0;
+    if (curl_easy_perform(c) == CURLE_OK) curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &status);
+    *took_ms = kvpi_now_ms() - t0;
+    curl_easy_cleanup(c);
+    return status;
+}
+
+/* LEGIT_GETS rounds of a GET and a PUT, each wanting its status within the
+ * bound; returns the requests that failed, the slowest in *worst. */
+static int legit_round(int port, const char *get_path, long get_want, const char *put_path,
+                       long put_want, uint64_t *worst)
+{
+    int bad = 0, bound = legit_bound_ms();
+    *worst = 0;
+    for (int i = 0; i < 2 * LEGIT_GETS; i++) {
+        int put = !(i & 1); /* a PUT first: the GET reads what it stored */
+        uint64_t took;
+        long st = one_request(port, put ? put_path : get_path, put ? "{\"ok\":true}" : NULL, &took);
+        if (took > *worst) *worst = took;
+        if (st != (put ? put_want : get_want) || took > (uint64_t)bound) {
+            fprintf(stderr, "  %s %d: status %ld after %llu ms (want %ld within %d ms)\n",
+                    put ? "PUT" : "GET", i / 2, st, (unsigned long long)took,
+                    put ? put_want : get_want, bound);
+            bad++;
+        }
+    }
+    return bad;
+}
+
+/* 500 unfinished requests, 100 from each of 5 addresses: a complete request
+ * line and a header being trickled a byte a second, inside every idle
+ * timeout. */
+static void attack_500(int port, const char *get_path, long get_want, const char *put_path,
+                       long put_want, const char *prefix)
+{
+    REQUIRE(kvpt_raise_nofile(4096) == 0);
+    uint64_t worst = 0;
+    CHECK(legit_round(port, get_path, get_want, put_path, put_want, &worst) == 0);
+    attack a = {.port = port, .conns = 100, .addrs = 5, .trickle_ms = 1000, .prefix = prefix};
+    pid_t attacker = attacker_start(&a);
+    REQUIRE(attacker > 0);
+    int bad = legit_round(port, get_path, get_want, put_path, put_want, &worst);
+    fprintf(stderr, "  500 unfinished requests: %d of %d GETs and PUTs failed, slowest %llu ms\n",
+            bad, 2 * LEGIT_GETS, (unsigned long long)worst);
+    CHECK(bad == 0);
+    attacker_stop(attacker);
+    CHECK(legit_round(port, get_path, get_want, put_path, put_want, &worst) == 0);
+}
+
+static void slowloris_500_metadata_server(void)
+{
+    REQUIRE(kvpt_raise_nofile(4096) == 0); /* the store inherits it */
+    kvpt_server srv;
+    if (kvpt_http_cli_start(&srv, NULL) != KVPT_SERVER_OK) {
+        fprintf(stderr, "  cannot start the store: %s\n", srv.why);
+        kvpt_failures++;
+        return;
+    }
+    attack_500(srv.port, "/metadata?key=mooncake/ram/legit", 200,
+               "/metadata?key=mooncake/ram/legit", 200,
+               "GET /metadata?key=slow HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ");
+    kvpt_server_stop(&srv);
+}
+
+/* An engine serving /metrics in a child process; its port on *port. The
+ * child exits when ctl (the returned pipe end) is closed. */
+static pid_t metrics_child(int *port, int *ctl)
+{
+    int up[2], down[2];
+    if (pipe(up) != 0) return -1;
+    if (pipe(down) != 0) {
+        close(up[0]), close(up[1]);
+        return -1;
+    }
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        close(up[0]), close(down[1]);
+        char name[64];
+        snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
+        kvp_engine_opts o;
+        kvp_engine_opts_init(&o);
+        o.local_server_name = name;
+        o.metadata = "P2PHANDSHAKE";
+        o.metrics_port = KVP_METRICS_PORT_ANY;
+        kvp_engine *e = NULL;
+        if (kvp_engine_create(&o, &e) != KVP_OK) {
+            fprintf(stderr, "  engine: %s\n", kvp_last_error());
+            _exit(2);
+        }
+        int p = kvp_engine_metrics_port(e);
+        if (write(up[1], &p, sizeof p) != sizeof p) _exit(2);
+        char c;
+        while (read(down[0], &c, 1) > 0) {
+        }
+        kvp_engine_destroy(e);
+        _exit(0);
+    }
+    close(up[1]), close(down[0]);
+    int got = (int)read(up[0], port, sizeof *port);
+    close(up[0]);
+    if (pid < 0 || got != (int)sizeof *port) {
+        close(down[1]);
+        if (pid > 0) kvpt_wait_child(pid, 5000);
+        return -1;
+    }
+    *ctl = down[1];
+    return pid;
+}
+
+/* A PUT on the metrics endpoint is answered 405 at once: that answer is
+ * what must not be denied. */
+static void slowloris_500_metrics_endpoint(void)
+{
+    REQUIRE(kvpt_raise_nofile(4096) == 0); /* the engine's process inherits it */
+    int port = 0, ctl = -1;
+    pid_t child = metrics_child(&port, &ctl);
+    REQUIRE(child > 0);
+    attack_500(port, "/metrics", 200, "/metrics", 405,
+               "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ");
+    close(ctl);
+    CHECK(kvpt_wait_child(child, 10000) == 0);
+}
+
+/* ---- the header deadline ---- */
+
+/* One connection that trickles a header byte every 300 ms (well inside any
+ * idle timeout): how long until the server closes it, in ms; -1 when it is
+ * still open after give_up_ms. */
+static int64_t trickled_lifetime_ms(int port, const char *prefix, int give_up_ms)
+{
+    int fd = kvpt_raw_connect(port);
+    if (fd < 0) return -1;
+    uint64_t t0 = kvpi_now_ms();
+    send(fd, prefix, strlen(prefix), MSG_NOSIGNAL);
+    while (kvpi_now_ms() - t0 < (uint64_t)give_up_ms) {
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, 300) > 0) {
+            char b[256];
+            if (recv(fd, b, sizeof b, MSG_DONTWAIT) <= 0) break; /* closed: no answer */
+        }
+        if (send(fd, "x", 1, MSG_NOSIGNAL) != 1) break;
+    }
+    uint64_t took = kvpi_now_ms() - t0;
+    close(fd);
+    return took < (uint64_t)give_up_ms ? (int64_t)took : -1;
+}
+
+/* The metadata store's header deadline is its idle timeout (2 s here), far
+ * below the request deadline (30 s): a trickled header is cut at about 2 s. */
+static void header_deadline_metadata_server(void)
+{
+    static const char *const args[] = {"--idle-timeout", "2", "--request-timeout", "30", NULL};
+    kvpt_server srv;
+    if (kvpt_http_cli_start(&srv, args) != KVPT_SERVER_OK) {
+        fprintf(stderr, "  cannot start the store: %s\n", srv.why);
+        kvpt_failures++;
+        return;
+    }
+    int64_t took = trickled_lifetime_ms(
+        srv.port, "GET /metadata?key=slow HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ", 15000);
+    fprintf(stderr, "  a trickled header was cut after %lld ms\n", (long long)took);
+    CHECK(took >= 1500 && took <= 4000);
+    kvpt_server_stop(&srv);
+}
+
+/* The metrics endpoint cuts a trickled header at HEADER_S (10 s). */
+static void header_deadline_metrics_endpoint(void)
+{
+    int port = 0, ctl = -1;
+    pid_t child = metrics_child(&port, &ctl);
+    REQUIRE(child > 0);
+    int64_t took =
+        trickled_lifetime_ms(port, "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ", 20000);
+    fprintf(stderr, "  a trickled header was cut after %lld ms\n", (long long)took);
+    CHECK(took >= 9000 && took <= 12000);
+    close(ctl);
+    CHECK(kvpt_wait_child(child, 10000) == 0);
+}
+
 int main(void)
 {
     signal(SIGPIPE, SIG_IGN);
     RUN_T(slowloris_one_address, 120);
     RUN_T(slowloris_many_addresses, 120);
+    RUN_T(slowloris_500_metadata_server, 180);
+    RUN_T(slowloris_500_metrics_endpoint, 180);
+    RUN_T(header_deadline_metadata_server, 60);
+    RUN_T(header_deadline_metrics_endpoint, 60);
     return kvpt_summary();
 }

@@ -1,0 +1,257 @@
+/* A dead or black-holed peer never holds up transfers to live peers (issue 23
+ * item 5). One initiator engine transfers to two targets at once, each in a
+ * process of its own: a live one, which a thread reads from in a loop, and
+ * one that stops answering, to which batches of READs are submitted from
+ * other threads. Transfers to the live target must keep flowing, each within
+ * LIVE_BOUND_MS, while every request to the dead one fails within its
+ * deadline (timeout_ms + its bytes at min_transfer_rate, plus margin) with
+ * an error that names the peer.
+ *
+ * The dead peer, two ways:
+ *  - stopped: SIGSTOP after the initiator's connections to it are pooled;
+ *    the requests go out and nothing answers;
+ *  - black-holed: SIGSTOPped before the initiator ever connected, and its
+ *    data port's listen queue filled with connections nobody accepts, so the
+ *    kernel drops further SYNs: each connect() of the initiator blocks.
+ *
+ * KNOWN DEFECT (docs/reliability.md, "A dead peer"): the batches to the dead
+ * peer fail one after another, a deadline apart (2.3, 4.6, ... 13.8 s for
+ * six), not together within a deadline or two. The engine's batch and
+ * segment code is not this test's to change; the bound on them is checked
+ * only with KVPT_DEAD_PEER_STRICT=1, and reported otherwise. What holds
+ * today is checked always: the live peer's transfers keep flowing, and each
+ * dead batch fails with an error naming the peer. */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "ctarget.h"
+#include "test.h"
+
+#define SEED 0x7d
+#define MIB ((size_t)1 << 20)
+#define LEN (8 * MIB)
+#define TIMEOUT_MS 2000
+#define DEAD_THREADS 6 /* more than the engine's 4 workers */
+#define DEAD_REQS 4
+/* timeout_ms + 1 MiB at 16 MiB/s, a queue of the dead requests ahead, and
+ * margin; what matters is that it is bounded. */
+#define DEAD_BOUND_MS (4 * TIMEOUT_MS)
+#define LIVE_BOUND_MS 500
+#define FILL_CONNS 400 /* more than any listen backlog the target asks for */
+
+typedef struct live_loop {
+    kvp_engine *e;
+    kvp_segment_id seg;
+    uint64_t remote;
+    atomic_int stop;
+    atomic_long done, failed;
+    atomic_llong worst_ms;
+    pthread_t thread;
+} live_loop;
+
+static void *live_main(void *arg)
+{
+    live_loop *l = arg;
+    char *buf = malloc(MIB);
+    while (buf && !atomic_load(&l->stop)) {
+        uint64_t t0 = kvpi_now_ms();
+        kvp_status st = kvp_engine_read(l->e, l->seg, buf, l->remote, MIB);
+        long long took = (long long)(kvpi_now_ms() - t0);
+        if (took > atomic_load(&l->worst_ms)) atomic_store(&l->worst_ms, took);
+        if (st || kvpt_verify(buf, MIB, SEED) != (size_t)-1) {
+            if (atomic_fetch_add(&l->failed, 1) == 0)
+                fprintf(stderr, "  live READ failed: %s\n", st ? kvp_last_error() : "bad bytes");
+        } else {
+            atomic_fetch_add(&l->done, 1);
+        }
+    }
+    free(buf);
+    return NULL;
+}
+
+typedef struct dead_caller {
+    kvp_engine *e;
+    kvp_segment_id seg;
+    uint64_t remote;
+    const char *name; /* the dead segment's, which errors must name */
+    int port;         /* its data port, which they may name instead */
+    long long took_ms;
+    kvp_status st;
+    int named;
+    char why[512];
+    pthread_t thread;
+} dead_caller;
+
+/* A batch of DEAD_REQS READs of 1 MiB to the dead peer, waited for without
+ * a limit of our own: the engine's deadlines must end it. */
+static void *dead_main(void *arg)
+{
+    dead_caller *d = arg;
+    char *buf = malloc(DEAD_REQS * MIB);
+    kvp_request reqs[DEAD_REQS];
+    for (int i = 0; i < DEAD_REQS; i++)
+        reqs[i] = (kvp_request){KVP_OP_READ, buf + i * MIB, d->remote + (uint64_t)i * MIB, MIB};
+    uint64_t t0 = kvpi_now_ms();
+    kvp_batch *b = NULL;
+    d->st = buf ? kvp_batch_submit(d->e, d->seg, reqs, DEAD_REQS, &b) : KVP_ENOMEM;
+    if (!d->st) d->st = kvp_batch_wait(b, -1);
+    snprintf(d->why, sizeof d->why, "%s", kvp_last_error());
+    kvp_batch_free(b);
+    d->took_ms = (long long)(kvpi_now_ms() - t0);
+    char port[16];
+    snprintf(port, sizeof port, ":%d", d->port);
+    d->named = strstr(d->why, d->name) != NULL || strstr(d->why, port) != NULL;
+    free(buf);
+    return NULL;
+}
+
+/* Fill port's listen queue with connections nobody accepts (the target is
+ * stopped); returns how many were made. Non-blocking, so the ones whose SYN
+ * is dropped do not wait. */
+static int fill_backlog(int port, int *fds, int n)
+{
+    int made = 0;
+    for (int i = 0; i < n; i++) {
+        fds[i] = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        struct sockaddr_in to = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+        inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
+        if (fds[i] >= 0 &&
+            (connect(fds[i], (struct sockaddr *)&to, sizeof to) == 0 || errno == EINPROGRESS))
+            made++;
+    }
+    usleep(200 * 1000);
+    return made;
+}
+
+/* Whether a connect to port now goes unanswered (its SYN dropped). */
+static int connect_blackholed(int port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    struct sockaddr_in to = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
+    int pending = connect(fd, (struct sockaddr *)&to, sizeof to) != 0 && errno == EINPROGRESS;
+    struct pollfd p = {.fd = fd, .events = POLLOUT};
+    pending = pending && poll(&p, 1, 1000) == 0;
+    close(fd);
+    return pending;
+}
+
+static void run(int blackhole)
+{
+    REQUIRE(kvpt_raise_nofile(4096) == 0);
+    kvpt_ctarget_opts o = {.disable_shm = 1, .len = LEN, .seed = SEED, .timeout_ms = TIMEOUT_MS};
+    kvpt_ctarget live, dead;
+    REQUIRE(kvpt_ctarget_start(&o, &live) == 0);
+    if (kvpt_ctarget_start(&o, &dead) != 0) {
+        kvpt_ctarget_stop(&live);
+        REQUIRE(0);
+    }
+    kvp_engine *e = NULL;
+    kvp_segment_id live_seg = 0, dead_seg = 0;
+    int *fill = calloc(FILL_CONNS, sizeof *fill);
+    live_loop l = {0};
+    dead_caller d[DEAD_THREADS];
+    int started = 0;
+    if (!fill || kvpt_initiator_start("tcp", 1, TIMEOUT_MS, &e) != 0 ||
+        kvp_engine_open_segment(e, live.name, &live_seg) != KVP_OK ||
+        kvp_engine_open_segment(e, dead.name, &dead_seg) != KVP_OK) {
+        fprintf(stderr, "  setup: %s\n", kvp_last_error());
+        kvpt_failures++;
+        goto out;
+    }
+    char *warm = malloc(MIB);
+    if (!blackhole) /* the connections to the dead peer are pooled first */
+        CHECK(warm &&
+              kvp_engine_read(e, dead_seg, warm, (uint64_t)(uintptr_t)dead.buf, MIB) == KVP_OK);
+    free(warm);
+    CHECK(kvpt_stop(dead.pid, 5000) == 0);
+    if (blackhole) {
+        int made = fill_backlog(dead.data_port, fill, FILL_CONNS);
+        int holed = connect_blackholed(dead.data_port);
+        fprintf(stderr,
+                "  %d connections fill the stopped target's listen queue; a new "
+                "connect %s\n",
+                made, holed ? "goes unanswered" : "is still answered");
+        if (!holed) {
+            kvpt_skip("the kernel answers connects to a full listen queue here");
+            goto out;
+        }
+    }
+    l = (live_loop){.e = e, .seg = live_seg, .remote = (uint64_t)(uintptr_t)live.buf};
+    REQUIRE(pthread_create(&l.thread, NULL, live_main, &l) == 0);
+    usleep(300 * 1000);
+    long before = atomic_load(&l.done);
+    atomic_store(&l.worst_ms, 0);
+    for (; started < DEAD_THREADS; started++) {
+        d[started] = (dead_caller){.e = e,
+                                   .seg = dead_seg,
+                                   .remote = (uint64_t)(uintptr_t)dead.buf,
+                                   .name = dead.name,
+                                   .port = dead.data_port};
+        if (pthread_create(&d[started].thread, NULL, dead_main, &d[started]) != 0) break;
+    }
+    long long worst_dead = 0;
+    for (int i = 0; i < started; i++) {
+        pthread_join(d[i].thread, NULL);
+        if (d[i].took_ms > worst_dead) worst_dead = d[i].took_ms;
+        fprintf(stderr, "  batch %d: %s after %lld ms: %.160s\n", i, kvp_strerror(d[i].st),
+                d[i].took_ms, d[i].why);
+        CHECK(d[i].st != KVP_OK);
+        if (d[i].took_ms > DEAD_BOUND_MS) {
+            fprintf(stderr, "  KNOWN DEFECT: batch %d to the dead peer took %lld ms (bound %d)\n",
+                    i, d[i].took_ms, DEAD_BOUND_MS);
+            if (getenv("KVPT_DEAD_PEER_STRICT")) kvpt_failures++;
+        }
+        if (!d[i].named) fprintf(stderr, "  the error names no peer: %s\n", d[i].why);
+        CHECK(d[i].named);
+    }
+    long during = atomic_load(&l.done) - before;
+    atomic_store(&l.stop, 1);
+    pthread_join(l.thread, NULL);
+    fprintf(stderr,
+            "  %s peer: %d batches failed, the last after %lld ms (%s: %s); meanwhile %ld "
+            "READs of 1 MiB from the live peer, slowest %lld ms, %ld failed\n",
+            blackhole ? "black-holed" : "stopped", started, worst_dead,
+            started ? kvp_strerror(d[0].st) : "-", started ? d[0].why : "-", during,
+            (long long)atomic_load(&l.worst_ms), atomic_load(&l.failed));
+    CHECK(started == DEAD_THREADS);
+    CHECK(atomic_load(&l.failed) == 0);
+    CHECK(during > 0);
+    CHECK(atomic_load(&l.worst_ms) <= LIVE_BOUND_MS);
+out:
+    kvp_engine_destroy(e);
+    for (int i = 0; fill && i < FILL_CONNS; i++)
+        if (fill[i] >= 0) close(fill[i]);
+    free(fill);
+    kill(dead.pid, SIGCONT);
+    kvpt_ctarget_stop(&dead);
+    CHECK(kvpt_ctarget_stop(&live) == 0);
+}
+
+static void stopped_peer(void)
+{
+    run(0);
+}
+
+static void blackholed_peer(void)
+{
+    run(1);
+}
+
+int main(void)
+{
+    RUN_T(stopped_peer, 120);
+    RUN_T(blackholed_peer, 120);
+    return kvpt_summary();
+}
