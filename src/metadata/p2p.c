@@ -160,7 +160,9 @@ static char *serve_notify(kvpi_rpc_server *srv, const char *request)
     if (!name || !msg) {
         reply = notify_refusal(KVP_EPROTO, "a notification must be a JSON object whose 'name' "
                                            "and 'notify_msg' are strings");
-        warn_once(srv, "a notification that is not {\"name\": str, \"notify_msg\": str}");
+        KVPI_WARN_LIMITED("handshake server %s: refused a notification that is not "
+                          "{\"name\": str, \"notify_msg\": str}",
+                          srv->addr);
     } else if (!srv->notify_fn) {
         reply = notify_refusal(KVP_ENOTSUP, "this handshake server takes no notifications");
     } else {
