@@ -132,7 +132,16 @@ PyObject *kvpy_notify_from(const char *name, const char *msg)
 static const char *str_attr(PyObject *obj, const char *attr, PyObject **keep)
 {
     PyObject *v = PyObject_GetAttrString(obj, attr);
-    if (!v) return NULL;
+    if (!v) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError,
+                         "notify must be a TransferNotify (or have str attributes name and msg), "
+                         "not %.100s",
+                         Py_TYPE(obj)->tp_name);
+        }
+        return NULL;
+    }
     if (!PyUnicode_Check(v)) {
         PyErr_Format(PyExc_TypeError, "notify.%s must be a str, not %.100s", attr,
                      Py_TYPE(v)->tp_name);
