@@ -227,9 +227,8 @@ static void *mc_main(void *arg)
         uint8_t hdr[9];
         char body[2048], out[512];
         uint64_t n;
-        if (kvpi_recv_all_by(fd, hdr, 9, kvpi_deadline_ns(5000)) ||
-            (n = kvpi_get_le64(hdr)) < 1 || n > sizeof body ||
-            kvpi_recv_all_by(fd, body, n - 1, kvpi_deadline_ns(5000))) {
+        if (kvpi_recv_all_by(fd, hdr, 9, kvpi_deadline_ns(5000)) || (n = kvpi_get_le64(hdr)) < 1 ||
+            n > sizeof body || kvpi_recv_all_by(fd, body, n - 1, kvpi_deadline_ns(5000))) {
             s->bad_frame = 1;
             close(fd);
             continue;
