@@ -600,13 +600,6 @@ static int parse_opcode(PyObject *obj, kvp_opcode *out)
     return 0;
 }
 
-static int check_notify(PyObject *notify)
-{
-    if (!notify || notify == Py_None) return 0;
-    PyErr_SetString(PyExc_NotImplementedError, "kvpipe does not support transfer notifies");
-    return -1;
-}
-
 typedef struct batch_wait {
     kvp_batch *batch;
     kvp_status status;
@@ -629,10 +622,12 @@ static void free_batch_nogil(kvp_batch *batch)
 
 /* Run the requests to completion. Returns -1 with a Python exception (Ctrl-C),
  * else 0 with *st the transfer status. */
-static int xfer_run(kvpy_engine *self, const char *target, const xfer *x, kvp_status *st)
+static int xfer_run(kvpy_engine *self, const char *target, const xfer *x, kvp_status *st,
+                    kvp_segment_id *segp)
 {
     kvp_segment_id seg;
     *st = open_segment(self, target, &seg);
+    *segp = seg;
     if (*st) return 0;
     batch_wait w = {NULL, KVP_OK};
     self->busy++;
@@ -649,12 +644,26 @@ static int xfer_run(kvpy_engine *self, const char *target, const xfer *x, kvp_st
     return rc < 0 ? -1 : 0;
 }
 
-/* Run and convert to Mooncake's int convention. */
-static PyObject *xfer_sync(kvpy_engine *self, const char *target, xfer *x, const char *what)
+/* Run, then, when every request succeeded and a notify was given, send it:
+ * the target gets it only once the data is in place (a WRITE completes once
+ * the target stored its bytes). Converted to Mooncake's int convention; a
+ * notification that was not delivered fails the call (Mooncake only logs
+ * it), with the data moved. Releases n. */
+static PyObject *xfer_sync(kvpy_engine *self, const char *target, xfer *x, kvpy_notify_args *n,
+                           const char *what)
 {
     kvp_status st = KVP_OK;
-    int rc = xfer_run(self, target, x, &st);
+    kvp_segment_id seg = 0;
+    int rc = xfer_run(self, target, x, &st, &seg);
     free(x->reqs);
+    if (rc == 0 && st == KVP_OK && n->name) {
+        self->busy++;
+        Py_BEGIN_ALLOW_THREADS
+        st = kvp_engine_notify(self->engine, seg, n->name, n->msg);
+        Py_END_ALLOW_THREADS
+        self->busy--;
+    }
+    kvpy_notify_args_release(n);
     if (rc < 0) return NULL;
     return PyLong_FromLong(st ? kvpy_fail(st, what) : 0);
 }
@@ -662,8 +671,11 @@ static PyObject *xfer_sync(kvpy_engine *self, const char *target, xfer *x, const
 static PyObject *single_sync(kvpy_engine *self, PyObject *args, PyObject *kwds, int op_given,
                              kvp_opcode op, const char *what)
 {
-    static char *kw_rw[] = {"target_hostname", "buffer",         "peer_buffer_address",
-                            "length",          "transport_hint", NULL};
+    /* transfer_sync_read/write: Mooncake's arguments, and notify= after them
+     * (a kvpipe extension: Mooncake takes it in transfer_sync only). */
+    static char *kw_rw[] = {
+        "target_hostname", "buffer", "peer_buffer_address", "length", "transport_hint",
+        "notify",          NULL};
     static char *kw_op[] = {"target_hostname", "buffer", "peer_buffer_address", "length",
                             "opcode",          "notify", "transport_hint",      NULL};
     const char *target, *hint = "";
@@ -671,18 +683,22 @@ static PyObject *single_sync(kvpy_engine *self, PyObject *args, PyObject *kwds, 
     size_t length;
     PyObject *opcode = NULL, *notify = NULL;
     int ok = op_given
-                 ? PyArg_ParseTupleAndKeywords(args, kwds, "sO&O&O&|s:transfer_sync", kw_rw,
+                 ? PyArg_ParseTupleAndKeywords(args, kwds, "sO&O&O&|sO:transfer_sync", kw_rw,
                                                &target, kvpy_addr_conv, &buf, kvpy_addr_conv, &peer,
-                                               kvpy_size_conv, &length, &hint)
+                                               kvpy_size_conv, &length, &hint, &notify)
                  : PyArg_ParseTupleAndKeywords(args, kwds, "sO&O&O&O|Os:transfer_sync", kw_op,
                                                &target, kvpy_addr_conv, &buf, kvpy_addr_conv, &peer,
                                                kvpy_size_conv, &length, &opcode, &notify, &hint);
-    if (!ok || check_notify(notify) || (!op_given && parse_opcode(opcode, &op))) return NULL;
-    if (engine_ready(self)) return NULL;
+    if (!ok || (!op_given && parse_opcode(opcode, &op)) || engine_ready(self)) return NULL;
+    kvpy_notify_args n;
+    if (kvpy_notify_parse(notify, &n)) return NULL;
     xfer x = {calloc(1, sizeof(kvp_request)), 1};
-    if (!x.reqs) return PyErr_NoMemory();
+    if (!x.reqs) {
+        kvpy_notify_args_release(&n);
+        return PyErr_NoMemory();
+    }
     x.reqs[0] = (kvp_request){op, (void *)(uintptr_t)buf, peer, length};
-    return xfer_sync(self, target, &x, what);
+    return xfer_sync(self, target, &x, &n, what);
 }
 
 static PyObject *engine_transfer_sync_read(kvpy_engine *self, PyObject *args, PyObject *kwds)
@@ -710,7 +726,12 @@ typedef struct batch_args {
 static int parse_batch_args(PyObject *args, PyObject *kwds, int with_opcode, int with_notify,
                             batch_args *a)
 {
-    static char *kw_plain[] = {"target_hostname", "buffers",        "peer_buffer_addresses",
+    /* The _read/_write forms: notify= after Mooncake's arguments (kvpipe's
+     * extension); the async ones take none. */
+    static char *kw_plain[] = {
+        "target_hostname", "buffers", "peer_buffer_addresses", "lengths", "transport_hint",
+        "notify",          NULL};
+    static char *kw_plain_async[] = {"target_hostname", "buffers",        "peer_buffer_addresses",
                                "lengths",         "transport_hint", NULL};
     static char *kw_op[] = {
         "target_hostname", "buffers", "peer_buffer_addresses", "lengths", "opcode",
@@ -718,9 +739,14 @@ static int parse_batch_args(PyObject *args, PyObject *kwds, int with_opcode, int
     static char *kw_notify[] = {"target_hostname", "buffers", "peer_buffer_addresses", "lengths",
                                 "opcode",          "notify",  "transport_hint",        NULL};
     *a = (batch_args){.hint = ""};
+    if (!with_opcode && with_notify)
+        return PyArg_ParseTupleAndKeywords(args, kwds, "sOOO|sO", kw_plain, &a->target, &a->bufs,
+                                           &a->peers, &a->lens, &a->hint, &a->notify)
+                   ? 0
+                   : -1;
     if (!with_opcode)
-        return PyArg_ParseTupleAndKeywords(args, kwds, "sOOO|s", kw_plain, &a->target, &a->bufs,
-                                           &a->peers, &a->lens, &a->hint)
+        return PyArg_ParseTupleAndKeywords(args, kwds, "sOOO|s", kw_plain_async, &a->target,
+                                           &a->bufs, &a->peers, &a->lens, &a->hint)
                    ? 0
                    : -1;
     if (!with_notify)
@@ -738,13 +764,17 @@ static PyObject *batch_sync(kvpy_engine *self, PyObject *args, PyObject *kwds, i
                             kvp_opcode op, const char *what)
 {
     batch_args a;
-    if (parse_batch_args(args, kwds, !op_given, !op_given, &a) || check_notify(a.notify) ||
-        (!op_given && parse_opcode(a.opcode, &op)))
+    if (parse_batch_args(args, kwds, !op_given, 1, &a) ||
+        (!op_given && parse_opcode(a.opcode, &op)) || engine_ready(self))
         return NULL;
-    if (engine_ready(self)) return NULL;
+    kvpy_notify_args n;
+    if (kvpy_notify_parse(a.notify, &n)) return NULL;
     xfer x;
-    if (xfer_build(&x, op, a.bufs, a.peers, a.lens)) return NULL;
-    return xfer_sync(self, a.target, &x, what);
+    if (xfer_build(&x, op, a.bufs, a.peers, a.lens)) {
+        kvpy_notify_args_release(&n);
+        return NULL;
+    }
+    return xfer_sync(self, a.target, &x, &n, what);
 }
 
 static PyObject *engine_batch_transfer_sync_read(kvpy_engine *self, PyObject *args, PyObject *kwds)
@@ -910,6 +940,142 @@ static PyObject *engine_transfer_check_status(kvpy_engine *self, PyObject *id)
     return PyLong_FromLong(ret);
 }
 
+/* ---- notifications, probes and the rest of Mooncake's surface ------------------ */
+
+/* get_notifies() -> [TransferNotify]: every notification received and not
+ * yet taken, oldest first; the queue is empty afterwards (Mooncake's
+ * getNotifies). */
+static PyObject *engine_get_notifies(kvpy_engine *self, PyObject *noargs)
+{
+    (void)noargs;
+    if (engine_ready(self)) return NULL;
+    kvp_notify *list = NULL;
+    size_t n = 0;
+    kvp_status st = kvp_engine_get_notifies(self->engine, &list, &n);
+    if (st) return kvpy_raise(st, "TransferEngine.get_notifies");
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; out && i < n; i++) {
+        PyObject *item = kvpy_notify_from(list[i].name, list[i].msg);
+        if (!item) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)i, item);
+    }
+    kvp_engine_notifies_free(list, n);
+    return out;
+}
+
+/* send_probe(peer_server_name) -> int: as SGLang uses it, 0 when the peer
+ * answers a PROBE handshake and its session was refreshed, negative
+ * otherwise. */
+static PyObject *engine_send_probe(kvpy_engine *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"peer_server_name", NULL};
+    const char *peer;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "s:send_probe", kwlist, &peer)) return NULL;
+    /* Mooncake returns -1 before initialize(). */
+    if (!self->engine)
+        return PyLong_FromLong(kvpy_fail_msg(KVP_EINVAL, "send_probe: the engine is not "
+                                                         "initialized"));
+    kvp_status st;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvp_engine_probe(self->engine, peer);
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    if (st) return PyLong_FromLong(kvpy_fail(st, "TransferEngine.send_probe"));
+    /* The probe opened the segment: remember its id like a transfer does. */
+    kvp_segment_id seg;
+    if (open_segment(self, peer, &seg))
+        return PyLong_FromLong(kvpy_fail(KVP_ENOTFOUND, "TransferEngine.send_probe"));
+    return PyLong_FromLong(0);
+}
+
+/* get_first_buffer_address(segment_name) -> int: the lowest registered
+ * address of a peer segment, 0 when it has none or cannot be opened
+ * (Mooncake's buffers[0], 0 likewise). */
+static PyObject *engine_get_first_buffer_address(kvpy_engine *self, PyObject *args)
+{
+    const char *target;
+    if (!PyArg_ParseTuple(args, "s:get_first_buffer_address", &target) || engine_ready(self))
+        return NULL;
+    kvp_segment_id seg;
+    kvp_status st = open_segment(self, target, &seg);
+    kvp_remote_buffer first = {0, 0};
+    size_t count = 0;
+    if (st == KVP_OK) {
+        self->busy++;
+        Py_BEGIN_ALLOW_THREADS
+        st = kvp_engine_segment_buffers(self->engine, seg, &first, 1, &count);
+        Py_END_ALLOW_THREADS
+        self->busy--;
+    }
+    if (st) {
+        kvpy_fail(st, "TransferEngine.get_first_buffer_address");
+        return PyLong_FromLong(0);
+    }
+    if (count == 0)
+        kvpy_fail_msg(KVP_ENOTFOUND, "get_first_buffer_address: segment %s registers no buffer",
+                      target);
+    return PyLong_FromUnsignedLongLong(count ? (unsigned long long)first.addr : 0);
+}
+
+/* get_local_topology(device_name=None) -> str: Mooncake's JSON of the RDMA
+ * devices preferred per memory location. kvpipe does not choose devices per
+ * location (UCX does, for rdma), so it has none to tell: "{}", the answer
+ * Mooncake gives where it finds none. */
+static PyObject *engine_get_local_topology(kvpy_engine *self, PyObject *args, PyObject *kwds)
+{
+    (void)self;
+    static char *kwlist[] = {"device_name", NULL};
+    const char *device = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|z:get_local_topology", kwlist, &device))
+        return NULL;
+    return PyUnicode_FromString("{}");
+}
+
+/* warmup_efa_segment(segment_name) -> 0: kvpipe has no EFA transport, so
+ * there is nothing to warm up; Mooncake returns 0 likewise where EFA is not
+ * installed. */
+static PyObject *engine_warmup_efa_segment(kvpy_engine *self, PyObject *args, PyObject *kwds)
+{
+    (void)self;
+    static char *kwlist[] = {"segment_name", NULL};
+    const char *segment;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "s:warmup_efa_segment", kwlist, &segment))
+        return NULL;
+    return PyLong_FromLong(0);
+}
+
+/* get_engine() / get_engine_ptr(): Mooncake hands out its C++ engine for
+ * Mooncake Store, Mooncake EP and other C++ extensions to share. kvpipe has
+ * none to give: say so rather than return something they would crash on. */
+static PyObject *no_cpp_engine(const char *what)
+{
+    PyErr_Format(PyExc_NotImplementedError,
+                 "TransferEngine.%s(): kvpipe's engine is not Mooncake's C++ "
+                 "mooncake::TransferEngine and cannot be shared with code that takes one "
+                 "(Mooncake Store, Mooncake EP, other extensions built against Mooncake); use "
+                 "Mooncake's own binding for those, or kvpipe's methods here",
+                 what);
+    return NULL;
+}
+
+static PyObject *engine_get_engine(kvpy_engine *self, PyObject *noargs)
+{
+    (void)self;
+    (void)noargs;
+    return no_cpp_engine("get_engine");
+}
+
+static PyObject *engine_get_engine_ptr(kvpy_engine *self, PyObject *noargs)
+{
+    (void)self;
+    (void)noargs;
+    return no_cpp_engine("get_engine_ptr");
+}
+
 /* ---- type --------------------------------------------------------------------- */
 
 #define KW (METH_VARARGS | METH_KEYWORDS)
@@ -945,19 +1111,22 @@ static PyMethodDef engine_methods[] = {
      "free_managed_buffer(buffer_addr, length) -> int: 0, or negative on failure."},
     {"transfer_sync_read", FN(engine_transfer_sync_read), KW,
      "transfer_sync_read(target_hostname, buffer, peer_buffer_address, length, "
-     "transport_hint='') -> int\n\nRead length bytes of the peer's segment into local memory."},
+     "transport_hint='', notify=None) -> int\n\nRead length bytes of the peer's segment into "
+     "local memory; then send notify (a TransferNotify) to the peer, if given."},
     {"transfer_sync_write", FN(engine_transfer_sync_write), KW,
      "transfer_sync_write(target_hostname, buffer, peer_buffer_address, length, "
-     "transport_hint='') -> int\n\nWrite length bytes of local memory into the peer's segment."},
+     "transport_hint='', notify=None) -> int\n\nWrite length bytes of local memory into the "
+     "peer's segment; once they are in place, send notify (a TransferNotify), if given."},
     {"transfer_sync", FN(engine_transfer_sync), KW,
      "transfer_sync(target_hostname, buffer, peer_buffer_address, length, opcode, notify=None, "
-     "transport_hint='') -> int"},
+     "transport_hint='') -> int\n\nnotify (a TransferNotify) is sent to the peer once the "
+     "transfer succeeded; a notification not delivered fails the call."},
     {"batch_transfer_sync_read", FN(engine_batch_transfer_sync_read), KW,
      "batch_transfer_sync_read(target_hostname, buffers, peer_buffer_addresses, lengths, "
-     "transport_hint='') -> int"},
+     "transport_hint='', notify=None) -> int"},
     {"batch_transfer_sync_write", FN(engine_batch_transfer_sync_write), KW,
      "batch_transfer_sync_write(target_hostname, buffers, peer_buffer_addresses, lengths, "
-     "transport_hint='') -> int"},
+     "transport_hint='', notify=None) -> int"},
     {"batch_transfer_sync", FN(engine_batch_transfer_sync), KW,
      "batch_transfer_sync(target_hostname, buffers, peer_buffer_addresses, lengths, opcode, "
      "notify=None, transport_hint='') -> int"},
@@ -992,6 +1161,26 @@ static PyMethodDef engine_methods[] = {
      "(bytes-like or str) into a managed or registered buffer of this engine."},
     {"read_bytes_from_buffer", FN(engine_read_bytes_from_buffer), METH_VARARGS,
      "read_bytes_from_buffer(source_address, length) -> bytes"},
+    {"get_notifies", FN(engine_get_notifies), METH_NOARGS,
+     "get_notifies() -> list[TransferNotify]\n\nEvery notification received and not yet "
+     "taken, oldest first; they are gone from the engine afterwards."},
+    {"send_probe", FN(engine_send_probe), KW,
+     "send_probe(peer_server_name) -> int\n\nProbe the peer's handshake port and refresh "
+     "the session to it (its descriptor fetched anew, transports opened): 0 when it answers, "
+     "negative otherwise. SGLang's warm-up and recovery of a failed peer."},
+    {"get_first_buffer_address", FN(engine_get_first_buffer_address), METH_VARARGS,
+     "get_first_buffer_address(segment_name) -> int: the lowest registered address of the "
+     "peer segment, 0 when it has none or cannot be opened."},
+    {"get_local_topology", FN(engine_get_local_topology), KW,
+     "get_local_topology(device_name=None) -> str: '{}' (kvpipe does not choose RDMA devices "
+     "per memory location; UCX does)."},
+    {"warmup_efa_segment", FN(engine_warmup_efa_segment), KW,
+     "warmup_efa_segment(segment_name) -> int: 0, a no-op (kvpipe has no EFA transport)."},
+    {"get_engine", FN(engine_get_engine), METH_NOARGS,
+     "get_engine(): raises NotImplementedError: kvpipe has no Mooncake C++ engine to share."},
+    {"get_engine_ptr", FN(engine_get_engine_ptr), METH_NOARGS,
+     "get_engine_ptr(): raises NotImplementedError: kvpipe has no Mooncake C++ engine to "
+     "share."},
     {"close", FN(engine_close), METH_NOARGS,
      "close(): destroy the engine now instead of at garbage collection (kvpipe extension)."},
     {NULL, NULL, 0, NULL},

@@ -4,7 +4,7 @@
 import enum
 import os
 from types import TracebackType
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple, Type, Union, overload
 
 __version__: str
 
@@ -46,6 +46,14 @@ class TransferOpcode(enum.IntEnum):
 Read: TransferOpcode
 Write: TransferOpcode
 
+class TransferNotify:
+    name: str
+    msg: str
+    @overload
+    def __init__(self) -> None: ...
+    @overload
+    def __init__(self, name: str, msg: str) -> None: ...
+
 class TransferEngine:
     """Mooncake's TransferEngine API over kvpipe's engine; call initialize() first.
 
@@ -84,7 +92,7 @@ class TransferEngine:
         peer_buffer_address: int,
         length: int,
         opcode: int,
-        notify: Any = ...,
+        notify: Optional[TransferNotify] = ...,
         transport_hint: str = ...,
     ) -> int: ...
     def transfer_sync_read(
@@ -94,6 +102,7 @@ class TransferEngine:
         peer_buffer_address: int,
         length: int,
         transport_hint: str = ...,
+        notify: Optional[TransferNotify] = ...,
     ) -> int: ...
     def transfer_sync_write(
         self,
@@ -102,6 +111,7 @@ class TransferEngine:
         peer_buffer_address: int,
         length: int,
         transport_hint: str = ...,
+        notify: Optional[TransferNotify] = ...,
     ) -> int: ...
     def transfer_submit_write(
         self,
@@ -119,7 +129,7 @@ class TransferEngine:
         peer_buffer_addresses: Sequence[int],
         lengths: Sequence[int],
         opcode: int,
-        notify: Any = ...,
+        notify: Optional[TransferNotify] = ...,
         transport_hint: str = ...,
     ) -> int: ...
     def batch_transfer_sync_read(
@@ -129,6 +139,7 @@ class TransferEngine:
         peer_buffer_addresses: Sequence[int],
         lengths: Sequence[int],
         transport_hint: str = ...,
+        notify: Optional[TransferNotify] = ...,
     ) -> int: ...
     def batch_transfer_sync_write(
         self,
@@ -137,6 +148,7 @@ class TransferEngine:
         peer_buffer_addresses: Sequence[int],
         lengths: Sequence[int],
         transport_hint: str = ...,
+        notify: Optional[TransferNotify] = ...,
     ) -> int: ...
     def batch_transfer_async(
         self,
@@ -166,6 +178,13 @@ class TransferEngine:
     def get_batch_transfer_status(self, batch_ids: Sequence[int]) -> int: ...
     def write_bytes_to_buffer(self, dest_address: int, src: bytes, length: int) -> int: ...
     def read_bytes_from_buffer(self, source_address: int, length: int) -> bytes: ...
+    def get_notifies(self) -> List[TransferNotify]: ...
+    def send_probe(self, peer_server_name: str) -> int: ...
+    def get_first_buffer_address(self, segment_name: str) -> int: ...
+    def get_local_topology(self, device_name: Optional[str] = ...) -> str: ...
+    def warmup_efa_segment(self, segment_name: str) -> int: ...
+    def get_engine(self) -> NoReturn: ...
+    def get_engine_ptr(self) -> NoReturn: ...
     def close(self) -> None: ...
 
 class Tensor:

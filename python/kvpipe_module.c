@@ -185,8 +185,9 @@ PyMODINIT_FUNC PyInit_kvpipe(void)
     if (!module) return NULL;
     if (PyModule_AddStringConstant(module, "__version__", KVP_VERSION_STRING) < 0 ||
         add_status_constants(module) < 0 || add_error_type(module) < 0 ||
-        kvpy_engine_init_type(module) < 0 || kvpy_tensor_init_type(module) < 0 ||
-        kvpy_pipe_init_type(module) < 0 || kvpy_log_init(module) < 0) {
+        kvpy_engine_init_type(module) < 0 || kvpy_notify_init_type(module) < 0 ||
+        kvpy_tensor_init_type(module) < 0 || kvpy_pipe_init_type(module) < 0 ||
+        kvpy_log_init(module) < 0) {
         Py_DECREF(module);
         return NULL;
     }

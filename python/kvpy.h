@@ -97,6 +97,19 @@ const char *kvpy_dtype_name(DLDataType dtype);
 int kvpy_dtype_from_name(const char *name, DLDataType *out);
 
 /* Type objects, set up by the module init. */
+/* notify_py.c: kvpipe.TransferNotify. */
+typedef struct kvpy_notify_args {
+    const char *name, *msg; /* UTF-8, valid while keep_* are held; NULL: no notify */
+    PyObject *keep_name, *keep_msg;
+} kvpy_notify_args;
+/* notify= of a transfer: None (out->name NULL), or an object with str
+ * attributes name and msg (a TransferNotify). -1 with an exception. */
+int kvpy_notify_parse(PyObject *obj, kvpy_notify_args *out);
+void kvpy_notify_args_release(kvpy_notify_args *a);
+/* A new TransferNotify. */
+PyObject *kvpy_notify_from(const char *name, const char *msg);
+int kvpy_notify_init_type(PyObject *module);
+
 extern PyTypeObject kvpy_engine_type;
 int kvpy_engine_init_type(PyObject *module);
 int kvpy_tensor_init_type(PyObject *module);

@@ -296,6 +296,63 @@ KVP_API kvp_status kvp_engine_read(kvp_engine *engine, kvp_segment_id seg, void 
 KVP_API kvp_status kvp_engine_write(kvp_engine *engine, kvp_segment_id seg, const void *local,
                                     uint64_t remote, size_t length);
 
+/* ---- Notifications (Mooncake's NotifyDesc; docs/engine.md) ----
+ *
+ * A notification is a (name, msg) pair of strings one engine sends another
+ * over the peer's handshake port, in Mooncake's frame (type 2), so kvpipe and
+ * Mooncake engines notify each other. The usual use: the initiator of a
+ * WRITE tells the target that the data is in place. kvpipe sends nothing by
+ * itself: call kvp_engine_notify() after kvp_batch_wait() (or the sync
+ * calls) returned KVP_OK, and the notification is delivered only after the
+ * data it follows is in the target's memory (every WRITE request completes
+ * only once the target has stored its bytes). */
+
+typedef struct kvp_notify {
+    char *name; /* NUL-terminated; owned by the array kvp_engine_get_notifies() returns */
+    char *msg;
+} kvp_notify;
+
+/* The most notifications an engine keeps uncollected, and the most bytes of
+ * their names and messages. A notification that would pass either is refused:
+ * the sender's call fails (kvpipe's with KVP_EBUSY; Mooncake's logs "Notify
+ * rejected"), nothing queued is dropped, and the engine's
+ * notifies_refused_total counts it (docs/metrics.md). */
+#define KVP_NOTIFY_QUEUE_MAX 65536
+#define KVP_NOTIFY_QUEUE_MAX_BYTES (64u << 20)
+
+/* Send the notification (name, msg) to an open segment's engine and wait for
+ * its answer (bounded by opts.timeout_ms). The peer's handshake address is the
+ * segment name's host:port in P2PHANDSHAKE mode, its rpc_meta otherwise, as
+ * Mooncake finds it. KVP_OK once the peer queued it. Errors: KVP_EINVAL (seg
+ * not open, NULL strings, name and msg over 1 MiB together); the connection's
+ * (KVP_ECONNREFUSED, KVP_ETIMEDOUT, ...); KVP_EBUSY when the peer's queue is
+ * full; KVP_ENOTSUP when the peer takes no notifications; KVP_EPROTO for a
+ * reply that is not one. Thread-safe; blocks for one handshake. */
+KVP_API kvp_status kvp_engine_notify(kvp_engine *engine, kvp_segment_id seg, const char *name,
+                                     const char *msg);
+
+/* Take every notification received and not yet taken, oldest first, as
+ * Mooncake's getNotifies: *out is a malloc'ed array of *count entries (NULL
+ * and 0 when there are none), which the caller frees with
+ * kvp_engine_notifies_free(). Thread-safe: concurrent callers each get
+ * distinct notifications. Does not block. KVP_ENOMEM leaves the queue as it
+ * was. */
+KVP_API kvp_status kvp_engine_get_notifies(kvp_engine *engine, kvp_notify **out, size_t *count);
+
+/* Free what kvp_engine_get_notifies() returned. NULL is a no-op. */
+KVP_API void kvp_engine_notifies_free(kvp_notify *notifies, size_t count);
+
+/* Probe a peer segment by name and refresh this engine's session to it
+ * (SGLang's send_probe: the warm-up, and the recovery of a peer it had given
+ * up on): a PROBE handshake (Mooncake's frame type 3) to the peer's
+ * handshake port, then its descriptor is fetched anew and its transports
+ * opened, replacing what was cached (a restarted peer's new buffers and
+ * ports are used from the next transfer on). Opens the segment when it is
+ * not open. KVP_OK when the peer answered and was looked up; else the
+ * handshake's or the lookup's status. Thread-safe; blocks for the handshake
+ * and the lookup (each bounded by opts.timeout_ms). */
+KVP_API kvp_status kvp_engine_probe(kvp_engine *engine, const char *name);
+
 #ifdef __cplusplus
 }
 #endif

@@ -10,10 +10,17 @@ a ctypes buffer of SIZE bytes, fills both with pattern(seed 1 / seed 2), prints
 and then serves commands from stdin, one per line:
 
     HEX <addr> <length>   print the bytes at addr as hex
+    WAITNOTIFY <name> <addr> <length>
+                          poll get_notifies() until a notification of that name
+                          arrives (10 s at most), then at once print
+                          "GOT <msg> <sha256 of the bytes at addr>", or "NONE";
+                          other notifications are printed as "OTHER <name> <msg>"
     EXIT                  close the engine and exit 0
 """
 import ctypes
+import hashlib
 import sys
+import time
 
 import kvpipe
 
@@ -42,6 +49,19 @@ def main():
         if words and words[0] == "HEX":
             data = eng.read_bytes_from_buffer(int(words[1]), int(words[2]))
             print(data.hex(), flush=True)
+        elif words and words[0] == "WAITNOTIFY":
+            want, addr, n = words[1], int(words[2]), int(words[3])
+            deadline, reply = time.monotonic() + 10, "NONE"
+            while reply == "NONE" and time.monotonic() < deadline:
+                for note in eng.get_notifies():
+                    if note.name == want:
+                        digest = hashlib.sha256(eng.read_bytes_from_buffer(addr, n)).hexdigest()
+                        reply = "GOT %s %s" % (note.msg, digest)
+                    else:
+                        print("OTHER", note.name, note.msg, flush=True)
+                if reply == "NONE":
+                    time.sleep(0.0005)
+            print(reply, flush=True)
         elif words and words[0] == "EXIT":
             break
     eng.close()

@@ -335,8 +335,8 @@ static kvp_status start_rpc(kvp_engine *e)
     kvpi_conn_limits limits = {.timeout_ms = e->opts.timeout_ms,
                                .max_conns = e->opts.max_connections,
                                .min_rate = e->opts.min_transfer_rate};
-    kvp_status st = kvpi_rpc_server_start_auth(e->self.host, e->self.port, &limits, e->auth,
-                                               rpc_describe, e, &e->rpc);
+    kvp_status st = kvpi_rpc_server_start_notify(e->self.host, e->self.port, &limits, e->auth,
+                                                 rpc_describe, kvpi_notify_receive, e, &e->rpc);
     if (st != KVP_EBUSY) return st;
     return kvpi_error(KVP_EBUSY,
                       "segment name '%s' is in use on this host: its handshake port is taken, "
@@ -451,6 +451,7 @@ static kvp_status engine_create(const kvp_engine_opts *opts,
     pthread_mutex_init(&e->segments_lock, NULL);
     pthread_mutex_init(&e->keeper_lock, NULL);
     kvpi_cond_init(&e->keeper_cond);
+    kvpi_notify_init(e);
     kvp_status st;
     if ((st = copy_opts(e, opts))) goto fail;
     if ((st = kvpi_meta_open(e->metadata_conn, e->opts.timeout_ms, rpc_describe, e, &e->meta)))
@@ -504,6 +505,7 @@ void kvp_engine_destroy(kvp_engine *e)
     kvpi_workers_stop(e);
     kvpi_segments_destroy(e);
     kvpi_rpc_server_stop(e->rpc);
+    kvpi_notify_destroy(e);
     /* The pool unregisters its chunks through the engine: no publishing now.
      * Every region is unregistered from the transports before their servers
      * stop, since a server may own what its registrations use. */

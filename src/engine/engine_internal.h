@@ -71,6 +71,20 @@ typedef struct kvpi_queue {
     atomic_long inflight;
 } kvpi_queue;
 
+/* Notifications received (notify.c): a FIFO bounded by
+ * KVP_NOTIFY_QUEUE_MAX entries and KVP_NOTIFY_QUEUE_MAX_BYTES. */
+typedef struct kvpi_notify_entry {
+    struct kvpi_notify_entry *next;
+    char *name, *msg;
+    size_t bytes;
+} kvpi_notify_entry;
+
+typedef struct kvpi_notify_queue {
+    pthread_mutex_t lock;
+    kvpi_notify_entry *head, **tail;
+    size_t count, bytes;
+} kvpi_notify_queue;
+
 struct kvp_engine {
     kvp_engine_opts opts; /* strings below are owned copies */
     char *name, *metadata_conn, *protocol, *device_names;
@@ -111,6 +125,8 @@ struct kvp_engine {
     pthread_cond_t keeper_cond;
     int keeper_stop;
 
+    kvpi_notify_queue notifies;
+
     kvpi_engine_metrics metrics;
     struct kvpi_metrics_server *metrics_srv; /* the endpoint, when asked for */
     pthread_t reporter;                      /* MC_TE_METRIC's line */
@@ -121,6 +137,11 @@ struct kvp_engine {
 
 /* segment.c */
 kvpi_segment *kvpi_segment_get(kvp_engine *e, kvp_segment_id id);
+/* The opened segment of that name, or NULL. */
+kvpi_segment *kvpi_segment_find(kvp_engine *e, const char *name);
+/* Drop the cached peer, so that the next use looks the segment up again;
+ * transfers holding it finish on it. */
+void kvpi_segment_forget(kvpi_segment *seg);
 /* A referenced peer for the segment, looking it up (again) if needed. */
 kvp_status kvpi_segment_acquire(kvp_engine *e, kvpi_segment *seg, kvpi_peer **out);
 /* The same without blocking: KVP_EBUSY where a lookup is needed (or one
@@ -163,6 +184,15 @@ void kvpi_engine_mark_stale(kvp_engine *e);
  * over transports of their own. */
 kvp_status kvpi_engine_create_with(const kvp_engine_opts *opts,
                                    const kvpi_transport_ops *const *transports, kvp_engine **out);
+
+/* notify.c */
+void kvpi_notify_init(kvp_engine *e);
+/* The handshake server's NOTIFY handler (kvpi_rpc_notify_fn; ctx: e). */
+kvp_status kvpi_notify_receive(void *ctx, const char *name, const char *msg);
+/* After the handshake server stopped: free what was not collected. */
+void kvpi_notify_destroy(kvp_engine *e);
+/* The queue's length, for the metrics. */
+size_t kvpi_notify_queued(kvp_engine *e);
 
 /* registration.c */
 /* Create the buffer pool: host memory, its chunks mapped by the first

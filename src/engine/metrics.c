@@ -113,6 +113,18 @@ static const kvpi_metric_family
                    "Lookups that replaced a descriptor dropped after a connection error or a "
                    "range outside it",
                    KVP_METRIC_COUNTER},
+    f_notifies_received = {"kvpipe_engine_notifies_received_total",
+                           "Notifications peers sent this engine that it queued",
+                           KVP_METRIC_COUNTER},
+    f_notifies_refused = {"kvpipe_engine_notifies_refused_total",
+                          "Notifications peers sent this engine that it refused (its queue "
+                          "full, or malformed)",
+                          KVP_METRIC_COUNTER},
+    f_notifies_sent = {"kvpipe_engine_notifies_sent_total",
+                       "Notifications this engine sent that the peer queued", KVP_METRIC_COUNTER},
+    f_notifies_queued = {"kvpipe_engine_notifies_queued",
+                         "Notifications received and not yet collected (get_notifies)",
+                         KVP_METRIC_GAUGE},
     f_served_req = {"kvpipe_engine_served_requests_total",
                     "Requests this engine served to peers as target, by opcode and transport",
                     KVP_METRIC_COUNTER},
@@ -206,6 +218,13 @@ void kvpi_engine_metrics_collect(kvp_engine *e, kvp_metrics *out)
     collect_initiator(&e->metrics, out);
     collect_target(&e->metrics, out);
     collect_memory(e, out);
+    kvpi_metrics_add(out, &f_notifies_received,
+                     (double)kvpi_counter_get(&e->metrics.notifies_received), NULL);
+    kvpi_metrics_add(out, &f_notifies_refused,
+                     (double)kvpi_counter_get(&e->metrics.notifies_refused), NULL);
+    kvpi_metrics_add(out, &f_notifies_sent, (double)kvpi_counter_get(&e->metrics.notifies_sent),
+                     NULL);
+    kvpi_metrics_add(out, &f_notifies_queued, (double)kvpi_notify_queued(e), NULL);
 }
 
 kvp_status kvp_engine_metrics(kvp_engine *e, kvp_metrics **out)

@@ -6,6 +6,8 @@
 #include "common/log.h"
 #include "engine/engine_internal.h"
 
+static void peer_put(kvp_engine *later, kvpi_peer *peer);
+
 kvp_status kvp_engine_open_segment(kvp_engine *e, const char *name, kvp_segment_id *out)
 {
     if (!e || !name || !*name || !out)
@@ -48,6 +50,25 @@ out:
     return KVP_OK;
 }
 
+kvpi_segment *kvpi_segment_find(kvp_engine *e, const char *name)
+{
+    kvpi_segment *seg = NULL;
+    pthread_mutex_lock(&e->segments_lock);
+    for (size_t id = 0; id < e->n_segments && !seg; id++)
+        if (strcmp(e->segments[id]->name, name) == 0) seg = e->segments[id];
+    pthread_mutex_unlock(&e->segments_lock);
+    return seg;
+}
+
+void kvpi_segment_forget(kvpi_segment *seg)
+{
+    pthread_mutex_lock(&seg->lock);
+    kvpi_peer *peer = seg->peer;
+    seg->peer = NULL;
+    pthread_mutex_unlock(&seg->lock);
+    if (peer) peer_put(NULL, peer);
+}
+
 kvpi_segment *kvpi_segment_get(kvp_engine *e, kvp_segment_id id)
 {
     pthread_mutex_lock(&e->segments_lock);
@@ -65,8 +86,6 @@ const char *kvp_engine_segment_transport(kvp_engine *e, kvp_segment_id id)
     pthread_mutex_unlock(&seg->lock);
     return name;
 }
-
-static void peer_put(kvp_engine *later, kvpi_peer *peer);
 
 kvp_status kvp_engine_segment_buffers(kvp_engine *e, kvp_segment_id id, kvp_remote_buffer *out,
                                       size_t cap, size_t *count)

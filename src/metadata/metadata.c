@@ -309,6 +309,50 @@ kvp_status kvpi_meta_fetch(kvpi_meta *meta, const char *segment, char **desc_jso
     return fetch_store(meta, segment, desc_json, rpc_host);
 }
 
+kvp_status kvpi_meta_call(kvpi_meta *meta, const char *segment, int type, const char *json,
+                          char **reply)
+{
+    if (!meta || !json || !reply)
+        return kvpi_error(KVP_EINVAL, "kvpi_meta_call: meta, json and reply are required");
+    kvp_status st = check_segment(segment);
+    if (st) return st;
+    char host[KVPI_HOST_MAX];
+    int port;
+    char *rpc = NULL;
+    if (meta->ops) st = get_kind(meta, "rpc_meta", segment, &rpc);
+    if (!meta->ops || st == KVP_ENOTFOUND) {
+        /* P2P mode, or a writer that publishes no rpc_meta: the name is
+         * host:port by convention, the port the handshake port. */
+        kvpi_hostport hp;
+        if (kvpi_hostport_parse(segment, -1, &hp) != KVP_OK)
+            return kvpi_error(meta->ops ? KVP_ENOTFOUND : KVP_EINVAL,
+                              meta->ops ? "segment '%s' has no rpc_meta and its name is not "
+                                          "host:port"
+                                        : "segment name '%s' must be host:port in " KVPI_P2P_CONN
+                                          " mode",
+                              segment);
+        snprintf(host, sizeof host, "%s", hp.host);
+        port = hp.port;
+    } else {
+        if (st) return st;
+        st = kvpi_rpc_meta_parse(rpc, host, &port);
+        free(rpc);
+        if (st) {
+            char prefix[512];
+            snprintf(prefix, sizeof prefix, "rpc_meta of segment '%.200s' in %.200s", segment,
+                     meta->conn);
+            return wrap(st, prefix);
+        }
+    }
+    st = kvpi_rpc_call_auth(host, port, meta->auth, type, json, meta->timeout_ms, reply);
+    if (st) {
+        char prefix[300];
+        snprintf(prefix, sizeof prefix, "segment '%.200s'", segment);
+        return wrap(st, prefix);
+    }
+    return KVP_OK;
+}
+
 /* ---- an engine's own keys: claim, publish, repair, release ---- */
 
 char *kvpi_meta_instance_of(const char *desc_json)

@@ -149,6 +149,14 @@ kvp_status kvpi_meta_release(kvpi_meta *meta, const kvpi_meta_self *self);
  * segment. */
 kvp_status kvpi_meta_fetch(kvpi_meta *meta, const char *segment, char **desc_json, char **rpc_host);
 
+/* One handshake of the given type (NOTIFY, PROBE) with a peer segment's
+ * handshake port, as Mooncake's TransferMetadata finds it: in P2P mode the
+ * host:port of the segment name; else the segment's rpc_meta in the store
+ * (KVP_ENOTFOUND when it has none). Bounded by the store's timeout, in the
+ * authenticated mode when meta is. *reply: the answer's JSON (malloc'ed). */
+kvp_status kvpi_meta_call(kvpi_meta *meta, const char *segment, int type, const char *json,
+                          char **reply);
+
 /* The key under which kind ("ram" or "rpc_meta") of a segment is stored, as
  * Mooncake names it: "mooncake/[CLUSTER/]ram/<segment>" (a segment name that
  * holds a '/' is used as the rest of the key: "mooncake/[CLUSTER/]<segment>"),
@@ -205,10 +213,42 @@ kvp_status kvpi_rpc_frame_decode(const uint8_t *buf, size_t have, int *type, siz
 
 typedef struct kvpi_rpc_server kvpi_rpc_server;
 
+/* A NOTIFY request's contents (Mooncake's NotifyDesc), for the handshake
+ * server's owner to queue: KVP_OK when taken, else a status whose
+ * kvp_last_error() says why (KVP_EBUSY: the queue is full), which the
+ * server passes back to the sender in its refusal. Called from the server's
+ * connection threads; must not block. */
+typedef kvp_status (*kvpi_rpc_notify_fn)(void *ctx, const char *name, const char *msg);
+
+/* Mooncake's replies (TransferMetadata::receivePeerNotify and
+ * receivePeerProbe at 3b5a594): a sender takes a NOTIFY reply whose
+ * notify_msg is empty as a refusal. */
+#define KVPI_RPC_NOTIFY_OK "{\"name\":\"\",\"notify_msg\":\"success\"}"
+#define KVPI_RPC_PROBE_OK "{\"status\":\"success\"}"
+/* kvpipe's refusal adds these fields (Mooncake ignores them): why, and the
+ * kvp_status the sender reports. */
+#define KVPI_RPC_REFUSED_FIELD "kvpipe_refused"
+#define KVPI_RPC_STATUS_FIELD "kvpipe_status"
+
+/* The request JSON of a NOTIFY frame: {"name": name, "notify_msg": msg}, as
+ * Mooncake's sender writes it. Malloc'ed; NULL when out of memory. */
+char *kvpi_rpc_notify_json(const char *name, const char *msg);
+
+/* Judge a NOTIFY reply: KVP_OK when its notify_msg is a non-empty string (as
+ * Mooncake's sendNotify does); else the status a kvpipe server's refusal
+ * carries (KVP_EBUSY for a full queue), KVP_ENOTSUP for any other refusal
+ * (an older kvpipe answers "{}"), KVP_EPROTO for a reply that is not a JSON
+ * object; kvp_last_error() says which. Pure; thread-safe. */
+kvp_status kvpi_rpc_notify_reply_check(const char *reply);
+
 /* Serve handshakes on host:port until stopped. A METADATA request is answered
- * with a METADATA frame holding desc_fn()'s text; other types with a frame of
- * the same type holding "{}". Malformed or oversized frames close that
- * connection only. limits (NULL: defaults) caps connections and bounds each
+ * with a METADATA frame holding desc_fn()'s text; a NOTIFY request (a JSON
+ * object whose "name" and "notify_msg" are strings or absent) is handed to
+ * notify_fn and answered KVPI_RPC_NOTIFY_OK when it takes it, else (no
+ * notify_fn, a malformed request, notify_fn refuses) with a refusal:
+ * {"name":"","notify_msg":"","kvpipe_refused":why,"kvpipe_status":n}; a PROBE
+ * with KVPI_RPC_PROBE_OK; a CONNECT with "{}". Malformed or oversized frames
+ * close that connection only. limits (NULL: defaults) caps connections and bounds each
  * request (common/conn_server.h): it must begin and be read within
  * timeout_ms (+ its length at min_rate). */
 struct kvpi_conn_limits;
@@ -223,6 +263,13 @@ kvp_status kvpi_rpc_server_start_auth(const char *host, int port,
                                       const struct kvpi_conn_limits *limits,
                                       const struct kvpi_auth *auth, kvpi_rpc_desc_fn desc_fn,
                                       void *ctx, kvpi_rpc_server **out);
+/* The same with a NOTIFY handler (NULL: notifications are refused); the
+ * engine's server. */
+kvp_status kvpi_rpc_server_start_notify(const char *host, int port,
+                                        const struct kvpi_conn_limits *limits,
+                                        const struct kvpi_auth *auth, kvpi_rpc_desc_fn desc_fn,
+                                        kvpi_rpc_notify_fn notify_fn, void *ctx,
+                                        kvpi_rpc_server **out);
 void kvpi_rpc_server_stop(kvpi_rpc_server *server);
 
 /* The port the server listens on (the one chosen when started with port 0). */

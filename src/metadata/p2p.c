@@ -15,6 +15,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <cjson/cJSON.h>
+
 #include "common/auth.h"
 #include "common/clock.h"
 #include "common/conn_server.h"
@@ -28,6 +30,7 @@
 struct kvpi_rpc_server {
     kvpi_conn_server *conns;
     kvpi_rpc_desc_fn desc_fn;
+    kvpi_rpc_notify_fn notify_fn; /* NULL: notifications are refused */
     void *ctx;
     const kvpi_auth *auth; /* NULL: unauthenticated */
     char addr[KVPI_HOST_MAX + 8];
@@ -112,6 +115,102 @@ static kvp_status serve_recv(kvpi_conn *c, int *type, char **json)
     return KVP_OK;
 }
 
+char *kvpi_rpc_notify_json(const char *name, const char *msg)
+{
+    cJSON *o = cJSON_CreateObject();
+    char *text = NULL;
+    if (o && cJSON_AddStringToObject(o, "name", name ? name : "") &&
+        cJSON_AddStringToObject(o, "notify_msg", msg ? msg : ""))
+        text = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    return text;
+}
+
+/* The refusal of a notification: an empty notify_msg, which is what Mooncake's
+ * sender checks, and why. */
+static char *notify_refusal(kvp_status st, const char *why)
+{
+    cJSON *o = cJSON_CreateObject();
+    char *text = NULL;
+    if (o && cJSON_AddStringToObject(o, "name", "") &&
+        cJSON_AddStringToObject(o, "notify_msg", "") &&
+        cJSON_AddStringToObject(o, KVPI_RPC_REFUSED_FIELD, why) &&
+        cJSON_AddNumberToObject(o, KVPI_RPC_STATUS_FIELD, (double)st))
+        text = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    return text;
+}
+
+/* A string member, or "" where it is absent (Mooncake reads both fields with
+ * asString, which makes an absent one ""). NULL: present and not a string. */
+static const char *string_or_empty(const cJSON *o, const char *key)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    if (!v) return "";
+    return cJSON_IsString(v) ? v->valuestring : NULL;
+}
+
+/* A NOTIFY request: hand it to the owner; the reply says whether it took it. */
+static char *serve_notify(kvpi_rpc_server *srv, const char *request)
+{
+    cJSON *o = cJSON_Parse(request);
+    const char *name = cJSON_IsObject(o) ? string_or_empty(o, "name") : NULL;
+    const char *msg = cJSON_IsObject(o) ? string_or_empty(o, "notify_msg") : NULL;
+    char *reply;
+    if (!name || !msg) {
+        reply = notify_refusal(KVP_EPROTO, "a notification must be a JSON object whose 'name' "
+                                           "and 'notify_msg' are strings");
+        KVPI_WARN_LIMITED("handshake server %s: refused a notification that is not "
+                          "{\"name\": str, \"notify_msg\": str}",
+                          srv->addr);
+    } else if (!srv->notify_fn) {
+        reply = notify_refusal(KVP_ENOTSUP, "this handshake server takes no notifications");
+    } else {
+        kvp_status st = srv->notify_fn(srv->ctx, name, msg);
+        reply = st ? notify_refusal(st, kvp_last_error()) : strdup(KVPI_RPC_NOTIFY_OK);
+    }
+    cJSON_Delete(o);
+    return reply;
+}
+
+kvp_status kvpi_rpc_notify_reply_check(const char *reply)
+{
+    cJSON *o = cJSON_Parse(reply ? reply : "");
+    kvp_status st = KVP_OK;
+    if (!cJSON_IsObject(o)) {
+        st = kvpi_error(KVP_EPROTO, "the notification's reply is not a JSON object");
+        goto out;
+    }
+    const cJSON *m = cJSON_GetObjectItemCaseSensitive(o, "notify_msg");
+    if (cJSON_IsString(m) && *m->valuestring) goto out;
+    const cJSON *why = cJSON_GetObjectItemCaseSensitive(o, KVPI_RPC_REFUSED_FIELD);
+    const cJSON *code = cJSON_GetObjectItemCaseSensitive(o, KVPI_RPC_STATUS_FIELD);
+    st = KVP_ENOTSUP;
+    if (cJSON_IsNumber(code) && code->valuedouble >= 1 && code->valuedouble <= KVP_EAUTH)
+        st = (kvp_status)code->valueint;
+    st = kvpi_error(st, "the peer refused the notification: %s",
+                    cJSON_IsString(why) ? why->valuestring
+                                        : "its reply has no notify_msg (a peer that does not "
+                                          "queue notifications)");
+out:
+    cJSON_Delete(o);
+    return st;
+}
+
+static char *reply_for(kvpi_rpc_server *srv, int type, const char *request)
+{
+    switch (type) {
+    case KVPI_RPC_METADATA:
+        return srv->desc_fn(srv->ctx);
+    case KVPI_RPC_NOTIFY:
+        return serve_notify(srv, request);
+    case KVPI_RPC_PROBE:
+        return strdup(KVPI_RPC_PROBE_OK);
+    default:
+        return strdup("{}");
+    }
+}
+
 static void serve(kvpi_conn *c)
 {
     kvpi_rpc_server *srv = kvpi_conn_ctx(c);
@@ -123,7 +222,7 @@ static void serve(kvpi_conn *c)
         if (st != KVP_ECLOSED) KVPI_DEBUG("handshake server %s: %s", srv->addr, kvp_last_error());
         return;
     }
-    reply = type == KVPI_RPC_METADATA ? srv->desc_fn(srv->ctx) : strdup("{}");
+    reply = reply_for(srv, type, request);
     size_t n = reply ? strlen(reply) : 0;
     if (!reply) {
         KVPI_WARN("handshake server %s: no local descriptor to answer with", srv->addr);
@@ -186,11 +285,20 @@ kvp_status kvpi_rpc_server_start_auth(const char *host, int port, const kvpi_con
                                       const kvpi_auth *auth, kvpi_rpc_desc_fn desc_fn, void *ctx,
                                       kvpi_rpc_server **out)
 {
+    return kvpi_rpc_server_start_notify(host, port, limits, auth, desc_fn, NULL, ctx, out);
+}
+
+kvp_status kvpi_rpc_server_start_notify(const char *host, int port, const kvpi_conn_limits *limits,
+                                        const kvpi_auth *auth, kvpi_rpc_desc_fn desc_fn,
+                                        kvpi_rpc_notify_fn notify_fn, void *ctx,
+                                        kvpi_rpc_server **out)
+{
     if (!host || !desc_fn || !out)
         return kvpi_error(KVP_EINVAL, "handshake server: host, desc_fn and out are required");
     kvpi_rpc_server *srv = calloc(1, sizeof *srv);
     if (!srv) return kvpi_error(KVP_ENOMEM, "out of memory");
     srv->desc_fn = desc_fn;
+    srv->notify_fn = notify_fn;
     srv->ctx = ctx;
     srv->auth = auth;
     pthread_mutex_init(&srv->lock, NULL);
