@@ -82,9 +82,11 @@ typedef struct kvp_engine_opts {
      *    timeout_ms; the metadata store's clients use it as their request
      *    timeout (docs/metadata-*.md). */
     int timeout_ms;
-    /* Threads per transport whose I/O blocks (tcp, shm) that run its
-     * transfers, and the engine's workers that look peers up (default 4;
-     * docs/architecture.md, "Threads"). */
+    /* The engine's workers, which look segments up and open links for
+     * transfers that need it (default 4). The transfers themselves run on
+     * the transports' threads: tcp and shm run at most conns_per_peer
+     * transfers of one peer at once, on threads started as needed
+     * (docs/architecture.md, "Threads"). */
     int workers;
     /* Connections kept per peer (default 4). */
     int conns_per_peer;

@@ -88,11 +88,6 @@ struct kvp_batch {
     uint64_t submit_ns;
 };
 
-static int connection_level(kvp_status st)
-{
-    return st == KVP_ETIMEDOUT || st == KVP_ECONNRESET || st == KVP_ECONNREFUSED;
-}
-
 /* Tell the batch's waiter, if it has an fd, that every request completed. */
 static void notify(kvp_batch *b)
 {
@@ -121,7 +116,7 @@ static void complete(kvpi_work *w, kvp_status st, uint64_t done_ns)
     if (st != KVP_OK && !b->detail[0])
         snprintf(b->detail, sizeof b->detail, "%s",
                  *kvp_last_error() ? kvp_last_error() : kvp_strerror(st));
-    if (connection_level(st) && b->conn_error == KVP_OK) {
+    if (kvpi_connection_level(st) && b->conn_error == KVP_OK) {
         b->conn_error = st;
         cancel_groups(b);
     }

@@ -376,8 +376,7 @@ static kvp_status start_servers(kvp_engine *e)
                            .idle_timeout_ms = e->opts.idle_timeout_ms,
                            .max_conns = e->opts.max_connections,
                            .min_rate = e->opts.min_transfer_rate,
-                           .auth = e->auth,
-                           .threads = e->opts.workers};
+                           .auth = e->auth};
     for (size_t i = 0; e->transports[i]; i++) {
         const kvpi_transport_ops *ops = e->transports[i];
         ctx.served = served_slot(e, ops);

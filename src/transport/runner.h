@@ -1,34 +1,61 @@
 /* Internal: the threads of a transport whose I/O blocks (tcp, shm).
  *
  * Such a transport moves a group of slices with one blocking function (a
- * kvpi_run_fn, its old peer_xfer) and implements peer_post by handing the
- * xfer to its server's runner: one of the runner's threads runs the function
- * and calls the xfer's completion (transport.h). With KVPI_POST_INLINE, or
- * without a runner (a peer opened without its server, as unit tests do), the
- * function runs on the posting thread and the completion comes before
+ * kvpi_run_fn) and implements peer_post by handing the xfer to its server's
+ * runner: one of the runner's threads runs the function and calls the
+ * xfer's completion (transport.h). With KVPI_POST_INLINE, or without a
+ * runner (a peer opened without its server, as unit tests do), the function
+ * runs on the posting thread and the completion comes before
  * kvpi_runner_post returns.
  *
+ * One peer never holds up another: each peer has a lane, and at most its
+ * lane's limit of its xfers run at once (a transport sets it to the
+ * connections it keeps to the peer: more would only wait for one); threads
+ * start when an xfer is queued and none is idle, up to
+ * KVPI_RUNNER_THREADS_MAX, so a peer that stalls its xfers until their
+ * deadline (stopped, black-holed) ties up only its lane's threads while
+ * others start for the other peers. Threads stay until the runner stops.
+ *
  * An xfer cancelled (kvpi_xfer.canceled) before a thread takes it completes
- * with KVP_ECANCELED without running, at once with kvpi_runner_cancel (even
- * while every thread is busy with a stalled peer), or when a thread takes it;
- * one already running finishes (or fails at its deadline) first. The threads start at the first post that needs one,
- * so that a transport no peer uses costs nothing; kvpi_runner_stop completes
- * what is still queued with KVP_ECLOSED and joins them.
+ * with KVP_ECANCELED without running, at once with kvpi_runner_cancel, or
+ * when a thread takes it; one already running finishes (or fails at its
+ * deadline) first. kvpi_runner_stop completes what is still queued with
+ * KVP_ECLOSED and joins the threads.
  */
 #ifndef KVPI_TRANSPORT_RUNNER_H
 #define KVPI_TRANSPORT_RUNNER_H
 
 #include "transport/transport.h"
 
-/* Move n slices against peer, setting each one's status; returns what
- * peer_post's completion reports (transport.h). */
-typedef kvp_status (*kvpi_run_fn)(void *peer, kvpi_slice *const *slices, size_t n);
+/* Move n slices against peer by deadline (waiting for a connection
+ * included), setting each one's status; returns what peer_post's completion
+ * reports (transport.h). start_ns: when it started, for messages. */
+typedef kvp_status (*kvpi_run_fn)(void *peer, kvpi_slice *const *slices, size_t n,
+                                  uint64_t start_ns, uint64_t deadline);
 
 typedef struct kvpi_runner kvpi_runner;
 
-/* threads <= 0: KVPI_RUNNER_THREADS_DEFAULT. KVP_ENOMEM only. */
-#define KVPI_RUNNER_THREADS_DEFAULT 4
-kvp_status kvpi_runner_create(int threads, kvpi_runner **out);
+/* A peer's share of the runner, inside the transport's peer: the transport
+ * sets limit (>= 1), timeout_ms and min_rate (> 0) at peer_open; running is
+ * the runner's, under its lock. The runner touches it no more once the
+ * peer's last xfer completed.
+ *
+ * An xfer's deadline starts when it runs: timeout_ms + its bytes /
+ * min_rate. When one fails at the connection level (the peer timed out,
+ * reset or refused), what waits in the same lane fails at once with it, as
+ * a batch's other requests do: a peer that stalls fails everything posted
+ * to it within about one deadline, not a deadline after another. */
+typedef struct kvpi_runner_lane {
+    int limit;
+    int timeout_ms;
+    uint64_t min_rate;
+    int running;
+} kvpi_runner_lane;
+
+#define KVPI_RUNNER_THREADS_MAX 64
+
+/* KVP_ENOMEM only. No thread starts before the first queued xfer. */
+kvp_status kvpi_runner_create(kvpi_runner **out);
 void kvpi_runner_stop(kvpi_runner *r);
 
 /* The body of a blocking transport's server_cancel: complete now, with
@@ -36,6 +63,7 @@ void kvpi_runner_stop(kvpi_runner *r);
 void kvpi_runner_cancel(kvpi_runner *r);
 
 /* The body of a blocking transport's peer_post. r may be NULL (see above). */
-void kvpi_runner_post(kvpi_runner *r, kvpi_run_fn run, void *peer, kvpi_xfer *x, unsigned flags);
+void kvpi_runner_post(kvpi_runner *r, kvpi_run_fn run, void *peer, kvpi_runner_lane *lane,
+                      kvpi_xfer *x, unsigned flags);
 
 #endif

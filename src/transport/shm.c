@@ -46,6 +46,7 @@ typedef struct shm_peer {
     int fds[MAX_LINKS]; /* -1: not connected (yet, or after an error) */
     int busy[MAX_LINKS];
     kvpi_runner *runner;   /* the server's; NULL without one */
+    kvpi_runner_lane lane; /* as many at once as links */
     kvpi_counter *retries; /* may be NULL */
 } shm_peer;
 
@@ -232,6 +233,8 @@ static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
     p->runner = kvpi_shm_server_runner(ctx->server);
     p->retries = ctx->retries;
     p->n_links = ctx->conns < 1 ? 1 : ctx->conns > MAX_LINKS ? MAX_LINKS : (size_t)ctx->conns;
+    p->lane = (kvpi_runner_lane){
+        .limit = (int)p->n_links, .timeout_ms = p->timeout_ms, .min_rate = p->min_rate};
     for (size_t i = 0; i < MAX_LINKS; i++) p->fds[i] = -1;
     kvp_status st = parse_endpoint(ctx->desc, p);
     if (st) goto fail;
@@ -407,7 +410,8 @@ static size_t in_progress(kvpi_slice *const *slices, size_t n)
  * whole call, waiting for a link included, has one deadline: timeout_ms plus
  * its bytes at min_rate. A link the target closed while it sat idle is
  * replaced once, when nothing was answered on it. */
-static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
+static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n, uint64_t start,
+                           uint64_t deadline)
 {
     shm_peer *p = peer;
     size_t todo = check_slices(p, slices, n);
@@ -415,8 +419,6 @@ static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
     uint64_t bytes = 0;
     for (size_t j = 0; j < n; j++)
         if (slices[j]->status == KVP_EINPROGRESS) bytes += slices[j]->length;
-    uint64_t start = kvpi_now_ns();
-    uint64_t deadline = kvpi_transfer_deadline(p->timeout_ms, p->min_rate, bytes);
     int l = link_acquire(p, deadline);
     kvp_status st = KVP_OK;
     if (l < 0) {
@@ -458,7 +460,8 @@ static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
 
 static void peer_post(void *peer, kvpi_xfer *x, unsigned flags)
 {
-    kvpi_runner_post(((shm_peer *)peer)->runner, peer_xfer, peer, x, flags);
+    shm_peer *p = peer;
+    kvpi_runner_post(p->runner, peer_xfer, p, &p->lane, x, flags);
 }
 
 static void server_cancel(void *server)

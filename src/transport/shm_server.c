@@ -268,7 +268,7 @@ kvp_status kvpi_shm_server_start(const kvpi_server_ctx *ctx, void **server)
         .regions = ctx->regions, .served = ctx->served, .auth = ctx->auth, .pid = getpid()};
     int fd = -1;
     if ((st = kvpi_shm_host_id(srv->host_id, sizeof srv->host_id)) ||
-        (st = kvpi_runner_create(ctx->threads, &srv->runner))) {
+        (st = kvpi_runner_create(&srv->runner))) {
         free(srv);
         return st;
     }

@@ -180,7 +180,7 @@ static kvp_status tcp_server_start(const kvpi_server_ctx *ctx, void **out)
     srv->auth = ctx->auth;
     srv->served = ctx->served;
     int fd;
-    kvp_status st = kvpi_runner_create(ctx->threads, &srv->runner);
+    kvp_status st = kvpi_runner_create(&srv->runner);
     if (!st && (st = kvpi_tcp_listen(ctx->host, 0, &fd, &srv->port))) kvpi_runner_stop(srv->runner);
     if (st) {
         free(srv);
@@ -235,6 +235,7 @@ typedef struct tcp_peer {
     int max_idle;
     const kvpi_auth *auth;
     kvpi_runner *runner; /* the server's; NULL without one */
+    kvpi_runner_lane lane; /* as many at once as connections kept */
     pthread_mutex_t lock;
     int *idle;
     int n_idle;
@@ -291,6 +292,7 @@ static kvp_status tcp_peer_open(const kvpi_peer_ctx *ctx, void **out)
     p->max_idle = conns;
     p->auth = ctx->auth;
     p->runner = ctx->server ? ((tcp_server *)ctx->server)->runner : NULL;
+    p->lane = (kvpi_runner_lane){.limit = conns, .timeout_ms = p->timeout_ms, .min_rate = p->min_rate};
     pthread_mutex_init(&p->lock, NULL);
     *out = p;
     return KVP_OK;
@@ -454,15 +456,14 @@ static kvp_status deadline_error(tcp_peer *p, kvpi_slice *const *s, size_t n, ui
                       (unsigned long long)p->min_rate, kvp_last_error());
 }
 
-static kvp_status tcp_peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
+static kvp_status tcp_peer_xfer(void *peer, kvpi_slice *const *slices, size_t n,
+                                uint64_t start, uint64_t deadline)
 {
     tcp_peer *p = peer;
     uint64_t bytes = 0;
     for (size_t k = 0; k < n; k++)
         bytes += slices[k]->length;
     /* One deadline for the whole call, whatever pace the peer keeps. */
-    uint64_t start = kvpi_now_ns();
-    uint64_t deadline = kvpi_transfer_deadline(p->timeout_ms, p->min_rate, bytes);
     kvp_status result = KVP_OK;
     size_t i = 0;
     int retried = 0;
@@ -501,7 +502,8 @@ static kvp_status tcp_peer_xfer(void *peer, kvpi_slice *const *slices, size_t n)
 
 static void tcp_peer_post(void *peer, kvpi_xfer *x, unsigned flags)
 {
-    kvpi_runner_post(((tcp_peer *)peer)->runner, tcp_peer_xfer, peer, x, flags);
+    tcp_peer *p = peer;
+    kvpi_runner_post(p->runner, tcp_peer_xfer, p, &p->lane, x, flags);
 }
 
 static void tcp_server_cancel(void *server)

@@ -112,8 +112,17 @@ struct kvpi_xfer {
     /* The transport's, between peer_post and done. */
     kvpi_xfer *next;
     void *peer;
-    kvp_status (*run)(void *peer, kvpi_slice *const *slices, size_t n);
+    kvp_status (*run)(void *peer, kvpi_slice *const *slices, size_t n, uint64_t start_ns,
+                      uint64_t deadline);
+    void *lane;
 };
+
+/* The statuses that say the peer, not a slice, failed: the peer timed out,
+ * reset or refused. */
+static inline int kvpi_connection_level(kvp_status st)
+{
+    return st == KVP_ETIMEDOUT || st == KVP_ECONNRESET || st == KVP_ECONNREFUSED;
+}
 
 #define KVPI_XFER_MAX 64
 /* peer_post flag: the poster waits for this xfer (a synchronous transfer).
@@ -139,9 +148,6 @@ typedef struct kvpi_server_ctx {
     const kvpi_auth *auth;
     /* Where the server counts the requests it serves (may be NULL). */
     kvpi_served *served;
-    /* Threads a transport with blocking I/O may run transfers on
-     * (kvp_engine_opts.workers; 0: its default). */
-    int threads;
 } kvpi_server_ctx;
 
 typedef struct kvpi_peer_ctx {
@@ -158,10 +164,10 @@ typedef struct kvpi_peer_ctx {
      * transport that needs its server to reach peers refuses: KVP_ENOTSUP). */
     void *server;
     /* Each xfer must complete within timeout_ms + its bytes / min_rate
-     * (bytes per second; 0: the default), waiting for a connection included;
-     * a transport that hands every posted xfer to the wire at once (ucx)
-     * counts the bytes posted before it and not completed too, since they
-     * go first. */
+     * (bytes per second; 0: the default) from when the transport starts it,
+     * waiting for a connection included; a transport that hands every
+     * posted xfer to the wire at once (ucx) counts the bytes posted before
+     * it and not completed too, since they go first. */
     int timeout_ms;
     uint64_t min_rate;
     int conns; /* connections to keep */

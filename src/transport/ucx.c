@@ -76,6 +76,7 @@ typedef struct ucx_peer {
     /* Bytes of xfers posted and not completed: a new xfer's deadline counts
      * them, since UCX moves them first (see peer_post). */
     atomic_uint_fast64_t posted_bytes;
+    uint64_t down_ns; /* when the holder first saw the endpoint closed or failed */
     struct ucx_xfer *issued; /* xfers with requests in flight */
     pid_t target_pid;     /* on this host; 0 where not, or unknown */
     unsigned long long target_start;
@@ -922,8 +923,9 @@ static void cut(ucx_peer *p)
 
 /* Requests of a force-closed endpoint normally complete (cancelled) at the
  * next progress; UCX 1.13 on shared memory keeps READs of memory the target
- * registered pending while the target is stopped, and delivers their bytes
- * once it resumes (cancel_test crashed writing into a freed buffer). After
+ * registered pending while the target is stopped or killed, and delivers
+ * their bytes once it resumes (cancel_test crashed writing into a freed
+ * buffer). After
  * this long the xfer completes without them, so that no caller waits for
  * ever, and the worker is frozen: never progressed again, destroyed without
  * draining when the peer closes (the engine closes it after the failure),
@@ -937,28 +939,33 @@ static void abandon(ucx_peer *p, ucx_xfer *ux)
     p->inflight -= ux->pending;
     ux->abandoned = 1;
     atomic_store(&p->poll.frozen, 1);
-    KVPI_WARN("ucx peer %s: %d requests still pending %u ms after their endpoint was closed: "
-              "the transfer fails without them, and this peer's worker is never progressed "
-              "again",
-              p->segment, ux->pending, ABANDON_NS / 1000000u);
     report(ux);
 }
 
 /* The worker's holder, after each round of progress: an xfer past its
- * deadline cuts the endpoint, and is given up ABANDON_NS later. */
+ * deadline cuts the endpoint; what is still issued ABANDON_NS after the
+ * endpoint went down (cut, failed, or its same-host target gone) is given
+ * up. */
 static void check_deadlines(ucx_peer *p)
 {
+    if (!p->issued) return;
     uint64_t now = kvpi_now_ns();
-    for (ucx_xfer *ux = p->issued, *next; ux; ux = next) {
-        next = ux->next;
-        if (now < ux->deadline) continue;
-        if (p->ep) {
+    for (ucx_xfer *ux = p->issued; ux && p->ep; ux = ux->next)
+        if (now >= ux->deadline) {
             KVPI_DEBUG("ucx peer %s: a transfer passed its deadline: closing the endpoint",
                        p->segment);
             cut(p);
         }
-        if (now - ux->deadline >= ABANDON_NS) abandon(p, ux);
-    }
+    if (p->ep && !atomic_load(&p->ep_status)) return;
+    if (!p->down_ns) p->down_ns = now;
+    if (now - p->down_ns < ABANDON_NS) return;
+    long requests = p->inflight;
+    int xfers = 0;
+    for (; p->issued; xfers++) abandon(p, p->issued);
+    KVPI_WARN("ucx peer %s: %ld requests of %d transfers still pending %u ms after the endpoint "
+              "went down: the transfers fail without them, and this peer's worker is never "
+              "progressed again",
+              p->segment, requests, xfers, ABANDON_NS / 1000000u);
 }
 
 /* With the worker's lock: issue ux (and what others posted); when led is
