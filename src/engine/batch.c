@@ -28,6 +28,7 @@
 #include "common/log.h"
 #include "engine/engine_ext.h"
 #include "engine/engine_internal.h"
+#include "gpu/cuda.h"
 
 typedef struct kvpi_work {
     kvp_batch *batch;
@@ -498,6 +499,25 @@ static kvp_status check_requests(const kvp_request *reqs, size_t n, size_t slice
     return KVP_OK;
 }
 
+/* The kind of a request's local memory: its registered region's (no driver
+ * call: classified once, at registration). Memory no region holds is host
+ * memory, unless this process loaded the CUDA driver: then one driver call
+ * per request says (a slice of device memory the CPU touched would crash). */
+static kvp_mem_kind local_kind(kvp_engine *e, const kvp_request *r, int *device)
+{
+    uint64_t addr = (uint64_t)(uintptr_t)r->local;
+    if (!kvpi_cuda_active()) return kvpi_region_kind_at(&e->regions, addr, r->length, device);
+    kvp_mem_kind kind;
+    if (kvpi_region_kind_find(&e->regions, addr, r->length, &kind, device) || !r->length)
+        return kind;
+    kvpi_ptr_kind pk;
+    if (kvpi_cuda_classify(r->local, &pk, device) == KVP_OK &&
+        (pk == KVPI_PTR_DEVICE || pk == KVPI_PTR_MANAGED))
+        return KVP_MEM_CUDA;
+    *device = 0;
+    return KVP_MEM_HOST;
+}
+
 /* Returns the bytes of the requests. */
 static uint64_t build_works(kvp_engine *e, kvp_batch *b, const kvp_request *reqs, size_t slice_size)
 {
@@ -507,8 +527,7 @@ static uint64_t build_works(kvp_engine *e, kvp_batch *b, const kvp_request *reqs
         const kvp_request *r = &reqs[i];
         size_t count = slices_of(r, slice_size);
         int device;
-        kvp_mem_kind kind =
-            kvpi_region_kind_at(&e->regions, (uint64_t)(uintptr_t)r->local, r->length, &device);
+        kvp_mem_kind kind = local_kind(e, r, &device);
         b->reqs[i] = (req_state){count ? KVP_EINPROGRESS : KVP_OK, KVP_OK, count, r->length};
         if (count) b->pending++;
         bytes += r->length;
@@ -523,7 +542,9 @@ static uint64_t build_works(kvp_engine *e, kvp_batch *b, const kvp_request *reqs
                                        .local = (char *)r->local + off,
                                        .remote = r->remote + off,
                                        .length = len,
-                                       .status = KVP_EINPROGRESS};
+                                       .status = KVP_EINPROGRESS,
+                                       .local_kind = kind,
+                                       .local_device = device};
             w++;
         }
     }

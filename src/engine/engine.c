@@ -65,7 +65,7 @@ static const char *mooncake_protocol(const kvp_engine *e)
 }
 
 /* Every running transport's fields: its own top-level ones, then its fields
- * of each buffer (entries in the order of regions). */
+ * of each buffer it registered (entries in the order of regions). */
 static kvp_status describe_transports(kvp_engine *e, cJSON *doc, const kvpi_region *regions)
 {
     cJSON *buffers = cJSON_GetObjectItemCaseSensitive(doc, "buffers");
@@ -79,7 +79,10 @@ static kvp_status describe_transports(kvp_engine *e, cJSON *doc, const kvpi_regi
         cJSON *b;
         cJSON_ArrayForEach(b, buffers)
         {
-            if ((st = ops->buffer_describe(e->servers[i], r, r->handle[i], b))) return st;
+            /* Only regions it registered: of a kind it moves. */
+            if ((ops->mem_kinds & KVPI_MEM_BIT(r->kind)) &&
+                (st = ops->buffer_describe(e->servers[i], r, r->handle[i], b)))
+                return st;
             r++;
         }
     }
