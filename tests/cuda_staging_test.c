@@ -16,6 +16,7 @@
 
 #include "kvpipe/kvpipe.h"
 #include "test.h"
+#include "transport/transport.h"
 
 #define TLEN ((size_t)2 << 20) /* the target's buffer */
 #define XLEN ((size_t)600 << 10) /* bytes moved: not a multiple of a bounce buffer */
@@ -207,6 +208,14 @@ static void shm_initiator_device(void) { round_trip("shm", 1, 0); }
 static void shm_target_device(void) { round_trip("shm", 0, 1); }
 static void shm_both_device(void) { round_trip("shm", 1, 1); }
 
+/* ucx moves host memory only: an engine on rdma moves device memory over tcp
+ * to the same peer (staged), chosen by memory kind. */
+static void rdma_device_over_tcp(void)
+{
+    if (!kvpi_transport_lookup("rdma")) SKIP("no ucx transport in this build");
+    round_trip("rdma", 1, 1);
+}
+
 /* A batch of many small requests on device memory: grouped into xfers of
  * several slices, some pieces of one bounce buffer. */
 static void tcp_batch_device(void)
@@ -382,6 +391,7 @@ int main(void)
     RUN(tcp_target_device);
     RUN(tcp_both_device);
     RUN(tcp_batch_device);
+    RUN(rdma_device_over_tcp);
     RUN(shm_initiator_device);
     RUN(shm_target_device);
     RUN(shm_both_device);

@@ -150,6 +150,12 @@ static kvp_status check_cuda(void *addr, size_t length, int device)
     return KVP_OK;
 }
 
+kvp_status kvpi_engine_register_region(kvp_engine *e, const kvpi_region *r)
+{
+    kvp_status st = check_kind(e, r->kind, r->device);
+    return st ? st : register_and_publish(e, r);
+}
+
 kvp_status kvp_engine_register_mem(kvp_engine *e, void *addr, size_t length, kvp_mem_kind kind,
                                    int device)
 {
