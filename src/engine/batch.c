@@ -298,10 +298,16 @@ static void group_done(kvpi_xfer *x, kvp_status st)
     pthread_mutex_unlock(&b->lock);
     int failed = st != KVP_OK && st != KVP_ECANCELED;
     if (failed) kvpi_segment_note(seg, st);
+    /* The statuses, read before any work is handed on: once the stale ones
+     * are deferred, a worker may retry and complete them, and the batch's
+     * last completion frees it, slices included. */
+    kvp_status sts[KVPI_XFER_MAX];
     kvpi_work *stale[KVPI_XFER_MAX];
     size_t n_stale = 0;
-    for (size_t i = 0; i < x->n; i++)
-        if (!g->retried && x->slices[i]->status == KVP_ERANGE) stale[n_stale++] = g->works[i];
+    for (size_t i = 0; i < x->n; i++) {
+        sts[i] = x->slices[i]->status;
+        if (!g->retried && sts[i] == KVP_ERANGE) stale[n_stale++] = g->works[i];
+    }
     /* Any failure the transport reports (a refused slice included) drops
      * the peer, to look it up again - before a retry looks it up. */
     kvpi_segment_release_later(e, seg, g->peer, failed || n_stale > 0);
@@ -310,7 +316,7 @@ static void group_done(kvpi_xfer *x, kvp_status st)
         defer(e, stale, n_stale, 1);
     }
     for (size_t i = 0; i < x->n; i++) {
-        kvp_status s = x->slices[i]->status;
+        kvp_status s = sts[i];
         if (!g->retried && s == KVP_ERANGE) continue;
         complete(g->works[i], s == KVP_EINPROGRESS ? (st ? st : KVP_EIO) : s, done_ns);
     }
