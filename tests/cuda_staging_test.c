@@ -162,11 +162,15 @@ static int target_start(const char *proto, int device, long fail_copy, target *t
     return n == sizeof t->addr ? 0 : -1;
 }
 
+/* The child's exit status (0: its memory is as expected; 128+11: it
+ * crashed, as a CPU access to device memory does). */
 static int target_stop(target *t, const verdict *v)
 {
-    if (v && write(t->ctl, v, sizeof *v) != sizeof *v) return -1;
+    int sent = !v || write(t->ctl, v, sizeof *v) == sizeof *v;
     close(t->ctl);
-    return kvpt_wait_child(t->pid, 20000);
+    int rc = kvpt_wait_child(t->pid, 20000);
+    if (rc) fprintf(stderr, "  the target exited with status %d\n", rc);
+    return sent ? rc : -1;
 }
 
 /* ------------------------------------------------------------- transfers --- */
@@ -374,11 +378,39 @@ static void copy_fails_target(const char *proto)
     free(out);
 }
 
+/* The target's 3rd copy fails while it serves a WRITE: the WRITE fails with
+ * an error or (tcp: the refusal makes the engine look the segment up and run
+ * it once more) succeeds; either way the next WRITE succeeds and the target
+ * holds every byte, nothing outside the range touched. */
+static void copy_fails_target_write(const char *proto)
+{
+    target t;
+    REQUIRE(target_start(proto, 1, 3, &t) == 0);
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
+    kvp_engine *e = engine(name, proto);
+    REQUIRE(e);
+    char *out = memory(0, XLEN, SEED_WRITE);
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
+    kvp_status st = kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN);
+    fprintf(stderr, "  (the WRITE whose target copy failed: %s%s%s)\n", kvp_strerror(st),
+            st ? ": " : "", st ? kvp_last_error() : "");
+    CHECK_OK(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN));
+    kvp_engine_destroy(e);
+    verdict v = {WRITE_OFF, XLEN, SEED_WRITE};
+    CHECK(target_stop(&t, &v) == 0);
+    free(out);
+}
+
+static void tcp_copy_fails_target_write(void) { copy_fails_target_write("tcp"); }
+static void shm_copy_fails_target_write(void) { copy_fails_target_write("shm"); }
 static void tcp_copy_fails_target(void) { copy_fails_target("tcp"); }
 static void shm_copy_fails_target(void) { copy_fails_target("shm"); }
 
 int main(void)
 {
+    signal(SIGPIPE, SIG_IGN); /* a crashed target's pipe fails a CHECK, not the case */
     setenv("KVPIPE_LIBCUDA", KVPT_FAKECUDA_PATH, 1);
     /* Small bounce buffers, few of them: many pieces, and waits for them. */
     setenv("KVPIPE_CUDA_BOUNCE_BYTES", "65536", 1);
@@ -399,5 +431,7 @@ int main(void)
     RUN(shm_copy_fails_initiator);
     RUN(tcp_copy_fails_target);
     RUN(shm_copy_fails_target);
+    RUN(tcp_copy_fails_target_write);
+    RUN(shm_copy_fails_target_write);
     return kvpt_summary();
 }

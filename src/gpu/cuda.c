@@ -252,16 +252,13 @@ int kvpi_cuda_stream_device(const kvpi_cuda_stream *s)
     return s->device;
 }
 
-static kvp_status copy(kvpi_cuda_stream *s, void *dst, const void *src, size_t n, int d2h)
+static kvp_status enqueue(kvpi_cuda_stream *s, void *dst, const void *src, size_t n, int d2h)
 {
     CUcontext saved = NULL;
     CUresult r = ctx_push(s->ctx, &saved);
     if (r == CUDA_SUCCESS) {
         r = d2h ? cu.d2h_async(dst, (CUdeviceptr)(uintptr_t)src, n, s->stream)
                 : cu.h2d_async((CUdeviceptr)(uintptr_t)dst, src, n, s->stream);
-        /* Wait even after a failed enqueue: nothing of it may be left running. */
-        CUresult w = cu.stream_sync(s->stream);
-        if (r == CUDA_SUCCESS) r = w;
         ctx_pop(s->ctx, saved);
     }
     if (r != CUDA_SUCCESS)
@@ -270,14 +267,28 @@ static kvp_status copy(kvpi_cuda_stream *s, void *dst, const void *src, size_t n
     return KVP_OK;
 }
 
-kvp_status kvpi_cuda_copy_d2h(kvpi_cuda_stream *s, void *dst, const void *src, size_t n)
+kvp_status kvpi_cuda_copy_d2h_async(kvpi_cuda_stream *s, void *dst, const void *src, size_t n)
 {
-    return copy(s, dst, src, n, 1);
+    return enqueue(s, dst, src, n, 1);
 }
 
-kvp_status kvpi_cuda_copy_h2d(kvpi_cuda_stream *s, void *dst, const void *src, size_t n)
+kvp_status kvpi_cuda_copy_h2d_async(kvpi_cuda_stream *s, void *dst, const void *src, size_t n)
 {
-    return copy(s, dst, src, n, 0);
+    return enqueue(s, dst, src, n, 0);
+}
+
+kvp_status kvpi_cuda_stream_sync(kvpi_cuda_stream *s)
+{
+    CUcontext saved = NULL;
+    CUresult r = ctx_push(s->ctx, &saved);
+    if (r == CUDA_SUCCESS) {
+        r = cu.stream_sync(s->stream);
+        ctx_pop(s->ctx, saved);
+    }
+    if (r != CUDA_SUCCESS)
+        return kvpi_error(KVP_EIO, "CUDA: device %d: a copy between device and host failed: %s",
+                          s->device, err_name(r));
+    return KVP_OK;
 }
 
 kvp_status kvpi_cuda_host_alloc(size_t n, void **out)

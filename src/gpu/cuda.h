@@ -50,11 +50,13 @@ kvp_status kvpi_cuda_stream_create(int device, kvpi_cuda_stream **out);
 void kvpi_cuda_stream_destroy(kvpi_cuda_stream *s);
 int kvpi_cuda_stream_device(const kvpi_cuda_stream *s);
 
-/* Copy n bytes between device memory and (pinned) host memory on stream s,
- * and wait for the copy. KVP_EIO with the driver's error string on failure
- * (then the destination's bytes are unspecified). */
-kvp_status kvpi_cuda_copy_d2h(kvpi_cuda_stream *s, void *dst, const void *src, size_t n);
-kvp_status kvpi_cuda_copy_h2d(kvpi_cuda_stream *s, void *dst, const void *src, size_t n);
+/* Enqueue a copy of n bytes between device memory and (pinned) host memory
+ * on stream s; kvpi_cuda_stream_sync waits for every copy enqueued on s.
+ * KVP_EIO with the driver's error string on failure (then the destination's
+ * bytes are unspecified; a failed sync fails every copy it waited for). */
+kvp_status kvpi_cuda_copy_d2h_async(kvpi_cuda_stream *s, void *dst, const void *src, size_t n);
+kvp_status kvpi_cuda_copy_h2d_async(kvpi_cuda_stream *s, void *dst, const void *src, size_t n);
+kvp_status kvpi_cuda_stream_sync(kvpi_cuda_stream *s);
 
 /* Pinned, portable host memory (cuMemHostAlloc), and its free. */
 kvp_status kvpi_cuda_host_alloc(size_t n, void **out);

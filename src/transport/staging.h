@@ -10,7 +10,10 @@
  * KVPIPE_CUDA_BOUNCE_BYTES (default 4 MiB), pinned (cuMemHostAlloc),
  * allocated on first use and kept until the process exits. Each buffer has
  * its own stream; a thread holds a buffer only while it moves one group of
- * slices or one served request, and waits for one when all are taken.
+ * slices or one served request, and waits for one when all are taken. A
+ * buffer is used as two halves, so that the driver's copy of one half
+ * overlaps the I/O of the other (the copy of piece n+1 runs on the stream
+ * while piece n is on the wire).
  *
  * Device memory is touched only by the driver's copies (gpu/cuda.h); the
  * CPU touches the bounce buffers only.
@@ -26,8 +29,8 @@
  * function), with every slice whose local memory is device memory
  * (kvpi_slice.local_kind) replaced by pieces of a bounce buffer: copied
  * device to host before a WRITE is sent, host to device after a READ's
- * bytes arrived. A group with more device bytes than a buffer holds runs as
- * several calls of run, a slice longer than a buffer as several pieces
+ * bytes arrived. A group with more device bytes than half a buffer holds
+ * runs as several calls of run, a slice longer than that as several pieces
  * (more requests on the wire, each inside the slice's remote range). With
  * no device slice it is run itself, at the cost of one pass over the
  * slices. Sets every slice's status; returns what run's contract says, or
@@ -41,8 +44,11 @@ kvp_status kvpi_stage_run(kvpi_run_fn run, void *peer, kvpi_slice *const *slices
 typedef kvp_status (*kvpi_stage_io)(void *ctx, void *buf, size_t len, uint64_t off);
 
 /* Serve a request on the registered device memory [addr, addr+len) of
- * device: a READ copies each buffer's worth device to host and then hands
- * it to io; a WRITE has io fill a buffer and then copies it host to device.
+ * device: a READ copies each half buffer's worth device to host and then
+ * hands it to io (copying the next meanwhile); a WRITE has io fill a half and
+ * then copies it host to device (while io fills the other). After a failed
+ * copy a WRITE still has io take the rest, so that the caller's stream stays
+ * in step.
  * *moved counts the bytes io moved. On failure: *copy_failed is 1 when a
  * driver copy failed (KVP_EIO, kvp_last_error() saying which; for a READ,
  * io was not called for that buffer), 0 when io failed (its status). */
