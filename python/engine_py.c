@@ -532,8 +532,8 @@ static PyObject *engine_write_bytes_to_buffer(kvpy_engine *self, PyObject *args)
                             length, src.len);
     else if (bytes_refusal(self, addr, length))
         ret = kvpy_fail_msg(ranges_contain(self, addr, length) ? KVP_ENOTSUP : KVP_ERANGE,
-                            "write_bytes_to_buffer: [0x%llx, +%zu) %s",
-                            (unsigned long long)addr, length, bytes_refusal(self, addr, length));
+                            "write_bytes_to_buffer: [0x%llx, +%zu) %s", (unsigned long long)addr,
+                            length, bytes_refusal(self, addr, length));
     else {
         Py_BEGIN_ALLOW_THREADS
         memcpy((void *)(uintptr_t)addr, src.buf, length);

@@ -18,7 +18,7 @@
 #include "test.h"
 #include "transport/transport.h"
 
-#define TLEN ((size_t)2 << 20) /* the target's buffer */
+#define TLEN ((size_t)2 << 20)   /* the target's buffer */
 #define XLEN ((size_t)600 << 10) /* bytes moved: not a multiple of a bounce buffer */
 #define READ_OFF 4096
 #define WRITE_OFF ((size_t)1 << 20)
@@ -205,12 +205,30 @@ static void round_trip(const char *proto, int local_dev, int target_dev)
     CHECK(target_stop(&t, &v) == 0);
 }
 
-static void tcp_initiator_device(void) { round_trip("tcp", 1, 0); }
-static void tcp_target_device(void) { round_trip("tcp", 0, 1); }
-static void tcp_both_device(void) { round_trip("tcp", 1, 1); }
-static void shm_initiator_device(void) { round_trip("shm", 1, 0); }
-static void shm_target_device(void) { round_trip("shm", 0, 1); }
-static void shm_both_device(void) { round_trip("shm", 1, 1); }
+static void tcp_initiator_device(void)
+{
+    round_trip("tcp", 1, 0);
+}
+static void tcp_target_device(void)
+{
+    round_trip("tcp", 0, 1);
+}
+static void tcp_both_device(void)
+{
+    round_trip("tcp", 1, 1);
+}
+static void shm_initiator_device(void)
+{
+    round_trip("shm", 1, 0);
+}
+static void shm_target_device(void)
+{
+    round_trip("shm", 0, 1);
+}
+static void shm_both_device(void)
+{
+    round_trip("shm", 1, 1);
+}
 
 /* ucx moves host memory only: an engine on rdma moves device memory over tcp
  * to the same peer (staged), chosen by memory kind. */
@@ -349,8 +367,14 @@ static void copy_fails_initiator(const char *proto)
     CHECK(target_stop(&t, &v) == 0);
 }
 
-static void tcp_copy_fails_initiator(void) { copy_fails_initiator("tcp"); }
-static void shm_copy_fails_initiator(void) { copy_fails_initiator("shm"); }
+static void tcp_copy_fails_initiator(void)
+{
+    copy_fails_initiator("tcp");
+}
+static void shm_copy_fails_initiator(void)
+{
+    copy_fails_initiator("shm");
+}
 
 /* The target's 2nd copy fails (serving the READ): the initiator's READ fails
  * with an error, its next READ and a WRITE succeed, every byte right. */
@@ -403,10 +427,22 @@ static void copy_fails_target_write(const char *proto)
     free(out);
 }
 
-static void tcp_copy_fails_target_write(void) { copy_fails_target_write("tcp"); }
-static void shm_copy_fails_target_write(void) { copy_fails_target_write("shm"); }
-static void tcp_copy_fails_target(void) { copy_fails_target("tcp"); }
-static void shm_copy_fails_target(void) { copy_fails_target("shm"); }
+static void tcp_copy_fails_target_write(void)
+{
+    copy_fails_target_write("tcp");
+}
+static void shm_copy_fails_target_write(void)
+{
+    copy_fails_target_write("shm");
+}
+static void tcp_copy_fails_target(void)
+{
+    copy_fails_target("tcp");
+}
+static void shm_copy_fails_target(void)
+{
+    copy_fails_target("shm");
+}
 
 int main(void)
 {

@@ -280,8 +280,8 @@ void kvpi_region_unpin_all(kvpi_region_table *t, kvpi_pin *pins, size_t count)
     free(pins);
 }
 
-int kvpi_region_kind_find(kvpi_region_table *t, uint64_t addr, uint64_t length,
-                          kvp_mem_kind *kind, int *device)
+int kvpi_region_kind_find(kvpi_region_table *t, uint64_t addr, uint64_t length, kvp_mem_kind *kind,
+                          int *device)
 {
     int found = 0;
     *kind = KVP_MEM_HOST;

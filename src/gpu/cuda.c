@@ -119,8 +119,7 @@ static void load(void)
     RESOLVE(lib, host_free, "cuMemFreeHost");
     CUresult r = cu.init(0);
     if (r != CUDA_SUCCESS) {
-        snprintf(load_error, sizeof load_error, "CUDA: cuInit failed (%s): %s", path,
-                 err_name(r));
+        snprintf(load_error, sizeof load_error, "CUDA: cuInit failed (%s): %s", path, err_name(r));
         return;
     }
     load_status = KVP_OK;
@@ -177,8 +176,10 @@ kvp_status kvpi_cuda_classify(const void *p, kvpi_ptr_kind *kind, int *device)
     } else if (type == CU_MEMORYTYPE_DEVICE || type == CU_MEMORYTYPE_UNIFIED) {
         *kind = KVPI_PTR_DEVICE;
     } else {
-        return kvpi_error(KVP_ENOTSUP, "CUDA: %p is a CUDA array (memory type %u), not linear "
-                          "memory", p, type);
+        return kvpi_error(KVP_ENOTSUP,
+                          "CUDA: %p is a CUDA array (memory type %u), not linear "
+                          "memory",
+                          p, type);
     }
     *device = ordinal;
     return KVP_OK;
@@ -199,8 +200,7 @@ static kvp_status primary_ctx(int ordinal, CUcontext *out)
     *out = primary[ordinal];
     pthread_mutex_unlock(&ctx_lock);
     if (r != CUDA_SUCCESS)
-        return kvpi_error(KVP_EIO, "CUDA: device %d: no primary context: %s", ordinal,
-                          err_name(r));
+        return kvpi_error(KVP_EIO, "CUDA: device %d: no primary context: %s", ordinal, err_name(r));
     return KVP_OK;
 }
 
@@ -262,8 +262,8 @@ static kvp_status enqueue(kvpi_cuda_stream *s, void *dst, const void *src, size_
         ctx_pop(s->ctx, saved);
     }
     if (r != CUDA_SUCCESS)
-        return kvpi_error(KVP_EIO, "CUDA: device %d: copy of %zu bytes %s failed: %s", s->device,
-                          n, d2h ? "device to host" : "host to device", err_name(r));
+        return kvpi_error(KVP_EIO, "CUDA: device %d: copy of %zu bytes %s failed: %s", s->device, n,
+                          d2h ? "device to host" : "host to device", err_name(r));
     return KVP_OK;
 }
 

@@ -182,8 +182,7 @@ static kvp_status staged_copy(void *ctx, void *buf, size_t len, uint64_t off)
 
 /* Returns the request's status; *err and *fatal as copy_status() sets them.
  * A failed driver copy is KVP_EIO (errno 0), logged here. */
-static kvp_status serve_staged(shm_conn *c, const kvpi_shm_req *r, int device, int *err,
-                               int *fatal)
+static kvp_status serve_staged(shm_conn *c, const kvpi_shm_req *r, int device, int *err, int *fatal)
 {
     staged_io io = {.peer = c->peer, .op = (kvp_opcode)r->opcode, .theirs = r->local};
     uint64_t moved;

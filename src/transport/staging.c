@@ -57,7 +57,8 @@ static kvp_status acquire(int role, int device, bounce **out)
     pthread_once(&knobs_once, read_knobs);
     pool *p = &pools[role];
     pthread_mutex_lock(&p->lock);
-    while (!p->idle && p->made >= max_bufs) pthread_cond_wait(&p->freed, &p->lock);
+    while (!p->idle && p->made >= max_bufs)
+        pthread_cond_wait(&p->freed, &p->lock);
     bounce *b = p->idle;
     if (b)
         p->idle = b->next;
@@ -173,8 +174,8 @@ static void batch_fill(stage_pass *ps, stage_batch *bt, char *host)
 static void batch_fail_copies(stage_batch *bt, size_t k, kvp_status st)
 {
     for (; k < bt->m; k++)
-        if (bt->device[k] && (bt->piece[k].status == KVP_OK ||
-                              bt->piece[k].status == KVP_EINPROGRESS))
+        if (bt->device[k] &&
+            (bt->piece[k].status == KVP_OK || bt->piece[k].status == KVP_EINPROGRESS))
             bt->piece[k].status = st;
 }
 
@@ -295,17 +296,20 @@ static kvp_status pass_reads(stage_pass *ps)
 kvp_status kvpi_stage_run(kvpi_run_fn run, void *peer, kvpi_slice *const *slices, size_t n)
 {
     size_t first = 0;
-    while (first < n && slices[first]->local_kind == KVP_MEM_HOST) first++;
+    while (first < n && slices[first]->local_kind == KVP_MEM_HOST)
+        first++;
     if (first == n) return run(peer, slices, n);
     stage_pass ps = {.run = run, .peer = peer, .slices = slices, .n = n};
-    for (size_t k = 0; k < n; k++) ps.agg[k] = KVP_OK;
+    for (size_t k = 0; k < n; k++)
+        ps.agg[k] = KVP_OK;
     int write = slices[0]->opcode == KVP_OP_WRITE;
     kvp_status result = KVP_OK, st = KVP_OK;
     while (ps.i < n) {
         /* A buffer with a stream of the device of the next device slice (a
          * group's are normally all on one device). */
         size_t d = ps.i;
-        while (d < n && slices[d]->local_kind == KVP_MEM_HOST) d++;
+        while (d < n && slices[d]->local_kind == KVP_MEM_HOST)
+            d++;
         int device = d < n ? slices[d]->local_device : slices[first]->local_device;
         if (ps.b && kvpi_cuda_stream_device(ps.b->stream) != device) {
             release(INITIATOR, ps.b);
@@ -358,8 +362,8 @@ kvp_status kvpi_stage_serve(kvp_opcode op, int device, uint64_t addr, uint64_t l
             uint64_t next_off = off + c;
             size_t next = len - next_off < half ? (size_t)(len - next_off) : half;
             kvp_status next_st =
-                next ? kvpi_cuda_copy_d2h_async(s, host[h ^ 1], (void *)(uintptr_t)(addr + next_off),
-                                                next)
+                next ? kvpi_cuda_copy_d2h_async(s, host[h ^ 1],
+                                                (void *)(uintptr_t)(addr + next_off), next)
                      : KVP_OK;
             kvp_status sent = io(ctx, host[h], c, off);
             if (sent) {

@@ -127,9 +127,8 @@ static int serve_staged(kvpi_conn *c, tcp_server *srv, const kvpi_tcp_hdr *h, kv
     uint64_t moved = 0;
     int copy_failed = 0;
     int read = h->opcode == KVPI_TCP_OP_READ;
-    kvp_status st = kvpi_stage_serve(read ? KVP_OP_READ : KVP_OP_WRITE, r->device, h->addr,
-                                     h->size, read ? staged_send : staged_recv, &io, &moved,
-                                     &copy_failed);
+    kvp_status st = kvpi_stage_serve(read ? KVP_OP_READ : KVP_OP_WRITE, r->device, h->addr, h->size,
+                                     read ? staged_send : staged_recv, &io, &moved, &copy_failed);
     kvpi_region_unpin(srv->regions, pin);
     if (copy_failed) {
         KVPI_WARN_LIMITED("%s: %s of [0x%llx, +%llu) on cuda device %d failed: %s",

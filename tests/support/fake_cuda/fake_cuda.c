@@ -109,7 +109,8 @@ API CUresult cuInit(unsigned flags)
             S.inited = r == OK;
         }
         if (fd >= 0) close(fd);
-        for (int i = 0; i < MAX_DEV; i++) ctxs[i].device = i;
+        for (int i = 0; i < MAX_DEV; i++)
+            ctxs[i].device = i;
     }
     pthread_mutex_unlock(&lock);
     return r;
@@ -118,15 +119,33 @@ API CUresult cuInit(unsigned flags)
 API CUresult cuGetErrorString(CUresult r, const char **s)
 {
     switch (r) {
-    case OK: *s = "no error"; break;
-    case E_INVALID_VALUE: *s = "invalid argument"; break;
-    case E_NOT_INITIALIZED: *s = "initialization error"; break;
-    case E_NO_DEVICE: *s = "no CUDA-capable device is detected"; break;
-    case E_INVALID_DEVICE: *s = "invalid device ordinal"; break;
-    case E_INVALID_CONTEXT: *s = "invalid device context"; break;
-    case E_INVALID_HANDLE: *s = "invalid resource handle"; break;
-    case E_ILLEGAL_ADDRESS: *s = "an illegal memory access was encountered"; break;
-    default: *s = NULL; return E_INVALID_VALUE;
+    case OK:
+        *s = "no error";
+        break;
+    case E_INVALID_VALUE:
+        *s = "invalid argument";
+        break;
+    case E_NOT_INITIALIZED:
+        *s = "initialization error";
+        break;
+    case E_NO_DEVICE:
+        *s = "no CUDA-capable device is detected";
+        break;
+    case E_INVALID_DEVICE:
+        *s = "invalid device ordinal";
+        break;
+    case E_INVALID_CONTEXT:
+        *s = "invalid device context";
+        break;
+    case E_INVALID_HANDLE:
+        *s = "invalid resource handle";
+        break;
+    case E_ILLEGAL_ADDRESS:
+        *s = "an illegal memory access was encountered";
+        break;
+    default:
+        *s = NULL;
+        return E_INVALID_VALUE;
     }
     return OK;
 }
@@ -229,10 +248,17 @@ API CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p)
     pthread_mutex_unlock(&lock);
     if (a < 0 && h < 0) return E_INVALID_VALUE;
     switch (attr) {
-    case 2: *(unsigned *)data = a >= 0 ? 2u : 1u; return OK; /* MEMORY_TYPE */
-    case 8: *(unsigned *)data = 0; return OK;                /* IS_MANAGED */
-    case 9: *(int *)data = a >= 0 ? S.allocs[a].device : 0; return OK;
-    default: return E_INVALID_VALUE;
+    case 2:
+        *(unsigned *)data = a >= 0 ? 2u : 1u;
+        return OK; /* MEMORY_TYPE */
+    case 8:
+        *(unsigned *)data = 0;
+        return OK; /* IS_MANAGED */
+    case 9:
+        *(int *)data = a >= 0 ? S.allocs[a].device : 0;
+        return OK;
+    default:
+        return E_INVALID_VALUE;
     }
 }
 
