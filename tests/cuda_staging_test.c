@@ -201,6 +201,10 @@ static void round_trip(const char *proto, int local_dev, int target_dev)
      * (KVPIPE_CUDA_BOUNCE_BYTES, 64 KiB here) at a time, each way. */
     if (local_dev) CHECK(fc_copies() - before >= (long)(2 * XLEN / 65536));
     kvp_engine_destroy(e);
+    if (!local_dev) { /* device memory is the double's bump allocator's */
+        free(in);
+        free(out);
+    }
     verdict v = {WRITE_OFF, XLEN, SEED_WRITE};
     CHECK(target_stop(&t, &v) == 0);
 }
