@@ -29,6 +29,7 @@ typedef struct mem_range {
     uint64_t addr;
     size_t length;
     int managed;
+    int device; /* GPU memory (the engine registered it as KVP_MEM_CUDA): no memcpy */
 } mem_range;
 
 typedef struct kvpy_engine {
@@ -281,8 +282,20 @@ static int ranges_add(kvpy_engine *self, uint64_t addr, size_t length, int manag
         self->ranges = r;
         self->cap_ranges = cap;
     }
-    self->ranges[self->n_ranges++] = (mem_range){addr, length, managed};
+    self->ranges[self->n_ranges++] = (mem_range){addr, length, managed, 0};
     return 0;
+}
+
+/* Can the CPU read the byte at addr? A write(2) from it into a pipe fails
+ * with EFAULT, rather than crashing, where it cannot (GPU memory). */
+static int cpu_readable(uint64_t addr)
+{
+    int fds[2];
+    if (pipe(fds) != 0) return 1;
+    int ok = write(fds[1], (const void *)(uintptr_t)addr, 1) == 1;
+    close(fds[0]);
+    close(fds[1]);
+    return ok;
 }
 
 static void ranges_remove(kvpy_engine *self, uint64_t addr, int managed)
@@ -295,15 +308,34 @@ static void ranges_remove(kvpy_engine *self, uint64_t addr, int managed)
     }
 }
 
-static int ranges_contain(const kvpy_engine *self, uint64_t addr, size_t length)
+/* The range holding [addr, +length) whole, or NULL. */
+static const mem_range *ranges_find(const kvpy_engine *self, uint64_t addr, size_t length)
 {
     for (size_t i = 0; i < self->n_ranges; i++) {
         const mem_range *r = &self->ranges[i];
         if (addr >= r->addr && addr - r->addr <= r->length &&
             length <= r->length - (addr - r->addr))
-            return 1;
+            return r;
     }
-    return 0;
+    return NULL;
+}
+
+static int ranges_contain(const kvpy_engine *self, uint64_t addr, size_t length)
+{
+    return ranges_find(self, addr, length) != NULL;
+}
+
+/* Why the CPU may not copy to or from [addr, +length) (read/write_bytes_*),
+ * or NULL: it must lie in a registered or managed range that is not GPU
+ * memory. */
+static const char *bytes_refusal(const kvpy_engine *self, uint64_t addr, size_t length)
+{
+    const mem_range *r = ranges_find(self, addr, length);
+    if (!r) return "is not inside a managed or registered buffer of this engine";
+    if (r->device)
+        return "is GPU memory, which the CPU cannot copy (read it with torch; kvpipe's "
+               "transfers stage it, docs/gpu.md)";
+    return NULL;
 }
 
 /* ---- managed buffers and registration ------------------------------------ */
@@ -359,6 +391,8 @@ static kvp_status register_one(kvpy_engine *self, uint64_t addr, size_t length)
     Py_END_ALLOW_THREADS
     self->busy--;
     if (st == KVP_OK && ranges_add(self, addr, length, 0)) st = KVP_ENOMEM;
+    /* The engine took memory the CPU cannot read: GPU memory (docs/gpu.md). */
+    if (st == KVP_OK && length) self->ranges[self->n_ranges - 1].device = !cpu_readable(addr);
     return st;
 }
 
@@ -496,11 +530,10 @@ static PyObject *engine_write_bytes_to_buffer(kvpy_engine *self, PyObject *args)
                             "write_bytes_to_buffer: length %zu exceeds the %zd "
                             "bytes given",
                             length, src.len);
-    else if (!ranges_contain(self, addr, length))
-        ret = kvpy_fail_msg(KVP_ERANGE,
-                            "write_bytes_to_buffer: [0x%llx, +%zu) is not inside a "
-                            "managed or registered buffer of this engine",
-                            (unsigned long long)addr, length);
+    else if (bytes_refusal(self, addr, length))
+        ret = kvpy_fail_msg(ranges_contain(self, addr, length) ? KVP_ENOTSUP : KVP_ERANGE,
+                            "write_bytes_to_buffer: [0x%llx, +%zu) %s", (unsigned long long)addr,
+                            length, bytes_refusal(self, addr, length));
     else {
         Py_BEGIN_ALLOW_THREADS
         memcpy((void *)(uintptr_t)addr, src.buf, length);
@@ -518,11 +551,13 @@ static PyObject *engine_read_bytes_from_buffer(kvpy_engine *self, PyObject *args
                           kvpy_size_conv, &length))
         return NULL;
     if (engine_ready(self)) return NULL;
-    if (!ranges_contain(self, addr, length)) {
-        PyObject *exc_msg = PyUnicode_FromFormat(
-            "read_bytes_from_buffer: [0x%llx, +%zu) is not inside a managed or registered "
-            "buffer of this engine",
-            (unsigned long long)addr, length);
+    const char *why = bytes_refusal(self, addr, length);
+    if (why) {
+        /* snprintf: PyUnicode_FromFormat has no %llx before Python 3.12. */
+        char text[256];
+        snprintf(text, sizeof text, "read_bytes_from_buffer: [0x%llx, +%zu) %s",
+                 (unsigned long long)addr, length, why);
+        PyObject *exc_msg = PyUnicode_FromString(text);
         if (exc_msg) {
             PyErr_SetObject(kvpy_error_type, exc_msg);
             Py_DECREF(exc_msg);

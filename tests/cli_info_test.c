@@ -60,6 +60,29 @@ static void lists_build_json(void)
     cJSON_Delete(doc);
 }
 
+/* The memory kinds: host always; cuda with the driver's version and devices
+ * (the test double's: 12.4, 3 devices), or why not without a driver. */
+static void lists_memory_kinds(void)
+{
+    char out[8192];
+    setenv("KVPIPE_LIBCUDA", "/nonexistent/libcuda.so.1", 1);
+    CHECK(run_info("", out, sizeof out) == 0);
+    CHECK(strstr(out, "memory kinds:\n  host  available (") != NULL);
+    CHECK(strstr(out, "cuda  unavailable: CUDA: /nonexistent/libcuda.so.1 not found") != NULL);
+    setenv("KVPIPE_LIBCUDA", KVPT_FAKECUDA_PATH, 1);
+    setenv("FAKECUDA_DEVICES", "3", 1);
+    CHECK(run_info("", out, sizeof out) == 0);
+    CHECK(strstr(out, "cuda  available (shm, tcp): CUDA driver 12.4, 3 devices") != NULL);
+    CHECK(run_info("--json", out, sizeof out) == 0);
+    cJSON *doc = cJSON_Parse(out);
+    REQUIRE(doc);
+    const cJSON *mem = cJSON_GetObjectItemCaseSensitive(doc, "memory");
+    CHECK(cJSON_GetArraySize(mem) == 2);
+    const cJSON *cuda = cJSON_GetArrayItem(mem, 1);
+    CHECK(cuda && cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(cuda, "available")));
+    cJSON_Delete(doc);
+}
+
 static void store_down(void)
 {
     char out[8192], args[128], url[96];
@@ -119,6 +142,7 @@ int main(void)
 {
     RUN(lists_build);
     RUN(lists_build_json);
+    RUN(lists_memory_kinds);
     RUN(store_down);
     RUN(shows_segment);
     return kvpt_summary();

@@ -238,9 +238,13 @@ TEST_TRANSPORT(memA, KVPI_MEM_HOST_BIT, 0, refuse_open)
 TEST_TRANSPORT(memB, KVPI_MEM_HOST_BIT, 0, refuse_open)
 TEST_TRANSPORT(memkind, KIND_BITS, KIND_CAPS, memkind_open)
 
-static const kvpi_transport_ops *const two_regs[] = {&memA, &memB, &kvpi_transport_tcp, NULL};
+/* tcp as it was before it moved CUDA memory (main() fills it in): these
+ * cases test the engine's selection by kind with a test transport that
+ * moves "CUDA" memory which is host memory (no driver needed). */
+static kvpi_transport_ops tcp_host;
+static const kvpi_transport_ops *const two_regs[] = {&memA, &memB, &tcp_host, NULL};
 /* tcp first: it is the primary for host memory; memkind takes what tcp cannot. */
-static const kvpi_transport_ops *const by_kind[] = {&kvpi_transport_tcp, &memkind, NULL};
+static const kvpi_transport_ops *const by_kind[] = {&tcp_host, &memkind, NULL};
 
 /* ---------------------------------------------------------------- setup --- */
 
@@ -397,7 +401,8 @@ static void register_kinds(void)
     CHECK_ST(kvp_engine_register_mem(e, buf, LEN, KVP_MEM_CUDA, -1), KVP_EINVAL);
     REQUIRE_OK(kvp_engine_register_mem(e, buf, LEN, KVP_MEM_HOST, 0));
     kvp_engine_destroy(e);
-    /* The engine of this build: host memory only. */
+    /* The engine of this build: its tcp and shm move CUDA memory, which
+     * must then be device memory by the driver; none here, or not this. */
     kvp_engine_opts o;
     kvp_engine_opts_init(&o);
     o.local_server_name = "127.0.0.1:0";
@@ -429,9 +434,13 @@ static int pair_start(pair *p, int init_disable_shm)
         return -1;
     kvpt_fill(p->host, LEN, 1);
     kvpt_fill(p->dev, LEN, 2);
+    /* "CUDA" regions of host memory: registered past the driver's check. */
+    kvpi_region dev = {.addr = (uint64_t)(uintptr_t)p->dev, .length = LEN, .kind = KVP_MEM_CUDA};
+    kvpi_region devlocal = dev;
+    devlocal.addr = (uint64_t)(uintptr_t)p->devlocal;
     if (kvp_engine_register(p->target, p->host, LEN) ||
-        kvp_engine_register_mem(p->target, p->dev, LEN, KVP_MEM_CUDA, 0) ||
-        kvp_engine_register_mem(p->init, p->devlocal, LEN, KVP_MEM_CUDA, 0))
+        kvpi_engine_register_region(p->target, &dev) ||
+        kvpi_engine_register_region(p->init, &devlocal))
         return -1;
     return kvp_engine_open_segment(p->init, kvp_engine_segment_name(p->target), &p->seg) ? -1 : 0;
 }
@@ -530,6 +539,8 @@ static void select_refuses_kind(void)
 
 int main(void)
 {
+    tcp_host = kvpi_transport_tcp;
+    tcp_host.mem_kinds = KVPI_MEM_HOST_BIT;
     RUN(register_rolls_back);
     RUN(register_first_fails);
     RUN(register_only_running_servers);

@@ -94,6 +94,18 @@ static void list_stores(const kvp_info *info)
     }
 }
 
+static void list_memory(const kvp_info *info)
+{
+    printf("memory kinds:\n");
+    const kvp_memory_info *m;
+    for (size_t i = 0; (m = kvp_info_memory(info, i)); i++) {
+        if (m->status == KVP_OK)
+            printf("  %-5s available (%s): %s\n", m->name, m->transports, m->detail);
+        else
+            printf("  %-5s unavailable: %s\n", m->name, m->detail);
+    }
+}
+
 static void list_components(const kvp_info *info)
 {
     printf("libraries:\n");
@@ -193,6 +205,16 @@ static cJSON *json_build(const kvp_info *info)
         cJSON_AddBoolToObject(o, "built_in", s->status == KVP_OK);
         cJSON_AddStringToObject(o, "detail", s->detail);
         cJSON_AddBoolToObject(o, "peer_to_peer", (s->flags & KVP_STORE_PEER_TO_PEER) != 0);
+        cJSON_AddItemToArray(arr, o);
+    }
+    arr = cJSON_AddArrayToObject(doc, "memory");
+    const kvp_memory_info *m;
+    for (size_t i = 0; (m = kvp_info_memory(info, i)); i++) {
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "name", m->name);
+        cJSON_AddBoolToObject(o, "available", m->status == KVP_OK);
+        cJSON_AddStringToObject(o, "detail", m->detail);
+        cJSON_AddStringToObject(o, "transports", m->transports);
         cJSON_AddItemToArray(arr, o);
     }
     arr = cJSON_AddArrayToObject(doc, "libraries");
@@ -302,6 +324,7 @@ int kvp_cmd_info(int argc, char **argv)
     if (!o.json) {
         printf("kvpipe %s (library %s)\n", KVP_VERSION_STRING, kvp_version());
         list_transports(info);
+        list_memory(info);
         list_stores(info);
         list_components(info);
     }

@@ -187,8 +187,12 @@ KVP_API int kvp_engine_data_port(const kvp_engine *engine);
  * host memory (KVP_MEM_HOST, device 0). Regions must not overlap. The memory
  * stays the caller's; it must stay valid until kvp_engine_unregister(). A range
  * that is not mapped in this process, or whose first or last byte cannot be
- * read (a GPU device pointer, PROT_NONE memory), is refused with KVP_EINVAL and
- * a message saying so (the check costs about 15 us, whatever the size). Memory
+ * read, is asked about of the CUDA driver (loaded at run time, docs/gpu.md):
+ * GPU device memory is registered as KVP_MEM_CUDA of its device, as vLLM and
+ * SGLang pass it (tensor.data_ptr()); anything else (PROT_NONE memory, or a
+ * GPU pointer on a host without a driver) is refused with KVP_EINVAL and a
+ * message saying what the memory is not and, for the driver, what is missing
+ * (the host check costs about 15 us, whatever the size). Memory
  * unmapped after registration fails the peers' requests that touch it
  * ("address rejected"), never the engine. Does not wait for server requests on
  * other regions. */
@@ -201,10 +205,12 @@ KVP_API kvp_status kvp_engine_register(kvp_engine *engine, void *addr, size_t le
  * one fails, the registrations already made are undone and the call fails with
  * that transport's status, leaving nothing registered or published. Errors:
  * KVP_ENOTSUP naming the kind when none of the engine's transports can move it
- * (in this build they move host memory only); KVP_EINVAL for an unknown kind, a
- * negative device, or host memory kvp_engine_register() refuses; otherwise as
- * kvp_engine_register(). Thread-safe; blocks for the transports' registration
- * and the publish. */
+ * (tcp and shm move host and CUDA memory, ucx host memory only), and for
+ * KVP_MEM_CUDA without a usable CUDA driver (saying what is missing);
+ * KVP_EINVAL for an unknown kind, a negative device, host memory
+ * kvp_engine_register() refuses, or KVP_MEM_CUDA memory the driver says is not
+ * device memory of that device; otherwise as kvp_engine_register().
+ * Thread-safe; blocks for the transports' registration and the publish. */
 KVP_API kvp_status kvp_engine_register_mem(kvp_engine *engine, void *addr, size_t length,
                                            kvp_mem_kind kind, int device);
 

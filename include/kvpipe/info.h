@@ -64,6 +64,18 @@ typedef struct kvp_component_info {
     kvp_status status;   /* KVP_OK: built in; KVP_ENOTSUP: not in this build */
 } kvp_component_info;
 
+/* A kind of memory the engine can register and move (kvp_mem_kind). */
+typedef struct kvp_memory_info {
+    const char *name; /* "host", "cuda" */
+    /* KVP_OK: this build and host serve it. KVP_ENOTSUP: not here (for cuda:
+     * no driver, or cuInit failed), detail says why. */
+    kvp_status status;
+    /* For KVP_OK, what serves it ("CUDA driver 12.4, 2 devices"); else why
+     * not ("CUDA: libcuda.so.1 not found ..."). */
+    const char *detail;
+    const char *transports; /* the transports of this build that move it: "tcp, shm" */
+} kvp_memory_info;
+
 /* Find out what this build offers and whether each transport can serve on
  * host (NULL: "127.0.0.1"): each built-in transport's server is started there
  * and stopped again, as an engine would, each bounded by timeout_ms (0: 2000).
@@ -80,6 +92,9 @@ KVP_API void kvp_info_free(kvp_info *info);
 KVP_API const kvp_transport_info *kvp_info_transport(const kvp_info *info, size_t i);
 KVP_API const kvp_store_info *kvp_info_store(const kvp_info *info, size_t i);
 KVP_API const kvp_component_info *kvp_info_component(const kvp_info *info, size_t i);
+/* Memory kinds: host always first, then cuda (available where the CUDA driver
+ * loads: it is loaded, and cuInit run, by kvp_info_get; docs/gpu.md). */
+KVP_API const kvp_memory_info *kvp_info_memory(const kvp_info *info, size_t i);
 
 /* The store that handles connection string conn (as an engine would pick it),
  * or NULL when no store accepts it. Does not connect. */

@@ -280,18 +280,29 @@ void kvpi_region_unpin_all(kvpi_region_table *t, kvpi_pin *pins, size_t count)
     free(pins);
 }
 
+int kvpi_region_kind_find(kvpi_region_table *t, uint64_t addr, uint64_t length, kvp_mem_kind *kind,
+                          int *device)
+{
+    int found = 0;
+    *kind = KVP_MEM_HOST;
+    *device = 0;
+    pthread_mutex_lock(&t->lock);
+    const kvpi_region_entry *e = entry_holding(t, addr, length);
+    if (e && e->state == ACTIVE) {
+        *kind = e->region.kind;
+        *device = e->region.device;
+        found = 1;
+    }
+    pthread_mutex_unlock(&t->lock);
+    return found;
+}
+
 kvp_mem_kind kvpi_region_kind_at(kvpi_region_table *t, uint64_t addr, uint64_t length, int *device)
 {
     kvp_mem_kind kind = KVP_MEM_HOST;
     *device = 0;
     if (atomic_load(&t->non_host) == 0) return kind;
-    pthread_mutex_lock(&t->lock);
-    const kvpi_region_entry *e = entry_holding(t, addr, length);
-    if (e && e->state == ACTIVE) {
-        kind = e->region.kind;
-        *device = e->region.device;
-    }
-    pthread_mutex_unlock(&t->lock);
+    kvpi_region_kind_find(t, addr, length, &kind, device);
     return kind;
 }
 

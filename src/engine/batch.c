@@ -28,6 +28,7 @@
 #include "common/log.h"
 #include "engine/engine_ext.h"
 #include "engine/engine_internal.h"
+#include "gpu/cuda.h"
 
 typedef struct kvpi_work {
     kvp_batch *batch;
@@ -293,10 +294,16 @@ static void group_done(kvpi_xfer *x, kvp_status st)
     pthread_mutex_unlock(&b->lock);
     int failed = st != KVP_OK && st != KVP_ECANCELED;
     if (failed) kvpi_segment_note(seg, st);
+    /* The statuses, read before any work is handed on: once the stale ones
+     * are deferred, a worker may retry and complete them, and the batch's
+     * last completion frees it, slices included. */
+    kvp_status sts[KVPI_XFER_MAX];
     kvpi_work *stale[KVPI_XFER_MAX];
     size_t n_stale = 0;
-    for (size_t i = 0; i < x->n; i++)
-        if (!g->retried && x->slices[i]->status == KVP_ERANGE) stale[n_stale++] = g->works[i];
+    for (size_t i = 0; i < x->n; i++) {
+        sts[i] = x->slices[i]->status;
+        if (!g->retried && sts[i] == KVP_ERANGE) stale[n_stale++] = g->works[i];
+    }
     /* Any failure the transport reports (a refused slice included) drops
      * the peer, to look it up again - before a retry looks it up. */
     kvpi_segment_release_later(e, seg, g->peer, failed || n_stale > 0);
@@ -305,7 +312,7 @@ static void group_done(kvpi_xfer *x, kvp_status st)
         defer(e, stale, n_stale, 1);
     }
     for (size_t i = 0; i < x->n; i++) {
-        kvp_status s = x->slices[i]->status;
+        kvp_status s = sts[i];
         if (!g->retried && s == KVP_ERANGE) continue;
         complete(g->works[i], s == KVP_EINPROGRESS ? (st ? st : KVP_EIO) : s, done_ns);
     }
@@ -494,6 +501,25 @@ static kvp_status check_requests(const kvp_request *reqs, size_t n, size_t slice
     return KVP_OK;
 }
 
+/* The kind of a request's local memory: its registered region's (no driver
+ * call: classified once, at registration). Memory no region holds is host
+ * memory, unless this process loaded the CUDA driver: then one driver call
+ * per request says (a slice of device memory the CPU touched would crash). */
+static kvp_mem_kind local_kind(kvp_engine *e, const kvp_request *r, int *device)
+{
+    uint64_t addr = (uint64_t)(uintptr_t)r->local;
+    if (!kvpi_cuda_active()) return kvpi_region_kind_at(&e->regions, addr, r->length, device);
+    kvp_mem_kind kind;
+    if (kvpi_region_kind_find(&e->regions, addr, r->length, &kind, device) || !r->length)
+        return kind;
+    kvpi_ptr_kind pk;
+    if (kvpi_cuda_classify(r->local, &pk, device) == KVP_OK &&
+        (pk == KVPI_PTR_DEVICE || pk == KVPI_PTR_MANAGED))
+        return KVP_MEM_CUDA;
+    *device = 0;
+    return KVP_MEM_HOST;
+}
+
 /* Returns the bytes of the requests. */
 static uint64_t build_works(kvp_engine *e, kvp_batch *b, const kvp_request *reqs, size_t slice_size)
 {
@@ -503,8 +529,7 @@ static uint64_t build_works(kvp_engine *e, kvp_batch *b, const kvp_request *reqs
         const kvp_request *r = &reqs[i];
         size_t count = slices_of(r, slice_size);
         int device;
-        kvp_mem_kind kind =
-            kvpi_region_kind_at(&e->regions, (uint64_t)(uintptr_t)r->local, r->length, &device);
+        kvp_mem_kind kind = local_kind(e, r, &device);
         b->reqs[i] = (req_state){count ? KVP_EINPROGRESS : KVP_OK, KVP_OK, count, r->length};
         if (count) b->pending++;
         bytes += r->length;
@@ -519,7 +544,9 @@ static uint64_t build_works(kvp_engine *e, kvp_batch *b, const kvp_request *reqs
                                        .local = (char *)r->local + off,
                                        .remote = r->remote + off,
                                        .length = len,
-                                       .status = KVP_EINPROGRESS};
+                                       .status = KVP_EINPROGRESS,
+                                       .local_kind = kind,
+                                       .local_device = device};
             w++;
         }
     }

@@ -65,7 +65,7 @@ static const char *mooncake_protocol(const kvp_engine *e)
 }
 
 /* Every running transport's fields: its own top-level ones, then its fields
- * of each buffer (entries in the order of regions). */
+ * of each buffer it registered (entries in the order of regions). */
 static kvp_status describe_transports(kvp_engine *e, cJSON *doc, const kvpi_region *regions)
 {
     cJSON *buffers = cJSON_GetObjectItemCaseSensitive(doc, "buffers");
@@ -79,7 +79,10 @@ static kvp_status describe_transports(kvp_engine *e, cJSON *doc, const kvpi_regi
         cJSON *b;
         cJSON_ArrayForEach(b, buffers)
         {
-            if ((st = ops->buffer_describe(e->servers[i], r, r->handle[i], b))) return st;
+            /* Only regions it registered: of a kind it moves. */
+            if ((ops->mem_kinds & KVPI_MEM_BIT(r->kind)) &&
+                (st = ops->buffer_describe(e->servers[i], r, r->handle[i], b)))
+                return st;
             r++;
         }
     }
@@ -287,12 +290,15 @@ static kvp_status copy_opts(kvp_engine *e, const kvp_engine_opts *o)
     if (st) return st;
     st = kvpi_protocol_resolve(o->protocol, &e->transport);
     if (st) return st;
+    /* The list's transport of that name: a test's list may hold a variant of
+     * a built-in table (another mem_kinds). */
     size_t n = 0;
-    while (e->transports[n] && e->transports[n] != e->transport)
+    while (e->transports[n] && strcmp(e->transports[n]->name, e->transport->name) != 0)
         n++;
     if (!e->transports[n])
         return kvpi_error(KVP_ENOTSUP, "engine: the %s transport is not among this engine's",
                           e->transport->name);
+    e->transport = e->transports[n];
     for (n = 0; e->transports[n]; n++)
         if (n == KVPI_MAX_TRANSPORTS)
             return kvpi_error(KVP_EINVAL, "engine: more than %d transports", KVPI_MAX_TRANSPORTS);

@@ -180,8 +180,8 @@ kvp_status kvpi_engine_publish(kvp_engine *e);
 /* The rendered descriptor no longer matches the regions: render it again. */
 void kvpi_engine_mark_stale(kvp_engine *e);
 /* kvp_engine_create with another list of transports (NULL-terminated, at most
- * KVPI_MAX_TRANSPORTS, the protocol's among them): how tests run the engine
- * over transports of their own. */
+ * KVPI_MAX_TRANSPORTS, one of the protocol's name among them): how tests run
+ * the engine over transports of their own, or variants of the built-in ones. */
 kvp_status kvpi_engine_create_with(const kvp_engine_opts *opts,
                                    const kvpi_transport_ops *const *transports, kvp_engine **out);
 
@@ -201,5 +201,12 @@ size_t kvpi_notify_queued(kvp_engine *e);
 kvp_status kvpi_engine_pool_start(kvp_engine *e);
 /* Unregister, from every transport, what is still registered (teardown). */
 void kvpi_engine_unregister_all(kvp_engine *e);
+
+/* Register and publish region r (addr, length, kind, device) as
+ * kvp_engine_register_mem() does after its checks of the memory itself (host
+ * memory readable, CUDA memory the driver's): for tests of the engine's
+ * selection by kind, whose transports move "CUDA" memory that is host
+ * memory. */
+kvp_status kvpi_engine_register_region(kvp_engine *e, const kvpi_region *r);
 
 #endif

@@ -20,6 +20,7 @@
 #include "common/auth.h"
 #include "common/error.h"
 #include "common/region.h"
+#include "gpu/cuda.h"
 #include "kvpipe/info.h"
 #include "kvpipe/version.h"
 #include "metadata/metadata.h"
@@ -63,7 +64,12 @@ static const struct {
 
 enum { COMP_KVPIPE, COMP_ZMQ, COMP_CJSON, COMP_CURL, COMP_HIREDIS, COMP_MHD, N_COMPONENTS };
 
+#define N_MEMORY_KINDS 2
+
 struct kvp_info {
+    kvp_memory_info memory[N_MEMORY_KINDS];
+    char memory_detail[N_MEMORY_KINDS][INFO_DETAIL_MAX];
+    char memory_transports[N_MEMORY_KINDS][64];
     kvp_transport_info transports[INFO_MAX_TRANSPORTS + 1];
     char details[INFO_MAX_TRANSPORTS + 1][INFO_DETAIL_MAX];
     size_t n_transports;
@@ -159,6 +165,41 @@ static void fill_transports(kvp_info *info, const char *host, int timeout_ms)
     }
 }
 
+/* ---------------------------------------------------------------- memory --- */
+
+static void fill_memory(kvp_info *info)
+{
+    static const kvp_mem_kind kinds[N_MEMORY_KINDS] = {KVP_MEM_HOST, KVP_MEM_CUDA};
+    for (size_t k = 0; k < N_MEMORY_KINDS; k++) {
+        char *names = info->memory_transports[k];
+        size_t used = 0;
+        for (size_t i = 0; kvpi_transports[i]; i++)
+            if (kvpi_transports[i]->mem_kinds & KVPI_MEM_BIT(kinds[k]) &&
+                used < sizeof info->memory_transports[k])
+                used += (size_t)snprintf(names + used, sizeof info->memory_transports[k] - used,
+                                         "%s%s", used ? ", " : "", kvpi_transports[i]->name);
+        kvp_status st = KVP_OK;
+        char *detail = info->memory_detail[k];
+        if (kinds[k] == KVP_MEM_HOST) {
+            snprintf(detail, INFO_DETAIL_MAX, "CPU memory");
+        } else {
+            int version = 0, devices = 0;
+            st = kvpi_cuda_info(&version, &devices);
+            if (st)
+                snprintf(detail, INFO_DETAIL_MAX, "%s", kvp_last_error());
+            else
+                snprintf(detail, INFO_DETAIL_MAX,
+                         "CUDA driver %d.%d, %d device%s; staged through pinned host memory",
+                         version / 1000, version % 1000 / 10, devices, devices == 1 ? "" : "s");
+            if (st) st = KVP_ENOTSUP;
+        }
+        info->memory[k] = (kvp_memory_info){.name = kvpi_mem_kind_name(kinds[k]),
+                                            .status = st,
+                                            .detail = detail,
+                                            .transports = names};
+    }
+}
+
 /* ------------------------------------------------------------------ info --- */
 
 kvp_status kvp_info_get(const char *host, int timeout_ms, kvp_info **out)
@@ -180,6 +221,7 @@ kvp_status kvp_info_get(const char *host, int timeout_ms, kvp_info **out)
                                               .detail = "",
                                               .flags = KVP_STORE_PEER_TO_PEER};
     fill_components(info);
+    fill_memory(info);
     kvpi_error_clear();
     *out = info;
     return KVP_OK;
@@ -203,6 +245,11 @@ const kvp_store_info *kvp_info_store(const kvp_info *info, size_t i)
 const kvp_component_info *kvp_info_component(const kvp_info *info, size_t i)
 {
     return info && i < N_COMPONENTS ? &info->components[i] : NULL;
+}
+
+const kvp_memory_info *kvp_info_memory(const kvp_info *info, size_t i)
+{
+    return info && i < N_MEMORY_KINDS ? &info->memory[i] : NULL;
 }
 
 const kvp_store_info *kvp_info_store_for(const kvp_info *info, const char *conn)

@@ -15,6 +15,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "engine/engine_internal.h"
+#include "gpu/cuda.h"
 
 /* Does transport i register regions of this kind? Fixed for the engine's
  * life: servers start and stop only with it. */
@@ -123,12 +124,45 @@ static kvp_status register_and_publish(kvp_engine *e, const kvpi_region *r)
     return st;
 }
 
+/* CUDA memory must be what the driver says: device (or managed) memory of
+ * that device, the whole range in one allocation's device. */
+static kvp_status check_cuda(void *addr, size_t length, int device)
+{
+    kvpi_ptr_kind first, last;
+    int dev_first, dev_last;
+    kvp_status st = kvpi_cuda_classify(addr, &first, &dev_first);
+    if (!st && length) st = kvpi_cuda_classify((char *)addr + length - 1, &last, &dev_last);
+    if (st)
+        return kvpi_error(st, "register: [%p, +%zu) as cuda memory of device %d: %s", addr, length,
+                          device, kvp_last_error());
+    int device_mem = first == KVPI_PTR_DEVICE || first == KVPI_PTR_MANAGED;
+    if (!device_mem || (length && (last != first || dev_last != dev_first)))
+        return kvpi_error(KVP_EINVAL,
+                          "register: [%p, +%zu) is not CUDA device memory (the driver says %s "
+                          "memory%s); register host memory with kvp_engine_register()",
+                          addr, length, device_mem ? "device" : "host",
+                          device_mem ? ", but its last byte is not in the same device's memory"
+                                     : "");
+    if (dev_first != device)
+        return kvpi_error(KVP_EINVAL,
+                          "register: [%p, +%zu) is memory of cuda device %d, not of device %d",
+                          addr, length, dev_first, device);
+    return KVP_OK;
+}
+
+kvp_status kvpi_engine_register_region(kvp_engine *e, const kvpi_region *r)
+{
+    kvp_status st = check_kind(e, r->kind, r->device);
+    return st ? st : register_and_publish(e, r);
+}
+
 kvp_status kvp_engine_register_mem(kvp_engine *e, void *addr, size_t length, kvp_mem_kind kind,
                                    int device)
 {
     if (!e || !addr) return kvpi_error(KVP_EINVAL, "register: NULL argument");
     kvp_status st = check_kind(e, kind, device);
     if (!st && kind == KVP_MEM_HOST && length) st = kvpi_memory_check_host(addr, length);
+    if (!st && kind == KVP_MEM_CUDA) st = check_cuda(addr, length, device);
     if (st) return st;
     kvpi_region r = {
         .addr = (uint64_t)(uintptr_t)addr, .length = length, .kind = kind, .device = device};
@@ -137,7 +171,21 @@ kvp_status kvp_engine_register_mem(kvp_engine *e, void *addr, size_t length, kvp
 
 kvp_status kvp_engine_register(kvp_engine *e, void *addr, size_t length)
 {
-    return kvp_engine_register_mem(e, addr, length, KVP_MEM_HOST, 0);
+    if (!e || !addr) return kvpi_error(KVP_EINVAL, "register: NULL argument");
+    kvp_status st = length ? kvpi_memory_check_host(addr, length) : KVP_OK;
+    if (st == KVP_OK) return kvp_engine_register_mem(e, addr, length, KVP_MEM_HOST, 0);
+    /* Not host memory the CPU can read: a GPU pointer (vLLM and SGLang pass
+     * tensor.data_ptr()) is classified by the driver, where there is one. */
+    kvpi_error_kept host_why = kvpi_error_keep();
+    kvpi_ptr_kind kind;
+    int device;
+    kvp_status cst = kvpi_cuda_classify(addr, &kind, &device);
+    if (cst == KVP_OK && (kind == KVPI_PTR_DEVICE || kind == KVPI_PTR_MANAGED))
+        return kvp_engine_register_mem(e, addr, length, KVP_MEM_CUDA, device);
+    if (cst == KVP_OK)
+        return kvpi_error(st, "%s (the CUDA driver does not know it either)", host_why.text);
+    return kvpi_error(st, "%s; and it cannot be classified as GPU memory: %s", host_why.text,
+                      kvp_last_error());
 }
 
 kvp_status kvp_engine_unregister(kvp_engine *e, void *addr)

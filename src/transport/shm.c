@@ -26,6 +26,7 @@
 #include "common/log.h"
 #include "common/net.h"
 #include "transport/shm_internal.h"
+#include "transport/staging.h"
 
 /* Requests in flight per connection before their statuses are read; small
  * enough that their headers and statuses fit in the socket buffers. */
@@ -338,7 +339,10 @@ static kvp_status link_collect(const shm_peer *p, int fd, kvpi_slice *const *win
         kvpi_error(remote, "shm peer pid %d: %s of [0x%" PRIx64 ", +%zu) failed%s%s",
                    (int)p->target, win[j]->opcode == KVP_OP_READ ? "READ" : "WRITE",
                    win[j]->remote, win[j]->length,
-                   remote == KVP_ERANGE ? ": outside its registered memory" : err ? ": " : "",
+                   remote == KVP_ERANGE ? ": outside its registered memory"
+                   : err                ? ": "
+                   : remote == KVP_EIO  ? ": its copy of its device memory failed (its log says why)"
+                                        : "",
                    remote != KVP_ERANGE && err ? strerror(err) : "");
     }
     return KVP_OK;
@@ -458,10 +462,18 @@ static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n, uin
     return st;
 }
 
+/* Device memory goes through bounce buffers (staging.h), on this thread:
+ * the target then copies between its memory and the bounce buffer. */
+static kvp_status peer_run(void *peer, kvpi_slice *const *slices, size_t n, uint64_t start,
+                           uint64_t deadline)
+{
+    return kvpi_stage_run(peer_xfer, peer, slices, n, start, deadline);
+}
+
 static void peer_post(void *peer, kvpi_xfer *x, unsigned flags)
 {
     shm_peer *p = peer;
-    kvpi_runner_post(p->runner, peer_xfer, p, &p->lane, x, flags);
+    kvpi_runner_post(p->runner, peer_run, p, &p->lane, x, flags);
 }
 
 static void server_cancel(void *server)
@@ -472,7 +484,7 @@ static void server_cancel(void *server)
 const kvpi_transport_ops kvpi_transport_shm = {
     .name = "shm",
     .caps = KVPI_CAP_SAME_HOST | KVPI_CAP_AUTH,
-    .mem_kinds = KVPI_MEM_HOST_BIT,
+    .mem_kinds = KVPI_MEM_HOST_BIT | KVPI_MEM_BIT(KVP_MEM_CUDA),
     .group_bytes = (size_t)16 << 20,
     .server_start = kvpi_shm_server_start,
     .server_stop = kvpi_shm_server_stop,

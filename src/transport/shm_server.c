@@ -25,6 +25,7 @@
 #include "common/tsan.h"
 #include "common/net.h"
 #include "transport/shm_internal.h"
+#include "transport/staging.h"
 
 /* One process_vm_* call at most. Before each, the server checks that the
  * initiator has not given the request up (see copy_with_peer). */
@@ -176,6 +177,44 @@ static kvp_status copy_status(int err, int *fatal)
     }
 }
 
+/* The staged copy of a request on registered device memory (staging.h):
+ * between the device and a bounce buffer by the driver, between the bounce
+ * buffer and the initiator's memory by process_vm_*. */
+typedef struct staged_io {
+    int fd; /* the connection, to stop if the initiator gives up */
+    pid_t peer;
+    kvp_opcode op;
+    uint64_t theirs;
+    int err; /* what stopped process_vm_*, for the status */
+} staged_io;
+
+static kvp_status staged_copy(void *ctx, void *buf, size_t len, uint64_t off)
+{
+    staged_io *io = ctx;
+    io->err =
+        copy_with_peer(io->fd, io->peer, io->op, (uint64_t)(uintptr_t)buf, io->theirs + off, len);
+    return io->err ? KVP_EIO : KVP_OK;
+}
+
+/* Returns the request's status; *err and *fatal as copy_status() sets them.
+ * A failed driver copy is KVP_EIO (errno 0), logged here. */
+static kvp_status serve_staged(shm_conn *c, const kvpi_shm_req *r, int device, int *err, int *fatal)
+{
+    staged_io io = {.fd = c->fd, .peer = c->peer, .op = (kvp_opcode)r->opcode, .theirs = r->local};
+    uint64_t moved;
+    int copy_failed;
+    kvpi_stage_serve(io.op, device, r->remote, r->length, staged_copy, &io, &moved, &copy_failed);
+    *err = io.err;
+    if (copy_failed) {
+        KVPI_WARN_LIMITED("shm server: %s of [0x%" PRIx64 ", +%" PRIu64 ") on cuda device %d for "
+                          "pid %d failed: %s",
+                          io.op == KVP_OP_READ ? "READ" : "WRITE", r->remote, r->length, device,
+                          (int)c->peer, kvp_last_error());
+        return KVP_EIO;
+    }
+    return copy_status(io.err, fatal);
+}
+
 /* One request: a bad frame closes the connection, a rejected range or a
  * failed copy is answered and the connection keeps serving. */
 static kvp_status serve_request(shm_conn *c, const uint8_t h[KVPI_SHM_REQ_LEN], shm_server *srv)
@@ -192,18 +231,25 @@ static kvp_status serve_request(shm_conn *c, const uint8_t h[KVPI_SHM_REQ_LEN], 
     if (!kvpi_conn_busy(c->conn, len)) return KVP_ECLOSED;
     if (len == 0) return answer(c, KVP_OK, 0, 0);
     kvpi_pin pin;
-    if (kvpi_region_pin(reg, remote, len, KVPI_MEM_HOST_BIT, &pin) != KVP_OK) {
+    if (kvpi_region_pin(reg, remote, len, kvpi_transport_shm.mem_kinds, &pin) != KVP_OK) {
         KVPI_DEBUG("shm server: pid %d asked for [0x%" PRIx64 ", +%" PRIu64 ") outside registered "
                    "memory", (int)c->peer, remote, len);
         if (srv->served) kvpi_counter_add(&srv->served->refused, 1);
         return answer(c, KVP_ERANGE, 0, 0);
     }
-    int err = copy_with_peer(c->fd, c->peer, (kvp_opcode)op, remote, local, len);
-    kvpi_region_unpin(reg, pin);
+    int fatal = 0;
+    kvp_status st;
+    int err;
+    if (kvpi_pin_region(pin)->kind != KVP_MEM_HOST) {
+        st = serve_staged(c, &r, kvpi_pin_region(pin)->device, &err, &fatal);
+        kvpi_region_unpin(reg, pin);
+    } else {
+        err = copy_with_peer(c->fd, c->peer, (kvp_opcode)op, remote, local, len);
+        kvpi_region_unpin(reg, pin);
+        st = copy_status(err, &fatal);
+    }
     if (err == ECONNABORTED)
         return kvpi_error(KVP_ECLOSED, "shm server: pid %d gave the request up", (int)c->peer);
-    int fatal = 0;
-    kvp_status st = copy_status(err, &fatal);
     if (st == KVP_OK && srv->served) kvpi_served_add(srv->served, op == KVP_OP_WRITE, len);
     kvp_status sent = fatal ? reply(c, st, err) : answer(c, st, err, len);
     if (fatal) return kvpi_error(st, "shm server: pid %d: %s", (int)c->peer, strerror(err));

@@ -24,6 +24,7 @@
 #include "common/log.h"
 #include "common/tsan.h"
 #include "transport/runner.h"
+#include "transport/staging.h"
 #include "transport/tcp_wire.h"
 #include "transport/transport.h"
 
@@ -89,6 +90,65 @@ static void log_fault(kvpi_conn *c, const kvpi_tcp_hdr *h, const char *when)
                       h->v2 ? " The peer gets status 1 (address rejected)." : "");
 }
 
+/* The staged I/O of a request on device memory (staging.h): a READ's first
+ * buffer goes with the status frame, which is sent only once the first copy
+ * succeeded, so that a failed copy can still be answered. */
+typedef struct staged_io {
+    kvpi_conn *c;
+    int status_due;
+} staged_io;
+
+static kvp_status staged_send(void *ctx, void *buf, size_t len, uint64_t off)
+{
+    staged_io *io = ctx;
+    (void)off;
+    uint8_t frame[8];
+    kvpi_tcp_status_encode(KVPI_TCP_STATUS_OK, frame);
+    struct iovec iov[2] = {{frame, sizeof frame}, {buf, len}};
+    int with_status = io->status_due;
+    io->status_due = 0;
+    return kvpi_conn_sendv(io->c, with_status ? iov : iov + 1, with_status ? 2 : 1);
+}
+
+static kvp_status staged_recv(void *ctx, void *buf, size_t len, uint64_t off)
+{
+    (void)off;
+    return kvpi_conn_recv(((staged_io *)ctx)->c, buf, len);
+}
+
+/* A request on registered device memory, through bounce buffers. A failed
+ * copy is refused as v2's status 1 where the status is still ours to send
+ * (the peer sees "address rejected"; our log says why); a READ whose status
+ * already went out closes the connection (the peer sees it reset). */
+static int serve_staged(kvpi_conn *c, tcp_server *srv, const kvpi_tcp_hdr *h, kvpi_pin pin)
+{
+    const kvpi_region *r = kvpi_pin_region(pin);
+    staged_io io = {.c = c, .status_due = h->v2};
+    uint64_t moved = 0;
+    int copy_failed = 0;
+    int read = h->opcode == KVPI_TCP_OP_READ;
+    kvp_status st = kvpi_stage_serve(read ? KVP_OP_READ : KVP_OP_WRITE, r->device, h->addr, h->size,
+                                     read ? staged_send : staged_recv, &io, &moved, &copy_failed);
+    kvpi_region_unpin(srv->regions, pin);
+    if (copy_failed) {
+        KVPI_WARN_LIMITED("%s: %s of [0x%llx, +%llu) on cuda device %d failed: %s",
+                          kvpi_conn_name(c), op_name(h), (unsigned long long)h->addr,
+                          (unsigned long long)h->size, r->device, kvp_last_error());
+        if (read && !io.status_due) return -1;
+        kvpi_tcp_hdr rest = *h;
+        rest.size = h->size - moved;
+        return refuse(c, &rest);
+    }
+    if (st == KVP_OK && !read && h->v2)
+        st = kvpi_conn_busy(c, 8) ? send_status(c, KVPI_TCP_STATUS_OK) : KVP_ECLOSED;
+    if (st)
+        KVPI_DEBUG("%s: connection dropped during %s of %llu bytes: %s", kvpi_conn_name(c),
+                   op_name(h), (unsigned long long)h->size, kvp_last_error());
+    else if (srv->served)
+        kvpi_served_add(srv->served, !read, h->size);
+    return st ? -1 : 0;
+}
+
 /* Serve one request; returns 0 to keep the connection, -1 to close it. */
 static int serve_request(kvpi_conn *c, tcp_server *srv, const kvpi_tcp_hdr *h)
 {
@@ -99,12 +159,14 @@ static int serve_request(kvpi_conn *c, tcp_server *srv, const kvpi_tcp_hdr *h)
     if (!live) return -1;
     if (h->size == 0) return h->v2 && send_status(c, KVPI_TCP_STATUS_OK) ? -1 : 0;
     kvpi_pin pin;
-    if (kvpi_region_pin(srv->regions, h->addr, h->size, KVPI_MEM_HOST_BIT, &pin) != KVP_OK) {
+    if (kvpi_region_pin(srv->regions, h->addr, h->size, kvpi_transport_tcp.mem_kinds, &pin) !=
+        KVP_OK) {
         KVPI_WARN_LIMITED("%s: rejected %s of [0x%llx, +%llu): outside registered memory",
                           kvpi_conn_name(c), op_name(h), (unsigned long long)h->addr,
                           (unsigned long long)h->size);
         return refuse(c, h);
     }
+    if (kvpi_pin_region(pin)->kind != KVP_MEM_HOST) return serve_staged(c, srv, h, pin);
     kvp_status st;
     void *mem = (void *)(uintptr_t)h->addr;
     if (h->opcode == KVPI_TCP_OP_READ) {
@@ -500,10 +562,17 @@ static kvp_status tcp_peer_xfer(void *peer, kvpi_slice *const *slices, size_t n,
     return result;
 }
 
+/* Device memory goes through bounce buffers (staging.h), on this thread. */
+static kvp_status tcp_peer_run(void *peer, kvpi_slice *const *slices, size_t n, uint64_t start,
+                               uint64_t deadline)
+{
+    return kvpi_stage_run(tcp_peer_xfer, peer, slices, n, start, deadline);
+}
+
 static void tcp_peer_post(void *peer, kvpi_xfer *x, unsigned flags)
 {
     tcp_peer *p = peer;
-    kvpi_runner_post(p->runner, tcp_peer_xfer, p, &p->lane, x, flags);
+    kvpi_runner_post(p->runner, tcp_peer_run, p, &p->lane, x, flags);
 }
 
 static void tcp_server_cancel(void *server)
@@ -515,7 +584,7 @@ const kvpi_transport_ops kvpi_transport_tcp = {
     .name = "tcp",
     .mooncake_protocol = "tcp",
     .caps = KVPI_CAP_AUTH,
-    .mem_kinds = KVPI_MEM_HOST_BIT,
+    .mem_kinds = KVPI_MEM_HOST_BIT | KVPI_MEM_BIT(KVP_MEM_CUDA),
     .server_start = tcp_server_start,
     .server_stop = tcp_server_stop,
     .server_port = tcp_server_port,

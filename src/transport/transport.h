@@ -79,6 +79,12 @@ typedef struct kvpi_slice {
      * that gets NULL copes (registers or bounces it) or fails the slice with
      * KVP_EINVAL saying why. Always NULL for other transports. */
     void *local_handle;
+    /* What the local memory is (the engine's classification, cached per
+     * registered region, gpu/cuda.h): a transport whose mem_kinds holds
+     * KVP_MEM_CUDA must never touch device memory with the CPU (tcp and shm
+     * stage it, transport/staging.h). Zero-initialised: host memory. */
+    kvp_mem_kind local_kind;
+    int local_device;
 } kvpi_slice;
 
 /* A group of slices posted to a peer (peer_post): all READ or all WRITE,

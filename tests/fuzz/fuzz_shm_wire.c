@@ -5,9 +5,9 @@
  * Invariants: a hello decodes iff its magic and version are ours; a request
  * iff its opcode is READ or WRITE, and encodes back to the same bytes with the
  * padding zeroed; a non-empty request passes the target's range check iff it
- * lies in one region of host memory; a status decodes iff its magic is right
- * and its code is a final one (at most 64, not KVP_EINPROGRESS), and encodes
- * back to the same bytes. */
+ * lies in one region of a kind the server moves (regions.h); a status decodes
+ * iff its magic is right and its code is a final one (at most 64, not
+ * KVP_EINPROGRESS), and encodes back to the same bytes. */
 #include "common/net.h"
 #include "fuzz.h"
 #include "regions.h"

@@ -1,12 +1,12 @@
 /* The TCP data plane's request header and status frame (src/transport/tcp_wire.h)
  * and the range check the server applies to every request (kvpi_region_pin:
- * "inside one registered buffer of host memory").
+ * "inside one registered buffer of a kind it moves", regions.h).
  *
  * Input: the registered regions (regions.h), an 8-byte status frame, then
  * 24-byte request headers to the end. Invariants: a header decodes iff its
  * opcode (less the v2 bit) is READ or WRITE, and encodes back to the same
  * bytes with the padding zeroed; a non-empty request is served iff it lies in
- * one region of host memory; a status frame decodes iff its magic is right,
+ * one region of a kind the server moves; a status frame decodes iff its magic is right,
  * and encodes back to the same bytes. */
 #include "common/net.h"
 #include "fuzz.h"

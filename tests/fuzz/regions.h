@@ -1,6 +1,8 @@
 /* Shared by the data-plane harnesses: a region table built from the input next
  * to a plain model of it, for the servers' rule that a request is served only
- * inside one registered region of host memory. */
+ * inside one registered region of a kind the server moves (tcp and shm: host
+ * memory, and CUDA memory, which they stage; a server of host memory only
+ * pins host regions only). */
 #ifndef KVPF_REGIONS_H
 #define KVPF_REGIONS_H
 
@@ -26,12 +28,13 @@ static inline int kvpf_model_overlaps(const kvpf_regions *r, uint64_t addr, uint
     return 0;
 }
 
-/* Non-zero if [addr, addr+len) lies inside one modelled region of host
- * memory. */
-static inline int kvpf_model_inside(const kvpf_regions *r, uint64_t addr, uint64_t len)
+/* Non-zero if [addr, addr+len) lies inside one modelled region of a kind in
+ * the mask kinds (KVPI_MEM_BIT). */
+static inline int kvpf_model_inside(const kvpf_regions *r, uint64_t addr, uint64_t len,
+                                    unsigned kinds)
 {
     for (size_t i = 0; i < r->n; i++)
-        if (r->model[i].kind == KVP_MEM_HOST && addr >= r->model[i].addr &&
+        if ((kinds & KVPI_MEM_BIT(r->model[i].kind)) && addr >= r->model[i].addr &&
             (kvpf_u128)addr + len <= (kvpf_u128)r->model[i].addr + r->model[i].length)
             return 1;
     return 0;
@@ -73,18 +76,23 @@ static inline void kvpf_regions_build(kvpf_regions *r, kvpf_reader *in)
     kvpi_region_unpin_all(&r->table, pins, count);
 }
 
-/* The server's decision for a non-empty request, checked against the model. */
+/* The server's decision for a non-empty request, checked against the model:
+ * for a server of host memory only, and for one of host and CUDA memory. */
 static inline void kvpf_regions_check_pin(kvpf_regions *r, uint64_t addr, uint64_t len)
 {
-    kvpi_pin pin;
-    int pinned = kvpi_region_pin(&r->table, addr, len, KVPI_MEM_HOST_BIT, &pin) == KVP_OK;
-    if (pinned) {
-        const kvpi_region *g = kvpi_pin_region(pin);
-        FUZZ_CHECK(g->kind == KVP_MEM_HOST && addr >= g->addr &&
-                   (kvpf_u128)addr + len <= (kvpf_u128)g->addr + g->length);
-        kvpi_region_unpin(&r->table, pin);
+    static const unsigned masks[] = {KVPI_MEM_HOST_BIT,
+                                     KVPI_MEM_HOST_BIT | KVPI_MEM_BIT(KVP_MEM_CUDA)};
+    for (size_t m = 0; m < sizeof masks / sizeof masks[0]; m++) {
+        kvpi_pin pin;
+        int pinned = kvpi_region_pin(&r->table, addr, len, masks[m], &pin) == KVP_OK;
+        if (pinned) {
+            const kvpi_region *g = kvpi_pin_region(pin);
+            FUZZ_CHECK((masks[m] & KVPI_MEM_BIT(g->kind)) && addr >= g->addr &&
+                       (kvpf_u128)addr + len <= (kvpf_u128)g->addr + g->length);
+            kvpi_region_unpin(&r->table, pin);
+        }
+        FUZZ_CHECK(pinned == kvpf_model_inside(r, addr, len, masks[m]));
     }
-    FUZZ_CHECK(pinned == kvpf_model_inside(r, addr, len));
 }
 
 static inline void kvpf_regions_free(kvpf_regions *r)

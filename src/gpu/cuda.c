@@ -1,0 +1,314 @@
+/* The CUDA driver API through dlopen (see cuda.h). The types and entry points
+ * are declared from NVIDIA's driver API reference (cuda.h of the toolkit is
+ * not needed to build): handles are opaque pointers, CUdeviceptr is a 64-bit
+ * integer, and the copy and stream-destroy entry points are resolved under
+ * their _v2 names, the ones the toolkit's header maps the plain names to. */
+#include "gpu/cuda.h"
+
+#include <dlfcn.h> /* in libc since glibc 2.34: no -ldl */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/error.h"
+#include "common/log.h"
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+
+#define CUDA_SUCCESS 0
+#define CUDA_ERROR_INVALID_VALUE 1
+#define CU_POINTER_ATTRIBUTE_MEMORY_TYPE 2
+#define CU_POINTER_ATTRIBUTE_IS_MANAGED 8
+#define CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL 9
+#define CU_MEMORYTYPE_HOST 1
+#define CU_MEMORYTYPE_DEVICE 2
+#define CU_MEMORYTYPE_ARRAY 3
+#define CU_MEMORYTYPE_UNIFIED 4
+#define CU_STREAM_NON_BLOCKING 0x1
+#define CU_MEMHOSTALLOC_PORTABLE 0x1
+
+/* The primary contexts kvpipe retains (never released: they live as long as
+ * the process, as the CUDA runtime's do). */
+#define MAX_DEVICES 64
+
+static struct {
+    CUresult (*init)(unsigned);
+    CUresult (*driver_version)(int *);
+    CUresult (*device_count)(int *);
+    CUresult (*device_get)(CUdevice *, int);
+    CUresult (*primary_retain)(CUcontext *, CUdevice);
+    CUresult (*ctx_get)(CUcontext *);
+    CUresult (*ctx_set)(CUcontext);
+    CUresult (*pointer_attr)(void *, int, CUdeviceptr);
+    CUresult (*stream_create)(CUstream *, unsigned);
+    CUresult (*stream_destroy)(CUstream);
+    CUresult (*stream_sync)(CUstream);
+    CUresult (*d2h_async)(void *, CUdeviceptr, size_t, CUstream);
+    CUresult (*h2d_async)(CUdeviceptr, const void *, size_t, CUstream);
+    CUresult (*host_alloc)(void **, size_t, unsigned);
+    CUresult (*host_free)(void *);
+    CUresult (*error_string)(CUresult, const char **);
+} cu;
+
+static pthread_once_t load_once = PTHREAD_ONCE_INIT;
+static kvp_status load_status;
+static char load_error[400];
+static atomic_int active;
+
+static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
+static CUcontext primary[MAX_DEVICES];
+
+struct kvpi_cuda_stream {
+    CUstream stream;
+    CUcontext ctx;
+    int device;
+};
+
+static const char *err_name(CUresult r)
+{
+    const char *s = NULL;
+    if (cu.error_string && cu.error_string(r, &s) == CUDA_SUCCESS && s) return s;
+    return "unknown CUDA error";
+}
+
+#define RESOLVE(lib, field, name)                                                                  \
+    do {                                                                                           \
+        *(void **)&cu.field = dlsym(lib, name);                                                    \
+        if (!cu.field) {                                                                           \
+            snprintf(load_error, sizeof load_error,                                                \
+                     "CUDA: the driver %s lacks %s (a driver older than CUDA 11?)", path, name);   \
+            return;                                                                                \
+        }                                                                                          \
+    } while (0)
+
+static void load(void)
+{
+    load_status = KVP_ENOTSUP;
+    const char *env = getenv("KVPIPE_LIBCUDA");
+    const char *path = env && env[0] ? env : "libcuda.so.1";
+    void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        snprintf(load_error, sizeof load_error,
+                 "CUDA: %s not found (no NVIDIA driver on this host, or KVPIPE_LIBCUDA names "
+                 "no library): %s",
+                 path, dlerror());
+        return;
+    }
+    RESOLVE(lib, error_string, "cuGetErrorString");
+    RESOLVE(lib, init, "cuInit");
+    RESOLVE(lib, driver_version, "cuDriverGetVersion");
+    RESOLVE(lib, device_count, "cuDeviceGetCount");
+    RESOLVE(lib, device_get, "cuDeviceGet");
+    RESOLVE(lib, primary_retain, "cuDevicePrimaryCtxRetain");
+    RESOLVE(lib, ctx_get, "cuCtxGetCurrent");
+    RESOLVE(lib, ctx_set, "cuCtxSetCurrent");
+    RESOLVE(lib, pointer_attr, "cuPointerGetAttribute");
+    RESOLVE(lib, stream_create, "cuStreamCreate");
+    RESOLVE(lib, stream_destroy, "cuStreamDestroy_v2");
+    RESOLVE(lib, stream_sync, "cuStreamSynchronize");
+    RESOLVE(lib, d2h_async, "cuMemcpyDtoHAsync_v2");
+    RESOLVE(lib, h2d_async, "cuMemcpyHtoDAsync_v2");
+    RESOLVE(lib, host_alloc, "cuMemHostAlloc");
+    RESOLVE(lib, host_free, "cuMemFreeHost");
+    CUresult r = cu.init(0);
+    if (r != CUDA_SUCCESS) {
+        snprintf(load_error, sizeof load_error, "CUDA: cuInit failed (%s): %s", path, err_name(r));
+        return;
+    }
+    load_status = KVP_OK;
+    atomic_store(&active, 1);
+    KVPI_DEBUG("CUDA driver loaded from %s", path);
+}
+
+kvp_status kvpi_cuda_load(void)
+{
+    pthread_once(&load_once, load);
+    if (load_status) return kvpi_error(load_status, "%s", load_error);
+    return KVP_OK;
+}
+
+int kvpi_cuda_active(void)
+{
+    return atomic_load_explicit(&active, memory_order_acquire);
+}
+
+kvp_status kvpi_cuda_info(int *version, int *devices)
+{
+    kvp_status st = kvpi_cuda_load();
+    if (st) return st;
+    CUresult r = cu.driver_version(version);
+    if (r == CUDA_SUCCESS) r = cu.device_count(devices);
+    if (r != CUDA_SUCCESS)
+        return kvpi_error(KVP_EIO, "CUDA: cannot query the driver: %s", err_name(r));
+    return KVP_OK;
+}
+
+kvp_status kvpi_cuda_classify(const void *p, kvpi_ptr_kind *kind, int *device)
+{
+    kvp_status st = kvpi_cuda_load();
+    if (st) return st;
+    CUdeviceptr ptr = (CUdeviceptr)(uintptr_t)p;
+    unsigned type = 0, managed = 0;
+    int ordinal = 0;
+    CUresult r = cu.pointer_attr(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr);
+    if (r == CUDA_ERROR_INVALID_VALUE) { /* memory the driver does not know */
+        *kind = KVPI_PTR_HOST;
+        *device = 0;
+        return KVP_OK;
+    }
+    if (r == CUDA_SUCCESS) r = cu.pointer_attr(&managed, CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr);
+    if (r == CUDA_SUCCESS && type != CU_MEMORYTYPE_HOST)
+        r = cu.pointer_attr(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr);
+    if (r != CUDA_SUCCESS)
+        return kvpi_error(KVP_EIO, "CUDA: cuPointerGetAttribute(%p): %s", p, err_name(r));
+    if (managed) {
+        *kind = KVPI_PTR_MANAGED;
+    } else if (type == CU_MEMORYTYPE_HOST) {
+        *kind = KVPI_PTR_HOST_REGISTERED;
+        ordinal = 0;
+    } else if (type == CU_MEMORYTYPE_DEVICE || type == CU_MEMORYTYPE_UNIFIED) {
+        *kind = KVPI_PTR_DEVICE;
+    } else {
+        return kvpi_error(KVP_ENOTSUP,
+                          "CUDA: %p is a CUDA array (memory type %u), not linear "
+                          "memory",
+                          p, type);
+    }
+    *device = ordinal;
+    return KVP_OK;
+}
+
+/* The primary context of device ordinal, retained once. */
+static kvp_status primary_ctx(int ordinal, CUcontext *out)
+{
+    if (ordinal < 0 || ordinal >= MAX_DEVICES)
+        return kvpi_error(KVP_EINVAL, "CUDA: device %d is out of range", ordinal);
+    pthread_mutex_lock(&ctx_lock);
+    CUresult r = CUDA_SUCCESS;
+    if (!primary[ordinal]) {
+        CUdevice dev;
+        r = cu.device_get(&dev, ordinal);
+        if (r == CUDA_SUCCESS) r = cu.primary_retain(&primary[ordinal], dev);
+    }
+    *out = primary[ordinal];
+    pthread_mutex_unlock(&ctx_lock);
+    if (r != CUDA_SUCCESS)
+        return kvpi_error(KVP_EIO, "CUDA: device %d: no primary context: %s", ordinal, err_name(r));
+    return KVP_OK;
+}
+
+/* Make ctx current on this thread for a call, and put the caller's back
+ * after it: an application thread that posts inline keeps its own. */
+static CUresult ctx_push(CUcontext ctx, CUcontext *saved)
+{
+    CUresult r = cu.ctx_get(saved);
+    if (r == CUDA_SUCCESS && *saved != ctx) r = cu.ctx_set(ctx);
+    return r;
+}
+
+static void ctx_pop(CUcontext ctx, CUcontext saved)
+{
+    if (saved != ctx) cu.ctx_set(saved);
+}
+
+kvp_status kvpi_cuda_stream_create(int device, kvpi_cuda_stream **out)
+{
+    kvp_status st = kvpi_cuda_load();
+    CUcontext ctx = NULL, saved = NULL;
+    if (st || (st = primary_ctx(device, &ctx))) return st;
+    kvpi_cuda_stream *s = calloc(1, sizeof *s);
+    if (!s) return kvpi_error(KVP_ENOMEM, "CUDA: out of memory");
+    CUresult r = ctx_push(ctx, &saved);
+    if (r == CUDA_SUCCESS) {
+        r = cu.stream_create(&s->stream, CU_STREAM_NON_BLOCKING);
+        ctx_pop(ctx, saved);
+    }
+    if (r != CUDA_SUCCESS) {
+        free(s);
+        return kvpi_error(KVP_EIO, "CUDA: device %d: cuStreamCreate: %s", device, err_name(r));
+    }
+    s->ctx = ctx;
+    s->device = device;
+    *out = s;
+    return KVP_OK;
+}
+
+void kvpi_cuda_stream_destroy(kvpi_cuda_stream *s)
+{
+    if (!s) return;
+    cu.stream_destroy(s->stream);
+    free(s);
+}
+
+int kvpi_cuda_stream_device(const kvpi_cuda_stream *s)
+{
+    return s->device;
+}
+
+static kvp_status enqueue(kvpi_cuda_stream *s, void *dst, const void *src, size_t n, int d2h)
+{
+    CUcontext saved = NULL;
+    CUresult r = ctx_push(s->ctx, &saved);
+    if (r == CUDA_SUCCESS) {
+        r = d2h ? cu.d2h_async(dst, (CUdeviceptr)(uintptr_t)src, n, s->stream)
+                : cu.h2d_async((CUdeviceptr)(uintptr_t)dst, src, n, s->stream);
+        ctx_pop(s->ctx, saved);
+    }
+    if (r != CUDA_SUCCESS)
+        return kvpi_error(KVP_EIO, "CUDA: device %d: copy of %zu bytes %s failed: %s", s->device, n,
+                          d2h ? "device to host" : "host to device", err_name(r));
+    return KVP_OK;
+}
+
+kvp_status kvpi_cuda_copy_d2h_async(kvpi_cuda_stream *s, void *dst, const void *src, size_t n)
+{
+    return enqueue(s, dst, src, n, 1);
+}
+
+kvp_status kvpi_cuda_copy_h2d_async(kvpi_cuda_stream *s, void *dst, const void *src, size_t n)
+{
+    return enqueue(s, dst, src, n, 0);
+}
+
+kvp_status kvpi_cuda_stream_sync(kvpi_cuda_stream *s)
+{
+    CUcontext saved = NULL;
+    CUresult r = ctx_push(s->ctx, &saved);
+    if (r == CUDA_SUCCESS) {
+        r = cu.stream_sync(s->stream);
+        ctx_pop(s->ctx, saved);
+    }
+    if (r != CUDA_SUCCESS)
+        return kvpi_error(KVP_EIO, "CUDA: device %d: a copy between device and host failed: %s",
+                          s->device, err_name(r));
+    return KVP_OK;
+}
+
+kvp_status kvpi_cuda_host_alloc(size_t n, void **out)
+{
+    kvp_status st = kvpi_cuda_load();
+    CUcontext ctx = NULL, saved = NULL;
+    /* cuMemHostAlloc needs a current context; PORTABLE makes the memory
+     * pinned for every context, so device 0's serves all devices. */
+    if (st || (st = primary_ctx(0, &ctx))) return st;
+    CUresult r = ctx_push(ctx, &saved);
+    if (r == CUDA_SUCCESS) {
+        r = cu.host_alloc(out, n, CU_MEMHOSTALLOC_PORTABLE);
+        ctx_pop(ctx, saved);
+    }
+    if (r != CUDA_SUCCESS)
+        return kvpi_error(KVP_ENOMEM, "CUDA: cuMemHostAlloc of %zu bytes: %s", n, err_name(r));
+    return KVP_OK;
+}
+
+void kvpi_cuda_host_free(void *p)
+{
+    if (p && kvpi_cuda_active()) cu.host_free(p);
+}

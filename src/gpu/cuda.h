@@ -1,0 +1,65 @@
+/* Internal: the CUDA driver API, loaded at run time.
+ *
+ * kvpipe has no build-time CUDA dependency: the first call that needs the
+ * driver dlopen()s libcuda.so.1 (env KVPIPE_LIBCUDA=path names another file:
+ * the tests' double, tests/support/fake_cuda/) and resolves the few entry
+ * points below, declared here from NVIDIA's documented signatures. Without a
+ * driver every function fails with KVP_ENOTSUP saying what is missing
+ * (libcuda.so.1 not found, an entry point missing, cuInit's error), and
+ * nothing else of kvpipe changes.
+ *
+ * Contexts: copies run in the device's primary context (the one the CUDA
+ * runtime, and so PyTorch, uses), made current on the calling thread by each
+ * copy. Streams belong to whoever creates them (the staging pool: one per
+ * bounce buffer). Thread-safe; loading happens once.
+ */
+#ifndef KVPI_GPU_CUDA_H
+#define KVPI_GPU_CUDA_H
+
+#include <stddef.h>
+
+#include "kvpipe/status.h"
+
+/* What a pointer is, as the driver sees it. */
+typedef enum kvpi_ptr_kind {
+    KVPI_PTR_HOST,            /* plain host memory the driver does not know */
+    KVPI_PTR_HOST_REGISTERED, /* pinned host memory (cuMemHostAlloc/Register) */
+    KVPI_PTR_DEVICE,          /* device memory: the CPU must not touch it */
+    KVPI_PTR_MANAGED,         /* managed (unified) memory */
+} kvpi_ptr_kind;
+
+/* Load the driver and cuInit, once. KVP_ENOTSUP naming what is missing. */
+kvp_status kvpi_cuda_load(void);
+
+/* Non-zero once kvpi_cuda_load succeeded in this process: only then can a
+ * pointer be device memory that kvpipe must classify. Costs an atomic load. */
+int kvpi_cuda_active(void);
+
+/* Classify p (one driver call, or two for device memory). *device is the
+ * CUDA ordinal for device and managed memory, else 0. KVP_ENOTSUP without a
+ * driver; KVP_EIO when the driver fails. */
+kvp_status kvpi_cuda_classify(const void *p, kvpi_ptr_kind *kind, int *device);
+
+/* The driver's version (e.g. 12040) and its device count, for `kvpipe info`.
+ * KVP_ENOTSUP without a driver. */
+kvp_status kvpi_cuda_info(int *version, int *devices);
+
+/* A stream of device's primary context; NULL-safe destroy. */
+typedef struct kvpi_cuda_stream kvpi_cuda_stream;
+kvp_status kvpi_cuda_stream_create(int device, kvpi_cuda_stream **out);
+void kvpi_cuda_stream_destroy(kvpi_cuda_stream *s);
+int kvpi_cuda_stream_device(const kvpi_cuda_stream *s);
+
+/* Enqueue a copy of n bytes between device memory and (pinned) host memory
+ * on stream s; kvpi_cuda_stream_sync waits for every copy enqueued on s.
+ * KVP_EIO with the driver's error string on failure (then the destination's
+ * bytes are unspecified; a failed sync fails every copy it waited for). */
+kvp_status kvpi_cuda_copy_d2h_async(kvpi_cuda_stream *s, void *dst, const void *src, size_t n);
+kvp_status kvpi_cuda_copy_h2d_async(kvpi_cuda_stream *s, void *dst, const void *src, size_t n);
+kvp_status kvpi_cuda_stream_sync(kvpi_cuda_stream *s);
+
+/* Pinned, portable host memory (cuMemHostAlloc), and its free. */
+kvp_status kvpi_cuda_host_alloc(size_t n, void **out);
+void kvpi_cuda_host_free(void *p);
+
+#endif

@@ -1,0 +1,477 @@
+/* Device (CUDA) memory through the tcp and shm transports, on the driver's
+ * test double (tests/support/fake_cuda: device memory the CPU cannot touch,
+ * so any CPU access by kvpipe to it crashes the case). Multi-process: the
+ * target engine runs in a forked child with its own "device"; it checks what
+ * the initiator WROTE into its memory itself, through the double's copies,
+ * and exits with the verdict. */
+#include <dlfcn.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "kvpipe/kvpipe.h"
+#include "test.h"
+#include "transport/transport.h"
+
+#define TLEN ((size_t)2 << 20)   /* the target's buffer */
+#define XLEN ((size_t)600 << 10) /* bytes moved: not a multiple of a bounce buffer */
+#define READ_OFF 4096
+#define WRITE_OFF ((size_t)1 << 20)
+#define SEED_TARGET 11
+#define SEED_WRITE 22
+
+static void *(*fc_alloc)(int, size_t);
+static int (*fc_peek)(void *, const void *, size_t);
+static int (*fc_poke)(void *, const void *, size_t);
+static void (*fc_fail_copy)(long);
+static long (*fc_copies)(void);
+
+static void load_double(void)
+{
+    void *lib = dlopen(KVPT_FAKECUDA_PATH, RTLD_NOW);
+    if (!lib) {
+        fprintf(stderr, "cannot load the CUDA double: %s\n", dlerror());
+        exit(1);
+    }
+    *(void **)&fc_alloc = dlsym(lib, "fakecuda_alloc");
+    *(void **)&fc_peek = dlsym(lib, "fakecuda_peek");
+    *(void **)&fc_poke = dlsym(lib, "fakecuda_poke");
+    *(void **)&fc_fail_copy = dlsym(lib, "fakecuda_fail_copy");
+    *(void **)&fc_copies = dlsym(lib, "fakecuda_copies");
+}
+
+static kvp_engine *engine(const char *name, const char *protocol)
+{
+    kvp_engine_opts o;
+    kvp_engine_opts_init(&o);
+    o.local_server_name = name;
+    o.metadata = "P2PHANDSHAKE";
+    o.protocol = protocol;
+    o.disable_shm = strcmp(protocol, "shm") != 0; /* tcp: never shm for this same-host peer */
+    kvp_engine *e = NULL;
+    if (kvp_engine_create(&o, &e) != KVP_OK)
+        fprintf(stderr, "  engine %s: %s\n", name, kvp_last_error());
+    return e;
+}
+
+/* Memory of len bytes, device (on device 1) or host, holding pattern seed. */
+static void *memory(int device, size_t len, uint64_t seed)
+{
+    char *ref = malloc(len);
+    kvpt_fill(ref, len, seed);
+    void *p = ref;
+    if (device) {
+        p = fc_alloc(1, len);
+        if (!p || fc_poke(p, ref, len) != 0) p = NULL;
+        free(ref);
+    }
+    return p;
+}
+
+/* Copy len bytes of memory (device or host) out to host memory. */
+static void read_back(int device, void *dst, const void *src, size_t len)
+{
+    if (device)
+        fc_peek(dst, src, len);
+    else
+        memcpy(dst, src, len);
+}
+
+/* Non-zero if [off, +len) of mem holds the bytes of pattern seed at
+ * [pat_off, +len) of it. */
+static int holds(int device, const void *mem, size_t off, size_t len, uint64_t seed, size_t pat_off)
+{
+    char *ref = malloc(pat_off + len + 1), *got = malloc(len + 1);
+    kvpt_fill(ref, pat_off + len, seed);
+    read_back(device, got, (const char *)mem + off, len);
+    int ok = memcmp(got, ref + pat_off, len) == 0;
+    free(ref);
+    free(got);
+    return ok;
+}
+
+/* ------------------------------------------------------------ the target --- */
+
+typedef struct target {
+    pid_t pid;
+    char name[64];
+    uint64_t addr;
+    int ctl; /* the parent writes the verdict to check, then closes */
+} target;
+
+typedef struct verdict {
+    uint64_t off, len, seed; /* [off, +len) must hold seed's pattern (its first len bytes) */
+} verdict;
+
+/* The child: its engine, its memory (pattern SEED_TARGET), registered with
+ * kvp_engine_register as vLLM passes tensor.data_ptr(); then waits for the
+ * verdict and checks its whole memory: the verdict's range WRITTEN, the rest
+ * untouched. Exit 0: as expected; 10: wrong bytes. */
+static void target_main(const char *proto, int device, int ready, int ctl, const char *name)
+{
+    kvp_engine *e = engine(name, proto);
+    if (!e) _exit(3);
+    void *mem = memory(device, TLEN, SEED_TARGET);
+    if (!mem) _exit(4);
+    if (kvp_engine_register(e, mem, TLEN) != KVP_OK) {
+        fprintf(stderr, "  target register: %s\n", kvp_last_error());
+        _exit(5);
+    }
+    uint64_t addr = (uint64_t)(uintptr_t)mem;
+    if (write(ready, &addr, sizeof addr) != sizeof addr) _exit(6);
+    verdict v = {0, 0, 0};
+    ssize_t n = read(ctl, &v, sizeof v);
+    kvp_engine_destroy(e);
+    if (n != sizeof v) _exit(0); /* nothing to check */
+    int ok = holds(device, mem, v.off, v.len, v.seed, 0) &&
+             holds(device, mem, 0, v.off, SEED_TARGET, 0) &&
+             holds(device, mem, v.off + v.len, TLEN - v.off - v.len, SEED_TARGET, v.off + v.len);
+    _exit(ok ? 0 : 10);
+}
+
+/* Fork the target before this process touches the driver (a CUDA process
+ * cannot fork one that uses it). fail_copy: the child's Nth copy fails. */
+static int target_start(const char *proto, int device, long fail_copy, target *t)
+{
+    int ready[2], ctl[2];
+    if (pipe(ready) || pipe(ctl)) return -1;
+    snprintf(t->name, sizeof t->name, "127.0.0.1:%d", kvpt_free_port());
+    fflush(NULL);
+    t->pid = fork();
+    if (t->pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        close(ready[0]);
+        close(ctl[1]);
+        if (fail_copy) {
+            char v[32];
+            snprintf(v, sizeof v, "%ld", fail_copy);
+            setenv("FAKECUDA_FAIL_COPY", v, 1);
+        }
+        target_main(proto, device, ready[1], ctl[0], t->name);
+    }
+    close(ready[1]);
+    close(ctl[0]);
+    t->ctl = ctl[1];
+    ssize_t n = read(ready[0], &t->addr, sizeof t->addr);
+    close(ready[0]);
+    return n == sizeof t->addr ? 0 : -1;
+}
+
+/* The child's exit status (0: its memory is as expected; 128+11: it
+ * crashed, as a CPU access to device memory does). */
+static int target_stop(target *t, const verdict *v)
+{
+    int sent = !v || write(t->ctl, v, sizeof *v) == sizeof *v;
+    close(t->ctl);
+    int rc = kvpt_wait_child(t->pid, 20000);
+    if (rc) fprintf(stderr, "  the target exited with status %d\n", rc);
+    return sent ? rc : -1;
+}
+
+/* ------------------------------------------------------------- transfers --- */
+
+/* READ [READ_OFF, +XLEN) of the target into local memory and WRITE pattern
+ * SEED_WRITE to [WRITE_OFF, +XLEN); every byte checked on both sides. */
+static void round_trip(const char *proto, int local_dev, int target_dev)
+{
+    target t;
+    REQUIRE(target_start(proto, target_dev, 0, &t) == 0);
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
+    kvp_engine *e = engine(name, proto);
+    REQUIRE(e);
+    void *in = memory(local_dev, XLEN, 99);
+    void *out = memory(local_dev, XLEN, SEED_WRITE);
+    REQUIRE(in && out);
+    /* The KV cache is registered, as vLLM and SGLang do: classified once. */
+    CHECK_OK(kvp_engine_register(e, in, XLEN));
+    CHECK_OK(kvp_engine_register(e, out, XLEN));
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
+    long before = local_dev ? fc_copies() : 0;
+    CHECK_OK(kvp_engine_read(e, seg, in, t.addr + READ_OFF, XLEN));
+    CHECK(holds(local_dev, in, 0, XLEN, SEED_TARGET, READ_OFF));
+    CHECK_OK(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN));
+    /* Device memory moved through the driver's copies: a bounce buffer
+     * (KVPIPE_CUDA_BOUNCE_BYTES, 64 KiB here) at a time, each way. */
+    if (local_dev) CHECK(fc_copies() - before >= (long)(2 * XLEN / 65536));
+    kvp_engine_destroy(e);
+    if (!local_dev) { /* device memory is the double's bump allocator's */
+        free(in);
+        free(out);
+    }
+    verdict v = {WRITE_OFF, XLEN, SEED_WRITE};
+    CHECK(target_stop(&t, &v) == 0);
+}
+
+static void tcp_initiator_device(void)
+{
+    round_trip("tcp", 1, 0);
+}
+static void tcp_target_device(void)
+{
+    round_trip("tcp", 0, 1);
+}
+static void tcp_both_device(void)
+{
+    round_trip("tcp", 1, 1);
+}
+static void shm_initiator_device(void)
+{
+    round_trip("shm", 1, 0);
+}
+static void shm_target_device(void)
+{
+    round_trip("shm", 0, 1);
+}
+static void shm_both_device(void)
+{
+    round_trip("shm", 1, 1);
+}
+
+/* ucx moves host memory only: an engine on rdma moves device memory over tcp
+ * to the same peer (staged), chosen by memory kind. */
+static void rdma_device_over_tcp(void)
+{
+    if (!kvpi_transport_lookup("rdma")) SKIP("no ucx transport in this build");
+    round_trip("rdma", 1, 1);
+}
+
+/* A batch of many small requests on device memory: grouped into xfers of
+ * several slices, some pieces of one bounce buffer. */
+static void tcp_batch_device(void)
+{
+    target t;
+    REQUIRE(target_start("tcp", 1, 0, &t) == 0);
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
+    kvp_engine *e = engine(name, "tcp");
+    REQUIRE(e);
+    void *out = memory(1, XLEN, SEED_WRITE);
+    REQUIRE(out);
+    CHECK_OK(kvp_engine_register(e, out, XLEN));
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
+    enum { N = 60 };
+    kvp_request reqs[N];
+    size_t each = XLEN / N;
+    for (size_t i = 0; i < N; i++)
+        reqs[i] = (kvp_request){.opcode = KVP_OP_WRITE,
+                                .local = (char *)out + i * each,
+                                .remote = t.addr + WRITE_OFF + i * each,
+                                .length = each};
+    kvp_batch *b;
+    REQUIRE_OK(kvp_batch_submit(e, seg, reqs, N, &b));
+    CHECK_OK(kvp_batch_wait(b, 30000));
+    kvp_batch_free(b);
+    kvp_engine_destroy(e);
+    verdict v = {WRITE_OFF, each * N, SEED_WRITE};
+    CHECK(target_stop(&t, &v) == 0);
+}
+
+/* ------------------------------------------------------------ registration --- */
+
+static void register_kinds(void)
+{
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
+    kvp_engine *e = engine(name, "tcp");
+    REQUIRE(e);
+    char *dev = fc_alloc(1, 1 << 20);
+    REQUIRE(dev);
+    /* As vLLM passes it: a plain register of a device pointer. */
+    CHECK_OK(kvp_engine_register(e, dev, 1 << 19));
+    /* Another device than the memory's: refused, saying which. */
+    CHECK_ST(kvp_engine_register_mem(e, dev + (1 << 19), 4096, KVP_MEM_CUDA, 0), KVP_EINVAL);
+    CHECK(strstr(kvp_last_error(), "device 1") != NULL);
+    CHECK_OK(kvp_engine_register_mem(e, dev + (1 << 19), 4096, KVP_MEM_CUDA, 1));
+    /* Host memory is not CUDA memory. */
+    char *host = malloc(8192);
+    CHECK_ST(kvp_engine_register_mem(e, host, 8192, KVP_MEM_CUDA, 0), KVP_EINVAL);
+    CHECK(strstr(kvp_last_error(), "not CUDA device memory") != NULL);
+    CHECK_OK(kvp_engine_register(e, host, 8192));
+    CHECK_OK(kvp_engine_unregister(e, dev));
+    CHECK_OK(kvp_engine_unregister(e, host));
+    kvp_engine_destroy(e);
+    free(host);
+}
+
+/* Memory the CPU cannot read stands for a GPU pointer on a host without the
+ * driver: a clear error naming what is missing, host memory still fine. */
+static void register_no_driver(void)
+{
+    setenv("KVPIPE_LIBCUDA", "/nonexistent/libcuda.so.1", 1);
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
+    kvp_engine *e = engine(name, "tcp");
+    REQUIRE(e);
+    void *gpu_like = mmap(NULL, 1 << 20, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    REQUIRE(gpu_like != MAP_FAILED);
+    CHECK_ST(kvp_engine_register(e, gpu_like, 1 << 20), KVP_EINVAL);
+    CHECK(strstr(kvp_last_error(), "libcuda.so.1 not found") != NULL);
+    CHECK_ST(kvp_engine_register_mem(e, gpu_like, 1 << 20, KVP_MEM_CUDA, 0), KVP_ENOTSUP);
+    CHECK(strstr(kvp_last_error(), "not found") != NULL);
+    char *host = malloc(4096);
+    CHECK_OK(kvp_engine_register(e, host, 4096));
+    kvp_engine_destroy(e);
+    free(host);
+}
+
+static void register_init_fails(void)
+{
+    setenv("FAKECUDA_INIT_FAIL", "1", 1);
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
+    kvp_engine *e = engine(name, "tcp");
+    REQUIRE(e);
+    void *gpu_like = mmap(NULL, 1 << 20, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK_ST(kvp_engine_register_mem(e, gpu_like, 1 << 20, KVP_MEM_CUDA, 0), KVP_ENOTSUP);
+    CHECK(strstr(kvp_last_error(), "cuInit failed") != NULL);
+    CHECK(strstr(kvp_last_error(), "no CUDA-capable device") != NULL);
+    kvp_engine_destroy(e);
+}
+
+/* ------------------------------------------------------------- failed copies --- */
+
+/* The initiator's 3rd copy fails: the transfer fails with a clear error,
+ * nothing outside its range is touched, and the next one succeeds. */
+static void copy_fails_initiator(const char *proto)
+{
+    target t;
+    REQUIRE(target_start(proto, 0, 0, &t) == 0);
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
+    kvp_engine *e = engine(name, proto);
+    REQUIRE(e);
+    void *in = memory(1, XLEN, 99);
+    void *out = memory(1, XLEN, SEED_WRITE);
+    REQUIRE(in && out);
+    CHECK_OK(kvp_engine_register(e, in, XLEN));
+    CHECK_OK(kvp_engine_register(e, out, XLEN));
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
+    fc_fail_copy(3);
+    CHECK_ST(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN), KVP_EIO);
+    CHECK(strstr(kvp_last_error(), "copy") != NULL);
+    CHECK(strstr(kvp_last_error(), "illegal memory access") != NULL);
+    fc_fail_copy(3);
+    CHECK_ST(kvp_engine_read(e, seg, in, t.addr + READ_OFF, XLEN), KVP_EIO);
+    CHECK(strstr(kvp_last_error(), "host to device") != NULL);
+    /* The same transfers again, without a failure: all the bytes. */
+    CHECK_OK(kvp_engine_read(e, seg, in, t.addr + READ_OFF, XLEN));
+    CHECK(holds(1, in, 0, XLEN, SEED_TARGET, READ_OFF));
+    CHECK_OK(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN));
+    kvp_engine_destroy(e);
+    verdict v = {WRITE_OFF, XLEN, SEED_WRITE};
+    CHECK(target_stop(&t, &v) == 0);
+}
+
+static void tcp_copy_fails_initiator(void)
+{
+    copy_fails_initiator("tcp");
+}
+static void shm_copy_fails_initiator(void)
+{
+    copy_fails_initiator("shm");
+}
+
+/* The target's 2nd copy fails (serving the READ): the initiator's READ fails
+ * with an error, its next READ and a WRITE succeed, every byte right. */
+static void copy_fails_target(const char *proto)
+{
+    target t;
+    REQUIRE(target_start(proto, 1, 2, &t) == 0);
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
+    kvp_engine *e = engine(name, proto);
+    REQUIRE(e);
+    char *in = malloc(XLEN), *out = memory(0, XLEN, SEED_WRITE);
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
+    kvp_status st = kvp_engine_read(e, seg, in, t.addr + READ_OFF, XLEN);
+    CHECK(st != KVP_OK);
+    fprintf(stderr, "  (the failed READ: %s: %s)\n", kvp_strerror(st), kvp_last_error());
+    CHECK_OK(kvp_engine_read(e, seg, in, t.addr + READ_OFF, XLEN));
+    CHECK(holds(0, in, 0, XLEN, SEED_TARGET, READ_OFF));
+    CHECK_OK(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN));
+    kvp_engine_destroy(e);
+    verdict v = {WRITE_OFF, XLEN, SEED_WRITE};
+    CHECK(target_stop(&t, &v) == 0);
+    free(in);
+    free(out);
+}
+
+/* The target's 3rd copy fails while it serves a WRITE: the WRITE fails with
+ * an error or (tcp: the refusal makes the engine look the segment up and run
+ * it once more) succeeds; either way the next WRITE succeeds and the target
+ * holds every byte, nothing outside the range touched. */
+static void copy_fails_target_write(const char *proto)
+{
+    target t;
+    REQUIRE(target_start(proto, 1, 3, &t) == 0);
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
+    kvp_engine *e = engine(name, proto);
+    REQUIRE(e);
+    char *out = memory(0, XLEN, SEED_WRITE);
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
+    kvp_status st = kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN);
+    fprintf(stderr, "  (the WRITE whose target copy failed: %s%s%s)\n", kvp_strerror(st),
+            st ? ": " : "", st ? kvp_last_error() : "");
+    CHECK_OK(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN));
+    kvp_engine_destroy(e);
+    verdict v = {WRITE_OFF, XLEN, SEED_WRITE};
+    CHECK(target_stop(&t, &v) == 0);
+    free(out);
+}
+
+static void tcp_copy_fails_target_write(void)
+{
+    copy_fails_target_write("tcp");
+}
+static void shm_copy_fails_target_write(void)
+{
+    copy_fails_target_write("shm");
+}
+static void tcp_copy_fails_target(void)
+{
+    copy_fails_target("tcp");
+}
+static void shm_copy_fails_target(void)
+{
+    copy_fails_target("shm");
+}
+
+int main(void)
+{
+    signal(SIGPIPE, SIG_IGN); /* a crashed target's pipe fails a CHECK, not the case */
+    setenv("KVPIPE_LIBCUDA", KVPT_FAKECUDA_PATH, 1);
+    /* Small bounce buffers, few of them: many pieces, and waits for them. */
+    setenv("KVPIPE_CUDA_BOUNCE_BYTES", "65536", 1);
+    setenv("KVPIPE_CUDA_BOUNCE_BUFFERS", "2", 1);
+    load_double();
+    RUN(register_kinds);
+    RUN(register_no_driver);
+    RUN(register_init_fails);
+    RUN(tcp_initiator_device);
+    RUN(tcp_target_device);
+    RUN(tcp_both_device);
+    RUN(tcp_batch_device);
+    RUN(rdma_device_over_tcp);
+    RUN(shm_initiator_device);
+    RUN(shm_target_device);
+    RUN(shm_both_device);
+    RUN(tcp_copy_fails_initiator);
+    RUN(shm_copy_fails_initiator);
+    RUN(tcp_copy_fails_target);
+    RUN(shm_copy_fails_target);
+    RUN(tcp_copy_fails_target_write);
+    RUN(shm_copy_fails_target_write);
+    return kvpt_summary();
+}
