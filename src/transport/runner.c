@@ -15,7 +15,9 @@ struct kvpi_runner {
     pthread_cond_t cond;
     kvpi_xfer *head, **tail; /* queued, in posting order */
     int stopping;
-    int started, idle;
+    int started;
+    int idle;  /* threads waiting on cond */
+    int wakes; /* of them, woken for an xfer and not yet running */
     pthread_t threads[KVPI_RUNNER_THREADS_MAX];
 };
 
@@ -66,6 +68,7 @@ static kvpi_xfer *take_if(kvpi_runner *r, int (*match)(const kvpi_xfer *, const 
         *pp = x->next;
         *last = x;
         last = &x->next;
+        ((kvpi_runner_lane *)x->lane)->queued--;
     }
     *last = NULL;
     r->tail = &r->head;
@@ -92,6 +95,7 @@ static kvpi_xfer *take(kvpi_runner *r)
         kvpi_runner_lane *lane = x->lane;
         if (!r->stopping && lane->running >= lane->limit) continue;
         if (!(*pp = x->next)) r->tail = pp;
+        lane->queued--;
         lane->running++;
         return x;
     }
@@ -109,6 +113,7 @@ static void *runner_main(void *arg)
             r->idle++;
             pthread_cond_wait(&r->cond, &r->lock);
             r->idle--;
+            if (r->wakes > 0) r->wakes--;
             continue;
         }
         int stopping = r->stopping;
@@ -127,7 +132,7 @@ static void *runner_main(void *arg)
                 snprintf(detail, sizeof detail, "the peer failed a transfer posted before: %s",
                          kvp_last_error());
         }
-        pthread_cond_broadcast(&r->cond); /* its lane may have room now */
+        /* Room in its lane now: this thread takes what waits there next. */
         pthread_mutex_unlock(&r->lock);
         finish(x, st);
         finish_list(behind, st, detail);
@@ -187,7 +192,15 @@ void kvpi_runner_post(kvpi_runner *r, kvpi_run_fn run, void *peer, kvpi_runner_l
         finish(x, kvpi_error(KVP_ECLOSED, "the engine is shutting down"));
         return;
     }
-    if (r->idle == 0 && r->started < KVPI_RUNNER_THREADS_MAX) {
+    /* Each xfer that can run now gets a thread of its own, an idle one no
+     * other such xfer claimed or a new one; one behind its lane's limit is
+     * taken by the thread that ends one of the lane's. So threads stay about
+     * the lanes' limits summed over the peers with work, and a thread taken
+     * by a stalled peer's backlog never leaves another peer's xfer
+     * waiting. */
+    int runnable = lane->running + lane->queued < lane->limit;
+    int wake = runnable && r->idle > r->wakes;
+    if (runnable && !wake && r->started < KVPI_RUNNER_THREADS_MAX) {
         if (pthread_create(&r->threads[r->started], NULL, runner_main, r) == 0)
             r->started++;
         else
@@ -200,6 +213,10 @@ void kvpi_runner_post(kvpi_runner *r, kvpi_run_fn run, void *peer, kvpi_runner_l
     }
     *r->tail = x;
     r->tail = &x->next;
-    pthread_cond_broadcast(&r->cond);
+    lane->queued++;
+    if (wake) {
+        r->wakes++;
+        pthread_cond_signal(&r->cond);
+    }
     pthread_mutex_unlock(&r->lock);
 }

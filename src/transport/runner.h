@@ -10,8 +10,8 @@
  *
  * One peer never holds up another: each peer has a lane, and at most its
  * lane's limit of its xfers run at once (a transport sets it to the
- * connections it keeps to the peer: more would only wait for one); threads
- * start when an xfer is queued and none is idle, up to
+ * connections it keeps to the peer: more would only wait for one); a thread
+ * starts when an xfer that may run now is queued and none is idle, up to
  * KVPI_RUNNER_THREADS_MAX, so a peer that stalls its xfers until their
  * deadline (stopped, black-holed) ties up only its lane's threads while
  * others start for the other peers. Threads stay until the runner stops.
@@ -36,8 +36,8 @@ typedef kvp_status (*kvpi_run_fn)(void *peer, kvpi_slice *const *slices, size_t 
 typedef struct kvpi_runner kvpi_runner;
 
 /* A peer's share of the runner, inside the transport's peer: the transport
- * sets limit (>= 1), timeout_ms and min_rate (> 0) at peer_open; running is
- * the runner's, under its lock. The runner touches it no more once the
+ * sets limit (>= 1), timeout_ms and min_rate (> 0) at peer_open; running
+ * and queued are the runner's, under its lock. The runner touches it no more once the
  * peer's last xfer completed.
  *
  * An xfer's deadline starts when it runs: timeout_ms + its bytes /
@@ -49,7 +49,7 @@ typedef struct kvpi_runner_lane {
     int limit;
     int timeout_ms;
     uint64_t min_rate;
-    int running;
+    int running, queued;
 } kvpi_runner_lane;
 
 #define KVPI_RUNNER_THREADS_MAX 64
