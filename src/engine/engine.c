@@ -465,10 +465,11 @@ static kvp_status engine_create(const kvp_engine_opts *opts,
     if ((st = draw_instance(e))) goto fail;
     if ((st = start_rpc(e))) goto fail;
     if ((st = name_segment(e))) goto fail;
-    if ((st = kvpi_engine_metrics_start(e))) goto fail;
     if ((st = start_servers(e))) goto fail;
     if ((st = kvpi_engine_pool_start(e))) goto fail;
     if ((st = kvpi_workers_start(e))) goto fail;
+    /* The endpoint's scrapes read the pool: only once it is in place. */
+    if ((st = kvpi_engine_metrics_start(e))) goto fail;
     if ((st = claim(e))) goto fail;
     if (!kvpi_meta_is_p2p(e->meta)) {
         if (pthread_create(&e->keeper, NULL, keeper_main, e) != 0) {
