@@ -2,8 +2,9 @@
  *
  * Such a transport moves a group of slices with one blocking function (a
  * kvpi_run_fn) and implements peer_post by handing the xfer to its server's
- * runner: one of the runner's threads runs the function and calls the
- * xfer's completion (transport.h). With KVPI_POST_INLINE, or without a
+ * runner: one of the runner's threads runs the function, with slices of
+ * device memory staged through bounce buffers (staging.h: the function sees
+ * host memory only), and calls the xfer's completion (transport.h). With KVPI_POST_INLINE, or without a
  * runner (a peer opened without its server, as unit tests do), the function
  * runs on the posting thread and the completion comes before
  * kvpi_runner_post returns.

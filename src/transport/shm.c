@@ -26,7 +26,6 @@
 #include "common/log.h"
 #include "common/net.h"
 #include "transport/shm_internal.h"
-#include "transport/staging.h"
 
 /* Requests in flight per connection before their statuses are read; small
  * enough that their headers and statuses fit in the socket buffers. */
@@ -462,18 +461,12 @@ static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n, uin
     return st;
 }
 
-/* Device memory goes through bounce buffers (staging.h), on this thread:
- * the target then copies between its memory and the bounce buffer. */
-static kvp_status peer_run(void *peer, kvpi_slice *const *slices, size_t n, uint64_t start,
-                           uint64_t deadline)
-{
-    return kvpi_stage_run(peer_xfer, peer, slices, n, start, deadline);
-}
-
+/* Device memory goes through bounce buffers (the runner stages it): the
+ * target then copies between its memory and the bounce buffer. */
 static void peer_post(void *peer, kvpi_xfer *x, unsigned flags)
 {
     shm_peer *p = peer;
-    kvpi_runner_post(p->runner, peer_run, p, &p->lane, x, flags);
+    kvpi_runner_post(p->runner, peer_xfer, p, &p->lane, x, flags);
 }
 
 static void server_cancel(void *server)

@@ -562,17 +562,10 @@ static kvp_status tcp_peer_xfer(void *peer, kvpi_slice *const *slices, size_t n,
     return result;
 }
 
-/* Device memory goes through bounce buffers (staging.h), on this thread. */
-static kvp_status tcp_peer_run(void *peer, kvpi_slice *const *slices, size_t n, uint64_t start,
-                               uint64_t deadline)
-{
-    return kvpi_stage_run(tcp_peer_xfer, peer, slices, n, start, deadline);
-}
-
 static void tcp_peer_post(void *peer, kvpi_xfer *x, unsigned flags)
 {
     tcp_peer *p = peer;
-    kvpi_runner_post(p->runner, tcp_peer_run, p, &p->lane, x, flags);
+    kvpi_runner_post(p->runner, tcp_peer_xfer, p, &p->lane, x, flags);
 }
 
 static void tcp_server_cancel(void *server)
