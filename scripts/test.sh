@@ -43,9 +43,9 @@ if command -v valgrind >/dev/null; then
     echo "valgrind: engine_test (tcp cases: the tcp transport's and ucx over UCX's tcp)"
     # Its targets are fresh execs of the test program: follow them.
     KVPT_FILTER=tcp_ "${vg[@]}" --trace-children=yes build/tests/engine_test >/dev/null
-    echo "valgrind: pipe_test (one-process cases; not the shm row's)"
+    echo "valgrind: pipe_peer_test (one-process cases; not the shm row's)"
     for c in {,ucx_tcp/,ucx_sm/}test_{no_peer,ack_while_announcing}; do
-        "${vg[@]}" build/tests/pipe_test "=$c" >/dev/null
+        "${vg[@]}" build/tests/pipe_peer_test "=$c" >/dev/null
     done
     took valgrind
 fi
@@ -74,18 +74,10 @@ tsan_skip='^(auth_test|pipe_fallback_test|pipe_window_test|ucx_faults_test)$'
 echo "TSan: not run here (fork from threads): $tsan_skip"
 export UCX_MEM_MALLOC_HOOKS=no UCX_MEM_MMAP_HOOK_MODE=none UCX_MEM_EVENTS=no
 export TSAN_OPTIONS=${TSAN_OPTIONS:-suppressions=$PWD/tests/tsan.supp:second_deadlock_stack=1}
-ctest --test-dir build-tsan --output-on-failure -j"$jobs" -E "$tsan_skip|^pipe_test$|^cli_demo_test$"
-# pipe_test without its ucx rows: with its memory hooks off UCX itself
-# misbehaves under TSan (its sm lane's shmat fails with EINVAL, GETs over
-# its tcp lane stall for seconds), so those rows fail for UCX's sake, not
-# ours. The ucx transport's own code still runs under TSan in engine_test's
-# ucx rows; the pipe's ucx rows run in every other pass.
-KVPT_EXCLUDE=ucx_ ctest --test-dir build-tsan --output-on-failure -R '^pipe_test$'
-# The demo likewise without its ucx cases, and without the lagging decode's:
-# that case checks that prefill runs at least 3 requests ahead of a decode
-# pausing 100 ms, which a build 5-15 times slower does not reach (a request
-# takes about 0.8 s here under TSan). Every other pass runs both.
-KVPT_EXCLUDE=ucx_,decode_lag ctest --test-dir build-tsan --output-on-failure -R '^cli_demo_test$'
+# The pipe suites and the demo run without their ucx cases here (the build
+# sets KVPT_EXCLUDE for them, tests/CMakeLists.txt): with its memory hooks
+# off UCX itself misbehaves under TSan.
+ctest --test-dir build-tsan --output-on-failure -j"$jobs" -E "$tsan_skip"
 unset UCX_MEM_MALLOC_HOOKS UCX_MEM_MMAP_HOOK_MODE UCX_MEM_EVENTS TSAN_OPTIONS
 took TSan
 

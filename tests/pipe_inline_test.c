@@ -17,9 +17,9 @@
 #include <unistd.h>
 
 #include "common/clock.h"
-#include "kvpipe/metadata_server.h"
 #include "kvpipe/pipe.h"
 #include "pipe/safetensors.h"
+#include "pipe_pair.h"
 #include "test.h"
 
 #define WAIT_MS 20000
@@ -27,40 +27,6 @@
 #define THRESHOLD 4096 /* both sides' inline_max_bytes in the negotiating cases */
 
 /* ------------------------------------------------------------ harness --- */
-
-static int start_store(void)
-{
-    int port = kvpt_free_port();
-    pid_t pid = fork();
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        kvp_metadata_server *s;
-        if (kvp_metadata_server_start("127.0.0.1", port, &s) != KVP_OK) _exit(3);
-        for (;;)
-            pause();
-    }
-    return kvpt_wait_port("127.0.0.1", port, 5000) == 0 ? port : -1;
-}
-
-static int make_config(char *json, size_t len, int p2p)
-{
-    char meta[128];
-    if (p2p) {
-        snprintf(meta, sizeof meta, "P2PHANDSHAKE");
-    } else {
-        int port = start_store();
-        if (port < 0) return -1;
-        snprintf(meta, sizeof meta, "http://127.0.0.1:%d/metadata", port);
-    }
-    static const int offsets[] = {0, 9, 10, 100, 109, 110};
-    int base = kvpt_free_port_block(offsets, sizeof offsets / sizeof offsets[0]);
-    if (base < 0) return -1;
-    snprintf(json, len,
-             "{\"prefill_url\":\"127.0.0.1:%d\",\"decode_url\":\"127.0.0.1:%d\","
-             "\"metadata_server\":\"%s\",\"protocol\":\"tcp\"}",
-             base, base, meta);
-    return 0;
-}
 
 static kvp_pipe_opts opts_with(size_t inline_max)
 {
@@ -319,8 +285,9 @@ static void decode_side(kvp_pipe *pipe, const side *s)
 
 static void pair(int p2p, size_t prefill_inline, size_t decode_inline)
 {
-    char json[512];
-    REQUIRE(make_config(json, sizeof json, p2p) == 0);
+    kvpt_pipe_setup setup;
+    REQUIRE(kvpt_pipe_setup_make(&setup, p2p) == 0);
+    const char *json = setup.json;
     build_script();
     /* The script straddles the threshold: some inline, some not. */
     REQUIRE(expected_inline(THRESHOLD) > 4 && expected_inline(THRESHOLD) < (uint64_t)n_script);
@@ -343,8 +310,9 @@ static void test_pair_negotiates_p2p(void)
  * would send up to 1 MiB. */
 static void test_smaller_threshold_rules(void)
 {
-    char json[512];
-    REQUIRE(make_config(json, sizeof json, 1) == 0);
+    kvpt_pipe_setup setup;
+    REQUIRE(kvpt_pipe_setup_make(&setup, 1) == 0);
+    const char *json = setup.json;
     build_script();
     side a = {json, 0, opts_with((size_t)1 << 20), prefill_side, THRESHOLD};
     side b = {json, 1, opts_with(THRESHOLD), decode_side, (size_t)1 << 20};
@@ -477,8 +445,9 @@ static void acks_decode(kvp_pipe *pipe, const side *s)
 
 static void acks_pair(int which, long delay_us)
 {
-    char json[512];
-    REQUIRE(make_config(json, sizeof json, 1) == 0);
+    kvpt_pipe_setup setup;
+    REQUIRE(kvpt_pipe_setup_make(&setup, 1) == 0);
+    const char *json = setup.json;
     REQUIRE(pipe(done_fds) == 0 && pipe(took_fds) == 0);
     acks_case = which;
     kvp_pipe_opts o = opts_with(THRESHOLD);
@@ -575,8 +544,9 @@ static void set_bad(kvp_pipe_opts *o, size_t i)
 
 static void test_bad_options_refused(void)
 {
-    char json[512];
-    REQUIRE(make_config(json, sizeof json, 1) == 0);
+    kvpt_pipe_setup setup;
+    REQUIRE(kvpt_pipe_setup_make(&setup, 1) == 0);
+    const char *json = setup.json;
     kvp_pipe_config *cfg;
     REQUIRE_OK(kvp_pipe_config_parse(json, strlen(json), &cfg));
     static const char *const bad[] = {
@@ -624,8 +594,9 @@ static void test_defaults(void)
  * at a time, queues of one message, a recv that polls first. */
 static void test_smallest_settings(void)
 {
-    char json[512];
-    REQUIRE(make_config(json, sizeof json, 1) == 0);
+    kvpt_pipe_setup setup;
+    REQUIRE(kvpt_pipe_setup_make(&setup, 1) == 0);
+    const char *json = setup.json;
     build_script();
     kvp_pipe_opts o = opts_with(THRESHOLD);
     o.recv_window = 1;

@@ -1,0 +1,221 @@
+/* Two pipe sides in two processes on loopback (pipe_pair.h). */
+#include "pipe_pair.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "target.h"
+#include "test.h"
+#include "transport/transport.h"
+
+static const kvpt_pipe_row rows[] = {{"", "tcp", NULL},
+                                     {"shm/", "shm", NULL},
+                                     {"ucx_tcp/", "rdma", "tcp"},
+                                     {"ucx_sm/", "rdma", "sm,self"}};
+#define N_ROWS (sizeof rows / sizeof rows[0])
+const kvpt_pipe_row *kvpt_row = &rows[0];
+
+const char *kvpt_row_transport(void)
+{
+    return kvpi_transport_lookup(kvpt_row->protocol)->name;
+}
+
+int kvpt_pipe_setup_make(kvpt_pipe_setup *s, int p2p)
+{
+    char meta[128];
+    if (p2p) {
+        snprintf(meta, sizeof meta, "P2PHANDSHAKE");
+    } else if (kvpt_http_store_start(meta, sizeof meta) < 0) {
+        return -1; /* the case's process group takes the store with it */
+    }
+    /* After the store listens, so that the block cannot include its port. */
+    static const int offsets[] = {0, 9, 10, 100, 109, 110};
+    s->base = kvpt_free_port_block(offsets, sizeof offsets / sizeof offsets[0]);
+    if (s->base < 0) return -1;
+    snprintf(s->json, sizeof s->json,
+             "{\"prefill_url\":\"127.0.0.1:%d\",\"decode_url\":\"127.0.0.1:%d\","
+             "\"metadata_server\":\"%s\",\"protocol\":\"%s\"}",
+             s->base, s->base, meta, kvpt_row->protocol);
+    return 0;
+}
+
+kvp_pipe_opts kvpt_pipe_tcp_opts(void)
+{
+    kvp_pipe_opts o;
+    kvp_pipe_opts_init(&o);
+    o.disable_shm = 1;
+    o.send_timeout_ms = 20000;
+    return o;
+}
+
+kvp_status kvpt_pipe_open(const char *json, int rank, const kvp_pipe_opts *o, kvp_pipe **out)
+{
+    kvp_pipe_config *cfg;
+    kvp_status st = kvp_pipe_config_parse(json, strlen(json), &cfg);
+    if (st) return st;
+    st = kvp_pipe_open(cfg, 0, rank, o, out);
+    kvp_pipe_config_free(cfg);
+    return st;
+}
+
+pid_t kvpt_pipe_spawn(const kvpt_pipe_setup *s, int rank, const kvp_pipe_opts *o, kvpt_side_fn fn)
+{
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid != 0) return pid;
+    kvpt_failures = 0;
+    kvp_pipe *pipe;
+    kvp_status st = kvpt_pipe_open(s->json, rank, o, &pipe);
+    if (st) {
+        fprintf(stderr, "  rank %d: open: %s: %s\n", rank, kvp_strerror(st), kvp_last_error());
+        _exit(2);
+    }
+    if (fn(pipe, rank) == 0) {
+        st = kvp_pipe_flush(pipe, 30000);
+        if (st) fprintf(stderr, "  rank %d: flush: %s\n", rank, kvp_last_error());
+        CHECK_OK(st);
+    }
+    kvp_pipe_close(pipe);
+    fflush(NULL);
+    _exit(kvpt_failures ? 1 : 0);
+}
+
+void kvpt_pipe_run_pair(const kvpt_pipe_setup *s, const kvp_pipe_opts *o0, const kvp_pipe_opts *o1,
+                        kvpt_side_fn fn0, kvpt_side_fn fn1)
+{
+    pid_t a = kvpt_pipe_spawn(s, 0, o0, fn0);
+    pid_t b = kvpt_pipe_spawn(s, 1, o1, fn1);
+    int ra = kvpt_wait_child(a, KVPT_SIDE_TIMEOUT), rb = kvpt_wait_child(b, KVPT_SIDE_TIMEOUT);
+    if (ra || rb) fprintf(stderr, "  prefill exit %d, decode exit %d\n", ra, rb);
+    CHECK(ra == 0);
+    CHECK(rb == 0);
+}
+
+void kvpt_pipe_run_same_host(kvpt_side_fn fn, size_t kv_buffer_size)
+{
+    kvpt_pipe_setup s;
+    REQUIRE(kvpt_pipe_setup_make(&s, 0) == 0);
+    kvp_pipe_opts o = kvpt_pipe_tcp_opts();
+    o.disable_shm = 0;
+    if (kv_buffer_size) o.kv_buffer_size = kv_buffer_size;
+    kvpt_pipe_run_pair(&s, &o, &o, fn, fn);
+}
+
+kvp_tensor *kvpt_pipe_recv(kvp_pipe *pipe, int timeout_ms)
+{
+    kvp_tensor *t = NULL;
+    kvp_status st = kvp_pipe_recv(pipe, timeout_ms, &t);
+    if (st) fprintf(stderr, "  recv: %s: %s\n", kvp_strerror(st), kvp_last_error());
+    CHECK_OK(st);
+    return t;
+}
+
+void kvpt_pipe_expect(kvp_pipe *pipe, const kvp_tensor *want)
+{
+    kvp_tensor *t = NULL;
+    kvp_status st = kvp_pipe_recv(pipe, KVPT_RECV_TIMEOUT, &t);
+    if (st) fprintf(stderr, "  recv: %s: %s\n", kvp_strerror(st), kvp_last_error());
+    CHECK_OK(st);
+    if (!want) {
+        CHECK(st == KVP_OK && t == NULL);
+    } else {
+        CHECK(t != NULL && kvp_tensor_equal(t, want));
+    }
+    kvp_tensor_free(t);
+}
+
+const char *kvpt_pipe_peer_transport(kvp_pipe *pipe)
+{
+    kvp_segment_id seg;
+    kvp_engine *e = kvp_pipe_engine(pipe);
+    if (kvp_engine_open_segment(e, kvp_pipe_get_endpoints(pipe)->peer_segment, &seg)) return "";
+    const char *name = kvp_engine_segment_transport(e, seg);
+    return name ? name : "";
+}
+
+void kvpt_pipe_expect_same_host(kvp_pipe *pipe, int rank)
+{
+    const char *want = kvpi_transport_lookup("shm") ? "shm" : "tcp";
+    if (rank == 1) CHECK(strcmp(kvpt_pipe_peer_transport(pipe), want) == 0);
+}
+
+static int64_t x_val[1] = {1};
+static float y_val[4] = {2, 3, 4, 8};
+
+void kvpt_pipe_xy(kvp_tensor *x, kvp_tensor *y)
+{
+    int64_t sx[1] = {1}, sy[2] = {1, 4};
+    kvp_tensor_init(x, KVP_DTYPE_I64, 1, sx, x_val);
+    kvp_tensor_init(y, KVP_DTYPE_F32, 2, sy, y_val);
+}
+
+/* ------------------------------------------------------------ the rows --- */
+
+static const char *only;
+static char key_file[64];
+static int authenticated;
+
+static int make_key(void)
+{
+    snprintf(key_file, sizeof key_file, "/tmp/kvpt_pipe_key_%d_XXXXXX", (int)getpid());
+    int fd = mkstemp(key_file);
+    static const char key[] = "pipe-test-0123456789abcdef0123456789abcdef\n";
+    int ok = fd >= 0 && write(fd, key, sizeof key - 1) == (ssize_t)(sizeof key - 1);
+    if (fd >= 0) close(fd);
+    return ok ? 0 : -1;
+}
+
+static void skip_unbuilt(void)
+{
+    SKIP("protocol %s: %s", kvpt_row->protocol, kvpi_transport_missing(kvpt_row->protocol));
+}
+
+static void run_case(const kvpt_pipe_case *c)
+{
+    char full[128];
+    snprintf(full, sizeof full, "%s%s%s", kvpt_row->prefix, c->name, authenticated ? "_auth" : "");
+    if (only && (only[0] == '=' ? strcmp(full, only + 1) != 0 : !strstr(full, only))) return;
+    kvpt_run(full, kvpi_transport_lookup(kvpt_row->protocol) ? c->fn : skip_unbuilt,
+             authenticated ? 2 * c->secs : c->secs);
+}
+
+static void use_row(size_t r)
+{
+    kvpt_row = &rows[r];
+    if (kvpt_row->ucx_tls)
+        setenv("UCX_TLS", kvpt_row->ucx_tls, 1); /* the sides inherit it */
+    else
+        unsetenv("UCX_TLS");
+}
+
+int kvpt_pipe_main(int argc, char **argv, const kvpt_pipe_case *cases, size_t n)
+{
+    only = argc > 1 ? argv[1] : NULL;
+    signal(SIGPIPE, SIG_IGN);
+    unsetenv("KVPIPE_AUTH_KEY_FILE"); /* the plain rows are plain */
+    if (make_key() != 0) return 1;
+    for (size_t r = 0; r < N_ROWS; r++) {
+        use_row(r);
+        for (size_t i = 0; i < n; i++) {
+            unsigned f = cases[i].flags;
+            if ((f & KVPT_ROW_TCP_ONLY) && r != 0) continue;
+            if ((f & KVPT_ROWS_UCX_ONLY) && !kvpt_row->ucx_tls) continue;
+            run_case(&cases[i]);
+        }
+    }
+    setenv("KVPIPE_AUTH_KEY_FILE", key_file, 1);
+    authenticated = 1;
+    for (size_t r = 0; r < N_ROWS; r++) {
+        use_row(r);
+        if (r != 0 && !kvpt_row->ucx_tls) continue; /* not the shm row */
+        for (size_t i = 0; i < n; i++) {
+            unsigned f = cases[i].flags;
+            if ((f & KVPT_AUTH) || ((f & KVPT_AUTH_TCP) && r == 0)) run_case(&cases[i]);
+        }
+    }
+    unlink(key_file);
+    return kvpt_summary();
+}
