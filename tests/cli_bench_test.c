@@ -19,24 +19,13 @@ static char out[1 << 16];
 /* Run `kvpipe ARGS` (shell text), stdout into out; returns the exit status. */
 static int run(const char *args)
 {
-    char cmd[2048];
-    snprintf(cmd, sizeof cmd, "%s %s 2>/dev/null", kvpt_cli(), args);
-    FILE *f = popen(cmd, "r");
-    if (!f) return -1;
-    size_t n = fread(out, 1, sizeof out - 1, f);
-    out[n] = '\0';
-    int st = pclose(f);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    return kvpt_cli_run(args, out, sizeof out);
 }
 
 /* The last line of out, parsed. */
 static cJSON *last_json(void)
 {
-    size_t n = strlen(out);
-    while (n && out[n - 1] == '\n')
-        out[--n] = '\0';
-    char *last = strrchr(out, '\n');
-    return cJSON_Parse(last ? last + 1 : out);
+    return cJSON_Parse(kvpt_last_line(out));
 }
 
 static double num(const cJSON *o, const char *key)

@@ -21,22 +21,13 @@ static char out[1 << 16];
 static int run(const char *args)
 {
     char cmd[1024];
-    snprintf(cmd, sizeof cmd, "%s demo %s 2>/dev/null", kvpt_cli(), args);
-    FILE *f = popen(cmd, "r");
-    if (!f) return -1;
-    size_t n = fread(out, 1, sizeof out - 1, f);
-    out[n] = '\0';
-    int st = pclose(f);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    snprintf(cmd, sizeof cmd, "demo %s", args);
+    return kvpt_cli_run(cmd, out, sizeof out);
 }
 
 static cJSON *last_json(void)
 {
-    size_t n = strlen(out);
-    while (n && out[n - 1] == '\n')
-        out[--n] = '\0';
-    char *last = strrchr(out, '\n');
-    return cJSON_Parse(last ? last + 1 : out);
+    return cJSON_Parse(kvpt_last_line(out));
 }
 
 static double num(const cJSON *o, const char *key)

@@ -13,13 +13,8 @@
 static int run_info(const char *args, char *out, size_t len)
 {
     char cmd[512];
-    snprintf(cmd, sizeof cmd, "%s info %s 2>/dev/null", kvpt_cli(), args);
-    FILE *f = popen(cmd, "r");
-    if (!f) return -1;
-    size_t n = fread(out, 1, len - 1, f);
-    out[n] = '\0';
-    int st = pclose(f);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    snprintf(cmd, sizeof cmd, "info %s", args);
+    return kvpt_cli_run(cmd, out, len);
 }
 
 static void lists_build(void)

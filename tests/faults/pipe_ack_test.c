@@ -13,16 +13,6 @@ typedef struct script {
 #define GARBAGE_ACKS 6
 #define STRAY_ACKS 10000
 
-static void send_good(kvp_pipe *pipe, int i)
-{
-    static uint8_t data[RAW_TENSOR];
-    raw_tensor_fill(data, i);
-    int64_t n = RAW_TENSOR;
-    kvp_tensor t;
-    kvp_tensor_init(&t, KVP_DTYPE_U8, 1, &n, data);
-    CHECK_OK(kvp_pipe_send(pipe, &t));
-}
-
 /* Wait until the pipe has counted want bad ACKs (or the wait runs out). */
 static kvp_pipe_stats wait_bad_acks(kvp_pipe *pipe, uint64_t want)
 {
@@ -51,7 +41,7 @@ static void sender(kvp_pipe *pipe, void *arg)
 {
     script *sc = arg;
     for (int i = 0; i < 4; i++)
-        send_good(pipe, i);
+        raw_send_good(pipe, i);
     raw_step(&sc->to_peer, 'a');
 
     /* Malformed ACKs free nothing. */
@@ -75,7 +65,7 @@ static void sender(kvp_pipe *pipe, void *arg)
     CHECK(s.acks == 4 && s.inflight_count == 0);
 
     /* And the pipe goes on. */
-    send_good(pipe, 4);
+    raw_send_good(pipe, 4);
     raw_step(&sc->to_peer, 'g');
     step_or_fail(&sc->to_pipe, 'h');
     CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));

@@ -11,17 +11,6 @@
 #define BEFORE 8 /* inline messages to the kvpipe receiver */
 #define AFTER 12 /* announced messages to the raw receiver */
 
-/* Good tensor i, sent with a copy. */
-static void send_good(kvp_pipe *pipe, int i)
-{
-    static uint8_t data[RAW_TENSOR];
-    raw_tensor_fill(data, i);
-    int64_t n = RAW_TENSOR;
-    kvp_tensor t;
-    kvp_tensor_init(&t, KVP_DTYPE_U8, 1, &n, data);
-    CHECK_OK(kvp_pipe_send(pipe, &t));
-}
-
 /* Wait until the pipe has read its peer's descriptor. */
 static kvp_pipe_stats wait_lookup(kvp_pipe *pipe)
 {
@@ -116,7 +105,7 @@ static void send_after_lookup(kvp_pipe *pipe, void *arg)
     kvp_pipe_stats st = wait_lookup(pipe);
     CHECK(st.peer_lookups > 0 && st.peer_inline_max == 0);
     for (int i = 0; i < AFTER; i++)
-        send_good(pipe, i);
+        raw_send_good(pipe, i);
     CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
     kvp_pipe_get_stats(pipe, &st);
     CHECK(st.sent == AFTER && st.acks == AFTER && st.inline_sent == 0);
@@ -163,14 +152,14 @@ static void prefill_swap(kvp_pipe *pipe, void *arg)
         usleep(10000);
     CHECK(st.peer_inline_max > 0);
     for (int i = 0; i < BEFORE; i++)
-        send_good(pipe, i);
+        raw_send_good(pipe, i);
     CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
     kvp_pipe_get_stats(pipe, &st);
     CHECK(st.inline_sent == BEFORE);
     CHECK(raw_wait_step(&w->go, RAW_SIDE_MS) == 'g');
     /* The first of these waits for a receiver: the raw one comes. */
     for (int i = 0; i < AFTER; i++)
-        send_good(pipe, BEFORE + i);
+        raw_send_good(pipe, BEFORE + i);
     CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
     kvp_pipe_get_stats(pipe, &st);
     if (st.inline_sent != BEFORE)

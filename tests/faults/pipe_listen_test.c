@@ -19,16 +19,6 @@
 #define ROUNDS 100
 #define SILENT 16
 
-static void send_good(kvp_pipe *pipe, int i)
-{
-    static uint8_t data[RAW_TENSOR];
-    raw_tensor_fill(data, i);
-    int64_t n = RAW_TENSOR;
-    kvp_tensor t;
-    kvp_tensor_init(&t, KVP_DTYPE_U8, 1, &n, data);
-    CHECK_OK(kvp_pipe_send(pipe, &t));
-}
-
 static void recv_good(kvp_pipe *pipe, int i)
 {
     kvp_tensor *t = NULL;
@@ -45,7 +35,7 @@ static void prefill_side(kvp_pipe *pipe, void *arg)
 {
     CHECK(raw_wait_step(arg, RAW_SIDE_MS) == 'g');
     for (int i = 0; i < ROUNDS; i++) {
-        send_good(pipe, i);
+        raw_send_good(pipe, i);
         recv_good(pipe, i);
     }
     CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
@@ -56,7 +46,7 @@ static void decode_side(kvp_pipe *pipe, void *arg)
     CHECK(raw_wait_step(arg, RAW_SIDE_MS) == 'g');
     for (int i = 0; i < ROUNDS; i++) {
         recv_good(pipe, i);
-        send_good(pipe, i);
+        raw_send_good(pipe, i);
     }
     CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
 }

@@ -274,6 +274,17 @@ static inline int raw_tensor_check(const kvp_tensor *t, int i)
            kvpt_verify(t->data, RAW_TENSOR, (uint64_t)i + 1) == (size_t)-1;
 }
 
+/* Send good tensor i (RAW_TENSOR bytes) with a copy. */
+static inline void raw_send_good(kvp_pipe *pipe, int i)
+{
+    static uint8_t data[RAW_TENSOR];
+    raw_tensor_fill(data, i);
+    int64_t n = RAW_TENSOR;
+    kvp_tensor t;
+    kvp_tensor_init(&t, KVP_DTYPE_U8, 1, &n, data);
+    CHECK_OK(kvp_pipe_send(pipe, &t));
+}
+
 /* Encode good tensor i into engine memory for announcing. */
 static inline kvp_status raw_message(kvp_engine *e, int i, void **buf, size_t *len)
 {

@@ -289,3 +289,24 @@ int kvpt_stop(pid_t pid, int timeout_ms)
     } while (kvpi_now_ms() < deadline);
     return -1;
 }
+
+int kvpt_cli_run(const char *args, char *out, size_t len)
+{
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd, "%s %s 2>/dev/null", kvpt_cli(), args);
+    FILE *f = popen(cmd, "r");
+    if (!f) return -1;
+    size_t n = fread(out, 1, len - 1, f);
+    out[n] = '\0';
+    int st = pclose(f);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+char *kvpt_last_line(char *text)
+{
+    size_t n = strlen(text);
+    while (n && text[n - 1] == '\n')
+        text[--n] = '\0';
+    char *last = strrchr(text, '\n');
+    return last ? last + 1 : text;
+}

@@ -119,4 +119,13 @@ size_t kvpt_verify(const void *buf, size_t len, uint64_t seed);
 /* Path of the kvpipe CLI built with the tests. */
 const char *kvpt_cli(void);
 
+/* Run `kvpipe ARGS` (ARGS as shell text, stderr dropped) and wait; its
+ * stdout lands in out (at most len - 1 bytes, NUL-terminated). Returns the
+ * exit status, or -1. */
+int kvpt_cli_run(const char *args, char *out, size_t len);
+
+/* The last line of text, trailing newlines trimmed in place (what a --json
+ * run prints last). */
+char *kvpt_last_line(char *text);
+
 #endif
