@@ -230,11 +230,17 @@ static inline kvp_status kvp_pipe_open(const kvp_pipe_config *cfg, int local_ran
 }
 
 /* Send tensor t, or None when t is NULL. The tensor's bytes are copied (once)
- * before send returns, so the caller may reuse t at once. Blocks while in-flight
+ * before send returns, so the caller may reuse t at once. t->data may be GPU
+ * memory (CUDA device or managed memory, e.g. from kvp_tensor_to_cuda() or a
+ * framework's tensor on "cuda:N"): the CUDA driver then copies it
+ * device-to-host into the message, on the legacy default stream (work a
+ * DLPack producer synchronised to it is done first; docs/gpu.md). Blocks while in-flight
  * bytes would pass kv_buffer_size (waiting for ACKs) and while the peer is not
  * connected, at most send_timeout_ms in all; then KVP_ETIMEDOUT naming the
- * peer. KVP_ENOMEM when the engine cannot allocate the buffer. On any error
- * nothing was sent and the pipe can go on. */
+ * peer. KVP_ENOMEM when the engine cannot allocate the buffer; KVP_EINVAL for
+ * data that is neither memory the CPU reads nor GPU memory; KVP_EIO when the
+ * device-to-host copy fails. On any error nothing was sent and the pipe can
+ * go on. */
 KVP_API kvp_status kvp_pipe_send(kvp_pipe *pipe, const kvp_tensor *t);
 
 /* ------------------------------------------------ sending without a copy --- */

@@ -94,6 +94,18 @@ KVP_API kvp_status kvp_tensor_wrap(kvp_dtype dtype, int ndim, const int64_t *sha
  * heap tensors from this header or from kvp_pipe_recv(). NULL is a no-op. */
 KVP_API void kvp_tensor_free(kvp_tensor *t);
 
+/* A copy of src in the GPU memory of CUDA device `device`, for a receiver
+ * whose tensors live on a GPU (vLLM's pipe does tensor.to("cuda:N")): one
+ * host-to-device copy by the CUDA driver, loaded at run time (docs/gpu.md).
+ * (*out)->data is then device memory, which only the GPU and the driver may
+ * touch; kvp_tensor_free() gives it back to the driver. src must be in host
+ * memory. Blocks until the copy is done; thread-safe. KVP_ENOTSUP without a
+ * driver (the message names what is missing), KVP_EINVAL for a bad device or
+ * a src the CPU cannot read, KVP_ENOMEM, KVP_EIO when the copy fails. The
+ * pipe's send takes such tensors back (kvp_pipe_send copies GPU memory
+ * device-to-host into its message). */
+KVP_API kvp_status kvp_tensor_to_cuda(const kvp_tensor *src, int device, kvp_tensor **out);
+
 /* Number of elements (1 for 0-d). The tensor must be valid. */
 KVP_API size_t kvp_tensor_numel(const kvp_tensor *t);
 

@@ -54,6 +54,8 @@ static struct {
     CUresult (*h2d_async)(CUdeviceptr, const void *, size_t, CUstream);
     CUresult (*host_alloc)(void **, size_t, unsigned);
     CUresult (*host_free)(void *);
+    CUresult (*mem_alloc)(CUdeviceptr *, size_t);
+    CUresult (*mem_free)(CUdeviceptr);
     CUresult (*error_string)(CUresult, const char **);
 } cu;
 
@@ -117,6 +119,8 @@ static void load(void)
     RESOLVE(lib, h2d_async, "cuMemcpyHtoDAsync_v2");
     RESOLVE(lib, host_alloc, "cuMemHostAlloc");
     RESOLVE(lib, host_free, "cuMemFreeHost");
+    RESOLVE(lib, mem_alloc, "cuMemAlloc_v2");
+    RESOLVE(lib, mem_free, "cuMemFree_v2");
     CUresult r = cu.init(0);
     if (r != CUDA_SUCCESS) {
         snprintf(load_error, sizeof load_error, "CUDA: cuInit failed (%s): %s", path, err_name(r));
@@ -311,4 +315,51 @@ kvp_status kvpi_cuda_host_alloc(size_t n, void **out)
 void kvpi_cuda_host_free(void *p)
 {
     if (p && kvpi_cuda_active()) cu.host_free(p);
+}
+
+kvp_status kvpi_cuda_copy_sync(void *dst, const void *src, size_t n, int device, int d2h)
+{
+    kvp_status st = kvpi_cuda_load();
+    CUcontext ctx = NULL, saved = NULL;
+    if (st || (st = primary_ctx(device, &ctx))) return st;
+    CUresult r = ctx_push(ctx, &saved);
+    if (r == CUDA_SUCCESS) {
+        /* On the legacy default stream (NULL): ordered after the work that a
+         * DLPack producer synchronised to it when it exported the tensor. */
+        r = d2h ? cu.d2h_async(dst, (CUdeviceptr)(uintptr_t)src, n, NULL)
+                : cu.h2d_async((CUdeviceptr)(uintptr_t)dst, src, n, NULL);
+        if (r == CUDA_SUCCESS) r = cu.stream_sync(NULL);
+        ctx_pop(ctx, saved);
+    }
+    if (r != CUDA_SUCCESS)
+        return kvpi_error(KVP_EIO, "CUDA: device %d: copy of %zu bytes %s failed: %s", device, n,
+                          d2h ? "device to host" : "host to device", err_name(r));
+    return KVP_OK;
+}
+
+kvp_status kvpi_cuda_mem_alloc(int device, size_t n, void **out)
+{
+    kvp_status st = kvpi_cuda_load();
+    CUcontext ctx = NULL, saved = NULL;
+    if (st || (st = primary_ctx(device, &ctx))) return st;
+    CUdeviceptr p = 0;
+    CUresult r = ctx_push(ctx, &saved);
+    if (r == CUDA_SUCCESS) {
+        r = cu.mem_alloc(&p, n ? n : 1);
+        ctx_pop(ctx, saved);
+    }
+    if (r != CUDA_SUCCESS)
+        return kvpi_error(KVP_ENOMEM, "CUDA: device %d: cuMemAlloc of %zu bytes: %s", device, n,
+                          err_name(r));
+    *out = (void *)(uintptr_t)p;
+    return KVP_OK;
+}
+
+void kvpi_cuda_mem_free(int device, void *p)
+{
+    CUcontext ctx = NULL, saved = NULL;
+    if (!p || !kvpi_cuda_active() || primary_ctx(device, &ctx)) return;
+    if (ctx_push(ctx, &saved) != CUDA_SUCCESS) return;
+    cu.mem_free((CUdeviceptr)(uintptr_t)p);
+    ctx_pop(ctx, saved);
 }

@@ -58,6 +58,17 @@ kvp_status kvpi_cuda_copy_d2h_async(kvpi_cuda_stream *s, void *dst, const void *
 kvp_status kvpi_cuda_copy_h2d_async(kvpi_cuda_stream *s, void *dst, const void *src, size_t n);
 kvp_status kvpi_cuda_stream_sync(kvpi_cuda_stream *s);
 
+/* Copy n bytes between device memory of device and host memory (d2h: from
+ * src on the device to dst), on the legacy default stream, and wait for it.
+ * For the pipe's tensors: one call per tensor. KVP_EIO naming the device on
+ * failure. */
+kvp_status kvpi_cuda_copy_sync(void *dst, const void *src, size_t n, int device, int d2h);
+
+/* Device memory of device (cuMemAlloc in its primary context), and its free
+ * (NULL-safe). */
+kvp_status kvpi_cuda_mem_alloc(int device, size_t n, void **out);
+void kvpi_cuda_mem_free(int device, void *p);
+
 /* Pinned, portable host memory (cuMemHostAlloc), and its free. */
 kvp_status kvpi_cuda_host_alloc(size_t n, void **out);
 void kvpi_cuda_host_free(void *p);

@@ -16,6 +16,8 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/net.h"
+#include "common/region.h"
+#include "gpu/cuda.h"
 #include "pipe/pipe_internal.h"
 #include "pipe/safetensors.h"
 
@@ -143,15 +145,56 @@ typedef struct outgoing {
     void *buf;      /* the announced form: a managed buffer holding the message */
     zmq_msg_t zmsg; /* the inline form */
     int have_zmsg;
+    int cuda_device; /* copying send: the CUDA device holding t's bytes, or -1 */
 } outgoing;
+
+/* Encode m's tensor into out (m->size bytes): its bytes copied once, by the
+ * CPU or, from GPU memory, by the driver. */
+static kvp_status encode(const outgoing *m, void *out)
+{
+    size_t off;
+    if (m->cuda_device < 0) return kvpi_safetensors_write(m->t, out, m->size, &off);
+    kvp_status st = kvpi_safetensors_write_header(m->t, out, m->size, &off);
+    if (!st && m->t->nbytes)
+        st = kvpi_cuda_copy_sync((uint8_t *)out + off, m->t->data, m->t->nbytes, m->cuda_device, 1);
+    return st;
+}
+
+/* Where t's bytes live: -1 for memory the CPU reads, else the CUDA device of
+ * the GPU memory that holds them (vLLM's tensors on "cuda:N"). One system
+ * call for host memory; the driver only for memory the CPU cannot read. */
+static kvp_status tensor_device(const kvp_tensor *t, int *device)
+{
+    *device = -1;
+    if (!t->nbytes || kvpi_memory_check_host(t->data, t->nbytes) == KVP_OK) return KVP_OK;
+    kvpi_error_kept host_why = kvpi_error_keep();
+    kvpi_ptr_kind kind;
+    int dev;
+    kvp_status st = kvpi_cuda_classify(t->data, &kind, &dev);
+    if (st)
+        return kvpi_error(KVP_EINVAL, "pipe send: %s; and it cannot be classified as GPU memory: %s",
+                          host_why.text, kvp_last_error());
+    if (kind != KVPI_PTR_DEVICE && kind != KVPI_PTR_MANAGED)
+        return kvpi_error(KVP_EINVAL, "pipe send: %s (the CUDA driver does not know it either)",
+                          host_why.text);
+    /* Its last byte too: a tensor is one allocation of one device. */
+    int dev_last;
+    if ((st = kvpi_cuda_classify((const char *)t->data + t->nbytes - 1, &kind, &dev_last))) return st;
+    if ((kind != KVPI_PTR_DEVICE && kind != KVPI_PTR_MANAGED) || dev_last != dev)
+        return kvpi_error(KVP_EINVAL,
+                          "pipe send: the tensor's %zu bytes at %p are not all GPU memory of "
+                          "device %d",
+                          t->nbytes, t->data, dev);
+    *device = dev;
+    return KVP_OK;
+}
 
 static kvp_status make_announced(kvp_pipe *p, outgoing *m)
 {
     if (m->h || m->buf) return KVP_OK; /* send_take's message is in a managed buffer already */
-    size_t written;
     kvp_status st = kvp_engine_alloc(p->engine, m->size, &m->buf);
     if (st) return st;
-    if ((st = kvpi_safetensors_write(m->t, m->buf, m->size, &written))) {
+    if ((st = encode(m, m->buf))) {
         kvp_engine_free(p->engine, m->buf);
         m->buf = NULL;
     }
@@ -170,8 +213,7 @@ static kvp_status make_inline(kvp_pipe *p, outgoing *m)
         memcpy(out, m->msg, m->size);
         return KVP_OK;
     }
-    size_t written;
-    kvp_status st = kvpi_safetensors_write(m->t, out, m->size, &written);
+    kvp_status st = encode(m, out);
     if (st) {
         zmq_msg_close(&m->zmsg);
         m->have_zmsg = 0;
@@ -342,6 +384,7 @@ kvp_status kvp_pipe_send(kvp_pipe *p, const kvp_tensor *t)
     }
     outgoing m = {.t = t};
     kvp_status st = kvpi_safetensors_size(t, &m.size);
+    if (!st) st = tensor_device(t, &m.cuda_device);
     if (st) return st;
     uint64_t deadline = kvpi_now_ms() + (uint64_t)p->opts.send_timeout_ms;
     pthread_mutex_lock(&p->send_lock);
@@ -399,7 +442,7 @@ kvp_status kvp_pipe_send_take(kvp_pipe *p, kvp_tensor *t)
     kvp_status st = kvpi_safetensors_header(t, hdr, &hlen);
     if (st) return st;
     uint8_t *msg = (uint8_t *)t->data - 8 - hlen;
-    outgoing m = {.h = h, .msg = msg, .size = 8 + hlen + t->nbytes};
+    outgoing m = {.h = h, .msg = msg, .size = 8 + hlen + t->nbytes, .cuda_device = -1};
     uint64_t deadline = kvpi_now_ms() + (uint64_t)p->opts.send_timeout_ms;
     pthread_mutex_lock(&p->send_lock);
     int as_inline = 0;

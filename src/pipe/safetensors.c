@@ -48,9 +48,11 @@ kvp_status kvpi_safetensors_size(const kvp_tensor *t, size_t *out)
     return KVP_OK;
 }
 
-kvp_status kvpi_safetensors_write(const kvp_tensor *t, void *buf, size_t cap, size_t *written)
+kvp_status kvpi_safetensors_write_header(const kvp_tensor *t, void *buf, size_t cap,
+                                         size_t *data_off)
 {
-    if (!t || !buf || !written) return kvpi_error(KVP_EINVAL, "safetensors write: NULL argument");
+    if (!t || !buf || !data_off)
+        return kvpi_error(KVP_EINVAL, "safetensors write: NULL argument");
     if (t->nbytes && !t->data) return kvpi_error(KVP_EINVAL, "tensor data is NULL");
     char hdr[HEADER_CAP];
     size_t hlen;
@@ -62,8 +64,17 @@ kvp_status kvpi_safetensors_write(const kvp_tensor *t, void *buf, size_t cap, si
     uint8_t *p = buf;
     kvpi_put_le64(p, hlen);
     memcpy(p + 8, hdr, hlen);
-    if (t->nbytes) memcpy(p + 8 + hlen, t->data, t->nbytes);
-    *written = 8 + hlen + t->nbytes;
+    *data_off = 8 + hlen;
+    return KVP_OK;
+}
+
+kvp_status kvpi_safetensors_write(const kvp_tensor *t, void *buf, size_t cap, size_t *written)
+{
+    size_t off;
+    kvp_status st = kvpi_safetensors_write_header(t, buf, cap, &off);
+    if (st) return st;
+    if (t->nbytes) memcpy((uint8_t *)buf + off, t->data, t->nbytes);
+    *written = off + t->nbytes;
     return KVP_OK;
 }
 

@@ -40,6 +40,12 @@ kvp_status kvpi_safetensors_size(const kvp_tensor *t, size_t *out);
  * buf. *written gets the encoded size. */
 kvp_status kvpi_safetensors_write(const kvp_tensor *t, void *buf, size_t cap, size_t *written);
 
+/* The same without the tensor's bytes: the length prefix and the header, with
+ * the same checks; *data_off gets where the bytes go (for a caller that
+ * copies them from elsewhere: a tensor in GPU memory). */
+kvp_status kvpi_safetensors_write_header(const kvp_tensor *t, void *buf, size_t cap,
+                                         size_t *data_off);
+
 /* Parse a message of len bytes. On success *out describes the tensor with data
  * pointing into buf (borrowed: release is NULL); buf must outlive that use.
  * The data starts 8 + N bytes into buf: 8-byte aligned relative to buf when

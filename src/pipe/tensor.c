@@ -2,6 +2,8 @@
 #include <string.h>
 
 #include "common/error.h"
+#include "common/region.h"
+#include "gpu/cuda.h"
 #include "kvpipe/tensor.h"
 
 static const struct {
@@ -135,6 +137,29 @@ void kvp_tensor_free(kvp_tensor *t)
     if (!t) return;
     if (t->release) t->release(t->owner, t->data);
     free(t);
+}
+
+static void release_cuda(void *owner, void *data)
+{
+    kvpi_cuda_mem_free((int)(intptr_t)owner, data);
+}
+
+kvp_status kvp_tensor_to_cuda(const kvp_tensor *src, int device, kvp_tensor **out)
+{
+    if (!src || !out) return kvpi_error(KVP_EINVAL, "tensor to cuda: NULL argument");
+    if (device < 0) return kvpi_error(KVP_EINVAL, "tensor to cuda: device %d", device);
+    kvp_status st = src->nbytes ? kvpi_memory_check_host(src->data, src->nbytes) : KVP_OK;
+    if (st) return kvpi_error(st, "tensor to cuda: the source: %s", kvp_last_error());
+    void *dev = NULL;
+    if ((st = kvpi_cuda_mem_alloc(device, src->nbytes, &dev))) return st;
+    if (src->nbytes && (st = kvpi_cuda_copy_sync(dev, src->data, src->nbytes, device, 0))) {
+        kvpi_cuda_mem_free(device, dev);
+        return st;
+    }
+    st = kvp_tensor_wrap(src->dtype, src->ndim, src->shape, dev, release_cuda,
+                         (void *)(intptr_t)device, out);
+    if (st) kvpi_cuda_mem_free(device, dev);
+    return st;
 }
 
 size_t kvp_tensor_numel(const kvp_tensor *t)

@@ -285,7 +285,8 @@ API CUresult cuStreamDestroy_v2(CUstream s)
 
 API CUresult cuStreamSynchronize(CUstream s)
 {
-    return s && s->magic == STREAM_MAGIC ? OK : E_INVALID_HANDLE;
+    if (!s) return ready() && current ? OK : E_INVALID_CONTEXT; /* the legacy default stream */
+    return s->magic == STREAM_MAGIC ? OK : E_INVALID_HANDLE;
 }
 
 /* A copy as the driver checks it: a context current, the stream of that
