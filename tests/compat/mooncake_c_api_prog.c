@@ -32,7 +32,7 @@
 #define MC_STATUS_INVALID_ARGUMENT 1
 #define MC_STATUS_TOO_MANY_REQUESTS 2
 
-#define HALF (1u << 20)
+#define HALF (8u << 20)
 #define PIECES 4
 
 static int failed;
@@ -247,6 +247,19 @@ static int run_initiator(const char *metadata, const char *host, const char *inf
     EXPECT(submitTransferWithNotify(e, b, r, PIECES, note) == 0, "submitTransferWithNotify");
     wait_batch(e, b, PIECES, STATUS_COMPLETED, piece);
     EXPECT(freeBatchID(e, b) == 0, "freeBatchID");
+
+    /* LOCAL_SEGMENT: this engine's own registered memory as the target. */
+    unsigned char *scratch = malloc(piece);
+    fill(scratch, piece, 3);
+    b = allocateBatchID(e, 1);
+    r[0] = (struct transfer_request){.opcode = OPCODE_WRITE, .source = scratch,
+                                     .target_id = LOCAL_SEGMENT,
+                                     .target_offset = (uint64_t)(uintptr_t)local, .length = piece};
+    EXPECT(submitTransfer(e, b, r, 1) == 0, "submitTransfer(LOCAL_SEGMENT)");
+    wait_batch(e, b, 1, STATUS_COMPLETED, piece);
+    EXPECT(check(local, piece, 3) == piece, "LOCAL_SEGMENT: the WRITE did not land");
+    EXPECT(freeBatchID(e, b) == 0, "freeBatchID");
+    free(scratch);
 
     char from[256];
     EXPECT(wait_notify(e, "ack", from, sizeof from), "no \"ack\" from the target within 20 s");
