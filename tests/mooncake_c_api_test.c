@@ -5,6 +5,8 @@
  * WRITE (submitTransferWithNotify, getNotifsFromEngine on the other side)
  * and one back (genNotifyInEngine), and checks Mooncake's error codes; over
  * tcp (shm off), with P2PHANDSHAKE and with the HTTP metadata server.
+ * tests/compat/mooncake_c_api_kvpipe.c checks kvpipe's answers where Mooncake
+ * leaves the outcome open (docs/mooncake-c-api.md).
  *
  * Against a real Mooncake: with env KVPIPE_MOONCAKE_TE_LIB (the path of
  * Mooncake's libtransfer_engine.so) and KVPIPE_MOONCAKE_TE_INCLUDE (the
@@ -23,6 +25,9 @@
 
 #ifndef KVPT_MC_PROG
 #define KVPT_MC_PROG ""
+#endif
+#ifndef KVPT_MC_KVPIPE
+#define KVPT_MC_KVPIPE ""
 #endif
 #ifndef KVPT_MC_PROG_SRC
 #define KVPT_MC_PROG_SRC ""
@@ -76,6 +81,25 @@ static void http_metadata_kvpipe_both_sides(void)
     kvpt_server_stop(&s);
 }
 
+/* Where Mooncake leaves the outcome open, kvpipe's (one process, two
+ * engines): tests/compat/mooncake_c_api_kvpipe.c. */
+static void kvpipe_answers(void)
+{
+    if (!*KVPT_MC_KVPIPE) SKIP("built without KVP_MOONCAKE_C");
+    char dir[] = "/tmp/kvpt-mcapi.XXXXXX";
+    REQUIRE(mkdtemp(dir));
+    char log[300];
+    snprintf(log, sizeof log, "%s/log", dir);
+    setenv("KVPIPE_DISABLE_SHM", "1", 1);
+    char *argv[] = {KVPT_MC_KVPIPE, NULL};
+    int rc = kvpt_wait_child(kvpt_spawn(argv, log), 60000);
+    CHECK(rc == 0);
+    CHECK(kvpt_wait_file_has(log, "ok: kvpipe's answers", 1000) == 0);
+    char cmd[700];
+    snprintf(cmd, sizeof cmd, "%scat %s >&2; rm -rf %s", rc ? "" : ": ", log, dir);
+    if (system(cmd)) {}
+}
+
 /* The program built against Mooncake's own header and library. */
 static int build_real(char *out, size_t cap)
 {
@@ -117,6 +141,7 @@ int main(void)
 {
     RUN(p2p_kvpipe_both_sides);
     RUN(http_metadata_kvpipe_both_sides);
+    RUN(kvpipe_answers);
     RUN_T(real_mooncake, 300);
     return kvpt_summary();
 }

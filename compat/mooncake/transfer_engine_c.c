@@ -186,6 +186,10 @@ transfer_engine_t createTransferEngine(const char *metadata_conn_string,
     opts.local_server_name = name;
     opts.metadata = metadata_conn_string;
     opts.protocol = e->protocol;
+    /* Same-host peers go through shm unless asked not to (Mooncake's API has
+     * no parameter for it); read as the Python module reads it. */
+    const char *no_shm = getenv("KVPIPE_DISABLE_SHM");
+    opts.disable_shm = no_shm && *no_shm && strcmp(no_shm, "0") != 0;
     kvp_status st = kvp_engine_create(&opts, &e->kvp);
     if (st) {
         mc_log(KVP_LOG_ERROR, "createTransferEngine(%s, %s): %s: %s", metadata_conn_string,
