@@ -4,6 +4,7 @@
  * Two engines in this process, A (target) and B (initiator), over
  * P2PHANDSHAKE. Prints "ok" and exits 0, or "FAIL: ..." lines and 1. */
 #define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -46,6 +47,47 @@ static int run_one(transfer_engine_t e, int opcode, void *local, segment_id_t se
     }
     EXPECT(freeBatchID(e, b) == 0, "freeBatchID after completion");
     return st.status;
+}
+
+/* Threads sharing one engine, each with its own batches, as NIXL's
+ * backend is called from several threads. */
+#define THREADS 8
+#define ROUNDS 20
+#define PIECE (64u << 10)
+typedef struct worker {
+    transfer_engine_t e;
+    segment_id_t seg;
+    uint64_t remote;
+    unsigned char local[8 * PIECE];
+    int bad;
+} worker;
+
+static void *worker_main(void *arg)
+{
+    worker *w = arg;
+    for (int round = 0; round < ROUNDS && !w->bad; round++) {
+        memset(w->local, 0, sizeof w->local);
+        batch_id_t b = allocateBatchID(w->e, 8);
+        struct transfer_request r[8];
+        for (int i = 0; i < 8; i++)
+            r[i] = (struct transfer_request){.opcode = OPCODE_READ, .source = w->local + i * PIECE,
+                                             .target_id = w->seg,
+                                             .target_offset = w->remote + i * PIECE,
+                                             .length = PIECE};
+        /* Two submits into one batch, as NIXL's postXfer may. */
+        if (submitTransfer(w->e, b, r, 3) || submitTransfer(w->e, b, r + 3, 5)) w->bad = 1;
+        for (size_t t = 0; t < 8 && !w->bad; t++) {
+            struct transfer_status st = {.status = STATUS_WAITING};
+            for (int i = 0; i < 20000 && st.status == STATUS_WAITING; i++)
+                if (getTransferStatus(w->e, b, t, &st)) w->bad = 2;
+                else if (st.status == STATUS_WAITING) sleep_ms(1);
+            if (st.status != STATUS_COMPLETED || st.transferred_bytes != PIECE) w->bad = 3;
+        }
+        if (freeBatchID(w->e, b)) w->bad = 4;
+        for (size_t i = 0; i < sizeof w->local && !w->bad; i++)
+            if (w->local[i] != 0x5a) w->bad = 5;
+    }
+    return NULL;
 }
 
 int main(void)
@@ -125,6 +167,25 @@ int main(void)
     EXPECT(strstr(links, name_a) && strstr(links, "\"transport\":\"tcp\""), links);
     EXPECT(syncSegmentCache(b) == 0, "syncSegmentCache");
     EXPECT(openSegmentNoCache(b, name_a) == seg, "openSegmentNoCache");
+
+    /* Threads at once on one engine, while another registers and
+     * unregisters memory of the same engine. */
+    static worker workers[THREADS];
+    pthread_t tids[THREADS];
+    for (int i = 0; i < THREADS; i++) {
+        workers[i] = (worker){.e = b, .seg = seg, .remote = (uintptr_t)pub};
+        pthread_create(&tids[i], NULL, worker_main, &workers[i]);
+    }
+    for (int i = 0; i < 50; i++) {
+        int rc = registerLocalMemory(b, x, MB, "cpu:0", 1);
+        if (rc == 0) rc = unregisterLocalMemory(b, x);
+        EXPECT(rc == 0, "register/unregister while transfers run");
+    }
+    for (int i = 0; i < THREADS; i++) {
+        pthread_join(tids[i], NULL);
+        EXPECT(workers[i].bad == 0, "a thread's READs (bad: 1 submit, 2 status, 3 not "
+                                    "completed, 4 free, 5 bytes)");
+    }
 
     /* Graceful shutdown: destroy waits for a WRITE still running. */
     const size_t big = 64u * MB;
