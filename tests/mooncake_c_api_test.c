@@ -46,8 +46,8 @@ static void run_pair(const char *target_prog, const char *initiator_prog, const 
     /* tcp between the two, not the same-host shm path. */
     setenv("KVPIPE_DISABLE_SHM", "1", 1);
     char *targv[] = {(char *)target_prog, "target", (char *)metadata, "127.0.0.1", info, NULL};
-    char *iargv[] = {(char *)initiator_prog, "initiator", (char *)metadata, "127.0.0.1", info,
-                     NULL};
+    char *iargv[] = {
+        (char *)initiator_prog, "initiator", (char *)metadata, "127.0.0.1", info, NULL};
     pid_t t = kvpt_spawn(targv, tlog);
     pid_t i = kvpt_spawn(iargv, ilog);
     int irc = kvpt_wait_child(i, 60000);
@@ -59,11 +59,13 @@ static void run_pair(const char *target_prog, const char *initiator_prog, const 
     if (irc || trc) {
         char cmd[700];
         snprintf(cmd, sizeof cmd, "cat %s %s >&2", tlog, ilog);
-        if (system(cmd)) {}
+        if (system(cmd)) {
+        }
     }
     char cmd[400];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    if (system(cmd)) {}
+    if (system(cmd)) {
+    }
 }
 
 static void p2p_kvpipe_both_sides(void)
@@ -97,7 +99,8 @@ static void kvpipe_answers(void)
     CHECK(kvpt_wait_file_has(log, "ok: kvpipe's answers", 1000) == 0);
     char cmd[700];
     snprintf(cmd, sizeof cmd, "%scat %s >&2; rm -rf %s", rc ? "" : ": ", log, dir);
-    if (system(cmd)) {}
+    if (system(cmd)) {
+    }
 }
 
 /* The program built against Mooncake's own header and library. */

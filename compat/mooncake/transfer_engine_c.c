@@ -97,8 +97,7 @@ typedef struct mc_engine {
 /* Lines in kvpipe's stderr style, under kvpipe's log threshold. (A handler set
  * with kvp_log_set_handler does not see them: the public API has no call to
  * log through.) */
-__attribute__((format(printf, 2, 3))) static void mc_log(kvp_log_level level, const char *fmt,
-                                                          ...)
+__attribute__((format(printf, 2, 3))) static void mc_log(kvp_log_level level, const char *fmt, ...)
 {
     if (level > kvp_log_get_level()) return;
     static const char *names[] = {"ERROR", "WARN", "INFO", "DEBUG"};
@@ -120,20 +119,28 @@ static int not_supported(int code, const char *what)
 static int mc_err(kvp_status st)
 {
     switch (st) {
-    case KVP_OK: return 0;
-    case KVP_ENOMEM: return MC_ERR_MEMORY;
+    case KVP_OK:
+        return 0;
+    case KVP_ENOMEM:
+        return MC_ERR_MEMORY;
     case KVP_ETIMEDOUT:
     case KVP_ECONNREFUSED:
     case KVP_ECONNRESET:
     case KVP_EIO:
     case KVP_ECLOSED:
-    case KVP_EINTR: return MC_ERR_SOCKET;
-    case KVP_EPROTO: return MC_ERR_MALFORMED_JSON;
-    case KVP_EMETADATA: return MC_ERR_METADATA;
+    case KVP_EINTR:
+        return MC_ERR_SOCKET;
+    case KVP_EPROTO:
+        return MC_ERR_MALFORMED_JSON;
+    case KVP_EMETADATA:
+        return MC_ERR_METADATA;
     case KVP_EBUSY:
-    case KVP_EAUTH: return MC_ERR_REJECT_HANDSHAKE;
-    case KVP_ENOTSUP: return MC_ERR_NOT_IMPLEMENTED;
-    default: return MC_ERR_INVALID_ARGUMENT;
+    case KVP_EAUTH:
+        return MC_ERR_REJECT_HANDSHAKE;
+    case KVP_ENOTSUP:
+        return MC_ERR_NOT_IMPLEMENTED;
+    default:
+        return MC_ERR_INVALID_ARGUMENT;
     }
 }
 
@@ -151,9 +158,8 @@ static int has_port(const char *name)
 }
 
 transfer_engine_t createTransferEngine(const char *metadata_conn_string,
-                                       const char *local_server_name,
-                                       const char *ip_or_host_name, uint64_t rpc_port,
-                                       int auto_discover)
+                                       const char *local_server_name, const char *ip_or_host_name,
+                                       uint64_t rpc_port, int auto_discover)
 {
     (void)ip_or_host_name;
     (void)rpc_port;
@@ -226,8 +232,9 @@ transport_t installTransport(transfer_engine_t engine, const char *proto, void *
     mc_engine *e = engine;
     if (!e || !proto) return NULL;
     if (args && args[0])
-        mc_log(KVP_LOG_INFO, "installTransport(%s): the NIC priority matrix is not used by "
-                             "kvpipe (UCX_NET_DEVICES chooses the devices)",
+        mc_log(KVP_LOG_INFO,
+               "installTransport(%s): the NIC priority matrix is not used by "
+               "kvpipe (UCX_NET_DEVICES chooses the devices)",
                proto);
     if (strcmp(proto, "tcp") == 0) return &e->transport_token[0];
     if (strcmp(proto, e->protocol) == 0 || (is_ucx(proto) && is_ucx(e->protocol)))
@@ -251,7 +258,8 @@ int uninstallTransport(transfer_engine_t engine, const char *proto)
 
 static const char *strip_slashes(const char *name)
 {
-    while (*name == '/') name++;
+    while (*name == '/')
+        name++;
     return name;
 }
 
@@ -440,8 +448,8 @@ static int unregister_one(mc_engine *e, void *addr)
     return 0;
 }
 
-int registerLocalMemory(transfer_engine_t engine, void *addr, size_t length,
-                        const char *location, int remote_accessible)
+int registerLocalMemory(transfer_engine_t engine, void *addr, size_t length, const char *location,
+                        int remote_accessible)
 {
     /* location ("cpu:0", "cuda:0", "*") is not needed: kvpipe asks the
      * memory itself what it is (host, or CUDA device memory). */
@@ -485,7 +493,8 @@ int registerLocalMemoryBatch(transfer_engine_t engine, buffer_entry_t *buffer_li
                                                         : register_one(e, b->addr, b->length, 1);
     }
     if (rc) /* all or nothing: undo what this call registered */
-        for (size_t i = 0; i + 1 < done; i++) unregister_one(e, buffer_list[i].addr);
+        for (size_t i = 0; i + 1 < done; i++)
+            unregister_one(e, buffer_list[i].addr);
     pthread_mutex_unlock(&e->regions_lock);
     return rc;
 }
@@ -579,7 +588,8 @@ static int grow(void **array, size_t *cap, size_t need, size_t elem)
 {
     if (need <= *cap) return 0;
     size_t n = *cap ? *cap : 16;
-    while (n < need) n *= 2;
+    while (n < need)
+        n *= 2;
     void *grown = realloc(*array, n * elem);
     if (!grown) return -1;
     *array = grown;
@@ -596,13 +606,14 @@ static int submit_runs(mc_engine *e, mc_batch *b, const struct transfer_request 
     int rc = 0;
     for (size_t start = 0; start < count && !rc;) {
         size_t end = start + 1;
-        while (end < count && segs[end] == segs[start]) end++;
+        while (end < count && segs[end] == segs[start])
+            end++;
         for (size_t i = start; i < end; i++)
-            reqs[i - start] = (kvp_request){.opcode = r[i].opcode == OPCODE_READ ? KVP_OP_READ
-                                                                                 : KVP_OP_WRITE,
-                                            .local = r[i].source,
-                                            .remote = r[i].target_offset,
-                                            .length = (size_t)r[i].length};
+            reqs[i - start] =
+                (kvp_request){.opcode = r[i].opcode == OPCODE_READ ? KVP_OP_READ : KVP_OP_WRITE,
+                              .local = r[i].source,
+                              .remote = r[i].target_offset,
+                              .length = (size_t)r[i].length};
         kvp_batch *kb;
         kvp_status st = kvp_batch_submit(e->kvp, segs[start], reqs, end - start, &kb);
         if (st) {
@@ -611,15 +622,16 @@ static int submit_runs(mc_engine *e, mc_batch *b, const struct transfer_request 
             break;
         }
         b->chunks[b->n_chunks++] = (mc_chunk){.batch = kb, .first = b->count, .n = end - start};
-        for (size_t i = start; i < end; i++) b->lengths[b->count++] = r[i].length;
+        for (size_t i = start; i < end; i++)
+            b->lengths[b->count++] = r[i].length;
         start = end;
     }
     free(reqs);
     return rc;
 }
 
-static int submit(mc_engine *e, batch_id_t batch_id, struct transfer_request *entries,
-                  size_t count, const notify_msg_t *notify)
+static int submit(mc_engine *e, batch_id_t batch_id, struct transfer_request *entries, size_t count,
+                  const notify_msg_t *notify)
 {
     if (!e || (count && !entries)) return mc_code(MC_ERR_INVALID_ARGUMENT);
     mc_batch *b = get_batch(e, batch_id);
@@ -642,8 +654,9 @@ static int submit(mc_engine *e, batch_id_t batch_id, struct transfer_request *en
     if (notify && (!name || !msg)) {
         rc = mc_code(MC_ERR_MEMORY);
     } else if (count > b->capacity - b->count) {
-        mc_log(KVP_LOG_WARN, "submitTransfer: %zu requests exceed the batch's capacity (%zu of %zu "
-                             "used)",
+        mc_log(KVP_LOG_WARN,
+               "submitTransfer: %zu requests exceed the batch's capacity (%zu of %zu "
+               "used)",
                count, b->count, b->capacity);
         rc = mc_code(MC_ERR_TOO_MANY_REQUESTS);
     } else if (grow((void **)&b->lengths, &b->cap_lengths, b->count + count, sizeof *b->lengths) ||
@@ -667,8 +680,8 @@ static int submit(mc_engine *e, batch_id_t batch_id, struct transfer_request *en
     return rc;
 }
 
-int submitTransfer(transfer_engine_t engine, batch_id_t batch_id,
-                   struct transfer_request *entries, size_t count)
+int submitTransfer(transfer_engine_t engine, batch_id_t batch_id, struct transfer_request *entries,
+                   size_t count)
 {
     return submit(engine, batch_id, entries, count, NULL);
 }
@@ -700,8 +713,8 @@ static void send_notify(mc_engine *e, int32_t target, const char *name, const ch
     }
     kvp_status st = kvp_engine_notify(e->kvp, seg, name, msg);
     if (st)
-        mc_log(KVP_LOG_ERROR, "failed to send the batch's notify message: %s: %s",
-               kvp_strerror(st), kvp_last_error());
+        mc_log(KVP_LOG_ERROR, "failed to send the batch's notify message: %s: %s", kvp_strerror(st),
+               kvp_last_error());
 }
 
 int getTransferStatus(transfer_engine_t engine, batch_id_t batch_id, size_t task_id,
@@ -719,20 +732,28 @@ int getTransferStatus(transfer_engine_t engine, batch_id_t batch_id, size_t task
     size_t lo = 0, hi = b->n_chunks; /* the chunk holding task_id */
     while (hi - lo > 1) {
         size_t mid = lo + (hi - lo) / 2;
-        if (b->chunks[mid].first <= task_id) lo = mid;
-        else hi = mid;
+        if (b->chunks[mid].first <= task_id)
+            lo = mid;
+        else
+            hi = mid;
     }
     const mc_chunk *c = &b->chunks[lo];
     kvp_status st = kvp_batch_request_status(c->batch, task_id - c->first);
     status->transferred_bytes = 0;
     switch (st) {
-    case KVP_EINPROGRESS: status->status = STATUS_WAITING; break;
+    case KVP_EINPROGRESS:
+        status->status = STATUS_WAITING;
+        break;
     case KVP_OK:
         status->status = STATUS_COMPLETED;
         status->transferred_bytes = b->lengths[task_id];
         break;
-    case KVP_ECANCELED: status->status = STATUS_CANCELED; break;
-    default: status->status = STATUS_FAILED; break;
+    case KVP_ECANCELED:
+        status->status = STATUS_CANCELED;
+        break;
+    default:
+        status->status = STATUS_FAILED;
+        break;
     }
     /* As Mooncake: the call that first sees the whole batch done sends its
      * notification, before it returns. */
@@ -753,7 +774,8 @@ int getTransferStatus(transfer_engine_t engine, batch_id_t batch_id, size_t task
 
 static void batch_destroy(mc_batch *b)
 {
-    for (size_t c = 0; c < b->n_chunks; c++) kvp_batch_free(b->chunks[c].batch);
+    for (size_t c = 0; c < b->n_chunks; c++)
+        kvp_batch_free(b->chunks[c].batch);
     pthread_mutex_destroy(&b->lock);
     free(b->chunks);
     free(b->lengths);
@@ -775,7 +797,8 @@ int freeBatchID(transfer_engine_t engine, batch_id_t batch_id)
     }
     pthread_mutex_lock(&b->lock);
     int busy = 0;
-    for (size_t c = 0; c < b->n_chunks && !busy; c++) busy = kvp_batch_pending(b->chunks[c].batch) > 0;
+    for (size_t c = 0; c < b->n_chunks && !busy; c++)
+        busy = kvp_batch_pending(b->chunks[c].batch) > 0;
     if (!busy) e->batches[index] = e->batches[--e->n_batches];
     pthread_mutex_unlock(&b->lock);
     pthread_mutex_unlock(&e->lock);
@@ -880,8 +903,9 @@ int showLinks(transfer_engine_t engine, char *buf_out, size_t buf_len, int json)
     if (!e || !buf_out || !buf_len) return -1;
     size_t used = 0;
     buf_out[0] = '\0';
-    if (json) append(buf_out, buf_len, &used, "{\"local\":\"%s\",\"segments\":[",
-                     kvp_engine_segment_name(e->kvp));
+    if (json)
+        append(buf_out, buf_len, &used, "{\"local\":\"%s\",\"segments\":[",
+               kvp_engine_segment_name(e->kvp));
     int first = 1;
     pthread_mutex_lock(&e->lock);
     for (size_t id = 0; id < e->n_seg_names; id++) {
@@ -909,9 +933,11 @@ void destroyTransferEngine(transfer_engine_t engine)
     for (size_t i = 0; e->graceful && i < e->n_batches; i++)
         for (size_t c = 0; c < e->batches[i]->n_chunks; c++)
             kvp_batch_wait(e->batches[i]->chunks[c].batch, -1);
-    for (size_t i = 0; i < e->n_batches; i++) batch_destroy(e->batches[i]);
+    for (size_t i = 0; i < e->n_batches; i++)
+        batch_destroy(e->batches[i]);
     kvp_engine_destroy(e->kvp);
-    for (size_t id = 0; id < e->n_seg_names; id++) free(e->seg_names[id]);
+    for (size_t id = 0; id < e->n_seg_names; id++)
+        free(e->seg_names[id]);
     free(e->seg_names);
     free(e->batches);
     free(e->regions);

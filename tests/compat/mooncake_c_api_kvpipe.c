@@ -17,12 +17,12 @@
 
 static int failed;
 
-#define EXPECT(cond, what)                                                                   \
-    do {                                                                                     \
-        if (!(cond)) {                                                                       \
-            printf("FAIL: line %d: %s: %s\n", __LINE__, #cond, what);                        \
-            failed = 1;                                                                      \
-        }                                                                                    \
+#define EXPECT(cond, what)                                                                         \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            printf("FAIL: line %d: %s: %s\n", __LINE__, #cond, what);                              \
+            failed = 1;                                                                            \
+        }                                                                                          \
     } while (0)
 
 static void sleep_ms(long ms)
@@ -36,12 +36,16 @@ static int run_one(transfer_engine_t e, int opcode, void *local, segment_id_t se
                    uint64_t len, const notify_msg_t *notify)
 {
     batch_id_t b = allocateBatchID(e, 1);
-    struct transfer_request r = {.opcode = opcode, .source = local, .target_id = seg,
-                                 .target_offset = remote, .length = len};
+    struct transfer_request r = {.opcode = opcode,
+                                 .source = local,
+                                 .target_id = seg,
+                                 .target_offset = remote,
+                                 .length = len};
     int rc = notify ? submitTransferWithNotify(e, b, &r, 1, *notify) : submitTransfer(e, b, &r, 1);
     EXPECT(rc == 0, "submit");
     struct transfer_status st = {.status = STATUS_WAITING};
-    for (int i = 0; i < 20000 && (st.status == STATUS_WAITING || st.status == STATUS_PENDING); i++) {
+    for (int i = 0; i < 20000 && (st.status == STATUS_WAITING || st.status == STATUS_PENDING);
+         i++) {
         if (getTransferStatus(e, b, 0, &st)) break;
         if (st.status == STATUS_WAITING) sleep_ms(1);
     }
@@ -70,7 +74,8 @@ static void *worker_main(void *arg)
         batch_id_t b = allocateBatchID(w->e, 8);
         struct transfer_request r[8];
         for (int i = 0; i < 8; i++)
-            r[i] = (struct transfer_request){.opcode = OPCODE_READ, .source = w->local + i * PIECE,
+            r[i] = (struct transfer_request){.opcode = OPCODE_READ,
+                                             .source = w->local + i * PIECE,
                                              .target_id = w->seg,
                                              .target_offset = w->remote + i * PIECE,
                                              .length = PIECE};
@@ -79,8 +84,10 @@ static void *worker_main(void *arg)
         for (size_t t = 0; t < 8 && !w->bad; t++) {
             struct transfer_status st = {.status = STATUS_WAITING};
             for (int i = 0; i < 20000 && st.status == STATUS_WAITING; i++)
-                if (getTransferStatus(w->e, b, t, &st)) w->bad = 2;
-                else if (st.status == STATUS_WAITING) sleep_ms(1);
+                if (getTransferStatus(w->e, b, t, &st))
+                    w->bad = 2;
+                else if (st.status == STATUS_WAITING)
+                    sleep_ms(1);
             if (st.status != STATUS_COMPLETED || st.transferred_bytes != PIECE) w->bad = 3;
         }
         if (freeBatchID(w->e, b)) w->bad = 4;
@@ -134,8 +141,11 @@ int main(void)
 
     /* Requests refused before anything is sent. */
     batch_id_t bid = allocateBatchID(b, 4);
-    struct transfer_request bad = {.opcode = OPCODE_READ, .source = mine, .target_id = 999,
-                                   .target_offset = (uintptr_t)pub, .length = 16};
+    struct transfer_request bad = {.opcode = OPCODE_READ,
+                                   .source = mine,
+                                   .target_id = 999,
+                                   .target_offset = (uintptr_t)pub,
+                                   .length = 16};
     EXPECT(submitTransfer(b, bid, &bad, 1) == 1, "a segment never opened");
     bad.target_id = seg;
     bad.opcode = 7;
@@ -193,13 +203,17 @@ int main(void)
     memset(src, 0x33, big);
     EXPECT(registerLocalMemory(a, dst, big, "cpu:0", 1) == 0, "register 64 MiB");
     bid = allocateBatchID(b, 1);
-    struct transfer_request w = {.opcode = OPCODE_WRITE, .source = src, .target_id = seg,
-                                 .target_offset = (uintptr_t)dst, .length = big};
+    struct transfer_request w = {.opcode = OPCODE_WRITE,
+                                 .source = src,
+                                 .target_id = seg,
+                                 .target_offset = (uintptr_t)dst,
+                                 .length = big};
     EXPECT(submitTransfer(b, bid, &w, 1) == 0, "submit the 64 MiB WRITE");
     enableGracefulShutdown(b);
     destroyTransferEngine(b);
     size_t at = 0;
-    while (at < big && dst[at] == 0x33) at++;
+    while (at < big && dst[at] == 0x33)
+        at++;
     EXPECT(at == big, "graceful shutdown returned before the WRITE was done");
 
     destroyTransferEngine(a);

@@ -37,15 +37,15 @@
 
 static int failed;
 
-#define EXPECT(cond, ...)                                                                    \
-    do {                                                                                     \
-        if (!(cond)) {                                                                       \
-            printf("FAIL: %s:%d: %s: ", role, __LINE__, #cond);                              \
-            printf(__VA_ARGS__);                                                             \
-            printf("\n");                                                                    \
-            fflush(stdout);                                                                  \
-            failed = 1;                                                                      \
-        }                                                                                    \
+#define EXPECT(cond, ...)                                                                          \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            printf("FAIL: %s:%d: %s: ", role, __LINE__, #cond);                                    \
+            printf(__VA_ARGS__);                                                                   \
+            printf("\n");                                                                          \
+            fflush(stdout);                                                                        \
+            failed = 1;                                                                            \
+        }                                                                                          \
     } while (0)
 
 static const char *role = "?";
@@ -58,7 +58,8 @@ static void sleep_ms(long ms)
 
 static void fill(unsigned char *p, size_t n, unsigned seed)
 {
-    for (size_t i = 0; i < n; i++) p[i] = (unsigned char)((i * 31u + seed * 7u + (i >> 9)) & 0xff);
+    for (size_t i = 0; i < n; i++)
+        p[i] = (unsigned char)((i * 31u + seed * 7u + (i >> 9)) & 0xff);
 }
 
 /* Index of the first byte that differs from the pattern, or n. */
@@ -178,8 +179,10 @@ static void check_errors(transfer_engine_t e, segment_id_t seg, uint64_t remote,
     EXPECT(b != INVALID_BATCH, "allocateBatchID");
     struct transfer_request r[3];
     for (int i = 0; i < 3; i++)
-        r[i] = (struct transfer_request){.opcode = OPCODE_READ, .source = local + i * 4096,
-                                         .target_id = seg, .target_offset = remote + i * 4096,
+        r[i] = (struct transfer_request){.opcode = OPCODE_READ,
+                                         .source = local + i * 4096,
+                                         .target_id = seg,
+                                         .target_offset = remote + i * 4096,
                                          .length = 4096};
     EXPECT(submitTransfer(e, b, r, 3) == MC_STATUS_TOO_MANY_REQUESTS, "3 requests in a batch of 2");
     notify_msg_t none = {.name = "x", .msg = "y"};
@@ -221,8 +224,10 @@ static int run_initiator(const char *metadata, const char *host, const char *inf
     struct transfer_request r[PIECES];
     const uint64_t piece = HALF / PIECES;
     for (int i = 0; i < PIECES; i++)
-        r[i] = (struct transfer_request){.opcode = OPCODE_READ, .source = local + i * piece,
-                                         .target_id = seg, .target_offset = remote + i * piece,
+        r[i] = (struct transfer_request){.opcode = OPCODE_READ,
+                                         .source = local + i * piece,
+                                         .target_id = seg,
+                                         .target_offset = remote + i * piece,
                                          .length = piece};
     EXPECT(submitTransfer(e, b, r, PIECES) == 0, "submitTransfer(READ)");
     wait_batch(e, b, PIECES, STATUS_COMPLETED, piece);
@@ -240,7 +245,8 @@ static int run_initiator(const char *metadata, const char *host, const char *inf
     b = allocateBatchID(e, 16);
     for (int i = 0; i < PIECES; i++)
         r[i] = (struct transfer_request){.opcode = OPCODE_WRITE,
-                                         .source = local + HALF + i * piece, .target_id = seg,
+                                         .source = local + HALF + i * piece,
+                                         .target_id = seg,
                                          .target_offset = remote + HALF + i * piece,
                                          .length = piece};
     notify_msg_t note = {.name = me, .msg = "written"};
@@ -252,9 +258,11 @@ static int run_initiator(const char *metadata, const char *host, const char *inf
     unsigned char *scratch = malloc(piece);
     fill(scratch, piece, 3);
     b = allocateBatchID(e, 1);
-    r[0] = (struct transfer_request){.opcode = OPCODE_WRITE, .source = scratch,
+    r[0] = (struct transfer_request){.opcode = OPCODE_WRITE,
+                                     .source = scratch,
                                      .target_id = LOCAL_SEGMENT,
-                                     .target_offset = (uint64_t)(uintptr_t)local, .length = piece};
+                                     .target_offset = (uint64_t)(uintptr_t)local,
+                                     .length = piece};
     EXPECT(submitTransfer(e, b, r, 1) == 0, "submitTransfer(LOCAL_SEGMENT)");
     wait_batch(e, b, 1, STATUS_COMPLETED, piece);
     EXPECT(check(local, piece, 3) == piece, "LOCAL_SEGMENT: the WRITE did not land");

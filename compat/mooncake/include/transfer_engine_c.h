@@ -117,9 +117,8 @@ typedef void *transport_t;
  * and rpc_port are ignored, as Mooncake ignores them outside its legacy
  * binding. NULL on failure (the reason is logged). */
 transfer_engine_t createTransferEngine(const char *metadata_conn_string,
-                                       const char *local_server_name,
-                                       const char *ip_or_host_name, uint64_t rpc_port,
-                                       int auto_discover);
+                                       const char *local_server_name, const char *ip_or_host_name,
+                                       uint64_t rpc_port, int auto_discover);
 
 int discoverTopology(transfer_engine_t engine);
 
@@ -143,8 +142,8 @@ int removeLocalSegment(transfer_engine_t engine, const char *segment_name);
 
 void destroyTransferEngine(transfer_engine_t engine);
 
-int registerLocalMemory(transfer_engine_t engine, void *addr, size_t length,
-                        const char *location, int remote_accessible);
+int registerLocalMemory(transfer_engine_t engine, void *addr, size_t length, const char *location,
+                        int remote_accessible);
 
 int unregisterLocalMemory(transfer_engine_t engine, void *addr);
 
@@ -155,8 +154,8 @@ int unregisterLocalMemoryBatch(transfer_engine_t engine, void **addr_list, size_
 
 batch_id_t allocateBatchID(transfer_engine_t engine, size_t batch_size);
 
-int submitTransfer(transfer_engine_t engine, batch_id_t batch_id,
-                   struct transfer_request *entries, size_t count);
+int submitTransfer(transfer_engine_t engine, batch_id_t batch_id, struct transfer_request *entries,
+                   size_t count);
 
 int submitTransferWithNotify(transfer_engine_t engine, batch_id_t batch_id,
                              struct transfer_request *entries, size_t count,
