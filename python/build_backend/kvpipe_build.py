@@ -32,7 +32,7 @@ import wheel_writer  # noqa: E402
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 NAME = "kvpipe"
 # What the sdist carries: everything the CMake build of the module reads.
-SDIST_PATHS = ["CMakeLists.txt", "cmake", "include", "src", "tools", "bench", "python", "docs",
+SDIST_PATHS = ["CMakeLists.txt", "cmake", "compat", "include", "src", "tools", "bench", "python", "docs",
                "examples", "pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md"]
 
 

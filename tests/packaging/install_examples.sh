@@ -39,6 +39,22 @@ lib/libkvpipe.so.$soversion
 lib/libkvpipe.so.$version
 lib/pkgconfig/kvpipe.pc
 LIST
+# Mooncake's C API (compat/mooncake), in a build with KVP_MOONCAKE_C.
+mooncake=0
+[ -e "$build/compat/mooncake/libkvpipe_mooncake.so" ] && mooncake=1
+if [ $mooncake = 1 ]; then
+    cat >> "$work/expected" <<LIST
+include/kvpipe/mooncake/transfer_engine_c.h
+lib/cmake/KvpipeMooncake/KvpipeMooncakeConfig.cmake
+lib/cmake/KvpipeMooncake/KvpipeMooncakeConfigVersion.cmake
+lib/cmake/KvpipeMooncake/KvpipeMooncakeTargets-CONFIG.cmake
+lib/cmake/KvpipeMooncake/KvpipeMooncakeTargets.cmake
+lib/libkvpipe_mooncake.so
+lib/libkvpipe_mooncake.so.$soversion
+lib/libkvpipe_mooncake.so.$version
+lib/pkgconfig/kvpipe-mooncake.pc
+LIST
+fi
 # Public headers in the tree must all be installed (a new one needs no edit
 # here only if it lands in include/kvpipe/).
 for h in "$src"/include/kvpipe/*.h; do
@@ -113,4 +129,34 @@ cat > "$work/pipe.json" <<JSON
 JSON
 run_pair "pipe_receiver(pkg-config) <- pipe_sender(find_package)" \
     "$work/pc/pipe_receiver" "$work/pipe.json" 50 -- "$work/cm-shared/pipe_sender" "$work/pipe.json" 50
+
+# Mooncake's C API: a program written against Mooncake's transfer_engine_c.h,
+# built unchanged against the installed kvpipe-mooncake (pkg-config, and
+# find_package(KvpipeMooncake)), the two builds run against each other.
+if [ $mooncake = 1 ]; then
+    prog=$src/tests/compat/mooncake_c_api_prog.c
+    export PKG_CONFIG_PATH=$prefix/lib/pkgconfig
+    [ "$(pkg-config --modversion kvpipe-mooncake)" = "$version" ] ||
+        { echo "FAIL: pkg-config kvpipe-mooncake version"; exit 1; }
+    cc -o "$work/mc-pc" "$prog" $(pkg-config --cflags --libs kvpipe-mooncake) \
+        -Wl,-rpath,"$prefix/lib" || { echo "FAIL: the Mooncake C API program with pkg-config"; exit 1; }
+    unset PKG_CONFIG_PATH
+    mkdir -p "$work/mc-cm"
+    cat > "$work/mc-cm/CMakeLists.txt" <<CM
+cmake_minimum_required(VERSION 3.18)
+project(mc LANGUAGES C)
+find_package(KvpipeMooncake $version REQUIRED)
+add_executable(mc_prog $prog)
+target_link_libraries(mc_prog PRIVATE KvpipeMooncake::KvpipeMooncake)
+CM
+    cmake -S "$work/mc-cm" -B "$work/mc-cm/b" -DCMAKE_PREFIX_PATH="$prefix" > "$work/mc-cm.log" 2>&1 &&
+    cmake --build "$work/mc-cm/b" >> "$work/mc-cm.log" 2>&1 ||
+        { cat "$work/mc-cm.log"; echo "FAIL: the Mooncake C API program with find_package"; exit 1; }
+    needed=$(readelf -d "$work/mc-pc" | sed -n 's/.*NEEDED.*\[\(.*\)\]/\1/p' | sort | tr '\n' ' ')
+    [ "$needed" = "libc.so.6 libkvpipe_mooncake.so.$soversion " ] ||
+        { echo "FAIL: the Mooncake C API program needs '$needed'"; exit 1; }
+    KVPIPE_DISABLE_SHM=1 run_pair "mooncake target(pkg-config) <- initiator(find_package)" \
+        "$work/mc-pc" target P2PHANDSHAKE 127.0.0.1 "$work/mc-info" -- \
+        "$work/mc-cm/b/mc_prog" initiator P2PHANDSHAKE 127.0.0.1 "$work/mc-info"
+fi
 echo "ok: install, examples and their runs"

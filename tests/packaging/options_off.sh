@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A build with every optional part off (KVP_WITH_*=OFF): it configures and
+# A build with every optional part off (KVP_WITH_*=OFF, KVP_MOONCAKE_C=OFF): it configures and
 # links without libcurl, hiredis and libmicrohttpd, and each store and the HTTP
 # server left out answers with "not built in", naming its CMake option.
 #   options_off.sh SOURCE_DIR
@@ -9,10 +9,14 @@ work=$(mktemp -d /tmp/kvpipe-options.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 cmake -S "$src" -B "$work/b" -DKVP_WERROR=ON -DKVP_TESTS=OFF -DKVP_PYTHON=OFF \
     -DKVP_WITH_HTTP=OFF -DKVP_WITH_ETCD=OFF -DKVP_WITH_REDIS=OFF -DKVP_WITH_HTTP_SERVER=OFF \
-    > "$work/configure.log" 2>&1 || { cat "$work/configure.log"; exit 1; }
+    -DKVP_MOONCAKE_C=OFF > "$work/configure.log" 2>&1 || { cat "$work/configure.log"; exit 1; }
 cmake --build "$work/b" -j"${JOBS:-2}" --target kvpipe_cli > "$work/build.log" 2>&1 ||
     { cat "$work/build.log"; exit 1; }
 fail=0
+# KVP_MOONCAKE_C=OFF: no Mooncake C API library to build.
+if cmake --build "$work/b" --target kvpipe_mooncake > /dev/null 2>&1; then
+    echo "FAIL: KVP_MOONCAKE_C=OFF still builds libkvpipe_mooncake"; fail=1
+fi
 needed=$(readelf -d "$work/b/libkvpipe.so" | sed -n 's/.*NEEDED.*\[\(.*\)\]/\1/p' | tr '\n' ' ')
 case "$needed" in
 *curl* | *hiredis* | *microhttpd*) echo "FAIL: libkvpipe.so still needs: $needed"; fail=1 ;;
