@@ -71,6 +71,10 @@ typedef void (*kvpy_release_fn)(void *ctx);
  * dtype must be one kvpy_dtype_format() knows. Returns NULL with an exception. */
 PyObject *kvpy_tensor_new(void *data, DLDataType dtype, int ndim, const int64_t *shape,
                           kvpy_release_fn release, void *ctx, const void *take_tag);
+/* Mark a tensor from kvpy_tensor_new() as living on CUDA device `device`: it
+ * exports through DLPack (kDLCUDA) and __cuda_array_interface__, never as a
+ * buffer. */
+void kvpy_tensor_set_cuda(PyObject *tensor, int device);
 
 /* Start taking the memory of obj away from it, for Pipe.send_tensor_take():
  * obj must be a kvpipe.Tensor made with this take_tag, not taken and with no

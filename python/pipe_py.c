@@ -1,10 +1,13 @@
 /* kvpipe.Pipe: the tensor pipe (vLLM's MooncakePipe semantics) for Python.
  *
- * send_tensor() takes any CPU object that exports DLPack (torch, numpy >= 1.22,
- * ...) or the buffer protocol, or None; the bytes are copied once, into the
- * engine's registered memory, before it returns. recv_tensor() returns a
- * kvpipe.Tensor whose data lives in the buffer the peer's bytes were READ into
- * (no copy), or None.
+ * send_tensor() takes any object that exports DLPack (torch, numpy >= 1.22,
+ * ...) or the buffer protocol, in CPU memory or on a CUDA device (DLPack, or
+ * __cuda_array_interface__), or None; the bytes are copied once, into the
+ * engine's registered memory (by the CUDA driver from a device), before it
+ * returns. recv_tensor() returns a kvpipe.Tensor whose data lives in the buffer
+ * the peer's bytes were READ into (no copy), or None; with a CUDA device (its
+ * device= or the Pipe's), a kvpipe.Tensor on that device (one host-to-device
+ * copy), as MooncakePipe's tensor.to(self.device).
  *
  * Sending without the copy: alloc_tensor() returns a kvpipe.Tensor whose data
  * already lies in registered memory (kvp_pipe_tensor_alloc); the caller fills
@@ -33,7 +36,9 @@ typedef struct kvpy_pipe {
     PyObject_HEAD
     kvp_pipe *pipe;
     kvp_pipe_config *cfg;
-    int busy; /* calls running with the GIL released */
+    int busy;        /* calls running with the GIL released */
+    int device;      /* recv_tensor's default: -1 CPU, else the CUDA device */
+    int device_ok;   /* 1 + the CUDA device a tensor was put on, 0: none yet */
 } kvpy_pipe;
 
 /* ---- dtypes between kvpipe and DLPack ----------------------------------------- */
@@ -165,11 +170,13 @@ static int dl_is_compact(const DLTensor *dl)
 static int view_from_dltensor(src_view *v, const DLTensor *dl)
 {
     kvp_dtype dt;
-    if (dl->device.device_type != kDLCPU) {
+    /* CUDA memory goes as it is: kvp_pipe_send copies it with the driver. */
+    int type = (int)dl->device.device_type;
+    if (type != kDLCPU && type != kDLCUDA && type != kDLCUDAHost && type != kDLCUDAManaged) {
         PyErr_Format(PyExc_ValueError,
-                     "send_tensor: the tensor is on DLPack device %d; kvpipe "
-                     "sends CPU memory (move it to the CPU first)",
-                     (int)dl->device.device_type);
+                     "send_tensor: the tensor is on DLPack device type %d; kvpipe "
+                     "sends CPU and CUDA memory (move it to one of them first)",
+                     type);
         return -1;
     }
     if (kvp_from_dl(dl->dtype, &dt)) {
@@ -198,7 +205,30 @@ static int view_from_dltensor(src_view *v, const DLTensor *dl)
  * -1 on an error to report. */
 static int view_from_dlpack(src_view *v, PyObject *obj)
 {
-    PyObject *capsule = PyObject_CallMethod(obj, "__dlpack__", NULL);
+    /* A CUDA producer is asked for the legacy default stream (1), which the
+     * driver's copy in kvp_pipe_send runs on: the producer orders its pending
+     * work before it (the DLPack protocol's stream argument). */
+    int cuda = 0;
+    PyObject *dev = PyObject_HasAttrString(obj, "__dlpack_device__")
+                        ? PyObject_CallMethod(obj, "__dlpack_device__", NULL)
+                        : NULL;
+    if (dev) {
+        int type = 0, id = 0;
+        cuda = PyArg_ParseTuple(dev, "ii", &type, &id) && (type == kDLCUDA || type == kDLCUDAManaged);
+        Py_DECREF(dev);
+    }
+    PyErr_Clear(); /* no device, or a strange one: __dlpack__ says more */
+    PyObject *capsule;
+    if (cuda) {
+        PyObject *args = PyTuple_New(0), *kw = Py_BuildValue("{s:i}", "stream", 1);
+        PyObject *meth = PyObject_GetAttrString(obj, "__dlpack__");
+        capsule = args && kw && meth ? PyObject_Call(meth, args, kw) : NULL;
+        Py_XDECREF(args);
+        Py_XDECREF(kw);
+        Py_XDECREF(meth);
+    } else {
+        capsule = PyObject_CallMethod(obj, "__dlpack__", NULL);
+    }
     if (!capsule) return PyObject_CheckBuffer(obj) ? (PyErr_Clear(), 0) : -1;
     DLManagedTensor *mt = PyCapsule_GetPointer(capsule, "dltensor");
     if (!mt) {
@@ -243,6 +273,79 @@ static int view_from_buffer(src_view *v, PyObject *obj)
     return 0;
 }
 
+/* numpy's typestr (as __cuda_array_interface__ writes it) to a dtype. */
+static int dtype_from_typestr(const char *ts, kvp_dtype *out)
+{
+    static const struct {
+        const char *ts;
+        kvp_dtype dt;
+    } t[] = {{"b1", KVP_DTYPE_BOOL}, {"i1", KVP_DTYPE_I8},  {"i2", KVP_DTYPE_I16},
+             {"i4", KVP_DTYPE_I32},  {"i8", KVP_DTYPE_I64}, {"u1", KVP_DTYPE_U8},
+             {"u2", KVP_DTYPE_U16},  {"u4", KVP_DTYPE_U32}, {"u8", KVP_DTYPE_U64},
+             {"f2", KVP_DTYPE_F16},  {"f4", KVP_DTYPE_F32}, {"f8", KVP_DTYPE_F64}};
+    if (!ts || (ts[0] != '<' && ts[0] != '|')) return -1; /* little-endian only */
+    for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {
+        if (strcmp(ts + 1, t[i].ts) == 0) {
+            *out = t[i].dt;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* An object on a CUDA device that has __cuda_array_interface__ (version 2 or
+ * 3) and no DLPack: contiguous, little-endian, and with no stream to
+ * synchronise with (kvpipe cannot wait for a foreign stream). */
+static int view_from_cai(src_view *v, PyObject *obj)
+{
+    PyObject *cai = PyObject_GetAttrString(obj, "__cuda_array_interface__");
+    if (!cai) return -1;
+    int rc = -1;
+    PyObject *shape = PyDict_Check(cai) ? PyDict_GetItemString(cai, "shape") : NULL;
+    PyObject *ts = PyDict_Check(cai) ? PyDict_GetItemString(cai, "typestr") : NULL;
+    PyObject *data = PyDict_Check(cai) ? PyDict_GetItemString(cai, "data") : NULL;
+    PyObject *strides = PyDict_Check(cai) ? PyDict_GetItemString(cai, "strides") : NULL;
+    PyObject *stream = PyDict_Check(cai) ? PyDict_GetItemString(cai, "stream") : NULL;
+    PyObject *mask = PyDict_Check(cai) ? PyDict_GetItemString(cai, "mask") : NULL;
+    kvp_dtype dt;
+    int64_t dims[KVP_TENSOR_MAX_NDIM];
+    Py_ssize_t ndim = shape && PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : -1;
+    if (!shape || !ts || !data || !PyTuple_Check(data) || PyTuple_GET_SIZE(data) < 1 || ndim < 0) {
+        PyErr_SetString(PyExc_ValueError, "send_tensor: malformed __cuda_array_interface__ (shape, "
+                                          "typestr and data are required)");
+    } else if (!PyUnicode_Check(ts) || dtype_from_typestr(PyUnicode_AsUTF8(ts), &dt)) {
+        PyErr_Format(PyExc_TypeError,
+                     "send_tensor: __cuda_array_interface__ typestr %R has no safetensors "
+                     "dtype (little-endian bool, ints and floats)",
+                     ts);
+    } else if (ndim > KVP_TENSOR_MAX_NDIM) {
+        PyErr_Format(PyExc_ValueError, "send_tensor: %zd dimensions, at most %d", ndim,
+                     KVP_TENSOR_MAX_NDIM);
+    } else if ((strides && strides != Py_None) || (mask && mask != Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "send_tensor: the __cuda_array_interface__ object is "
+                                          "strided or masked; make it contiguous first");
+    } else if (stream && stream != Py_None) {
+        PyErr_SetString(PyExc_ValueError,
+                        "send_tensor: the __cuda_array_interface__ names a stream, which kvpipe "
+                        "cannot wait for; synchronise it first, or pass an object with DLPack");
+    } else {
+        rc = 0;
+        for (Py_ssize_t i = 0; i < ndim && rc == 0; i++) {
+            long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+            if (d == -1 && PyErr_Occurred()) rc = -1;
+            dims[i] = d;
+        }
+        unsigned long long ptr = rc ? 0 : PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(data, 0));
+        if (!rc && PyErr_Occurred()) rc = -1;
+        kvp_status st = rc ? KVP_OK
+                           : kvp_tensor_init(&v->t, dt, (int)ndim, dims,
+                                             (void *)(uintptr_t)ptr);
+        if (!rc && st) rc = (kvpy_raise(st, "send_tensor"), -1);
+    }
+    Py_DECREF(cai);
+    return rc;
+}
+
 static int view_from_object(src_view *v, PyObject *obj)
 {
     memset(v, 0, sizeof *v);
@@ -251,10 +354,12 @@ static int view_from_object(src_view *v, PyObject *obj)
         int rc = view_from_dlpack(v, obj);
         if (rc != 0) return rc > 0 ? 0 : -1;
     }
+    if (!PyObject_CheckBuffer(obj) && PyObject_HasAttrString(obj, "__cuda_array_interface__"))
+        return view_from_cai(v, obj);
     if (!PyObject_CheckBuffer(obj)) {
         PyErr_Format(PyExc_TypeError,
-                     "send_tensor: expected None or an object exporting DLPack "
-                     "or the buffer protocol, not %.100s",
+                     "send_tensor: expected None or an object exporting DLPack, "
+                     "__cuda_array_interface__ or the buffer protocol, not %.100s",
                      Py_TYPE(obj)->tp_name);
         return -1;
     }
@@ -328,6 +433,45 @@ static int ms_from_seconds(PyObject *obj, int *out, const char *what)
     return 0;
 }
 
+/* A device as torch names it: None or "cpu" (-1), "cuda" (device 0),
+ * "cuda:N", an int N, or an object whose str() is one of these (a
+ * torch.device). Returns 0, or -1 with ValueError. */
+static int device_conv(PyObject *obj, int *out)
+{
+    if (!obj || obj == Py_None) {
+        *out = -1;
+        return 0;
+    }
+    if (PyLong_Check(obj)) {
+        long d = PyLong_AsLong(obj);
+        if (d >= 0 && d < 1024) {
+            *out = (int)d;
+            return 0;
+        }
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "device %ld is out of range", d);
+        return -1;
+    }
+    PyObject *str = PyObject_Str(obj);
+    const char *name = str ? PyUnicode_AsUTF8(str) : NULL;
+    int rc = -1, n = -1, used = 0;
+    if (name && strcmp(name, "cpu") == 0) {
+        *out = -1;
+        rc = 0;
+    } else if (name && strcmp(name, "cuda") == 0) {
+        *out = 0;
+        rc = 0;
+    } else if (name && sscanf(name, "cuda:%d%n", &n, &used) == 1 && name[used] == '\0' && n >= 0 &&
+               n < 1024) {
+        *out = n;
+        rc = 0;
+    }
+    if (rc && name)
+        PyErr_Format(PyExc_ValueError,
+                     "device %R: expected None, 'cpu', 'cuda', 'cuda:N' or an int N", obj);
+    Py_XDECREF(str);
+    return rc;
+}
+
 /* kv_buffer_size as vLLM writes it: an int or an integral float such as 1e9. */
 static int buffer_size_conv(PyObject *obj, void *out)
 {
@@ -362,20 +506,24 @@ static int pipe_init(kvpy_pipe *self, PyObject *args, PyObject *kwds)
                              "ack_delay_us",
                              "zmq_hwm",
                              "busy_poll_us",
+                             "device",
                              NULL};
     PyObject *config, *send_timeout = NULL, *io_timeout = NULL, *redial_min = NULL,
-                      *redial_max = NULL, *ack_timeout = NULL, *ack_linger = NULL;
+                      *redial_max = NULL, *ack_timeout = NULL, *ack_linger = NULL,
+                      *device = NULL;
     int local_rank, kv_rank, disable_shm = 0;
     kvp_pipe_opts opts;
     kvp_pipe_opts_init(&opts);
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "Oii|$O&OOO&pO&iO&O&OOOOiii:Pipe", kwlist, &config, &local_rank, &kv_rank,
+            args, kwds, "Oii|$O&OOO&pO&iO&O&OOOOiiiO:Pipe", kwlist, &config, &local_rank, &kv_rank,
             buffer_size_conv, &opts.kv_buffer_size, &send_timeout, &io_timeout, kvpy_size_conv,
             &opts.max_message_bytes, &disable_shm, kvpy_size_conv, &opts.inline_max_bytes,
             &opts.recv_window, kvpy_size_conv, &opts.recv_window_bytes, kvpy_size_conv,
             &opts.max_control_frame, &redial_min, &redial_max, &ack_timeout, &ack_linger,
-            &opts.ack_delay_us, &opts.zmq_hwm, &opts.busy_poll_us))
+            &opts.ack_delay_us, &opts.zmq_hwm, &opts.busy_poll_us, &device))
         return -1;
+    if (device_conv(device, &self->device)) return -1;
+    self->device_ok = 0;
     if (ms_from_seconds(send_timeout, &opts.send_timeout_ms, "send_timeout") ||
         ms_from_seconds(io_timeout, &opts.io_timeout_ms, "io_timeout") ||
         ms_from_seconds(redial_min, &opts.redial_min_ms, "redial_min") ||
@@ -453,13 +601,53 @@ static PyObject *wrap_pipe_tensor(kvp_tensor *t, const void *take_tag, const cha
     return kvpy_tensor_new(t->data, dt, t->ndim, t->shape, release_pipe_tensor, t, take_tag);
 }
 
+/* A received tensor t put on CUDA device `device`: one host-to-device copy;
+ * the host tensor goes back to the pipe. t is freed either way. */
+static PyObject *wrap_on_device(kvpy_pipe *self, kvp_tensor *t, int device)
+{
+    kvp_tensor *d = NULL;
+    kvp_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvp_tensor_to_cuda(t, device, &d);
+    Py_END_ALLOW_THREADS
+    kvp_tensor_free(t);
+    if (st) return kvpy_raise(st, "recv_tensor: the tensor arrived but could not be put on the device");
+    self->device_ok = device + 1;
+    PyObject *obj = wrap_pipe_tensor(d, NULL, "recv_tensor");
+    if (obj) kvpy_tensor_set_cuda(obj, device);
+    return obj;
+}
+
+/* Before a tensor is taken from the pipe for a device: that the device
+ * serves (once per Pipe and device), so that a missing driver or a wrong
+ * ordinal loses no tensor. */
+static int check_device(kvpy_pipe *self, int device)
+{
+    if (device < 0 || self->device_ok == device + 1) return 0;
+    int64_t zero = 0;
+    kvp_tensor empty, *d = NULL;
+    kvp_status st = kvp_tensor_init(&empty, KVP_DTYPE_U8, 1, &zero, NULL);
+    if (!st) {
+        Py_BEGIN_ALLOW_THREADS
+        st = kvp_tensor_to_cuda(&empty, device, &d);
+        Py_END_ALLOW_THREADS
+    }
+    kvp_tensor_free(d);
+    if (st) return kvpy_raise(st, "recv_tensor: device"), -1;
+    self->device_ok = device + 1;
+    return 0;
+}
+
 static PyObject *pipe_recv_tensor(kvpy_pipe *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"timeout", NULL};
-    PyObject *timeout = Py_None;
-    int timeout_ms = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O:recv_tensor", kwlist, &timeout) ||
-        ms_from_seconds(timeout, &timeout_ms, "timeout") || pipe_ready(self))
+    static char *kwlist[] = {"timeout", "device", NULL};
+    PyObject *timeout = Py_None, *device_obj = Py_None;
+    int timeout_ms = -1, device = self->device;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|OO:recv_tensor", kwlist, &timeout,
+                                     &device_obj) ||
+        ms_from_seconds(timeout, &timeout_ms, "timeout") ||
+        (device_obj != Py_None && device_conv(device_obj, &device)) || pipe_ready(self) ||
+        check_device(self, device))
         return NULL;
     recv_wait w = {self->pipe, NULL, KVP_OK};
     self->busy++;
@@ -471,6 +659,7 @@ static PyObject *pipe_recv_tensor(kvpy_pipe *self, PyObject *args, PyObject *kwd
         return kvpy_raise_text(KVP_ETIMEDOUT, "recv_tensor: nothing arrived within the timeout");
     if (w.status) return kvpy_raise(w.status, "recv_tensor");
     if (!w.t) Py_RETURN_NONE;
+    if (device >= 0) return wrap_on_device(self, w.t, device);
     return wrap_pipe_tensor(w.t, NULL, "recv_tensor");
 }
 
@@ -689,10 +878,12 @@ static PyMethodDef pipe_methods[] = {
      "alive. On success the pipe owns the memory and the tensor can no longer be used; on "
      "kvpipe.Error it is unchanged."},
     {"recv_tensor", FN(pipe_recv_tensor), METH_VARARGS | METH_KEYWORDS,
-     "recv_tensor(timeout=None) -> kvpipe.Tensor or None\n\nWait (timeout in seconds; None: no "
-     "limit) for the next tensor. Ctrl-C interrupts the wait. Raises kvpipe.Error (status "
-     "kvpipe.ETIMEDOUT on timeout; after EPROTO / ERANGE the bad message is dropped and the "
-     "pipe goes on)."},
+     "recv_tensor(timeout=None, device=None) -> kvpipe.Tensor or None\n\nWait (timeout in "
+     "seconds; None: no limit) for the next tensor. device: 'cpu', 'cuda', 'cuda:N', an int "
+     "or a torch.device (None: the Pipe's device); on a CUDA device the tensor is copied "
+     "there once (the device is checked before a tensor is taken). Ctrl-C interrupts the "
+     "wait. Raises kvpipe.Error (status kvpipe.ETIMEDOUT on timeout; after EPROTO / ERANGE "
+     "the bad message is dropped and the pipe goes on)."},
     {"flush", FN(pipe_flush), METH_VARARGS | METH_KEYWORDS,
      "flush(timeout=30.0)\n\nWait until the peer has acknowledged every sent tensor."},
     {"stats", FN(pipe_stats), METH_VARARGS | METH_KEYWORDS,
@@ -722,11 +913,13 @@ static PyTypeObject pipe_type = {
               "     io_timeout=5.0, max_message_bytes=32 GiB, disable_shm=False,\n"
               "     inline_max_bytes=131072, recv_window=32, recv_window_bytes=64 MiB,\n"
               "     max_control_frame=4096, redial_min=0.2, redial_max=5.0, ack_timeout=2.0,\n"
-              "     ack_linger=0.5, ack_delay_us=1000, zmq_hwm=1000, busy_poll_us=0)\n\n"
+              "     ack_linger=0.5, ack_delay_us=1000, zmq_hwm=1000, busy_poll_us=0,\n"
+              "     device=None)\n\n"
               "One side of a tensor pipe (vLLM's MooncakePipe wire). config: a path to the "
               "mooncake JSON, a dict of it, or None for $MOONCAKE_CONFIG_PATH. kv_rank 0 is "
               "prefill, 1 decode. Times in seconds; the options are kvp_pipe_opts' "
-              "(docs/pipe.md).",
+              "(docs/pipe.md); device: where recv_tensor() puts tensors ('cpu', 'cuda:N'; "
+              "docs/gpu.md).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)pipe_init,
     .tp_dealloc = (destructor)pipe_dealloc,

@@ -1,5 +1,7 @@
 /* kvpipe.Tensor: a tensor in CPU memory, exported without a copy through
- * DLPack (__dlpack__ / __dlpack_device__) and the buffer protocol.
+ * DLPack (__dlpack__ / __dlpack_device__) and the buffer protocol; or in the
+ * memory of a CUDA device (Pipe.recv_tensor(device="cuda:N")), exported
+ * through DLPack and __cuda_array_interface__ only (the CPU cannot read it).
  *
  * The tensor views memory it does not allocate (for a Pipe: the managed buffer
  * the bytes were READ into, or one from Pipe.alloc_tensor()) and keeps it alive
@@ -34,6 +36,7 @@ typedef struct kvpy_tensor {
     const void *take_tag; /* who may take the memory; NULL: nobody */
     Py_ssize_t exports;   /* live buffer views and DLPack managed tensors */
     enum { TENSOR_OWNED, TENSOR_TAKING, TENSOR_TAKEN } state;
+    int cuda_device; /* -1: CPU memory */
 } kvpy_tensor;
 
 static PyTypeObject tensor_type;
@@ -158,6 +161,7 @@ PyObject *kvpy_tensor_new(void *data, DLDataType dtype, int ndim, const int64_t 
     t->take_tag = take_tag;
     t->exports = 0;
     t->state = TENSOR_OWNED;
+    t->cuda_device = -1;
     size_t n = 1;
     for (int i = 0; i < ndim; i++)
         n *= (size_t)shape[i];
@@ -167,6 +171,11 @@ PyObject *kvpy_tensor_new(void *data, DLDataType dtype, int ndim, const int64_t 
         return PyErr_NoMemory();
     }
     return (PyObject *)t;
+}
+
+void kvpy_tensor_set_cuda(PyObject *obj, int device)
+{
+    ((kvpy_tensor *)obj)->cuda_device = device;
 }
 
 static PyObject *raise_taken(void)
@@ -262,7 +271,8 @@ void kvpy_tensor_take_end(PyObject *obj, int taken)
 static void fill_dltensor(kvpy_tensor *self, DLTensor *dl)
 {
     dl->data = self->nbytes ? self->data : (void *)empty_data;
-    dl->device = (DLDevice){kDLCPU, 0};
+    dl->device = self->cuda_device < 0 ? (DLDevice){kDLCPU, 0}
+                                       : (DLDevice){kDLCUDA, self->cuda_device};
     dl->ndim = self->ndim;
     dl->dtype = self->dtype;
     dl->shape = self->shape;
@@ -342,14 +352,19 @@ static PyObject *versioned_capsule(kvpy_tensor *self, unsigned minor)
     return capsule;
 }
 
-static int check_dl_device(PyObject *dl_device)
+static int check_dl_device(kvpy_tensor *self, PyObject *dl_device)
 {
     if (!dl_device || dl_device == Py_None) return 0;
     int type = -1, id = -1;
     if (!PyArg_ParseTuple(dl_device, "ii", &type, &id)) return -1;
-    if (type == kDLCPU && id == 0) return 0;
-    PyErr_SetString(PyExc_BufferError, "kvpipe.Tensor lives in CPU memory; it cannot be exported "
-                                       "to another device without a copy");
+    if (self->cuda_device < 0 ? type == kDLCPU && id == 0
+                              : type == kDLCUDA && id == self->cuda_device)
+        return 0;
+    PyErr_Format(PyExc_BufferError,
+                 "kvpipe.Tensor lives in %s memory of device %d; it cannot be exported to DLPack "
+                 "device (%d, %d) without a copy",
+                 self->cuda_device < 0 ? "CPU" : "CUDA", self->cuda_device < 0 ? 0 : self->cuda_device,
+                 type, id);
     return -1;
 }
 
@@ -360,7 +375,7 @@ static PyObject *tensor_dlpack(kvpy_tensor *self, PyObject *args, PyObject *kwds
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|$OOOO:__dlpack__", kwlist, &stream, &max_version,
                                      &dl_device, &copy))
         return NULL;
-    if (check_exportable(self) || check_dl_device(dl_device)) return NULL;
+    if (check_exportable(self) || check_dl_device(self, dl_device)) return NULL;
     if (copy == Py_True) {
         PyErr_SetString(PyExc_BufferError, "kvpipe.Tensor exports without copying (copy=True "
                                            "is not supported)");
@@ -376,8 +391,8 @@ static PyObject *tensor_dlpack(kvpy_tensor *self, PyObject *args, PyObject *kwds
 
 static PyObject *tensor_dlpack_device(kvpy_tensor *self, PyObject *noargs)
 {
-    (void)self;
     (void)noargs;
+    if (self->cuda_device >= 0) return Py_BuildValue("(ii)", (int)kDLCUDA, self->cuda_device);
     return Py_BuildValue("(ii)", (int)kDLCPU, 0);
 }
 
@@ -386,6 +401,14 @@ static PyObject *tensor_dlpack_device(kvpy_tensor *self, PyObject *noargs)
 static int tensor_getbuffer(kvpy_tensor *self, Py_buffer *view, int flags)
 {
     if (check_exportable(self)) {
+        view->obj = NULL;
+        return -1;
+    }
+    if (self->cuda_device >= 0) {
+        PyErr_Format(PyExc_BufferError,
+                     "kvpipe.Tensor lives on cuda:%d, which the CPU cannot read; take it with "
+                     "torch.from_dlpack(t) (or __cuda_array_interface__)",
+                     self->cuda_device);
         view->obj = NULL;
         return -1;
     }
@@ -456,6 +479,50 @@ static PyObject *tensor_get_ndim(kvpy_tensor *self, void *closure)
     return PyLong_FromLong(self->ndim);
 }
 
+static PyObject *tensor_get_device(kvpy_tensor *self, void *closure)
+{
+    (void)closure;
+    if (self->cuda_device < 0) return PyUnicode_FromString("cpu");
+    return PyUnicode_FromFormat("cuda:%d", self->cuda_device);
+}
+
+/* numpy's typestr of a dtype (little-endian), NULL where numpy has none. */
+static const char *typestr(DLDataType dt)
+{
+    static const struct {
+        uint8_t code, bits;
+        const char *s;
+    } t[] = {{kDLBool, 8, "|b1"},   {kDLInt, 8, "|i1"},   {kDLInt, 16, "<i2"},
+             {kDLInt, 32, "<i4"},   {kDLInt, 64, "<i8"},  {kDLUInt, 8, "|u1"},
+             {kDLUInt, 16, "<u2"},  {kDLUInt, 32, "<u4"}, {kDLUInt, 64, "<u8"},
+             {kDLFloat, 16, "<f2"}, {kDLFloat, 32, "<f4"}, {kDLFloat, 64, "<f8"}};
+    for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
+        if (t[i].code == dt.code && t[i].bits == dt.bits) return t[i].s;
+    return NULL;
+}
+
+/* __cuda_array_interface__ (version 3) of a tensor on a CUDA device; an
+ * AttributeError for one in CPU memory, so hasattr() tells them apart. */
+static PyObject *tensor_get_cai(kvpy_tensor *self, void *closure)
+{
+    (void)closure;
+    if (self->cuda_device < 0)
+        return PyErr_Format(PyExc_AttributeError,
+                            "kvpipe.Tensor in CPU memory has no __cuda_array_interface__");
+    if (check_exportable(self)) return NULL;
+    const char *ts = typestr(self->dtype);
+    if (!ts)
+        return PyErr_Format(PyExc_AttributeError,
+                            "__cuda_array_interface__ has no typestr for %s; use DLPack",
+                            kvpy_dtype_name(self->dtype));
+    PyObject *shape = tensor_get_shape(self, NULL);
+    if (!shape) return NULL;
+    /* The bytes were copied and waited for: no stream to synchronise with. */
+    return Py_BuildValue("{s:N,s:s,s:(KO),s:O,s:i,s:O}", "shape", shape, "typestr", ts, "data",
+                         (unsigned long long)(uintptr_t)(self->nbytes ? self->data : NULL),
+                         Py_False, "strides", Py_None, "version", 3, "stream", Py_None);
+}
+
 static PyObject *tensor_data_ptr(kvpy_tensor *self, PyObject *noargs)
 {
     (void)noargs;
@@ -478,6 +545,9 @@ static PyGetSetDef tensor_getset[] = {
     {"dtype", (getter)tensor_get_dtype, NULL, "dtype name as torch spells it", NULL},
     {"nbytes", (getter)tensor_get_nbytes, NULL, "size of the data in bytes", NULL},
     {"ndim", (getter)tensor_get_ndim, NULL, "number of dimensions", NULL},
+    {"device", (getter)tensor_get_device, NULL, "'cpu' or 'cuda:N'", NULL},
+    {"__cuda_array_interface__", (getter)tensor_get_cai, NULL,
+     "version 3, for a tensor on a CUDA device", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -485,7 +555,7 @@ static PyMethodDef tensor_methods[] = {
     {"__dlpack__", (PyCFunction)(void (*)(void))tensor_dlpack, METH_VARARGS | METH_KEYWORDS,
      "__dlpack__(*, stream=None, max_version=None, dl_device=None, copy=None) -> PyCapsule"},
     {"__dlpack_device__", (PyCFunction)tensor_dlpack_device, METH_NOARGS,
-     "__dlpack_device__() -> (1, 0): CPU memory"},
+     "__dlpack_device__() -> (1, 0) for CPU memory, (2, N) on cuda:N"},
     {"data_ptr", (PyCFunction)tensor_data_ptr, METH_NOARGS,
      "data_ptr() -> int: address of the first element"},
     {NULL, NULL, 0, NULL},
@@ -495,9 +565,9 @@ static PyTypeObject tensor_type = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvpipe.Tensor",
     .tp_basicsize = sizeof(kvpy_tensor),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A tensor in CPU memory, from Pipe.recv_tensor() or Pipe.alloc_tensor(). Take it "
-              "without a copy with torch.from_dlpack(t), numpy.from_dlpack(t) or memoryview(t) / "
-              "numpy.asarray(t).",
+    .tp_doc = "A tensor from Pipe.recv_tensor() or Pipe.alloc_tensor(), in CPU memory or (recv_tensor "
+              "with a device) on a CUDA device. Take it without a copy with torch.from_dlpack(t); "
+              "in CPU memory also numpy.from_dlpack(t) or memoryview(t) / numpy.asarray(t).",
     .tp_dealloc = (destructor)tensor_dealloc,
     .tp_repr = (reprfunc)tensor_repr,
     .tp_as_buffer = &tensor_as_buffer,

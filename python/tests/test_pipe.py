@@ -243,8 +243,8 @@ class PairTests(PipePairCase):
             self.prefill.send_tensor(np.arange(12).reshape(3, 4)[:, ::2])  # not contiguous
         with self.assertRaises((TypeError, ValueError, BufferError)):
             self.prefill.send_tensor(np.arange(4, dtype=">i4"))  # big-endian
-        with self.assertRaises(ValueError):
-            self.prefill.send_tensor(DLPackBox(b"\0" * 8, 2, 32, (2,), device_type=2))
+        with self.assertRaises(ValueError):  # OpenCL: neither CPU nor CUDA memory
+            self.prefill.send_tensor(DLPackBox(b"\0" * 8, 2, 32, (2,), device_type=4))
         with self.assertRaises(ValueError):
             self.prefill.send_tensor(DLPackBox(b"\0" * 32, 2, 32, (2, 2), strides=(1, 2)))
         # nothing of the above was sent
