@@ -10,6 +10,7 @@ a ctypes buffer of SIZE bytes, fills both with pattern(seed 1 / seed 2), prints
 and then serves commands from stdin, one per line:
 
     HEX <addr> <length>   print the bytes at addr as hex
+    SHA <addr> <length>   print the sha256 of the bytes at addr
     WAITNOTIFY <name> <addr> <length>
                           poll get_notifies() until a notification of that name
                           arrives (10 s at most), then at once print
@@ -49,6 +50,9 @@ def main():
         if words and words[0] == "HEX":
             data = eng.read_bytes_from_buffer(int(words[1]), int(words[2]))
             print(data.hex(), flush=True)
+        elif words and words[0] == "SHA":
+            data = eng.read_bytes_from_buffer(int(words[1]), int(words[2]))
+            print(hashlib.sha256(data).hexdigest(), flush=True)
         elif words and words[0] == "WAITNOTIFY":
             want, addr, n = words[1], int(words[2]), int(words[3])
             deadline, reply = time.monotonic() + 10, "NONE"
