@@ -116,11 +116,9 @@ static void device_tensors_both_ways(void)
 static void send_errors(void)
 {
     kvpt_pipe_setup s;
-    REQUIRE(kvpt_pipe_setup_make(&s, 1) == 0);
-    kvp_pipe_opts o = kvpt_pipe_tcp_opts();
-    o.send_timeout_ms = 300;
-    kvp_pipe *pipe;
-    REQUIRE_OK(kvpt_pipe_open(s.json, 0, &o, &pipe));
+    kvp_pipe_opts o;
+    kvp_pipe *pipe = kvpt_pipe_alone(&s, &o);
+    REQUIRE(pipe != NULL);
 
     /* Neither host nor device memory: refused, named. */
     void *hole = mmap(NULL, 1 << 16, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);

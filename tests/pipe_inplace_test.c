@@ -158,11 +158,9 @@ static void test_send_in_place_shm(void)
 static void test_send_in_place_no_peer(void)
 {
     kvpt_pipe_setup s;
-    REQUIRE(kvpt_pipe_setup_make(&s, 1) == 0);
-    kvp_pipe_opts o = kvpt_pipe_tcp_opts();
-    o.send_timeout_ms = 300;
-    kvp_pipe *pipe;
-    REQUIRE_OK(kvpt_pipe_open(s.json, 0, &o, &pipe));
+    kvp_pipe_opts o;
+    kvp_pipe *pipe = kvpt_pipe_alone(&s, &o);
+    REQUIRE(pipe != NULL);
     int64_t n = 100000;
     kvp_tensor *t;
     REQUIRE_OK(kvp_pipe_tensor_alloc(pipe, KVP_DTYPE_U8, 1, &n, &t));

@@ -125,11 +125,9 @@ static void test_sender_killed(void)
 static void test_no_peer(void)
 {
     kvpt_pipe_setup s;
-    REQUIRE(kvpt_pipe_setup_make(&s, 1) == 0);
-    kvp_pipe_opts o = kvpt_pipe_tcp_opts();
-    o.send_timeout_ms = 300;
-    kvp_pipe *pipe;
-    REQUIRE_OK(kvpt_pipe_open(s.json, 0, &o, &pipe));
+    kvp_pipe_opts o;
+    kvp_pipe *pipe = kvpt_pipe_alone(&s, &o);
+    REQUIRE(pipe != NULL);
     float v = 1;
     int64_t one = 1;
     kvp_tensor t;

@@ -61,6 +61,17 @@ kvp_status kvpt_pipe_open(const char *json, int rank, const kvp_pipe_opts *o, kv
     return st;
 }
 
+kvp_pipe *kvpt_pipe_alone(kvpt_pipe_setup *s, kvp_pipe_opts *o)
+{
+    kvp_pipe *pipe = NULL;
+    if (kvpt_pipe_setup_make(s, 1) != 0) return NULL;
+    *o = kvpt_pipe_tcp_opts();
+    o->send_timeout_ms = 300;
+    if (kvpt_pipe_open(s->json, 0, o, &pipe) != KVP_OK)
+        fprintf(stderr, "  open: %s\n", kvp_last_error());
+    return pipe;
+}
+
 pid_t kvpt_pipe_spawn(const kvpt_pipe_setup *s, int rank, const kvp_pipe_opts *o, kvpt_side_fn fn)
 {
     fflush(NULL);

@@ -52,6 +52,11 @@ kvp_pipe_opts kvpt_pipe_tcp_opts(void);
 /* Open side rank (0 prefill, 1 decode) of the config in json. */
 kvp_status kvpt_pipe_open(const char *json, int rank, const kvp_pipe_opts *o, kvp_pipe **out);
 
+/* A prefill side with no peer: P2P metadata, kvpt_pipe_tcp_opts() with a
+ * 300 ms send timeout (kept in *s and *o for a second open). NULL, the
+ * reason printed, when it did not open. */
+kvp_pipe *kvpt_pipe_alone(kvpt_pipe_setup *s, kvp_pipe_opts *o);
+
 /* A side's body; returns non-zero to skip the final flush (its peer is gone). */
 typedef int (*kvpt_side_fn)(kvp_pipe *pipe, int rank);
 
