@@ -4,6 +4,8 @@
  *   POST /v3/kv/put         {"key": b64, "value": b64}
  *   POST /v3/kv/range       {"key": b64}  -> {"kvs": [{"value": b64}]} or no "kvs"
  *   POST /v3/kv/deleterange {"key": b64}
+ *   POST /v3/kv/txn         {"success": [{"request_range": {"key": b64}}, ...]}
+ *                           (several keys in one round trip: a segment lookup)
  *   POST /v3/watch          a stream of changes under a prefix (below)
  *
  * /v3/ is the gateway prefix of etcd 3.4 and later (3.3 served /v3beta/, which
@@ -413,6 +415,56 @@ static kvp_status etcd_get(void *store, const char *key, char **value)
     return st;
 }
 
+/* One txn of range requests, without compares (so its success branch runs):
+ *   {"success": [{"request_range": {"key": b64}}, ...]}
+ *   -> {"responses": [{"response_range": {"kvs": [...]}}, ...]} */
+static kvp_status etcd_get_many(void *store, const char *const *keys, size_t n, char **values)
+{
+    etcd_store *s = store;
+    cJSON *body = cJSON_CreateObject(), *ops = cJSON_AddArrayToObject(body, "success");
+    int ok = ops != NULL;
+    for (size_t i = 0; i < n && ok; i++) {
+        char *k = b64_encode((const unsigned char *)keys[i], strlen(keys[i]));
+        cJSON *op = cJSON_CreateObject(), *range = cJSON_AddObjectToObject(op, "request_range");
+        ok = k && range && cJSON_AddStringToObject(range, "key", k) &&
+             cJSON_AddItemToArray(ops, op);
+        if (!ok) cJSON_Delete(op);
+        free(k);
+    }
+    char *text = ok ? cJSON_PrintUnformatted(body) : NULL;
+    cJSON_Delete(body);
+    if (!text) return kvpi_error(KVP_ENOMEM, "etcd: out of memory");
+    cJSON *resp = NULL;
+    kvp_status st = request(s, "/v3/kv/txn", text, &resp);
+    free(text);
+    if (st) return st;
+    const cJSON *rs = cJSON_GetObjectItemCaseSensitive(resp, "responses");
+    if (!cJSON_IsArray(rs) || cJSON_GetArraySize(rs) != (int)n)
+        st = kvpi_error(KVP_EMETADATA, "etcd at %s: malformed txn answer", s->addrs);
+    for (size_t i = 0; i < n; i++)
+        values[i] = NULL;
+    for (size_t i = 0; i < n && !st; i++) {
+        const cJSON *r = cJSON_GetObjectItemCaseSensitive(cJSON_GetArrayItem(rs, (int)i),
+                                                          "response_range");
+        const cJSON *kv = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(r, "kvs"), 0);
+        if (!cJSON_IsObject(r))
+            st = kvpi_error(KVP_EMETADATA, "etcd at %s: malformed txn answer for '%s'",
+                            s->addrs, keys[i]);
+        else if (kv)
+            st = cJSON_IsObject(kv) ? decode_value(s, keys[i], kv, &values[i])
+                                    : kvpi_error(KVP_EMETADATA,
+                                                 "etcd at %s: malformed range answer for '%s'",
+                                                 s->addrs, keys[i]);
+    }
+    cJSON_Delete(resp);
+    if (st)
+        for (size_t i = 0; i < n; i++) {
+            free(values[i]);
+            values[i] = NULL;
+        }
+    return st;
+}
+
 static kvp_status etcd_put(void *store, const char *key, const char *value)
 {
     cJSON *resp = NULL;
@@ -588,6 +640,7 @@ const kvpi_store_ops kvpi_store_etcd = {
     .accepts = etcd_accepts,
     .open = etcd_open,
     .get = etcd_get,
+    .get_many = etcd_get_many,
     .put = etcd_put,
     .del = etcd_del,
     .watch = etcd_watch_run,

@@ -260,14 +260,39 @@ static kvp_status host_of_name(const char *segment, char **host)
     return *host ? KVP_OK : kvpi_error(KVP_ENOMEM, "out of memory");
 }
 
+/* A segment's descriptor and rpc_meta: in one round trip where the store can
+ * (get_many), else one after the other. KVP_ENOTFOUND for either missing. */
+static kvp_status get_both(kvpi_meta *m, const char *segment, char **d, char **rpc,
+                           kvp_status *rpc_st)
+{
+    if (!m->ops->get_many) {
+        kvp_status st = get_kind(m, "ram", segment, d);
+        if (!st) *rpc_st = get_kind(m, "rpc_meta", segment, rpc);
+        return st;
+    }
+    char *keys[2] = {kvpi_meta_key("ram", segment), kvpi_meta_key("rpc_meta", segment)};
+    char *values[2] = {NULL, NULL};
+    kvp_status st = keys[0] && keys[1]
+                        ? m->ops->get_many(m->store, (const char *const *)keys, 2, values)
+                        : kvpi_error(KVP_ENOMEM, "out of memory");
+    free(keys[0]);
+    free(keys[1]);
+    if (st) return st;
+    *d = values[0];
+    *rpc = values[1];
+    *rpc_st = values[1] ? KVP_OK : KVP_ENOTFOUND;
+    return values[0] ? KVP_OK : KVP_ENOTFOUND;
+}
+
 static kvp_status fetch_store(kvpi_meta *m, const char *segment, char **desc, char **host)
 {
     char *d = NULL, *rpc = NULL, *h = NULL;
-    kvp_status st = get_kind(m, "ram", segment, &d);
+    kvp_status rpc_st = KVP_ENOTFOUND;
+    kvp_status st = get_both(m, segment, &d, &rpc, &rpc_st);
     if (st == KVP_ENOTFOUND)
         st = kvpi_error(KVP_ENOTFOUND, "segment '%s' is not registered in %s", segment, m->conn);
     if (st) goto out;
-    st = get_kind(m, "rpc_meta", segment, &rpc);
+    st = rpc_st;
     if (st == KVP_ENOTFOUND)
         st = host_of_name(segment, &h);
     else if (st == KVP_OK)

@@ -41,6 +41,10 @@ typedef struct kvpi_store_ops {
     kvp_status (*put)(void *store, const char *key, const char *value);
     /* Deleting a missing key succeeds. */
     kvp_status (*del)(void *store, const char *key);
+    /* Optional (NULL: one get per key): the values of n keys, read together
+     * in one round trip; values[i] is malloc'ed text, or NULL where key i is
+     * missing. Fails (all values NULL) only when the store does. */
+    kvp_status (*get_many)(void *store, const char *const *keys, size_t n, char **values);
     /* Optional (NULL: the store cannot be watched, and kvpi_meta_watch polls).
      * Follow the changes of the keys that start with prefix on a connection
      * of its own: changed(ctx, NULL) once the stream is established (changes

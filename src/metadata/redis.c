@@ -379,6 +379,48 @@ static kvp_status redis_get(void *store, const char *key, char **value)
     return st;
 }
 
+static kvp_status redis_get_many(void *store, const char *const *keys, size_t n, char **values)
+{
+    redis_store *s = store;
+    const char **argv = malloc((n + 1) * sizeof *argv);
+    size_t *lens = malloc((n + 1) * sizeof *lens);
+    if (!argv || !lens) {
+        free(argv);
+        free(lens);
+        return kvpi_error(KVP_ENOMEM, "redis: out of memory");
+    }
+    argv[0] = "MGET";
+    lens[0] = 4;
+    for (size_t i = 0; i < n; i++) {
+        argv[i + 1] = keys[i];
+        lens[i + 1] = strlen(keys[i]);
+        values[i] = NULL;
+    }
+    redisReply *r = NULL;
+    kvp_status st = command(s, (int)n + 1, argv, lens, &r);
+    free(argv);
+    free(lens);
+    if (st) return st;
+    if (r->type != REDIS_REPLY_ARRAY || r->elements != n)
+        st = kvpi_error(KVP_EMETADATA, "redis at %s: malformed MGET answer", s->addr);
+    for (size_t i = 0; i < n && !st; i++) {
+        const redisReply *e = r->element[i];
+        if (e->type == REDIS_REPLY_NIL) continue;
+        if (e->type != REDIS_REPLY_STRING || memchr(e->str, '\0', e->len))
+            st = kvpi_error(KVP_EMETADATA, "redis at %s: value of '%s' is not text", s->addr,
+                            keys[i]);
+        else if (!(values[i] = strndup(e->str, e->len)))
+            st = kvpi_error(KVP_ENOMEM, "redis: out of memory");
+    }
+    freeReplyObject(r);
+    if (st)
+        for (size_t i = 0; i < n; i++) {
+            free(values[i]);
+            values[i] = NULL;
+        }
+    return st;
+}
+
 static kvp_status redis_put(void *store, const char *key, const char *value)
 {
     const char *argv[] = {"SET", key, value};
@@ -520,6 +562,7 @@ const kvpi_store_ops kvpi_store_redis = {
     .accepts = redis_accepts,
     .open = redis_open,
     .get = redis_get,
+    .get_many = redis_get_many,
     .put = redis_put,
     .del = redis_del,
     .watch = redis_watch,
