@@ -950,7 +950,10 @@ static void meta_watch(kvpt_server *srv, const kvpi_store_ops *ops)
         usleep(10000);
     CHECK(kvpi_meta_watch_state(watch) == want);
     if (ops->watch) {
-        CHECK(w.resyncs >= 1); /* established: the caller revalidates once */
+        pthread_mutex_lock(&w.lock);
+        int resyncs = w.resyncs;
+        pthread_mutex_unlock(&w.lock);
+        CHECK(resyncs >= 1); /* established: the caller revalidates once */
         CHECK_OK(ops->put(raw, "mooncake/ram/seg-a", "{}"));
         CHECK(saw(&w, "seg-a"));
         CHECK_OK(ops->put(raw, "mooncake/rpc_meta/seg-b", "{}"));
@@ -969,9 +972,14 @@ static void meta_watch(kvpt_server *srv, const kvpi_store_ops *ops)
             CHECK(strcmp(w.names[i], "seg-c") != 0);
         pthread_mutex_unlock(&w.lock);
     } else {
+        pthread_mutex_lock(&w.lock);
         int before = w.resyncs;
+        pthread_mutex_unlock(&w.lock);
         usleep(700000);
-        CHECK(w.resyncs >= before + 2); /* every 200 ms */
+        pthread_mutex_lock(&w.lock);
+        int after = w.resyncs;
+        pthread_mutex_unlock(&w.lock);
+        CHECK(after >= before + 2); /* every 200 ms */
     }
     uint64_t t = kvpi_now_ns();
     kvpi_meta_watch_stop(watch);

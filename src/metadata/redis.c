@@ -515,6 +515,9 @@ static kvp_status redis_watch(void *store, const char *prefix, int stop_fd,
     sigpipe_guard g;
     sigpipe_block(&g);
     kvp_status st = dial(s, &c);
+    /* A server that vanishes without a reset is noticed (hiredis: 15 s idle). */
+    if (!st && redisEnableKeepAlive(c) != REDIS_OK)
+        KVPI_DEBUG("redis at %s: watch: no TCP keepalive: %s", s->addr, c->errstr);
     if (!st) st = enable_keyspace(s, c);
     if (st == KVP_ENOTSUP)
         st = kvpi_error(KVP_ENOTSUP, "redis at %s: %s", s->addr, kvp_last_error());
