@@ -760,6 +760,7 @@ static void restart_reaches_cache(fixture *f, int bound_ms)
     CHECK(target_holds(t, t->addr, t->len, 4));
     CHECK(metric_sum(f->eng, "kvpipe_engine_errors_total") == errors);
     CHECK(metric_sum(f->eng, "kvpipe_engine_retries_total") == retries);
+    CHECK(metric_sum(f->eng, "kvpipe_engine_descriptor_changes_total") >= 1);
     free(want);
 }
 

@@ -319,6 +319,7 @@ static kvp_status revalidate(kvp_engine *e, kvpi_segment *seg)
         KVPI_INFO("segment %s: its descriptor changed in the metadata store; the next transfer "
                   "uses the new one",
                   seg->name);
+        kvpi_counter_add(&e->metrics.changes, 1);
         release(NULL, seg, peer, 1); /* detaches it, and drops our reference */
         peer = NULL;
     }
