@@ -107,11 +107,16 @@ int main(int argc, char **argv)
                                          {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        if (c == 'm') conn = optarg;
-        else if (c == 'n') n = atol(optarg);
-        else if (c == 'c') changes = atol(optarg);
-        else if (c == 'r') rounds = atol(optarg);
-        else return 2;
+        if (c == 'm')
+            conn = optarg;
+        else if (c == 'n')
+            n = atol(optarg);
+        else if (c == 'c')
+            changes = atol(optarg);
+        else if (c == 'r')
+            rounds = atol(optarg);
+        else
+            return 2;
     }
     if (!conn || n < 1 || changes < 0 || rounds < 1) {
         fprintf(stderr, "usage: md_scale --metadata-server CONN [--segments N] [--changes K] "
@@ -130,7 +135,7 @@ int main(int argc, char **argv)
     char rpc[400];
     snprintf(rpc, sizeof rpc, "{\"ip_or_host_name\":\"%s\",\"rpc_port\":%d}\n", tgt->self.host,
              tgt->self.port);
-    char (*names)[64] = calloc((size_t)n, sizeof *names);
+    char(*names)[64] = calloc((size_t)n, sizeof *names);
     uint64_t *cold = calloc((size_t)n, sizeof *cold);
     uint64_t *warm = calloc((size_t)(n * rounds), sizeof *warm);
     uint64_t *get_ns = calloc((size_t)n, sizeof *get_ns);
@@ -209,7 +214,8 @@ int main(int argc, char **argv)
 
     double get50 = pct_ms(get_ns, (size_t)n, 50), get99 = pct_ms(get_ns, (size_t)n, 99);
     double c50 = pct_ms(cold, (size_t)n, 50), c99 = pct_ms(cold, (size_t)n, 99);
-    double w50 = pct_ms(warm, (size_t)(n * rounds), 50), w99 = pct_ms(warm, (size_t)(n * rounds), 99);
+    double w50 = pct_ms(warm, (size_t)(n * rounds), 50),
+           w99 = pct_ms(warm, (size_t)(n * rounds), 99);
     double p50 = pct_ms(prop, (size_t)done, 50), p99 = pct_ms(prop, (size_t)done, 99);
     double pmax = pct_ms(prop, (size_t)done, 100);
     double put50 = pct_ms(put_ns, (size_t)done, 50);

@@ -748,8 +748,9 @@ static void restart_reaches_cache(fixture *f, int bound_ms)
             usleep(1000);
     }
     double ms = seen ? (double)(seen - up) / 1e6 : -1;
-    fprintf(stderr, "  %s: the new descriptor reached the initiator %.1f ms after the new "
-                    "process was up (bound %d ms)\n",
+    fprintf(stderr,
+            "  %s: the new descriptor reached the initiator %.1f ms after the new "
+            "process was up (bound %d ms)\n",
             f->srv.kind, ms, bound_ms);
     CHECK(seen && ms < bound_ms);
     /* The next transfer goes to the new process, first time. */

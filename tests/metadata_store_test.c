@@ -962,7 +962,7 @@ static void meta_watch(kvpt_server *srv, const kvpi_store_ops *ops)
         w.n = 0;
         pthread_mutex_unlock(&w.lock);
         CHECK_OK(ops->del(raw, "mooncake/ram/seg-a"));
-        CHECK(saw(&w, "seg-a")); /* deleted */
+        CHECK(saw(&w, "seg-a"));                       /* deleted */
         CHECK_OK(ops->put(raw, "mooncake/x/y", "{}")); /* a name with a '/' */
         CHECK(saw(&w, "x/y"));
         CHECK_OK(ops->put(raw, "other/ram/seg-c", "{}")); /* not below the prefix */

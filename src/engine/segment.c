@@ -367,13 +367,25 @@ static void watch_start(kvp_engine *e)
     e->watch_tried = 1;
     const char *mode = getenv("KVPIPE_METADATA_WATCH");
     const char *poll_env = getenv("KVPIPE_METADATA_POLL_MS");
-    int poll_ms = poll_env ? atoi(poll_env) : 0;
-    if (poll_ms <= 0) poll_ms = WATCH_POLL_MS_DEFAULT;
+    char *end = NULL;
+    long poll_ms = poll_env ? strtol(poll_env, &end, 10) : WATCH_POLL_MS_DEFAULT;
+    if (poll_env && (!*poll_env || *end || poll_ms < 10 || poll_ms > 3600000)) {
+        KVPI_WARN("KVPIPE_METADATA_POLL_MS='%s' is not a number of milliseconds in "
+                  "10..3600000: polling every %d ms",
+                  poll_env, WATCH_POLL_MS_DEFAULT);
+        poll_ms = WATCH_POLL_MS_DEFAULT;
+    }
+    if (mode && strcmp(mode, "watch") != 0 && strcmp(mode, "poll") != 0 &&
+        strcmp(mode, "off") != 0) {
+        KVPI_WARN("KVPIPE_METADATA_WATCH='%s' is none of watch, poll, off: watching", mode);
+        mode = NULL;
+    }
     if (mode && strcmp(mode, "off") == 0) {
         KVPI_INFO("engine %s: KVPIPE_METADATA_WATCH=off: cached descriptors are looked up "
                   "again only after a failed transfer",
                   e->name);
-    } else if (kvpi_meta_watch_start(e->meta, mode && strcmp(mode, "poll") == 0 ? -poll_ms : poll_ms,
+    } else if (kvpi_meta_watch_start(e->meta,
+                                     (int)(mode && strcmp(mode, "poll") == 0 ? -poll_ms : poll_ms),
                                      watch_changed, e, &e->watch)) {
         KVPI_WARN("engine %s: cannot follow the metadata store (%s): cached descriptors are "
                   "looked up again only after a failed transfer",

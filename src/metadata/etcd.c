@@ -44,8 +44,8 @@ typedef struct etcd_store {
     char *urls[ETCD_MAX_ENDPOINTS]; /* "http://h:p" */
     char *addrs;                    /* "h:p,h:p", for messages */
     size_t n;
-    atomic_size_t preferred; /* the endpoint that last answered */
-    atomic_size_t watch_next; /* the endpoint the next watch stream tries */
+    atomic_size_t preferred;                    /* the endpoint that last answered */
+    atomic_size_t watch_next;                   /* the endpoint the next watch stream tries */
     kvpi_curl_pool handles[ETCD_MAX_ENDPOINTS]; /* kept-alive connections, per endpoint */
     int timeout_ms;
     int bare; /* the connection string had no scheme: etcd was assumed */
@@ -202,9 +202,8 @@ static int is_connection_error(CURLcode rc)
 enum attempt_result { ATTEMPT_OK, ATTEMPT_RETRY, ATTEMPT_FAIL };
 
 /* POST body to one endpoint. On failure, appends a description to err. */
-static enum attempt_result attempt(etcd_store *s, size_t idx, const char *path,
-                                   const char *body, kvpi_curl_body *resp, long *http_code,
-                                   char *err, size_t err_len)
+static enum attempt_result attempt(etcd_store *s, size_t idx, const char *path, const char *body,
+                                   kvpi_curl_body *resp, long *http_code, char *err, size_t err_len)
 {
     CURL *h = kvpi_curl_take(&s->handles[idx]);
     if (!h) {
@@ -426,8 +425,8 @@ static kvp_status etcd_get_many(void *store, const char *const *keys, size_t n, 
     for (size_t i = 0; i < n && ok; i++) {
         char *k = b64_encode((const unsigned char *)keys[i], strlen(keys[i]));
         cJSON *op = cJSON_CreateObject(), *range = cJSON_AddObjectToObject(op, "request_range");
-        ok = k && range && cJSON_AddStringToObject(range, "key", k) &&
-             cJSON_AddItemToArray(ops, op);
+        ok =
+            k && range && cJSON_AddStringToObject(range, "key", k) && cJSON_AddItemToArray(ops, op);
         if (!ok) cJSON_Delete(op);
         free(k);
     }
@@ -444,17 +443,17 @@ static kvp_status etcd_get_many(void *store, const char *const *keys, size_t n, 
     for (size_t i = 0; i < n; i++)
         values[i] = NULL;
     for (size_t i = 0; i < n && !st; i++) {
-        const cJSON *r = cJSON_GetObjectItemCaseSensitive(cJSON_GetArrayItem(rs, (int)i),
-                                                          "response_range");
+        const cJSON *r =
+            cJSON_GetObjectItemCaseSensitive(cJSON_GetArrayItem(rs, (int)i), "response_range");
         const cJSON *kv = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(r, "kvs"), 0);
         if (!cJSON_IsObject(r))
-            st = kvpi_error(KVP_EMETADATA, "etcd at %s: malformed txn answer for '%s'",
-                            s->addrs, keys[i]);
+            st = kvpi_error(KVP_EMETADATA, "etcd at %s: malformed txn answer for '%s'", s->addrs,
+                            keys[i]);
         else if (kv)
-            st = cJSON_IsObject(kv) ? decode_value(s, keys[i], kv, &values[i])
-                                    : kvpi_error(KVP_EMETADATA,
-                                                 "etcd at %s: malformed range answer for '%s'",
-                                                 s->addrs, keys[i]);
+            st = cJSON_IsObject(kv)
+                     ? decode_value(s, keys[i], kv, &values[i])
+                     : kvpi_error(KVP_EMETADATA, "etcd at %s: malformed range answer for '%s'",
+                                  s->addrs, keys[i]);
     }
     cJSON_Delete(resp);
     if (st)
@@ -516,7 +515,8 @@ static int watch_message(etcd_watch *w, const char *text)
                  cJSON_IsString(why) ? why->valuestring : "");
         rc = -1;
     } else {
-        if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(res, "created"))) w->changed(w->ctx, NULL);
+        if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(res, "created")))
+            w->changed(w->ctx, NULL);
         const cJSON *ev;
         cJSON_ArrayForEach(ev, cJSON_GetObjectItemCaseSensitive(res, "events"))
         {
@@ -566,8 +566,8 @@ static kvp_status etcd_watch_run(void *store, const char *prefix, int stop_fd,
     char *e = b64_encode((const unsigned char *)end, plen);
     free(end);
     char *body = NULL;
-    if (k && e && asprintf(&body, "{\"create_request\":{\"key\":\"%s\",\"range_end\":\"%s\"}}",
-                           k, e) < 0)
+    if (k && e &&
+        asprintf(&body, "{\"create_request\":{\"key\":\"%s\",\"range_end\":\"%s\"}}", k, e) < 0)
         body = NULL;
     free(k);
     free(e);
@@ -579,8 +579,8 @@ static kvp_status etcd_watch_run(void *store, const char *prefix, int stop_fd,
         if (multi) curl_multi_cleanup(multi);
         return kvpi_error(KVP_ENOMEM, "etcd: out of memory");
     }
-    etcd_watch w = {.s = s, .addr = s->urls[idx] + strlen("http://"), .changed = changed,
-                    .ctx = ctx};
+    etcd_watch w = {
+        .s = s, .addr = s->urls[idx] + strlen("http://"), .changed = changed, .ctx = ctx};
     char url[KVPI_HOST_MAX + 64], curl_err[CURL_ERROR_SIZE] = "";
     snprintf(url, sizeof url, "%s/v3/watch", s->urls[idx]);
     struct curl_slist *hdrs = curl_slist_append(NULL, "Content-Type: application/json");
@@ -605,7 +605,8 @@ static kvp_status etcd_watch_run(void *store, const char *prefix, int stop_fd,
             stopped = extra.revents != 0;
         }
         if (mc != CURLM_OK) {
-            st = kvpi_error(KVP_EMETADATA, "etcd at %s: watch: %s", w.addr, curl_multi_strerror(mc));
+            st =
+                kvpi_error(KVP_EMETADATA, "etcd at %s: watch: %s", w.addr, curl_multi_strerror(mc));
             break;
         }
     }
@@ -620,10 +621,10 @@ static kvp_status etcd_watch_run(void *store, const char *prefix, int stop_fd,
         char why[64];
         snprintf(why, sizeof why, "HTTP %ld", code);
         st = kvpi_error(KVP_EMETADATA, "etcd at %s: watch: %s", w.addr,
-                        w.err[0]               ? w.err
+                        w.err[0]                  ? w.err
                         : code && code / 100 != 2 ? why
-                        : rc != CURLE_OK       ? (curl_err[0] ? curl_err : curl_easy_strerror(rc))
-                                               : "the stream ended");
+                        : rc != CURLE_OK ? (curl_err[0] ? curl_err : curl_easy_strerror(rc))
+                                         : "the stream ended");
     }
     curl_multi_remove_handle(multi, h);
     curl_easy_cleanup(h);
