@@ -640,8 +640,9 @@ static void store_restart_while_running(fixture *f)
 }
 
 /* The target dies and a new process comes up at the same name with its
- * buffers elsewhere. The initiator's cached descriptor is stale: one transfer
- * fails, and the next one looks the peer up again and succeeds. */
+ * buffers elsewhere. A transfer to the old buffers fails, and the next one
+ * reaches the new process (without the watch: looked up again after the
+ * failure; watched_restart_reaches_initiator covers the watch). */
 static void restarted_peer_replaces_descriptor(fixture *f)
 {
     target *t = &f->tgt;
@@ -665,7 +666,8 @@ static void restarted_peer_replaces_descriptor(fixture *f)
         CHECK(!raw_missing(f, "rpc_meta", t->name));
     }
 
-    /* The stale descriptor points at a dead data connection: this fails... */
+    /* The old range fails: through the stale descriptor (a dead data
+     * connection), or, once the watch dropped it, as outside the new one... */
     char byte;
     CHECK(kvp_engine_read(f->eng, seg, &byte, old_addr, 1) != KVP_OK);
     /* ...and the next transfer uses the new descriptor. */
