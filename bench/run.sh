@@ -2,7 +2,7 @@
 # kvpipe benchmark driver: every figure is a ratio against a baseline measured
 # in the same run on the same machine.
 #
-#   bench/run.sh [--build DIR] [--duration SECONDS] [--repeat N] [--only tcp|shm|pipe|small|sweep|ucx|samehost]
+#   bench/run.sh [--build DIR] [--duration SECONDS] [--repeat N] [--only tcp|shm|pipe|small|sweep|ucx|samehost|mdscale]
 #
 # Sections:
 #   tcp   kvpipe bench READ/WRITE over TCP vs raw loopback TCP (bench/raw_tcp.c), both
@@ -21,6 +21,9 @@
 #         UCX_TLS of this host, and of registered memory vs bench/ucp_reg (the
 #         same loop on registered application memory)
 #   samehost  kvpipe READ/WRITE over shm vs over ucx on UCX's shared memory
+#   mdscale   1,000 segments in a fresh etcd and a fresh redis-server (bench/md_scale.c):
+#         segment lookup p50/p99 cold and warm vs one store GET, and how long a
+#         changed descriptor takes to reach a caching engine (its watch) vs one PUT
 # Each pair runs back to back and the median of --repeat runs is kept, which
 # damps noise from other load. Results go to stdout and bench/results/latest.md
 # (latest-SECTION.md for an --only run), and with gnuplot installed a plot of
@@ -38,13 +41,13 @@ while [ $# -gt 0 ]; do
     --duration) duration=$2; shift 2 ;;
     --repeat) repeat=$2; shift 2 ;;
     --only) only=$2; shift 2 ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     *) echo "bench/run.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
 kvpipe="$build/kvpipe"
 for bin in "$kvpipe" "$build/raw_tcp" "$build/memcpy_baseline" "$build/zmq_pushpull" \
-    "$build/zmq_reqrep" "$build/pipe_ping" "$build/engine_lat"; do
+    "$build/zmq_reqrep" "$build/pipe_ping" "$build/engine_lat" "$build/md_scale"; do
     [ -x "$bin" ] || { echo "bench/run.sh: $bin not built (cmake --build $build)" >&2; exit 1; }
 done
 tmp=$(mktemp -d)
@@ -506,7 +509,64 @@ plot() {
     gnuplot "$data/plot.gp" && echo "plot written to $png" >&2
 }
 
-for s in tcp shm pipe small sweep ucx samehost; do
+# ---------------------------------------------------------- mdscale section ---
+# A fresh etcd and redis-server on free loopback ports, in $tmp; md_scale on
+# each, --repeat times; the median of each figure.
+section_mdscale() {
+    echo "## Metadata at scale: 1,000 segments"
+    echo
+    local etcd_bin redis_bin
+    etcd_bin=$(command -v etcd || true); redis_bin=$(command -v redis-server || true)
+    if [ -z "$etcd_bin" ] || [ -z "$redis_bin" ]; then
+        echo "skipped: etcd and redis-server are needed (Debian etcd-server, redis-server)."
+        echo
+        return
+    fi
+    local ep pp rp
+    ep=$(free_port); pp=$(free_port); rp=$(free_port)
+    "$etcd_bin" --data-dir "$tmp/etcd" --listen-client-urls "http://127.0.0.1:$ep" \
+        --advertise-client-urls "http://127.0.0.1:$ep" --listen-peer-urls "http://127.0.0.1:$pp" \
+        --initial-advertise-peer-urls "http://127.0.0.1:$pp" \
+        --initial-cluster "default=http://127.0.0.1:$pp" > "$tmp/etcd.log" 2>&1 &
+    pids+=($!)
+    "$redis_bin" --port "$rp" --bind 127.0.0.1 --save '' --appendonly no --dir "$tmp" \
+        > "$tmp/redis.log" 2>&1 &
+    pids+=($!)
+    for _ in $(seq 100); do
+        curl -s -X POST "http://127.0.0.1:$ep/v3/kv/range" -d '{"key":"eA=="}' > /dev/null 2>&1 &&
+            break
+        sleep 0.1
+    done
+    echo "\`md_scale --segments 1000 --changes 100 --rounds 5\` (bench/md_scale.c): the"
+    echo "cold lookup is an engine's first \`kvp_engine_open_segment\` of a segment (one store"
+    echo "round trip for its descriptor and rpc_meta, parse, transport state; no connection), the"
+    echo "warm one the cached descriptor; a change is a rewritten descriptor, timed from just"
+    echo "before the write until the caching engine has dropped it. Baselines: one GET and one"
+    echo "PUT of a segment key with the same client, in the same run. Median of $repeat runs; ms."
+    echo
+    echo "| store | GET p50 / p99 | cold p50 / p99 | cold p99 / GET p99 | warm p50 / p99 | change p50 / p99 (max) | PUT p50 |"
+    echo "|---|---|---|---|---|---|---|"
+    local conn
+    for conn in "etcd://127.0.0.1:$ep" "redis://127.0.0.1:$rp"; do
+        local runs=()
+        for _ in $(seq "$repeat"); do
+            runs+=("$(KVPIPE_LOG=warn "$build/md_scale" --metadata-server "$conn" 2> "$tmp/md.err" |
+                tail -n 1)") || { cat "$tmp/md.err" >&2; return 1; }
+        done
+        printf '%s\n' "${runs[@]}" | python3 -c '
+import json, statistics, sys
+rs = [json.loads(l) for l in sys.stdin if l.strip()]
+m = lambda k: statistics.median(r[k] for r in rs)
+print("| %s | %.3f / %.3f | %.3f / %.3f | %.2f | %.4f / %.4f | %.3f / %.3f (%.3f), %s | %.3f |" % (
+    rs[0]["store"], m("get_p50_ms"), m("get_p99_ms"), m("cold_p50_ms"), m("cold_p99_ms"),
+    m("cold_p99_ms") / m("get_p99_ms"), m("warm_p50_ms"), m("warm_p99_ms"),
+    m("change_p50_ms"), m("change_p99_ms"), m("change_max_ms"), rs[0]["change_mode"],
+    m("put_p50_ms")))'
+    done
+    echo
+}
+
+for s in tcp shm pipe small sweep ucx samehost mdscale; do
     [ -n "$only" ] && [ "$only" != "$s" ] && continue
     "section_$s" | tee -a "$out"
 done

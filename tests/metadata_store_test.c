@@ -13,6 +13,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/clock.h"
 #include "common/net.h"
 #include "metadata/metadata.h"
 #include "servers.h"
@@ -882,6 +883,111 @@ typedef struct behaviour {
     const char *only; /* run for this store only; NULL: every store */
 } behaviour;
 
+/* get_many: present keys' values, NULL for missing ones, one round trip. */
+static void get_many(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    if (!ops->get_many) SKIP("%s reads one key at a time", ops->name);
+    void *s = open_store(ops, srv->conn);
+    REQUIRE(s);
+    CHECK_OK(ops->put(s, "mooncake/ram/a", "{\"a\":1}\n"));
+    CHECK_OK(ops->put(s, "mooncake/rpc_meta/b", "B"));
+    const char *keys[] = {"mooncake/ram/a", "mooncake/rpc_meta/a", "mooncake/rpc_meta/b"};
+    char *v[3] = {(char *)0x1, (char *)0x1, (char *)0x1};
+    CHECK_OK(ops->get_many(s, keys, 3, v));
+    CHECK(v[0] && strcmp(v[0], "{\"a\":1}\n") == 0);
+    CHECK(v[1] == NULL);
+    CHECK(v[2] && strcmp(v[2], "B") == 0);
+    free(v[0]);
+    free(v[2]);
+    ops->close(s);
+}
+
+/* What a watch hands its caller, collected. */
+typedef struct seen {
+    pthread_mutex_t lock;
+    char names[64][128];
+    int n, resyncs;
+} seen;
+
+static void on_change(void *ctx, const char *segment)
+{
+    seen *w = ctx;
+    pthread_mutex_lock(&w->lock);
+    if (!segment)
+        w->resyncs++;
+    else if (w->n < 64)
+        snprintf(w->names[w->n++], sizeof w->names[0], "%s", segment);
+    pthread_mutex_unlock(&w->lock);
+}
+
+static int saw(seen *w, const char *name)
+{
+    for (int waited = 0; waited < 3000; waited += 5, usleep(5000)) {
+        pthread_mutex_lock(&w->lock);
+        int found = 0;
+        for (int i = 0; i < w->n && !found; i++)
+            found = strcmp(w->names[i], name) == 0;
+        pthread_mutex_unlock(&w->lock);
+        if (found) return 1;
+    }
+    fprintf(stderr, "  no change of '%s' seen\n", name);
+    return 0;
+}
+
+/* kvpi_meta_watch: changes of any writer's keys, named by segment (etcd,
+ * redis); a store without a watch is polled (http). */
+static void meta_watch(kvpt_server *srv, const kvpi_store_ops *ops)
+{
+    kvpi_meta *m;
+    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, NULL, NULL, &m));
+    void *raw = open_store(ops, srv->conn);
+    REQUIRE(raw);
+    seen w = {.lock = PTHREAD_MUTEX_INITIALIZER};
+    kvpi_meta_watch *watch;
+    REQUIRE_OK(kvpi_meta_watch_start(m, 200, on_change, &w, &watch));
+    int want = ops->watch ? KVPI_WATCH_STREAMING : KVPI_WATCH_POLLING;
+    for (int i = 0; i < 500 && kvpi_meta_watch_state(watch) != want; i++)
+        usleep(10000);
+    CHECK(kvpi_meta_watch_state(watch) == want);
+    if (ops->watch) {
+        pthread_mutex_lock(&w.lock);
+        int resyncs = w.resyncs;
+        pthread_mutex_unlock(&w.lock);
+        CHECK(resyncs >= 1); /* established: the caller revalidates once */
+        CHECK_OK(ops->put(raw, "mooncake/ram/seg-a", "{}"));
+        CHECK(saw(&w, "seg-a"));
+        CHECK_OK(ops->put(raw, "mooncake/rpc_meta/seg-b", "{}"));
+        CHECK(saw(&w, "seg-b"));
+        pthread_mutex_lock(&w.lock);
+        w.n = 0;
+        pthread_mutex_unlock(&w.lock);
+        CHECK_OK(ops->del(raw, "mooncake/ram/seg-a"));
+        CHECK(saw(&w, "seg-a"));                       /* deleted */
+        CHECK_OK(ops->put(raw, "mooncake/x/y", "{}")); /* a name with a '/' */
+        CHECK(saw(&w, "x/y"));
+        CHECK_OK(ops->put(raw, "other/ram/seg-c", "{}")); /* not below the prefix */
+        usleep(200000);
+        pthread_mutex_lock(&w.lock);
+        for (int i = 0; i < w.n; i++)
+            CHECK(strcmp(w.names[i], "seg-c") != 0);
+        pthread_mutex_unlock(&w.lock);
+    } else {
+        pthread_mutex_lock(&w.lock);
+        int before = w.resyncs;
+        pthread_mutex_unlock(&w.lock);
+        usleep(700000);
+        pthread_mutex_lock(&w.lock);
+        int after = w.resyncs;
+        pthread_mutex_unlock(&w.lock);
+        CHECK(after >= before + 2); /* every 200 ms */
+    }
+    uint64_t t = kvpi_now_ns();
+    kvpi_meta_watch_stop(watch);
+    CHECK(kvpi_now_ns() - t < 500000000u); /* a waiting stream stops at once */
+    ops->close(raw);
+    kvpi_meta_close(m);
+}
+
 static const behaviour behaviours[] = {
     {"put_get_overwrite_del", put_get_overwrite_del, NULL},
     {"large_value", large_value, NULL},
@@ -896,6 +1002,8 @@ static const behaviour behaviours[] = {
     {"down_at_open", down_at_open, NULL},
     {"restart_in_use", restart_in_use, NULL},
     {"silent_server", silent_server, NULL},
+    {"get_many", get_many, NULL},
+    {"meta_watch", meta_watch, NULL},
     {"failover", etcd_failover, "etcd"},
     {"bad_conn", etcd_bad_conn, "etcd"},
     {"bare_hp_at_http_store", etcd_bare_hp_at_http_store, "etcd"},

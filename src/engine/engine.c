@@ -456,6 +456,7 @@ static kvp_status engine_create(const kvp_engine_opts *opts,
     pthread_mutex_init(&e->segments_lock, NULL);
     pthread_mutex_init(&e->keeper_lock, NULL);
     kvpi_cond_init(&e->keeper_cond);
+    pthread_mutex_init(&e->watch_lock, NULL);
     kvpi_notify_init(e);
     kvp_status st;
     if ((st = copy_opts(e, opts))) goto fail;
@@ -503,6 +504,7 @@ void kvp_engine_destroy(kvp_engine *e)
         pthread_mutex_unlock(&e->keeper_lock);
         pthread_join(e->keeper, NULL);
     }
+    kvpi_segments_watch_stop(e);
     if (e->claimed) {
         kvpi_meta_self me = self_of(e, e->desc_text); /* every other thread has stopped */
         if (kvpi_meta_release(e->meta, &me))
@@ -526,6 +528,7 @@ void kvp_engine_destroy(kvp_engine *e)
     pthread_mutex_destroy(&e->segments_lock);
     pthread_mutex_destroy(&e->keeper_lock);
     pthread_cond_destroy(&e->keeper_cond);
+    pthread_mutex_destroy(&e->watch_lock);
     free(e->desc_text);
     cJSON_Delete(e->fields);
     free(e->name);

@@ -125,6 +125,12 @@ struct kvp_engine {
     pthread_cond_t keeper_cond;
     int keeper_stop;
 
+    /* Following peers' descriptors in the store (segment.c): started with
+     * the first peer descriptor cached, stopped at destroy. */
+    pthread_mutex_t watch_lock;
+    kvpi_meta_watch *watch;
+    int watch_tried; /* started, failed to, or env says not to */
+
     kvpi_notify_queue notifies;
 
     kvpi_engine_metrics metrics;
@@ -156,6 +162,11 @@ void kvpi_segment_release_later(kvp_engine *e, kvpi_segment *seg, kvpi_peer *pee
 /* Close and free a peer nothing references any more. */
 void kvpi_peer_free(kvpi_peer *peer);
 void kvpi_segments_destroy(kvp_engine *e);
+/* Stop following the store (destroy, before kvpi_segments_destroy). */
+void kvpi_segments_watch_stop(kvp_engine *e);
+/* enum kvpi_watch_state of the engine's watch; -1 when it has none (not
+ * started yet, P2P mode, or KVPIPE_METADATA_WATCH=off). For tests. */
+int kvpi_engine_watch_state(kvp_engine *e);
 /* The link to move memory of the kinds in mask kinds (KVPI_MEM_BIT of the
  * local and the remote memory) with: the first allowed transport, in
  * preference order, that moves all of them and opens for this peer.

@@ -110,9 +110,13 @@ static const kvpi_metric_family
                  "Peer segment descriptors fetched from the metadata store or by handshake",
                  KVP_METRIC_COUNTER},
     f_refreshes = {"kvpipe_engine_descriptor_refreshes_total",
-                   "Lookups that replaced a descriptor dropped after a connection error or a "
-                   "range outside it",
+                   "Lookups that replaced a descriptor dropped after a connection error, a "
+                   "range outside it or a change in the store",
                    KVP_METRIC_COUNTER},
+    f_changes = {"kvpipe_engine_descriptor_changes_total",
+                 "Cached peer descriptors dropped because the metadata store held another "
+                 "(seen by the metadata watch or poll)",
+                 KVP_METRIC_COUNTER},
     f_notifies_received = {"kvpipe_engine_notifies_received_total",
                            "Notifications peers sent this engine that it queued",
                            KVP_METRIC_COUNTER},
@@ -176,6 +180,7 @@ static void collect_initiator(const kvpi_engine_metrics *m, kvp_metrics *out)
     kvpi_metrics_add(out, &f_retries, (double)kvpi_counter_get(&m->retries), NULL);
     kvpi_metrics_add(out, &f_lookups, (double)kvpi_counter_get(&m->lookups), NULL);
     kvpi_metrics_add(out, &f_refreshes, (double)kvpi_counter_get(&m->refreshes), NULL);
+    kvpi_metrics_add(out, &f_changes, (double)kvpi_counter_get(&m->changes), NULL);
     free(t);
 }
 

@@ -40,6 +40,9 @@ typedef struct kvpi_engine_metrics {
     /* Peer descriptors fetched from the store (or by handshake), and those of
      * them that replaced one dropped after an error or a range it missed. */
     kvpi_counter lookups, refreshes;
+    /* Cached descriptors dropped because the store held another (the
+     * metadata watch or poll, segment.c). */
+    kvpi_counter changes;
     /* Notifications: queued as received, refused (queue full, malformed),
      * sent and acknowledged by the peer. */
     kvpi_counter notifies_received, notifies_refused, notifies_sent;

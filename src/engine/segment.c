@@ -1,12 +1,15 @@
+#include <cjson/cJSON.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/auth.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "engine/engine_internal.h"
 
 static void peer_put(kvp_engine *later, kvpi_peer *peer);
+static void release(kvp_engine *later, kvpi_segment *seg, kvpi_peer *peer, int failed);
 
 kvp_status kvp_engine_open_segment(kvp_engine *e, const char *name, kvp_segment_id *out)
 {
@@ -280,6 +283,135 @@ static kvp_status peer_lookup(kvp_engine *e, const char *name, kvpi_peer **out)
     return KVP_OK;
 }
 
+/* ---- following peers' descriptors (docs/metadata-segments.md) ---- */
+
+#define WATCH_POLL_MS_DEFAULT 2000
+
+/* The cached descriptor and the store's text are the same descriptor: equal
+ * but for the signature (re-signed on its own every auth_max_age_ms / 4). */
+static int same_descriptor(const kvpi_peer *peer, const char *text, const char *host)
+{
+    if (strcmp(peer->host, host) != 0) return 0;
+    cJSON *now = cJSON_Parse(text), *was = cJSON_Duplicate(peer->desc.json, 1);
+    cJSON_DeleteItemFromObjectCaseSensitive(now, KVPI_AUTH_FIELD);
+    cJSON_DeleteItemFromObjectCaseSensitive(was, KVPI_AUTH_FIELD);
+    int same = now && was && cJSON_Compare(now, was, 1);
+    cJSON_Delete(now);
+    cJSON_Delete(was);
+    return same;
+}
+
+/* Look at the store's descriptor of a cached peer: a different one (a
+ * restarted peer, new regions) drops the cached peer, so that the next
+ * transfer looks it up afresh. A missing one does not: the peer's
+ * connections say whether it is gone, and a store that restarted empty gets
+ * the keys back from the peer's keeper. Returns the fetch's status. */
+static kvp_status revalidate(kvp_engine *e, kvpi_segment *seg)
+{
+    pthread_mutex_lock(&seg->lock);
+    kvpi_peer *peer = seg->peer;
+    if (peer) atomic_fetch_add(&peer->refs, 1);
+    pthread_mutex_unlock(&seg->lock);
+    if (!peer) return KVP_OK;
+    char *text = NULL, *host = NULL;
+    kvp_status st = kvpi_meta_fetch(e->meta, seg->name, &text, &host);
+    if (st == KVP_OK && !same_descriptor(peer, text, host)) {
+        KVPI_INFO("segment %s: its descriptor changed in the metadata store; the next transfer "
+                  "uses the new one",
+                  seg->name);
+        kvpi_counter_add(&e->metrics.changes, 1);
+        release(NULL, seg, peer, 1); /* detaches it, and drops our reference */
+        peer = NULL;
+    }
+    if (peer) peer_put(NULL, peer);
+    free(text);
+    free(host);
+    return st == KVP_ENOTFOUND ? KVP_OK : st;
+}
+
+/* kvpi_meta_change_fn: segment changed, or (NULL) anything may have. */
+static void watch_changed(void *ctx, const char *segment)
+{
+    kvp_engine *e = ctx;
+    if (segment) {
+        kvpi_segment *seg = kvpi_segment_find(e, segment);
+        if (seg) revalidate(e, seg);
+        return;
+    }
+    /* Every cached peer; stop at the first store error (the store is down:
+     * each look would wait for its timeout). */
+    pthread_mutex_lock(&e->segments_lock);
+    size_t n = e->n_segments;
+    kvpi_segment **segs = n ? malloc(n * sizeof *segs) : NULL;
+    if (segs) memcpy(segs, e->segments, n * sizeof *segs);
+    pthread_mutex_unlock(&e->segments_lock);
+    for (size_t i = 0; segs && i < n; i++) {
+        if (revalidate(e, segs[i]) == KVP_OK) continue;
+        KVPI_DEBUG("revalidating cached descriptors: %s", kvp_last_error());
+        break;
+    }
+    free(segs);
+}
+
+/* Start following the store, once, when the first peer descriptor is cached.
+ * KVPIPE_METADATA_WATCH: "watch" (the default), "poll" (revalidate every
+ * KVPIPE_METADATA_POLL_MS, default 2000), "off" (neither: a cached
+ * descriptor is looked up again only after a transfer with it failed). */
+static void watch_start(kvp_engine *e)
+{
+    pthread_mutex_lock(&e->watch_lock);
+    if (e->watch_tried || kvpi_meta_is_p2p(e->meta)) {
+        pthread_mutex_unlock(&e->watch_lock);
+        return;
+    }
+    e->watch_tried = 1;
+    const char *mode = getenv("KVPIPE_METADATA_WATCH");
+    const char *poll_env = getenv("KVPIPE_METADATA_POLL_MS");
+    char *end = NULL;
+    long poll_ms = poll_env ? strtol(poll_env, &end, 10) : WATCH_POLL_MS_DEFAULT;
+    if (poll_env && (!*poll_env || *end || poll_ms < 10 || poll_ms > 3600000)) {
+        KVPI_WARN("KVPIPE_METADATA_POLL_MS='%s' is not a number of milliseconds in "
+                  "10..3600000: polling every %d ms",
+                  poll_env, WATCH_POLL_MS_DEFAULT);
+        poll_ms = WATCH_POLL_MS_DEFAULT;
+    }
+    if (mode && strcmp(mode, "watch") != 0 && strcmp(mode, "poll") != 0 &&
+        strcmp(mode, "off") != 0) {
+        KVPI_WARN("KVPIPE_METADATA_WATCH='%s' is none of watch, poll, off: watching", mode);
+        mode = NULL;
+    }
+    if (mode && strcmp(mode, "off") == 0) {
+        KVPI_INFO("engine %s: KVPIPE_METADATA_WATCH=off: cached descriptors are looked up "
+                  "again only after a failed transfer",
+                  e->name);
+    } else if (kvpi_meta_watch_start(e->meta,
+                                     (int)(mode && strcmp(mode, "poll") == 0 ? -poll_ms : poll_ms),
+                                     watch_changed, e, &e->watch)) {
+        KVPI_WARN("engine %s: cannot follow the metadata store (%s): cached descriptors are "
+                  "looked up again only after a failed transfer",
+                  e->name, kvp_last_error());
+    }
+    pthread_mutex_unlock(&e->watch_lock);
+}
+
+void kvpi_segments_watch_stop(kvp_engine *e)
+{
+    pthread_mutex_lock(&e->watch_lock);
+    kvpi_meta_watch *w = e->watch;
+    e->watch = NULL;
+    e->watch_tried = 1; /* no start after this */
+    pthread_mutex_unlock(&e->watch_lock);
+    kvpi_meta_watch_stop(w);
+}
+
+int kvpi_engine_watch_state(kvp_engine *e)
+{
+    pthread_mutex_lock(&e->watch_lock);
+    int state = e->watch ? kvpi_meta_watch_state(e->watch) : -1;
+    pthread_mutex_unlock(&e->watch_lock);
+    return state;
+}
+
 kvp_status kvpi_segment_acquire(kvp_engine *e, kvpi_segment *seg, kvpi_peer **out)
 {
     kvp_status st = KVP_OK;
@@ -291,6 +423,7 @@ kvp_status kvpi_segment_acquire(kvp_engine *e, kvpi_segment *seg, kvpi_peer **ou
         if (seg->looked_up) kvpi_counter_add(&e->metrics.refreshes, 1);
         st = peer_lookup(e, seg->name, &seg->peer);
         if (st == KVP_OK) {
+            if (!seg->looked_up) watch_start(e);
             seg->looked_up = 1;
             const kvpi_transport_ops *ops = seg->peer->primary->ops;
             seg->transport = ops->name;

@@ -58,3 +58,42 @@ kvp_status kvpi_curl_init(const char *who)
     return kvpi_error(KVP_EMETADATA, "metadata store %s: curl_global_init failed: %s", who,
                       curl_easy_strerror(init_rc));
 }
+
+void kvpi_curl_pool_init(kvpi_curl_pool *pool)
+{
+    memset(pool, 0, sizeof *pool);
+    pthread_mutex_init(&pool->lock, NULL);
+}
+
+void kvpi_curl_pool_destroy(kvpi_curl_pool *pool)
+{
+    for (int i = 0; i < pool->n_idle; i++)
+        curl_easy_cleanup(pool->idle[i]);
+    pool->n_idle = 0;
+    pthread_mutex_destroy(&pool->lock);
+}
+
+CURL *kvpi_curl_take(kvpi_curl_pool *pool)
+{
+    CURL *h = NULL;
+    pthread_mutex_lock(&pool->lock);
+    if (pool->n_idle > 0) h = pool->idle[--pool->n_idle];
+    pthread_mutex_unlock(&pool->lock);
+    if (h) {
+        curl_easy_reset(h); /* keeps the connection cache, clears the last request's options */
+        return h;
+    }
+    return curl_easy_init();
+}
+
+void kvpi_curl_give(kvpi_curl_pool *pool, CURL *h, int ok)
+{
+    if (!h) return;
+    pthread_mutex_lock(&pool->lock);
+    if (ok && pool->n_idle < KVPI_CURL_IDLE_HANDLES) {
+        pool->idle[pool->n_idle++] = h;
+        h = NULL;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    if (h) curl_easy_cleanup(h);
+}

@@ -4,15 +4,19 @@
  *   POST /v3/kv/put         {"key": b64, "value": b64}
  *   POST /v3/kv/range       {"key": b64}  -> {"kvs": [{"value": b64}]} or no "kvs"
  *   POST /v3/kv/deleterange {"key": b64}
+ *   POST /v3/kv/txn         {"success": [{"request_range": {"key": b64}}, ...]}
+ *                           (several keys in one round trip: a segment lookup)
+ *   POST /v3/watch          a stream of changes under a prefix (below)
  *
  * /v3/ is the gateway prefix of etcd 3.4 and later (3.3 served /v3beta/, which
  * 3.4 still accepts; 3.5 dropped it), so /v3/ is the one to use.
  *
  * Several endpoints ("etcd://a:p,b:p"): each request starts at the endpoint
  * that last worked and fails over to the next one on a connection-level error
- * or an HTTP 503 (a member without a leader). Each request gets its own CURL
- * handle, so concurrent calls share nothing but the preferred index, which is
- * atomic. */
+ * or an HTTP 503 (a member without a leader). Each request takes a CURL
+ * handle of its endpoint's pool (kvpi_curl_pool: its kept-alive connection,
+ * owned for the request), so concurrent calls share nothing but the pools'
+ * locks and the preferred index, which is atomic. */
 #include <cjson/cJSON.h>
 #include <curl/curl.h>
 #include <pthread.h>
@@ -40,7 +44,9 @@ typedef struct etcd_store {
     char *urls[ETCD_MAX_ENDPOINTS]; /* "http://h:p" */
     char *addrs;                    /* "h:p,h:p", for messages */
     size_t n;
-    atomic_size_t preferred; /* the endpoint that last answered */
+    atomic_size_t preferred;                    /* the endpoint that last answered */
+    atomic_size_t watch_next;                   /* the endpoint the next watch stream tries */
+    kvpi_curl_pool handles[ETCD_MAX_ENDPOINTS]; /* kept-alive connections, per endpoint */
     int timeout_ms;
     int bare; /* the connection string had no scheme: etcd was assumed */
 } etcd_store;
@@ -196,11 +202,10 @@ static int is_connection_error(CURLcode rc)
 enum attempt_result { ATTEMPT_OK, ATTEMPT_RETRY, ATTEMPT_FAIL };
 
 /* POST body to one endpoint. On failure, appends a description to err. */
-static enum attempt_result attempt(const etcd_store *s, size_t idx, const char *path,
-                                   const char *body, kvpi_curl_body *resp, long *http_code,
-                                   char *err, size_t err_len)
+static enum attempt_result attempt(etcd_store *s, size_t idx, const char *path, const char *body,
+                                   kvpi_curl_body *resp, long *http_code, char *err, size_t err_len)
 {
-    CURL *h = curl_easy_init();
+    CURL *h = kvpi_curl_take(&s->handles[idx]);
     if (!h) {
         snprintf(err, err_len, "curl_easy_init failed");
         return ATTEMPT_FAIL;
@@ -214,7 +219,7 @@ static enum attempt_result attempt(const etcd_store *s, size_t idx, const char *
     CURLcode rc = curl_easy_perform(h);
     curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, http_code);
     curl_slist_free_all(hdrs);
-    curl_easy_cleanup(h);
+    kvpi_curl_give(&s->handles[idx], h, rc == CURLE_OK);
     const char *addr = s->urls[idx] + strlen("http://");
     size_t used = strlen(err);
     if (rc != CURLE_OK) {
@@ -334,6 +339,8 @@ static void etcd_close(void *store)
 {
     etcd_store *s = store;
     if (!s) return;
+    for (size_t i = 0; i < ETCD_MAX_ENDPOINTS; i++)
+        kvpi_curl_pool_destroy(&s->handles[i]);
     for (size_t i = 0; i < s->n; i++)
         free(s->urls[i]);
     free(s->addrs);
@@ -348,6 +355,8 @@ static kvp_status etcd_open(const char *conn, int timeout_ms, void **out)
     if (init) return init;
     etcd_store *s = calloc(1, sizeof *s);
     if (!s) return kvpi_error(KVP_ENOMEM, "etcd: out of memory");
+    for (size_t i = 0; i < ETCD_MAX_ENDPOINTS; i++)
+        kvpi_curl_pool_init(&s->handles[i]);
     s->timeout_ms = timeout_ms > 0 ? timeout_ms : 5000;
     s->bare = strncasecmp(conn, ETCD_SCHEME, strlen(ETCD_SCHEME)) != 0;
     kvp_status st = parse_endpoints(s, conn);
@@ -405,6 +414,56 @@ static kvp_status etcd_get(void *store, const char *key, char **value)
     return st;
 }
 
+/* One txn of range requests, without compares (so its success branch runs):
+ *   {"success": [{"request_range": {"key": b64}}, ...]}
+ *   -> {"responses": [{"response_range": {"kvs": [...]}}, ...]} */
+static kvp_status etcd_get_many(void *store, const char *const *keys, size_t n, char **values)
+{
+    etcd_store *s = store;
+    cJSON *body = cJSON_CreateObject(), *ops = cJSON_AddArrayToObject(body, "success");
+    int ok = ops != NULL;
+    for (size_t i = 0; i < n && ok; i++) {
+        char *k = b64_encode((const unsigned char *)keys[i], strlen(keys[i]));
+        cJSON *op = cJSON_CreateObject(), *range = cJSON_AddObjectToObject(op, "request_range");
+        ok =
+            k && range && cJSON_AddStringToObject(range, "key", k) && cJSON_AddItemToArray(ops, op);
+        if (!ok) cJSON_Delete(op);
+        free(k);
+    }
+    char *text = ok ? cJSON_PrintUnformatted(body) : NULL;
+    cJSON_Delete(body);
+    if (!text) return kvpi_error(KVP_ENOMEM, "etcd: out of memory");
+    cJSON *resp = NULL;
+    kvp_status st = request(s, "/v3/kv/txn", text, &resp);
+    free(text);
+    if (st) return st;
+    const cJSON *rs = cJSON_GetObjectItemCaseSensitive(resp, "responses");
+    if (!cJSON_IsArray(rs) || cJSON_GetArraySize(rs) != (int)n)
+        st = kvpi_error(KVP_EMETADATA, "etcd at %s: malformed txn answer", s->addrs);
+    for (size_t i = 0; i < n; i++)
+        values[i] = NULL;
+    for (size_t i = 0; i < n && !st; i++) {
+        const cJSON *r =
+            cJSON_GetObjectItemCaseSensitive(cJSON_GetArrayItem(rs, (int)i), "response_range");
+        const cJSON *kv = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(r, "kvs"), 0);
+        if (!cJSON_IsObject(r))
+            st = kvpi_error(KVP_EMETADATA, "etcd at %s: malformed txn answer for '%s'", s->addrs,
+                            keys[i]);
+        else if (kv)
+            st = cJSON_IsObject(kv)
+                     ? decode_value(s, keys[i], kv, &values[i])
+                     : kvpi_error(KVP_EMETADATA, "etcd at %s: malformed range answer for '%s'",
+                                  s->addrs, keys[i]);
+    }
+    cJSON_Delete(resp);
+    if (st)
+        for (size_t i = 0; i < n; i++) {
+            free(values[i]);
+            values[i] = NULL;
+        }
+    return st;
+}
+
 static kvp_status etcd_put(void *store, const char *key, const char *value)
 {
     cJSON *resp = NULL;
@@ -421,13 +480,170 @@ static kvp_status etcd_del(void *store, const char *key)
     return st;
 }
 
+/* ---- watch: POST /v3/watch, a stream of newline-separated JSON ----
+ *   -> {"create_request": {"key": b64(prefix), "range_end": b64(prefix+1)}}
+ *   <- {"result": {"created": true, ...}}
+ *   <- {"result": {"events": [{"type": "DELETE"?, "kv": {"key": b64, ...}}]}}
+ * (a put event leaves "type" out: proto3's default). A "canceled" result or
+ * an "error" line ends the stream. One curl multi handle, so that the wait
+ * also watches stop_fd. */
+
+typedef struct etcd_watch {
+    etcd_store *s;
+    const char *addr;
+    kvpi_curl_body line; /* the part of the stream after the last newline */
+    void (*changed)(void *ctx, const char *key);
+    void *ctx;
+    char err[256]; /* why the stream ended, when it says */
+} etcd_watch;
+
+/* One message of the stream; -1 when it ends the stream (err says why). */
+static int watch_message(etcd_watch *w, const char *text)
+{
+    cJSON *msg = cJSON_Parse(text);
+    const cJSON *res = cJSON_GetObjectItemCaseSensitive(msg, "result");
+    const cJSON *error = cJSON_GetObjectItemCaseSensitive(msg, "error");
+    int rc = 0;
+    if (!cJSON_IsObject(res)) {
+        const cJSON *m = cJSON_GetObjectItemCaseSensitive(error, "message");
+        snprintf(w->err, sizeof w->err, "%.200s",
+                 cJSON_IsString(m) ? m->valuestring : "a watch message without a result");
+        rc = -1;
+    } else if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(res, "canceled"))) {
+        const cJSON *why = cJSON_GetObjectItemCaseSensitive(res, "cancel_reason");
+        snprintf(w->err, sizeof w->err, "watch canceled%s%.200s", cJSON_IsString(why) ? ": " : "",
+                 cJSON_IsString(why) ? why->valuestring : "");
+        rc = -1;
+    } else {
+        if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(res, "created")))
+            w->changed(w->ctx, NULL);
+        const cJSON *ev;
+        cJSON_ArrayForEach(ev, cJSON_GetObjectItemCaseSensitive(res, "events"))
+        {
+            const cJSON *kv = cJSON_GetObjectItemCaseSensitive(ev, "kv");
+            const cJSON *k = cJSON_GetObjectItemCaseSensitive(kv, "key");
+            size_t len;
+            unsigned char *key = cJSON_IsString(k) ? b64_decode(k->valuestring, &len) : NULL;
+            if (key && !memchr(key, '\0', len)) w->changed(w->ctx, (const char *)key);
+            free(key);
+        }
+    }
+    cJSON_Delete(msg);
+    return rc;
+}
+
+static size_t watch_on_data(char *ptr, size_t size, size_t nmemb, void *userdata)
+{
+    etcd_watch *w = userdata;
+    size_t n = size * nmemb;
+    if (kvpi_curl_on_data(ptr, size, nmemb, &w->line) != n) return 0;
+    char *start = w->line.data, *nl;
+    while ((nl = memchr(start, '\n', w->line.len - (size_t)(start - w->line.data)))) {
+        *nl = '\0';
+        if (start[strspn(start, " \r\t")] && watch_message(w, start) < 0) return 0;
+        start = nl + 1;
+    }
+    size_t left = w->line.len - (size_t)(start - w->line.data);
+    memmove(w->line.data, start, left);
+    w->line.len = left;
+    w->line.data[left] = '\0';
+    return n;
+}
+
+static kvp_status etcd_watch_run(void *store, const char *prefix, int stop_fd,
+                                 void (*changed)(void *ctx, const char *key), void *ctx)
+{
+    etcd_store *s = store;
+    size_t idx = (atomic_load(&s->preferred) + atomic_fetch_add(&s->watch_next, 1)) % s->n;
+    size_t plen = strlen(prefix);
+    char *end = strdup(prefix);
+    if (!end || !plen) {
+        free(end);
+        return kvpi_error(KVP_ENOMEM, "etcd: out of memory");
+    }
+    end[plen - 1]++; /* the range [prefix, prefix with its last byte + 1) */
+    char *k = b64_encode((const unsigned char *)prefix, plen);
+    char *e = b64_encode((const unsigned char *)end, plen);
+    free(end);
+    char *body = NULL;
+    if (k && e &&
+        asprintf(&body, "{\"create_request\":{\"key\":\"%s\",\"range_end\":\"%s\"}}", k, e) < 0)
+        body = NULL;
+    free(k);
+    free(e);
+    CURLM *multi = curl_multi_init();
+    CURL *h = curl_easy_init();
+    if (!body || !multi || !h) {
+        free(body);
+        if (h) curl_easy_cleanup(h);
+        if (multi) curl_multi_cleanup(multi);
+        return kvpi_error(KVP_ENOMEM, "etcd: out of memory");
+    }
+    etcd_watch w = {
+        .s = s, .addr = s->urls[idx] + strlen("http://"), .changed = changed, .ctx = ctx};
+    char url[KVPI_HOST_MAX + 64], curl_err[CURL_ERROR_SIZE] = "";
+    snprintf(url, sizeof url, "%s/v3/watch", s->urls[idx]);
+    struct curl_slist *hdrs = curl_slist_append(NULL, "Content-Type: application/json");
+    kvpi_curl_setup(h, url, s->timeout_ms, &w.line, ETCD_MAX_BODY, curl_err);
+    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 0L); /* a stream: no end */
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, watch_on_data);
+    curl_easy_setopt(h, CURLOPT_WRITEDATA, &w);
+    curl_easy_setopt(h, CURLOPT_POSTFIELDS, body);
+    curl_easy_setopt(h, CURLOPT_HTTPHEADER, hdrs);
+    /* A store that vanishes without a reset is noticed within about 20 s. */
+    curl_easy_setopt(h, CURLOPT_TCP_KEEPALIVE, 1L);
+    curl_easy_setopt(h, CURLOPT_TCP_KEEPIDLE, 10L);
+    curl_easy_setopt(h, CURLOPT_TCP_KEEPINTVL, 5L);
+    curl_multi_add_handle(multi, h);
+    kvp_status st = KVP_OK;
+    int running = 1, stopped = 0;
+    while (running && !stopped) {
+        CURLMcode mc = curl_multi_perform(multi, &running);
+        if (mc == CURLM_OK && running) {
+            struct curl_waitfd extra = {.fd = stop_fd, .events = CURL_WAIT_POLLIN};
+            mc = curl_multi_poll(multi, &extra, 1, 60000, NULL);
+            stopped = extra.revents != 0;
+        }
+        if (mc != CURLM_OK) {
+            st =
+                kvpi_error(KVP_EMETADATA, "etcd at %s: watch: %s", w.addr, curl_multi_strerror(mc));
+            break;
+        }
+    }
+    if (!stopped && !st) {
+        CURLMsg *msg;
+        int left;
+        CURLcode rc = CURLE_OK;
+        while ((msg = curl_multi_info_read(multi, &left)))
+            if (msg->msg == CURLMSG_DONE) rc = msg->data.result;
+        long code = 0;
+        curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &code);
+        char why[64];
+        snprintf(why, sizeof why, "HTTP %ld", code);
+        st = kvpi_error(KVP_EMETADATA, "etcd at %s: watch: %s", w.addr,
+                        w.err[0]                  ? w.err
+                        : code && code / 100 != 2 ? why
+                        : rc != CURLE_OK ? (curl_err[0] ? curl_err : curl_easy_strerror(rc))
+                                         : "the stream ended");
+    }
+    curl_multi_remove_handle(multi, h);
+    curl_easy_cleanup(h);
+    curl_multi_cleanup(multi);
+    curl_slist_free_all(hdrs);
+    free(body);
+    free(w.line.data);
+    return st;
+}
+
 const kvpi_store_ops kvpi_store_etcd = {
     .name = "etcd",
     .newline_values = 1,
     .accepts = etcd_accepts,
     .open = etcd_open,
     .get = etcd_get,
+    .get_many = etcd_get_many,
     .put = etcd_put,
     .del = etcd_del,
+    .watch = etcd_watch_run,
     .close = etcd_close,
 };

@@ -1,9 +1,8 @@
 /* The HTTP metadata store client (Mooncake's http metadata protocol) over
  * libcurl: GET|PUT|DELETE <conn>?key=<url-encoded key>.
  *
- * Idle CURL handles are kept in a small mutex-protected stack so that calls
- * reuse keep-alive connections; each call owns its handle while it runs, so
- * concurrent calls from several threads never share one. */
+ * Idle CURL handles are kept (kvpi_curl_pool) so that calls reuse
+ * keep-alive connections. */
 #include <curl/curl.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -16,7 +15,6 @@
 #include "metadata/metadata.h"
 
 #define HTTP_MAX_BODY ((size_t)16 << 20) /* same bound as the server's */
-#define HTTP_IDLE_HANDLES 4
 /* Bodies from this size on ask the store first (Expect: 100-continue). */
 #define EXPECT_MIN_BODY ((size_t)64 << 10)
 #define HTTP_PROBE_KEY "kvpipe/probe"
@@ -26,34 +24,12 @@ typedef struct http_store {
     char *base;     /* the connection string, as given */
     char sep;       /* '?' or '&': how ?key= joins base */
     int timeout_ms; /* bounds every request */
-    pthread_mutex_t lock;
-    CURL *idle[HTTP_IDLE_HANDLES];
-    int n_idle;
+    kvpi_curl_pool handles;
 } http_store;
 
 static int http_accepts(const char *conn)
 {
     return strncasecmp(conn, "http://", 7) == 0 || strncasecmp(conn, "https://", 8) == 0;
-}
-
-static CURL *handle_take(http_store *s)
-{
-    CURL *h = NULL;
-    pthread_mutex_lock(&s->lock);
-    if (s->n_idle > 0) h = s->idle[--s->n_idle];
-    pthread_mutex_unlock(&s->lock);
-    return h ? h : curl_easy_init();
-}
-
-static void handle_give(http_store *s, CURL *h)
-{
-    pthread_mutex_lock(&s->lock);
-    if (s->n_idle < HTTP_IDLE_HANDLES) {
-        s->idle[s->n_idle++] = h;
-        h = NULL;
-    }
-    pthread_mutex_unlock(&s->lock);
-    if (h) curl_easy_cleanup(h);
 }
 
 static char *make_url(http_store *s, CURL *h, const char *key)
@@ -92,7 +68,7 @@ static void set_options(http_store *s, CURL *h, const char *url, kvpi_curl_body 
 static kvp_status http_do(http_store *s, const char *method, const char *key, const char *body,
                           long *code, kvpi_curl_body *resp)
 {
-    CURL *h = handle_take(s);
+    CURL *h = kvpi_curl_take(&s->handles);
     if (!h)
         return kvpi_error(KVP_ENOMEM, "metadata store %s: cannot create a curl handle", s->base);
     kvp_status st = KVP_OK;
@@ -103,7 +79,6 @@ static kvp_status http_do(http_store *s, const char *method, const char *key, co
         st = kvpi_error(KVP_ENOMEM, "metadata store %s: cannot build the URL", s->base);
         goto out;
     }
-    curl_easy_reset(h); /* keeps the connection cache, clears the last call's options */
     set_options(s, h, url, resp, errbuf);
     set_method(h, method, body);
     if (body) {
@@ -129,10 +104,7 @@ static kvp_status http_do(http_store *s, const char *method, const char *key, co
 out:
     curl_slist_free_all(hdrs);
     free(url);
-    if (st == KVP_OK || st == KVP_EPROTO)
-        handle_give(s, h);
-    else
-        curl_easy_cleanup(h); /* a failed connection is not worth keeping */
+    kvpi_curl_give(&s->handles, h, st == KVP_OK || st == KVP_EPROTO);
     return st;
 }
 
@@ -215,9 +187,7 @@ static void http_close(void *store)
 {
     http_store *s = store;
     if (!s) return;
-    for (int i = 0; i < s->n_idle; i++)
-        curl_easy_cleanup(s->idle[i]);
-    pthread_mutex_destroy(&s->lock);
+    kvpi_curl_pool_destroy(&s->handles);
     free(s->base);
     free(s);
 }
@@ -241,7 +211,7 @@ static kvp_status http_open(const char *conn, int timeout_ms, void **store)
     s->base = strdup(conn);
     s->sep = strchr(conn, '?') ? '&' : '?';
     s->timeout_ms = timeout_ms > 0 ? timeout_ms : 5000;
-    pthread_mutex_init(&s->lock, NULL);
+    kvpi_curl_pool_init(&s->handles);
     if (!s->base) {
         http_close(s);
         return kvpi_error(KVP_ENOMEM, "out of memory");

@@ -1,13 +1,20 @@
 /* The store registry and kvpi_meta: Mooncake's metadata keys on top of a
  * store's get/put/del, or the P2P handshake when there is no store. */
 #include <cjson/cJSON.h>
+#include <errno.h>
 #include <math.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include "common/auth.h"
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/net.h"
@@ -253,14 +260,39 @@ static kvp_status host_of_name(const char *segment, char **host)
     return *host ? KVP_OK : kvpi_error(KVP_ENOMEM, "out of memory");
 }
 
+/* A segment's descriptor and rpc_meta: in one round trip where the store can
+ * (get_many), else one after the other. KVP_ENOTFOUND for either missing. */
+static kvp_status get_both(kvpi_meta *m, const char *segment, char **d, char **rpc,
+                           kvp_status *rpc_st)
+{
+    if (!m->ops->get_many) {
+        kvp_status st = get_kind(m, "ram", segment, d);
+        if (!st) *rpc_st = get_kind(m, "rpc_meta", segment, rpc);
+        return st;
+    }
+    char *keys[2] = {kvpi_meta_key("ram", segment), kvpi_meta_key("rpc_meta", segment)};
+    char *values[2] = {NULL, NULL};
+    kvp_status st = keys[0] && keys[1]
+                        ? m->ops->get_many(m->store, (const char *const *)keys, 2, values)
+                        : kvpi_error(KVP_ENOMEM, "out of memory");
+    free(keys[0]);
+    free(keys[1]);
+    if (st) return st;
+    *d = values[0];
+    *rpc = values[1];
+    *rpc_st = values[1] ? KVP_OK : KVP_ENOTFOUND;
+    return values[0] ? KVP_OK : KVP_ENOTFOUND;
+}
+
 static kvp_status fetch_store(kvpi_meta *m, const char *segment, char **desc, char **host)
 {
     char *d = NULL, *rpc = NULL, *h = NULL;
-    kvp_status st = get_kind(m, "ram", segment, &d);
+    kvp_status rpc_st = KVP_ENOTFOUND;
+    kvp_status st = get_both(m, segment, &d, &rpc, &rpc_st);
     if (st == KVP_ENOTFOUND)
         st = kvpi_error(KVP_ENOTFOUND, "segment '%s' is not registered in %s", segment, m->conn);
     if (st) goto out;
-    st = get_kind(m, "rpc_meta", segment, &rpc);
+    st = rpc_st;
     if (st == KVP_ENOTFOUND)
         st = host_of_name(segment, &h);
     else if (st == KVP_OK)
@@ -637,4 +669,155 @@ kvp_status kvpi_meta_release(kvpi_meta *meta, const kvpi_meta_self *self)
     free(ram);
     free(rpc);
     return st;
+}
+
+/* ---- following the store: kvpi_meta_watch ---- */
+
+#define WATCH_BACKOFF_MIN_MS 100
+#define WATCH_BACKOFF_MAX_MS 2000
+
+struct kvpi_meta_watch {
+    kvpi_meta *meta;
+    char *prefix; /* "mooncake/[CLUSTER/]" */
+    int poll_ms;
+    kvpi_meta_change_fn changed;
+    void *ctx;
+    int stop_fd; /* eventfd: readable once the watch is to stop */
+    atomic_int state;
+    pthread_t thread;
+};
+
+static int watch_stopping(const kvpi_meta_watch *w)
+{
+    struct pollfd p = {.fd = w->stop_fd, .events = POLLIN};
+    return poll(&p, 1, 0) > 0;
+}
+
+/* Sleep ms, or less when stopped; 1 if stopped. */
+static int watch_sleep(const kvpi_meta_watch *w, int ms)
+{
+    struct pollfd p = {.fd = w->stop_fd, .events = POLLIN};
+    int rc;
+    uint64_t deadline = kvpi_deadline_ns(ms);
+    while ((rc = poll(&p, 1, kvpi_remaining_ms(deadline))) < 0 && errno == EINTR) {
+    }
+    return rc > 0;
+}
+
+/* A key under the prefix: the segment(s) it belongs to (kvpi_meta_key's
+ * layout read backwards). "ram/x" is segment x's descriptor, or the
+ * descriptor of a segment named "ram/x": both are told. */
+static void watch_key(void *arg, const char *key)
+{
+    kvpi_meta_watch *w = arg;
+    if (!key) {
+        atomic_store(&w->state, KVPI_WATCH_STREAMING);
+        w->changed(w->ctx, NULL);
+        return;
+    }
+    size_t n = strlen(w->prefix);
+    if (strncmp(key, w->prefix, n) != 0) return;
+    const char *rest = key + n;
+    if (strncmp(rest, "ram/", 4) == 0 && rest[4])
+        w->changed(w->ctx, rest + 4);
+    else if (strncmp(rest, "rpc_meta/", 9) == 0 && rest[9])
+        w->changed(w->ctx, rest + 9);
+    if (strchr(rest, '/')) w->changed(w->ctx, rest);
+}
+
+static void *watch_main(void *arg)
+{
+    kvpi_meta_watch *w = arg;
+    kvpi_meta *m = w->meta;
+    int backoff = WATCH_BACKOFF_MIN_MS;
+    kvp_status last = KVP_OK;
+    while (!watch_stopping(w)) {
+        if (m->ops->watch && atomic_load(&w->state) != KVPI_WATCH_POLLING) {
+            int was = atomic_load(&w->state);
+            kvp_status st = m->ops->watch(m->store, w->prefix, w->stop_fd, watch_key, w);
+            if (watch_stopping(w)) break;
+            if (st == KVP_ENOTSUP) {
+                KVPI_WARN("metadata store %s cannot be watched (%s): polling the descriptors "
+                          "this engine uses every %d ms instead",
+                          m->conn, kvp_last_error(), w->poll_ms);
+                atomic_store(&w->state, KVPI_WATCH_POLLING);
+                continue;
+            }
+            if (atomic_load(&w->state) == KVPI_WATCH_STREAMING || was == KVPI_WATCH_STREAMING)
+                backoff = WATCH_BACKOFF_MIN_MS; /* it had worked: start over */
+            atomic_store(&w->state, KVPI_WATCH_BROKEN);
+            if (st != last)
+                KVPI_WARN("metadata store %s: watch: %s; reconnecting (cached descriptors are "
+                          "revalidated meanwhile)",
+                          m->conn, st ? kvp_last_error() : "the stream ended");
+            last = st;
+            /* Changes may be missed while the stream is down. */
+            w->changed(w->ctx, NULL);
+            if (watch_sleep(w, backoff)) break;
+            backoff = backoff * 2 > WATCH_BACKOFF_MAX_MS ? WATCH_BACKOFF_MAX_MS : backoff * 2;
+        } else {
+            if (!m->ops->watch && atomic_load(&w->state) != KVPI_WATCH_POLLING) {
+                KVPI_INFO("metadata store %s (%s) cannot be watched: polling the descriptors "
+                          "this engine uses every %d ms",
+                          m->conn, m->ops->name, w->poll_ms);
+                atomic_store(&w->state, KVPI_WATCH_POLLING);
+            }
+            if (watch_sleep(w, w->poll_ms)) break;
+            w->changed(w->ctx, NULL);
+        }
+    }
+    return NULL;
+}
+
+kvp_status kvpi_meta_watch_start(kvpi_meta *meta, int poll_ms, kvpi_meta_change_fn changed,
+                                 void *ctx, kvpi_meta_watch **out)
+{
+    if (!meta || !meta->ops || !changed || !out)
+        return kvpi_error(KVP_EINVAL, "kvpi_meta_watch_start: a store, changed and out are "
+                                      "required");
+    kvpi_meta_watch *w = calloc(1, sizeof *w);
+    char *key = kvpi_meta_key("x", "y"); /* "mooncake/[CLUSTER/]x/y" */
+    if (!w || !key) {
+        free(w);
+        free(key);
+        return kvpi_error(KVP_ENOMEM, "out of memory");
+    }
+    key[strlen(key) - 3] = '\0';
+    w->prefix = key;
+    w->meta = meta;
+    w->poll_ms = poll_ms > 0 ? poll_ms : poll_ms < 0 ? -poll_ms : 1000;
+    w->changed = changed;
+    w->ctx = ctx;
+    atomic_init(&w->state, poll_ms < 0 ? KVPI_WATCH_POLLING : KVPI_WATCH_STARTING);
+    if (poll_ms < 0)
+        KVPI_INFO("metadata store %s: polling the descriptors this engine uses every %d ms "
+                  "(asked not to watch)",
+                  meta->conn, w->poll_ms);
+    w->stop_fd = eventfd(0, EFD_CLOEXEC);
+    if (w->stop_fd < 0 || pthread_create(&w->thread, NULL, watch_main, w) != 0) {
+        kvp_status st = kvpi_error(KVP_EIO, "metadata watch: cannot start: %s", strerror(errno));
+        if (w->stop_fd >= 0) close(w->stop_fd);
+        free(w->prefix);
+        free(w);
+        return st;
+    }
+    *out = w;
+    return KVP_OK;
+}
+
+void kvpi_meta_watch_stop(kvpi_meta_watch *w)
+{
+    if (!w) return;
+    uint64_t one = 1;
+    if (write(w->stop_fd, &one, sizeof one) != sizeof one)
+        KVPI_WARN("metadata watch: cannot wake its thread: %s", strerror(errno));
+    pthread_join(w->thread, NULL);
+    close(w->stop_fd);
+    free(w->prefix);
+    free(w);
+}
+
+int kvpi_meta_watch_state(const kvpi_meta_watch *w)
+{
+    return w ? atomic_load(&w->state) : KVPI_WATCH_STARTING;
 }

@@ -41,6 +41,20 @@ typedef struct kvpi_store_ops {
     kvp_status (*put)(void *store, const char *key, const char *value);
     /* Deleting a missing key succeeds. */
     kvp_status (*del)(void *store, const char *key);
+    /* Optional (NULL: one get per key): the values of n keys, read together
+     * in one round trip; values[i] is malloc'ed text, or NULL where key i is
+     * missing. Fails (all values NULL) only when the store does. */
+    kvp_status (*get_many)(void *store, const char *const *keys, size_t n, char **values);
+    /* Optional (NULL: the store cannot be watched, and kvpi_meta_watch polls).
+     * Follow the changes of the keys that start with prefix on a connection
+     * of its own: changed(ctx, NULL) once the stream is established (changes
+     * before that may have been missed), then changed(ctx, key) for every key
+     * put or deleted, until stop_fd is readable (KVP_OK) or the stream breaks
+     * (KVP_EMETADATA, naming the store: the caller retries). KVP_ENOTSUP when
+     * the store refuses to be watched (for good: the caller polls, and
+     * kvp_last_error() says why). Blocks, on the caller's thread. */
+    kvp_status (*watch)(void *store, const char *prefix, int stop_fd,
+                        void (*changed)(void *ctx, const char *key), void *ctx);
     void (*close)(void *store);
 } kvpi_store_ops;
 
@@ -141,6 +155,38 @@ kvp_status kvpi_meta_repair(kvpi_meta *meta, const kvpi_meta_self *self);
  * address and the descriptor was this engine's or is gone. Keys another
  * engine wrote are left alone. No-op in P2P mode. */
 kvp_status kvpi_meta_release(kvpi_meta *meta, const kvpi_meta_self *self);
+
+/* ---- Following descriptor changes (docs/metadata-segments.md) ----
+ * One thread per watch. It follows the store's keys below "mooncake/[CLUSTER/]"
+ * with the store's watch op (etcd's watch stream, redis keyspace
+ * notifications) and calls changed(ctx, segment) for the segment of each key
+ * put or deleted (both readings of an ambiguous key), or changed(ctx, NULL)
+ * where changes may have been missed: once each stream is established, and
+ * at each reconnection attempt after it broke (backoff from 100 ms to 2 s).
+ * A store that cannot be watched (the HTTP store; a redis that refuses
+ * CONFIG SET notify-keyspace-events) is polled instead: changed(ctx, NULL)
+ * every poll_ms, logged once. changed runs on the watch's thread and may
+ * block on the store (it is how the caller revalidates). */
+typedef void (*kvpi_meta_change_fn)(void *ctx, const char *segment);
+typedef struct kvpi_meta_watch kvpi_meta_watch;
+
+enum kvpi_watch_state {
+    KVPI_WATCH_STARTING = 0, /* connecting (first time) */
+    KVPI_WATCH_STREAMING,    /* the store's watch stream is established */
+    KVPI_WATCH_BROKEN,       /* the stream broke: reconnecting, revalidating meanwhile */
+    KVPI_WATCH_POLLING,      /* the store cannot be watched: polling */
+};
+
+/* Start following meta's store (not in P2P mode: KVP_EINVAL). meta outlives
+ * the watch. A negative poll_ms polls every -poll_ms without trying the
+ * store's watch. KVP_EIO when the thread cannot start. */
+kvp_status kvpi_meta_watch_start(kvpi_meta *meta, int poll_ms, kvpi_meta_change_fn changed,
+                                 void *ctx, kvpi_meta_watch **out);
+/* Stop the thread (within one store request's timeout at worst; a waiting
+ * stream is woken at once) and free the watch. NULL is a no-op. */
+void kvpi_meta_watch_stop(kvpi_meta_watch *watch);
+/* enum kvpi_watch_state, now. Thread-safe. */
+int kvpi_meta_watch_state(const kvpi_meta_watch *watch);
 
 /* Fetch a peer segment's descriptor (malloc'ed JSON text) and the host its RPC
  * and data ports listen on (malloc'ed). In P2P mode this is a handshake to the

@@ -10,6 +10,7 @@
  * reports (NOAUTH, WRONGTYPE, ...) are returned as they are. */
 #include <errno.h>
 #include <hiredis/hiredis.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -248,8 +249,8 @@ static kvp_status select_db(redis_store *s, redisContext *c)
     return setup_command(s, c, "SELECT", 2, argv);
 }
 
-/* Called with the lock held. */
-static kvp_status connect_locked(redis_store *s)
+/* A new connection, authenticated, on the store's database. */
+static kvp_status dial(redis_store *s, redisContext **out)
 {
     struct timeval tv = to_timeval(s->timeout_ms);
     redisContext *c = redisConnectWithTimeout(s->hp.host, s->hp.port, tv);
@@ -270,8 +271,14 @@ static kvp_status connect_locked(redis_store *s)
         redisFree(c);
         return st;
     }
-    s->ctx = c;
+    *out = c;
     return KVP_OK;
+}
+
+/* Called with the lock held. */
+static kvp_status connect_locked(redis_store *s)
+{
+    return dial(s, &s->ctx);
 }
 
 static void disconnect_locked(redis_store *s)
@@ -372,6 +379,48 @@ static kvp_status redis_get(void *store, const char *key, char **value)
     return st;
 }
 
+static kvp_status redis_get_many(void *store, const char *const *keys, size_t n, char **values)
+{
+    redis_store *s = store;
+    const char **argv = malloc((n + 1) * sizeof *argv);
+    size_t *lens = malloc((n + 1) * sizeof *lens);
+    if (!argv || !lens) {
+        free(argv);
+        free(lens);
+        return kvpi_error(KVP_ENOMEM, "redis: out of memory");
+    }
+    argv[0] = "MGET";
+    lens[0] = 4;
+    for (size_t i = 0; i < n; i++) {
+        argv[i + 1] = keys[i];
+        lens[i + 1] = strlen(keys[i]);
+        values[i] = NULL;
+    }
+    redisReply *r = NULL;
+    kvp_status st = command(s, (int)n + 1, argv, lens, &r);
+    free(argv);
+    free(lens);
+    if (st) return st;
+    if (r->type != REDIS_REPLY_ARRAY || r->elements != n)
+        st = kvpi_error(KVP_EMETADATA, "redis at %s: malformed MGET answer", s->addr);
+    for (size_t i = 0; i < n && !st; i++) {
+        const redisReply *e = r->element[i];
+        if (e->type == REDIS_REPLY_NIL) continue;
+        if (e->type != REDIS_REPLY_STRING || memchr(e->str, '\0', e->len))
+            st = kvpi_error(KVP_EMETADATA, "redis at %s: value of '%s' is not text", s->addr,
+                            keys[i]);
+        else if (!(values[i] = strndup(e->str, e->len)))
+            st = kvpi_error(KVP_ENOMEM, "redis: out of memory");
+    }
+    freeReplyObject(r);
+    if (st)
+        for (size_t i = 0; i < n; i++) {
+            free(values[i]);
+            values[i] = NULL;
+        }
+    return st;
+}
+
 static kvp_status redis_put(void *store, const char *key, const char *value)
 {
     const char *argv[] = {"SET", key, value};
@@ -392,13 +441,133 @@ static kvp_status redis_del(void *store, const char *key)
     return st;
 }
 
+/* ---- watch: keyspace notifications ----
+ * Redis publishes "set", "del", "expired"... on __keyspace@DB__:KEY for every
+ * write of KEY, by any client (Mooncake's too), once notify-keyspace-events
+ * holds K (keyspace channel) and the classes of those commands ($ strings, g
+ * generic). The watch adds them to what the server has (CONFIG GET, then
+ * CONFIG SET, keeping the other flags), then PSUBSCRIBEs to the prefix. A
+ * server that refuses CONFIG (ACLs, a managed redis, a renamed command) and
+ * has not these flags already cannot be watched: KVP_ENOTSUP. */
+
+#define KEYSPACE_FLAGS "K$g"
+
+/* 1 if flags cover KEYSPACE_FLAGS ('A' is every class but key-miss and new). */
+static int keyspace_enough(const char *flags)
+{
+    if (!strchr(flags, 'K')) return 0;
+    return strchr(flags, 'A') || (strchr(flags, '$') && strchr(flags, 'g'));
+}
+
+static kvp_status enable_keyspace(redis_store *s, redisContext *c)
+{
+    const char *get[] = {"CONFIG", "GET", "notify-keyspace-events"};
+    redisReply *r = redisCommandArgv(c, 3, get, NULL);
+    char flags[64] = "";
+    kvp_status st = KVP_OK;
+    if (!r) return kvpi_error(KVP_EMETADATA, "redis at %s: CONFIG GET: %s", s->addr, c->errstr);
+    if (r->type == REDIS_REPLY_ARRAY && r->elements == 2 &&
+        r->element[1]->type == REDIS_REPLY_STRING)
+        snprintf(flags, sizeof flags, "%s", r->element[1]->str);
+    else if (r->type == REDIS_REPLY_ERROR)
+        st = kvpi_error(KVP_ENOTSUP, "CONFIG GET notify-keyspace-events refused: %s", r->str);
+    freeReplyObject(r);
+    if (st || keyspace_enough(flags)) return st;
+    char want[80];
+    snprintf(want, sizeof want, "%s", flags);
+    for (const char *f = KEYSPACE_FLAGS; *f; f++) {
+        size_t n = strlen(want);
+        if (!strchr(want, *f) && n + 1 < sizeof want) want[n] = *f, want[n + 1] = '\0';
+    }
+    const char *set[] = {"CONFIG", "SET", "notify-keyspace-events", want};
+    r = redisCommandArgv(c, 4, set, NULL);
+    if (!r) return kvpi_error(KVP_EMETADATA, "redis at %s: CONFIG SET: %s", s->addr, c->errstr);
+    if (r->type == REDIS_REPLY_ERROR)
+        st = kvpi_error(KVP_ENOTSUP, "CONFIG SET notify-keyspace-events %s refused: %s", want,
+                        r->str);
+    else
+        KVPI_INFO("redis at %s: notify-keyspace-events set to '%s' (was '%s'), to follow "
+                  "descriptor changes",
+                  s->addr, want, flags);
+    freeReplyObject(r);
+    return st;
+}
+
+/* One pmessage: its channel is "__keyspace@DB__:KEY". */
+static void keyspace_message(redisReply *r, void (*changed)(void *ctx, const char *key), void *ctx)
+{
+    if (r->type != REDIS_REPLY_ARRAY) return;
+    if (r->elements == 3 && r->element[0]->type == REDIS_REPLY_STRING &&
+        strcmp(r->element[0]->str, "psubscribe") == 0) {
+        changed(ctx, NULL); /* subscribed: from now on nothing is missed */
+        return;
+    }
+    if (r->elements != 4 || r->element[2]->type != REDIS_REPLY_STRING) return;
+    const char *colon = strchr(r->element[2]->str, ':');
+    if (colon) changed(ctx, colon + 1);
+}
+
+static kvp_status redis_watch(void *store, const char *prefix, int stop_fd,
+                              void (*changed)(void *ctx, const char *key), void *ctx)
+{
+    redis_store *s = store;
+    redisContext *c = NULL;
+    sigpipe_guard g;
+    sigpipe_block(&g);
+    kvp_status st = dial(s, &c);
+    /* A server that vanishes without a reset is noticed (hiredis: 15 s idle). */
+    if (!st && redisEnableKeepAlive(c) != REDIS_OK)
+        KVPI_DEBUG("redis at %s: watch: no TCP keepalive: %s", s->addr, c->errstr);
+    if (!st) st = enable_keyspace(s, c);
+    if (st == KVP_ENOTSUP)
+        st = kvpi_error(KVP_ENOTSUP, "redis at %s: %s", s->addr, kvp_last_error());
+    char pattern[KVPI_HOST_MAX + 64];
+    snprintf(pattern, sizeof pattern, "__keyspace@%d__:%s*", s->db, prefix);
+    if (!st && redisAppendCommand(c, "PSUBSCRIBE %s", pattern) != REDIS_OK)
+        st = kvpi_error(KVP_EMETADATA, "redis at %s: PSUBSCRIBE: %s", s->addr, c->errstr);
+    int done = 0;
+    while (!st) {
+        /* Write what is pending, hand out what arrived, then wait. */
+        while (!done && !c->err)
+            if (redisBufferWrite(c, &done) != REDIS_OK) break;
+        void *reply;
+        while (!c->err && redisGetReplyFromReader(c, &reply) == REDIS_OK && reply) {
+            redisReply *r = reply;
+            if (r->type == REDIS_REPLY_ERROR)
+                st = kvpi_error(KVP_EMETADATA, "redis at %s: PSUBSCRIBE refused: %s", s->addr,
+                                r->str);
+            else
+                keyspace_message(r, changed, ctx);
+            freeReplyObject(r);
+        }
+        if (st) break;
+        if (c->err) {
+            st = kvpi_error(KVP_EMETADATA, "redis at %s: watch: %s", s->addr,
+                            c->errstr[0] ? c->errstr : "connection lost");
+            break;
+        }
+        struct pollfd p[2] = {{.fd = c->fd, .events = POLLIN}, {.fd = stop_fd, .events = POLLIN}};
+        int rc = poll(p, 2, -1);
+        if (rc < 0 && errno == EINTR) continue;
+        if (rc < 0 || p[1].revents) break; /* stopped */
+        if (redisBufferRead(c) != REDIS_OK)
+            st = kvpi_error(KVP_EMETADATA, "redis at %s: watch: %s", s->addr,
+                            c->errstr[0] ? c->errstr : "connection lost");
+    }
+    if (c) redisFree(c);
+    sigpipe_restore(&g);
+    return st;
+}
+
 const kvpi_store_ops kvpi_store_redis = {
     .name = "redis",
     .newline_values = 1,
     .accepts = redis_accepts,
     .open = redis_open,
     .get = redis_get,
+    .get_many = redis_get_many,
     .put = redis_put,
     .del = redis_del,
+    .watch = redis_watch,
     .close = redis_close,
 };
