@@ -530,7 +530,10 @@ static int worker_main(void)
         reply(&m, REP_READY, -1, "%s", why);
         return 1;
     }
-    snprintf(m.name, sizeof m.name, "%s:%d", W.addr, ENGINE_PORT);
+    if (strcmp(W.mode, "pipe") == 0)
+        snprintf(m.name, sizeof m.name, "%s (pipes)", W.addr);
+    else
+        snprintf(m.name, sizeof m.name, "%s:%d", W.addr, ENGINE_PORT);
     reply(&m, REP_READY, 0, NULL);
     for (;;) {
         ssize_t r = recv(W.ctl, &m, sizeof m, 0);
@@ -573,7 +576,7 @@ static int worker_main(void)
 
 typedef struct opts {
     int prefill, decode, seconds, window, skew, baseline, timeout_ms;
-    int min_tokens, max_tokens, fault_seconds, keep_logs;
+    int min_tokens, max_tokens, fault_seconds, keep_logs, warmup_ms;
     double keep, min_ratio;
     unsigned seed;
     const char *mode, *fault, *json;
@@ -628,7 +631,7 @@ typedef struct run {
     int checks_failed;
     char check_log[4096];
     double gbps, p50, p99, p999;
-    uint64_t requests, errors, bytes;
+    uint64_t requests, errors, bytes, warm_errors;
 } run;
 
 static volatile sig_atomic_t stop_flag;
@@ -731,7 +734,14 @@ static int spawn_etcd(run *r)
                     client, "--advertise-client-urls", client, "--listen-peer-urls", peer,
                     "--initial-advertise-peer-urls", peer, "--initial-cluster", cluster,
                     "--logger", "zap", "--log-outputs", "stdout", "--log-level", "warn", NULL};
+    /* etcd's own stderr (gRPC's warnings) to a log of its own too */
+    char err[128];
+    snprintf(err, sizeof err, "%s/etcd.err", r->dir);
+    int efd = open(err, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644), saved = dup(2);
+    if (efd >= 0) dup2(efd, 2);
     r->etcd.pid = kvpt_cluster_spawn(&r->c, 0, argv, log);
+    if (saved >= 0) dup2(saved, 2), close(saved);
+    if (efd >= 0) close(efd);
     if (r->etcd.pid < 0) return -1;
     return kvpt_cluster_wait_port(&r->c, 0, r->c.addr[0], ETCD_PORT, 30000);
 }
@@ -1097,7 +1107,7 @@ static void fault_checks(run *r, uint64_t end_ms)
         if (!affected(r, i) && pair_ok_in(r, i, r->t_fault, r->t_fault_end) == 0) keeps = 0;
     check(r, keeps, "every pair away from the fault completes requests during it (%.1f..%.1f s)",
           r->t_fault / 1000.0, r->t_fault_end / 1000.0);
-    double before = rate_in(r, 1000, r->t_fault, 0), during = rate_in(r, r->t_fault, r->t_fault_end, 0);
+    double before = rate_in(r, 0, r->t_fault, 0), during = rate_in(r, r->t_fault, r->t_fault_end, 0);
     if (strcmp(f, "restart-etcd") != 0)
         check(r, during >= o->keep * before,
               "the others keep their throughput: %.3f GB/s during against %.3f before (>= %.2fx)",
@@ -1248,6 +1258,19 @@ static int run_cluster(run *r, const opts *o, int P, int D, const char *fault)
     r->t_fault = (uint64_t)o->seconds * 300;
     r->t_fault_end = r->t_fault + dur;
     int phase = 0;
+    /* Warm-up: first connections, first touches of the buffers. Its
+     * successes are not counted; its failures are. */
+    r->start_ms = kvpi_now_ms();
+    while (!stop_flag && now_rel(r) < (uint64_t)o->warmup_ms) {
+        while (dispatch_one(r)) {
+        }
+        pump(r, 5);
+    }
+    for (size_t i = 0; i < r->ndone; i++)
+        r->warm_errors += !r->done[i].ok;
+    r->ndone = 0;
+    for (int i = 0; i < pairs; i++)
+        r->pair[i].ok = r->pair[i].bytes = 0;
     r->start_ms = kvpi_now_ms();
     uint64_t end = (uint64_t)o->seconds * 1000;
     while (!stop_flag && now_rel(r) < end) {
@@ -1316,6 +1339,7 @@ static int run_cluster(run *r, const opts *o, int P, int D, const char *fault)
         r->p999 = lat[(size_t)((double)nl * 0.999)] / 1000.0;
     }
     free(lat);
+    r->errors += r->warm_errors;
     r->gbps = end_ms ? (double)r->bytes / ((double)end_ms / 1000.0) / 1e9 : 0;
     uint64_t mism = 0, reord = 0;
     for (int i = 0; i < pairs; i++)
@@ -1414,7 +1438,7 @@ static void usage(FILE *f)
             "            [--window W] [--skew K] [--min-tokens N] [--max-tokens N] [--seed N]\n"
             "            [--timeout-ms MS] [--baseline] [--min-ratio R]\n"
             "            [--fault kill-prefill|restart-prefill|restart-etcd|link-down|rate-limit]\n"
-            "            [--fault-seconds S] [--keep R] [--json FILE] [--keep-logs]\n"
+            "            [--fault-seconds S] [--keep R] [--warmup-ms MS] [--json FILE] [--keep-logs]\n"
             "Many prefill and many decode engines, each in a network namespace of its own,\n"
             "through a real etcd (docs/scale-out.md). Needs root and iproute2.\n");
 }
@@ -1423,7 +1447,7 @@ int main(int argc, char **argv)
 {
     opts o = {.prefill = 2, .decode = 2, .seconds = 10, .window = 2, .skew = 1,
               .timeout_ms = 3000, .min_tokens = 16, .max_tokens = 256, .fault_seconds = -1,
-              .keep = 0.9, .seed = 1, .mode = "write"};
+              .keep = 0.9, .seed = 1, .mode = "write", .warmup_ms = 2000};
     const char *role = NULL, *peer_addrs = NULL;
     static struct option lo[] = {
         {"prefill", 1, 0, 'p'},     {"decode", 1, 0, 'd'},      {"seconds", 1, 0, 's'},
@@ -1432,6 +1456,7 @@ int main(int argc, char **argv)
         {"timeout-ms", 1, 0, 4},    {"baseline", 0, 0, 5},      {"min-ratio", 1, 0, 6},
         {"fault", 1, 0, 7},         {"fault-seconds", 1, 0, 8}, {"keep", 1, 0, 9},
         {"json", 1, 0, 10},         {"keep-logs", 0, 0, 11},    {"help", 0, 0, 'h'},
+        {"warmup-ms", 1, 0, 12},
         /* the workers' own */
         {"worker", 1, 0, 20},       {"index", 1, 0, 21},        {"ctl", 1, 0, 22},
         {"addr", 1, 0, 23},         {"etcd", 1, 0, 24},         {"peers", 1, 0, 25},
@@ -1457,6 +1482,7 @@ int main(int argc, char **argv)
         case 9: o.keep = atof(optarg); break;
         case 10: o.json = optarg; break;
         case 11: o.keep_logs = 1; break;
+        case 12: o.warmup_ms = atoi(optarg); break;
         case 'h': usage(stdout); return 0;
         case 20: role = optarg; break;
         case 21: W.index = atoi(optarg); break;
@@ -1498,6 +1524,7 @@ int main(int argc, char **argv)
         why = "--min-tokens 1.. <= --max-tokens ..8192";
     else if (o.seconds < 1) why = "--seconds: at least 1";
     else if (o.timeout_ms < 100) why = "--timeout-ms: at least 100";
+    else if (o.warmup_ms < 0) why = "--warmup-ms: 0 or more";
     if (o.fault) {
         int pf = !strcmp(o.fault, "kill-prefill") || !strcmp(o.fault, "restart-prefill") ||
                  !strcmp(o.fault, "rate-limit");
