@@ -315,7 +315,12 @@ static void run_cmd(peer_worker *p, msg *m)
                 return;
             }
             st = kvp_pipe_recv(p->pipe, 200, &t);
-            if (st == KVP_ETIMEDOUT && kvpi_now_ms() <= deadline) continue;
+            /* recv's own wait ran out, nothing consumed (pipe.h), as
+             * against a message whose READ timed out, which is consumed:
+             * that one is this request's, lost with an error. */
+            const char *e = st == KVP_ETIMEDOUT ? kvp_last_error() : "";
+            int waited = strstr(e, "nothing announced") || strstr(e, "nothing consumed");
+            if (waited && kvpi_now_ms() <= deadline) continue;
             if (st) break;
             if (!t || t->dtype != KVP_DTYPE_BF16 || t->ndim != 2 || t->shape[1] != TOKEN_ELEMS ||
                 t->nbytes < 8) {
