@@ -37,7 +37,7 @@ static void xpyd(const char *const *args)
     char json[64], out[64];
     snprintf(json, sizeof json, "%s/run.json", dir);
     snprintf(out, sizeof out, "%s/out", dir);
-    char *argv[40] = {(char *)KVPT_XPYD_PATH, "--json", json, "--warmup-ms", "500"};
+    char *argv[40] = {(char *)KVPT_XPYD_PATH, "--json", json, "--warmup-ms", "1000"};
     size_t n = 5;
     for (size_t i = 0; args[i] && n < 39; i++)
         argv[n++] = (char *)args[i];
