@@ -68,7 +68,7 @@
 
 #define TOKEN_BYTES (128u << 10) /* Llama-3-8B: 32 x 8 x 128 x 2 x 2 */
 #define TOKEN_ELEMS (TOKEN_BYTES / 2)
-#define NET 78                   /* hosts are 10.78.0.x */
+#define NET 78 /* hosts are 10.78.0.x */
 #define ENGINE_PORT 15000
 #define PIPE_PORT 20000 /* + 200 x peer index */
 #define ETCD_PORT 2379
@@ -99,14 +99,14 @@ enum {
 
 typedef struct msg {
     uint32_t type;
-    int32_t status;   /* kvp_status; -1: a byte was wrong; -2: reordered */
-    uint64_t req;     /* request id */
-    uint32_t peer;    /* the other side's index */
-    uint32_t slot;    /* slot in the verb's target buffer */
-    uint32_t slot2;   /* read: own slot */
+    int32_t status; /* kvp_status; -1: a byte was wrong; -2: reordered */
+    uint64_t req;   /* request id */
+    uint32_t peer;  /* the other side's index */
+    uint32_t slot;  /* slot in the verb's target buffer */
+    uint32_t slot2; /* read: own slot */
     uint32_t tokens;
     uint64_t elapsed_ms;
-    char name[64];    /* a segment name */
+    char name[64]; /* a segment name */
     char err[ERR_LEN];
     /* REP_STATS */
     int64_t conns, lookups, rss_kib;
@@ -126,7 +126,6 @@ static void fill_block(void *buf, size_t len, uint64_t req)
     memcpy(buf, &req, 8);
     kvpt_fill((char *)buf + 8, len - 8, seed_of(req));
 }
-
 
 /* 0 when buf holds request req; -2 when it holds another request (its id in
  * *got); -1 when a byte is wrong (its offset in *at). */
@@ -176,7 +175,8 @@ static int was_given_up(peer_worker *p, uint64_t id)
 
 static void give_up(peer_worker *p, uint64_t id)
 {
-    if (p->n_given_up == 64) memmove(p->given_up, p->given_up + 1, 63 * sizeof *p->given_up), p->n_given_up--;
+    if (p->n_given_up == 64)
+        memmove(p->given_up, p->given_up + 1, 63 * sizeof *p->given_up), p->n_given_up--;
     p->given_up[p->n_given_up++] = id;
 }
 
@@ -260,9 +260,11 @@ static void run_cmd(peer_worker *p, msg *m)
     case CMD_WRITE:
         fill_block(p->staging, len, m->req);
         st = peer_region(p, m->name, &base);
-        if (!st) st = kvp_engine_write(W.engine, p->seg, p->staging, base + m->slot * W.slot_bytes, len);
+        if (!st)
+            st = kvp_engine_write(W.engine, p->seg, p->staging, base + m->slot * W.slot_bytes, len);
         if (st)
-            reply(m, REP_DONE, st, "WRITE to %s: %s: %s", m->name, kvp_strerror(st), kvp_last_error());
+            reply(m, REP_DONE, st, "WRITE to %s: %s: %s", m->name, kvp_strerror(st),
+                  kvp_last_error());
         else
             reply(m, REP_DONE, 0, NULL);
         break;
@@ -484,7 +486,8 @@ static int worker_setup(char *why, size_t len)
         int need_region = !W.prefill || strcmp(W.mode, "read") == 0;
         if (need_region) {
             size_t bytes = W.slots * W.slot_bytes;
-            W.region = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            W.region =
+                mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
             if (W.region == MAP_FAILED) {
                 snprintf(why, len, "mmap %zu bytes: %s", bytes, strerror(errno));
                 return -1;
@@ -522,7 +525,8 @@ static int worker_setup(char *why, size_t len)
             po.disable_shm = 1;
             po.inline_max_bytes = 0; /* every tensor by READ, as MooncakePipe */
             for (int tries = 0; tries < 50; tries++) {
-                if ((st = kvp_pipe_open(&cfg, 0, W.prefill ? 0 : 1, &po, &p->pipe)) == KVP_OK) break;
+                if ((st = kvp_pipe_open(&cfg, 0, W.prefill ? 0 : 1, &po, &p->pipe)) == KVP_OK)
+                    break;
                 usleep(200000);
             }
             if (st) {
@@ -733,14 +737,32 @@ static int spawn_worker(run *r, proc *pr)
     snprintf(a_slots, sizeof a_slots, "%zu", slots);
     snprintf(a_to, sizeof a_to, "%d", r->o->timeout_ms);
     snprintf(a_etcd, sizeof a_etcd, "%s:%d", r->c.addr[0], ETCD_PORT);
-    char *argv[] = {(char *)self_exe(), "--worker", pr->prefill ? "prefill" : "decode",
-                    "--index", a_index, "--ctl", a_ctl, "--addr", r->c.addr[pr->host],
-                    "--etcd", a_etcd, "--mode", (char *)r->o->mode, "--peers", a_peers,
-                    "--peer-addrs", peers, "--slot-bytes", a_slot, "--slots", a_slots,
-                    "--timeout-ms", a_to, NULL};
+    char *argv[] = {(char *)self_exe(),
+                    "--worker",
+                    pr->prefill ? "prefill" : "decode",
+                    "--index",
+                    a_index,
+                    "--ctl",
+                    a_ctl,
+                    "--addr",
+                    r->c.addr[pr->host],
+                    "--etcd",
+                    a_etcd,
+                    "--mode",
+                    (char *)r->o->mode,
+                    "--peers",
+                    a_peers,
+                    "--peer-addrs",
+                    peers,
+                    "--slot-bytes",
+                    a_slot,
+                    "--slots",
+                    a_slots,
+                    "--timeout-ms",
+                    a_to,
+                    NULL};
     char log[128];
-    snprintf(log, sizeof log, "%s/%s%d.log", r->dir, pr->prefill ? "prefill" : "decode",
-             pr->index);
+    snprintf(log, sizeof log, "%s/%s%d.log", r->dir, pr->prefill ? "prefill" : "decode", pr->index);
     pr->pid = kvpt_cluster_spawn(&r->c, pr->host, argv, log);
     close(sv[1]);
     if (pr->pid < 0) {
@@ -766,10 +788,17 @@ static int spawn_etcd(run *r)
     snprintf(peer, sizeof peer, "http://%s:%d", r->c.addr[0], ETCD_PEER_PORT);
     snprintf(cluster, sizeof cluster, "default=%s", peer);
     snprintf(log, sizeof log, "%s/etcd.log", r->dir);
-    char *argv[] = {path,   "--name", "default", "--data-dir", data, "--listen-client-urls",
-                    client, "--advertise-client-urls", client, "--listen-peer-urls", peer,
-                    "--initial-advertise-peer-urls", peer, "--initial-cluster", cluster,
-                    "--logger", "zap", "--log-outputs", "stdout", "--log-level", "warn", NULL};
+    char *argv[] = {path,      "--name",
+                    "default", "--data-dir",
+                    data,      "--listen-client-urls",
+                    client,    "--advertise-client-urls",
+                    client,    "--listen-peer-urls",
+                    peer,      "--initial-advertise-peer-urls",
+                    peer,      "--initial-cluster",
+                    cluster,   "--logger",
+                    "zap",     "--log-outputs",
+                    "stdout",  "--log-level",
+                    "warn",    NULL};
     /* etcd's own stderr (gRPC's warnings) to a log of its own too */
     char err[128];
     snprintf(err, sizeof err, "%s/etcd.err", r->dir);
@@ -880,7 +909,11 @@ static int dispatch_one(run *r)
             if (!r->rqs[i].used) q = &r->rqs[i];
         if (!q) return 0;
         r->rr = (uint64_t)idx + 1;
-        *q = (rq){.used = 1, .p = p, .d = d, .id = r->next_id++, .t0 = kvpi_now_ns(),
+        *q = (rq){.used = 1,
+                  .p = p,
+                  .d = d,
+                  .id = r->next_id++,
+                  .t0 = kvpi_now_ns(),
                   .tokens = draw_tokens(r)};
         ps->inflight++;
         if (r->mode != 2) {
@@ -974,8 +1007,8 @@ static void on_dead(run *r, proc *pr)
     for (int i = 0; i < r->nrq; i++) {
         rq *q = &r->rqs[i];
         if (!q->used) continue;
-        int waits = pr->prefill ? q->p == pr->index && (q->stage == 1 || r->mode == 2)
-                                : q->d == pr->index;
+        int waits =
+            pr->prefill ? q->p == pr->index && (q->stage == 1 || r->mode == 2) : q->d == pr->index;
         if (!waits) continue;
         fail_rq(q, why);
         if (r->mode == 2)
@@ -1033,9 +1066,11 @@ static void pump(run *r, int wait_ms)
     proc *who[2 * MAX_SIDE];
     int n = 0;
     for (int i = 0; i < r->P; i++)
-        if (r->pre[i].fd >= 0 && !r->pre[i].dead) who[n] = &r->pre[i], pfd[n++] = (struct pollfd){r->pre[i].fd, POLLIN, 0};
+        if (r->pre[i].fd >= 0 && !r->pre[i].dead)
+            who[n] = &r->pre[i], pfd[n++] = (struct pollfd){r->pre[i].fd, POLLIN, 0};
     for (int i = 0; i < r->D; i++)
-        if (r->dec[i].fd >= 0 && !r->dec[i].dead) who[n] = &r->dec[i], pfd[n++] = (struct pollfd){r->dec[i].fd, POLLIN, 0};
+        if (r->dec[i].fd >= 0 && !r->dec[i].dead)
+            who[n] = &r->dec[i], pfd[n++] = (struct pollfd){r->dec[i].fd, POLLIN, 0};
     if (poll(pfd, (nfds_t)n, wait_ms) <= 0) return;
     for (int i = 0; i < n; i++) {
         if (!pfd[i].revents) continue;
@@ -1146,7 +1181,8 @@ static void fault_checks(run *r)
         if (!affected(r, i) && pair_ok_in(r, i, settle, r->t_fault_end) == 0) keeps = 0;
     check(r, keeps, "every pair away from the fault completes requests during it (%.1f..%.1f s)",
           settle / 1000.0, r->t_fault_end / 1000.0);
-    double before = rate_in(r, 0, r->t_fault, 0), during = rate_in(r, r->t_fault, r->t_fault_end, 0);
+    double before = rate_in(r, 0, r->t_fault, 0),
+           during = rate_in(r, r->t_fault, r->t_fault_end, 0);
     if (strcmp(f, "restart-etcd") != 0)
         check(r, during >= o->keep * before,
               "the others keep their throughput: %.3f GB/s during against %.3f before (>= %.2fx)",
@@ -1285,8 +1321,8 @@ static int run_cluster(run *r, const opts *o, int P, int D, const char *fault)
             ready += r->dec[i].ready, dead += r->dec[i].dead;
         if (ready == P + D) break;
         if (dead || stop_flag || kvpi_now_ms() > ready_by) {
-            snprintf(r->c.why, sizeof r->c.why, "%s", dead ? "a worker died at start"
-                                                      : "workers not ready within 60 s");
+            snprintf(r->c.why, sizeof r->c.why, "%s",
+                     dead ? "a worker died at start" : "workers not ready within 60 s");
             goto setup_failed;
         }
         pump(r, 100);
@@ -1397,8 +1433,9 @@ static int run_cluster(run *r, const opts *o, int P, int D, const char *fault)
             char who[16];
             snprintf(who, sizeof who, "%s%d", s ? "decode" : "prefill", i);
             if (pr->have_stats)
-                printf("%-10s %-22s %6lld %8lld %7.0f M\n", who, pr->name, (long long)pr->stats.conns,
-                       (long long)pr->stats.lookups, pr->stats.rss_kib / 1024.0);
+                printf("%-10s %-22s %6lld %8lld %7.0f M\n", who, pr->name,
+                       (long long)pr->stats.conns, (long long)pr->stats.lookups,
+                       pr->stats.rss_kib / 1024.0);
             else
                 printf("%-10s %-22s %6s %8s %9s\n", who, pr->name, "-", "-", "-");
         }
@@ -1439,8 +1476,9 @@ static void json_run(FILE *f, run *r, const char *label)
     fprintf(f, "  \"%s\": {\"prefill\": %d, \"decode\": %d, \"mode\": \"%s\", \"fault\": %s%s%s, ",
             label, r->P, r->D, r->o->mode, r->o->fault ? "\"" : "",
             r->o->fault ? r->o->fault : "null", r->o->fault ? "\"" : "");
-    fprintf(f, "\"seconds\": %d, \"requests\": %llu, \"errors\": %llu, \"bytes\": %llu, "
-               "\"gb_per_s\": %.4f, \"latency_ms\": {\"p50\": %.2f, \"p99\": %.2f, \"p999\": %.2f},\n",
+    fprintf(f,
+            "\"seconds\": %d, \"requests\": %llu, \"errors\": %llu, \"bytes\": %llu, "
+            "\"gb_per_s\": %.4f, \"latency_ms\": {\"p50\": %.2f, \"p99\": %.2f, \"p999\": %.2f},\n",
             r->o->seconds, (unsigned long long)r->requests, (unsigned long long)r->errors,
             (unsigned long long)r->bytes, r->gbps, r->p50, r->p99, r->p999);
     fprintf(f, "    \"engines\": [");
@@ -1451,18 +1489,22 @@ static void json_run(FILE *f, run *r, const char *label)
             fprintf(f, "%s\n      {\"role\": \"%s\", \"index\": %d, \"segment\": \"%s\", ",
                     first ? "" : ",", s ? "decode" : "prefill", i, pr->name);
             if (pr->have_stats)
-                fprintf(f, "\"connections\": %lld, \"metadata_lookups\": %lld, \"peak_rss_kib\": %lld}",
-                        (long long)pr->stats.conns, (long long)pr->stats.lookups,
-                        (long long)pr->stats.rss_kib);
+                fprintf(
+                    f, "\"connections\": %lld, \"metadata_lookups\": %lld, \"peak_rss_kib\": %lld}",
+                    (long long)pr->stats.conns, (long long)pr->stats.lookups,
+                    (long long)pr->stats.rss_kib);
             else
-                fprintf(f, "\"connections\": null, \"metadata_lookups\": null, \"peak_rss_kib\": null}");
+                fprintf(
+                    f,
+                    "\"connections\": null, \"metadata_lookups\": null, \"peak_rss_kib\": null}");
             first = 0;
         }
     fprintf(f, "],\n    \"pairs\": [");
     for (int i = 0; i < r->P * r->D; i++) {
         pair_st *ps = &r->pair[i];
-        fprintf(f, "%s\n      {\"prefill\": %d, \"decode\": %d, \"ok\": %llu, \"errors\": %llu, "
-                   "\"wrong_bytes\": %llu, \"reordered\": %llu, \"bytes\": %llu}",
+        fprintf(f,
+                "%s\n      {\"prefill\": %d, \"decode\": %d, \"ok\": %llu, \"errors\": %llu, "
+                "\"wrong_bytes\": %llu, \"reordered\": %llu, \"bytes\": %llu}",
                 i ? "," : "", i % r->P, i / r->P, (unsigned long long)ps->ok,
                 (unsigned long long)ps->errors, (unsigned long long)ps->mismatches,
                 (unsigned long long)ps->reordered, (unsigned long long)ps->bytes);
@@ -1472,67 +1514,153 @@ static void json_run(FILE *f, run *r, const char *label)
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: xpyd [--prefill P] [--decode D] [--seconds S] [--mode write|read|pipe]\n"
-            "            [--window W] [--skew K] [--min-tokens N] [--max-tokens N] [--seed N]\n"
-            "            [--timeout-ms MS] [--baseline] [--min-ratio R]\n"
-            "            [--fault kill-prefill|restart-prefill|restart-etcd|link-down|rate-limit]\n"
-            "            [--fault-seconds S] [--keep R] [--warmup-ms MS] [--json FILE] [--keep-logs]\n"
-            "Many prefill and many decode engines, each in a network namespace of its own,\n"
-            "through a real etcd (docs/scale-out.md). Needs root and iproute2.\n");
+    fprintf(
+        f,
+        "usage: xpyd [--prefill P] [--decode D] [--seconds S] [--mode write|read|pipe]\n"
+        "            [--window W] [--skew K] [--min-tokens N] [--max-tokens N] [--seed N]\n"
+        "            [--timeout-ms MS] [--baseline] [--min-ratio R]\n"
+        "            [--fault kill-prefill|restart-prefill|restart-etcd|link-down|rate-limit]\n"
+        "            [--fault-seconds S] [--keep R] [--warmup-ms MS] [--json FILE] [--keep-logs]\n"
+        "Many prefill and many decode engines, each in a network namespace of its own,\n"
+        "through a real etcd (docs/scale-out.md). Needs root and iproute2.\n");
 }
 
 int main(int argc, char **argv)
 {
-    opts o = {.prefill = 2, .decode = 2, .seconds = 10, .window = 2, .skew = 1,
-              .timeout_ms = 3000, .min_tokens = 16, .max_tokens = 256, .fault_seconds = -1,
-              .keep = 0.9, .seed = 1, .mode = "write", .warmup_ms = 2000};
+    opts o = {.prefill = 2,
+              .decode = 2,
+              .seconds = 10,
+              .window = 2,
+              .skew = 1,
+              .timeout_ms = 3000,
+              .min_tokens = 16,
+              .max_tokens = 256,
+              .fault_seconds = -1,
+              .keep = 0.9,
+              .seed = 1,
+              .mode = "write",
+              .warmup_ms = 2000};
     const char *role = NULL, *peer_addrs = NULL;
-    static struct option lo[] = {
-        {"prefill", 1, 0, 'p'},     {"decode", 1, 0, 'd'},      {"seconds", 1, 0, 's'},
-        {"mode", 1, 0, 'm'},        {"window", 1, 0, 'w'},      {"skew", 1, 0, 'k'},
-        {"min-tokens", 1, 0, 1},    {"max-tokens", 1, 0, 2},    {"seed", 1, 0, 3},
-        {"timeout-ms", 1, 0, 4},    {"baseline", 0, 0, 5},      {"min-ratio", 1, 0, 6},
-        {"fault", 1, 0, 7},         {"fault-seconds", 1, 0, 8}, {"keep", 1, 0, 9},
-        {"json", 1, 0, 10},         {"keep-logs", 0, 0, 11},    {"help", 0, 0, 'h'},
-        {"warmup-ms", 1, 0, 12},
-        /* the workers' own */
-        {"worker", 1, 0, 20},       {"index", 1, 0, 21},        {"ctl", 1, 0, 22},
-        {"addr", 1, 0, 23},         {"etcd", 1, 0, 24},         {"peers", 1, 0, 25},
-        {"peer-addrs", 1, 0, 26},   {"slot-bytes", 1, 0, 27},   {"slots", 1, 0, 28},
-        {0, 0, 0, 0}};
+    static struct option lo[] = {{"prefill", 1, 0, 'p'},
+                                 {"decode", 1, 0, 'd'},
+                                 {"seconds", 1, 0, 's'},
+                                 {"mode", 1, 0, 'm'},
+                                 {"window", 1, 0, 'w'},
+                                 {"skew", 1, 0, 'k'},
+                                 {"min-tokens", 1, 0, 1},
+                                 {"max-tokens", 1, 0, 2},
+                                 {"seed", 1, 0, 3},
+                                 {"timeout-ms", 1, 0, 4},
+                                 {"baseline", 0, 0, 5},
+                                 {"min-ratio", 1, 0, 6},
+                                 {"fault", 1, 0, 7},
+                                 {"fault-seconds", 1, 0, 8},
+                                 {"keep", 1, 0, 9},
+                                 {"json", 1, 0, 10},
+                                 {"keep-logs", 0, 0, 11},
+                                 {"help", 0, 0, 'h'},
+                                 {"warmup-ms", 1, 0, 12},
+                                 /* the workers' own */
+                                 {"worker", 1, 0, 20},
+                                 {"index", 1, 0, 21},
+                                 {"ctl", 1, 0, 22},
+                                 {"addr", 1, 0, 23},
+                                 {"etcd", 1, 0, 24},
+                                 {"peers", 1, 0, 25},
+                                 {"peer-addrs", 1, 0, 26},
+                                 {"slot-bytes", 1, 0, 27},
+                                 {"slots", 1, 0, 28},
+                                 {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "p:d:s:m:w:k:h", lo, NULL)) != -1) {
         switch (c) {
-        case 'p': o.prefill = atoi(optarg); break;
-        case 'd': o.decode = atoi(optarg); break;
-        case 's': o.seconds = atoi(optarg); break;
-        case 'm': o.mode = optarg; break;
-        case 'w': o.window = atoi(optarg); break;
-        case 'k': o.skew = atoi(optarg); break;
-        case 1: o.min_tokens = atoi(optarg); break;
-        case 2: o.max_tokens = atoi(optarg); break;
-        case 3: o.seed = (unsigned)strtoul(optarg, NULL, 10); break;
-        case 4: o.timeout_ms = atoi(optarg); break;
-        case 5: o.baseline = 1; break;
-        case 6: o.min_ratio = atof(optarg); break;
-        case 7: o.fault = optarg; break;
-        case 8: o.fault_seconds = atoi(optarg); break;
-        case 9: o.keep = atof(optarg); break;
-        case 10: o.json = optarg; break;
-        case 11: o.keep_logs = 1; break;
-        case 12: o.warmup_ms = atoi(optarg); break;
-        case 'h': usage(stdout); return 0;
-        case 20: role = optarg; break;
-        case 21: W.index = atoi(optarg); break;
-        case 22: W.ctl = atoi(optarg); break;
-        case 23: snprintf(W.addr, sizeof W.addr, "%s", optarg); break;
-        case 24: snprintf(W.etcd, sizeof W.etcd, "%s", optarg); break;
-        case 25: W.peers = atoi(optarg); break;
-        case 26: peer_addrs = optarg; break;
-        case 27: W.slot_bytes = strtoull(optarg, NULL, 10); break;
-        case 28: W.slots = strtoull(optarg, NULL, 10); break;
-        default: usage(stderr); return 2;
+        case 'p':
+            o.prefill = atoi(optarg);
+            break;
+        case 'd':
+            o.decode = atoi(optarg);
+            break;
+        case 's':
+            o.seconds = atoi(optarg);
+            break;
+        case 'm':
+            o.mode = optarg;
+            break;
+        case 'w':
+            o.window = atoi(optarg);
+            break;
+        case 'k':
+            o.skew = atoi(optarg);
+            break;
+        case 1:
+            o.min_tokens = atoi(optarg);
+            break;
+        case 2:
+            o.max_tokens = atoi(optarg);
+            break;
+        case 3:
+            o.seed = (unsigned)strtoul(optarg, NULL, 10);
+            break;
+        case 4:
+            o.timeout_ms = atoi(optarg);
+            break;
+        case 5:
+            o.baseline = 1;
+            break;
+        case 6:
+            o.min_ratio = atof(optarg);
+            break;
+        case 7:
+            o.fault = optarg;
+            break;
+        case 8:
+            o.fault_seconds = atoi(optarg);
+            break;
+        case 9:
+            o.keep = atof(optarg);
+            break;
+        case 10:
+            o.json = optarg;
+            break;
+        case 11:
+            o.keep_logs = 1;
+            break;
+        case 12:
+            o.warmup_ms = atoi(optarg);
+            break;
+        case 'h':
+            usage(stdout);
+            return 0;
+        case 20:
+            role = optarg;
+            break;
+        case 21:
+            W.index = atoi(optarg);
+            break;
+        case 22:
+            W.ctl = atoi(optarg);
+            break;
+        case 23:
+            snprintf(W.addr, sizeof W.addr, "%s", optarg);
+            break;
+        case 24:
+            snprintf(W.etcd, sizeof W.etcd, "%s", optarg);
+            break;
+        case 25:
+            W.peers = atoi(optarg);
+            break;
+        case 26:
+            peer_addrs = optarg;
+            break;
+        case 27:
+            W.slot_bytes = strtoull(optarg, NULL, 10);
+            break;
+        case 28:
+            W.slots = strtoull(optarg, NULL, 10);
+            break;
+        default:
+            usage(stderr);
+            return 2;
         }
     }
     if (role) {
@@ -1543,7 +1671,8 @@ int main(int argc, char **argv)
         snprintf(list, sizeof list, "%s", peer_addrs ? peer_addrs : "");
         char *save = NULL;
         int i = 0;
-        for (char *t = strtok_r(list, ",", &save); t && i < MAX_SIDE; t = strtok_r(NULL, ",", &save))
+        for (char *t = strtok_r(list, ",", &save); t && i < MAX_SIDE;
+             t = strtok_r(NULL, ",", &save))
             snprintf(W.peer_addr[i++], sizeof W.peer_addr[0], "%s", t);
         if (W.peers < 1 || W.peers > MAX_SIDE || i != W.peers) {
             fprintf(stderr, "xpyd worker: bad --peers/--peer-addrs\n");
@@ -1552,7 +1681,8 @@ int main(int argc, char **argv)
         return worker_main();
     }
     const char *why = NULL;
-    if (optind < argc) why = "unexpected argument";
+    if (optind < argc)
+        why = "unexpected argument";
     else if (strcmp(o.mode, "write") && strcmp(o.mode, "read") && strcmp(o.mode, "pipe"))
         why = "--mode: write, read or pipe";
     else if (o.prefill < 1 || o.prefill > MAX_SIDE || o.decode < 1 || o.decode > MAX_SIDE)
@@ -1561,9 +1691,12 @@ int main(int argc, char **argv)
         why = "--window and --skew: at least 1, window x skew at most 64";
     else if (o.min_tokens < 1 || o.max_tokens < o.min_tokens || o.max_tokens > 8192)
         why = "--min-tokens 1.. <= --max-tokens ..8192";
-    else if (o.seconds < 1) why = "--seconds: at least 1";
-    else if (o.timeout_ms < 100) why = "--timeout-ms: at least 100";
-    else if (o.warmup_ms < 0) why = "--warmup-ms: 0 or more";
+    else if (o.seconds < 1)
+        why = "--seconds: at least 1";
+    else if (o.timeout_ms < 100)
+        why = "--timeout-ms: at least 100";
+    else if (o.warmup_ms < 0)
+        why = "--warmup-ms: 0 or more";
     if (o.fault) {
         int pf = !strcmp(o.fault, "kill-prefill") || !strcmp(o.fault, "restart-prefill") ||
                  !strcmp(o.fault, "rate-limit");
@@ -1609,8 +1742,8 @@ int main(int argc, char **argv)
     }
     if (o.baseline && !stop_flag) {
         ratio = base.gbps > 0 ? main_run.gbps / base.gbps : 0;
-        printf("\naggregate %dx%d %.3f GB/s against 1x1 %.3f GB/s: %.2fx\n", o.prefill,
-               o.decode, main_run.gbps, base.gbps, ratio);
+        printf("\naggregate %dx%d %.3f GB/s against 1x1 %.3f GB/s: %.2fx\n", o.prefill, o.decode,
+               main_run.gbps, base.gbps, ratio);
         if (o.min_ratio > 0) {
             int ok = ratio >= o.min_ratio;
             printf("  check %-4s aggregate >= %.2fx one pair\n", ok ? "ok" : "FAIL", o.min_ratio);
@@ -1623,8 +1756,9 @@ int main(int argc, char **argv)
             fprintf(stderr, "xpyd: %s: %s\n", o.json, strerror(errno));
             return 2;
         }
-        fprintf(f, "{\n  \"token_bytes\": %u, \"tokens\": {\"distribution\": \"log-uniform\", "
-                   "\"min\": %d, \"max\": %d, \"seed\": %u}, \"window\": %d, \"skew\": %d,\n",
+        fprintf(f,
+                "{\n  \"token_bytes\": %u, \"tokens\": {\"distribution\": \"log-uniform\", "
+                "\"min\": %d, \"max\": %d, \"seed\": %u}, \"window\": %d, \"skew\": %d,\n",
                 TOKEN_BYTES, o.min_tokens, o.max_tokens, o.seed, o.window, o.skew);
         if (o.baseline) {
             json_run(f, &base, "baseline_1x1");

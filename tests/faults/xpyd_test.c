@@ -92,36 +92,36 @@ static void test_xpyd_pipe_skewed(void)
 
 static void test_xpyd_kill_prefill(void)
 {
-    const char *a[] = {"--mode", "read", "--seconds", "7", "--fault", "kill-prefill",
-                       "--fault-seconds", "3", NULL};
+    const char *a[] = {"--mode",          "read", "--seconds", "7", "--fault", "kill-prefill",
+                       "--fault-seconds", "3",    NULL};
     xpyd(a);
 }
 
 static void test_xpyd_restart_prefill(void)
 {
-    const char *a[] = {"--mode", "write", "--seconds", "7", "--fault", "restart-prefill",
-                       "--fault-seconds", "3", NULL};
+    const char *a[] = {"--mode",          "write",           "--seconds", "7", "--fault",
+                       "restart-prefill", "--fault-seconds", "3",         NULL};
     xpyd(a);
 }
 
 static void test_xpyd_restart_etcd(void)
 {
-    const char *a[] = {"--mode", "read", "--seconds", "7", "--fault", "restart-etcd",
-                       "--fault-seconds", "3", NULL};
+    const char *a[] = {"--mode",          "read", "--seconds", "7", "--fault", "restart-etcd",
+                       "--fault-seconds", "3",    NULL};
     xpyd(a);
 }
 
 static void test_xpyd_link_down(void)
 {
-    const char *a[] = {"--mode", "write", "--seconds", "8", "--fault", "link-down",
-                       "--fault-seconds", "3", NULL};
+    const char *a[] = {"--mode",    "write",           "--seconds", "8", "--fault",
+                       "link-down", "--fault-seconds", "3",         NULL};
     xpyd(a);
 }
 
 static void test_xpyd_rate_limit(void)
 {
-    const char *a[] = {"--mode", "pipe", "--seconds", "7", "--fault", "rate-limit",
-                       "--fault-seconds", "3", NULL};
+    const char *a[] = {"--mode",          "pipe", "--seconds", "7", "--fault", "rate-limit",
+                       "--fault-seconds", "3",    NULL};
     xpyd(a);
 }
 

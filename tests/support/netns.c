@@ -358,7 +358,7 @@ int kvpt_cluster_create(kvpt_cluster *c, int hosts, int net)
         snprintf(port, sizeof port, "h%d", i);
         snprintf(peer_ns, sizeof peer_ns, "/proc/%d/fd/%d", (int)getpid(), c->fd[i]);
         snprintf(cidr, sizeof cidr, "%s/16", c->addr[i]);
-        const char *add[] = {"link", "add",  port,   "type",  "veth", "peer",
+        const char *add[] = {"link", "add",  port,    "type",  "veth", "peer",
                              "name", "eth0", "netns", peer_ns, NULL};
         const char *master[] = {"link", "set", port, "master", "br0", "up", NULL};
         const char *lo[] = {"link", "set", "lo", "up", NULL};
@@ -427,7 +427,7 @@ int kvpt_cluster_rate(kvpt_cluster *c, int host, int rate_kbit)
         const char *dev = side ? port : "eth0";
         int where = side ? -1 : host;
         const char *del[] = {"qdisc", "del", "dev", dev, "root", NULL};
-        const char *tbf[] = {"qdisc", "replace", "dev", dev,     "root",  "tbf", "rate",
+        const char *tbf[] = {"qdisc", "replace", "dev",  dev,       "root",  "tbf", "rate",
                              rate,    "burst",   "32kb", "latency", "400ms", NULL};
         int rc = kvpt_cluster_run(c, where, "tc", rate_kbit > 0 ? tbf : del, NULL);
         if (rc != 0) return -1;
