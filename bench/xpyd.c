@@ -594,8 +594,8 @@ static int worker_main(void)
         case CMD_QUIT:
             worker_quit();
             return 0;
-        case CMD_ABANDON:
-            if (m.peer < (uint32_t)W.peers) atomic_store(&W.pw[m.peer].abandon, 1);
+        case CMD_ABANDON: /* slot 1: the peer is back */
+            if (m.peer < (uint32_t)W.peers) atomic_store(&W.pw[m.peer].abandon, m.slot ? 0 : 1);
             break;
         case CMD_LOOKUP: {
             lookup_job *j = malloc(sizeof *j);
@@ -629,7 +629,7 @@ typedef struct opts {
 
 typedef struct proc {
     pid_t pid;
-    int fd, host, ready, dead, prefill, index;
+    int fd, host, ready, dead, prefill, index, restarted;
     char name[64];
     msg stats;
     int have_stats;
@@ -655,6 +655,7 @@ typedef struct pair_st {
 } pair_st;
 
 typedef struct run {
+    opts opts; /* this run's: its fault */
     const opts *o;
     int P, D, mode; /* mode: 0 write, 1 read, 2 pipe */
     kvpt_cluster c;
@@ -1043,6 +1044,13 @@ static void on_msg(run *r, proc *pr, msg *m)
         }
         snprintf(pr->name, sizeof pr->name, "%s", m->name);
         pr->ready = 1;
+        if (pr->restarted && r->mode == 2) /* its pipes' peers wait for it again */
+            for (int d = 0; d < r->D; d++)
+                if (!r->dec[d].dead) {
+                    msg n = {.type = CMD_ABANDON, .peer = (uint32_t)pr->index, .slot = 1};
+                    to_worker(&r->dec[d], &n);
+                }
+        pr->restarted = 0;
         break;
     case REP_DONE:
         on_done(r, pr, m);
@@ -1107,7 +1115,10 @@ static void inject(run *r, int start)
             printf("  t=%.1fs: restart prefill 0 under the same name\n", now_rel(r) / 1000.0);
             for (int i = 0; i < 100 && !pre0->dead; i++)
                 pump(r, 50);
-            if (spawn_worker(r, pre0) != 0) printf("  cannot restart prefill 0: %s\n", r->c.why);
+            if (spawn_worker(r, pre0) != 0)
+                printf("  cannot restart prefill 0: %s\n", r->c.why);
+            else
+                pre0->restarted = 1;
         }
     } else if (strcmp(f, "restart-etcd") == 0) {
         msg m = {.type = CMD_LOOKUP, .slot = start ? 0 : 1};
@@ -1273,14 +1284,9 @@ static void teardown(run *r)
 static int run_cluster(run *r, const opts *o, int P, int D, const char *fault)
 {
     memset(r, 0, sizeof *r);
-    opts local = *o;
-    local.fault = fault;
-    static opts keep_opts[2];
-    static int which;
-    keep_opts[which] = local;
-    r->o = &keep_opts[which];
-    which ^= 1;
-    o = r->o;
+    r->opts = *o;
+    r->opts.fault = fault;
+    r->o = o = &r->opts;
     r->P = P;
     r->D = D;
     r->mode = strcmp(o->mode, "write") == 0 ? 0 : strcmp(o->mode, "read") == 0 ? 1 : 2;
@@ -1713,9 +1719,6 @@ int main(int argc, char **argv)
             why = "this fault needs --prefill 2 or more (pairs away from the fault)";
         else if (!strcmp(o.fault, "link-down") && o.decode < 2)
             why = "link-down needs --decode 2 or more (pairs away from the fault)";
-        else if (!strcmp(o.fault, "restart-prefill") && !strcmp(o.mode, "pipe"))
-            why = "restart-prefill is not supported in pipe mode: a pipe does not survive its "
-                  "peer's restart (docs/scale-out.md)";
         if (o.fault_seconds < 0) o.fault_seconds = !strcmp(o.fault, "link-down") ? 8 : 4;
         if (!why && o.seconds * 3 / 10 + o.fault_seconds + 2 > o.seconds)
             why = "--seconds too short for the fault: it starts at 30 % of the run and needs "
