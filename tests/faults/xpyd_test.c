@@ -104,6 +104,13 @@ static void test_xpyd_restart_prefill(void)
     xpyd(a);
 }
 
+static void test_xpyd_restart_prefill_pipe(void)
+{
+    const char *a[] = {"--mode",          "pipe", "--seconds", "7", "--fault", "restart-prefill",
+                       "--fault-seconds", "3",    NULL};
+    xpyd(a);
+}
+
 static void test_xpyd_restart_etcd(void)
 {
     const char *a[] = {"--mode",          "read", "--seconds", "7", "--fault", "restart-etcd",
@@ -132,6 +139,7 @@ int main(void)
     RUN_T(test_xpyd_pipe_skewed, 90);
     RUN_T(test_xpyd_kill_prefill, 90);
     RUN_T(test_xpyd_restart_prefill, 90);
+    RUN_T(test_xpyd_restart_prefill_pipe, 90);
     RUN_T(test_xpyd_restart_etcd, 90);
     RUN_T(test_xpyd_link_down, 90);
     RUN_T(test_xpyd_rate_limit, 90);
