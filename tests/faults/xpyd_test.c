@@ -13,7 +13,9 @@
  *   every other pair served during the fault and all of them together at
  *   >= 0.9x their throughput before it, the killed prefill's requests failing
  *   fast with an error naming it, recovery after a restart and once the link
- *   is back, and no running transfer lost to etcd's restart.
+ *   is back, and no running transfer lost to etcd's restart. (The full
+ *   harness's 8 s link-down in write mode finds a late WRITE landing over
+ *   newer data: docs/scale-out.md, Known problems; 3 s here has not.)
  * Skipped where network namespaces cannot be made (not root, no `ip`), and
  * in the sanitizer builds (throughput checks; the normal build's job). */
 #include <stdio.h>
