@@ -34,15 +34,21 @@ const char *kvpt_netns_unavailable(void)
 /* Run fn(arg) with the calling thread in side's namespace, then return home.
  * A failure to return home is fatal: the rest of the case would run in the
  * wrong namespace. */
-static int in_ns(kvpt_netns *n, int side, int (*fn)(void *), void *arg)
+static int ns_call(int fd, int home, int (*fn)(void *), void *arg)
 {
-    if (setns(n->fd[side], CLONE_NEWNET) != 0)
-        return fail(n, "setns into side %d: %s", side, strerror(errno));
+    if (setns(fd, CLONE_NEWNET) != 0) return -2;
     int r = fn(arg);
-    if (setns(n->home, CLONE_NEWNET) != 0) {
+    if (setns(home, CLONE_NEWNET) != 0) {
         perror("kvpt_netns: setns back home");
         abort();
     }
+    return r;
+}
+
+static int in_ns(kvpt_netns *n, int side, int (*fn)(void *), void *arg)
+{
+    int r = ns_call(n->fd[side], n->home, fn, arg);
+    if (r == -2) return fail(n, "setns into side %d: %s", side, strerror(errno));
     return r;
 }
 
@@ -59,26 +65,38 @@ static int do_spawn(void *arg)
     return a->pid < 0 ? -1 : 0;
 }
 
-pid_t kvpt_netns_spawn(kvpt_netns *n, int side, char *const argv[], const char *out_path)
+static pid_t spawn_in(int fd, int home, char *const argv[], const char *out_path)
 {
     spawn_args a = {argv, out_path, -1};
-    if (in_ns(n, side, do_spawn, &a) != 0) return -1;
+    if (ns_call(fd, home, do_spawn, &a) != 0) return -1;
     return a.pid;
 }
 
-int kvpt_netns_run(kvpt_netns *n, int side, const char *tool, const char *const args[],
-                   const char *out_path)
+pid_t kvpt_netns_spawn(kvpt_netns *n, int side, char *const argv[], const char *out_path)
+{
+    return spawn_in(n->fd[side], n->home, argv, out_path);
+}
+
+/* Run tool in the namespace fd and wait for it; its status, or -1 with why. */
+static int run_in(int fd, int home, const char *where, const char *tool, const char *const args[],
+                  const char *out_path, char *why, size_t why_len)
 {
     const char *found = kvpt_find_binary(tool);
-    if (!found) return fail(n, "%s not found", tool);
+    if (!found) {
+        snprintf(why, why_len, "%s not found", tool);
+        return -1;
+    }
     char path[4096], *argv[32] = {path};
     snprintf(path, sizeof path, "%s", found);
     size_t k = 1;
     for (size_t i = 0; args[i] && k < 31; i++)
         argv[k++] = (char *)args[i];
     argv[k] = NULL;
-    pid_t pid = kvpt_netns_spawn(n, side, argv, out_path);
-    if (pid < 0) return fail(n, "cannot start %s: %s", tool, strerror(errno));
+    pid_t pid = spawn_in(fd, home, argv, out_path);
+    if (pid < 0) {
+        snprintf(why, why_len, "%s: cannot start %s: %s", where, tool, strerror(errno));
+        return -1;
+    }
     int rc = kvpt_wait_child(pid, TOOL_TIMEOUT_MS);
     if (rc != 0) {
         char cmd[400] = "";
@@ -86,9 +104,18 @@ int kvpt_netns_run(kvpt_netns *n, int side, const char *tool, const char *const 
             strncat(cmd, " ", sizeof cmd - strlen(cmd) - 1);
             strncat(cmd, args[i], sizeof cmd - strlen(cmd) - 1);
         }
-        fail(n, "side %d: %s%s: %s %d", side, tool, cmd, rc < 0 ? "timed out" : "exit status", rc);
+        snprintf(why, why_len, "%s: %s%s: %s %d", where, tool, cmd,
+                 rc < 0 ? "timed out" : "exit status", rc);
     }
     return rc;
+}
+
+int kvpt_netns_run(kvpt_netns *n, int side, const char *tool, const char *const args[],
+                   const char *out_path)
+{
+    char where[16];
+    snprintf(where, sizeof where, "side %d", side);
+    return run_in(n->fd[side], n->home, where, tool, args, out_path, n->why, sizeof n->why);
 }
 
 /* Run a tool and fail (-1) unless it exits 0. */
@@ -115,17 +142,25 @@ int kvpt_netns_wait_port(kvpt_netns *n, int side, const char *host, int port, in
 }
 
 /* A new namespace, held by a descriptor; the thread stays home. */
-static int new_ns(kvpt_netns *n)
+static int make_ns(int home, char *why, size_t why_len)
 {
-    if (unshare(CLONE_NEWNET) != 0) return fail(n, "unshare(CLONE_NEWNET): %s", strerror(errno));
+    if (unshare(CLONE_NEWNET) != 0) {
+        snprintf(why, why_len, "unshare(CLONE_NEWNET): %s", strerror(errno));
+        return -1;
+    }
     int fd = open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
     int err = errno;
-    if (setns(n->home, CLONE_NEWNET) != 0) {
+    if (setns(home, CLONE_NEWNET) != 0) {
         perror("kvpt_netns: setns back home");
         abort();
     }
-    if (fd < 0) return fail(n, "open the new namespace: %s", strerror(err));
+    if (fd < 0) snprintf(why, why_len, "open the new namespace: %s", strerror(err));
     return fd;
+}
+
+static int new_ns(kvpt_netns *n)
+{
+    return make_ns(n->home, n->why, sizeof n->why);
 }
 
 int kvpt_netns_create(kvpt_netns *n)
@@ -270,4 +305,132 @@ int kvpt_net_link_down(kvpt_netns *n)
 int kvpt_net_link_up(kvpt_netns *n)
 {
     return link_set(n, "up");
+}
+
+/* --------------------------------------------------------------- cluster --- */
+
+static int cfail(kvpt_cluster *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int cfail(kvpt_cluster *c, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->why, sizeof c->why, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+int kvpt_cluster_run(kvpt_cluster *c, int host, const char *tool, const char *const args[],
+                     const char *out_path)
+{
+    char where[24];
+    if (host < 0)
+        snprintf(where, sizeof where, "bridge");
+    else
+        snprintf(where, sizeof where, "host %d", host);
+    int fd = host < 0 ? c->bridge : c->fd[host];
+    return run_in(fd, c->home, where, tool, args, out_path, c->why, sizeof c->why);
+}
+
+static int crun(kvpt_cluster *c, int host, const char *const args[])
+{
+    return kvpt_cluster_run(c, host, "ip", args, NULL) == 0 ? 0 : -1;
+}
+
+int kvpt_cluster_create(kvpt_cluster *c, int hosts, int net)
+{
+    *c = (kvpt_cluster){.home = -1, .bridge = -1};
+    for (int i = 0; i < KVPT_CLUSTER_MAX; i++)
+        c->fd[i] = -1;
+    if (hosts < 1 || hosts > KVPT_CLUSTER_MAX)
+        return cfail(c, "%d hosts: 1..%d", hosts, KVPT_CLUSTER_MAX);
+    if (net < 1 || net > 254) return cfail(c, "network 10.%d: 1..254", net);
+    c->home = open("/proc/thread-self/ns/net", O_RDONLY | O_CLOEXEC);
+    if (c->home < 0) return cfail(c, "open this namespace: %s", strerror(errno));
+    if ((c->bridge = make_ns(c->home, c->why, sizeof c->why)) < 0) goto fail;
+    const char *br[] = {"link", "add", "br0", "type", "bridge", NULL};
+    const char *brup[] = {"link", "set", "br0", "up", NULL};
+    if (crun(c, -1, br) || crun(c, -1, brup)) goto fail;
+    for (int i = 0; i < hosts; i++) {
+        if ((c->fd[i] = make_ns(c->home, c->why, sizeof c->why)) < 0) goto fail;
+        c->hosts = i + 1;
+        snprintf(c->addr[i], sizeof c->addr[i], "10.%d.%d.%d", net, (i + 1) / 250, (i + 1) % 250);
+        char port[16], peer_ns[64], cidr[32];
+        snprintf(port, sizeof port, "h%d", i);
+        snprintf(peer_ns, sizeof peer_ns, "/proc/%d/fd/%d", (int)getpid(), c->fd[i]);
+        snprintf(cidr, sizeof cidr, "%s/16", c->addr[i]);
+        const char *add[] = {"link", "add",  port,    "type",  "veth", "peer",
+                             "name", "eth0", "netns", peer_ns, NULL};
+        const char *master[] = {"link", "set", port, "master", "br0", "up", NULL};
+        const char *lo[] = {"link", "set", "lo", "up", NULL};
+        const char *addr[] = {"addr", "add", cidr, "dev", "eth0", NULL};
+        const char *up[] = {"link", "set", "eth0", "up", NULL};
+        if (crun(c, -1, add) || crun(c, -1, master) || crun(c, i, lo) || crun(c, i, addr) ||
+            crun(c, i, up))
+            goto fail;
+    }
+    return 0;
+fail:;
+    char why[sizeof c->why];
+    memcpy(why, c->why, sizeof why);
+    kvpt_cluster_destroy(c);
+    memcpy(c->why, why, sizeof why);
+    return -1;
+}
+
+void kvpt_cluster_destroy(kvpt_cluster *c)
+{
+    for (int i = 0; i < KVPT_CLUSTER_MAX; i++)
+        if (c->fd[i] >= 0) {
+            close(c->fd[i]);
+            c->fd[i] = -1;
+        }
+    if (c->bridge >= 0) close(c->bridge);
+    if (c->home >= 0) close(c->home);
+    c->bridge = c->home = -1;
+    c->hosts = 0;
+}
+
+pid_t kvpt_cluster_spawn(kvpt_cluster *c, int host, char *const argv[], const char *out_path)
+{
+    if (host < 0 || host >= c->hosts) return cfail(c, "no host %d", host);
+    pid_t pid = spawn_in(c->fd[host], c->home, argv, out_path);
+    if (pid < 0) cfail(c, "host %d: cannot start %s: %s", host, argv[0], strerror(errno));
+    return pid;
+}
+
+int kvpt_cluster_wait_port(kvpt_cluster *c, int host, const char *addr, int port, int timeout_ms)
+{
+    port_args a = {addr, port, timeout_ms};
+    int r = ns_call(c->fd[host], c->home, do_wait_port, &a);
+    if (r == -2) return cfail(c, "setns into host %d: %s", host, strerror(errno));
+    if (r != 0) cfail(c, "nothing answers on %s:%d within %d ms", addr, port, timeout_ms);
+    return r;
+}
+
+int kvpt_cluster_link(kvpt_cluster *c, int host, int up)
+{
+    char port[16];
+    snprintf(port, sizeof port, "h%d", host);
+    const char *state = up ? "up" : "down";
+    const char *in_host[] = {"link", "set", "dev", "eth0", state, NULL};
+    const char *on_bridge[] = {"link", "set", "dev", port, state, NULL};
+    if (up) return crun(c, -1, on_bridge) || crun(c, host, in_host) ? -1 : 0;
+    return crun(c, host, in_host) || crun(c, -1, on_bridge) ? -1 : 0;
+}
+
+int kvpt_cluster_rate(kvpt_cluster *c, int host, int rate_kbit)
+{
+    char port[16], rate[32];
+    snprintf(port, sizeof port, "h%d", host);
+    snprintf(rate, sizeof rate, "%dkbit", rate_kbit);
+    for (int side = 0; side < 2; side++) {
+        const char *dev = side ? port : "eth0";
+        int where = side ? -1 : host;
+        const char *del[] = {"qdisc", "del", "dev", dev, "root", NULL};
+        const char *tbf[] = {"qdisc", "replace", "dev",  dev,       "root",  "tbf", "rate",
+                             rate,    "burst",   "32kb", "latency", "400ms", NULL};
+        int rc = kvpt_cluster_run(c, where, "tc", rate_kbit > 0 ? tbf : del, NULL);
+        if (rc != 0) return -1;
+    }
+    return 0;
 }

@@ -78,4 +78,57 @@ int kvpt_net_rate(kvpt_netns *n, int rate_kbit);
 int kvpt_net_link_down(kvpt_netns *n);
 int kvpt_net_link_up(kvpt_netns *n);
 
+/* --------------------------------------------------------------- cluster --- */
+
+/* A cluster: hosts network namespaces on one Linux bridge, every one with its
+ * own address, for the many-to-many harness (bench/xpyd.c,
+ * docs/scale-out.md). The bridge lives in a namespace of its own too, and all
+ * of them are anonymous as above: nothing is added to the namespace this
+ * process runs in, and everything goes when this process and the processes
+ * started in the hosts are gone (each is killed when this process dies:
+ * PR_SET_PDEATHSIG).
+ *
+ * Host i is 10.<net>.0.<i+1>/16 on "eth0" inside its namespace; the other end
+ * of its veth pair, "h<i>", is a port of bridge "br0". Not thread-safe, as
+ * above. */
+#define KVPT_CLUSTER_MAX 64
+
+typedef struct kvpt_cluster {
+    int home;                        /* the namespace this process runs in */
+    int bridge;                      /* the namespace holding br0 */
+    int hosts;                       /* number of hosts */
+    int fd[KVPT_CLUSTER_MAX];        /* each host's namespace */
+    char addr[KVPT_CLUSTER_MAX][16]; /* each host's IPv4 address */
+    char why[512];                   /* reason of the last failure */
+} kvpt_cluster;
+
+/* Make the bridge and hosts hosts (1..KVPT_CLUSTER_MAX) on 10.net.0.0/16
+ * (net 1..254), all up. 0, or -1 with the reason in c->why (what was made is
+ * released). */
+int kvpt_cluster_create(kvpt_cluster *c, int hosts, int net);
+
+/* Release the namespaces (they go once their processes have exited). Safe on
+ * a failed create and twice. */
+void kvpt_cluster_destroy(kvpt_cluster *c);
+
+/* kvpt_spawn() of argv inside host's namespace; its pid or -1 (why). */
+pid_t kvpt_cluster_spawn(kvpt_cluster *c, int host, char *const argv[], const char *out_path);
+
+/* kvpt_wait_port() from inside host's namespace. */
+int kvpt_cluster_wait_port(kvpt_cluster *c, int host, const char *addr, int port, int timeout_ms);
+
+/* Run tool with args inside host's namespace (host -1: the bridge's), as
+ * kvpt_netns_run(). */
+int kvpt_cluster_run(kvpt_cluster *c, int host, const char *tool, const char *const args[],
+                     const char *out_path);
+
+/* Take host's link down (its veth end in the host and its bridge port: the
+ * host is cut off both ways) or bring it up again. 0 or -1 (why). */
+int kvpt_cluster_link(kvpt_cluster *c, int host, int up);
+
+/* Limit host's traffic both ways to rate_kbit kbit/s with a token bucket
+ * filter on both ends of its veth pair (bursts of 32 KiB, 400 ms of queue);
+ * rate_kbit 0 removes the limit. 0 or -1 (why). */
+int kvpt_cluster_rate(kvpt_cluster *c, int host, int rate_kbit);
+
 #endif
