@@ -91,7 +91,11 @@ typedef struct kvp_engine_opts {
      * transfers of one peer at once, on threads started as needed
      * (docs/architecture.md, "Threads"). */
     int workers;
-    /* Connections kept per peer (default 4). */
+    /* The most connections open to one peer at once, kept and reused
+     * across requests (default 4): an engine talking to N peers holds at
+     * most N * conns_per_peer, however many transfers or threads; a caller
+     * that finds them all busy waits for one (within its deadline)
+     * (docs/transport-tcp.md, "Connections stay bounded"). */
     int conns_per_peer;
     /* Requests larger than this are split into slices spread over connections
      * (default 4 MiB). */
@@ -110,7 +114,10 @@ typedef struct kvp_engine_opts {
     int max_connections;
     /* A server connection with no request in progress for this long is
      * closed (default 60000 ms); kvpipe's clients then reconnect. The
-     * handshake port allows a request timeout_ms to begin instead. */
+     * handshake port allows a request timeout_ms to begin instead. The
+     * initiator's pooled connections (tcp) unused this long are closed too,
+     * within idle_timeout_ms + min(idle_timeout_ms / 4, 1 s), and one a peer
+     * closed as soon as that is seen. */
     int idle_timeout_ms;
     /* The slowest transfer rate, in bytes per second, that deadlines allow
      * for (default 16 MiB/s): moving N bytes may take timeout_ms + N /
