@@ -13,7 +13,7 @@
  * an engine holds at most conns_per_peer connections per peer it talks to,
  * none to peers it stopped talking to, and 100,000 short transfers cost no
  * more ephemeral ports or descriptors than a few (docs/transport-tcp.md,
- * "Connections").
+ * "Connections stay bounded").
  */
 #include <errno.h>
 #include <fcntl.h>
