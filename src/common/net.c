@@ -374,10 +374,9 @@ int kvpi_host_is_wildcard(const char *host)
 
 int kvpi_iface_virtual(const char *name)
 {
-    static const char *const prefixes[] = {"docker", "br-",    "veth",   "virbr",  "cni",
-                                           "flannel", "cali",  "weave",  "vxlan",  "kube-",
-                                           "lxcbr",  "lxdbr",  "podman", "cilium", "tunl",
-                                           "nerdctl"};
+    static const char *const prefixes[] = {
+        "docker", "br-",   "veth",  "virbr", "cni",    "flannel", "cali", "weave",
+        "vxlan",  "kube-", "lxcbr", "lxdbr", "podman", "cilium",  "tunl", "nerdctl"};
     for (size_t i = 0; i < sizeof prefixes / sizeof *prefixes; i++)
         if (strncmp(name, prefixes[i], strlen(prefixes[i])) == 0) return 1;
     return 0;
@@ -397,8 +396,8 @@ static void default_route_iface(char *out, size_t len)
             char ifname[64];
             unsigned long dest, gw, metric, mask;
             unsigned flags;
-            if (sscanf(line, "%63s %lx %lx %x %*d %*d %lu %lx", ifname, &dest, &gw, &flags,
-                       &metric, &mask) != 6)
+            if (sscanf(line, "%63s %lx %lx %x %*d %*d %lu %lx", ifname, &dest, &gw, &flags, &metric,
+                       &mask) != 6)
                 continue;
             if (dest == 0 && mask == 0 && (flags & 0x1) && metric < best) { /* RTF_UP */
                 best = metric;
@@ -442,12 +441,13 @@ kvp_status kvpi_host_address(char *out, size_t len, char *why, size_t why_len)
     for (const struct ifaddrs *ifa = list; ifa; ifa = ifa->ifa_next) {
         int r = rank_of(ifa, route_if);
         if (r < 0) continue;
-        if (!best[r] || (best[r]->ifa_addr->sa_family == AF_INET6 &&
-                         ifa->ifa_addr->sa_family == AF_INET))
+        if (!best[r] ||
+            (best[r]->ifa_addr->sa_family == AF_INET6 && ifa->ifa_addr->sa_family == AF_INET))
             best[r] = ifa;
     }
     int r = 0;
-    while (r < RANK_COUNT && !best[r]) r++;
+    while (r < RANK_COUNT && !best[r])
+        r++;
     if (r == RANK_COUNT) {
         freeifaddrs(list);
         return kvpi_error(KVP_ENOTFOUND, "this host has no network address (not even loopback)");
@@ -476,7 +476,8 @@ kvp_status kvpi_host_address(char *out, size_t len, char *why, size_t why_len)
         if (getnameinfo(best[k]->ifa_addr, ol, other, sizeof other, NULL, 0, NI_NUMERICHOST))
             continue;
         n += snprintf(why + n, why_len - (size_t)n, "; passed over %s on %s (%s)", other,
-                      best[k]->ifa_name, k == RANK_VIRTUAL ? "container/virtual bridge" : "loopback");
+                      best[k]->ifa_name,
+                      k == RANK_VIRTUAL ? "container/virtual bridge" : "loopback");
     }
     freeifaddrs(list);
     return KVP_OK;

@@ -338,7 +338,7 @@ struct tcp_peer {
     int timeout_ms;
     uint64_t min_rate;
     kvpi_counter *retries; /* may be NULL */
-    int max_idle; /* conns_per_peer: the most connections open at once */
+    int max_idle;          /* conns_per_peer: the most connections open at once */
     const kvpi_auth *auth;
     kvpi_runner *runner; /* the server's; NULL without one */
     kvpi_runner_lane lane; /* as many at once as connections kept */
@@ -347,8 +347,8 @@ struct tcp_peer {
     int open;             /* connections open: idle, in use or connecting */
     idle_conn *idle;      /* oldest first: taken and given back at the end */
     int n_idle;
-    uint64_t idle_ns; /* a pooled connection idle this long is closed */
-    tcp_server *srv;  /* whose reaper looks at this pool; NULL without one */
+    uint64_t idle_ns;      /* a pooled connection idle this long is closed */
+    tcp_server *srv;       /* whose reaper looks at this pool; NULL without one */
     tcp_peer *prev, *next; /* on srv->peers, under its peers_lock */
 };
 
@@ -444,8 +444,10 @@ static kvp_status reaper_add(tcp_server *srv, tcp_peer *p)
     pthread_mutex_lock(&srv->peers_lock);
     if (!srv->reaper_started) {
         int rc = pthread_create(&srv->reaper, NULL, reaper_main, srv);
-        if (rc) st = kvpi_error(KVP_EIO, "tcp: cannot start a thread: %s", strerror(rc));
-        else srv->reaper_started = 1;
+        if (rc)
+            st = kvpi_error(KVP_EIO, "tcp: cannot start a thread: %s", strerror(rc));
+        else
+            srv->reaper_started = 1;
     }
     if (!st) {
         p->srv = srv;
@@ -500,12 +502,15 @@ static void tcp_peer_close(void *peer)
     tcp_peer *p = peer;
     if (p->srv) {
         pthread_mutex_lock(&p->srv->peers_lock);
-        if (p->prev) p->prev->next = p->next;
-        else p->srv->peers = p->next;
+        if (p->prev)
+            p->prev->next = p->next;
+        else
+            p->srv->peers = p->next;
         if (p->next) p->next->prev = p->prev;
         pthread_mutex_unlock(&p->srv->peers_lock);
     }
-    for (int i = 0; i < p->n_idle; i++) close(p->idle[i].fd);
+    for (int i = 0; i < p->n_idle; i++)
+        close(p->idle[i].fd);
     pthread_mutex_destroy(&p->lock);
     pthread_cond_destroy(&p->freed);
     free(p->idle);
@@ -533,23 +538,24 @@ static kvp_status conn_take(tcp_peer *p, uint64_t deadline, int *fd, int *reused
     while (p->n_idle == 0 && p->open >= p->max_idle) {
         struct timespec at = kvpi_timespec_at_ns(deadline);
         if (kvpi_remaining_ms(deadline) == 0 ||
-            (pthread_cond_timedwait(&p->freed, &p->lock, &at) == ETIMEDOUT &&
-             p->n_idle == 0 && p->open >= p->max_idle)) {
+            (pthread_cond_timedwait(&p->freed, &p->lock, &at) == ETIMEDOUT && p->n_idle == 0 &&
+             p->open >= p->max_idle)) {
             pthread_mutex_unlock(&p->lock);
-            return kvpi_error(KVP_ETIMEDOUT,
-                              "all %d connections busy until the deadline", p->max_idle);
+            return kvpi_error(KVP_ETIMEDOUT, "all %d connections busy until the deadline",
+                              p->max_idle);
         }
     }
     *reused = p->n_idle > 0;
-    if (*reused) *fd = p->idle[--p->n_idle].fd;
-    else p->open++;
+    if (*reused)
+        *fd = p->idle[--p->n_idle].fd;
+    else
+        p->open++;
     pthread_mutex_unlock(&p->lock);
     if (*reused) return KVP_OK;
     int left = kvpi_remaining_ms(deadline);
-    kvp_status st =
-        left == 0 ? kvpi_error(KVP_ETIMEDOUT, "connect: deadline passed")
-                  : kvpi_tcp_connect(p->host, p->port, left < p->timeout_ms ? left : p->timeout_ms,
-                                     fd);
+    kvp_status st = left == 0 ? kvpi_error(KVP_ETIMEDOUT, "connect: deadline passed")
+                              : kvpi_tcp_connect(p->host, p->port,
+                                                 left < p->timeout_ms ? left : p->timeout_ms, fd);
     if (st) {
         pthread_mutex_lock(&p->lock);
         p->open--;

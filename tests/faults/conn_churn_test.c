@@ -40,9 +40,9 @@
 #define MAX_THREADS 16
 #define XFER 4096
 #define LEN (MAX_THREADS * XFER) /* each thread its own slot in every target */
-#define IDLE_MS 2000         /* the initiator's idle_timeout_ms */
-#define REAP_MS 500          /* its reaper's period: IDLE_MS / 4 */
-#define SLACK_FDS 16         /* handshakes in flight, the test's own files */
+#define IDLE_MS 2000             /* the initiator's idle_timeout_ms */
+#define REAP_MS 500              /* its reaper's period: IDLE_MS / 4 */
+#define SLACK_FDS 16             /* handshakes in flight, the test's own files */
 
 #ifndef KVPT_CHURN_DEFAULT_TRANSFERS
 #define KVPT_CHURN_DEFAULT_TRANSFERS 100000
@@ -131,7 +131,7 @@ typedef struct churn_run {
     kvp_engine *e;
     kvp_segment_id seg[MAX_PEERS];
     kvpt_ctarget *t;
-    long n;                /* transfers in all, WRITE and READ counted apart */
+    long n; /* transfers in all, WRITE and READ counted apart */
     atomic_long done, failed, wrong;
     atomic_int stop;
 } churn_run;
@@ -159,8 +159,7 @@ static void *worker_main(void *arg)
         atomic_fetch_add(&c->done, 2);
         if (st) {
             if (atomic_fetch_add(&c->failed, 1) < 5)
-                fprintf(stderr, "  transfer to %s failed: %s\n", c->t[peer].name,
-                        kvp_last_error());
+                fprintf(stderr, "  transfer to %s failed: %s\n", c->t[peer].name, kvp_last_error());
             if (atomic_load(&c->failed) > 100) atomic_store(&c->stop, 1);
         } else if (kvpt_verify(in, XFER, seed) != (size_t)-1) {
             atomic_fetch_add(&c->wrong, 1);
@@ -175,7 +174,8 @@ static void stop_targets(kvpt_ctarget *t, int n)
 {
     /* Last first: a later child holds the earlier ones' command pipes (it
      * was forked with them open), so their end-of-file waits for it. */
-    for (int i = n - 1; i >= 0; i--) CHECK(kvpt_ctarget_stop(&t[i]) == 0);
+    for (int i = n - 1; i >= 0; i--)
+        CHECK(kvpt_ctarget_stop(&t[i]) == 0);
 }
 
 static void churn(int peers, int threads, long n)
@@ -243,7 +243,8 @@ static void churn(int peers, int threads, long n)
         if (s.established_in > smax.established_in) smax.established_in = s.established_in;
         if (s.time_wait > smax.time_wait) smax.time_wait = s.time_wait;
     }
-    for (int i = 0; i < THREADS; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < THREADS; i++)
+        pthread_join(th[i], NULL);
     uint64_t ms = kvpi_now_ms() - t0;
     sock_counts s1 = count_sockets();
     int fds1 = count_fds();

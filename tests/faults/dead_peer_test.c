@@ -228,13 +228,12 @@ static void run(int mode)
         char port[16];
         snprintf(port, sizeof port, "%d", dead.data_port);
         const char *table[] = {"add", "table", "inet", "kvpt_bh", NULL};
-        const char *chain[] = {"add",  "chain",  "inet",  "kvpt_bh", "in", "{",
-                               "type", "filter", "hook",  "input",   "priority",
-                               "0",    ";",      "}",     NULL};
+        const char *chain[] = {"add",  "chain", "inet",     "kvpt_bh", "in", "{", "type", "filter",
+                               "hook", "input", "priority", "0",       ";",  "}", NULL};
         const char *rule[] = {"add",   "rule", "inet",    "kvpt_bh", "in", "tcp",
                               "dport", port,   "counter", "drop",    NULL};
-        if (kvpt_netns_run(&n, 0, "nft", table, NULL) || kvpt_netns_run(&n, 0, "nft", chain, NULL) ||
-            kvpt_netns_run(&n, 0, "nft", rule, NULL))
+        if (kvpt_netns_run(&n, 0, "nft", table, NULL) ||
+            kvpt_netns_run(&n, 0, "nft", chain, NULL) || kvpt_netns_run(&n, 0, "nft", rule, NULL))
             fprintf(stderr, "  nft: %s\n", n.why);
         /* The initiator (its engine's threads too) runs on side 1. */
         REQUIRE(setns(n.fd[1], CLONE_NEWNET) == 0);
@@ -303,9 +302,8 @@ static void run(int mode)
             mode == NETWORK_HOLE ? "black-holed (nftables)"
             : blackhole          ? "black-holed (listen queue)"
                                  : "stopped",
-            started, worst_dead,
-            started ? kvp_strerror(d[0].st) : "-", started ? d[0].why : "-", during,
-            (long long)atomic_load(&l.worst_ms), atomic_load(&l.failed));
+            started, worst_dead, started ? kvp_strerror(d[0].st) : "-", started ? d[0].why : "-",
+            during, (long long)atomic_load(&l.worst_ms), atomic_load(&l.failed));
     CHECK(started == DEAD_THREADS);
     CHECK(atomic_load(&l.failed) == 0);
     CHECK(during > 0);

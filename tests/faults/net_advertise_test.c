@@ -6,15 +6,13 @@
  *
  * In a kvpt_netns pair, side 0 (the target's host) gets a "docker0" (a veth
  * end, up, with carrier) with 172.17.0.1/16 and an interface index below
- * the routable veth's, so it comes first in the host's interface list (Mooncake's pick, the first interface other
- * than lo, takes it); its routable address is the veth's 10.77.0.1. A
- * `kvpipe bench --mode target` named 0.0.0.0:PORT must name its segment
- * 10.77.0.1:PORT and publish that host in the metadata store, and an
- * initiator on side 1 must move verified bytes through it. With a default
- * route through the veth and a decoy interface (eth9, up) listed before it,
- * the default route's interface wins. MC_TCP_BIND_ADDRESS=10.77.0.1 with
- * local_server_name 172.17.0.1:PORT (a caller that picked the bridge) gives
- * and binds 10.77.0.1.
+ * the routable veth's, so it comes first in the host's interface list (Mooncake's pick, the first
+ * interface other than lo, takes it); its routable address is the veth's 10.77.0.1. A `kvpipe bench
+ * --mode target` named 0.0.0.0:PORT must name its segment 10.77.0.1:PORT and publish that host in
+ * the metadata store, and an initiator on side 1 must move verified bytes through it. With a
+ * default route through the veth and a decoy interface (eth9, up) listed before it, the default
+ * route's interface wins. MC_TCP_BIND_ADDRESS=10.77.0.1 with local_server_name 172.17.0.1:PORT (a
+ * caller that picked the bridge) gives and binds 10.77.0.1.
  *
  * Cases without namespaces check the option itself in this process: it
  * beats the env var, replaces the host of the name, is logged with its
@@ -161,9 +159,19 @@ static void run_case(int decoy, int route, const char *local_host, const char *f
     CHECK(st > 0 && kvpt_netns_wait_port(&n, 0, n.addr[0], STORE_PORT, START_MS) == 0);
 
     snprintf(name, sizeof name, "%s:%d", local_host, TARGET_PORT);
-    char *target[] = {cli,      "bench", "--mode",       "target", "--metadata-server",
-                      url,      "--local-server-name",   name,     "--buffer-size",
-                      "1M",     "--verify", "--no-shm",  NULL};
+    char *target[] = {cli,
+                      "bench",
+                      "--mode",
+                      "target",
+                      "--metadata-server",
+                      url,
+                      "--local-server-name",
+                      name,
+                      "--buffer-size",
+                      "1M",
+                      "--verify",
+                      "--no-shm",
+                      NULL};
     snprintf(path, sizeof path, "%s/target.out", dir);
     if (forced) setenv("MC_TCP_BIND_ADDRESS", forced, 1);
     setenv("KVPIPE_LOG", "info", 1);
@@ -208,12 +216,30 @@ static void run_case(int decoy, int route, const char *local_host, const char *f
     snprintf(iname, sizeof iname, "%s:%d", n.addr[1], INITIATOR_PORT);
     const char *ops[] = {"read", "write"}; /* the READ checks the target's own pattern */
     for (k = 0; k < 2 && seg[0]; k++) {
-        char *ini[] = {cli,        "bench",          "--mode",       "initiator",
-                       "--metadata-server", url,     "--local-server-name", iname,
-                       "--segment-id", seg,          "--operation",  (char *)ops[k],
-                       "--block-size", "64K",        "--batch-size", "4",
-                       "--threads",    "1",          "--buffer-size", "1M",
-                       "--duration",   "0.5",        "--verify",     "--no-shm",
+        char *ini[] = {cli,
+                       "bench",
+                       "--mode",
+                       "initiator",
+                       "--metadata-server",
+                       url,
+                       "--local-server-name",
+                       iname,
+                       "--segment-id",
+                       seg,
+                       "--operation",
+                       (char *)ops[k],
+                       "--block-size",
+                       "64K",
+                       "--batch-size",
+                       "4",
+                       "--threads",
+                       "1",
+                       "--buffer-size",
+                       "1M",
+                       "--duration",
+                       "0.5",
+                       "--verify",
+                       "--no-shm",
                        NULL};
         snprintf(path, sizeof path, "%s/initiator_%s.out", dir, ops[k]);
         pid_t in = kvpt_netns_spawn(&n, 1, ini, path);
@@ -263,8 +289,7 @@ static char logged[1024];
 static void keep_line(void *user, const kvp_log_record *r)
 {
     (void)user;
-    if (strstr(r->message, "peers are given"))
-        snprintf(logged, sizeof logged, "%s", r->message);
+    if (strstr(r->message, "peers are given")) snprintf(logged, sizeof logged, "%s", r->message);
 }
 
 static kvp_status make(const char *name, const char *bind, kvp_engine **e)
