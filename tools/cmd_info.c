@@ -106,6 +106,16 @@ static void list_memory(const kvp_info *info)
     }
 }
 
+static void show_address(const kvp_info *info)
+{
+    const kvp_address_info *a = kvp_info_address(info);
+    printf("address given to peers (local_server_name 0.0.0.0:PORT, or MC_TCP_BIND_ADDRESS):\n");
+    if (a->status == KVP_OK)
+        printf("  %s: %s\n", a->address, a->reason);
+    else
+        printf("  none: %s\n", a->reason);
+}
+
 static void list_components(const kvp_info *info)
 {
     printf("libraries:\n");
@@ -217,6 +227,11 @@ static cJSON *json_build(const kvp_info *info)
         cJSON_AddStringToObject(o, "transports", m->transports);
         cJSON_AddItemToArray(arr, o);
     }
+    const kvp_address_info *a = kvp_info_address(info);
+    cJSON *addr = cJSON_AddObjectToObject(doc, "address");
+    cJSON_AddStringToObject(addr, "address", a->address);
+    cJSON_AddStringToObject(addr, "reason", a->reason);
+    cJSON_AddBoolToObject(addr, "chosen", a->status == KVP_OK);
     arr = cJSON_AddArrayToObject(doc, "libraries");
     const kvp_component_info *c;
     for (size_t i = 0; (c = kvp_info_component(info, i)); i++) {
@@ -324,6 +339,7 @@ int kvp_cmd_info(int argc, char **argv)
     if (!o.json) {
         printf("kvpipe %s (library %s)\n", KVP_VERSION_STRING, kvp_version());
         list_transports(info);
+        show_address(info);
         list_memory(info);
         list_stores(info);
         list_components(info);

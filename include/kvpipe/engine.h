@@ -43,7 +43,10 @@ typedef uint32_t kvp_segment_id;
 typedef struct kvp_engine_opts {
     /* "host:port" (IPv6: "[::1]:port"). The engine answers handshakes on this
      * port, and it names the segment. Port 0 picks a free port; then
-     * kvp_engine_segment_name() tells the name. Required. */
+     * kvp_engine_segment_name() tells the name. A wildcard host ("0.0.0.0",
+     * "[::]") binds every address and names the segment after the address
+     * kvpipe chooses for peers; bind_address (or env MC_TCP_BIND_ADDRESS)
+     * replaces the host (see there). Required. */
     const char *local_server_name;
     /* "http://h:p/metadata", "etcd://h:p[,h:p]", "h:p" (etcd), "redis://h:p",
      * or "P2PHANDSHAKE". Required. */
@@ -88,7 +91,11 @@ typedef struct kvp_engine_opts {
      * transfers of one peer at once, on threads started as needed
      * (docs/architecture.md, "Threads"). */
     int workers;
-    /* Connections kept per peer (default 4). */
+    /* The most connections open to one peer at once, kept and reused
+     * across requests (default 4): an engine talking to N peers holds at
+     * most N * conns_per_peer, however many transfers or threads; a caller
+     * that finds them all busy waits for one (within its deadline)
+     * (docs/transport-tcp.md, "Connections stay bounded"). */
     int conns_per_peer;
     /* Requests larger than this are split into slices spread over connections
      * (default 4 MiB). */
@@ -107,7 +114,10 @@ typedef struct kvp_engine_opts {
     int max_connections;
     /* A server connection with no request in progress for this long is
      * closed (default 60000 ms); kvpipe's clients then reconnect. The
-     * handshake port allows a request timeout_ms to begin instead. */
+     * handshake port allows a request timeout_ms to begin instead. The
+     * initiator's pooled connections (tcp) unused this long are closed too,
+     * within idle_timeout_ms + min(idle_timeout_ms / 4, 1 s), and one a peer
+     * closed as soon as that is seen. */
     int idle_timeout_ms;
     /* The slowest transfer rate, in bytes per second, that deadlines allow
      * for (default 16 MiB/s): moving N bytes may take timeout_ms + N /
@@ -141,6 +151,21 @@ typedef struct kvp_engine_opts {
     /* Address the endpoint binds: NULL (the default) takes env
      * KVPIPE_METRICS_HOST, else 127.0.0.1 (loopback only). */
     const char *metrics_host;
+    /* The address peers are given, and the listeners bind (handshake and
+     * data ports): an IP address or host name of this host, without a port.
+     * It replaces local_server_name's host, in the segment name too
+     * ("bind_address:port"). NULL or "" (the default): env
+     * MC_TCP_BIND_ADDRESS (Mooncake's, the same meaning), else
+     * local_server_name's host as given, except a wildcard: with "0.0.0.0"
+     * or "::" the listeners bind every address and peers are given the one
+     * kvpipe chooses - an address of the default route's interface, never
+     * a container or virtual bridge's (docker0, br-*, veth*, virbr*, cni*,
+     * flannel*, ...) or loopback while another exists (docs/transport-tcp.md,
+     * "Which address peers are given"). The engine logs the choice and its
+     * reason at INFO; `kvpipe info` shows what a wildcard would choose. A
+     * port, or a wildcard, here fails kvp_engine_create with KVP_EINVAL; an
+     * address not of this host with KVP_EIO (cannot listen). */
+    const char *bind_address;
 } kvp_engine_opts;
 
 /* kvp_engine_opts.metrics_port: any free port. */

@@ -76,6 +76,17 @@ typedef struct kvp_memory_info {
     const char *transports; /* the transports of this build that move it: "tcp, shm" */
 } kvp_memory_info;
 
+/* The address an engine would give its peers on this host when named with a
+ * wildcard host ("0.0.0.0:port"), or the one env MC_TCP_BIND_ADDRESS forces
+ * (kvp_engine_opts.bind_address; docs/transport-tcp.md). */
+typedef struct kvp_address_info {
+    kvp_status status;   /* KVP_OK, or why none could be chosen */
+    const char *address; /* "10.0.0.2"; "" unless status is KVP_OK */
+    /* One line: where it came from (the interface, and the container
+     * bridges and loopback passed over), or the error. */
+    const char *reason;
+} kvp_address_info;
+
 /* Find out what this build offers and whether each transport can serve on
  * host (NULL: "127.0.0.1"): each built-in transport's server is started there
  * and stopped again, as an engine would, each bounded by timeout_ms (0: 2000).
@@ -95,6 +106,10 @@ KVP_API const kvp_component_info *kvp_info_component(const kvp_info *info, size_
 /* Memory kinds: host always first, then cuda (available where the CUDA driver
  * loads: it is loaded, and cuInit run, by kvp_info_get; docs/gpu.md). */
 KVP_API const kvp_memory_info *kvp_info_memory(const kvp_info *info, size_t i);
+
+/* The advertised address (kvp_address_info above), chosen by kvp_info_get
+ * as an engine created now would choose it. Never NULL for a non-NULL info. */
+KVP_API const kvp_address_info *kvp_info_address(const kvp_info *info);
 
 /* The store that handles connection string conn (as an engine would pick it),
  * or NULL when no store accepts it. Does not connect. */

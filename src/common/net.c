@@ -1,5 +1,8 @@
 #include <errno.h>
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <limits.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -360,4 +363,153 @@ kvp_status kvpi_sendv_all(int fd, struct iovec *iov, int n)
 kvp_status kvpi_recvv_all(int fd, struct iovec *iov, int n)
 {
     return kvpi_recvv_all_by(fd, iov, n, 0);
+}
+
+/* ------------------------------------------------ the advertised address */
+
+int kvpi_host_is_wildcard(const char *host)
+{
+    return strcmp(host, "0.0.0.0") == 0 || strcmp(host, "::") == 0;
+}
+
+int kvpi_iface_virtual(const char *name)
+{
+    static const char *const prefixes[] = {
+        "docker", "br-",   "veth",  "virbr", "cni",    "flannel", "cali", "weave",
+        "vxlan",  "kube-", "lxcbr", "lxdbr", "podman", "cilium",  "tunl", "nerdctl"};
+    for (size_t i = 0; i < sizeof prefixes / sizeof *prefixes; i++)
+        if (strncmp(name, prefixes[i], strlen(prefixes[i])) == 0) return 1;
+    return 0;
+}
+
+/* The interface of the IPv4 default route with the lowest metric
+ * (/proc/net/route), or "" when there is none. */
+static void default_route_iface(char *out, size_t len)
+{
+    out[0] = '\0';
+    FILE *f = fopen("/proc/net/route", "r");
+    if (!f) return;
+    char line[512];
+    unsigned long best = (unsigned long)-1;
+    if (fgets(line, sizeof line, f)) /* the header */
+        while (fgets(line, sizeof line, f)) {
+            char ifname[64];
+            unsigned long dest, gw, metric, mask;
+            unsigned flags;
+            if (sscanf(line, "%63s %lx %lx %x %*d %*d %lu %lx", ifname, &dest, &gw, &flags, &metric,
+                       &mask) != 6)
+                continue;
+            if (dest == 0 && mask == 0 && (flags & 0x1) && metric < best) { /* RTF_UP */
+                best = metric;
+                snprintf(out, len, "%s", ifname);
+            }
+        }
+    fclose(f);
+}
+
+/* How good an address is for peers elsewhere: lower is better, -1 never. */
+enum { RANK_DEFAULT_ROUTE, RANK_UP, RANK_VIRTUAL, RANK_LOOPBACK, RANK_COUNT };
+
+static int rank_of(const struct ifaddrs *ifa, const char *route_if)
+{
+    const struct sockaddr *sa = ifa->ifa_addr;
+    if (!sa || (sa->sa_family != AF_INET && sa->sa_family != AF_INET6)) return -1;
+    if (!(ifa->ifa_flags & IFF_UP)) return -1;
+    if (sa->sa_family == AF_INET) {
+        uint32_t a = ntohl(((const struct sockaddr_in *)sa)->sin_addr.s_addr);
+        if ((a >> 16) == 0xa9fe) return -1; /* 169.254/16: link-local */
+        if ((a >> 24) == 127 || (ifa->ifa_flags & IFF_LOOPBACK)) return RANK_LOOPBACK;
+    } else {
+        const struct in6_addr *a = &((const struct sockaddr_in6 *)sa)->sin6_addr;
+        if (IN6_IS_ADDR_LINKLOCAL(a) || IN6_IS_ADDR_V4MAPPED(a)) return -1;
+        if (IN6_IS_ADDR_LOOPBACK(a) || (ifa->ifa_flags & IFF_LOOPBACK)) return RANK_LOOPBACK;
+    }
+    if (kvpi_iface_virtual(ifa->ifa_name)) return RANK_VIRTUAL;
+    if (!(ifa->ifa_flags & IFF_RUNNING)) return -1; /* no carrier */
+    return strcmp(ifa->ifa_name, route_if) == 0 ? RANK_DEFAULT_ROUTE : RANK_UP;
+}
+
+kvp_status kvpi_host_address(char *out, size_t len, char *why, size_t why_len)
+{
+    struct ifaddrs *list;
+    if (getifaddrs(&list) != 0)
+        return kvpi_error(KVP_EIO, "cannot list network interfaces: %s", strerror(errno));
+    char route_if[64];
+    default_route_iface(route_if, sizeof route_if);
+    /* The best address of each rank (IPv4 first), and what was passed over. */
+    const struct ifaddrs *best[RANK_COUNT] = {0};
+    for (const struct ifaddrs *ifa = list; ifa; ifa = ifa->ifa_next) {
+        int r = rank_of(ifa, route_if);
+        if (r < 0) continue;
+        if (!best[r] ||
+            (best[r]->ifa_addr->sa_family == AF_INET6 && ifa->ifa_addr->sa_family == AF_INET))
+            best[r] = ifa;
+    }
+    int r = 0;
+    while (r < RANK_COUNT && !best[r])
+        r++;
+    if (r == RANK_COUNT) {
+        freeifaddrs(list);
+        return kvpi_error(KVP_ENOTFOUND, "this host has no network address (not even loopback)");
+    }
+    const struct ifaddrs *pick = best[r];
+    socklen_t sl = pick->ifa_addr->sa_family == AF_INET ? sizeof(struct sockaddr_in)
+                                                        : sizeof(struct sockaddr_in6);
+    char text[INET6_ADDRSTRLEN + 1];
+    if (getnameinfo(pick->ifa_addr, sl, text, sizeof text, NULL, 0, NI_NUMERICHOST) != 0) {
+        freeifaddrs(list);
+        return kvpi_error(KVP_EIO, "cannot format the address of %s", pick->ifa_name);
+    }
+    snprintf(out, len, "%s", text);
+    static const char *const how[RANK_COUNT] = {
+        "the default route's interface", "an interface that is up (none carries the default route)",
+        "a container or virtual bridge: no other interface has an address, so peers on other "
+        "hosts may not reach it",
+        "loopback: no other interface has an address, so only peers on this host reach it"};
+    int n = snprintf(why, why_len, "%s on %s, %s", text, pick->ifa_name, how[r]);
+    /* Name what was passed over: the bridges and loopback behind a better pick. */
+    for (int k = r + 1; k < RANK_COUNT && n > 0 && (size_t)n < why_len; k++) {
+        if (!best[k] || k == RANK_UP) continue;
+        char other[INET6_ADDRSTRLEN + 1];
+        socklen_t ol = best[k]->ifa_addr->sa_family == AF_INET ? sizeof(struct sockaddr_in)
+                                                               : sizeof(struct sockaddr_in6);
+        if (getnameinfo(best[k]->ifa_addr, ol, other, sizeof other, NULL, 0, NI_NUMERICHOST))
+            continue;
+        n += snprintf(why + n, why_len - (size_t)n, "; passed over %s on %s (%s)", other,
+                      best[k]->ifa_name,
+                      k == RANK_VIRTUAL ? "container/virtual bridge" : "loopback");
+    }
+    freeifaddrs(list);
+    return KVP_OK;
+}
+
+kvp_status kvpi_advert_choose(const char *given_host, const char *forced, const char *forced_by,
+                              kvpi_advert *out)
+{
+    if (forced && *forced) {
+        kvpi_hostport hp;
+        /* A bare address, or one in brackets; a port is not for here. */
+        kvp_status st = kvpi_hostport_parse(forced, 0, &hp);
+        if (st || hp.port != 0 || kvpi_host_is_wildcard(hp.host))
+            return kvpi_error(KVP_EINVAL,
+                              "%s '%s' is not an address of this host to bind and advertise (an "
+                              "IP address or host name, without a port, not a wildcard)",
+                              forced_by, forced);
+        snprintf(out->host, sizeof out->host, "%s", hp.host);
+        snprintf(out->bind, sizeof out->bind, "%s", hp.host);
+        snprintf(out->why, sizeof out->why, "%s, set by %s", hp.host, forced_by);
+        return KVP_OK;
+    }
+    if (!kvpi_host_is_wildcard(given_host)) {
+        snprintf(out->host, sizeof out->host, "%s", given_host);
+        snprintf(out->bind, sizeof out->bind, "%s", given_host);
+        snprintf(out->why, sizeof out->why, "%s, the host of local_server_name", given_host);
+        return KVP_OK;
+    }
+    char why[sizeof out->why - 64];
+    kvp_status st = kvpi_host_address(out->host, sizeof out->host, why, sizeof why);
+    if (st) return st;
+    snprintf(out->bind, sizeof out->bind, "%s", given_host);
+    snprintf(out->why, sizeof out->why, "chosen for local_server_name's %s: %s", given_host, why);
+    return KVP_OK;
 }

@@ -69,6 +69,43 @@ kvp_status kvpi_recv_all_by(int fd, void *buf, size_t len, uint64_t deadline_ns)
 kvp_status kvpi_sendv_all_by(int fd, struct iovec *iov, int n, uint64_t deadline_ns);
 kvp_status kvpi_recvv_all_by(int fd, struct iovec *iov, int n, uint64_t deadline_ns);
 
+/* ---- The address an engine advertises (docs/transport-tcp.md, "Which
+ * address peers are given") ----
+ *
+ * An engine binds its listeners on one host and gives peers one address
+ * (its segment name's host, its rpc_meta): kvpi_advert_choose() decides
+ * both, and says why, from
+ *  1. forced (kvp_engine_opts.bind_address, else env MC_TCP_BIND_ADDRESS;
+ *     forced_by names which): bound and advertised as it is;
+ *  2. else the host of local_server_name, when it names one: the same;
+ *  3. else (a wildcard, "0.0.0.0" or "::"): bound there, and advertised is
+ *     kvpi_host_address()'s pick. */
+typedef struct kvpi_advert {
+    char host[KVPI_HOST_MAX]; /* advertised */
+    char bind[KVPI_HOST_MAX]; /* where the listeners bind */
+    char why[512];            /* one line: where host came from */
+} kvpi_advert;
+
+kvp_status kvpi_advert_choose(const char *given_host, const char *forced, const char *forced_by,
+                              kvpi_advert *out);
+
+/* Whether host is a wildcard address ("0.0.0.0", "::"). */
+int kvpi_host_is_wildcard(const char *host);
+
+/* This host's address that peers on other hosts are likeliest to reach, as
+ * text, and why (one line naming the interface and what was passed over):
+ * an address of the default route's interface, else of another interface
+ * that is up, else of a container or virtual bridge (docker*, br-*, veth*,
+ * virbr*, cni*, flannel*, cali*, weave*, vxlan*, kube-*, lxcbr*, lxdbr*,
+ * podman*, cilium*, tunl*: kvpi_iface_virtual), else loopback. IPv4 before
+ * IPv6; never a link-local address. KVP_ENOTFOUND when the host has no
+ * address at all (not even loopback), KVP_EIO when interfaces cannot be
+ * listed. */
+kvp_status kvpi_host_address(char *out, size_t len, char *why, size_t why_len);
+
+/* Whether an interface name is a container or virtual bridge's (above). */
+int kvpi_iface_virtual(const char *name);
+
 /* Little-endian and big-endian integer codecs for wire headers. */
 static inline void kvpi_put_le64(uint8_t *p, uint64_t v)
 {

@@ -306,6 +306,15 @@ static kvp_status copy_opts(kvp_engine *e, const kvp_engine_opts *o)
     const char *proto = e->transport->name;
     st = kvpi_hostport_parse(o->local_server_name, -1, &e->self);
     if (st) return st;
+    /* Where to listen and what to give peers (net.h, kvpi_advert_choose). */
+    const char *forced = o->bind_address, *forced_by = "kvp_engine_opts.bind_address";
+    if (!forced || !*forced) {
+        forced = getenv("MC_TCP_BIND_ADDRESS");
+        forced_by = "env MC_TCP_BIND_ADDRESS";
+    }
+    if ((st = kvpi_advert_choose(e->self.host, forced, forced_by, &e->advert))) return st;
+    snprintf(e->self.host, sizeof e->self.host, "%s", e->advert.host);
+    e->opts.bind_address = NULL; /* not kept: e->advert is */
     e->metadata_conn = strdup(o->metadata);
     e->protocol = strdup(proto);
     if (!e->metadata_conn || !e->protocol) return kvpi_error(KVP_ENOMEM, "engine: out of memory");
@@ -341,7 +350,7 @@ static kvp_status start_rpc(kvp_engine *e)
     kvpi_conn_limits limits = {.timeout_ms = e->opts.timeout_ms,
                                .max_conns = e->opts.max_connections,
                                .min_rate = e->opts.min_transfer_rate};
-    kvp_status st = kvpi_rpc_server_start_notify(e->self.host, e->self.port, &limits, e->auth,
+    kvp_status st = kvpi_rpc_server_start_notify(e->advert.bind, e->self.port, &limits, e->auth,
                                                  rpc_describe, kvpi_notify_receive, e, &e->rpc);
     if (st != KVP_EBUSY) return st;
     return kvpi_error(KVP_EBUSY,
@@ -375,7 +384,7 @@ static kvpi_served *served_slot(kvp_engine *e, const kvpi_transport_ops *ops)
 static kvp_status start_servers(kvp_engine *e)
 {
     kvpi_server_ctx ctx = {.segment = e->name,
-                           .host = e->self.host,
+                           .host = e->advert.bind,
                            .regions = &e->regions,
                            .device_names = e->opts.device_names,
                            .timeout_ms = e->opts.timeout_ms,
@@ -482,6 +491,8 @@ static kvp_status engine_create(const kvp_engine_opts *opts,
     KVPI_INFO("engine %s: serving (data port %d, metadata %s%s%s)", e->name, e->data_port,
               e->metadata_conn, e->auth ? ", authenticated with key id " : "",
               e->auth ? kvpi_auth_kid(e->auth) : "");
+    KVPI_INFO("engine %s: peers are given %s (%s); its listeners bind %s", e->name, e->self.host,
+              e->advert.why, e->advert.bind);
     *out = e;
     return KVP_OK;
 fail:

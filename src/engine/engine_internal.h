@@ -88,7 +88,8 @@ typedef struct kvpi_notify_queue {
 struct kvp_engine {
     kvp_engine_opts opts; /* strings below are owned copies */
     char *name, *metadata_conn, *protocol, *device_names;
-    kvpi_hostport self;
+    kvpi_hostport self; /* self.host: the advertised host (advert.host) */
+    kvpi_advert advert; /* where listeners bind, and why self.host */
     /* This engine's transports (kvpi_transports, unless a test gives others),
      * NULL-terminated; servers[i] is transports[i]'s, i its region handle
      * slot. */

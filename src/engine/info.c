@@ -19,6 +19,7 @@
 
 #include "common/auth.h"
 #include "common/error.h"
+#include "common/net.h"
 #include "common/region.h"
 #include "gpu/cuda.h"
 #include "kvpipe/info.h"
@@ -76,6 +77,8 @@ struct kvp_info {
     kvp_store_info stores[N_STORES + 1];
     kvp_component_info components[N_COMPONENTS];
     char versions[N_COMPONENTS][32];
+    kvp_address_info address;
+    kvpi_advert advert;
 };
 
 static void set_component(kvp_info *info, int i, const char *name, const char *purpose,
@@ -222,6 +225,13 @@ kvp_status kvp_info_get(const char *host, int timeout_ms, kvp_info **out)
                                               .flags = KVP_STORE_PEER_TO_PEER};
     fill_components(info);
     fill_memory(info);
+    /* As an engine named 0.0.0.0:port would choose (engine.c, copy_opts). */
+    info->address.status = kvpi_advert_choose("0.0.0.0", getenv("MC_TCP_BIND_ADDRESS"),
+                                              "env MC_TCP_BIND_ADDRESS", &info->advert);
+    info->address.address = info->address.status ? "" : info->advert.host;
+    if (info->address.status)
+        snprintf(info->advert.why, sizeof info->advert.why, "%s", kvp_last_error());
+    info->address.reason = info->advert.why;
     kvpi_error_clear();
     *out = info;
     return KVP_OK;
@@ -250,6 +260,11 @@ const kvp_component_info *kvp_info_component(const kvp_info *info, size_t i)
 const kvp_memory_info *kvp_info_memory(const kvp_info *info, size_t i)
 {
     return info && i < N_MEMORY_KINDS ? &info->memory[i] : NULL;
+}
+
+const kvp_address_info *kvp_info_address(const kvp_info *info)
+{
+    return info ? &info->address : NULL;
 }
 
 const kvp_store_info *kvp_info_store_for(const kvp_info *info, const char *conn)

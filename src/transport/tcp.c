@@ -4,13 +4,21 @@
  * connection; every request is checked against the region table and the region
  * stays pinned while its bytes move, straight between the socket and
  * registered memory, under the request's deadline.
- * Client: a small pool of persistent connections per peer; a group of slices
- * is pipelined on one connection (all headers first for READs), under one
- * deadline for the whole group.
+ * Client: a small pool of persistent connections per peer (at most
+ * conns_per_peer, reused most recently returned first); a group of slices is
+ * pipelined on one connection (all headers first for READs), under one
+ * deadline for the whole group. A pooled connection idle for idle_timeout_ms
+ * is closed, and one the peer closed is closed at once: the server's reaper
+ * thread looks at every peer's pool every min(idle_timeout_ms / 4, 1 s), so
+ * an engine holds at most conns_per_peer connections per peer it talks to,
+ * none to peers it stopped talking to, and 100,000 short transfers cost no
+ * more ephemeral ports or descriptors than a few (docs/transport-tcp.md,
+ * "Connections stay bounded").
  */
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,8 +37,14 @@
 #include "transport/transport.h"
 
 #define DRAIN_LIMIT (64u << 20)
+/* The reaper looks at the pools this often: a quarter of the idle time, at
+ * most a second and at least 10 ms. */
+#define REAP_PERIOD_MAX_MS 1000
+#define REAP_PERIOD_MIN_MS 10
 
 /* ------------------------------------------------------------------ server */
+
+typedef struct tcp_peer tcp_peer;
 
 typedef struct tcp_server {
     kvpi_region_table *regions;
@@ -39,6 +53,14 @@ typedef struct tcp_server {
     int port;
     const kvpi_auth *auth; /* NULL: unauthenticated */
     kvpi_runner *runner;   /* the initiator side's threads (peer_post) */
+    /* The initiator side's pools: every open peer, and the thread that closes
+     * their idle connections (started with the first peer). */
+    int idle_ms;
+    pthread_mutex_t peers_lock;
+    pthread_cond_t reaper_cond;
+    tcp_peer *peers;
+    pthread_t reaper;
+    int reaper_started, reaper_stop;
 } tcp_server;
 
 static const char *op_name(const kvpi_tcp_hdr *h)
@@ -234,6 +256,13 @@ static kvp_status auth_setup(kvpi_conn *c)
 static const kvpi_conn_handler tcp_handler = {.serve = serve};
 static const kvpi_conn_handler tcp_auth_handler = {.setup = auth_setup, .serve = serve};
 
+static void server_free(tcp_server *srv)
+{
+    pthread_mutex_destroy(&srv->peers_lock);
+    pthread_cond_destroy(&srv->reaper_cond);
+    free(srv);
+}
+
 static kvp_status tcp_server_start(const kvpi_server_ctx *ctx, void **out)
 {
     tcp_server *srv = calloc(1, sizeof *srv);
@@ -241,11 +270,14 @@ static kvp_status tcp_server_start(const kvpi_server_ctx *ctx, void **out)
     srv->regions = ctx->regions;
     srv->auth = ctx->auth;
     srv->served = ctx->served;
+    srv->idle_ms = ctx->idle_timeout_ms > 0 ? ctx->idle_timeout_ms : KVPI_CONN_IDLE_MS_DEFAULT;
+    pthread_mutex_init(&srv->peers_lock, NULL);
+    kvpi_cond_init(&srv->reaper_cond);
     int fd;
     kvp_status st = kvpi_runner_create(&srv->runner);
     if (!st && (st = kvpi_tcp_listen(ctx->host, 0, &fd, &srv->port))) kvpi_runner_stop(srv->runner);
     if (st) {
-        free(srv);
+        server_free(srv);
         return st;
     }
     char name[KVPI_HOST_MAX + 32], hp[KVPI_HOST_MAX + 8];
@@ -255,7 +287,7 @@ static kvp_status tcp_server_start(const kvpi_server_ctx *ctx, void **out)
     if ((st = kvpi_conn_server_start(fd, name, &lim, srv->auth ? &tcp_auth_handler : &tcp_handler,
                                      srv, &srv->conns))) {
         kvpi_runner_stop(srv->runner);
-        free(srv);
+        server_free(srv);
         return st;
     }
     *out = srv;
@@ -282,26 +314,43 @@ static void tcp_server_stop(void *server)
     if (!srv) return;
     kvpi_conn_server_stop(srv->conns);
     kvpi_runner_stop(srv->runner);
-    free(srv);
+    /* Every peer was closed before (transport.h): the reaper has none left. */
+    pthread_mutex_lock(&srv->peers_lock);
+    srv->reaper_stop = 1;
+    pthread_cond_signal(&srv->reaper_cond);
+    pthread_mutex_unlock(&srv->peers_lock);
+    if (srv->reaper_started) pthread_join(srv->reaper, NULL);
+    server_free(srv);
 }
 
 /* ------------------------------------------------------------------ client */
 
-typedef struct tcp_peer {
+/* A pooled connection and when it was last given back. */
+typedef struct idle_conn {
+    int fd;
+    uint64_t since_ns;
+} idle_conn;
+
+struct tcp_peer {
     char host[KVPI_HOST_MAX];
     int port;
     int v2;
     int timeout_ms;
     uint64_t min_rate;
     kvpi_counter *retries; /* may be NULL */
-    int max_idle;
+    int max_idle;          /* conns_per_peer: the most connections open at once */
     const kvpi_auth *auth;
     kvpi_runner *runner; /* the server's; NULL without one */
     kvpi_runner_lane lane; /* as many at once as connections kept */
     pthread_mutex_t lock;
-    int *idle;
+    pthread_cond_t freed; /* a connection came back or closed */
+    int open;             /* connections open: idle, in use or connecting */
+    idle_conn *idle;      /* oldest first: taken and given back at the end */
     int n_idle;
-} tcp_peer;
+    uint64_t idle_ns;      /* a pooled connection idle this long is closed */
+    tcp_server *srv;       /* whose reaper looks at this pool; NULL without one */
+    tcp_peer *prev, *next; /* on srv->peers, under its peers_lock */
+};
 
 /* The peer's data port and protocol version from its descriptor. Without a
  * port, the segment is served by another of Mooncake's transports. */
@@ -332,6 +381,84 @@ static kvp_status read_fields(const kvpi_peer_ctx *ctx, int *port_out, int *v2)
     return KVP_OK;
 }
 
+static void conn_drop(tcp_peer *p, int fd, int locked);
+
+/* Whether a pooled connection is still good: nothing may arrive on an idle
+ * connection, so anything readable is the peer's close (its idle timeout, a
+ * restart) or garbage. */
+static int conn_alive(int fd)
+{
+    struct pollfd pf = {.fd = fd, .events = POLLIN | POLLRDHUP};
+    return poll(&pf, 1, 0) == 0;
+}
+
+/* Close the pool's connections idle for p->idle_ns or closed by the peer
+ * (all of them with check_alive 0: only the aged ones). Called with p->lock. */
+static int prune_locked(tcp_peer *p, uint64_t now, int check_alive)
+{
+    int kept = 0, closed = 0;
+    for (int i = 0; i < p->n_idle; i++) {
+        idle_conn c = p->idle[i];
+        /* since_ns may be later than now: given back since now was read. */
+        if (c.since_ns + p->idle_ns <= now || (check_alive && !conn_alive(c.fd))) {
+            conn_drop(p, c.fd, 1);
+            closed++;
+        } else {
+            p->idle[kept++] = c;
+        }
+    }
+    p->n_idle = kept;
+    return closed;
+}
+
+static void *reaper_main(void *arg)
+{
+    tcp_server *srv = arg;
+    int period = srv->idle_ms / 4;
+    if (period > REAP_PERIOD_MAX_MS) period = REAP_PERIOD_MAX_MS;
+    if (period < REAP_PERIOD_MIN_MS) period = REAP_PERIOD_MIN_MS;
+    pthread_mutex_lock(&srv->peers_lock);
+    while (!srv->reaper_stop) {
+        struct timespec at = kvpi_deadline_after_ms(period);
+        pthread_cond_timedwait(&srv->reaper_cond, &srv->peers_lock, &at);
+        if (srv->reaper_stop) break;
+        uint64_t now = kvpi_now_ns();
+        int closed = 0;
+        for (tcp_peer *p = srv->peers; p; p = p->next) {
+            pthread_mutex_lock(&p->lock);
+            closed += prune_locked(p, now, 1);
+            pthread_mutex_unlock(&p->lock);
+        }
+        if (closed)
+            KVPI_DEBUG("tcp: closed %d pooled connection%s idle for %d ms or closed by their peer",
+                       closed, closed == 1 ? "" : "s", srv->idle_ms);
+    }
+    pthread_mutex_unlock(&srv->peers_lock);
+    return NULL;
+}
+
+/* Put p on srv's list, starting the reaper with the first peer. */
+static kvp_status reaper_add(tcp_server *srv, tcp_peer *p)
+{
+    kvp_status st = KVP_OK;
+    pthread_mutex_lock(&srv->peers_lock);
+    if (!srv->reaper_started) {
+        int rc = pthread_create(&srv->reaper, NULL, reaper_main, srv);
+        if (rc)
+            st = kvpi_error(KVP_EIO, "tcp: cannot start a thread: %s", strerror(rc));
+        else
+            srv->reaper_started = 1;
+    }
+    if (!st) {
+        p->srv = srv;
+        p->next = srv->peers;
+        if (srv->peers) srv->peers->prev = p;
+        srv->peers = p;
+    }
+    pthread_mutex_unlock(&srv->peers_lock);
+    return st;
+}
+
 static kvp_status tcp_peer_open(const kvpi_peer_ctx *ctx, void **out)
 {
     int port = 0, v2 = 0;
@@ -356,6 +483,16 @@ static kvp_status tcp_peer_open(const kvpi_peer_ctx *ctx, void **out)
     p->runner = ctx->server ? ((tcp_server *)ctx->server)->runner : NULL;
     p->lane = (kvpi_runner_lane){.limit = conns, .timeout_ms = p->timeout_ms, .min_rate = p->min_rate};
     pthread_mutex_init(&p->lock, NULL);
+    kvpi_cond_init(&p->freed);
+    tcp_server *srv = ctx->server;
+    p->idle_ns = (uint64_t)(srv ? srv->idle_ms : KVPI_CONN_IDLE_MS_DEFAULT) * 1000000u;
+    if (srv && (st = reaper_add(srv, p))) {
+        pthread_mutex_destroy(&p->lock);
+        pthread_cond_destroy(&p->freed);
+        free(p->idle);
+        free(p);
+        return st;
+    }
     *out = p;
     return KVP_OK;
 }
@@ -363,28 +500,73 @@ static kvp_status tcp_peer_open(const kvpi_peer_ctx *ctx, void **out)
 static void tcp_peer_close(void *peer)
 {
     tcp_peer *p = peer;
-    for (int i = 0; i < p->n_idle; i++) close(p->idle[i]);
+    if (p->srv) {
+        pthread_mutex_lock(&p->srv->peers_lock);
+        if (p->prev)
+            p->prev->next = p->next;
+        else
+            p->srv->peers = p->next;
+        if (p->next) p->next->prev = p->prev;
+        pthread_mutex_unlock(&p->srv->peers_lock);
+    }
+    for (int i = 0; i < p->n_idle; i++)
+        close(p->idle[i].fd);
     pthread_mutex_destroy(&p->lock);
+    pthread_cond_destroy(&p->freed);
     free(p->idle);
     free(p);
 }
 
-/* An idle connection (*reused = 1) or a new one, by the deadline. */
+/* Close a connection of the pool's (taken, or pruned from the idle list),
+ * freeing its place for a caller waiting in conn_take. Any lock. */
+static void conn_drop(tcp_peer *p, int fd, int locked)
+{
+    close(fd);
+    if (!locked) pthread_mutex_lock(&p->lock);
+    p->open--;
+    pthread_cond_signal(&p->freed);
+    if (!locked) pthread_mutex_unlock(&p->lock);
+}
+
+/* An idle connection (*reused = 1) or a new one, by the deadline. At most
+ * conns_per_peer are open at once: with all of them in use, wait for one to
+ * come back (a burst of callers beyond it would otherwise open connections
+ * only to close them again, each close leaving a port in TIME_WAIT). */
 static kvp_status conn_take(tcp_peer *p, uint64_t deadline, int *fd, int *reused)
 {
     pthread_mutex_lock(&p->lock);
+    while (p->n_idle == 0 && p->open >= p->max_idle) {
+        struct timespec at = kvpi_timespec_at_ns(deadline);
+        if (kvpi_remaining_ms(deadline) == 0 ||
+            (pthread_cond_timedwait(&p->freed, &p->lock, &at) == ETIMEDOUT && p->n_idle == 0 &&
+             p->open >= p->max_idle)) {
+            pthread_mutex_unlock(&p->lock);
+            return kvpi_error(KVP_ETIMEDOUT, "all %d connections busy until the deadline",
+                              p->max_idle);
+        }
+    }
     *reused = p->n_idle > 0;
-    if (*reused) *fd = p->idle[--p->n_idle];
+    if (*reused)
+        *fd = p->idle[--p->n_idle].fd;
+    else
+        p->open++;
     pthread_mutex_unlock(&p->lock);
     if (*reused) return KVP_OK;
     int left = kvpi_remaining_ms(deadline);
-    if (left == 0) return kvpi_error(KVP_ETIMEDOUT, "connect: deadline passed");
-    kvp_status st =
-        kvpi_tcp_connect(p->host, p->port, left < p->timeout_ms ? left : p->timeout_ms, fd);
-    if (st || !p->auth) return st;
+    kvp_status st = left == 0 ? kvpi_error(KVP_ETIMEDOUT, "connect: deadline passed")
+                              : kvpi_tcp_connect(p->host, p->port,
+                                                 left < p->timeout_ms ? left : p->timeout_ms, fd);
+    if (st) {
+        pthread_mutex_lock(&p->lock);
+        p->open--;
+        pthread_cond_signal(&p->freed);
+        pthread_mutex_unlock(&p->lock);
+        return st;
+    }
+    if (!p->auth) return KVP_OK;
     /* A new connection proves the key before its first request. */
     if ((st = kvpi_auth_client(p->auth, *fd, "tcp", deadline))) {
-        close(*fd);
+        conn_drop(p, *fd, 0);
         if (st == KVP_EAUTH) {
             st = kvpi_error(st, "tcp peer %s:%d: %s", p->host, p->port, kvp_last_error());
         }
@@ -392,15 +574,16 @@ static kvp_status conn_take(tcp_peer *p, uint64_t deadline, int *fd, int *reused
     return st;
 }
 
+/* Give a connection back to the pool, and close those aged past the idle
+ * time meanwhile (a pool without a reaper relies on this). */
 static void conn_give(tcp_peer *p, int fd)
 {
+    uint64_t now = kvpi_now_ns();
     pthread_mutex_lock(&p->lock);
-    if (p->n_idle < p->max_idle) {
-        p->idle[p->n_idle++] = fd;
-        fd = -1;
-    }
+    prune_locked(p, now, 0);
+    p->idle[p->n_idle++] = (idle_conn){.fd = fd, .since_ns = now};
+    pthread_cond_signal(&p->freed);
     pthread_mutex_unlock(&p->lock);
-    if (fd >= 0) close(fd);
 }
 
 static kvp_status status_error(tcp_peer *p, const uint8_t frame[8], const kvpi_slice *s)
@@ -542,7 +725,7 @@ static kvp_status tcp_peer_xfer(void *peer, kvpi_slice *const *slices, size_t n,
             conn_give(p, fd);
             return result;
         }
-        close(fd);
+        conn_drop(p, fd, 0);
         if (st == KVP_ERANGE) {
             /* The peer rejected one slice and closed; its descriptor may have
              * changed. Run the rest on a new connection. */

@@ -14,6 +14,14 @@
  *    data port's listen queue filled with connections nobody accepts, so the
  *    kernel drops further SYNs: each connect() of the initiator blocks.
  *
+ *  - black-holed by the network: in a kvpt_netns pair, both targets on side
+ *    0 (bound to its veth address through MC_TCP_BIND_ADDRESS), the
+ *    initiator on side 1, and an nftables rule on side 0 dropping every
+ *    packet to the dead target's data port - the SYNs of every connect, as a
+ *    firewall or a vanished host does; its handshake port still answers, so
+ *    the lookup succeeds and the connects are what blocks. The target runs
+ *    on, unstopped.
+ *
  * The live loop alternates a synchronous READ (which runs on its own
  * thread) and a batch of one (which runs on the tcp transport's threads,
  * beside the dead peer's), so that a dead peer tying up those threads would
@@ -34,8 +42,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <sched.h>
+
 #include "common/clock.h"
 #include "ctarget.h"
+#include "netns.h"
 #include "test.h"
 
 #define SEED 0x7d
@@ -156,15 +167,76 @@ static int connect_blackholed(int port)
     return pending;
 }
 
-static void run(int blackhole)
+/* Packets the black-hole rule dropped (its counter), or -1. */
+static long nft_dropped(kvpt_netns *n)
 {
+    char path[] = "/tmp/kvpt_bhXXXXXX";
+    int fd = mkstemp(path);
+    if (fd < 0) return -1;
+    close(fd);
+    const char *list[] = {"list", "table", "inet", "kvpt_bh", NULL};
+    long packets = -1;
+    if (kvpt_netns_run(n, 0, "nft", list, path) == 0) {
+        FILE *f = fopen(path, "r");
+        char line[512];
+        while (f && fgets(line, sizeof line, f)) {
+            char *at = strstr(line, "packets ");
+            if (at) packets = atol(at + 8);
+        }
+        if (f) fclose(f);
+    }
+    unlink(path);
+    return packets;
+}
+
+enum { STOPPED, BACKLOG_HOLE, NETWORK_HOLE };
+
+static void run(int mode)
+{
+    int blackhole = mode != STOPPED;
     REQUIRE(kvpt_raise_nofile(4096) == 0);
+    kvpt_netns n = {.fd = {-1, -1}, .home = -1};
+    if (mode == NETWORK_HOLE) {
+        const char *why = kvpt_netns_unavailable();
+        if (why) SKIP("%s", why);
+        if (kvpt_netns_create(&n) != 0) {
+            fprintf(stderr, "  %s\n", n.why);
+            kvpt_netns_destroy(&n);
+            REQUIRE(0);
+        }
+        if ((why = kvpt_net_loss_unavailable(&n))) {
+            kvpt_netns_destroy(&n);
+            SKIP("%s", why);
+        }
+        /* The targets are forked from this thread: on side 0, bound to its
+         * address. */
+        REQUIRE(setns(n.fd[0], CLONE_NEWNET) == 0);
+        setenv("MC_TCP_BIND_ADDRESS", n.addr[0], 1);
+    }
     kvpt_ctarget_opts o = {.disable_shm = 1, .len = LEN, .seed = SEED, .timeout_ms = TIMEOUT_MS};
     kvpt_ctarget live, dead;
     REQUIRE(kvpt_ctarget_start(&o, &live) == 0);
     if (kvpt_ctarget_start(&o, &dead) != 0) {
         kvpt_ctarget_stop(&live);
         REQUIRE(0);
+    }
+    if (mode == NETWORK_HOLE) {
+        unsetenv("MC_TCP_BIND_ADDRESS");
+        REQUIRE(setns(n.home, CLONE_NEWNET) == 0);
+        snprintf(live.name, sizeof live.name, "%s:%d", n.addr[0], live.rpc_port);
+        snprintf(dead.name, sizeof dead.name, "%s:%d", n.addr[0], dead.rpc_port);
+        char port[16];
+        snprintf(port, sizeof port, "%d", dead.data_port);
+        const char *table[] = {"add", "table", "inet", "kvpt_bh", NULL};
+        const char *chain[] = {"add",  "chain", "inet",     "kvpt_bh", "in", "{", "type", "filter",
+                               "hook", "input", "priority", "0",       ";",  "}", NULL};
+        const char *rule[] = {"add",   "rule", "inet",    "kvpt_bh", "in", "tcp",
+                              "dport", port,   "counter", "drop",    NULL};
+        if (kvpt_netns_run(&n, 0, "nft", table, NULL) ||
+            kvpt_netns_run(&n, 0, "nft", chain, NULL) || kvpt_netns_run(&n, 0, "nft", rule, NULL))
+            fprintf(stderr, "  nft: %s\n", n.why);
+        /* The initiator (its engine's threads too) runs on side 1. */
+        REQUIRE(setns(n.fd[1], CLONE_NEWNET) == 0);
     }
     kvp_engine *e = NULL;
     kvp_segment_id live_seg = 0, dead_seg = 0;
@@ -184,8 +256,8 @@ static void run(int blackhole)
         CHECK(warm &&
               kvp_engine_read(e, dead_seg, warm, (uint64_t)(uintptr_t)dead.buf, MIB) == KVP_OK);
     free(warm);
-    CHECK(kvpt_stop(dead.pid, 5000) == 0);
-    if (blackhole) {
+    if (mode != NETWORK_HOLE) CHECK(kvpt_stop(dead.pid, 5000) == 0);
+    if (mode == BACKLOG_HOLE) {
         int made = fill_backlog(dead.data_port, fill, FILL_CONNS);
         int holed = connect_blackholed(dead.data_port);
         fprintf(stderr,
@@ -227,13 +299,20 @@ static void run(int blackhole)
     fprintf(stderr,
             "  %s peer: %d batches failed, the last after %lld ms (%s: %s); meanwhile %ld "
             "READs of 1 MiB from the live peer, slowest %lld ms, %ld failed\n",
-            blackhole ? "black-holed" : "stopped", started, worst_dead,
-            started ? kvp_strerror(d[0].st) : "-", started ? d[0].why : "-", during,
-            (long long)atomic_load(&l.worst_ms), atomic_load(&l.failed));
+            mode == NETWORK_HOLE ? "black-holed (nftables)"
+            : blackhole          ? "black-holed (listen queue)"
+                                 : "stopped",
+            started, worst_dead, started ? kvp_strerror(d[0].st) : "-", started ? d[0].why : "-",
+            during, (long long)atomic_load(&l.worst_ms), atomic_load(&l.failed));
     CHECK(started == DEAD_THREADS);
     CHECK(atomic_load(&l.failed) == 0);
     CHECK(during > 0);
     CHECK(atomic_load(&l.worst_ms) <= LIVE_BOUND_MS);
+    if (mode == NETWORK_HOLE) {
+        long dropped = nft_dropped(&n);
+        fprintf(stderr, "  %ld packets to the dead data port dropped\n", dropped);
+        CHECK(dropped > 0);
+    }
 out:
     kvp_engine_destroy(e);
     for (int i = 0; fill && i < FILL_CONNS; i++)
@@ -242,21 +321,28 @@ out:
     kill(dead.pid, SIGCONT);
     kvpt_ctarget_stop(&dead);
     CHECK(kvpt_ctarget_stop(&live) == 0);
+    if (mode == NETWORK_HOLE) kvpt_netns_destroy(&n);
 }
 
 static void stopped_peer(void)
 {
-    run(0);
+    run(STOPPED);
 }
 
 static void blackholed_peer(void)
 {
-    run(1);
+    run(BACKLOG_HOLE);
+}
+
+static void network_blackholed_peer(void)
+{
+    run(NETWORK_HOLE);
 }
 
 int main(void)
 {
     RUN_T(stopped_peer, 120);
     RUN_T(blackholed_peer, 120);
+    RUN_T(network_blackholed_peer, 120);
     return kvpt_summary();
 }
