@@ -98,6 +98,13 @@ static kvp_status resolve(const char *host, int port, int passive, struct addrin
     return KVP_OK;
 }
 
+void kvpi_tcp_abort(int fd)
+{
+    struct linger l = {.l_onoff = 1, .l_linger = 0};
+    setsockopt(fd, SOL_SOCKET, SO_LINGER, &l, sizeof l);
+    close(fd);
+}
+
 void kvpi_socket_set_timeout(int fd, int timeout_ms)
 {
     struct timeval tv = {.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};

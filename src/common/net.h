@@ -40,6 +40,13 @@ kvp_status kvpi_tcp_connect(const char *host, int port, int timeout_ms, int *fd_
 /* Accept one connection and give it I/O timeouts of timeout_ms (0: none). */
 kvp_status kvpi_tcp_accept(int listen_fd, int timeout_ms, int *fd_out);
 
+/* Close a connection given up on mid-request with a reset (SO_LINGER 0): the
+ * kernel drops what is still queued to send instead of delivering it later.
+ * A plain close() of a request that timed out while the link was down sends
+ * its bytes once the link is back, and the peer then applies a WRITE its
+ * initiator reported failed, over whatever was written since. */
+void kvpi_tcp_abort(int fd);
+
 /* Set SO_RCVTIMEO and SO_SNDTIMEO (0: block without limit). */
 void kvpi_socket_set_timeout(int fd, int timeout_ms);
 

@@ -381,7 +381,7 @@ static kvp_status read_fields(const kvpi_peer_ctx *ctx, int *port_out, int *v2)
     return KVP_OK;
 }
 
-static void conn_drop(tcp_peer *p, int fd, int locked);
+static void conn_close(tcp_peer *p, int fd, int locked, int reset);
 
 /* Whether a pooled connection is still good: nothing may arrive on an idle
  * connection, so anything readable is the peer's close (its idle timeout, a
@@ -401,7 +401,7 @@ static int prune_locked(tcp_peer *p, uint64_t now, int check_alive)
         idle_conn c = p->idle[i];
         /* since_ns may be later than now: given back since now was read. */
         if (c.since_ns + p->idle_ns <= now || (check_alive && !conn_alive(c.fd))) {
-            conn_drop(p, c.fd, 1);
+            conn_close(p, c.fd, 1, 0);
             closed++;
         } else {
             p->idle[kept++] = c;
@@ -518,10 +518,14 @@ static void tcp_peer_close(void *peer)
 }
 
 /* Close a connection of the pool's (taken, or pruned from the idle list),
- * freeing its place for a caller waiting in conn_take. Any lock. */
-static void conn_drop(tcp_peer *p, int fd, int locked)
+ * freeing its place for a caller waiting in conn_take; with a reset (what
+ * it still had queued is dropped) when a request on it failed. Any lock. */
+static void conn_close(tcp_peer *p, int fd, int locked, int reset)
 {
-    close(fd);
+    if (reset)
+        kvpi_tcp_abort(fd);
+    else
+        close(fd);
     if (!locked) pthread_mutex_lock(&p->lock);
     p->open--;
     pthread_cond_signal(&p->freed);
@@ -566,7 +570,7 @@ static kvp_status conn_take(tcp_peer *p, uint64_t deadline, int *fd, int *reused
     if (!p->auth) return KVP_OK;
     /* A new connection proves the key before its first request. */
     if ((st = kvpi_auth_client(p->auth, *fd, "tcp", deadline))) {
-        conn_drop(p, *fd, 0);
+        conn_close(p, *fd, 0, 0);
         if (st == KVP_EAUTH) {
             st = kvpi_error(st, "tcp peer %s:%d: %s", p->host, p->port, kvp_last_error());
         }
@@ -725,7 +729,7 @@ static kvp_status tcp_peer_xfer(void *peer, kvpi_slice *const *slices, size_t n,
             conn_give(p, fd);
             return result;
         }
-        conn_drop(p, fd, 0);
+        conn_close(p, fd, 0, 1);
         if (st == KVP_ERANGE) {
             /* The peer rejected one slice and closed; its descriptor may have
              * changed. Run the rest on a new connection. */
