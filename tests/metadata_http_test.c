@@ -1,6 +1,5 @@
 /* The HTTP metadata store: the embedded server (libmicrohttpd), the client
  * (libcurl), kvpi_meta on top of them, and the `kvpipe metadata-server` CLI. */
-#include <dirent.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -402,22 +401,11 @@ static void test_limits(void)
     CHECK_ST(kvp_metadata_server_start_opts(&o, &srv), KVP_EINVAL);
 }
 
-static int count_fds(void)
-{
-    DIR *d = opendir("/proc/self/fd");
-    int n = 0;
-    if (!d) return -1;
-    while (readdir(d))
-        n++;
-    closedir(d);
-    return n;
-}
-
 static void test_start_stop_no_leak(void)
 {
     start_server();
     kvp_metadata_server_stop(server);
-    int before = count_fds();
+    int before = kvpt_count_fds();
     int port = 0;
     for (int i = 0; i < 20; i++) {
         start_server();
@@ -428,7 +416,7 @@ static void test_start_stop_no_leak(void)
         kvpi_store_http.close(s);
         kvp_metadata_server_stop(server);
     }
-    CHECK(count_fds() == before);
+    CHECK(kvpt_count_fds() == before);
     /* The port of the last one is free again at once. */
     REQUIRE_OK(kvp_metadata_server_start("127.0.0.1", port, &server));
     CHECK(kvp_metadata_server_port(server) == port);

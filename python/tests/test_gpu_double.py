@@ -25,14 +25,20 @@ def pattern(seed, n):
     return bytes((i * 7 + seed * 13) % 251 for i in range(n))
 
 
+def load_double():
+    """The double's test helpers: allocate, read and write its device memory."""
+    cuda = ctypes.CDLL(FAKE)
+    cuda.fakecuda_alloc.restype = ctypes.c_void_p
+    cuda.fakecuda_alloc.argtypes = [ctypes.c_int, ctypes.c_size_t]
+    cuda.fakecuda_poke.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+    cuda.fakecuda_peek.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return cuda
+
+
 @unittest.skipUnless(FAKE, "KVPT_FAKECUDA does not name the CUDA driver's test double")
 class VllmV1Pattern(unittest.TestCase):
     def setUp(self):
-        self.cuda = ctypes.CDLL(FAKE)
-        self.cuda.fakecuda_alloc.restype = ctypes.c_void_p
-        self.cuda.fakecuda_alloc.argtypes = [ctypes.c_int, ctypes.c_size_t]
-        self.cuda.fakecuda_poke.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
-        self.cuda.fakecuda_peek.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        self.cuda = load_double()
         self.target = "%s:%d" % (tu.HOST, tu.free_port())
         self.peer = tu.python_child("gpu_peer.py", self.target, BLOCKS, BLOCK)
         words = self.peer.readline().split()
@@ -117,11 +123,7 @@ class PipeDeviceTensors(unittest.TestCase):
     processes, every byte read back through the double."""
 
     def setUp(self):
-        self.cuda = ctypes.CDLL(FAKE)
-        self.cuda.fakecuda_alloc.restype = ctypes.c_void_p
-        self.cuda.fakecuda_alloc.argtypes = [ctypes.c_int, ctypes.c_size_t]
-        self.cuda.fakecuda_poke.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
-        self.cuda.fakecuda_peek.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        self.cuda = load_double()
 
     def device_bytes(self, addr, n):
         buf = ctypes.create_string_buffer(n)

@@ -22,7 +22,6 @@
  * TRANSFERS is KVPT_CHURN_TRANSFERS: by default the issue's 100,000 in the
  * normal build (about 5 s here), 20,000 under the sanitizers
  * (tests/CMakeLists.txt; docs/reliability.md). */
-#include <dirent.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -52,18 +51,6 @@ static long transfers(void)
 {
     const char *e = getenv("KVPT_CHURN_TRANSFERS");
     return e && atol(e) > 0 ? atol(e) : KVPT_CHURN_DEFAULT_TRANSFERS;
-}
-
-static int count_fds(void)
-{
-    DIR *d = opendir("/proc/self/fd");
-    if (!d) return -1;
-    int n = 0;
-    struct dirent *de;
-    while ((de = readdir(d)))
-        if (de->d_name[0] != '.') n++;
-    closedir(d);
-    return n - 1; /* the directory's own */
 }
 
 /* Ports of the targets' listeners: data ports (index 0..PEERS-1) and
@@ -215,7 +202,7 @@ static void churn(int peers, int threads, long n)
         stop_targets(t, PEERS);
         REQUIRE(0);
     }
-    int fds0 = count_fds();
+    int fds0 = kvpt_count_fds();
     sock_counts s0 = count_sockets();
     fprintf(stderr, "  before: %d descriptors, %d TIME_WAIT\n", fds0, s0.time_wait);
     int opened = 1;
@@ -236,7 +223,7 @@ static void churn(int peers, int threads, long n)
     long expect = c.n / 2 / THREADS * 2 * THREADS;
     while (atomic_load(&c.done) < expect && !atomic_load(&c.stop)) {
         usleep(200000);
-        int f = count_fds();
+        int f = kvpt_count_fds();
         sock_counts s = count_sockets();
         if (f > fds_max) fds_max = f;
         if (s.established_out > smax.established_out) smax.established_out = s.established_out;
@@ -247,7 +234,7 @@ static void churn(int peers, int threads, long n)
         pthread_join(th[i], NULL);
     uint64_t ms = kvpi_now_ms() - t0;
     sock_counts s1 = count_sockets();
-    int fds1 = count_fds();
+    int fds1 = kvpt_count_fds();
     fprintf(stderr,
             "  %ld transfers to %d peers in %llu ms (%ld failed, %ld wrong); peak: %d "
             "descriptors (+%d), %d ESTABLISHED out, %d in, %d TIME_WAIT; after: %d "
@@ -269,7 +256,7 @@ static void churn(int peers, int threads, long n)
     usleep(IDLE_MS / 2 * 1000);
     sock_counts half = count_sockets();
     fprintf(stderr, "  idle %d ms: %d ESTABLISHED out, %d descriptors\n", IDLE_MS / 2,
-            half.established_out, count_fds());
+            half.established_out, kvpt_count_fds());
     CHECK(half.established_out > 0);
     uint64_t until = kvpi_now_ms() + IDLE_MS / 2 + REAP_MS + 1500;
     sock_counts after;
@@ -277,7 +264,7 @@ static void churn(int peers, int threads, long n)
     do {
         usleep(100000);
         after = count_sockets();
-        fds2 = count_fds();
+        fds2 = kvpt_count_fds();
     } while ((after.established_out || after.established_in || fds2 > fds0 + 2) &&
              kvpi_now_ms() < until);
     fprintf(stderr,

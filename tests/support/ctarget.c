@@ -1,4 +1,3 @@
-#include <dirent.h>
 #include <errno.h>
 #include <poll.h>
 #include <signal.h>
@@ -34,18 +33,6 @@ static int read_full(int fd, void *buf, size_t len)
     return 0;
 }
 
-static int64_t count_fds(void)
-{
-    DIR *d = opendir("/proc/self/fd");
-    if (!d) return -1;
-    int64_t n = 0;
-    struct dirent *de;
-    while ((de = readdir(d)))
-        if (de->d_name[0] != '.') n++;
-    closedir(d);
-    return n - 1; /* the directory's own descriptor */
-}
-
 static int64_t timed_ms(uint64_t t0)
 {
     return (int64_t)((kvpi_now_ns() - t0) / 1000000u);
@@ -79,7 +66,7 @@ static int64_t child_do(kvp_engine *e, kvpt_ctarget *t, const ct_cmd *c)
     case KVPT_CT_UNMAP:
         return munmap(t->buf, t->len) == 0 ? 0 : -1;
     case KVPT_CT_FDS:
-        return count_fds();
+        return kvpt_count_fds();
     default:
         return -1;
     }

@@ -310,3 +310,15 @@ char *kvpt_last_line(char *text)
     char *last = strrchr(text, '\n');
     return last ? last + 1 : text;
 }
+
+int kvpt_count_fds(void)
+{
+    DIR *d = opendir("/proc/self/fd");
+    if (!d) return -1;
+    int n = 0;
+    struct dirent *de;
+    while ((de = readdir(d)))
+        if (de->d_name[0] != '.') n++;
+    closedir(d);
+    return n - 1; /* the directory's own descriptor */
+}

@@ -116,6 +116,9 @@ void kvpt_fill(void *buf, size_t len, uint64_t seed);
 /* Returns the index of the first wrong byte, or (size_t)-1 if all match. */
 size_t kvpt_verify(const void *buf, size_t len, uint64_t seed);
 
+/* Descriptors this process has open, or -1. */
+int kvpt_count_fds(void);
+
 /* Path of the kvpipe CLI built with the tests. */
 const char *kvpt_cli(void);
 
