@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include "common/clock.h"
@@ -332,6 +333,19 @@ static int readable(int fd, const void *p)
 {
     if (write(fd, p, 1) == 1) return 1;
     return errno == EFAULT ? 0 : -1;
+}
+
+int kvpi_memory_readable(const void *addr, size_t length)
+{
+    if (!length) return 1;
+    char tmp[2];
+    int n = length > 1 ? 2 : 1;
+    struct iovec local = {.iov_base = tmp, .iov_len = (size_t)n};
+    struct iovec remote[2] = {{.iov_base = (void *)addr, .iov_len = 1},
+                              {.iov_base = (char *)addr + length - 1, .iov_len = 1}};
+    ssize_t got = process_vm_readv(getpid(), &local, 1, remote, (unsigned long)n, 0);
+    if (got == n) return 1;
+    return got >= 0 || errno == EFAULT ? 0 : -1;
 }
 
 kvp_status kvpi_memory_check_host(const void *addr, size_t length)

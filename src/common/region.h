@@ -143,4 +143,10 @@ kvp_status kvpi_memory_check_host(const void *addr, size_t length);
  * non-zero if every page of the range is mapped. */
 int kvpi_memory_mapped(const void *addr, size_t length);
 
+/* Can the CPU read the first and last byte of [addr, addr+length)? For a
+ * tensor the pipe copies (GPU memory is not readable): one system call
+ * (process_vm_readv of this process). 1 yes, 0 no (a fault), -1 when it
+ * cannot tell (the call is not allowed here). length 0: 1. */
+int kvpi_memory_readable(const void *addr, size_t length);
+
 #endif

@@ -162,21 +162,26 @@ static kvp_status encode(const outgoing *m, void *out)
 
 /* Where t's bytes live: -1 for memory the CPU reads, else the CUDA device of
  * the GPU memory that holds them (vLLM's tensors on "cuda:N"). One system
- * call for host memory; the driver only for memory the CPU cannot read. */
+ * call for host memory (its first and last byte read); the driver only for
+ * memory the CPU cannot read. */
 static kvp_status tensor_device(const kvp_tensor *t, int *device)
 {
     *device = -1;
-    if (!t->nbytes || kvpi_memory_check_host(t->data, t->nbytes) == KVP_OK) return KVP_OK;
-    kvpi_error_kept host_why = kvpi_error_keep();
+    int readable = kvpi_memory_readable(t->data, t->nbytes);
+    if (readable < 0) readable = kvpi_memory_check_host(t->data, t->nbytes) == KVP_OK;
+    if (readable) return KVP_OK;
+    char host_why[160];
+    snprintf(host_why, sizeof host_why,
+             "the tensor's %zu bytes at %p cannot be read by the CPU", t->nbytes, t->data);
     kvpi_ptr_kind kind;
     int dev;
     kvp_status st = kvpi_cuda_classify(t->data, &kind, &dev);
     if (st)
-        return kvpi_error(KVP_EINVAL, "pipe send: %s; and it cannot be classified as GPU memory: %s",
-                          host_why.text, kvp_last_error());
+        return kvpi_error(KVP_EINVAL, "pipe send: %s, and cannot be classified as GPU memory: %s",
+                          host_why, kvp_last_error());
     if (kind != KVPI_PTR_DEVICE && kind != KVPI_PTR_MANAGED)
         return kvpi_error(KVP_EINVAL, "pipe send: %s (the CUDA driver does not know it either)",
-                          host_why.text);
+                          host_why);
     /* Its last byte too: a tensor is one allocation of one device. */
     int dev_last;
     if ((st = kvpi_cuda_classify((const char *)t->data + t->nbytes - 1, &kind, &dev_last))) return st;

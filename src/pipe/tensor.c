@@ -148,8 +148,12 @@ kvp_status kvp_tensor_to_cuda(const kvp_tensor *src, int device, kvp_tensor **ou
 {
     if (!src || !out) return kvpi_error(KVP_EINVAL, "tensor to cuda: NULL argument");
     if (device < 0) return kvpi_error(KVP_EINVAL, "tensor to cuda: device %d", device);
-    kvp_status st = src->nbytes ? kvpi_memory_check_host(src->data, src->nbytes) : KVP_OK;
-    if (st) return kvpi_error(st, "tensor to cuda: the source: %s", kvp_last_error());
+    if (kvpi_memory_readable(src->data, src->nbytes) == 0)
+        return kvpi_error(KVP_EINVAL,
+                          "tensor to cuda: the source's %zu bytes at %p cannot be read by the CPU "
+                          "(it must be in host memory)",
+                          src->nbytes, src->data);
+    kvp_status st;
     void *dev = NULL;
     if ((st = kvpi_cuda_mem_alloc(device, src->nbytes, &dev))) return st;
     if (src->nbytes && (st = kvpi_cuda_copy_sync(dev, src->data, src->nbytes, device, 0))) {
