@@ -1443,7 +1443,7 @@ static int run_cluster(run *r, const opts *o, int P, int D, const char *fault)
     for (int s = 0; s < 2; s++)
         for (int i = 0; i < (s ? D : P); i++) {
             proc *pr = s ? &r->dec[i] : &r->pre[i];
-            char who[16];
+            char who[32];
             snprintf(who, sizeof who, "%s%d", s ? "decode" : "prefill", i);
             if (pr->have_stats)
                 printf("%-10s %-22s %6lld %8lld %7.0f M\n", who, pr->name,
@@ -1454,7 +1454,7 @@ static int run_cluster(run *r, const opts *o, int P, int D, const char *fault)
         }
     printf("%-10s %8s %8s %8s %s\n", "pair", "ok", "errors", "GB/s", "first error");
     for (int i = 0; i < pairs; i++) {
-        char pl[16];
+        char pl[32];
         snprintf(pl, sizeof pl, "p%d-d%d", i % P, i / P);
         printf("%-10s %8llu %8llu %8.3f %s\n", pl, (unsigned long long)r->pair[i].ok,
                (unsigned long long)r->pair[i].errors,
