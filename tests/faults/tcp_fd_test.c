@@ -95,7 +95,11 @@ static void idle_flood_default_cap(void)
     usleep(1000000);
     int64_t cpu = cpu_over(&t, 2000);
     fprintf(stderr, "  target CPU under the flood: %lld ms in 2000 ms\n", (long long)cpu);
+#ifndef KVPI_TSAN
+    /* Under TSan its own cost of 256 parked threads is 1.3 s in 2 (the
+     * normal build: 10 ms); the other passes hold the bound. */
     CHECK(cpu >= 0 && cpu < 600);
+#endif
     CHECK(served_within(&t, 8000));
     int64_t fds_open = kvpt_ctarget_cmd(&t, KVPT_CT_FDS, 0, 3000);
     CHECK(fds_open > 0 && fds_open < 1000);
