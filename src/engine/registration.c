@@ -128,21 +128,14 @@ static kvp_status register_and_publish(kvp_engine *e, const kvpi_region *r)
  * that device, the whole range in one allocation's device. */
 static kvp_status check_cuda(void *addr, size_t length, int device)
 {
-    kvpi_ptr_kind first, last;
-    int dev_first, dev_last;
-    kvp_status st = kvpi_cuda_classify(addr, &first, &dev_first);
-    if (!st && length) st = kvpi_cuda_classify((char *)addr + length - 1, &last, &dev_last);
+    int dev_first;
+    kvp_status st = kvpi_cuda_range_device(addr, length, &dev_first);
+    if (st == KVP_EINVAL)
+        return kvpi_error(st, "register: %s; register host memory with kvp_engine_register()",
+                          kvp_last_error());
     if (st)
         return kvpi_error(st, "register: [%p, +%zu) as cuda memory of device %d: %s", addr, length,
                           device, kvp_last_error());
-    int device_mem = first == KVPI_PTR_DEVICE || first == KVPI_PTR_MANAGED;
-    if (!device_mem || (length && (last != first || dev_last != dev_first)))
-        return kvpi_error(KVP_EINVAL,
-                          "register: [%p, +%zu) is not CUDA device memory (the driver says %s "
-                          "memory%s); register host memory with kvp_engine_register()",
-                          addr, length, device_mem ? "device" : "host",
-                          device_mem ? ", but its last byte is not in the same device's memory"
-                                     : "");
     if (dev_first != device)
         return kvpi_error(KVP_EINVAL,
                           "register: [%p, +%zu) is memory of cuda device %d, not of device %d",

@@ -189,6 +189,23 @@ kvp_status kvpi_cuda_classify(const void *p, kvpi_ptr_kind *kind, int *device)
     return KVP_OK;
 }
 
+kvp_status kvpi_cuda_range_device(const void *p, size_t length, int *device)
+{
+    kvpi_ptr_kind first, last;
+    int dev_first, dev_last;
+    kvp_status st = kvpi_cuda_classify(p, &first, &dev_first);
+    if (!st && length) st = kvpi_cuda_classify((const char *)p + length - 1, &last, &dev_last);
+    if (st) return st;
+    int device_mem = first == KVPI_PTR_DEVICE || first == KVPI_PTR_MANAGED;
+    if (!device_mem || (length && (last != first || dev_last != dev_first)))
+        return kvpi_error(KVP_EINVAL, "[%p, +%zu) is not CUDA device memory (%s)", p, length,
+                          device_mem            ? "its last byte is not in the same device's memory"
+                          : first == KVPI_PTR_HOST ? "the CUDA driver does not know it"
+                                                   : "the driver says pinned host memory");
+    *device = dev_first;
+    return KVP_OK;
+}
+
 /* The primary context of device ordinal, retained once. */
 static kvp_status primary_ctx(int ordinal, CUcontext *out)
 {
@@ -256,19 +273,28 @@ int kvpi_cuda_stream_device(const kvpi_cuda_stream *s)
     return s->device;
 }
 
-static kvp_status enqueue(kvpi_cuda_stream *s, void *dst, const void *src, size_t n, int d2h)
+/* A copy in ctx on stream (NULL: the legacy default stream), waited for when
+ * wait is set. */
+static kvp_status copy_on(CUcontext ctx, CUstream stream, int device, void *dst, const void *src,
+                          size_t n, int d2h, int wait)
 {
     CUcontext saved = NULL;
-    CUresult r = ctx_push(s->ctx, &saved);
+    CUresult r = ctx_push(ctx, &saved);
     if (r == CUDA_SUCCESS) {
-        r = d2h ? cu.d2h_async(dst, (CUdeviceptr)(uintptr_t)src, n, s->stream)
-                : cu.h2d_async((CUdeviceptr)(uintptr_t)dst, src, n, s->stream);
-        ctx_pop(s->ctx, saved);
+        r = d2h ? cu.d2h_async(dst, (CUdeviceptr)(uintptr_t)src, n, stream)
+                : cu.h2d_async((CUdeviceptr)(uintptr_t)dst, src, n, stream);
+        if (r == CUDA_SUCCESS && wait) r = cu.stream_sync(stream);
+        ctx_pop(ctx, saved);
     }
     if (r != CUDA_SUCCESS)
-        return kvpi_error(KVP_EIO, "CUDA: device %d: copy of %zu bytes %s failed: %s", s->device, n,
+        return kvpi_error(KVP_EIO, "CUDA: device %d: copy of %zu bytes %s failed: %s", device, n,
                           d2h ? "device to host" : "host to device", err_name(r));
     return KVP_OK;
+}
+
+static kvp_status enqueue(kvpi_cuda_stream *s, void *dst, const void *src, size_t n, int d2h)
+{
+    return copy_on(s->ctx, s->stream, s->device, dst, src, n, d2h, 0);
 }
 
 kvp_status kvpi_cuda_copy_d2h_async(kvpi_cuda_stream *s, void *dst, const void *src, size_t n)
@@ -320,21 +346,11 @@ void kvpi_cuda_host_free(void *p)
 kvp_status kvpi_cuda_copy_sync(void *dst, const void *src, size_t n, int device, int d2h)
 {
     kvp_status st = kvpi_cuda_load();
-    CUcontext ctx = NULL, saved = NULL;
+    CUcontext ctx = NULL;
     if (st || (st = primary_ctx(device, &ctx))) return st;
-    CUresult r = ctx_push(ctx, &saved);
-    if (r == CUDA_SUCCESS) {
-        /* On the legacy default stream (NULL): ordered after the work that a
-         * DLPack producer synchronised to it when it exported the tensor. */
-        r = d2h ? cu.d2h_async(dst, (CUdeviceptr)(uintptr_t)src, n, NULL)
-                : cu.h2d_async((CUdeviceptr)(uintptr_t)dst, src, n, NULL);
-        if (r == CUDA_SUCCESS) r = cu.stream_sync(NULL);
-        ctx_pop(ctx, saved);
-    }
-    if (r != CUDA_SUCCESS)
-        return kvpi_error(KVP_EIO, "CUDA: device %d: copy of %zu bytes %s failed: %s", device, n,
-                          d2h ? "device to host" : "host to device", err_name(r));
-    return KVP_OK;
+    /* On the legacy default stream (NULL): ordered after the work that a
+     * DLPack producer synchronised to it when it exported the tensor. */
+    return copy_on(ctx, NULL, device, dst, src, n, d2h, 1);
 }
 
 kvp_status kvpi_cuda_mem_alloc(int device, size_t n, void **out)

@@ -40,6 +40,12 @@ int kvpi_cuda_active(void);
  * driver; KVP_EIO when the driver fails. */
 kvp_status kvpi_cuda_classify(const void *p, kvpi_ptr_kind *kind, int *device);
 
+/* The CUDA device whose memory holds [p, p+length): device or managed
+ * memory, its first and last byte on that device (two driver calls).
+ * KVP_EINVAL, saying what the driver says instead, when it is not; the
+ * errors of kvpi_cuda_classify. */
+kvp_status kvpi_cuda_range_device(const void *p, size_t length, int *device);
+
 /* The driver's version (e.g. 12040) and its device count, for `kvpipe info`.
  * KVP_ENOTSUP without a driver. */
 kvp_status kvpi_cuda_info(int *version, int *devices);

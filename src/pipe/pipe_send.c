@@ -170,27 +170,12 @@ static kvp_status tensor_device(const kvp_tensor *t, int *device)
     int readable = kvpi_memory_readable(t->data, t->nbytes);
     if (readable < 0) readable = kvpi_memory_check_host(t->data, t->nbytes) == KVP_OK;
     if (readable) return KVP_OK;
-    char host_why[160];
-    snprintf(host_why, sizeof host_why,
-             "the tensor's %zu bytes at %p cannot be read by the CPU", t->nbytes, t->data);
-    kvpi_ptr_kind kind;
-    int dev;
-    kvp_status st = kvpi_cuda_classify(t->data, &kind, &dev);
+    /* A tensor is one allocation of one device: its first and last byte. */
+    kvp_status st = kvpi_cuda_range_device(t->data, t->nbytes, device);
     if (st)
-        return kvpi_error(KVP_EINVAL, "pipe send: %s, and cannot be classified as GPU memory: %s",
-                          host_why, kvp_last_error());
-    if (kind != KVPI_PTR_DEVICE && kind != KVPI_PTR_MANAGED)
-        return kvpi_error(KVP_EINVAL, "pipe send: %s (the CUDA driver does not know it either)",
-                          host_why);
-    /* Its last byte too: a tensor is one allocation of one device. */
-    int dev_last;
-    if ((st = kvpi_cuda_classify((const char *)t->data + t->nbytes - 1, &kind, &dev_last))) return st;
-    if ((kind != KVPI_PTR_DEVICE && kind != KVPI_PTR_MANAGED) || dev_last != dev)
         return kvpi_error(KVP_EINVAL,
-                          "pipe send: the tensor's %zu bytes at %p are not all GPU memory of "
-                          "device %d",
-                          t->nbytes, t->data, dev);
-    *device = dev;
+                          "pipe send: the tensor's %zu bytes cannot be read by the CPU, and %s",
+                          t->nbytes, kvp_last_error());
     return KVP_OK;
 }
 
