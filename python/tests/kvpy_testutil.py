@@ -34,20 +34,51 @@ def port_free(port):
 
 
 def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    return free_port_block(1)
+
+
+def _port_registry():
+    return os.path.join(os.environ.get("TMPDIR") or "/tmp", "kvpipe-test-ports")
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def free_port_block(span):
     """A base port such that base .. base+span-1 are all free now, below
     Linux's ephemeral range (32768 and up), which every bind to port 0 and
     every outgoing connection of the tests running beside this one draws
-    from, as the C tests' kvpt_free_port_block does."""
-    for _ in range(200):
-        base = random.randint(20000, 32000 - span)
-        if all(port_free(base + i) for i in range(span)):
-            return base
+    from. The block is recorded, as the C tests' kvpt_free_port_block records
+    theirs, in a registry file of "port pid" lines rewritten under flock, so
+    that no test running beside this one is handed these ports while this
+    process lives."""
+    import fcntl
+    with open(_port_registry(), "a+") as reg:
+        fcntl.flock(reg, fcntl.LOCK_EX)
+        reg.seek(0)
+        claims = []
+        for line in reg.read().split("\n"):
+            parts = line.split()
+            if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit() \
+                    and _alive(int(parts[1])):
+                claims.append((int(parts[0]), int(parts[1])))
+        claimed = {port for port, _ in claims}
+        for _ in range(200):
+            base = random.randint(20000, 32000 - span)
+            ports = range(base, base + span)
+            if all(p not in claimed and port_free(p) for p in ports):
+                claims += [(p, os.getpid()) for p in ports]
+                reg.seek(0)
+                reg.truncate()
+                reg.write("".join("%d %d\n" % c for c in claims))
+                return base
     raise RuntimeError("no block of %d free ports" % span)
 
 

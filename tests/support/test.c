@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -120,7 +121,47 @@ static int port_bindable(int port)
 
 /* Ports handed out here lie below Linux's ephemeral range (32768 and up by
  * default), so that the data ports engines bind with port 0, in this or a
- * concurrently running test, cannot take one between our check and its use. */
+ * concurrently running test, cannot take one between our check and its use.
+ *
+ * Tests run side by side (ctest -j) and a port found free is bound only
+ * later, by an engine or a child, so two tests could draw the same free port.
+ * A registry shared with the Python tests' free_port_block, a file of
+ * "port pid" lines rewritten under flock on every draw, keeps a port handed
+ * to a live process from being handed out again; the lines of processes that
+ * have exited are dropped at each rewrite. */
+struct port_claim {
+    int port, pid;
+};
+
+static struct port_claim claims[65536];
+
+static FILE *port_registry_open(size_t *n_claims)
+{
+    const char *dir = getenv("TMPDIR");
+    char path[512];
+    snprintf(path, sizeof path, "%s/kvpipe-test-ports", dir && *dir ? dir : "/tmp");
+    FILE *f = fopen(path, "a+");
+    if (!f || flock(fileno(f), LOCK_EX) != 0) {
+        fprintf(stderr, "kvpt_free_port: port registry %s: %s\n", path, strerror(errno));
+        abort();
+    }
+    size_t n = 0;
+    struct port_claim c;
+    rewind(f);
+    while (n < 65536 && fscanf(f, "%d %d", &c.port, &c.pid) == 2)
+        if (c.port > 0 && c.port < 65536 && (kill(c.pid, 0) == 0 || errno != ESRCH))
+            claims[n++] = c;
+    *n_claims = n;
+    return f;
+}
+
+static int port_claimed(size_t n_claims, int port)
+{
+    for (size_t i = 0; i < n_claims; i++)
+        if (claims[i].port == port) return 1;
+    return 0;
+}
+
 int kvpt_free_port_block(const int *offsets, size_t n)
 {
     static unsigned seed;
@@ -129,11 +170,20 @@ int kvpt_free_port_block(const int *offsets, size_t n)
         seeded_by = getpid();
         seed = (unsigned)getpid() * 2654435761u ^ (unsigned)time(NULL);
     }
+    size_t n_claims;
+    FILE *reg = port_registry_open(&n_claims);
     for (int tries = 0; tries < 1000; tries++) {
         int base = 20000 + (int)(rand_r(&seed) % 12000);
         size_t i = 0;
-        while (i < n && base + offsets[i] < 32768 && port_bindable(base + offsets[i])) i++;
-        if (i == n) return base;
+        while (i < n && base + offsets[i] < 32768 && !port_claimed(n_claims, base + offsets[i]) &&
+               port_bindable(base + offsets[i]))
+            i++;
+        if (i < n) continue;
+        if (fseek(reg, 0, SEEK_SET) != 0 || ftruncate(fileno(reg), 0) != 0) abort();
+        for (i = 0; i < n_claims; i++) fprintf(reg, "%d %d\n", claims[i].port, claims[i].pid);
+        for (i = 0; i < n; i++) fprintf(reg, "%d %d\n", base + offsets[i], (int)getpid());
+        fclose(reg); /* flushes, then drops the lock */
+        return base;
     }
     fprintf(stderr, "kvpt_free_port: no free ports below 32768\n");
     abort();
