@@ -35,18 +35,36 @@ if command -v valgrind >/dev/null; then
     # (Possible leaks are libraries' own, libnl's as UCX loads it among them.)
     vg=(valgrind -q --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite
         --show-possibly-lost=no)
+    vg_logs=$(mktemp -d /tmp/kvpipe-valgrind.XXXXXX)
+    # vg_run NAME COMMAND...: COMMAND under valgrind, $jobs at a time (one
+    # valgrind keeps about one core busy); a failed run shows its report and
+    # leaves NAME.failed behind.
+    vg_run() {
+        local name=$1; shift
+        while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
+        (
+            if env "$@" >/dev/null 2>"$vg_logs/$name.log"; then
+                echo "valgrind: $name: ok"
+            else
+                echo "valgrind: $name: FAILED"; cat "$vg_logs/$name.log"; touch "$vg_logs/$name.failed"
+            fi
+        ) &
+    }
+    # engine_test's tcp cases: the tcp transport's and ucx over UCX's tcp.
+    # Its targets are fresh execs of the test program: follow them.
+    vg_run engine_test_tcp KVPT_FILTER=tcp_ "${vg[@]}" --trace-children=yes build/tests/engine_test
     for t in engine_unit_test engine_transport_ops_test safetensors_test pipe_config_test tcp_wire_test \
              metadata_http_test metadata_kvtable_test metadata_names_test p2p_rpc_test; do
-        echo "valgrind: $t"
-        "${vg[@]}" "build/tests/$t" >/dev/null
+        vg_run "$t" "${vg[@]}" "build/tests/$t"
     done
-    echo "valgrind: engine_test (tcp cases: the tcp transport's and ucx over UCX's tcp)"
-    # Its targets are fresh execs of the test program: follow them.
-    KVPT_FILTER=tcp_ "${vg[@]}" --trace-children=yes build/tests/engine_test >/dev/null
-    echo "valgrind: pipe_peer_test (one-process cases; not the shm row's)"
+    # pipe_peer_test's one-process cases; not the shm row's.
     for c in {,ucx_tcp/,ucx_sm/}test_{no_peer,ack_while_announcing}; do
-        "${vg[@]}" build/tests/pipe_peer_test "=$c" >/dev/null
+        vg_run "pipe_peer_test_${c//\//_}" "${vg[@]}" build/tests/pipe_peer_test "=$c"
     done
+    wait
+    vg_failed=$(find "$vg_logs" -name '*.failed' | wc -l)
+    rm -rf "$vg_logs"
+    [ "$vg_failed" = 0 ] || { echo "valgrind: $vg_failed runs failed (above)"; exit 1; }
     took valgrind
 fi
 

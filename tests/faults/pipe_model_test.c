@@ -33,7 +33,7 @@
  * the sequence, how to replay it (KVPT_SEED, KVPT_SEQUENCES), and shrinks the
  * failing sequence alone by removing messages while it still fails, printing
  * the shortest (KVPT_MODEL_OPS). Sizes: KVPT_MODEL_SEQUENCES per path
- * (default 2000; 200 in sanitizer builds), or KVPT_MODEL_MINUTES of batches
+ * (default 1000; 200 in sanitizer builds), or KVPT_MODEL_MINUTES of batches
  * per path. See docs/reliability.md. */
 #include <inttypes.h>
 #include <signal.h>
@@ -44,12 +44,9 @@
 #include "pipe/pipe_internal.h"
 #include "pipe_raw.h"
 
-#ifndef KVPT_MODEL_DEFAULT_SEQUENCES
-#define KVPT_MODEL_DEFAULT_SEQUENCES 2000
-#endif
-#ifndef KVPT_MODEL_SLOW /* sanitizer builds: wider margins */
-#define KVPT_MODEL_SLOW 0
-#endif
+/* Sequences per path; the sanitizer builds run fewer, with wider margins. */
+#define KVPT_MODEL_DEFAULT_SEQUENCES (KVPT_SANITIZED ? 200 : 1000)
+#define KVPT_MODEL_SLOW KVPT_SANITIZED
 
 #define MAX_OPS 20
 #define PER_BATCH 50                                 /* sequences per pair of processes */

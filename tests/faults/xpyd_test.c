@@ -34,7 +34,7 @@
 /* Run xpyd with args (NULL-terminated); REQUIREs it passed. */
 static void xpyd(const char *const *args)
 {
-#ifdef KVPT_XPYD_SANITIZED
+#if KVPT_SANITIZED
     kvpt_skip("a sanitizer build: the harness times throughput and verifies every byte of "
               "gigabytes, the normal build's job (as soak_test)");
 #endif
