@@ -636,7 +636,7 @@ typedef struct proc {
 } proc;
 
 typedef struct rq {
-    int used, p, d, stage, replies, failed, tokens, slot_p, slot_d;
+    int used, p, d, stage, failed, tokens, slot_p, slot_d;
     uint64_t id, t0;
     char err[ERR_LEN];
 } rq;
@@ -943,23 +943,17 @@ static int dispatch_one(run *r)
             m.slot = (uint32_t)q->slot_p;
             to_worker(&r->pre[p], &m);
         } else {
+            /* The decode is told to receive once the send succeeded: a
+             * tensor whose send failed was never sent, and the decode would
+             * otherwise wait for it and take the next one in its place. */
             m.type = CMD_PSEND;
             m.peer = (uint32_t)d;
             to_worker(&r->pre[p], &m);
-            m.type = CMD_PRECV;
-            m.peer = (uint32_t)p;
-            to_worker(&r->dec[d], &m);
         }
         q->stage = 1;
         return 1;
     }
     return 0;
-}
-
-static void finish_if_done(run *r, rq *q)
-{
-    int need = r->mode == 2 ? 2 : 1;
-    if (q->replies >= need) record(r, q, !q->failed);
 }
 
 static void on_done(run *r, proc *from, msg *m)
@@ -972,17 +966,14 @@ static void on_done(run *r, proc *from, msg *m)
     if (m->status == -1 || m->status == -2)
         printf("  t=%.1fs: pair p%d-d%d: %s\n", now_rel(r) / 1000.0, q->p, q->d, m->err);
     if (m->status != 0) fail_rq(q, m->err);
-    if (r->mode == 2) {
-        q->replies++;
-        finish_if_done(r, q);
-        return;
-    }
     if (q->stage == 1 && from->prefill && !q->failed) {
         /* on to the decode */
         msg n = {.req = q->id, .tokens = (uint32_t)q->tokens, .peer = (uint32_t)q->p};
         if (r->mode == 0) {
             n.type = CMD_VERIFY;
             n.slot = (uint32_t)q->slot_d;
+        } else if (r->mode == 2) {
+            n.type = CMD_PRECV;
         } else {
             n.type = CMD_READ;
             n.slot = (uint32_t)q->slot_p;
@@ -993,8 +984,7 @@ static void on_done(run *r, proc *from, msg *m)
         to_worker(&r->dec[q->d], &n);
         return;
     }
-    q->replies = 1;
-    finish_if_done(r, q);
+    record(r, q, !q->failed);
 }
 
 /* A worker's control link closed: it died. What waited on it fails, naming it. */
@@ -1019,11 +1009,7 @@ static void on_dead(run *r, proc *pr)
             pr->prefill ? q->p == pr->index && (q->stage == 1 || r->mode == 2) : q->d == pr->index;
         if (!waits) continue;
         fail_rq(q, why);
-        if (r->mode == 2)
-            q->replies++;
-        else
-            q->replies = 1;
-        finish_if_done(r, q);
+        record(r, q, 0);
     }
     if (pr->prefill && r->mode == 2)
         for (int d = 0; d < r->D; d++)
