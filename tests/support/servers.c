@@ -385,19 +385,19 @@ __attribute__((constructor)) static void responder_entry(void)
     kvpi_rpc_server *srv;
     if (!reply || port <= 0 ||
         kvpi_rpc_server_start("127.0.0.1", port, &(kvpi_conn_limits){.timeout_ms = 2000},
-                              responder_reply, (void *)reply, &srv))
+                              responder_reply, (void *)reply, &srv)) {
+        fprintf(stderr, "  handshake responder on 127.0.0.1:%d: %s\n", port,
+                reply && port > 0 ? kvp_last_error() : "no port or reply given");
         _exit(3);
+    }
     for (;;)
         pause();
 }
 
-pid_t kvpt_handshake_responder(int port, const char *reply)
+/* Fork and exec this program as a responder; its pid, or -1. */
+static pid_t responder_spawn(const char *exe, int port, const char *reply)
 {
     extern char **environ;
-    char exe[4096];
-    ssize_t exe_len = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (exe_len <= 0) return -1;
-    exe[exe_len] = '\0';
     size_t n = 0;
     while (environ[n])
         n++;
@@ -412,19 +412,45 @@ pid_t kvpt_handshake_responder(int port, const char *reply)
         pid = fork();
         if (pid == 0) {
             prctl(PR_SET_PDEATHSIG, SIGKILL);
-            char *argv[] = {exe, NULL};
+            char *argv[] = {(char *)exe, NULL};
             execve(exe, argv, env);
+            fprintf(stderr, "  handshake responder: exec %s: %s\n", exe, strerror(errno));
             _exit(127);
         }
     }
     free(env[n]);
     free(env[n + 1]);
     free(env);
-    if (pid < 0) return -1;
-    if (kvpt_wait_port("127.0.0.1", port, 10000) != 0) {
-        kill(pid, SIGKILL);
-        waitpid(pid, NULL, 0);
-        return -1;
-    }
     return pid;
+}
+
+pid_t kvpt_handshake_responder(int port, const char *reply)
+{
+    char exe[4096];
+    ssize_t exe_len = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (exe_len <= 0) return -1;
+    exe[exe_len] = '\0';
+    /* A responder that exits before it listens (it says why on stderr) is
+     * started again, up to three times in all. */
+    for (int attempt = 1; attempt <= 3; attempt++) {
+        pid_t pid = responder_spawn(exe, port, reply);
+        if (pid < 0) return -1;
+        int status = 0, exited = 0;
+        for (int waited = 0; waited < 10000 && !exited; waited += 200) {
+            if (kvpt_wait_port("127.0.0.1", port, 200) == 0) return pid;
+            exited = waitpid(pid, &status, WNOHANG) == pid;
+        }
+        if (!exited) {
+            kill(pid, SIGKILL);
+            waitpid(pid, NULL, 0);
+            fprintf(stderr, "  handshake responder on 127.0.0.1:%d: not listening after 10 s\n",
+                    port);
+            return -1;
+        }
+        fprintf(stderr, "  handshake responder on 127.0.0.1:%d (try %d of 3): exited (%s %d)\n",
+                port, attempt, WIFSIGNALED(status) ? "signal" : "status",
+                WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
+        usleep(200000);
+    }
+    return -1;
 }
