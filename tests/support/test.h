@@ -84,10 +84,12 @@ int kvpt_summary(void);
 void kvpt_skip(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* A TCP port on 127.0.0.1 that was free a moment ago, below the ephemeral
- * range. */
+ * range, and handed to no other live process: draws are recorded in a
+ * registry file shared with the Python tests (test.c). */
 int kvpt_free_port(void);
 
-/* A base port B such that B + offsets[i] were all free a moment ago. */
+/* A base port B such that B + offsets[i] were all free a moment ago (and
+ * recorded as kvpt_free_port's). */
 int kvpt_free_port_block(const int *offsets, size_t n);
 
 /* Wait until something accepts connections on host:port; 0 on success. */
