@@ -211,7 +211,8 @@ int main(int argc, char **argv)
     }
     uint64_t counted = 0;
     for (int k = 0; k < KVPI_METRIC_SHARDS; k++)
-        counted += kvpi_counter_get(&m->shards[k].requests[0][1]);
+        for (int t = 0; t < KVPI_TRANSPORTS_MAX; t++)
+            counted += kvpi_histogram_merge(&(kvpi_histogram){0}, &m->shards[k].latency[0][t]);
     /* The CPU time the counting added, over every thread's requests. */
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     double per = (with - without) / ((double)threads * (double)requests);

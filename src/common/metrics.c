@@ -22,15 +22,16 @@ static const double latency_bounds_s[KVPI_LATENCY_BUCKETS] = {
     1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2,
     2e-2, 5e-2, 1e-1, 2e-1, 5e-1, 1,    2,    5,    10};
 
-void kvpi_histogram_merge(kvpi_histogram *into, const kvpi_histogram *h)
+uint64_t kvpi_histogram_merge(kvpi_histogram *into, const kvpi_histogram *h)
 {
     uint64_t counts[KVPI_LATENCY_BUCKETS + 1];
-    kvpi_histogram_read(h, counts);
+    uint64_t n = kvpi_histogram_read(h, counts);
     for (size_t i = 0; i <= KVPI_LATENCY_BUCKETS; i++)
         atomic_fetch_add_explicit(&into->buckets[i], counts[i], memory_order_relaxed);
     atomic_fetch_add_explicit(
         &into->sum_ns, atomic_load_explicit(&((kvpi_histogram *)h)->sum_ns, memory_order_relaxed),
         memory_order_relaxed);
+    return n;
 }
 
 uint64_t kvpi_histogram_read(const kvpi_histogram *h, uint64_t counts[KVPI_LATENCY_BUCKETS + 1])

@@ -80,8 +80,9 @@ static inline void kvpi_histogram_observe_ns(kvpi_histogram *h, uint64_t ns)
     atomic_fetch_add_explicit(&h->sum_ns, ns, memory_order_relaxed);
 }
 
-/* Add h's counts to into's (into: not shared with other threads). */
-void kvpi_histogram_merge(kvpi_histogram *into, const kvpi_histogram *h);
+/* Add h's counts to into's (into: not shared with other threads); returns
+ * the number of observations added, read from the same loads. */
+uint64_t kvpi_histogram_merge(kvpi_histogram *into, const kvpi_histogram *h);
 
 /* Per-bucket (not cumulative) counts of h, read once each; returns their sum. */
 uint64_t kvpi_histogram_read(const kvpi_histogram *h, uint64_t counts[KVPI_LATENCY_BUCKETS + 1]);

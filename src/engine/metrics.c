@@ -48,9 +48,8 @@ void kvpi_metrics_request_done(kvpi_engine_metrics *m, kvp_opcode op, size_t len
     kvpi_gauge_add(&sh->inflight_bytes, -(int64_t)len);
     size_t t = transport_index(ops);
     if (st == KVP_OK && t < KVPI_TRANSPORTS_MAX) {
-        kvpi_counter_add(&sh->requests[o][t], 1);
         kvpi_counter_add(&sh->bytes[o][t], len);
-        kvpi_histogram_observe_ns(&sh->latency[o], latency_ns);
+        kvpi_histogram_observe_ns(&sh->latency[o][t], latency_ns);
     } else {
         unsigned s = (unsigned)(st ? st : KVP_EIO);
         kvpi_counter_add(&sh->errors[o][s < KVPI_STATUS_SLOTS ? s : 0], 1);
@@ -72,12 +71,11 @@ static void add_up(const kvpi_engine_metrics *m, totals *t)
         const kvpi_engine_shard *s = &m->shards[k];
         for (int o = 0; o < 2; o++) {
             for (size_t i = 0; i < KVPI_TRANSPORTS_MAX; i++) {
-                t->requests[o][i] += kvpi_counter_get(&s->requests[o][i]);
+                t->requests[o][i] += kvpi_histogram_merge(&t->latency[o], &s->latency[o][i]);
                 t->bytes[o][i] += kvpi_counter_get(&s->bytes[o][i]);
             }
             for (size_t i = 0; i < KVPI_STATUS_SLOTS; i++)
                 t->errors[o][i] += kvpi_counter_get(&s->errors[o][i]);
-            kvpi_histogram_merge(&t->latency[o], &s->latency[o]);
         }
         t->inflight_requests += kvpi_gauge_get(&s->inflight_requests);
         t->inflight_bytes += kvpi_gauge_get(&s->inflight_bytes);

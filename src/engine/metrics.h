@@ -23,11 +23,12 @@
 #define KVPI_METRIC_SHARDS 8
 
 typedef struct kvpi_engine_shard {
-    _Alignas(64)
-        kvpi_counter requests[2][KVPI_TRANSPORTS_MAX]; /* completed, by opcode, transport */
+    /* Submission to completion of the completed requests, by opcode and
+     * transport. Their counts are the request counts: one value, so that a
+     * snapshot's requests_total and histogram count always agree. */
+    _Alignas(64) kvpi_histogram latency[2][KVPI_TRANSPORTS_MAX];
     kvpi_counter bytes[2][KVPI_TRANSPORTS_MAX];
     kvpi_counter errors[2][KVPI_STATUS_SLOTS]; /* failed, by opcode and status */
-    kvpi_histogram latency[2];                 /* submit to completion, completed ones */
     /* Added at submission, taken away at completion (a shard's may go below
      * zero: only their sum is a count). */
     kvpi_gauge inflight_requests, inflight_bytes;
