@@ -430,27 +430,21 @@ pid_t kvpt_handshake_responder(int port, const char *reply)
     ssize_t exe_len = readlink("/proc/self/exe", exe, sizeof exe - 1);
     if (exe_len <= 0) return -1;
     exe[exe_len] = '\0';
-    /* A responder that exits before it listens (it says why on stderr) is
-     * started again, up to three times in all. */
-    for (int attempt = 1; attempt <= 3; attempt++) {
-        pid_t pid = responder_spawn(exe, port, reply);
-        if (pid < 0) return -1;
-        int status = 0, exited = 0;
-        for (int waited = 0; waited < 10000 && !exited; waited += 200) {
-            if (kvpt_wait_port("127.0.0.1", port, 200) == 0) return pid;
-            exited = waitpid(pid, &status, WNOHANG) == pid;
-        }
-        if (!exited) {
-            kill(pid, SIGKILL);
-            waitpid(pid, NULL, 0);
-            fprintf(stderr, "  handshake responder on 127.0.0.1:%d: not listening after 10 s\n",
-                    port);
+    /* A responder that exits before it listens has said why on stderr. */
+    pid_t pid = responder_spawn(exe, port, reply);
+    if (pid < 0) return -1;
+    int status = 0;
+    for (int waited = 0; waited < 10000; waited += 200) {
+        if (kvpt_wait_port("127.0.0.1", port, 200) == 0) return pid;
+        if (waitpid(pid, &status, WNOHANG) == pid) {
+            fprintf(stderr, "  handshake responder on 127.0.0.1:%d: exited (%s %d)\n", port,
+                    WIFSIGNALED(status) ? "signal" : "status",
+                    WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
             return -1;
         }
-        fprintf(stderr, "  handshake responder on 127.0.0.1:%d (try %d of 3): exited (%s %d)\n",
-                port, attempt, WIFSIGNALED(status) ? "signal" : "status",
-                WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
-        usleep(200000);
     }
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    fprintf(stderr, "  handshake responder on 127.0.0.1:%d: not listening after 10 s\n", port);
     return -1;
 }
