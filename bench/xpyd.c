@@ -40,6 +40,7 @@
  * (not root, no `ip`). Ctrl-C or SIGTERM stops the run and tears everything
  * down; the hosts' processes die with this one in any case
  * (PR_SET_PDEATHSIG), and the namespaces with them. */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
@@ -109,7 +110,7 @@ typedef struct msg {
     char name[64]; /* a segment name */
     char err[ERR_LEN];
     /* REP_STATS */
-    int64_t conns, lookups, rss_kib;
+    int64_t conns, lookups, rss_kib, fds, time_wait;
 } msg;
 
 /* ------------------------------------------------------------- patterns --- */
@@ -392,9 +393,10 @@ static void enqueue(peer_worker *p, const msg *m)
     reply(&r, REP_DONE, KVP_EBUSY, "worker queue full");
 }
 
-/* ESTABLISHED TCP connections in this namespace: this engine's own, as it is
- * alone on its host (its metadata store client's included). */
-static int64_t count_conns(void)
+/* TCP sockets in this namespace in state st (/proc/net/tcp's hex code: "01"
+ * ESTABLISHED, "06" TIME_WAIT): this engine's own, as it is alone on its host
+ * (its metadata store client's included). */
+static int64_t count_tcp(const char *state)
 {
     int64_t n = 0;
     const char *files[] = {"/proc/net/tcp", "/proc/net/tcp6"};
@@ -403,11 +405,21 @@ static int64_t count_conns(void)
         char line[512];
         while (f && fgets(line, sizeof line, f)) {
             char st[8];
-            if (sscanf(line, "%*s %*s %*s %7s", st) == 1 && strcmp(st, "01") == 0) n++;
+            if (sscanf(line, "%*s %*s %*s %7s", st) == 1 && strcmp(st, state) == 0) n++;
         }
         if (f) fclose(f);
     }
     return n;
+}
+
+static int64_t count_fds(void)
+{
+    int64_t n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    while (d && readdir(d))
+        n++;
+    if (d) closedir(d);
+    return n - 3; /* ".", ".." and the directory's own */
 }
 
 static int64_t peak_rss_kib(void)
@@ -586,7 +598,9 @@ static int worker_main(void)
         if (r != (ssize_t)sizeof m) _exit(r == 0 ? 0 : 1); /* the router is gone */
         switch (m.type) {
         case CMD_STATS:
-            m.conns = count_conns();
+            m.conns = count_tcp("01");
+            m.time_wait = count_tcp("06");
+            m.fds = count_fds();
             m.lookups = count_lookups();
             m.rss_kib = peak_rss_kib();
             reply(&m, REP_STATS, 0, NULL);
@@ -621,7 +635,7 @@ static int worker_main(void)
 
 typedef struct opts {
     int prefill, decode, seconds, window, skew, baseline, timeout_ms;
-    int min_tokens, max_tokens, fault_seconds, keep_logs, warmup_ms;
+    int min_tokens, max_tokens, fault_seconds, keep_logs, warmup_ms, sample_s;
     double keep, min_ratio;
     unsigned seed;
     const char *mode, *fault, *json;
@@ -678,6 +692,10 @@ typedef struct run {
     char check_log[4096];
     double gbps, p50, p99, p999;
     uint64_t requests, errors, bytes, warm_errors;
+    /* --sample-s: the largest of each figure over the engines, in the first
+     * sample and the latest; samples taken. */
+    int64_t first[3], last[3];
+    int samples;
 } run;
 
 static volatile sig_atomic_t stop_flag;
@@ -1265,6 +1283,57 @@ static void teardown(run *r)
     free(r->done);
 }
 
+/* Ask every live engine for its figures; the answers land in its stats. */
+static void ask_stats(run *r)
+{
+    for (int s = 0; s < 2; s++)
+        for (int i = 0; i < (s ? r->D : r->P); i++) {
+            proc *pr = s ? &r->dec[i] : &r->pre[i];
+            pr->have_stats = 0;
+            if (pr->ready) to_worker(pr, &(msg){.type = CMD_STATS});
+        }
+}
+
+static int stats_missing(run *r)
+{
+    int missing = 0;
+    for (int s = 0; s < 2; s++)
+        for (int i = 0; i < (s ? r->D : r->P); i++) {
+            proc *pr = s ? &r->dec[i] : &r->pre[i];
+            missing += pr->ready && !pr->have_stats;
+        }
+    return missing;
+}
+
+/* One line of the engines' answers (--sample-s): each figure's range over
+ * the engines that answered. */
+static void print_sample(run *r, uint64_t t_ms)
+{
+    int64_t lo[4], hi[4];
+    int n = 0;
+    for (int s = 0; s < 2; s++)
+        for (int i = 0; i < (s ? r->D : r->P); i++) {
+            proc *pr = s ? &r->dec[i] : &r->pre[i];
+            if (!pr->have_stats) continue;
+            int64_t v[4] = {pr->stats.fds, pr->stats.conns, pr->stats.time_wait,
+                            pr->stats.rss_kib / 1024};
+            for (int k = 0; k < 4; k++) {
+                lo[k] = n && lo[k] < v[k] ? lo[k] : v[k];
+                hi[k] = n && hi[k] > v[k] ? hi[k] : v[k];
+            }
+            n++;
+        }
+    if (!n) return;
+    printf("sample %6.0f s  engines %2d  fds %lld-%lld  established %lld-%lld  time_wait "
+           "%lld-%lld  peak RSS %lld-%lld M\n",
+           t_ms / 1000.0, n, (long long)lo[0], (long long)hi[0], (long long)lo[1],
+           (long long)hi[1], (long long)lo[2], (long long)hi[2], (long long)lo[3],
+           (long long)hi[3]);
+    fflush(stdout);
+    memcpy(r->last, hi, sizeof r->last);
+    if (!r->samples++) memcpy(r->first, hi, sizeof r->first);
+}
+
 /* One whole run: cluster up, traffic, fault, stats, teardown. 0 when it ran
  * (checks may have failed), -1 when it could not be set up. */
 static int run_cluster(run *r, const opts *o, int P, int D, const char *fault)
@@ -1347,11 +1416,22 @@ static int run_cluster(run *r, const opts *o, int P, int D, const char *fault)
         r->pair[i].ok = r->pair[i].bytes = 0;
     r->start_ms = kvpi_now_ms();
     uint64_t end = (uint64_t)o->seconds * 1000;
+    uint64_t sample_every = (uint64_t)o->sample_s * 1000, next_sample = sample_every;
+    uint64_t sample_asked = 0; /* when the answers awaited were asked for, + 1 */
     while (!stop_flag && now_rel(r) < end) {
         while (dispatch_one(r)) {
         }
         pump(r, 5);
         uint64_t t = now_rel(r);
+        if (sample_asked && (!stats_missing(r) || t > sample_asked + 10000)) {
+            print_sample(r, sample_asked - 1);
+            sample_asked = 0;
+        }
+        if (sample_every && t >= next_sample && !sample_asked) {
+            ask_stats(r);
+            sample_asked = t + 1;
+            next_sample += sample_every;
+        }
         if (fault && phase == 0 && t >= r->t_fault) {
             inject(r, 1);
             phase = 1;
@@ -1380,20 +1460,11 @@ static int run_cluster(run *r, const opts *o, int P, int D, const char *fault)
             record(r, &r->rqs[i], 0);
         }
     /* stats */
-    for (int i = 0; i < P; i++)
-        if (r->pre[i].ready) to_worker(&r->pre[i], &(msg){.type = CMD_STATS});
-    for (int i = 0; i < D; i++)
-        if (r->dec[i].ready) to_worker(&r->dec[i], &(msg){.type = CMD_STATS});
+    ask_stats(r);
     uint64_t stats_by = kvpi_now_ms() + 10000;
-    for (;;) {
-        int missing = 0;
-        for (int i = 0; i < P; i++)
-            missing += r->pre[i].ready && !r->pre[i].have_stats;
-        for (int i = 0; i < D; i++)
-            missing += r->dec[i].ready && !r->dec[i].have_stats;
-        if (!missing || stop_flag || kvpi_now_ms() > stats_by) break;
+    while (stats_missing(r) && !stop_flag && kvpi_now_ms() <= stats_by)
         pump(r, 50);
-    }
+    if (sample_every) print_sample(r, end_ms);
     /* figures */
     uint64_t *lat = malloc((r->ndone + 1) * sizeof *lat);
     size_t nl = 0;
@@ -1457,6 +1528,19 @@ static int run_cluster(run *r, const opts *o, int P, int D, const char *fault)
         for (int i = 0; i < pairs; i++)
             all &= r->pair[i].ok > 0;
         check(r, all, "every pair completed requests");
+        if (r->samples >= 2) {
+            /* Bounded: the last sample within a quarter (at least 8) of the
+             * first, for each engine's largest figure. */
+            static const char *const what[3] = {"descriptors", "established connections",
+                                                "TIME_WAIT sockets"};
+            for (int k = 0; k < 3; k++) {
+                int64_t slack = r->first[k] / 4 > 8 ? r->first[k] / 4 : 8;
+                check(r, r->last[k] <= r->first[k] + slack,
+                      "%s stay bounded: at most %lld per engine in the first sample, %lld in "
+                      "the last",
+                      what[k], (long long)r->first[k], (long long)r->last[k]);
+            }
+        }
     } else {
         fault_checks(r);
     }
@@ -1519,7 +1603,8 @@ static void usage(FILE *f)
         "            [--window W] [--skew K] [--min-tokens N] [--max-tokens N] [--seed N]\n"
         "            [--timeout-ms MS] [--baseline] [--min-ratio R]\n"
         "            [--fault kill-prefill|restart-prefill|restart-etcd|link-down|rate-limit]\n"
-        "            [--fault-seconds S] [--keep R] [--warmup-ms MS] [--json FILE] [--keep-logs]\n"
+        "            [--fault-seconds S] [--keep R] [--warmup-ms MS] [--sample-s S]\n"
+        "            [--json FILE] [--keep-logs]\n"
         "Many prefill and many decode engines, each in a network namespace of its own,\n"
         "through a real etcd (docs/scale-out.md). Needs root and iproute2.\n");
 }
@@ -1559,6 +1644,7 @@ int main(int argc, char **argv)
                                  {"keep-logs", 0, 0, 11},
                                  {"help", 0, 0, 'h'},
                                  {"warmup-ms", 1, 0, 12},
+                                 {"sample-s", 1, 0, 13},
                                  /* the workers' own */
                                  {"worker", 1, 0, 20},
                                  {"index", 1, 0, 21},
@@ -1626,6 +1712,9 @@ int main(int argc, char **argv)
             break;
         case 12:
             o.warmup_ms = atoi(optarg);
+            break;
+        case 13:
+            o.sample_s = atoi(optarg);
             break;
         case 'h':
             usage(stdout);
@@ -1696,6 +1785,8 @@ int main(int argc, char **argv)
         why = "--timeout-ms: at least 100";
     else if (o.warmup_ms < 0)
         why = "--warmup-ms: 0 or more";
+    else if (o.sample_s < 0)
+        why = "--sample-s: 0 (no samples) or more";
     if (o.fault) {
         int pf = !strcmp(o.fault, "kill-prefill") || !strcmp(o.fault, "restart-prefill") ||
                  !strcmp(o.fault, "rate-limit");
