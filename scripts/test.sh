@@ -50,9 +50,11 @@ if command -v valgrind >/dev/null; then
             fi
         ) &
     }
-    # engine_test's tcp cases: the tcp transport's and ucx over UCX's tcp.
-    # Its targets are fresh execs of the test program: follow them.
-    vg_run engine_test_tcp KVPT_FILTER=tcp_ "${vg[@]}" --trace-children=yes build/tests/engine_test
+    # engine_test's tcp cases with the p2p store: the tcp transport's and ucx
+    # over UCX's tcp (the HTTP store's client runs under valgrind in
+    # metadata_http_test; each row takes about 150 s here). Its targets are
+    # fresh execs of the test program: follow them.
+    vg_run engine_test_tcp KVPT_FILTER=tcp_p2p "${vg[@]}" --trace-children=yes build/tests/engine_test
     for t in engine_unit_test engine_transport_ops_test safetensors_test pipe_config_test tcp_wire_test \
              metadata_http_test metadata_kvtable_test metadata_names_test p2p_rpc_test; do
         vg_run "$t" "${vg[@]}" "build/tests/$t"
