@@ -604,13 +604,6 @@ static kvp_status status_error(tcp_peer *p, const uint8_t frame[8], const kvpi_s
     return kvpi_error(KVP_EPROTO, "%s:%d sent a malformed status frame", p->host, p->port);
 }
 
-static kvp_status recv_status(tcp_peer *p, int fd, kvpi_slice *s, uint64_t deadline)
-{
-    uint8_t frame[8];
-    kvp_status st = kvpi_recv_all_by(fd, frame, sizeof frame, deadline);
-    return st ? st : status_error(p, frame, s);
-}
-
 static kvp_status send_headers(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n,
                                uint64_t deadline)
 {
@@ -678,16 +671,27 @@ static kvp_status run_writes(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n
         *done = sent;
         return st;
     }
+    /* The statuses, up to 64 in one call: most have arrived by now. */
     kvp_status send_err = st;
-    for (size_t i = 0; i < n; i++) {
-        kvp_status r = recv_status(p, fd, s[i], deadline);
-        if (r == KVP_ERANGE) {
-            s[*done = i]->status = KVP_ERANGE;
-            return r;
+    uint8_t frames[64][8];
+    struct iovec iov[64];
+    for (size_t i = 0; i < n;) {
+        size_t k = n - i < 64 ? n - i : 64;
+        for (size_t j = 0; j < k; j++)
+            iov[j] = (struct iovec){frames[j], sizeof frames[j]};
+        kvp_status r = kvpi_recvv_all_by(fd, iov, (int)k, deadline);
+        /* The frames that arrived whole (a rejection is followed by a close). */
+        for (size_t j = 0; j < k && iov[j].iov_len == 0; j++, i++) {
+            kvp_status e = status_error(p, frames[j], s[i]);
+            if (e == KVP_ERANGE) {
+                s[*done = i]->status = KVP_ERANGE;
+                return e;
+            }
+            if (e) return send_err ? send_err : e;
+            s[i]->status = KVP_OK;
+            *done = i + 1;
         }
         if (r) return send_err ? send_err : r;
-        s[i]->status = KVP_OK;
-        *done = i + 1;
     }
     return send_err;
 }
