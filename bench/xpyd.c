@@ -40,7 +40,6 @@
  * (not root, no `ip`). Ctrl-C or SIGTERM stops the run and tears everything
  * down; the hosts' processes die with this one in any case
  * (PR_SET_PDEATHSIG), and the namespaces with them. */
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
@@ -412,16 +411,6 @@ static int64_t count_tcp(const char *state)
     return n;
 }
 
-static int64_t count_fds(void)
-{
-    int64_t n = 0;
-    DIR *d = opendir("/proc/self/fd");
-    while (d && readdir(d))
-        n++;
-    if (d) closedir(d);
-    return n - 3; /* ".", ".." and the directory's own */
-}
-
 static int64_t peak_rss_kib(void)
 {
     FILE *f = fopen("/proc/self/status", "r");
@@ -600,7 +589,7 @@ static int worker_main(void)
         case CMD_STATS:
             m.conns = count_tcp("01");
             m.time_wait = count_tcp("06");
-            m.fds = count_fds();
+            m.fds = kvpt_count_fds();
             m.lookups = count_lookups();
             m.rss_kib = peak_rss_kib();
             reply(&m, REP_STATS, 0, NULL);
@@ -1283,25 +1272,27 @@ static void teardown(run *r)
     free(r->done);
 }
 
+/* Engine k of the run: the prefills, then the decodes. */
+static proc *engine(run *r, int k)
+{
+    return k < r->P ? &r->pre[k] : &r->dec[k - r->P];
+}
+
 /* Ask every live engine for its figures; the answers land in its stats. */
 static void ask_stats(run *r)
 {
-    for (int s = 0; s < 2; s++)
-        for (int i = 0; i < (s ? r->D : r->P); i++) {
-            proc *pr = s ? &r->dec[i] : &r->pre[i];
-            pr->have_stats = 0;
-            if (pr->ready) to_worker(pr, &(msg){.type = CMD_STATS});
-        }
+    for (int k = 0; k < r->P + r->D; k++) {
+        proc *pr = engine(r, k);
+        pr->have_stats = 0;
+        if (pr->ready) to_worker(pr, &(msg){.type = CMD_STATS});
+    }
 }
 
 static int stats_missing(run *r)
 {
     int missing = 0;
-    for (int s = 0; s < 2; s++)
-        for (int i = 0; i < (s ? r->D : r->P); i++) {
-            proc *pr = s ? &r->dec[i] : &r->pre[i];
-            missing += pr->ready && !pr->have_stats;
-        }
+    for (int k = 0; k < r->P + r->D; k++)
+        missing += engine(r, k)->ready && !engine(r, k)->have_stats;
     return missing;
 }
 
@@ -1311,18 +1302,17 @@ static void print_sample(run *r, uint64_t t_ms)
 {
     int64_t lo[4], hi[4];
     int n = 0;
-    for (int s = 0; s < 2; s++)
-        for (int i = 0; i < (s ? r->D : r->P); i++) {
-            proc *pr = s ? &r->dec[i] : &r->pre[i];
-            if (!pr->have_stats) continue;
-            int64_t v[4] = {pr->stats.fds, pr->stats.conns, pr->stats.time_wait,
-                            pr->stats.rss_kib / 1024};
-            for (int k = 0; k < 4; k++) {
-                lo[k] = n && lo[k] < v[k] ? lo[k] : v[k];
-                hi[k] = n && hi[k] > v[k] ? hi[k] : v[k];
-            }
-            n++;
+    for (int e = 0; e < r->P + r->D; e++) {
+        const proc *pr = engine(r, e);
+        if (!pr->have_stats) continue;
+        int64_t v[4] = {pr->stats.fds, pr->stats.conns, pr->stats.time_wait,
+                        pr->stats.rss_kib / 1024};
+        for (int k = 0; k < 4; k++) {
+            lo[k] = n && lo[k] < v[k] ? lo[k] : v[k];
+            hi[k] = n && hi[k] > v[k] ? hi[k] : v[k];
         }
+        n++;
+    }
     if (!n) return;
     printf("sample %6.0f s  engines %2d  fds %lld-%lld  established %lld-%lld  time_wait "
            "%lld-%lld  peak RSS %lld-%lld M\n",
