@@ -116,17 +116,18 @@ static void baseline_in_place_p2p(void)
 
 /* The demo as the README runs it, Llama-3-8B's shape (keys and values of 64
  * MiB per 1024-token request), under variations: each must exit 0 with
- * every byte verified and no errors. extra: more flags. Returns the JSON
- * document (the caller deletes it), or NULL after failing the case. */
+ * every byte verified and no errors. fmt, ...: more flags, printf-style.
+ * Returns the JSON document (the caller deletes it), or NULL after failing
+ * the case. */
 static cJSON *default_shape(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static cJSON *default_shape(const char *fmt, ...)
 {
-    char args[512];
+    char extra[480], args[512];
     va_list ap;
     va_start(ap, fmt);
-    int n = vsnprintf(args, sizeof args - 8, fmt, ap);
+    vsnprintf(extra, sizeof extra, fmt, ap);
     va_end(ap);
-    snprintf(args + n, sizeof args - (size_t)n, " --json");
+    snprintf(args, sizeof args, "%s --json", extra);
     int rc = run(args);
     if (rc != 0) fprintf(stderr, "  kvpipe demo %s: exit %d\n%s", args, rc, out);
     CHECK(rc == 0);
