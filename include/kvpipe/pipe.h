@@ -318,9 +318,9 @@ KVP_API int kvp_pipe_usable(const kvp_pipe *pipe);
 typedef struct kvp_pipe_stats {
     uint64_t sent, received;             /* messages (None included) */
     uint64_t bytes_sent, bytes_received; /* encoded message bytes */
-    uint64_t acks;                       /* ACKs received */
+    uint64_t acks;                       /* messages acknowledged (by plain or tagged ACKs) */
     uint64_t bad_messages;               /* announcements dropped (malformed) or refused */
-    uint64_t bad_acks;                   /* ACKs dropped: not the frame "ACK", or unexpected */
+    uint64_t bad_acks; /* ACKs dropped: not the frame "ACK", unexpected, or another instance's */
     size_t inflight_bytes;               /* sent, not yet acknowledged */
     size_t inflight_count;
     /* Of sent and received, the messages that travelled inline. */
@@ -330,9 +330,9 @@ typedef struct kvp_pipe_stats {
      * 0: the peer takes none (a Mooncake or MooncakePipe peer, a kvpipe peer
      * with the inline path off) or it was not read yet. */
     size_t peer_inline_max;
-    /* Times the peer's descriptor was read for it (once per new connection
-     * of the peer to this side's announce socket; not with this side's
-     * inline_max_bytes 0). */
+    /* Times the peer's descriptor was read for what it takes (the inline
+     * path, tags: docs/pipe.md), once per new connection of the peer to this
+     * side's announce socket. */
     uint64_t peer_lookups;
 } kvp_pipe_stats;
 /* The struct grows at its end (docs/abi.md): the wrapper passes its size. */

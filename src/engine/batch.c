@@ -83,8 +83,9 @@ struct kvp_batch {
     /* The first connection-level failure (the peer timed out, reset or
      * refused): the batch's other works fail with it. */
     kvp_status conn_error;
-    char detail[256]; /* kvp_last_error() of the first failure, from its thread */
-    int notify_fd;    /* -1, or an eventfd told when pending reaches 0 */
+    char detail[256];  /* kvp_last_error() of the first failure, from its thread */
+    int notify_fd;     /* -1, or an eventfd told when pending reaches 0 */
+    char instance[40]; /* "", or the only peer instance to run against */
     kvpi_engine_metrics *metrics;
     uint64_t submit_ns;
 };
@@ -382,6 +383,19 @@ static kvp_status acquire_for(kvp_engine *e, kvpi_segment *seg, kvpi_work **w, s
     return blocking ? kvpi_segment_acquire(e, seg, out) : KVP_EBUSY;
 }
 
+/* The batch runs only against its instance, if it names one
+ * (kvpi_batch_submit_notify). */
+static kvp_status check_instance(const kvp_batch *b, const kvpi_peer *peer)
+{
+    if (!b->instance[0]) return KVP_OK;
+    const cJSON *id = cJSON_GetObjectItemCaseSensitive(peer->desc.json, KVPI_INSTANCE_FIELD);
+    if (cJSON_IsString(id) && strcmp(id->valuestring, b->instance) == 0) return KVP_OK;
+    return kvpi_error(KVP_ECONNRESET,
+                      "segment %s: the addresses come from its instance %s, and it is %s now "
+                      "(the process restarted): not transferred",
+                      b->seg->name, b->instance, cJSON_IsString(id) ? id->valuestring : "another");
+}
+
 /* Why a work need not run: its batch was cancelled or freed, or it lost the
  * peer. KVP_OK to run it. */
 static kvp_status skip_reason(kvpi_work *w)
@@ -429,6 +443,7 @@ static void dispatch(kvp_engine *e, kvpi_work **w, size_t m, int retried, int bl
         defer(e, w, k, retried);
         return;
     }
+    if (!st && (st = check_instance(w[0]->batch, peer))) kvpi_segment_release(seg, peer, 0);
     if (st) {
         complete_all(w, k, st);
         return;
@@ -555,9 +570,11 @@ static uint64_t build_works(kvp_engine *e, kvp_batch *b, const kvp_request *reqs
 
 /* sync: the caller waits for the batch at once (see dispatch). */
 static kvp_status submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request *reqs, size_t n,
-                         int notify_fd, int sync, kvp_batch **out)
+                         int notify_fd, const char *instance, int sync, kvp_batch **out)
 {
     if (!e || !out || (n && !reqs)) return kvpi_error(KVP_EINVAL, "batch_submit: NULL argument");
+    if (instance && strlen(instance) >= sizeof ((kvp_batch *)0)->instance)
+        return kvpi_error(KVP_EINVAL, "batch_submit: instance id too long");
     kvpi_segment *seg = kvpi_segment_get(e, seg_id);
     if (!seg) return kvpi_error(KVP_EINVAL, "batch_submit: segment id %u is not open", seg_id);
     size_t n_works = 0;
@@ -582,6 +599,7 @@ static kvp_status submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request
     b->n = n;
     b->n_works = b->outstanding = n_works;
     b->notify_fd = notify_fd;
+    if (instance) strcpy(b->instance, instance);
     b->metrics = &e->metrics;
     b->submit_ns = kvpi_now_ns();
     uint64_t bytes = build_works(e, b, reqs, e->opts.slice_size);
@@ -597,13 +615,14 @@ static kvp_status submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request
 kvp_status kvp_batch_submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request *reqs,
                             size_t n, kvp_batch **out)
 {
-    return submit(e, seg_id, reqs, n, -1, 0, out);
+    return submit(e, seg_id, reqs, n, -1, NULL, 0, out);
 }
 
 kvp_status kvpi_batch_submit_notify(kvp_engine *e, kvp_segment_id seg_id, const kvp_request *reqs,
-                                    size_t n, int notify_fd, kvp_batch **out)
+                                    size_t n, int notify_fd, const char *instance,
+                                    kvp_batch **out)
 {
-    return submit(e, seg_id, reqs, n, notify_fd, 0, out);
+    return submit(e, seg_id, reqs, n, notify_fd, instance, 0, out);
 }
 
 kvp_status kvp_batch_request_status(const kvp_batch *b, size_t i)
@@ -689,7 +708,7 @@ static kvp_status transfer_sync(kvp_engine *e, kvp_segment_id seg, kvp_opcode op
 {
     kvp_request req = {op, local, remote, length};
     kvp_batch *b;
-    kvp_status st = submit(e, seg, &req, 1, -1, 1, &b);
+    kvp_status st = submit(e, seg, &req, 1, -1, NULL, 1, &b);
     if (st) return st;
     st = kvp_batch_wait(b, -1);
     kvp_batch_free(b);

@@ -32,10 +32,18 @@ kvp_status kvpi_engine_create_with_fields(const kvp_engine_opts *opts, const cJS
 kvp_status kvpi_engine_lookup_field(kvp_engine *e, const char *segment, const char *key,
                                     cJSON **out);
 
+/* The engine's instance id (KVPI_INSTANCE_FIELD of its descriptor: 32
+ * lower-case hex digits drawn at creation), which a restarted process of the
+ * same segment name draws anew. */
+const char *kvpi_engine_instance(const kvp_engine *e);
+
 /* kvp_batch_submit(), and when the last request of the batch completes, 1 is
  * written to notify_fd (an eventfd the caller owns, open until the batch is
- * freed). A batch of no requests notifies at once. */
+ * freed). A batch of no requests notifies at once. With instance (not NULL),
+ * the requests run only against a descriptor of the segment whose
+ * KVPI_INSTANCE_FIELD is instance, else fail with KVP_ECONNRESET: addresses
+ * a process gave out mean nothing in the process that took its name since. */
 kvp_status kvpi_batch_submit_notify(kvp_engine *e, kvp_segment_id seg, const kvp_request *reqs,
-                                    size_t n, int notify_fd, kvp_batch **out);
+                                    size_t n, int notify_fd, const char *instance, kvp_batch **out);
 
 #endif

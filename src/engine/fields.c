@@ -24,3 +24,8 @@ kvp_status kvpi_engine_lookup_field(kvp_engine *e, const char *segment, const ch
     cJSON_Delete(doc);
     return KVP_OK;
 }
+
+const char *kvpi_engine_instance(const kvp_engine *e)
+{
+    return e->instance;
+}

@@ -12,7 +12,30 @@ void kvpi_control_add_frame(kvpi_control_msg *m, const void *data, size_t size)
         memcpy(m->head[m->frames], data,
                size < KVPI_ANNOUNCE_FRAME_LEN ? size : KVPI_ANNOUNCE_FRAME_LEN);
     }
+    m->last_size = size;
+    if (size == KVPI_TAG_LEN) memcpy(m->last, data, KVPI_TAG_LEN);
     m->frames++;
+}
+
+void kvpi_tag_encode(const kvpi_msg_tag *t, uint8_t frame[KVPI_TAG_LEN])
+{
+    memcpy(frame, t->instance, KVPI_TAG_INSTANCE_LEN);
+    kvpi_put_be64(frame + KVPI_TAG_INSTANCE_LEN, t->seq);
+}
+
+int kvpi_control_take_tag(kvpi_control_msg *m, kvpi_msg_tag *t)
+{
+    if (m->frames < 2 || m->last_size != KVPI_TAG_LEN) return 0;
+    for (int i = 0; i < KVPI_TAG_INSTANCE_LEN; i++) {
+        uint8_t c = m->last[i];
+        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return 0;
+    }
+    memcpy(t->instance, m->last, KVPI_TAG_INSTANCE_LEN);
+    t->instance[KVPI_TAG_INSTANCE_LEN] = '\0';
+    t->seq = kvpi_get_be64(m->last + KVPI_TAG_INSTANCE_LEN);
+    m->frames--;
+    m->last_size = 0; /* a message has one tag */
+    return 1;
 }
 
 void kvpi_announce_encode(uint64_t addr, uint64_t len, uint8_t addr_frame[KVPI_ANNOUNCE_FRAME_LEN],

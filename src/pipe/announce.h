@@ -8,7 +8,11 @@
  * path"):
  *   inline message (data link): one frame, KVPI_INLINE_TAG then the
  *       safetensors file itself (at least KVPI_INLINE_MIN bytes), copied out
- *       of ZeroMQ instead of READ; acknowledged like an announcement.
+ *       of ZeroMQ instead of READ; acknowledged like an announcement;
+ *   tag: one more, last, frame of KVPI_TAG_LEN bytes after an announcement, an
+ *       inline message or an ACK: the sender's instance and the message's
+ *       sequence number (kvpi_msg_tag). A tagged ACK acknowledges every
+ *       message of that instance up to that number (pipe_internal.h, "Tags").
  *
  * A reader takes the frames of one message into a kvpi_control_msg, then asks
  * whether it is an announcement or an ACK; anything else is dropped by the
@@ -34,17 +38,38 @@
 /* The smallest safetensors file: its 8-byte header length and a header of 8. */
 #define KVPI_INLINE_MIN 16
 
+/* A tag frame: the sending pipe's engine instance (KVPI_INSTANCE_FIELD of its
+ * descriptor, 32 lower-case hex digits), then the message's sequence number
+ * (u64 big-endian, from 1). */
+#define KVPI_TAG_INSTANCE_LEN 32
+#define KVPI_TAG_LEN (KVPI_TAG_INSTANCE_LEN + 8)
+typedef struct kvpi_msg_tag {
+    char instance[KVPI_TAG_INSTANCE_LEN + 1];
+    uint64_t seq;
+} kvpi_msg_tag;
+
 /* One message as it arrived: its frame count, the sizes of its first two
  * frames and the first 8 bytes of each (fewer when shorter; the rest is
- * unspecified). Start from {0}. */
+ * unspecified), and its last frame when that is KVPI_TAG_LEN bytes long.
+ * Start from {0}. */
 typedef struct kvpi_control_msg {
     int frames;
     size_t size[2];
     uint8_t head[2][KVPI_ANNOUNCE_FRAME_LEN];
+    size_t last_size;
+    uint8_t last[KVPI_TAG_LEN];
 } kvpi_control_msg;
 
 /* Take the next frame of a message (size bytes at data). */
 void kvpi_control_add_frame(kvpi_control_msg *m, const void *data, size_t size);
+
+/* The frame of tag t. */
+void kvpi_tag_encode(const kvpi_msg_tag *t, uint8_t frame[KVPI_TAG_LEN]);
+
+/* If m has more than one frame and its last is a tag: *t set, m without that
+ * frame (the decoders below then see the message it tags), 1. Else 0, m and
+ * *t untouched. */
+int kvpi_control_take_tag(kvpi_control_msg *m, kvpi_msg_tag *t);
 
 /* The two frames announcing len bytes at addr. */
 void kvpi_announce_encode(uint64_t addr, uint64_t len, uint8_t addr_frame[KVPI_ANNOUNCE_FRAME_LEN],

@@ -364,11 +364,11 @@ static size_t pool_retention(const kvp_pipe_opts *o)
     return want > floor ? want : floor;
 }
 
-/* What this side offers in its descriptor; NULL (nothing) with the inline
- * path off, or when out of memory (then the path is simply not offered). */
+/* What this side offers in its descriptor (pipe_internal.h): the inline
+ * path up to inline_max_bytes (0: off), and tags; NULL when out of memory
+ * (then neither is offered). */
 static cJSON *pipe_fields(const kvp_pipe_opts *o)
 {
-    if (!o->inline_max_bytes) return NULL;
     cJSON *doc = cJSON_CreateObject(), *f = cJSON_CreateObject();
     if (!doc || !f || !cJSON_AddNumberToObject(f, "version", KVPI_PIPE_FIELD_VERSION) ||
         !cJSON_AddNumberToObject(f, "inline_max_bytes", (double)o->inline_max_bytes) ||

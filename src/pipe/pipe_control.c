@@ -55,11 +55,14 @@ static int take_message(void *sock, kvpi_control_msg *m)
 }
 
 /* Only the 3-byte frame "ACK" frees a buffer (every MooncakePipe sends just
- * that): anything else could free one the peer is still reading. */
-static void handle_ack(kvp_pipe *p, const kvpi_control_msg *m)
+ * that), or that frame tagged (pipe_internal.h, "Tags"): anything else could
+ * free one the peer is still reading. */
+static void handle_ack(kvp_pipe *p, kvpi_control_msg *m)
 {
+    kvpi_msg_tag tag;
+    int tagged = kvpi_control_take_tag(m, &tag);
     if (kvpi_ack_is_valid(m)) {
-        kvpi_pipe_take_ack(p);
+        kvpi_pipe_take_ack(p, tagged ? &tag : NULL);
         return;
     }
     pthread_mutex_lock(&p->lock);
@@ -278,14 +281,16 @@ static int zap_answer(kvp_pipe *p)
 
 /* ------------------------------------------------------ deferred ACKs --- */
 
-/* ACKs of inline messages a receiver owes are due (pipe_recv.c): send them.
- * When a receiver holds recv_lock (a receiver in recv sends them itself
- * when they are due) or the link cannot take them yet, look again in a
- * millisecond. */
+/* ACKs a receiver owes are due (pipe_recv.c): send them. When a receiver
+ * holds recv_lock (a receiver in recv sends them itself when they are due)
+ * or the link cannot take them yet, look again when kvpi_pipe_acks_due
+ * says. */
 static void ack_due(kvp_pipe *p)
 {
-    if (kvpi_pipe_acks_due(p)) return;
-    struct itimerspec again = {.it_value = {.tv_nsec = 1000000}};
+    long us = kvpi_pipe_acks_due(p);
+    if (!us) return;
+    struct itimerspec again = {
+        .it_value = {.tv_sec = us / 1000000, .tv_nsec = us % 1000000 * 1000}};
     timerfd_settime(p->ack_timer_fd, 0, &again, NULL);
 }
 
@@ -341,26 +346,28 @@ void *kvpi_pipe_control_main(void *arg)
 
 void kvpi_pipe_negotiate(kvp_pipe *p, uint64_t gen)
 {
-    if (!p->opts.inline_max_bytes) return; /* nothing goes inline from here */
     pthread_mutex_lock(&p->lock);
     p->neg_want = gen;
     pthread_cond_signal(&p->neg_cond);
     pthread_mutex_unlock(&p->lock);
 }
 
-/* The peer's inline_max_bytes from its descriptor's field (0 without one). */
-static kvp_status read_peer_inline(kvp_pipe *p, size_t *out)
+/* The peer's inline_max_bytes from its descriptor's field (0 without one),
+ * and whether it reads tags (version 2 on). */
+static kvp_status read_peer_terms(kvp_pipe *p, size_t *inline_max, int *tags)
 {
     cJSON *f = NULL;
     kvp_status st = kvpi_engine_lookup_field(p->engine, p->ep.peer_segment, KVPI_PIPE_FIELD, &f);
     if (st) return st;
     const cJSON *max = cJSON_GetObjectItemCaseSensitive(f, "inline_max_bytes");
     const cJSON *ver = cJSON_GetObjectItemCaseSensitive(f, "version");
-    *out = 0;
-    /* A later version keeps version 1's meaning of the fields it has. */
-    if (cJSON_IsNumber(ver) && ver->valuedouble >= KVPI_PIPE_FIELD_VERSION && cJSON_IsNumber(max) &&
+    *inline_max = 0;
+    *tags = 0;
+    /* A later version keeps the meaning earlier ones gave the fields it has. */
+    if (cJSON_IsNumber(ver) && ver->valuedouble >= 1 && cJSON_IsNumber(max) &&
         max->valuedouble >= 0 && max->valuedouble < 9.0e15)
-        *out = (size_t)max->valuedouble;
+        *inline_max = p->opts.inline_max_bytes ? (size_t)max->valuedouble : 0;
+    if (cJSON_IsNumber(ver) && ver->valuedouble >= 2) *tags = 1;
     cJSON_Delete(f);
     return KVP_OK;
 }
@@ -388,7 +395,8 @@ void *kvpi_pipe_negotiator_main(void *arg)
         uint64_t gen = p->neg_want;
         pthread_mutex_unlock(&p->lock);
         size_t peer = 0;
-        kvp_status st = read_peer_inline(p, &peer);
+        int tags = 0;
+        kvp_status st = read_peer_terms(p, &peer, &tags);
         if (st) {
             KVPI_INFO("pipe %s: cannot read the descriptor of %s (%s); announcing every message "
                       "until it can, again in %d ms",
@@ -404,6 +412,7 @@ void *kvpi_pipe_negotiator_main(void *arg)
         size_t was = p->neg_peer_inline;
         p->neg_done = gen;
         p->neg_peer_inline = peer;
+        p->neg_peer_tags = tags;
         p->stats.peer_lookups++;
         if (peer != was || gen == 1)
             KVPI_INFO("pipe %s: peer %s %s", p->ep.local_segment, p->ep.peer_segment,

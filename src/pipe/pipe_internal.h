@@ -29,6 +29,23 @@
  * on a connection accepted after the descriptor that allowed it was read;
  * after each new connection the negotiator thread reads the peer's
  * descriptor again, and until it has, messages are announced.
+ *
+ * Tags. ACKs on MooncakePipe's wire are all alike, so an ACK a receiver owed
+ * a sender that died could free a buffer of the process that took its place
+ * on the same port, and an announcement the dead sender left queued would be
+ * READ from the new process's memory. Between kvpipe pipes each message
+ * therefore carries a tag (announce.h): the sender engine's instance id and
+ * the message's sequence number. A sender tags only towards a peer whose
+ * descriptor field says it reads tags (version >= 2), under the same
+ * push_gen rule as the inline path; a receiver answers a tagged message with
+ * a tagged ACK, and MooncakePipe's plain ACK otherwise. A tagged ACK is
+ * cumulative: it frees every message of that instance up to its number, so a
+ * receiver owes one (the newest) however many it has handed out, keeps it
+ * until the ACK link takes it (never gives it up), and a lost one is made
+ * good by the next. A sender drops a tagged ACK of another instance. A
+ * receiver READs a tagged announcement only from the instance that made it:
+ * the engine refuses the READ (KVP_ECONNRESET) when the descriptor it would
+ * READ through names another (kvpi_batch_submit_notify).
  */
 #ifndef KVPI_PIPE_INTERNAL_H
 #define KVPI_PIPE_INTERNAL_H
@@ -55,7 +72,8 @@
 /* The descriptor field a pipe's engine publishes:
  * {"kvpipe_pipe": {"version": 1, "inline_max_bytes": N}}. */
 #define KVPI_PIPE_FIELD "kvpipe_pipe"
-#define KVPI_PIPE_FIELD_VERSION 1
+/* Version 2: the side reads tags (see "Tags"). */
+#define KVPI_PIPE_FIELD_VERSION 2
 
 /* One message sent and not yet acknowledged; buf is the managed buffer to
  * free on its ACK (NULL for an inline message, which ZeroMQ owns). */
@@ -88,6 +106,8 @@ typedef struct kvpi_rx_entry {
     char *why;          /* the error's message (malloc'ed), or NULL */
     int state;          /* pipe_recv.c: waiting for its READ to start, reading, done */
     int is_inline;
+    int tagged; /* it came with tag (see "Tags") */
+    kvpi_msg_tag tag;
 } kvpi_rx_entry;
 
 struct kvp_pipe {
@@ -105,7 +125,7 @@ struct kvp_pipe {
     kvpi_auth_curve curve;
     void *data_push_mon, *ack_push_mon;
     kvpi_pull_link data_in, ack_in;
-    int data_in_fd; /* data_in's ZMQ_FD, for recv's poll(2) */
+    int data_in_fd;         /* data_in's ZMQ_FD, for recv's poll(2) */
     int recv_wake_fd;       /* eventfd: wakes a receiver waiting on data_in */
     atomic_int data_redial; /* data_in must be connected again, by whoever has it */
     uint64_t handoff_at;    /* control thread: when to look at data_redial again */
@@ -139,14 +159,18 @@ struct kvp_pipe {
     uint64_t neg_want;      /* the push_gen to negotiate for */
     uint64_t neg_done;      /* the push_gen peer_inline is valid for; 0: none */
     size_t neg_peer_inline; /* the peer's inline_max_bytes (0: it takes none) */
+    int neg_peer_tags;      /* the peer reads tags */
 
     /* recv's window (under recv_lock). */
     kvpi_rx_entry *rx;
     size_t rx_head, rx_count;
     size_t rx_bytes;
     size_t rx_bytes_peak; /* the most rx_bytes held since open (tests read it) */
-    int rx_done_fd;  /* eventfd: a READ of the window completed */
-    int ack_stalled; /* the last ACKs were given up: give up the next at once */
+    int rx_done_fd;       /* eventfd: a READ of the window completed */
+    int ack_stalled;      /* the last ACKs were given up: give up the next at once */
+    int ack_link_up;      /* the ACK link took an ACK since open */
+    int ack_tagged;       /* ack_tag is owed (it covers every ACK owed before it) */
+    kvpi_msg_tag ack_tag;
     /* Deferred ACKs (pipe_recv.c): inline messages handed out and not yet
      * acknowledged, written under recv_lock; when the oldest must leave. */
     atomic_size_t acks_owed;
@@ -175,8 +199,9 @@ void kvpi_pipe_drop_message(kvp_pipe *p, int frames, size_t size0, size_t size1)
 void kvpi_pipe_negotiate(kvp_pipe *p, uint64_t gen);
 
 /* pipe_send.c: the FIFO of messages awaiting ACK (all under lock). */
-/* One ACK arrived: free the oldest message's buffer. The control thread. */
-void kvpi_pipe_take_ack(kvp_pipe *p);
+/* One ACK arrived: a plain one (tag NULL) frees the oldest message's
+ * buffer, a tagged one those it covers ("Tags"). The control thread. */
+void kvpi_pipe_take_ack(kvp_pipe *p, const kvpi_msg_tag *tag);
 /* Free every message still queued (close, after the control thread stopped). */
 void kvpi_pipe_drop_queue(kvp_pipe *p);
 
@@ -187,9 +212,10 @@ void kvpi_pipe_drop_window(kvp_pipe *p);
  * take them (not when it is stalled); caller holds recv_lock. */
 void kvpi_pipe_close_acks(kvp_pipe *p);
 /* The control thread, when ack_timer_fd fires: send what ACKs are owed
- * without waiting (giving them up ack_timeout_ms after they were due),
- * unless a receiver holds recv_lock; 1 when none is owed any more. */
-int kvpi_pipe_acks_due(kvp_pipe *p);
+ * without waiting (pipe_recv.c says which are given up and when), unless a
+ * receiver holds recv_lock. Returns 0 when none is owed any more, else the
+ * microseconds after which to try again. */
+long kvpi_pipe_acks_due(kvp_pipe *p);
 
 /* pipe_control.c: the two threads kvp_pipe_open starts (arg: the pipe). */
 void *kvpi_pipe_control_main(void *arg);

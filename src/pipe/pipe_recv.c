@@ -95,7 +95,10 @@ static void rx_start(kvp_pipe *p, kvpi_rx_entry *e)
     }
     kvp_request req = {KVP_OP_READ, e->buf, e->addr, (size_t)e->len};
     kvp_batch *b;
-    if ((st = kvpi_batch_submit_notify(p->engine, p->peer_seg, &req, 1, p->rx_done_fd, &b))) {
+    /* A tagged announcement is READ only from the instance that made it
+     * (pipe_internal.h, "Tags"). */
+    if ((st = kvpi_batch_submit_notify(p->engine, p->peer_seg, &req, 1, p->rx_done_fd,
+                                       e->tagged ? e->tag.instance : NULL, &b))) {
         kvp_engine_free(p->engine, e->buf);
         e->buf = NULL;
         rx_fail(e, st);
@@ -123,16 +126,21 @@ static void rx_start_waiting(kvp_pipe *p)
     }
 }
 
-static kvpi_rx_entry *rx_push(kvp_pipe *p, uint64_t addr, uint64_t len, int is_inline)
+static kvpi_rx_entry *rx_push(kvp_pipe *p, uint64_t addr, uint64_t len, int is_inline,
+                              const kvpi_msg_tag *tag)
 {
     kvpi_rx_entry *e = rx_at(p, p->rx_count++);
     *e = (kvpi_rx_entry){.addr = addr, .len = len, .status = KVP_OK, .is_inline = is_inline};
+    if (tag) {
+        e->tagged = 1;
+        e->tag = *tag;
+    }
     return e;
 }
 
-static void take_announcement(kvp_pipe *p, uint64_t addr, uint64_t len)
+static void take_announcement(kvp_pipe *p, uint64_t addr, uint64_t len, const kvpi_msg_tag *tag)
 {
-    kvpi_rx_entry *e = rx_push(p, addr, len, 0);
+    kvpi_rx_entry *e = rx_push(p, addr, len, 0, tag);
     kvp_status st = check_announcement(p, addr, len);
     if (st) {
         rx_fail(e, st);
@@ -144,9 +152,9 @@ static void take_announcement(kvp_pipe *p, uint64_t addr, uint64_t len)
 
 /* An inline message of a len-byte file in frame f0: copied into a managed
  * buffer, like the one a READ fills. */
-static void take_inline(kvp_pipe *p, zmq_msg_t *f0, size_t len)
+static void take_inline(kvp_pipe *p, zmq_msg_t *f0, size_t len, const kvpi_msg_tag *tag)
 {
-    kvpi_rx_entry *e = rx_push(p, 0, len, 1);
+    kvpi_rx_entry *e = rx_push(p, 0, len, 1, tag);
     e->state = RX_DONE;
     kvp_status st = check_announcement(p, 0, len);
     if (!st) st = kvp_engine_alloc(p->engine, len, &e->buf);
@@ -186,12 +194,14 @@ static int take_one(kvp_pipe *p)
     }
     uint64_t addr, len;
     size_t body;
+    kvpi_msg_tag tag;
+    const kvpi_msg_tag *tagged = kvpi_control_take_tag(&m, &tag) ? &tag : NULL;
     if (kvpi_announce_decode(&m, &addr, &len)) {
         atomic_store(&p->data_in.good, 1);
-        take_announcement(p, addr, len);
+        take_announcement(p, addr, len, tagged);
     } else if (p->opts.inline_max_bytes && kvpi_inline_decode(&m, &body)) {
         atomic_store(&p->data_in.good, 1);
-        take_inline(p, &f[0], body);
+        take_inline(p, &f[0], body, tagged);
     } else if (frames > 0) {
         /* No MooncakePipe sends it and no buffer of the peer waits for its
          * ACK: dropped unanswered. */
@@ -322,13 +332,22 @@ static kvp_status deliver(kvp_pipe *p, void *buf, size_t len, kvp_tensor **out)
 
 /* Sending ACKs never makes recv wait: every ACK is owed first, and the
  * owed ones that are due leave while the link takes them at once. What it
- * does not take (a sender stopped or gone, its PULL not reading) is tried
- * again every millisecond - by a receiver waiting in recv, else by the
- * control thread (ack_timer_fd) - and given up ack_timeout_ms after it was
- * due, or at once while the link is stalled (the last ones were given up),
- * so that a dead sender costs one wait, not one per message. ACK frames are
- * all alike and the sender frees its buffers in order, so an ACK that leaves
- * late still frees the right one. */
+ * does not take (a sender stopped or gone, its PULL not reading, or its ACK
+ * link not connected yet) is tried again - by a receiver waiting in recv,
+ * else by the control thread (ack_timer_fd) - every millisecond, and every
+ * ACK_RETRY_SLOW_US once ack_timeout_ms passed since it was due.
+ *
+ * A tagged ACK (pipe_internal.h, "Tags") is never given up: it stands for
+ * every message its sender sent before, and a restarted sender drops it. Plain
+ * ACKs, all alike, are given up ack_timeout_ms after they were due, or at
+ * once while the link is stalled (the last ones were given up), so that a
+ * dead sender costs one wait, not one per message - but only once the link
+ * took an ACK since open: a sender whose ACK link is slow to connect (a lost
+ * SYN) gets them when it does. The sender frees its buffers in order, so an
+ * ACK that leaves late still frees the right one. */
+
+/* How often a kept ACK is tried again once ack_timeout_ms passed. */
+#define ACK_RETRY_SLOW_US 100000
 
 /* Arm the control thread's timer to fire in us microseconds. */
 static int ack_timer_in(kvp_pipe *p, long us)
@@ -337,19 +356,57 @@ static int ack_timer_in(kvp_pipe *p, long us)
     return timerfd_settime(p->ack_timer_fd, 0, &due, NULL);
 }
 
+/* Microseconds until owed ACKs the link did not take are tried again. */
+static long acks_retry_us(const kvp_pipe *p)
+{
+    uint64_t slow = p->acks_due_ns + (uint64_t)p->opts.ack_timeout_ms * 1000000u;
+    return kvpi_now_ns() < slow ? 1000 : ACK_RETRY_SLOW_US;
+}
+
+/* Send the owed tagged ACK: 1 when the link took it. wait_ms: how long it
+ * may wait for the link (0: not at all). */
+static int send_tagged_ack(kvp_pipe *p, int wait_ms)
+{
+    uint8_t tag[KVPI_TAG_LEN];
+    kvpi_tag_encode(&p->ack_tag, tag);
+    if (kvpi_pipe_zsend(p->ack_push, KVPI_ACK_TEXT, KVPI_ACK_LEN, ZMQ_SNDMORE | ZMQ_DONTWAIT, 0) !=
+            KVPI_ACK_LEN &&
+        (wait_ms == 0 || kvpi_pipe_zsend(p->ack_push, KVPI_ACK_TEXT, KVPI_ACK_LEN, ZMQ_SNDMORE,
+                                         wait_ms) != KVPI_ACK_LEN))
+        return 0;
+    /* The first frame is in: ZeroMQ takes the rest of the message. */
+    kvpi_pipe_zsend(p->ack_push, tag, sizeof tag, 0, p->opts.io_timeout_ms);
+    return 1;
+}
+
+/* The link took what was owed. */
+static void acks_sent(kvp_pipe *p)
+{
+    atomic_store(&p->acks_owed, 0);
+    p->ack_tagged = 0;
+    p->ack_stalled = 0;
+    p->ack_link_up = 1;
+}
+
 /* Under recv_lock, with the owed ACKs due: send them while the link takes
- * them, give up as above. Returns how many are left, to try again. */
+ * them, give up plain ones as above. Returns how many are left, to try
+ * again. */
 static size_t acks_try(kvp_pipe *p)
 {
+    if (p->ack_tagged) {
+        if (atomic_load(&p->acks_owed) && send_tagged_ack(p, 0)) acks_sent(p);
+        return atomic_load(&p->acks_owed);
+    }
     while (atomic_load(&p->acks_owed) > 0 &&
            kvpi_pipe_zsend(p->ack_push, KVPI_ACK_TEXT, KVPI_ACK_LEN, ZMQ_DONTWAIT, 0) ==
                KVPI_ACK_LEN) {
         atomic_fetch_sub(&p->acks_owed, 1);
         p->ack_stalled = 0;
+        p->ack_link_up = 1;
     }
     size_t left = atomic_load(&p->acks_owed);
     uint64_t limit = p->acks_due_ns + (uint64_t)p->opts.ack_timeout_ms * 1000000u;
-    if (left && (p->ack_stalled || kvpi_now_ns() >= limit)) {
+    if (left && p->ack_link_up && (p->ack_stalled || kvpi_now_ns() >= limit)) {
         p->ack_stalled = 1;
         atomic_store(&p->acks_owed, 0);
         /* The data is here already; only the sender's buffer release
@@ -368,25 +425,32 @@ void kvpi_pipe_close_acks(kvp_pipe *p)
     /* Closing: the owed ACKs may wait for the link, up to ack_timeout_ms
      * (not when it is stalled); ack_linger_ms then lets them go out. */
     int wait_ms = p->ack_stalled ? 0 : p->opts.ack_timeout_ms;
-    size_t left = atomic_exchange(&p->acks_owed, 0);
-    for (; left > 0; left--)
-        if (kvpi_pipe_zsend(p->ack_push, KVPI_ACK_TEXT, KVPI_ACK_LEN, 0, wait_ms) != KVPI_ACK_LEN)
-            break;
+    size_t left = atomic_load(&p->acks_owed);
+    if (left && p->ack_tagged) {
+        if (send_tagged_ack(p, p->opts.ack_timeout_ms)) left = 0;
+        wait_ms = p->opts.ack_timeout_ms;
+    } else {
+        for (; left > 0; left--)
+            if (kvpi_pipe_zsend(p->ack_push, KVPI_ACK_TEXT, KVPI_ACK_LEN, 0, wait_ms) !=
+                KVPI_ACK_LEN)
+                break;
+    }
+    atomic_store(&p->acks_owed, 0);
     if (left)
         KVPI_WARN_LIMITED("pipe %s: could not send %zu ACKs to %s within %d ms: %s",
                           p->ep.local_segment, left, p->ep.peer_segment, wait_ms,
                           zmq_strerror(zmq_errno()));
 }
 
-int kvpi_pipe_acks_due(kvp_pipe *p)
+long kvpi_pipe_acks_due(kvp_pipe *p)
 {
-    if (atomic_load(&p->acks_owed) == 0) return 1;
-    if (pthread_mutex_trylock(&p->recv_lock) != 0) return 0;
+    if (atomic_load(&p->acks_owed) == 0) return 0;
+    if (pthread_mutex_trylock(&p->recv_lock) != 0) return 1000;
     /* Never waits: this thread answers the ZAP requests that a connection
      * of the ACK link itself may need first. */
-    size_t left = acks_try(p);
+    long again = acks_try(p) ? acks_retry_us(p) : 0;
     pthread_mutex_unlock(&p->recv_lock);
-    return left == 0;
+    return again;
 }
 
 /* Milliseconds until the deferred ACKs owed are due (rounded up; 0: due
@@ -401,11 +465,20 @@ static int acks_due_in_ms(const kvp_pipe *p)
 
 /* The ACK of a message handed out (see the top): due at once for an
  * announced message (with the deferred ones owed before it); deferred for
- * an inline one, up to ACKS_OWED_MAX of them. */
-static void ack_taken(kvp_pipe *p, int is_inline)
+ * an inline one, up to ACKS_OWED_MAX of them. A tagged one replaces the
+ * tagged one owed (it covers it); a plain one after a tagged one is another
+ * sender's (the tagged one's sender was replaced), which gives that up. */
+static void ack_taken(kvp_pipe *p, int is_inline, const kvpi_msg_tag *tag)
 {
     uint64_t now = kvpi_now_ns();
     long us = is_inline ? p->opts.ack_delay_us : 0;
+    if (tag) {
+        p->ack_tagged = 1;
+        p->ack_tag = *tag;
+    } else if (p->ack_tagged) {
+        p->ack_tagged = 0;
+        atomic_store(&p->acks_owed, 0);
+    }
     size_t owed = atomic_fetch_add(&p->acks_owed, 1) + 1;
     if (owed == 1) p->acks_due_ns = now + (uint64_t)us * 1000u;
     if (us > 0 && owed < ACKS_OWED_MAX) {
@@ -413,7 +486,7 @@ static void ack_taken(kvp_pipe *p, int is_inline)
         if (p->acks_due_ns > now) return;
     }
     if (p->acks_due_ns > now) p->acks_due_ns = now;
-    if (acks_try(p)) ack_timer_in(p, 1000); /* the control thread tries again */
+    if (acks_try(p)) ack_timer_in(p, acks_retry_us(p)); /* the control thread tries again */
 }
 
 /* Hand out the head (done): acknowledge it, then its tensor or its error. */
@@ -425,7 +498,7 @@ static kvp_status rx_pop(kvp_pipe *p, kvp_tensor **out)
     if (e.buf) p->rx_bytes -= (size_t)e.len;
     /* One ACK per message taken, good or bad, once we are done with the
      * sender's buffer: the sender holds one for each. */
-    ack_taken(p, e.is_inline);
+    ack_taken(p, e.is_inline, e.tagged ? &e.tag : NULL);
     kvp_status st = e.status;
     if (st == KVP_OK) {
         st = deliver(p, e.buf, (size_t)e.len, out);
@@ -491,7 +564,7 @@ kvp_status kvp_pipe_recv(kvp_pipe *p, int timeout_ms, kvp_tensor **out)
         /* A READ of the window ending wakes rx_wait (rx_done_fd); deferred
          * ACKs leave when due. */
         int wait = left, acks = acks_due_in_ms(p);
-        if (acks == 0) acks = acks_try(p) ? 1 : -1; /* not all taken: again in 1 ms */
+        if (acks == 0) acks = acks_try(p) ? (int)(acks_retry_us(p) / 1000) : -1;
         if (acks > 0 && (wait < 0 || acks < wait)) wait = acks;
         if ((st = rx_wait(p, wait))) break;
     }

@@ -17,6 +17,7 @@
 #include "common/log.h"
 #include "common/net.h"
 #include "common/region.h"
+#include "engine/engine_ext.h"
 #include "gpu/cuda.h"
 #include "pipe/pipe_internal.h"
 #include "pipe/safetensors.h"
@@ -63,30 +64,55 @@ static void q_drop_tail(kvp_pipe *p)
     p->q_count--;
 }
 
-/* An ACK that pops the message still being posted leaves its buffer to its
- * sender (post()), which may yet have to take it back. */
-void kvpi_pipe_take_ack(kvp_pipe *p)
+/* Pop the head for an ACK; an ACK that pops the message still being posted
+ * leaves its buffer to its sender (post()), which may yet have to take it
+ * back. Returns the buffer to free (NULL: none). Under lock. */
+static void *ack_head(kvp_pipe *p)
 {
-    pthread_mutex_lock(&p->lock);
-    int have = p->q_count > 0;
-    kvpi_inflight e = have ? q_pop_head(p) : (kvpi_inflight){NULL, 0, 0};
-    if (have && e.seq == p->posting) {
+    kvpi_inflight e = q_pop_head(p);
+    if (e.seq == p->posting) {
         p->posting_acked = 1;
         e.buf = NULL;
     }
-    if (have)
-        p->stats.acks++;
-    else
+    p->stats.acks++;
+    return e.buf;
+}
+
+/* A plain ACK frees the oldest message; a tagged one (pipe_internal.h,
+ * "Tags") every message up to its number, and nothing when it is another
+ * instance's or names a message never sent. */
+void kvpi_pipe_take_ack(kvp_pipe *p, const kvpi_msg_tag *tag)
+{
+    const char *bad = NULL;
+    pthread_mutex_lock(&p->lock);
+    if (tag && strcmp(tag->instance, kvpi_engine_instance(p->engine)) != 0)
+        bad = "for another instance of this pipe's segment (one that ran before this process)";
+    else if (tag && tag->seq > p->seq)
+        bad = "for a message never sent";
+    else if (!tag && !p->q_count)
+        bad = "with nothing in flight";
+    if (bad) {
         p->stats.bad_acks++;
-    pthread_cond_broadcast(&p->room);
-    pthread_mutex_unlock(&p->lock);
-    if (!have) {
-        KVPI_WARN_LIMITED("pipe %s: dropped an ACK from %s with nothing in flight",
-                          p->ep.local_segment, p->ep.peer_segment);
+        pthread_mutex_unlock(&p->lock);
+        KVPI_WARN_LIMITED("pipe %s: dropped an ACK from %s %s", p->ep.local_segment,
+                          p->ep.peer_segment, bad);
         return;
     }
-    atomic_store(&p->ack_in.good, 1);
-    if (e.buf) kvp_engine_free(p->engine, e.buf);
+    /* A plain ACK covers the oldest message; a tagged one (repeated, say)
+     * may cover none still in flight. */
+    uint64_t upto = tag ? tag->seq : p->q[p->q_head].seq;
+    int freed = 0;
+    while (p->q_count && p->q[p->q_head].seq <= upto) {
+        void *buf = ack_head(p);
+        freed = 1;
+        if (!buf) continue;
+        pthread_mutex_unlock(&p->lock);
+        kvp_engine_free(p->engine, buf);
+        pthread_mutex_lock(&p->lock);
+    }
+    if (freed) pthread_cond_broadcast(&p->room);
+    pthread_mutex_unlock(&p->lock);
+    if (freed) atomic_store(&p->ack_in.good, 1);
 }
 
 void kvpi_pipe_drop_queue(kvp_pipe *p)
@@ -219,28 +245,31 @@ static void outgoing_done(kvp_pipe *p, outgoing *m)
     if (m->buf) kvp_engine_free(p->engine, m->buf);
 }
 
-/* Whether a message of size bytes may go inline now; under push_lock. */
-static int inline_allowed(kvp_pipe *p, size_t size)
+/* What the peer of data_push's current connections takes, as the
+ * negotiator read it: whether a message of size bytes may go inline, and
+ * whether it is tagged (pipe_internal.h). Under push_lock. */
+static void peer_terms(kvp_pipe *p, size_t size, int *as_inline, int *tagged)
 {
-    if (size > p->opts.inline_max_bytes) return 0;
     pthread_mutex_lock(&p->lock);
-    int ok = p->push_gen && p->neg_done == p->push_gen && size <= p->neg_peer_inline;
+    int known = p->push_gen && p->neg_done == p->push_gen;
+    *as_inline = known && size <= p->opts.inline_max_bytes && size <= p->neg_peer_inline;
+    *tagged = known && p->neg_peer_tags;
     pthread_mutex_unlock(&p->lock);
-    return ok;
 }
 
 /* Queue the message for its ACK (its buffer, for an announced one) and note
- * it as the one being posted. */
-static kvp_status queue_posting(kvp_pipe *p, void *buf, size_t size)
+ * it as the one being posted; *seq: its sequence number. */
+static kvp_status queue_posting(kvp_pipe *p, void *buf, size_t size, uint64_t *seq_out)
 {
     pthread_mutex_lock(&p->lock);
-    uint64_t seq;
+    uint64_t seq = 0;
     int full = q_push(p, buf, size, &seq);
     if (!full) {
         p->posting = seq;
         p->posting_acked = 0;
     }
     pthread_mutex_unlock(&p->lock);
+    *seq_out = seq;
     return full ? kvpi_error(KVP_ENOMEM, "pipe: out of memory") : KVP_OK;
 }
 
@@ -270,27 +299,50 @@ static int posted(kvp_pipe *p, size_t size, int as_inline)
     return acked;
 }
 
-/* Hand one form of the message to data_push without waiting. Returns 1 when
- * it left, 0 when data_push cannot take it now (no peer, queue full), or a
- * negative status on a ZeroMQ failure. Under push_lock. */
-static int try_push(kvp_pipe *p, outgoing *m, int as_inline, kvp_status *st)
+/* The last frames of a message once its first left: with the first in,
+ * ZeroMQ takes the rest (it delivers a multipart message whole); if one
+ * still fails, the stream is torn. 1, or -1 with *st. */
+static int push_rest(kvp_pipe *p, const void *const *frames, const size_t *sizes, int n,
+                     kvp_status *st)
 {
+    for (int i = 0; i < n; i++)
+        if (kvpi_pipe_zsend(p->data_push, frames[i], sizes[i], i + 1 < n ? ZMQ_SNDMORE : 0,
+                            p->opts.io_timeout_ms) < 0) {
+            atomic_store(&p->broken, 1);
+            *st = kvpi_pipe_zmq_fail(p, "send of a message's last frames");
+            return -1;
+        }
+    return 1;
+}
+
+/* Hand one form of the message to data_push without waiting, tagged with
+ * seq unless seq is 0. Returns 1 when it left, 0 when data_push cannot take
+ * it now (no peer, queue full), or a negative status on a ZeroMQ failure.
+ * Under push_lock. */
+static int try_push(kvp_pipe *p, outgoing *m, int as_inline, uint64_t seq, kvp_status *st)
+{
+    uint8_t tag[KVPI_TAG_LEN];
+    if (seq) {
+        kvpi_msg_tag t = {.seq = seq};
+        memcpy(t.instance, kvpi_engine_instance(p->engine), KVPI_TAG_INSTANCE_LEN);
+        kvpi_tag_encode(&t, tag);
+    }
+    int more = seq ? ZMQ_SNDMORE : 0;
     if (as_inline) {
-        if (zmq_msg_send(&m->zmsg, p->data_push, ZMQ_DONTWAIT) >= 0) {
+        if (zmq_msg_send(&m->zmsg, p->data_push, more | ZMQ_DONTWAIT) >= 0) {
             m->have_zmsg = 0; /* ZeroMQ owns it now */
-            return 1;
+            const void *f[] = {tag};
+            size_t sz[] = {sizeof tag};
+            return seq ? push_rest(p, f, sz, 1, st) : 1;
         }
     } else {
         uint8_t addr[KVPI_ANNOUNCE_FRAME_LEN], length[KVPI_ANNOUNCE_FRAME_LEN];
         const void *msg = m->msg ? (const void *)m->msg : m->buf;
         kvpi_announce_encode((uint64_t)(uintptr_t)msg, m->size, addr, length);
         if (zmq_send(p->data_push, addr, 8, ZMQ_SNDMORE | ZMQ_DONTWAIT) >= 0) {
-            /* ZeroMQ delivers a multipart message whole; once the first frame is
-             * in, the second joins it. If it still fails the stream is torn. */
-            if (kvpi_pipe_zsend(p->data_push, length, 8, 0, p->opts.io_timeout_ms) >= 0) return 1;
-            atomic_store(&p->broken, 1);
-            *st = kvpi_pipe_zmq_fail(p, "send of the second announcement frame");
-            return -1;
+            const void *f[] = {length, tag};
+            size_t sz[] = {sizeof length, sizeof tag};
+            return push_rest(p, f, sz, seq ? 2 : 1, st);
         }
     }
     int err = zmq_errno();
@@ -334,7 +386,8 @@ static kvp_status post(kvp_pipe *p, outgoing *m, uint64_t deadline, int *as_inli
     for (int must_wait = 0;;) {
         if (must_wait && (st = wait_writable(p, deadline))) return st;
         pthread_mutex_lock(&p->push_lock);
-        int inl = inline_allowed(p, m->size);
+        int inl, tagged;
+        peer_terms(p, m->size, &inl, &tagged);
         if (inl ? !m->have_zmsg : !(m->h || m->buf)) {
             /* Made outside push_lock: a copy of up to the message's size. */
             pthread_mutex_unlock(&p->push_lock);
@@ -342,11 +395,12 @@ static kvp_status post(kvp_pipe *p, outgoing *m, uint64_t deadline, int *as_inli
             continue;
         }
         void *announced = inl ? NULL : (m->h ? m->h->buf : m->buf);
-        if ((st = queue_posting(p, announced, m->size))) {
+        uint64_t seq;
+        if ((st = queue_posting(p, announced, m->size, &seq))) {
             pthread_mutex_unlock(&p->push_lock);
             return st;
         }
-        int r = try_push(p, m, inl, &st);
+        int r = try_push(p, m, inl, tagged ? seq : 0, &st);
         pthread_mutex_unlock(&p->push_lock);
         if (r <= 0) {
             /* A stray ACK may have taken the entry: nothing of ours was freed

@@ -3,7 +3,15 @@
  * pipe's tensors and answers with malformed ACKs, an oversized frame, and a
  * flood of stray ACKs. Only a 3-byte "ACK" may free a buffer, the link must
  * survive the oversized frame, the in-flight count must stay exact, and the
- * log must stay short. */
+ * log must stay short.
+ *
+ * Tags (src/pipe/pipe_internal.h, "Tags"): a raw receiver that offers them
+ * gets tagged announcements and answers with tagged ACKs of another instance,
+ * of a message never sent, cumulative and repeated ones; a raw sender
+ * announces with the tag of another instance (as a dead predecessor's
+ * message left queued would be), its own, and none, to a real receiver. */
+#include "engine/engine_ext.h"
+#include "pipe/announce.h"
 #include "pipe_raw.h"
 
 typedef struct script {
@@ -175,8 +183,269 @@ static void test_malformed_oversized_and_stray_acks(void)
     kvp_engine_destroy(e);
 }
 
+/* ------------------------------------------------------------- tags --- */
+
+#define TAGGED 3
+
+static kvp_pipe_stats wait_stats(kvp_pipe *pipe, int (*done)(const kvp_pipe_stats *))
+{
+    kvp_pipe_stats s;
+    uint64_t deadline = kvpi_now_ms() + RAW_WAIT_MS;
+    do {
+        kvp_pipe_get_stats(pipe, &s);
+        if (done(&s)) break;
+        usleep(10000);
+    } while (kvpi_now_ms() < deadline);
+    return s;
+}
+
+static int negotiated(const kvp_pipe_stats *s)
+{
+    return s->peer_lookups >= 1;
+}
+
+static int two_bad(const kvp_pipe_stats *s)
+{
+    return s->bad_acks >= 2;
+}
+
+static int one_left(const kvp_pipe_stats *s)
+{
+    return s->inflight_count <= 1;
+}
+
+/* The real prefill pipe of the tagged-ACK script. */
+static void tagged_sender(kvp_pipe *pipe, void *arg)
+{
+    script *sc = arg;
+    /* Tags go once the negotiator read the peer's descriptor. */
+    kvp_pipe_stats s = wait_stats(pipe, negotiated);
+    CHECK(s.peer_lookups >= 1);
+    for (int i = 0; i < TAGGED; i++)
+        raw_send_good(pipe, i);
+    raw_step(&sc->to_peer, 'a');
+
+    /* Another instance's ACK and one of a message never sent free nothing. */
+    step_or_fail(&sc->to_pipe, 'b');
+    s = wait_stats(pipe, two_bad);
+    CHECK(s.bad_acks == 2 && s.acks == 0 && s.inflight_count == TAGGED);
+    raw_step(&sc->to_peer, 'c');
+
+    /* A tagged ACK frees every message up to its number. */
+    step_or_fail(&sc->to_pipe, 'd');
+    s = wait_stats(pipe, one_left);
+    CHECK(s.acks == 2 && s.inflight_count == 1);
+    raw_step(&sc->to_peer, 'e');
+
+    /* A repeated one frees nothing more; the last frees the last. */
+    step_or_fail(&sc->to_pipe, 'f');
+    CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
+    kvp_pipe_get_stats(pipe, &s);
+    CHECK(s.acks == TAGGED && s.bad_acks == 2 && s.inflight_count == 0);
+}
+
+/* Receive one message of up to 3 frames; returns the frame count (-1 on
+ * timeout) with each frame's size and its first 40 bytes. */
+static int recv_frames(void *z, uint8_t f[3][KVPI_TAG_LEN], size_t sz[3])
+{
+    int frames = 0, more;
+    do {
+        zmq_msg_t m;
+        zmq_msg_init(&m);
+        if (zmq_msg_recv(&m, z, 0) < 0) {
+            zmq_msg_close(&m);
+            return frames ? frames : -1;
+        }
+        if (frames < 3) {
+            sz[frames] = zmq_msg_size(&m);
+            memcpy(f[frames], zmq_msg_data(&m),
+                   sz[frames] < KVPI_TAG_LEN ? sz[frames] : KVPI_TAG_LEN);
+        }
+        frames++;
+        more = zmq_msg_more(&m);
+        zmq_msg_close(&m);
+    } while (more);
+    return frames;
+}
+
+static void send_tagged_ack(void *push, const char *instance, uint64_t seq)
+{
+    kvpi_msg_tag t = {.seq = seq};
+    memcpy(t.instance, instance, KVPI_TAG_INSTANCE_LEN);
+    uint8_t tag[KVPI_TAG_LEN];
+    kvpi_tag_encode(&t, tag);
+    const void *f[2] = {"ACK", tag};
+    size_t sz[2] = {3, sizeof tag};
+    CHECK(raw_send_frames(push, f, sz, 2) == 0);
+}
+
+/* The descriptor field of a pipe that reads tags and takes nothing inline. */
+static kvp_status tag_reader_engine(const raw_setup *s, int rank, kvp_engine **out)
+{
+    kvp_engine_opts eo;
+    kvp_engine_opts_init(&eo);
+    eo.local_server_name = s->side[rank].local_segment;
+    eo.metadata = "P2PHANDSHAKE";
+    eo.disable_shm = 1;
+    cJSON *fields = cJSON_Parse("{\"kvpipe_pipe\": {\"version\": 2, \"inline_max_bytes\": 0}}");
+    kvp_status st = kvpi_engine_create_with_fields(&eo, fields, out);
+    cJSON_Delete(fields);
+    return st;
+}
+
+static void test_tagged_acks(void)
+{
+    raw_setup s;
+    REQUIRE(raw_setup_init(&s) == 0);
+    script sc;
+    REQUIRE(raw_chan_init(&sc.to_peer) == 0 && raw_chan_init(&sc.to_pipe) == 0);
+    char err[128];
+    raw_err_path(err, sizeof err, "tag_prefill");
+    kvp_engine *e;
+    REQUIRE_OK(tag_reader_engine(&s, 1, &e));
+    pid_t prefill = raw_spawn_side(&s, 0, tagged_sender, &sc, err);
+    void *ctx = zmq_ctx_new();
+    void *pull = raw_socket(ctx, ZMQ_PULL), *push = raw_socket(ctx, ZMQ_PUSH);
+    REQUIRE(raw_connect(pull, s.side[0].data_port) == 0 && raw_bind(push, s.side[1].ack_port) == 0);
+
+    step_or_fail(&sc.to_peer, 'a');
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(e, s.side[0].local_segment, &seg));
+    cJSON *id = NULL;
+    REQUIRE_OK(kvpi_engine_lookup_field(e, s.side[0].local_segment, "kvpipe_instance", &id));
+    REQUIRE(cJSON_IsString(id) && strlen(id->valuestring) == KVPI_TAG_INSTANCE_LEN);
+    for (int i = 0; i < TAGGED; i++) {
+        uint8_t f[3][KVPI_TAG_LEN];
+        size_t sz[3];
+        int frames = recv_frames(pull, f, sz);
+        /* An announcement, then its tag: the prefill engine's instance, and
+         * the message's number from 1. */
+        CHECK(frames == 3 && sz[0] == 8 && sz[1] == 8 && sz[2] == KVPI_TAG_LEN);
+        if (frames != 3) break;
+        CHECK(memcmp(f[2], id->valuestring, KVPI_TAG_INSTANCE_LEN) == 0);
+        CHECK(kvpi_get_be64(f[2] + KVPI_TAG_INSTANCE_LEN) == (uint64_t)i + 1);
+        uint64_t addr = kvpi_get_be64(f[0]), len = kvpi_get_be64(f[1]);
+        void *buf;
+        REQUIRE_OK(kvp_engine_alloc(e, len, &buf));
+        CHECK_OK(kvp_engine_read(e, seg, buf, addr, len));
+        kvp_tensor t;
+        CHECK_OK(kvpi_safetensors_parse(buf, len, &t));
+        CHECK(raw_tensor_check(&t, i));
+        kvp_engine_free(e, buf);
+    }
+    char other[KVPI_TAG_INSTANCE_LEN + 1];
+    snprintf(other, sizeof other, "%s", id->valuestring);
+    other[0] = other[0] == 'a' ? 'b' : 'a';
+    send_tagged_ack(push, other, TAGGED);
+    send_tagged_ack(push, id->valuestring, 99);
+    raw_step(&sc.to_pipe, 'b');
+
+    step_or_fail(&sc.to_peer, 'c');
+    send_tagged_ack(push, id->valuestring, 2);
+    raw_step(&sc.to_pipe, 'd');
+
+    step_or_fail(&sc.to_peer, 'e');
+    send_tagged_ack(push, id->valuestring, 2);
+    send_tagged_ack(push, id->valuestring, 3);
+    raw_step(&sc.to_pipe, 'f');
+
+    int rc = kvpt_wait_child(prefill, RAW_SIDE_MS);
+    if (rc != 0) {
+        fprintf(stderr, "  prefill side exit %d; its stderr:\n", rc);
+        raw_show(err, "prefill");
+    }
+    CHECK(rc == 0);
+    unlink(err);
+    cJSON_Delete(id);
+    zmq_close(pull);
+    zmq_close(push);
+    zmq_ctx_term(ctx);
+    kvp_engine_destroy(e);
+}
+
+/* The real decode pipe of the stale-instance script: message 0 came from
+ * another instance than the prefill engine's, 1 and 2 are good. */
+static void stale_receiver(kvp_pipe *pipe, void *arg)
+{
+    (void)arg;
+    kvp_tensor *t = NULL;
+    kvp_status st = kvp_pipe_recv(pipe, RAW_WAIT_MS, &t);
+    CHECK(st == KVP_ECONNRESET && strstr(kvp_last_error(), "restarted"));
+    if (st != KVP_ECONNRESET) fprintf(stderr, "  recv: %s\n", kvp_last_error());
+    for (int i = 1; i <= 2; i++) {
+        t = NULL;
+        CHECK_OK(kvp_pipe_recv(pipe, RAW_WAIT_MS, &t));
+        CHECK(raw_tensor_check(t, i));
+        kvp_tensor_free(t);
+    }
+}
+
+static void test_stale_instance_announcement(void)
+{
+    raw_setup s;
+    REQUIRE(raw_setup_init(&s) == 0);
+    char err[128];
+    raw_err_path(err, sizeof err, "tag_decode");
+    kvp_engine *e;
+    REQUIRE_OK(raw_engine(&s, 0, &e));
+    void *ctx = zmq_ctx_new();
+    void *push = raw_socket(ctx, ZMQ_PUSH), *pull = raw_socket(ctx, ZMQ_PULL);
+    void *mon = raw_monitor(ctx, pull, "stale_ack");
+    REQUIRE(mon && raw_bind(push, s.side[0].data_port) == 0 &&
+            raw_connect(pull, s.side[1].ack_port) == 0);
+    pid_t decode = raw_spawn_side(&s, 1, stale_receiver, NULL, err);
+
+    const char *mine = kvpi_engine_instance(e);
+    char other[KVPI_TAG_INSTANCE_LEN + 1];
+    snprintf(other, sizeof other, "%s", mine);
+    other[0] = other[0] == 'a' ? 'b' : 'a';
+    /* One message at a time, with the ACK link up: each is answered alone
+     * (ACKs owed together would leave as the newest, which covers them). */
+    CHECK(raw_wait_event(mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, RAW_WAIT_MS) == 0);
+    for (int i = 0; i < 3; i++) {
+        void *buf;
+        size_t len;
+        REQUIRE_OK(raw_message(e, i, &buf, &len));
+        uint8_t a[8], l[8], tag[KVPI_TAG_LEN];
+        kvpi_put_be64(a, (uint64_t)(uintptr_t)buf);
+        kvpi_put_be64(l, len);
+        kvpi_msg_tag t = {.seq = (uint64_t)i + 1};
+        memcpy(t.instance, i == 0 ? other : mine, KVPI_TAG_INSTANCE_LEN);
+        kvpi_tag_encode(&t, tag);
+        const void *f[3] = {a, l, tag};
+        size_t sz[3] = {8, 8, sizeof tag};
+        /* The last one untagged: MooncakePipe's wire still works. */
+        CHECK(raw_send_frames(push, f, sz, i == 2 ? 2 : 3) == 0);
+        /* Answered with a tagged ACK echoing its tag, the untagged one
+         * plainly. */
+        uint8_t ack[3][KVPI_TAG_LEN];
+        size_t asz[3];
+        int frames = recv_frames(pull, ack, asz);
+        int want = i == 2 ? 1 : 2;
+        CHECK(frames == want && asz[0] == 3 && memcmp(ack[0], "ACK", 3) == 0);
+        if (frames != 2 || want != 2) continue;
+        CHECK(asz[1] == KVPI_TAG_LEN &&
+              memcmp(ack[1], i == 0 ? other : mine, KVPI_TAG_INSTANCE_LEN) == 0 &&
+              kvpi_get_be64(ack[1] + KVPI_TAG_INSTANCE_LEN) == (uint64_t)i + 1);
+    }
+    int rc = kvpt_wait_child(decode, RAW_SIDE_MS);
+    if (rc != 0) {
+        fprintf(stderr, "  decode side exit %d; its stderr:\n", rc);
+        raw_show(err, "decode");
+    }
+    CHECK(rc == 0);
+    unlink(err);
+    zmq_close(mon);
+    zmq_close(pull);
+    zmq_close(push);
+    zmq_ctx_term(ctx);
+    kvp_engine_destroy(e);
+}
+
 int main(void)
 {
     RUN_T(test_malformed_oversized_and_stray_acks, 240);
+    RUN_T(test_tagged_acks, 120);
+    RUN_T(test_stale_instance_announcement, 120);
     return kvpt_summary();
 }
