@@ -301,9 +301,10 @@ static void test_tagged_acks(void)
     REQUIRE(raw_chan_init(&sc.to_peer) == 0 && raw_chan_init(&sc.to_pipe) == 0);
     char err[128];
     raw_err_path(err, sizeof err, "tag_prefill");
+    /* The child first: it must not inherit this process's engine or sockets. */
+    pid_t prefill = raw_spawn_side(&s, 0, tagged_sender, &sc, err);
     kvp_engine *e;
     REQUIRE_OK(tag_reader_engine(&s, 1, &e));
-    pid_t prefill = raw_spawn_side(&s, 0, tagged_sender, &sc, err);
     void *ctx = zmq_ctx_new();
     void *pull = raw_socket(ctx, ZMQ_PULL), *push = raw_socket(ctx, ZMQ_PUSH);
     REQUIRE(raw_connect(pull, s.side[0].data_port) == 0 && raw_bind(push, s.side[1].ack_port) == 0);
@@ -386,6 +387,8 @@ static void test_stale_instance_announcement(void)
     REQUIRE(raw_setup_init(&s) == 0);
     char err[128];
     raw_err_path(err, sizeof err, "tag_decode");
+    /* The child first: it must not inherit this process's engine or sockets. */
+    pid_t decode = raw_spawn_side(&s, 1, stale_receiver, NULL, err);
     kvp_engine *e;
     REQUIRE_OK(raw_engine(&s, 0, &e));
     void *ctx = zmq_ctx_new();
@@ -393,7 +396,6 @@ static void test_stale_instance_announcement(void)
     void *mon = raw_monitor(ctx, pull, "stale_ack");
     REQUIRE(mon && raw_bind(push, s.side[0].data_port) == 0 &&
             raw_connect(pull, s.side[1].ack_port) == 0);
-    pid_t decode = raw_spawn_side(&s, 1, stale_receiver, NULL, err);
 
     const char *mine = kvpi_engine_instance(e);
     char other[KVPI_TAG_INSTANCE_LEN + 1];
