@@ -8,15 +8,27 @@
  * kvpipe through KVPIPE_LIBCUDA. A forked child gets a fresh device (its own
  * memfd) at its first call.
  *
+ * CUDA IPC: a handle (cuIpcGetMemHandle of an allocation's base) holds the
+ * exporter's pid, its memfd's descriptor number, the allocation's offset,
+ * length and device; cuIpcOpenMemHandle in another process of the same user
+ * opens /proc/<pid>/fd/<fd> and maps that range twice, as the device memory
+ * above (a PROT_NONE view it hands out, a read-write one for its copies). As
+ * the real driver, it refuses a handle of its own process.
+ *
  * Knobs: FAKECUDA_DEVICES (default 2), FAKECUDA_INIT_FAIL=1 (cuInit fails
  * with CUDA_ERROR_NO_DEVICE), FAKECUDA_FAIL_COPY=N (the Nth copy of this
  * process fails with CUDA_ERROR_ILLEGAL_ADDRESS; fakecuda_fail_copy() sets it
- * at run time). Test helpers (not driver API): fakecuda_peek/poke read and
- * write device memory without counting as copies; fakecuda_copies() counts. */
+ * at run time), FAKECUDA_IPC_REFUSE=1 (cuIpcOpenMemHandle fails with
+ * CUDA_ERROR_NOT_SUPPORTED, as across containers or on MIG). Test helpers
+ * (not driver API): fakecuda_peek/poke read and write device memory without
+ * counting as copies; fakecuda_copies() counts every copy,
+ * fakecuda_ipc_copies() those to or from memory opened by IPC. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
+#include <fcntl.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -29,6 +41,17 @@ typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
 typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
+typedef struct {
+    char reserved[64];
+} CUipcMemHandle;
+
+/* What this double puts in a handle. */
+typedef struct ipc_handle {
+    uint32_t magic;
+    int32_t pid, fd, device;
+    uint64_t off, len;
+} ipc_handle;
+#define IPC_MAGIC 0x46434950u
 
 #define API __attribute__((visibility("default")))
 #define OK 0
@@ -39,6 +62,7 @@ typedef struct CUstream_st *CUstream;
 #define E_INVALID_CONTEXT 201
 #define E_INVALID_HANDLE 400
 #define E_ILLEGAL_ADDRESS 700
+#define E_NOT_SUPPORTED 801
 
 #define ARENA ((size_t)1 << 30)
 #define MAX_ALLOCS 1024
@@ -70,11 +94,18 @@ static struct {
         size_t len;
     } hosts[MAX_ALLOCS];
     int n_hosts;
+    int fd; /* the memfd, for importers */
+    struct {
+        char *none, *rw; /* the views of another process's allocation */
+        size_t len;
+        size_t skip; /* from the page the views start at to the allocation */
+    } imports[MAX_ALLOCS];
+    int n_imports;
 } S;
 static struct CUctx_st ctxs[MAX_DEV];
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static __thread CUcontext current;
-static atomic_long copies, fail_at;
+static atomic_long copies, ipc_copies, fail_at;
 
 static void fresh(void)
 {
@@ -82,6 +113,7 @@ static void fresh(void)
     memset(&S, 0, sizeof S);
     S.pid = getpid();
     atomic_store(&copies, 0);
+    atomic_store(&ipc_copies, 0);
     const char *f = getenv("FAKECUDA_FAIL_COPY");
     atomic_store(&fail_at, f ? atol(f) : 0);
 }
@@ -108,7 +140,10 @@ API CUresult cuInit(unsigned flags)
             r = S.none == MAP_FAILED || S.rw == MAP_FAILED ? E_NO_DEVICE : OK;
             S.inited = r == OK;
         }
-        if (fd >= 0) close(fd);
+        if (r == OK)
+            S.fd = fd;
+        else if (fd >= 0)
+            close(fd);
         for (int i = 0; i < MAX_DEV; i++)
             ctxs[i].device = i;
     }
@@ -142,6 +177,9 @@ API CUresult cuGetErrorString(CUresult r, const char **s)
         break;
     case E_ILLEGAL_ADDRESS:
         *s = "an illegal memory access was encountered";
+        break;
+    case E_NOT_SUPPORTED:
+        *s = "operation not supported";
         break;
     default:
         *s = NULL;
@@ -351,6 +389,133 @@ API CUresult cuMemFreeHost(void *p)
     return OK;
 }
 
+API CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p)
+{
+    if (!ready()) return E_NOT_INITIALIZED;
+    if (!current) return E_INVALID_CONTEXT;
+    pthread_mutex_lock(&lock);
+    int a = alloc_of(p, 1);
+    if (a >= 0) {
+        *base = (CUdeviceptr)(uintptr_t)(S.none + S.allocs[a].off);
+        *size = S.allocs[a].len;
+    }
+    pthread_mutex_unlock(&lock);
+    return a >= 0 ? OK : E_INVALID_VALUE;
+}
+
+API CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr p)
+{
+    if (!ready()) return E_NOT_INITIALIZED;
+    if (!current) return E_INVALID_CONTEXT;
+    pthread_mutex_lock(&lock);
+    int a = alloc_of(p, 1);
+    int base = a >= 0 && (size_t)(p - (uintptr_t)S.none) == S.allocs[a].off;
+    ipc_handle ih = {IPC_MAGIC,
+                     (int32_t)getpid(),
+                     S.fd,
+                     a >= 0 ? S.allocs[a].device : 0,
+                     a >= 0 ? S.allocs[a].off : 0,
+                     a >= 0 ? S.allocs[a].len : 0};
+    pthread_mutex_unlock(&lock);
+    if (!base) return E_INVALID_VALUE; /* the base of an allocation only */
+    memset(h, 0, sizeof *h);
+    memcpy(h->reserved, &ih, sizeof ih);
+    return OK;
+}
+
+API CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned flags)
+{
+    (void)flags;
+    if (!ready()) return E_NOT_INITIALIZED;
+    if (!current) return E_INVALID_CONTEXT;
+    const char *refuse = getenv("FAKECUDA_IPC_REFUSE");
+    if (refuse && strcmp(refuse, "1") == 0) return E_NOT_SUPPORTED;
+    ipc_handle ih;
+    memcpy(&ih, h.reserved, sizeof ih);
+    if (ih.magic != IPC_MAGIC || ih.len == 0) return E_INVALID_VALUE;
+    if (ih.pid == (int32_t)getpid()) return E_INVALID_CONTEXT; /* its own memory */
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)ih.pid, (int)ih.fd);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) return E_INVALID_HANDLE;
+    size_t skip = ih.off % 4096, len = skip + ih.len; /* offsets of mmap are whole pages */
+    off_t at = (off_t)(ih.off - skip);
+    char *none = mmap(NULL, len, PROT_NONE, MAP_SHARED, fd, at);
+    char *rw = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, at);
+    close(fd);
+    pthread_mutex_lock(&lock);
+    CUresult r = OK;
+    if (none == MAP_FAILED || rw == MAP_FAILED || S.n_imports == MAX_ALLOCS) {
+        r = E_INVALID_HANDLE;
+    } else {
+        S.imports[S.n_imports].none = none + skip;
+        S.imports[S.n_imports].rw = rw + skip;
+        S.imports[S.n_imports].len = ih.len;
+        S.imports[S.n_imports++].skip = skip;
+        *p = (CUdeviceptr)(uintptr_t)(none + skip);
+    }
+    pthread_mutex_unlock(&lock);
+    if (r != OK) {
+        if (none != MAP_FAILED) munmap(none, len);
+        if (rw != MAP_FAILED) munmap(rw, len);
+    }
+    return r;
+}
+
+API CUresult cuIpcCloseMemHandle(CUdeviceptr p)
+{
+    pthread_mutex_lock(&lock);
+    int i = 0;
+    while (i < S.n_imports && (uintptr_t)S.imports[i].none != p)
+        i++;
+    int found = i < S.n_imports;
+    if (found) {
+        size_t skip = S.imports[i].skip;
+        munmap(S.imports[i].none - skip, skip + S.imports[i].len);
+        munmap(S.imports[i].rw - skip, skip + S.imports[i].len);
+        S.imports[i] = S.imports[--S.n_imports];
+    }
+    pthread_mutex_unlock(&lock);
+    return found ? OK : E_INVALID_VALUE;
+}
+
+/* The read-write view of [p, p+n) when it is device memory (of this process,
+ * or opened by IPC: *imported), else NULL (host memory). *bad when the range
+ * starts in device memory and leaves its allocation. Under the lock. */
+static char *device_view(CUdeviceptr p, size_t n, int *imported, int *bad)
+{
+    int a = alloc_of(p, n);
+    if (a >= 0) return S.rw + (p - (uintptr_t)S.none);
+    if (alloc_of(p, 1) >= 0) *bad = 1;
+    for (int i = 0; i < S.n_imports; i++) {
+        uintptr_t base = (uintptr_t)S.imports[i].none;
+        if (p < base || p >= base + S.imports[i].len) continue;
+        if (p - base + n > S.imports[i].len) *bad = 1;
+        *imported = 1;
+        return S.imports[i].rw + (p - base);
+    }
+    return NULL;
+}
+
+/* The unified copy: the direction from the pointers, as with unified
+ * addressing; host to host is not a copy kvpipe makes, so refused. */
+API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s)
+{
+    if (!ready()) return E_NOT_INITIALIZED;
+    if (!current) return E_INVALID_CONTEXT;
+    if (s && (s->magic != STREAM_MAGIC || s->ctx != current)) return E_INVALID_HANDLE;
+    long k = atomic_fetch_add(&copies, 1) + 1;
+    if (atomic_load(&fail_at) == k) return E_ILLEGAL_ADDRESS;
+    int imported = 0, bad = 0;
+    pthread_mutex_lock(&lock);
+    char *d = device_view(dst, n, &imported, &bad), *sr = device_view(src, n, &imported, &bad);
+    pthread_mutex_unlock(&lock);
+    if (bad || (!d && !sr)) return E_INVALID_VALUE;
+    if (imported) atomic_fetch_add(&ipc_copies, 1);
+    memcpy(d ? d : (char *)(uintptr_t)dst, sr ? sr : (const char *)(uintptr_t)src, n);
+    return OK;
+}
+
 /* ---- test helpers, not driver API ---- */
 
 /* Allocate n bytes of device memory on device (a context made current). */
@@ -395,4 +560,9 @@ API void fakecuda_fail_copy(long n)
 API long fakecuda_copies(void)
 {
     return atomic_load(&copies);
+}
+
+API long fakecuda_ipc_copies(void)
+{
+    return atomic_load(&ipc_copies);
 }
