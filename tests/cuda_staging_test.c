@@ -1,9 +1,12 @@
 /* Device (CUDA) memory through the tcp and shm transports, on the driver's
  * test double (tests/support/fake_cuda: device memory the CPU cannot touch,
- * so any CPU access by kvpipe to it crashes the case). Multi-process: the
- * target engine runs in a forked child with its own "device"; it checks what
- * the initiator WROTE into its memory itself, through the double's copies,
- * and exits with the verdict. */
+ * so any CPU access by kvpipe to it crashes the case): staged through bounce
+ * buffers, and over shm by CUDA IPC (the ipc_ cases; the shm_ cases have the
+ * double refuse IPC, as across containers, so they run the staged
+ * fallback). Multi-process: the target engine runs in a forked child with its
+ * own "device"; it checks what the initiator WROTE into its memory itself,
+ * through the double's copies, and how many copies it made, and exits with
+ * the verdict. */
 #include <dlfcn.h>
 #include <signal.h>
 #include <stdio.h>
@@ -30,6 +33,7 @@ static int (*fc_peek)(void *, const void *, size_t);
 static int (*fc_poke)(void *, const void *, size_t);
 static void (*fc_fail_copy)(long);
 static long (*fc_copies)(void);
+static long (*fc_ipc_copies)(void);
 
 static void load_double(void)
 {
@@ -43,6 +47,7 @@ static void load_double(void)
     *(void **)&fc_poke = dlsym(lib, "fakecuda_poke");
     *(void **)&fc_fail_copy = dlsym(lib, "fakecuda_fail_copy");
     *(void **)&fc_copies = dlsym(lib, "fakecuda_copies");
+    *(void **)&fc_ipc_copies = dlsym(lib, "fakecuda_ipc_copies");
 }
 
 static kvp_engine *engine(const char *name, const char *protocol)
@@ -106,6 +111,7 @@ typedef struct target {
 
 typedef struct verdict {
     uint64_t off, len, seed; /* [off, +len) must hold seed's pattern (its first len bytes) */
+    int copies;              /* the target's own copies: 0 none, 1 some, -1 either */
 } verdict;
 
 /* The child: its engine, its memory (pattern SEED_TARGET), registered with
@@ -124,10 +130,15 @@ static void target_main(const char *proto, int device, int ready, int ctl, const
     }
     uint64_t addr = (uint64_t)(uintptr_t)mem;
     if (write(ready, &addr, sizeof addr) != sizeof addr) _exit(6);
-    verdict v = {0, 0, 0};
+    verdict v = {0, 0, 0, -1};
     ssize_t n = read(ctl, &v, sizeof v);
     kvp_engine_destroy(e);
     if (n != sizeof v) _exit(0); /* nothing to check */
+    long copies = fc_copies();
+    if (v.copies >= 0 && (copies > 0) != v.copies) {
+        fprintf(stderr, "  the target made %ld copies\n", copies);
+        _exit(11);
+    }
     int ok = holds(device, mem, v.off, v.len, v.seed, 0) &&
              holds(device, mem, 0, v.off, SEED_TARGET, 0) &&
              holds(device, mem, v.off + v.len, TLEN - v.off - v.len, SEED_TARGET, v.off + v.len);
@@ -162,8 +173,8 @@ static int target_start(const char *proto, int device, long fail_copy, target *t
     return n == sizeof t->addr ? 0 : -1;
 }
 
-/* The child's exit status (0: its memory is as expected; 128+11: it
- * crashed, as a CPU access to device memory does). */
+/* The child's exit status (0: its memory is as expected; 11: not the copies
+ * expected; 128+11: it crashed, as a CPU access to device memory does). */
 static int target_stop(target *t, const verdict *v)
 {
     int sent = !v || write(t->ctl, v, sizeof *v) == sizeof *v;
@@ -175,10 +186,17 @@ static int target_stop(target *t, const verdict *v)
 
 /* ------------------------------------------------------------- transfers --- */
 
+/* How device memory must move over shm: staged through bounce buffers, the
+ * double refusing CUDA IPC (as across containers or on MIG); or by CUDA IPC,
+ * the initiator's copies only. (tcp always stages.) */
+enum path { STAGED, IPC };
+
 /* READ [READ_OFF, +XLEN) of the target into local memory and WRITE pattern
- * SEED_WRITE to [WRITE_OFF, +XLEN); every byte checked on both sides. */
-static void round_trip(const char *proto, int local_dev, int target_dev)
+ * SEED_WRITE to [WRITE_OFF, +XLEN); every byte checked on both sides, and
+ * the copies of each side counted. */
+static void round_trip(const char *proto, int local_dev, int target_dev, enum path path)
 {
+    if (path == STAGED) setenv("FAKECUDA_IPC_REFUSE", "1", 1);
     target t;
     REQUIRE(target_start(proto, target_dev, 0, &t) == 0);
     char name[64];
@@ -191,47 +209,66 @@ static void round_trip(const char *proto, int local_dev, int target_dev)
     /* The KV cache is registered, as vLLM and SGLang do: classified once. */
     CHECK_OK(kvp_engine_register(e, in, XLEN));
     CHECK_OK(kvp_engine_register(e, out, XLEN));
+    /* Host memory goes through IPC in a process that uses the driver anyway
+     * (one with device memory of its own). */
+    if (path == IPC && !local_dev) CHECK_OK(kvp_engine_register(e, fc_alloc(0, 4096), 4096));
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
-    long before = local_dev ? fc_copies() : 0;
+    long before = fc_copies(), ipc_before = fc_ipc_copies();
     CHECK_OK(kvp_engine_read(e, seg, in, t.addr + READ_OFF, XLEN));
     CHECK(holds(local_dev, in, 0, XLEN, SEED_TARGET, READ_OFF));
     CHECK_OK(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN));
-    /* Device memory moved through the driver's copies: a bounce buffer
-     * (KVPIPE_CUDA_BOUNCE_BYTES, 64 KiB here) at a time, each way. */
-    if (local_dev) CHECK(fc_copies() - before >= (long)(2 * XLEN / 65536));
+    long copies = fc_copies() - before, ipc = fc_ipc_copies() - ipc_before;
+    if (path == IPC) {
+        /* Every copy of ours one through IPC (none into a bounce buffer), at
+         * least one each way; the target made none. */
+        CHECK(ipc >= 2 && copies == ipc);
+    } else {
+        CHECK(ipc == 0);
+        /* Device memory moved through the driver's copies: a bounce buffer
+         * (KVPIPE_CUDA_BOUNCE_BYTES, 64 KiB here) at a time, each way. */
+        if (local_dev) CHECK(copies >= (long)(2 * XLEN / 65536));
+    }
     kvp_engine_destroy(e);
     if (!local_dev) { /* device memory is the double's bump allocator's */
         free(in);
         free(out);
     }
-    verdict v = {WRITE_OFF, XLEN, SEED_WRITE};
+    verdict v = {WRITE_OFF, XLEN, SEED_WRITE, path == IPC ? 0 : target_dev ? 1 : -1};
     CHECK(target_stop(&t, &v) == 0);
 }
 
 static void tcp_initiator_device(void)
 {
-    round_trip("tcp", 1, 0);
+    round_trip("tcp", 1, 0, STAGED);
 }
 static void tcp_target_device(void)
 {
-    round_trip("tcp", 0, 1);
+    round_trip("tcp", 0, 1, STAGED);
 }
 static void tcp_both_device(void)
 {
-    round_trip("tcp", 1, 1);
+    round_trip("tcp", 1, 1, STAGED);
 }
 static void shm_initiator_device(void)
 {
-    round_trip("shm", 1, 0);
+    round_trip("shm", 1, 0, STAGED);
 }
 static void shm_target_device(void)
 {
-    round_trip("shm", 0, 1);
+    round_trip("shm", 0, 1, STAGED);
 }
 static void shm_both_device(void)
 {
-    round_trip("shm", 1, 1);
+    round_trip("shm", 1, 1, STAGED);
+}
+static void ipc_both_device(void)
+{
+    round_trip("shm", 1, 1, IPC);
+}
+static void ipc_target_device(void)
+{
+    round_trip("shm", 0, 1, IPC);
 }
 
 /* ucx moves host memory only: an engine on rdma moves device memory over tcp
@@ -239,7 +276,7 @@ static void shm_both_device(void)
 static void rdma_device_over_tcp(void)
 {
     if (!kvpi_transport_lookup("rdma")) SKIP("no ucx transport in this build");
-    round_trip("rdma", 1, 1);
+    round_trip("rdma", 1, 1, STAGED);
 }
 
 /* A batch of many small requests on device memory: grouped into xfers of
@@ -270,7 +307,7 @@ static void tcp_batch_device(void)
     CHECK_OK(kvp_batch_wait(b, 30000));
     kvp_batch_free(b);
     kvp_engine_destroy(e);
-    verdict v = {WRITE_OFF, each * N, SEED_WRITE};
+    verdict v = {WRITE_OFF, each * N, SEED_WRITE, -1};
     CHECK(target_stop(&t, &v) == 0);
 }
 
@@ -367,7 +404,7 @@ static void copy_fails_initiator(const char *proto)
     CHECK(holds(1, in, 0, XLEN, SEED_TARGET, READ_OFF));
     CHECK_OK(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN));
     kvp_engine_destroy(e);
-    verdict v = {WRITE_OFF, XLEN, SEED_WRITE};
+    verdict v = {WRITE_OFF, XLEN, SEED_WRITE, -1};
     CHECK(target_stop(&t, &v) == 0);
 }
 
@@ -400,7 +437,7 @@ static void copy_fails_target(const char *proto)
     CHECK(holds(0, in, 0, XLEN, SEED_TARGET, READ_OFF));
     CHECK_OK(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN));
     kvp_engine_destroy(e);
-    verdict v = {WRITE_OFF, XLEN, SEED_WRITE};
+    verdict v = {WRITE_OFF, XLEN, SEED_WRITE, -1};
     CHECK(target_stop(&t, &v) == 0);
     free(in);
     free(out);
@@ -426,9 +463,44 @@ static void copy_fails_target_write(const char *proto)
             st ? ": " : "", st ? kvp_last_error() : "");
     CHECK_OK(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN));
     kvp_engine_destroy(e);
-    verdict v = {WRITE_OFF, XLEN, SEED_WRITE};
+    verdict v = {WRITE_OFF, XLEN, SEED_WRITE, -1};
     CHECK(target_stop(&t, &v) == 0);
     free(out);
+}
+
+/* A copy through CUDA IPC fails (the initiator's next copy, of a WRITE and
+ * then of a READ): KVP_EIO with the driver's message; then the same
+ * transfers succeed, every byte right, the target having copied nothing. */
+static void ipc_copy_fails(void)
+{
+    target t;
+    REQUIRE(target_start("shm", 1, 0, &t) == 0);
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
+    kvp_engine *e = engine(name, "shm");
+    REQUIRE(e);
+    void *in = memory(1, XLEN, 99);
+    void *out = memory(1, XLEN, SEED_WRITE);
+    REQUIRE(in && out);
+    CHECK_OK(kvp_engine_register(e, in, XLEN));
+    CHECK_OK(kvp_engine_register(e, out, XLEN));
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
+    long ipc_before = fc_ipc_copies();
+    fc_fail_copy(1);
+    CHECK_ST(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN), KVP_EIO);
+    CHECK(strstr(kvp_last_error(), "through CUDA IPC failed") != NULL);
+    CHECK(strstr(kvp_last_error(), "illegal memory access") != NULL);
+    fc_fail_copy(1);
+    CHECK_ST(kvp_engine_read(e, seg, in, t.addr + READ_OFF, XLEN), KVP_EIO);
+    CHECK(strstr(kvp_last_error(), "through CUDA IPC failed") != NULL);
+    CHECK_OK(kvp_engine_read(e, seg, in, t.addr + READ_OFF, XLEN));
+    CHECK(holds(1, in, 0, XLEN, SEED_TARGET, READ_OFF));
+    CHECK_OK(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN));
+    CHECK(fc_ipc_copies() - ipc_before >= 2);
+    kvp_engine_destroy(e);
+    verdict v = {WRITE_OFF, XLEN, SEED_WRITE, 0};
+    CHECK(target_stop(&t, &v) == 0);
 }
 
 static void tcp_copy_fails_target_write(void)
@@ -473,5 +545,8 @@ int main(void)
     RUN(shm_copy_fails_target);
     RUN(tcp_copy_fails_target_write);
     RUN(shm_copy_fails_target_write);
+    RUN(ipc_both_device);
+    RUN(ipc_target_device);
+    RUN(ipc_copy_fails);
     return kvpt_summary();
 }

@@ -1,8 +1,9 @@
 /* The CUDA driver API through dlopen (see cuda.h). The types and entry points
  * are declared from NVIDIA's driver API reference (cuda.h of the toolkit is
  * not needed to build): handles are opaque pointers, CUdeviceptr is a 64-bit
- * integer, and the copy and stream-destroy entry points are resolved under
- * their _v2 names, the ones the toolkit's header maps the plain names to. */
+ * integer, and the copy, stream-destroy, address-range and IPC-open entry
+ * points are resolved under their _v2 names, the ones the toolkit's header
+ * maps the plain names to. */
 #include "gpu/cuda.h"
 
 #include <dlfcn.h> /* in libc since glibc 2.34: no -ldl */
@@ -21,6 +22,9 @@ typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
 typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
+typedef struct CUipcMemHandle {
+    char reserved[KVPI_CUDA_IPC_HANDLE_LEN]; /* CU_IPC_HANDLE_SIZE */
+} CUipcMemHandle;
 
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_INVALID_VALUE 1
@@ -33,6 +37,7 @@ typedef struct CUstream_st *CUstream;
 #define CU_MEMORYTYPE_UNIFIED 4
 #define CU_STREAM_NON_BLOCKING 0x1
 #define CU_MEMHOSTALLOC_PORTABLE 0x1
+#define CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 0x1
 
 /* The primary contexts kvpipe retains (never released: they live as long as
  * the process, as the CUDA runtime's do). */
@@ -56,6 +61,11 @@ static struct {
     CUresult (*host_free)(void *);
     CUresult (*mem_alloc)(CUdeviceptr *, size_t);
     CUresult (*mem_free)(CUdeviceptr);
+    CUresult (*copy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+    CUresult (*address_range)(CUdeviceptr *, size_t *, CUdeviceptr);
+    CUresult (*ipc_get)(CUipcMemHandle *, CUdeviceptr);
+    CUresult (*ipc_open)(CUdeviceptr *, CUipcMemHandle, unsigned);
+    CUresult (*ipc_close)(CUdeviceptr);
     CUresult (*error_string)(CUresult, const char **);
 } cu;
 
@@ -121,6 +131,11 @@ static void load(void)
     RESOLVE(lib, host_free, "cuMemFreeHost");
     RESOLVE(lib, mem_alloc, "cuMemAlloc_v2");
     RESOLVE(lib, mem_free, "cuMemFree_v2");
+    RESOLVE(lib, copy_async, "cuMemcpyAsync");
+    RESOLVE(lib, address_range, "cuMemGetAddressRange_v2");
+    RESOLVE(lib, ipc_get, "cuIpcGetMemHandle");
+    RESOLVE(lib, ipc_open, "cuIpcOpenMemHandle_v2");
+    RESOLVE(lib, ipc_close, "cuIpcCloseMemHandle");
     CUresult r = cu.init(0);
     if (r != CUDA_SUCCESS) {
         snprintf(load_error, sizeof load_error, "CUDA: cuInit failed (%s): %s", path, err_name(r));
@@ -378,4 +393,77 @@ void kvpi_cuda_mem_free(int device, void *p)
     if (ctx_push(ctx, &saved) != CUDA_SUCCESS) return;
     cu.mem_free((CUdeviceptr)(uintptr_t)p);
     ctx_pop(ctx, saved);
+}
+
+kvp_status kvpi_cuda_ipc_export(int device, const void *p, uint64_t *base, uint64_t *size,
+                                unsigned char handle[KVPI_CUDA_IPC_HANDLE_LEN])
+{
+    kvp_status st = kvpi_cuda_load();
+    CUcontext ctx = NULL, saved = NULL;
+    if (st || (st = primary_ctx(device, &ctx))) return st;
+    CUdeviceptr b = 0;
+    size_t n = 0;
+    CUipcMemHandle h;
+    CUresult r = ctx_push(ctx, &saved);
+    if (r == CUDA_SUCCESS) {
+        r = cu.address_range(&b, &n, (CUdeviceptr)(uintptr_t)p);
+        if (r == CUDA_SUCCESS) r = cu.ipc_get(&h, b);
+        ctx_pop(ctx, saved);
+    }
+    if (r != CUDA_SUCCESS)
+        return kvpi_error(KVP_ENOTSUP,
+                          "CUDA: device %d: no IPC handle for the allocation of %p: %s", device, p,
+                          err_name(r));
+    *base = b;
+    *size = n;
+    memcpy(handle, h.reserved, sizeof h.reserved);
+    return KVP_OK;
+}
+
+kvp_status kvpi_cuda_ipc_open(int device, const unsigned char handle[KVPI_CUDA_IPC_HANDLE_LEN],
+                              void **mapped)
+{
+    kvp_status st = kvpi_cuda_load();
+    CUcontext ctx = NULL, saved = NULL;
+    if (st || (st = primary_ctx(device, &ctx))) return st;
+    CUipcMemHandle h;
+    memcpy(h.reserved, handle, sizeof h.reserved);
+    CUdeviceptr p = 0;
+    CUresult r = ctx_push(ctx, &saved);
+    if (r == CUDA_SUCCESS) {
+        r = cu.ipc_open(&p, h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+        ctx_pop(ctx, saved);
+    }
+    if (r != CUDA_SUCCESS)
+        return kvpi_error(KVP_ENOTSUP, "CUDA: device %d: cuIpcOpenMemHandle refused: %s", device,
+                          err_name(r));
+    *mapped = (void *)(uintptr_t)p;
+    return KVP_OK;
+}
+
+void kvpi_cuda_ipc_close(int device, void *mapped)
+{
+    CUcontext ctx = NULL, saved = NULL;
+    if (!mapped || !kvpi_cuda_active() || primary_ctx(device, &ctx)) return;
+    if (ctx_push(ctx, &saved) != CUDA_SUCCESS) return;
+    cu.ipc_close((CUdeviceptr)(uintptr_t)mapped);
+    ctx_pop(ctx, saved);
+}
+
+kvp_status kvpi_cuda_copy_ipc(int device, void *dst, const void *src, size_t n)
+{
+    kvp_status st = kvpi_cuda_load();
+    CUcontext ctx = NULL, saved = NULL;
+    if (st || (st = primary_ctx(device, &ctx))) return st;
+    CUresult r = ctx_push(ctx, &saved);
+    if (r == CUDA_SUCCESS) {
+        /* A device-to-device cuMemcpy may return before it is done: wait. */
+        r = cu.copy_async((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src, n, NULL);
+        if (r == CUDA_SUCCESS) r = cu.stream_sync(NULL);
+        ctx_pop(ctx, saved);
+    }
+    if (r != CUDA_SUCCESS)
+        return kvpi_error(KVP_EIO, "CUDA: device %d: copy of %zu bytes through CUDA IPC failed: %s",
+                          device, n, err_name(r));
+    return KVP_OK;
 }

@@ -17,6 +17,7 @@
 #define KVPI_GPU_CUDA_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "kvpipe/status.h"
 
@@ -78,5 +79,32 @@ void kvpi_cuda_mem_free(int device, void *p);
 /* Pinned, portable host memory (cuMemHostAlloc), and its free. */
 kvp_status kvpi_cuda_host_alloc(size_t n, void **out);
 void kvpi_cuda_host_free(void *p);
+
+/* CUDA IPC: device memory of one process reached by another on the same
+ * host. An IPC handle names a whole allocation (cuMemAlloc), so the
+ * exporter gives out the allocation that holds p: its base and size
+ * (cuMemGetAddressRange) and its handle (cuIpcGetMemHandle), in device's
+ * primary context. KVP_ENOTSUP with the driver's reason when it cannot
+ * (memory of cuMemCreate, as PyTorch's expandable segments are). */
+#define KVPI_CUDA_IPC_HANDLE_LEN 64
+kvp_status kvpi_cuda_ipc_export(int device, const void *p, uint64_t *base, uint64_t *size,
+                                unsigned char handle[KVPI_CUDA_IPC_HANDLE_LEN]);
+
+/* The importer maps a handle into device's primary context
+ * (cuIpcOpenMemHandle, peer access enabled lazily): *mapped is the
+ * allocation's base here, device memory. KVP_ENOTSUP with the driver's
+ * reason when it refuses (another container, MIG, a handle of this very
+ * process). kvpi_cuda_ipc_close unmaps it (cuIpcCloseMemHandle). */
+kvp_status kvpi_cuda_ipc_open(int device, const unsigned char handle[KVPI_CUDA_IPC_HANDLE_LEN],
+                              void **mapped);
+void kvpi_cuda_ipc_close(int device, void *mapped);
+
+/* Copy n bytes from src to dst, one of them memory mapped by
+ * kvpi_cuda_ipc_open, the other device memory (of any device) or host
+ * memory, in device's primary context on the legacy default stream
+ * (cuMemcpyAsync: the driver infers the direction), and wait for it.
+ * KVP_EIO with the driver's error string on failure (then dst's bytes are
+ * unspecified). */
+kvp_status kvpi_cuda_copy_ipc(int device, void *dst, const void *src, size_t n);
 
 #endif

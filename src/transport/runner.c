@@ -39,9 +39,11 @@ static kvp_status run_fn(kvpi_xfer *x)
     for (size_t i = 0; i < x->n; i++) bytes += x->slices[i]->length;
     uint64_t start = kvpi_now_ns();
     /* A transport's function sets every slice; one it left unset failed
-     * with the call. Device memory goes through bounce buffers on the way. */
-    return kvpi_stage_run(x->run, x->peer, x->slices, x->n, start,
-                          kvpi_transfer_deadline(lane->timeout_ms, lane->min_rate, bytes));
+     * with the call. Device memory goes through bounce buffers on the way,
+     * unless the function stages itself. */
+    uint64_t deadline = kvpi_transfer_deadline(lane->timeout_ms, lane->min_rate, bytes);
+    if (lane->own_staging) return x->run(x->peer, x->slices, x->n, start, deadline);
+    return kvpi_stage_run(x->run, x->peer, x->slices, x->n, start, deadline);
 }
 
 static int in_lane(const kvpi_xfer *x, const void *lane)

@@ -4,7 +4,8 @@
  * kvpi_run_fn) and implements peer_post by handing the xfer to its server's
  * runner: one of the runner's threads runs the function, with slices of
  * device memory staged through bounce buffers (staging.h: the function sees
- * host memory only), and calls the xfer's completion (transport.h). With KVPI_POST_INLINE, or without a
+ * host memory only) unless the lane says the function stages itself, and
+ * calls the xfer's completion (transport.h). With KVPI_POST_INLINE, or without a
  * runner (a peer opened without its server, as unit tests do), the function
  * runs on the posting thread and the completion comes before
  * kvpi_runner_post returns.
@@ -37,7 +38,7 @@ typedef kvp_status (*kvpi_run_fn)(void *peer, kvpi_slice *const *slices, size_t 
 typedef struct kvpi_runner kvpi_runner;
 
 /* A peer's share of the runner, inside the transport's peer: the transport
- * sets limit (>= 1), timeout_ms and min_rate (> 0) at peer_open; running
+ * sets limit (>= 1), timeout_ms, min_rate (> 0) and own_staging at peer_open; running
  * and queued are the runner's, under its lock. The runner touches it no more once the
  * peer's last xfer completed.
  *
@@ -50,6 +51,9 @@ typedef struct kvpi_runner_lane {
     int limit;
     int timeout_ms;
     uint64_t min_rate;
+    /* Set: the function gets the slices as posted, device memory included,
+     * and stages what it does not move otherwise (shm: CUDA IPC first). */
+    int own_staging;
     int running, queued;
 } kvpi_runner_lane;
 

@@ -12,6 +12,7 @@
 #include <inttypes.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,11 +27,20 @@
 #include "common/log.h"
 #include "common/net.h"
 #include "transport/shm_internal.h"
+#include "transport/staging.h"
 
 /* Requests in flight per connection before their statuses are read; small
  * enough that their headers and statuses fit in the socket buffers. */
 #define WINDOW 128
 #define MAX_LINKS 64
+
+/* A device allocation of the target, [base, +size) in its address space,
+ * mapped here at mapped in device's primary context. */
+typedef struct shm_ipc {
+    uint64_t base, size;
+    char *mapped;
+    int device;
+} shm_ipc;
 
 typedef struct shm_peer {
     kvpi_region *regions; /* the descriptor's, for the early range check */
@@ -48,6 +58,15 @@ typedef struct shm_peer {
     kvpi_runner *runner;   /* the server's; NULL without one */
     kvpi_runner_lane lane; /* as many at once as links */
     kvpi_counter *retries; /* may be NULL */
+    /* CUDA IPC (the descriptor's "cuda_ipc"): the target's device allocations
+     * mapped here, found by asking it on a link. ipc_lock guards them and is
+     * held across a request and the mapping, never with a link busy. */
+    int cuda_ipc;
+    pthread_mutex_t ipc_lock;
+    shm_ipc *ipc;
+    size_t n_ipc;
+    char *ipc_off;   /* per descriptor region: the target has no handle for it */
+    int ipc_refused; /* our driver refused a handle (or is missing): stage */
 } shm_peer;
 
 /* The initiator's probe: the target proves it can read our memory by
@@ -205,6 +224,7 @@ static kvp_status parse_endpoint(const cJSON *desc, shm_peer *p)
                           "'%s', ours '%s')", host->valuestring, ours);
     p->target = (pid_t)pid->valuedouble;
     snprintf(p->name, sizeof p->name, "%s", sock->valuestring);
+    p->cuda_ipc = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, "cuda_ipc"));
     return KVP_OK;
 }
 
@@ -214,6 +234,11 @@ static void peer_close(void *peer)
     if (!p) return;
     for (size_t i = 0; i < p->n_links; i++)
         if (p->fds[i] >= 0) close(p->fds[i]);
+    for (size_t i = 0; i < p->n_ipc; i++)
+        kvpi_cuda_ipc_close(p->ipc[i].device, p->ipc[i].mapped);
+    free(p->ipc);
+    free(p->ipc_off);
+    pthread_mutex_destroy(&p->ipc_lock);
     pthread_cond_destroy(&p->freed);
     pthread_mutex_destroy(&p->lock);
     free(p->regions);
@@ -226,6 +251,7 @@ static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
     shm_peer *p = calloc(1, sizeof *p);
     if (!p) return kvpi_error(KVP_ENOMEM, "shm: out of memory");
     pthread_mutex_init(&p->lock, NULL);
+    pthread_mutex_init(&p->ipc_lock, NULL);
     kvpi_cond_init(&p->freed);
     p->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : KVPI_CONN_TIMEOUT_MS_DEFAULT;
     p->min_rate = ctx->min_rate ? ctx->min_rate : KVPI_MIN_RATE_DEFAULT;
@@ -233,13 +259,15 @@ static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
     p->runner = kvpi_shm_server_runner(ctx->server);
     p->retries = ctx->retries;
     p->n_links = ctx->conns < 1 ? 1 : ctx->conns > MAX_LINKS ? MAX_LINKS : (size_t)ctx->conns;
-    p->lane = (kvpi_runner_lane){
-        .limit = (int)p->n_links, .timeout_ms = p->timeout_ms, .min_rate = p->min_rate};
+    p->lane = (kvpi_runner_lane){.limit = (int)p->n_links,
+                                 .timeout_ms = p->timeout_ms,
+                                 .min_rate = p->min_rate,
+                                 .own_staging = 1};
     for (size_t i = 0; i < MAX_LINKS; i++) p->fds[i] = -1;
     kvp_status st = parse_endpoint(ctx->desc, p);
     if (st) goto fail;
-    if (ctx->n_regions &&
-        !(p->regions = malloc(ctx->n_regions * sizeof *p->regions))) {
+    if (ctx->n_regions && (!(p->regions = malloc(ctx->n_regions * sizeof *p->regions)) ||
+                           !(p->ipc_off = calloc(ctx->n_regions, 1)))) {
         st = kvpi_error(KVP_ENOMEM, "shm: out of memory");
         goto fail;
     }
@@ -461,12 +489,167 @@ static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n, uin
     return st;
 }
 
-/* Device memory goes through bounce buffers (the runner stages it): the
- * target then copies between its memory and the bounce buffer. */
+/* ---- CUDA IPC ---- */
+
+/* Ask the target for the IPC handle of the device allocation that holds
+ * [remote, +len), on an idle link (replaced once if the target had closed
+ * it). A refusal is the target's status (KVP_ERANGE, KVP_ENOTSUP). */
+static kvp_status ipc_request(shm_peer *p, uint64_t remote, uint64_t len, uint64_t deadline,
+                              kvpi_shm_ipc *out)
+{
+    int l = link_acquire(p, deadline);
+    if (l < 0)
+        return kvpi_error(KVP_ETIMEDOUT, "shm peer @%s: no idle connection came free", p->name);
+    uint8_t req[KVPI_SHM_REQ_LEN], status[KVPI_SHM_STATUS_LEN], body[KVPI_SHM_IPC_LEN];
+    kvpi_shm_req_encode(
+        &(kvpi_shm_req){.remote = remote, .length = len, .opcode = KVPI_SHM_OP_CUDA_IPC}, req);
+    kvp_status st = KVP_ECONNRESET, remote_st = KVP_OK;
+    int err = 0;
+    for (int attempt = 0; attempt < 2 && st == KVP_ECONNRESET; attempt++) {
+        if (p->fds[l] < 0 && (st = link_connect(p, deadline, &p->fds[l]))) break;
+        st = kvpi_send_all_by(p->fds[l], req, sizeof req, deadline);
+        if (!st) st = kvpi_recv_all_by(p->fds[l], status, sizeof status, deadline);
+        if (!st) st = kvpi_shm_get_status(status, &remote_st, &err);
+        if (!st && remote_st == KVP_OK)
+            st = kvpi_recv_all_by(p->fds[l], body, sizeof body, deadline);
+        if (st) { /* ours while busy: no lock needed */
+            close(p->fds[l]);
+            p->fds[l] = -1;
+        }
+    }
+    link_release(p, l);
+    if (st) return kvpi_error(st, "shm peer @%s: CUDA IPC request: %s", p->name, kvp_last_error());
+    if (remote_st)
+        return kvpi_error(
+            remote_st,
+            "shm peer pid %d has no CUDA IPC handle for [0x%" PRIx64 ", +%" PRIu64 ") (%s)",
+            (int)p->target, remote, len,
+            remote_st == KVP_ERANGE ? "not registered device memory there" : "its log says why");
+    kvpi_shm_ipc_decode(body, out);
+    return KVP_OK;
+}
+
+/* Is slice s inside its remote region (the engine's index, checked), and is
+ * that device memory? */
+static int remote_device(const shm_peer *p, const kvpi_slice *s)
+{
+    return s->remote_region < p->n_regions && p->regions[s->remote_region].kind == KVP_MEM_CUDA &&
+           kvpi_regions_contain(&p->regions[s->remote_region], 1, s->remote, s->length);
+}
+
+/* Where slice s's remote memory is mapped here, in the primary context of
+ * *device, or NULL when it goes the staged way: the target's memory is not
+ * device memory, or has no handle, or our driver refuses (logged once per
+ * process). Maps the target's allocation at the first slice in it. Host
+ * memory of ours uses IPC only once this process uses the driver anyway: a
+ * process without device memory of its own gets no CUDA context for it. */
+static char *ipc_remote(shm_peer *p, const kvpi_slice *s, uint64_t deadline, int *device)
+{
+    static atomic_int refusal_logged;
+    if (!p->cuda_ipc || !remote_device(p, s) ||
+        (s->local_kind == KVP_MEM_HOST && !kvpi_cuda_active()))
+        return NULL;
+    pthread_mutex_lock(&p->ipc_lock);
+    const shm_ipc *e = NULL;
+    for (size_t i = 0; i < p->n_ipc && !e; i++)
+        if (s->remote >= p->ipc[i].base && s->remote - p->ipc[i].base < p->ipc[i].size)
+            e = &p->ipc[i];
+    if (!e && !p->ipc_refused && !p->ipc_off[s->remote_region]) {
+        kvpi_shm_ipc m;
+        int dev = s->local_kind == KVP_MEM_HOST ? 0 : s->local_device;
+        shm_ipc *grown = NULL;
+        kvp_status st = ipc_request(p, s->remote, s->length, deadline, &m);
+        if (!st && (s->remote < m.base || s->remote - m.base >= m.size))
+            st = kvpi_error(KVP_EPROTO,
+                            "shm peer pid %d answered for [0x%" PRIx64 ", +%" PRIu64
+                            ") with another allocation",
+                            (int)p->target, m.base, m.size);
+        if (st == KVP_ERANGE || st == KVP_ENOTSUP || st == KVP_EPROTO) {
+            KVPI_INFO("%s; staging", kvp_last_error());
+            p->ipc_off[s->remote_region] = 1;
+        } else if (st) {
+            KVPI_DEBUG("%s; staging this time", kvp_last_error());
+        } else if (!(grown = realloc(p->ipc, (p->n_ipc + 1) * sizeof *p->ipc))) {
+            KVPI_DEBUG("shm: out of memory for CUDA IPC; staging this time");
+        } else {
+            p->ipc = grown;
+            shm_ipc *add = &p->ipc[p->n_ipc];
+            *add = (shm_ipc){.base = m.base, .size = m.size, .device = dev};
+            if ((st = kvpi_cuda_ipc_open(dev, m.handle, (void **)&add->mapped))) {
+                if (!atomic_exchange(&refusal_logged, 1))
+                    KVPI_WARN("shm peer pid %d: not using CUDA IPC, device memory is staged "
+                              "through host memory (logged once): %s",
+                              (int)p->target, kvp_last_error());
+                p->ipc_refused = 1;
+            } else {
+                e = &p->ipc[p->n_ipc++];
+            }
+        }
+    }
+    char *at = NULL;
+    /* A slice that leaves the allocation it starts in is staged. */
+    if (e && s->length <= e->size - (s->remote - e->base)) {
+        at = e->mapped + (s->remote - e->base);
+        *device = e->device;
+    }
+    pthread_mutex_unlock(&p->ipc_lock);
+    return at;
+}
+
+/* The run function (the lane stages nothing for it): slices that CUDA IPC
+ * serves first, each one copy by our driver between our memory and the
+ * target's mapped allocation (no host memory in between for device memory,
+ * and the target's CPU not involved); then the others through the target,
+ * staged where they are device memory here. A failed copy fails its slice
+ * and every one not done with KVP_EIO; the rest is not attempted. */
+static kvp_status peer_run(void *peer, kvpi_slice *const *slices, size_t n, uint64_t start,
+                           uint64_t deadline)
+{
+    shm_peer *p = peer;
+    size_t k = 0, i = 0;
+    if (p->cuda_ipc)
+        while (k < n && !remote_device(p, slices[k]))
+            k++;
+    /* Nothing for IPC (or more slices than an xfer holds, which only unit
+     * tests post, of host memory): the target serves all. */
+    if (k == n || n > KVPI_XFER_MAX)
+        return kvpi_stage_run(peer_xfer, p, slices, n, start, deadline);
+    kvpi_slice *rest[KVPI_XFER_MAX];
+    kvp_status st = KVP_OK;
+    k = 0;
+    for (; i < n && !st; i++) {
+        kvpi_slice *s = slices[i];
+        int device = 0;
+        char *remote = NULL;
+        if (check_slices(p, &s, 1) == 1) remote = ipc_remote(p, s, deadline, &device);
+        if (!remote) {
+            rest[k++] = s;
+        } else if (kvpi_now_ns() > deadline) {
+            st = s->status = kvpi_error(
+                KVP_ETIMEDOUT, "shm peer pid %d: CUDA IPC copies not done within %llu ms",
+                (int)p->target, (unsigned long long)((deadline - start) / 1000000u));
+        } else {
+            int read = s->opcode == KVP_OP_READ;
+            st = s->status = kvpi_cuda_copy_ipc(device, read ? s->local : remote,
+                                                read ? remote : s->local, s->length);
+        }
+    }
+    if (!st) return k ? kvpi_stage_run(peer_xfer, p, rest, k, start, deadline) : KVP_OK;
+    /* Not attempted: the slices left for the target, those after the failure. */
+    for (size_t j = 0; j < k; j++)
+        if (rest[j]->status == KVP_EINPROGRESS) rest[j]->status = st;
+    for (; i < n; i++)
+        slices[i]->status = st;
+    return st;
+}
+
+/* CUDA IPC first; device memory it does not serve goes through bounce
+ * buffers (kvpi_stage_run in peer_run): the target then copies between its
+ * memory and the bounce buffer. */
 static void peer_post(void *peer, kvpi_xfer *x, unsigned flags)
 {
     shm_peer *p = peer;
-    kvpi_runner_post(p->runner, peer_xfer, p, &p->lane, x, flags);
+    kvpi_runner_post(p->runner, peer_run, p, &p->lane, x, flags);
 }
 
 static void server_cancel(void *server)

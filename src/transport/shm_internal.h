@@ -14,11 +14,17 @@
  *           u64 probe value (the 8 bytes at the probe address)
  *   request (initiator -> target, 32 bytes):
  *           u64 remote (target) address, u64 length, u64 local (initiator)
- *           address, u8 opcode (0 READ, 1 WRITE), 7 bytes zero
+ *           address, u8 opcode (0 READ, 1 WRITE, 2 CUDA IPC), 7 bytes zero
  *   status  (target -> initiator, 8 bytes, after the hello and each request):
  *           u64 KVPI_SHM_MAGIC << 32 | errno << 16 | kvp_status
- * A connection serves requests in order, so an initiator may send several
- * requests before reading their statuses.
+ *   ipc     (target -> initiator, 80 bytes, after the OK status of a CUDA
+ *           IPC request): u64 base, u64 size of the device allocation that
+ *           holds [remote, +length), its 64-byte CUDA IPC handle
+ * A CUDA IPC request (local 0) asks for the handle of registered device
+ * memory, so that the initiator copies with the driver itself (shm.c); only a
+ * target whose descriptor says "cuda_ipc": true is sent one. A connection
+ * serves requests in order, so an initiator may send several requests before
+ * reading their statuses.
  */
 #ifndef KVPI_TRANSPORT_SHM_INTERNAL_H
 #define KVPI_TRANSPORT_SHM_INTERNAL_H
@@ -30,6 +36,7 @@
 #include <sys/un.h>
 
 #include "common/net.h"
+#include "gpu/cuda.h"
 #include "transport/runner.h"
 #include "transport/transport.h"
 
@@ -38,13 +45,16 @@
 #define KVPI_SHM_HELLO_LEN 24
 #define KVPI_SHM_REQ_LEN 32
 #define KVPI_SHM_STATUS_LEN 8
+#define KVPI_SHM_IPC_LEN (16 + KVPI_CUDA_IPC_HANDLE_LEN)
+#define KVPI_SHM_OP_CUDA_IPC 2
 /* The server copies a request this much at a time, and stops between two
  * copies when the initiator has closed or shut down the connection (it gave
  * the request up at its deadline); the initiator then waits up to one copy's
  * time for the server to close its end before it completes the request. */
 #define KVPI_SHM_COPY_CHUNK ((size_t)4 << 20)
 
-/* The descriptor field: {"kvpipe_shm": {"version", "host_id", "pid", "socket"}}. */
+/* The descriptor field: {"kvpipe_shm": {"version", "host_id", "pid", "socket",
+ * "cuda_ipc"}}. */
 #define KVPI_SHM_FIELD "kvpipe_shm"
 #define KVPI_SHM_HOST_ID_MAX 160
 #define KVPI_SHM_SOCKET_MAX 100 /* fits sockaddr_un.sun_path after the NUL */
@@ -68,8 +78,14 @@ typedef struct kvpi_shm_req {
     uint64_t remote; /* target address */
     uint64_t length;
     uint64_t local; /* initiator address */
-    uint8_t opcode; /* KVP_OP_READ or KVP_OP_WRITE */
+    uint8_t opcode; /* KVP_OP_READ, KVP_OP_WRITE or KVPI_SHM_OP_CUDA_IPC */
 } kvpi_shm_req;
+
+/* The answer to a CUDA IPC request. */
+typedef struct kvpi_shm_ipc {
+    uint64_t base, size;
+    unsigned char handle[KVPI_CUDA_IPC_HANDLE_LEN];
+} kvpi_shm_ipc;
 
 static inline void kvpi_shm_hello_encode(const kvpi_shm_hello *h, uint8_t out[KVPI_SHM_HELLO_LEN])
 {
@@ -103,7 +119,21 @@ static inline int kvpi_shm_req_decode(const uint8_t in[KVPI_SHM_REQ_LEN], kvpi_s
     r->length = kvpi_get_le64(in + 8);
     r->local = kvpi_get_le64(in + 16);
     r->opcode = in[24];
-    return r->opcode <= KVP_OP_WRITE ? 0 : -1;
+    return r->opcode <= KVP_OP_WRITE || r->opcode == KVPI_SHM_OP_CUDA_IPC ? 0 : -1;
+}
+
+static inline void kvpi_shm_ipc_encode(const kvpi_shm_ipc *m, uint8_t out[KVPI_SHM_IPC_LEN])
+{
+    kvpi_put_le64(out, m->base);
+    kvpi_put_le64(out + 8, m->size);
+    memcpy(out + 16, m->handle, KVPI_CUDA_IPC_HANDLE_LEN);
+}
+
+static inline void kvpi_shm_ipc_decode(const uint8_t in[KVPI_SHM_IPC_LEN], kvpi_shm_ipc *m)
+{
+    m->base = kvpi_get_le64(in);
+    m->size = kvpi_get_le64(in + 8);
+    memcpy(m->handle, in + 16, KVPI_CUDA_IPC_HANDLE_LEN);
 }
 
 /* Encode / decode a status frame. Decoding fails (KVP_EPROTO) on a bad magic. */

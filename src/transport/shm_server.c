@@ -1,10 +1,12 @@
 /* The target side of the shm transport: an abstract Unix socket that takes
- * requests from initiators on this host, checks each against the live region table
- * and copies with process_vm_readv/writev straight between the registered
- * memory and the initiator's memory. The socket is served by a connection
- * server (common/conn_server.h): one thread per connection, a cap on
- * connections, idle reaping and deadlines; the hello is its setup step. An
- * initiator keeps a few connections so that its slices run in parallel. */
+ * requests from initiators on this host, checks each against the live region
+ * table and copies with process_vm_readv/writev straight between the
+ * registered memory and the initiator's memory (device memory: staged, or
+ * the initiator copies itself through a CUDA IPC handle it asks for). The
+ * socket is served by a connection server (common/conn_server.h): one thread
+ * per connection, a cap on connections, idle reaping and deadlines; the hello
+ * is its setup step. An initiator keeps a few connections so that its slices
+ * run in parallel. */
 #include <errno.h>
 #include <inttypes.h>
 #include <poll.h>
@@ -215,6 +217,36 @@ static kvp_status serve_staged(shm_conn *c, const kvpi_shm_req *r, int device, i
     return copy_status(io.err, fatal);
 }
 
+/* A CUDA IPC request: the handle of the device allocation that holds the
+ * registered device memory [remote, +length), so that the initiator copies
+ * with the driver itself. A range outside registered device memory is
+ * KVP_ERANGE; an allocation the driver cannot export (KVP_ENOTSUP) is logged
+ * here; either way the initiator stages instead. */
+static kvp_status serve_ipc(shm_conn *c, const kvpi_shm_req *r, shm_server *srv)
+{
+    kvpi_pin pin;
+    if (!kvpi_conn_busy(c->conn, 0)) return KVP_ECLOSED;
+    if (r->length == 0 ||
+        kvpi_region_pin(srv->regions, r->remote, r->length, KVPI_MEM_BIT(KVP_MEM_CUDA), &pin))
+        return answer(c, KVP_ERANGE, 0, 0);
+    kvpi_shm_ipc ipc;
+    int device = kvpi_pin_region(pin)->device;
+    kvp_status st = kvpi_cuda_ipc_export(device, (const void *)(uintptr_t)r->remote, &ipc.base,
+                                         &ipc.size, ipc.handle);
+    kvpi_region_unpin(srv->regions, pin);
+    if (st) {
+        KVPI_WARN_LIMITED("shm server: no CUDA IPC for pid %d (it stages instead): %s",
+                          (int)c->peer, kvp_last_error());
+        return answer(c, KVP_ENOTSUP, 0, 0);
+    }
+    /* The status, after those deferred, then the handle. */
+    uint8_t out[KVPI_SHM_STATUS_LEN + KVPI_SHM_IPC_LEN];
+    if (c->n_out && (st = flush(c))) return st;
+    kvpi_shm_put_status(out, KVP_OK, 0);
+    kvpi_shm_ipc_encode(&ipc, out + KVPI_SHM_STATUS_LEN);
+    return kvpi_conn_send(c->conn, out, sizeof out);
+}
+
 /* One request: a bad frame closes the connection, a rejected range or a
  * failed copy is answered and the connection keeps serving. */
 static kvp_status serve_request(shm_conn *c, const uint8_t h[KVPI_SHM_REQ_LEN], shm_server *srv)
@@ -226,6 +258,7 @@ static kvp_status serve_request(shm_conn *c, const uint8_t h[KVPI_SHM_REQ_LEN], 
         return kvpi_error(KVP_EPROTO, "shm server: bad opcode %u from pid %d", r.opcode,
                           (int)c->peer);
     }
+    if (r.opcode == KVPI_SHM_OP_CUDA_IPC) return serve_ipc(c, &r, srv);
     uint64_t remote = r.remote, len = r.length, local = r.local;
     uint8_t op = r.opcode;
     if (!kvpi_conn_busy(c->conn, len)) return KVP_ECLOSED;
@@ -342,7 +375,8 @@ kvp_status kvpi_shm_server_describe(void *server, cJSON *desc)
     if (!o || !cJSON_AddNumberToObject(o, "version", KVPI_SHM_VERSION) ||
         !cJSON_AddStringToObject(o, "host_id", srv->host_id) ||
         !cJSON_AddNumberToObject(o, "pid", srv->pid) ||
-        !cJSON_AddStringToObject(o, "socket", srv->name)) {
+        !cJSON_AddStringToObject(o, "socket", srv->name) ||
+        !cJSON_AddBoolToObject(o, "cuda_ipc", 1)) {
         cJSON_Delete(o);
         return kvpi_error(KVP_ENOMEM, "shm server: out of memory");
     }

@@ -3,7 +3,7 @@
  * the target sends back. Input: the registered regions (regions.h), a 24-byte
  * hello, an 8-byte status frame, then 32-byte requests to the end.
  * Invariants: a hello decodes iff its magic and version are ours; a request
- * iff its opcode is READ or WRITE, and encodes back to the same bytes with the
+ * iff its opcode is READ, WRITE or CUDA IPC, and encodes back to the same bytes with the
  * padding zeroed; a non-empty request passes the target's range check iff it
  * lies in one region of a kind the server moves (regions.h); a status decodes
  * iff its magic is right and its code is a final one (at most 64, not
@@ -46,7 +46,8 @@ static void check_request(kvpf_regions *regions, const uint8_t raw[KVPI_SHM_REQ_
 {
     kvpi_shm_req r;
     int ok = kvpi_shm_req_decode(raw, &r) == 0;
-    FUZZ_CHECK(ok == (raw[24] == KVP_OP_READ || raw[24] == KVP_OP_WRITE));
+    FUZZ_CHECK(ok == (raw[24] == KVP_OP_READ || raw[24] == KVP_OP_WRITE ||
+                      raw[24] == KVPI_SHM_OP_CUDA_IPC));
     FUZZ_CHECK(r.opcode == raw[24]);
     if (!ok) return;
     uint8_t again[KVPI_SHM_REQ_LEN];
