@@ -192,7 +192,8 @@ static void fill_memory(kvp_info *info)
                 snprintf(detail, INFO_DETAIL_MAX, "%s", kvp_last_error());
             else
                 snprintf(detail, INFO_DETAIL_MAX,
-                         "CUDA driver %d.%d, %d device%s; staged through pinned host memory",
+                         "CUDA driver %d.%d, %d device%s; staged through pinned host memory, "
+                         "or CUDA IPC between kvpipe processes of one host (shm)",
                          version / 1000, version % 1000 / 10, devices, devices == 1 ? "" : "s");
             if (st) st = KVP_ENOTSUP;
         }
