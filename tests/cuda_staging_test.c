@@ -468,6 +468,33 @@ static void copy_fails_target_write(const char *proto)
     free(out);
 }
 
+/* Target and initiator engines in one process: the driver opens no IPC
+ * handle of its own process, so device memory is staged, with no warning;
+ * every byte right. */
+static void ipc_same_process(void)
+{
+    char tname[64], name[64];
+    snprintf(tname, sizeof tname, "127.0.0.1:%d", kvpt_free_port());
+    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
+    kvp_engine *te = engine(tname, "shm"), *e = engine(name, "shm");
+    REQUIRE(te && e);
+    void *tmem = memory(1, TLEN, SEED_TARGET), *in = memory(1, XLEN, 99);
+    REQUIRE(tmem && in);
+    CHECK_OK(kvp_engine_register(te, tmem, TLEN));
+    CHECK_OK(kvp_engine_register(e, in, XLEN));
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(e, tname, &seg));
+    long ipc_before = fc_ipc_copies();
+    uint64_t addr = (uint64_t)(uintptr_t)tmem;
+    CHECK_OK(kvp_engine_read(e, seg, in, addr + READ_OFF, XLEN));
+    CHECK(holds(1, in, 0, XLEN, SEED_TARGET, READ_OFF));
+    CHECK_OK(kvp_engine_write(e, seg, in, addr + WRITE_OFF, XLEN));
+    CHECK(holds(1, tmem, WRITE_OFF, XLEN, SEED_TARGET, READ_OFF));
+    CHECK(fc_ipc_copies() == ipc_before);
+    kvp_engine_destroy(e);
+    kvp_engine_destroy(te);
+}
+
 /* A copy through CUDA IPC fails (the initiator's next copy, of a WRITE and
  * then of a READ): KVP_EIO with the driver's message; then the same
  * transfers succeed, every byte right, the target having copied nothing. */
@@ -548,5 +575,6 @@ int main(void)
     RUN(ipc_both_device);
     RUN(ipc_target_device);
     RUN(ipc_copy_fails);
+    RUN(ipc_same_process);
     return kvpt_summary();
 }

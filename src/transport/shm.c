@@ -224,7 +224,9 @@ static kvp_status parse_endpoint(const cJSON *desc, shm_peer *p)
                           "'%s', ours '%s')", host->valuestring, ours);
     p->target = (pid_t)pid->valuedouble;
     snprintf(p->name, sizeof p->name, "%s", sock->valuestring);
-    p->cuda_ipc = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, "cuda_ipc"));
+    /* The driver opens no IPC handle of this very process: a target here stages. */
+    p->cuda_ipc =
+        cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, "cuda_ipc")) && p->target != getpid();
     return KVP_OK;
 }
 
