@@ -106,7 +106,8 @@ typedef struct target {
     pid_t pid;
     char name[64];
     uint64_t addr;
-    int ctl; /* the parent writes the verdict to check, then closes */
+    uint64_t host_addr; /* a target started with device 2: its host buffer */
+    int ctl;            /* the parent writes the verdict to check, then closes */
 } target;
 
 typedef struct verdict {
@@ -115,21 +116,27 @@ typedef struct verdict {
 } verdict;
 
 /* The child: its engine, its memory (pattern SEED_TARGET), registered with
- * kvp_engine_register as vLLM passes tensor.data_ptr(); then waits for the
- * verdict and checks its whole memory: the verdict's range WRITTEN, the rest
- * untouched. Exit 0: as expected; 10: wrong bytes. */
+ * kvp_engine_register as vLLM passes tensor.data_ptr(); device 2: device
+ * memory and a host buffer of the same pattern, both registered. Then waits
+ * for the verdict and checks its whole memory (the device memory's): the
+ * verdict's range WRITTEN, the rest untouched. Exit 0: as expected; 10:
+ * wrong bytes. */
 static void target_main(const char *proto, int device, int ready, int ctl, const char *name)
 {
     kvp_engine *e = engine(name, proto);
     if (!e) _exit(3);
+    int host_too = device == 2;
+    device = device != 0;
     void *mem = memory(device, TLEN, SEED_TARGET);
+    void *host = host_too ? memory(0, TLEN, SEED_TARGET) : NULL;
     if (!mem) _exit(4);
-    if (kvp_engine_register(e, mem, TLEN) != KVP_OK) {
+    if (kvp_engine_register(e, mem, TLEN) != KVP_OK ||
+        (host_too && kvp_engine_register(e, host, TLEN) != KVP_OK)) {
         fprintf(stderr, "  target register: %s\n", kvp_last_error());
         _exit(5);
     }
-    uint64_t addr = (uint64_t)(uintptr_t)mem;
-    if (write(ready, &addr, sizeof addr) != sizeof addr) _exit(6);
+    uint64_t addr[2] = {(uint64_t)(uintptr_t)mem, host_too ? (uint64_t)(uintptr_t)host : 0};
+    if (write(ready, addr, sizeof addr) != sizeof addr) _exit(6);
     verdict v = {0, 0, 0, -1};
     ssize_t n = read(ctl, &v, sizeof v);
     kvp_engine_destroy(e);
@@ -168,9 +175,12 @@ static int target_start(const char *proto, int device, long fail_copy, target *t
     close(ready[1]);
     close(ctl[0]);
     t->ctl = ctl[1];
-    ssize_t n = read(ready[0], &t->addr, sizeof t->addr);
+    uint64_t addr[2];
+    ssize_t n = read(ready[0], addr, sizeof addr);
     close(ready[0]);
-    return n == sizeof t->addr ? 0 : -1;
+    t->addr = addr[0];
+    t->host_addr = addr[1];
+    return n == sizeof addr ? 0 : -1;
 }
 
 /* The child's exit status (0: its memory is as expected; 11: not the copies
@@ -468,6 +478,47 @@ static void copy_fails_target_write(const char *proto)
     free(out);
 }
 
+/* One batch, its requests alternately on the target's device memory (CUDA
+ * IPC) and on its host buffer (the target copies, our device memory staged;
+ * the engine groups them apart, by memory kinds): WRITE, then READ it all
+ * back, every byte checked. */
+static void ipc_mixed_batch(void)
+{
+    target t;
+    REQUIRE(target_start("shm", 2, 0, &t) == 0);
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
+    kvp_engine *e = engine(name, "shm");
+    REQUIRE(e);
+    enum { N = 6 };
+    const size_t each = 65536;
+    void *in = memory(1, N * each, 99), *out = memory(1, N * each, SEED_WRITE);
+    REQUIRE(in && out);
+    CHECK_OK(kvp_engine_register(e, in, N * each));
+    CHECK_OK(kvp_engine_register(e, out, N * each));
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
+    long before = fc_copies(), ipc_before = fc_ipc_copies();
+    for (int op = KVP_OP_WRITE; op >= KVP_OP_READ; op--) {
+        kvp_request reqs[N];
+        for (size_t i = 0; i < N; i++)
+            reqs[i] = (kvp_request){.opcode = (kvp_opcode)op,
+                                    .local = (char *)(op == KVP_OP_READ ? in : out) + i * each,
+                                    .remote = (i % 2 ? t.host_addr : t.addr) + i * each,
+                                    .length = each};
+        kvp_batch *b;
+        REQUIRE_OK(kvp_batch_submit(e, seg, reqs, N, &b));
+        CHECK_OK(kvp_batch_wait(b, 30000));
+        kvp_batch_free(b);
+    }
+    CHECK(holds(1, in, 0, N * each, SEED_WRITE, 0));
+    long ipc = fc_ipc_copies() - ipc_before;
+    CHECK(ipc == N);                   /* the device half, each way */
+    CHECK(fc_copies() - before > ipc); /* and the host half through bounce buffers */
+    kvp_engine_destroy(e);
+    CHECK(target_stop(&t, NULL) == 0);
+}
+
 /* Target and initiator engines in one process: the driver opens no IPC
  * handle of its own process, so device memory is staged, with no warning;
  * every byte right. */
@@ -576,5 +627,6 @@ int main(void)
     RUN(ipc_target_device);
     RUN(ipc_copy_fails);
     RUN(ipc_same_process);
+    RUN(ipc_mixed_batch);
     return kvpt_summary();
 }
