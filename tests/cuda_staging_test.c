@@ -106,8 +106,9 @@ typedef struct target {
     pid_t pid;
     char name[64];
     uint64_t addr;
-    uint64_t host_addr; /* a target started with device 2: its host buffer */
-    int ctl;            /* the parent writes the verdict to check, then closes */
+    uint64_t second; /* device 2: its host buffer; device 3: its second device buffer */
+    int ctl;         /* the parent writes the verdict to check, then closes */
+    int ready;       /* device 3: the child acknowledges the second buffer's unregistration */
 } target;
 
 typedef struct verdict {
@@ -117,26 +118,31 @@ typedef struct verdict {
 
 /* The child: its engine, its memory (pattern SEED_TARGET), registered with
  * kvp_engine_register as vLLM passes tensor.data_ptr(); device 2: device
- * memory and a host buffer of the same pattern, both registered. Then waits
- * for the verdict and checks its whole memory (the device memory's): the
- * verdict's range WRITTEN, the rest untouched. Exit 0: as expected; 10:
- * wrong bytes. */
+ * memory and a host buffer of the same pattern, both registered; device 3:
+ * two device buffers, the second unregistered when the parent writes a byte
+ * (acknowledged on ready). Then waits for the verdict and checks its whole
+ * memory (the first buffer's): the verdict's range WRITTEN, the rest
+ * untouched. Exit 0: as expected; 10: wrong bytes. */
 static void target_main(const char *proto, int device, int ready, int ctl, const char *name)
 {
     kvp_engine *e = engine(name, proto);
     if (!e) _exit(3);
-    int host_too = device == 2;
+    int kind2 = device;
     device = device != 0;
     void *mem = memory(device, TLEN, SEED_TARGET);
-    void *host = host_too ? memory(0, TLEN, SEED_TARGET) : NULL;
+    void *second = kind2 >= 2 ? memory(kind2 == 3, TLEN, SEED_TARGET) : NULL;
     if (!mem) _exit(4);
     if (kvp_engine_register(e, mem, TLEN) != KVP_OK ||
-        (host_too && kvp_engine_register(e, host, TLEN) != KVP_OK)) {
+        (second && kvp_engine_register(e, second, TLEN) != KVP_OK)) {
         fprintf(stderr, "  target register: %s\n", kvp_last_error());
         _exit(5);
     }
-    uint64_t addr[2] = {(uint64_t)(uintptr_t)mem, host_too ? (uint64_t)(uintptr_t)host : 0};
+    uint64_t addr[2] = {(uint64_t)(uintptr_t)mem, (uint64_t)(uintptr_t)second};
     if (write(ready, addr, sizeof addr) != sizeof addr) _exit(6);
+    char c;
+    if (kind2 == 3 && (read(ctl, &c, 1) != 1 || kvp_engine_unregister(e, second) != KVP_OK ||
+                       write(ready, &c, 1) != 1))
+        _exit(7);
     verdict v = {0, 0, 0, -1};
     ssize_t n = read(ctl, &v, sizeof v);
     kvp_engine_destroy(e);
@@ -177,9 +183,9 @@ static int target_start(const char *proto, int device, long fail_copy, target *t
     t->ctl = ctl[1];
     uint64_t addr[2];
     ssize_t n = read(ready[0], addr, sizeof addr);
-    close(ready[0]);
+    t->ready = ready[0];
     t->addr = addr[0];
-    t->host_addr = addr[1];
+    t->second = addr[1];
     return n == sizeof addr ? 0 : -1;
 }
 
@@ -189,6 +195,7 @@ static int target_stop(target *t, const verdict *v)
 {
     int sent = !v || write(t->ctl, v, sizeof *v) == sizeof *v;
     close(t->ctl);
+    close(t->ready);
     int rc = kvpt_wait_child(t->pid, 20000);
     if (rc) fprintf(stderr, "  the target exited with status %d\n", rc);
     return sent ? rc : -1;
@@ -504,7 +511,7 @@ static void ipc_mixed_batch(void)
         for (size_t i = 0; i < N; i++)
             reqs[i] = (kvp_request){.opcode = (kvp_opcode)op,
                                     .local = (char *)(op == KVP_OP_READ ? in : out) + i * each,
-                                    .remote = (i % 2 ? t.host_addr : t.addr) + i * each,
+                                    .remote = (i % 2 ? t.second : t.addr) + i * each,
                                     .length = each};
         kvp_batch *b;
         REQUIRE_OK(kvp_batch_submit(e, seg, reqs, N, &b));
@@ -517,6 +524,47 @@ static void ipc_mixed_batch(void)
     CHECK(fc_copies() - before > ipc); /* and the host half through bounce buffers */
     kvp_engine_destroy(e);
     CHECK(target_stop(&t, NULL) == 0);
+}
+
+/* One group of slices, half on a device buffer of the target (CUDA IPC),
+ * half on one it unregistered after we read its descriptor: the target has
+ * no handle for those (KVP_ERANGE), so they go its way and it refuses them,
+ * while the others complete through IPC; every byte checked. */
+static void ipc_stale_region(void)
+{
+    target t;
+    REQUIRE(target_start("shm", 3, 0, &t) == 0);
+    char name[64];
+    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
+    kvp_engine *e = engine(name, "shm");
+    REQUIRE(e);
+    enum { N = 4 };
+    const size_t each = 65536;
+    void *out = memory(1, N * each, SEED_WRITE);
+    REQUIRE(out);
+    CHECK_OK(kvp_engine_register(e, out, N * each));
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
+    char c = 'u';
+    REQUIRE(write(t.ctl, &c, 1) == 1 && read(t.ready, &c, 1) == 1);
+    long ipc_before = fc_ipc_copies();
+    kvp_request reqs[N];
+    for (size_t i = 0; i < N; i++) /* A B A B; A's bytes are out's first half */
+        reqs[i] = (kvp_request){.opcode = KVP_OP_WRITE,
+                                .local = (char *)out + (i % 2 ? N / 2 + i / 2 : i / 2) * each,
+                                .remote = i % 2 ? t.second + i / 2 * each
+                                                : t.addr + WRITE_OFF + i / 2 * each,
+                                .length = each};
+    kvp_batch *b;
+    REQUIRE_OK(kvp_batch_submit(e, seg, reqs, N, &b));
+    CHECK_ST(kvp_batch_wait(b, 30000), KVP_ERANGE);
+    for (size_t i = 0; i < N; i++)
+        CHECK_ST(kvp_batch_request_status(b, i), i % 2 ? KVP_ERANGE : KVP_OK);
+    kvp_batch_free(b);
+    CHECK(fc_ipc_copies() - ipc_before == N / 2);
+    kvp_engine_destroy(e);
+    verdict v = {WRITE_OFF, N / 2 * each, SEED_WRITE, 0};
+    CHECK(target_stop(&t, &v) == 0);
 }
 
 /* Target and initiator engines in one process: the driver opens no IPC
@@ -628,5 +676,6 @@ int main(void)
     RUN(ipc_copy_fails);
     RUN(ipc_same_process);
     RUN(ipc_mixed_batch);
+    RUN(ipc_stale_region);
     return kvpt_summary();
 }
