@@ -5,8 +5,11 @@
  * few Unix-socket connections; the target checks the range against its live
  * region table and copies between its memory and ours with process_vm_readv or
  * process_vm_writev. Each worker thread of the engine uses its own connection,
- * so several target threads copy at once. See shm_internal.h for the wire format
- * and docs/transport-shm.md for the reasons and the trust model.
+ * so several target threads copy at once. A slice on the target's registered
+ * device memory is copied by us instead, with the CUDA driver, through an IPC
+ * handle the target gives us for its allocation (staged where the driver
+ * refuses). See shm_internal.h for the wire format and docs/transport-shm.md
+ * for the reasons and the trust model.
  */
 #include <errno.h>
 #include <inttypes.h>
