@@ -54,6 +54,8 @@ struct kvpi_conn {
     atomic_int state;
     atomic_uint_fast64_t since_ns; /* when the state was entered */
     uint64_t deadline_ns;          /* the handler's thread only */
+    size_t later_len;              /* bytes in later (the handler's thread only) */
+    uint8_t later[KVPI_CONN_LATER_MAX];
     kvpi_conn *prev, *next;
     _Alignas(16) unsigned char data[];
 };
@@ -145,11 +147,22 @@ static int enter(kvpi_conn *c, int next)
     return 1;
 }
 
+/* Send what kvpi_conn_send_later queued. */
+static kvp_status flush_later(kvpi_conn *c)
+{
+    size_t n = c->later_len;
+    c->later_len = 0;
+    return n ? kvpi_send_all_by(c->fd, c->later, n, c->deadline_ns) : KVP_OK;
+}
+
 kvp_status kvpi_conn_next(kvpi_conn *c, void *hdr, size_t len)
 {
-    if (!enter(c, ST_IDLE)) return KVP_ECLOSED;
-    /* A header already queued (pipelined requests) is taken without polling. */
+    /* A header already queued (pipelined requests) is taken without polling,
+     * and the answers kept for later stay there. Otherwise they go now, while
+     * the connection still counts as busy (an idle one may be evicted), and
+     * the connection waits, idle, for the next request. */
     uint64_t idle_until = 0;
+    int idle = 0;
     ssize_t got;
     for (;;) {
         got = recv(c->fd, hdr, len, MSG_DONTWAIT);
@@ -157,7 +170,12 @@ kvp_status kvpi_conn_next(kvpi_conn *c, void *hdr, size_t len)
         if (got == 0) return KVP_ECLOSED; /* the peer closed between requests */
         if (errno == EINTR) continue;
         if (errno != EAGAIN && errno != EWOULDBLOCK) return KVP_ECLOSED;
-        if (!idle_until) idle_until = kvpi_deadline_ns(c->srv->lim.idle_timeout_ms);
+        if (!idle) {
+            if (flush_later(c) != KVP_OK || !enter(c, ST_IDLE)) return KVP_ECLOSED;
+            idle = 1;
+            idle_until = kvpi_deadline_ns(c->srv->lim.idle_timeout_ms);
+            continue; /* a request may have come meanwhile */
+        }
         struct pollfd p = {.fd = c->fd, .events = POLLIN};
         int rc = poll(&p, 1, kvpi_remaining_ms(idle_until));
         if (rc < 0 && errno != EINTR) return KVP_ECLOSED;
@@ -188,9 +206,22 @@ int kvpi_conn_busy(kvpi_conn *c, uint64_t bytes)
     return 1;
 }
 
+kvp_status kvpi_conn_send_later(kvpi_conn *c, const void *buf, size_t len)
+{
+    if (c->later_len + len > sizeof c->later) {
+        kvp_status st = flush_later(c);
+        if (st) return st;
+        if (len > sizeof c->later) return kvpi_send_all_by(c->fd, buf, len, c->deadline_ns);
+    }
+    memcpy(c->later + c->later_len, buf, len);
+    c->later_len += len;
+    return KVP_OK;
+}
+
 kvp_status kvpi_conn_send(kvpi_conn *c, const void *buf, size_t len)
 {
-    return kvpi_send_all_by(c->fd, buf, len, c->deadline_ns);
+    kvp_status st = flush_later(c);
+    return st ? st : kvpi_send_all_by(c->fd, buf, len, c->deadline_ns);
 }
 
 kvp_status kvpi_conn_recv(kvpi_conn *c, void *buf, size_t len)
@@ -200,7 +231,8 @@ kvp_status kvpi_conn_recv(kvpi_conn *c, void *buf, size_t len)
 
 kvp_status kvpi_conn_sendv(kvpi_conn *c, struct iovec *iov, int n)
 {
-    return kvpi_sendv_all_by(c->fd, iov, n, c->deadline_ns);
+    kvp_status st = flush_later(c);
+    return st ? st : kvpi_sendv_all_by(c->fd, iov, n, c->deadline_ns);
 }
 
 kvp_status kvpi_conn_recvv(kvpi_conn *c, struct iovec *iov, int n)
@@ -236,9 +268,10 @@ static void *conn_main(void *arg)
     kvpi_conn_server *srv = c->srv;
     c->deadline_ns = kvpi_deadline_ns(srv->lim.setup_timeout_ms);
     kvp_status st = srv->h.setup ? srv->h.setup(c) : KVP_OK;
-    if (st == KVP_OK)
+    if (st == KVP_OK) {
         srv->h.serve(c);
-    else
+        flush_later(c); /* the answers of the last requests, if the peer still reads */
+    } else
         KVPI_DEBUG("%s: connection setup failed: %s", srv->name, kvp_last_error());
     quiet_close_prepare(c->fd);
     pthread_mutex_lock(&srv->lock);

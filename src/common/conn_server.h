@@ -148,9 +148,17 @@ int kvpi_conn_busy(kvpi_conn *conn, uint64_t bytes);
 /* The current deadline, for I/O a handler does itself (kvpi_now_ns clock). */
 uint64_t kvpi_conn_deadline(const kvpi_conn *conn);
 
-/* kvpi_send_all_by and friends on the connection, under its deadline. */
+/* kvpi_send_all_by and friends on the connection, under its deadline. The
+ * sends first send what kvpi_conn_send_later queued. */
 struct iovec;
 kvp_status kvpi_conn_send(kvpi_conn *conn, const void *buf, size_t len);
+/* Queue len bytes (an answer the peer does not wait for alone) to be sent,
+ * in order, before the next send, when kvpi_conn_next finds no request
+ * queued and would wait for one, when KVPI_CONN_LATER_MAX bytes are queued,
+ * or when the handler returns: answers to pipelined requests then leave
+ * together, in one segment, instead of one each. */
+#define KVPI_CONN_LATER_MAX 512
+kvp_status kvpi_conn_send_later(kvpi_conn *conn, const void *buf, size_t len);
 kvp_status kvpi_conn_recv(kvpi_conn *conn, void *buf, size_t len);
 kvp_status kvpi_conn_sendv(kvpi_conn *conn, struct iovec *iov, int n);
 kvp_status kvpi_conn_recvv(kvpi_conn *conn, struct iovec *iov, int n);

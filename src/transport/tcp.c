@@ -216,8 +216,13 @@ static int serve_request(kvpi_conn *c, tcp_server *srv, const kvpi_tcp_hdr *h)
             log_fault(c, h, "refused");
             return refuse(c, h);
         }
-        if (st == KVP_OK && h->v2)
-            st = kvpi_conn_busy(c, 8) ? send_status(c, KVPI_TCP_STATUS_OK) : KVP_ECLOSED;
+        if (st == KVP_OK && h->v2) {
+            /* With the statuses of the WRITEs pipelined behind it, when the
+             * initiator reads them (kvpi_conn_send_later). */
+            uint8_t frame[8];
+            kvpi_tcp_status_encode(KVPI_TCP_STATUS_OK, frame);
+            st = kvpi_conn_busy(c, 8) ? kvpi_conn_send_later(c, frame, sizeof frame) : KVP_ECLOSED;
+        }
     }
     if (st)
         KVPI_DEBUG("%s: connection dropped during %s of %llu bytes: %s", kvpi_conn_name(c),
