@@ -206,6 +206,11 @@ int kvpi_conn_busy(kvpi_conn *c, uint64_t bytes)
     return 1;
 }
 
+kvp_status kvpi_conn_flush(kvpi_conn *c)
+{
+    return flush_later(c);
+}
+
 kvp_status kvpi_conn_send_later(kvpi_conn *c, const void *buf, size_t len)
 {
     if (c->later_len + len > sizeof c->later) {

@@ -155,10 +155,11 @@ kvp_status kvpi_conn_send(kvpi_conn *conn, const void *buf, size_t len);
 /* Queue len bytes (an answer the peer does not wait for alone) to be sent,
  * in order, before the next send, when kvpi_conn_next finds no request
  * queued and would wait for one, when KVPI_CONN_LATER_MAX bytes are queued,
- * or when the handler returns: answers to pipelined requests then leave
- * together, in one segment, instead of one each. */
-#define KVPI_CONN_LATER_MAX 512
+ * at kvpi_conn_flush, or when the handler returns: answers to pipelined
+ * requests then leave together, in one segment, instead of one each. */
+#define KVPI_CONN_LATER_MAX 1024
 kvp_status kvpi_conn_send_later(kvpi_conn *conn, const void *buf, size_t len);
+kvp_status kvpi_conn_flush(kvpi_conn *conn);
 kvp_status kvpi_conn_recv(kvpi_conn *conn, void *buf, size_t len);
 kvp_status kvpi_conn_sendv(kvpi_conn *conn, struct iovec *iov, int n);
 kvp_status kvpi_conn_recvv(kvpi_conn *conn, struct iovec *iov, int n);

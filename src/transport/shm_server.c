@@ -14,7 +14,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/ioctl.h>
 #include <sys/random.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -32,10 +31,10 @@
 /* One process_vm_* call at most. Before each, the server checks that the
  * initiator has not given the request up (see copy_with_peer). */
 #define COPY_CHUNK KVPI_SHM_COPY_CHUNK
-/* Statuses of requests that arrived together go back together, so that the
- * initiator wakes once per window and not once per request; but never more
- * than these, so that it hears from us within its timeout. */
-#define DEFER_MAX 128
+/* Statuses of requests that arrived together go back together
+ * (kvpi_conn_send_later), so that the initiator wakes once per window and not
+ * once per request; but not after more than this many bytes moved, so that
+ * it hears from us within its timeout. */
 #define DEFER_BYTES ((uint64_t)64 << 20)
 
 typedef struct shm_server {
@@ -54,39 +53,25 @@ typedef struct shm_conn {
     kvpi_conn *conn;
     int fd;
     pid_t peer;         /* the initiator, from SO_PEERCRED */
-    size_t n_out;       /* statuses deferred in out */
-    uint64_t out_bytes; /* bytes their requests moved */
-    uint8_t out[DEFER_MAX * KVPI_SHM_STATUS_LEN];
+    uint64_t out_bytes; /* bytes moved since this connection last forced its statuses out */
 } shm_conn;
 
-static kvp_status flush(shm_conn *c)
-{
-    kvp_status st = kvpi_conn_send(c->conn, c->out, c->n_out * KVPI_SHM_STATUS_LEN);
-    c->n_out = 0;
-    c->out_bytes = 0;
-    return st;
-}
-
-/* Another request already waiting? Then its status can go with this one. */
-static int more_queued(const shm_conn *c)
-{
-    int avail = 0;
-    return ioctl(c->fd, FIONREAD, &avail) == 0 && avail >= KVPI_SHM_REQ_LEN;
-}
-
-/* Queue a status; send the queue unless more requests are waiting. */
+/* Queue a status: it leaves with those of the requests queued behind it, or
+ * at once past DEFER_BYTES moved. */
 static kvp_status answer(shm_conn *c, kvp_status st, int err, uint64_t bytes)
 {
-    kvpi_shm_put_status(c->out + c->n_out * KVPI_SHM_STATUS_LEN, st, err);
-    c->n_out++;
-    c->out_bytes += bytes;
-    if (c->n_out < DEFER_MAX && c->out_bytes < DEFER_BYTES && more_queued(c)) return KVP_OK;
-    return flush(c);
+    uint8_t frame[KVPI_SHM_STATUS_LEN];
+    kvpi_shm_put_status(frame, st, err);
+    kvp_status sent = kvpi_conn_send_later(c->conn, frame, sizeof frame);
+    if (sent || (c->out_bytes += bytes) < DEFER_BYTES) return sent;
+    c->out_bytes = 0;
+    return kvpi_conn_flush(c->conn);
 }
 
+/* A status sent now: the last before the connection closes. */
 static kvp_status reply(shm_conn *c, kvp_status st, int err)
 {
-    return answer(c, st, err, 0) ? KVP_ECONNRESET : flush(c);
+    return answer(c, st, err, 0) ? KVP_ECONNRESET : kvpi_conn_flush(c->conn);
 }
 
 /* Has the initiator closed or shut down its end? It does when it gives a
@@ -239,9 +224,9 @@ static kvp_status serve_ipc(shm_conn *c, const kvpi_shm_req *r, shm_server *srv)
                           (int)c->peer, kvp_last_error());
         return answer(c, KVP_ENOTSUP, 0, 0);
     }
-    /* The status, after those deferred, then the handle. */
+    /* The status, after those deferred (kvpi_conn_send sends them first),
+     * then the handle. */
     uint8_t out[KVPI_SHM_STATUS_LEN + KVPI_SHM_IPC_LEN];
-    if (c->n_out && (st = flush(c))) return st;
     kvpi_shm_put_status(out, KVP_OK, 0);
     kvpi_shm_ipc_encode(&ipc, out + KVPI_SHM_STATUS_LEN);
     return kvpi_conn_send(c->conn, out, sizeof out);
