@@ -22,7 +22,10 @@
  * CUDA_ERROR_NOT_SUPPORTED, as across containers or on MIG). Test helpers
  * (not driver API): fakecuda_peek/poke read and write device memory without
  * counting as copies; fakecuda_copies() counts every copy,
- * fakecuda_ipc_copies() those to or from memory opened by IPC. */
+ * fakecuda_ipc_copies() those to or from memory opened by IPC. Beside
+ * kvpipe's entry points, the double has those the GPU suite uses
+ * (tests/gpu/): the synchronous copies, cuMemcpyDtoD_v2, cuCtxSynchronize,
+ * and cuMemFree_v2 that frees (a freed range is no longer device memory). */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
@@ -87,6 +90,7 @@ static struct {
     struct {
         size_t off, len;
         int device;
+        int freed; /* by cuMemFree_v2: no longer an allocation */
     } allocs[MAX_ALLOCS];
     int n_allocs;
     struct {
@@ -241,7 +245,9 @@ static int alloc_of(CUdeviceptr p, size_t n)
     if (!ready() || p < base || p >= base + ARENA) return -1;
     size_t off = (size_t)(p - base);
     for (int i = 0; i < S.n_allocs; i++)
-        if (off >= S.allocs[i].off && off - S.allocs[i].off + n <= S.allocs[i].len) return i;
+        if (!S.allocs[i].freed && off >= S.allocs[i].off &&
+            off - S.allocs[i].off + n <= S.allocs[i].len)
+            return i;
     return -1;
 }
 
@@ -272,10 +278,18 @@ API CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
     return r;
 }
 
+/* The base of a live allocation only, with a context current, as the
+ * driver; a bump allocator: the addresses are never handed out again. */
 API CUresult cuMemFree_v2(CUdeviceptr p)
 {
-    (void)p; /* a bump allocator: addresses are never reused */
-    return OK;
+    if (!ready()) return E_NOT_INITIALIZED;
+    if (!current) return E_INVALID_CONTEXT;
+    pthread_mutex_lock(&lock);
+    int a = alloc_of(p, 1);
+    int base = a >= 0 && (size_t)(p - (uintptr_t)S.none) == S.allocs[a].off;
+    if (base) S.allocs[a].freed = 1;
+    pthread_mutex_unlock(&lock);
+    return base ? OK : E_INVALID_VALUE;
 }
 
 API CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p)
@@ -359,6 +373,42 @@ API CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CU
     CUresult r = copy(dst, n, s, &rw);
     if (r == OK) memcpy(rw, src, n);
     return r;
+}
+
+/* The synchronous copies (the suite's, tests/gpu/gpu_check.c and
+ * python/tests/cuda_mem.py; kvpipe uses the Async ones), checked as those:
+ * a context current, each device range inside one allocation of its device. */
+API CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n)
+{
+    return cuMemcpyDtoHAsync_v2(dst, src, n, NULL);
+}
+
+API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n)
+{
+    return cuMemcpyHtoDAsync_v2(dst, src, n, NULL);
+}
+
+/* Device to device: both ranges in allocations of this process (of any
+ * device: with unified addressing the driver copies between devices). */
+API CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n)
+{
+    if (!ready()) return E_NOT_INITIALIZED;
+    if (!current) return E_INVALID_CONTEXT;
+    long k = atomic_fetch_add(&copies, 1) + 1;
+    if (atomic_load(&fail_at) == k) return E_ILLEGAL_ADDRESS;
+    pthread_mutex_lock(&lock);
+    int ok = alloc_of(dst, n) >= 0 && alloc_of(src, n) >= 0;
+    pthread_mutex_unlock(&lock);
+    if (!ok) return E_INVALID_VALUE;
+    memmove(S.rw + (dst - (uintptr_t)S.none), S.rw + (src - (uintptr_t)S.none), n);
+    return OK;
+}
+
+/* Every copy here is done when it returns: only the context is checked. */
+API CUresult cuCtxSynchronize(void)
+{
+    if (!ready()) return E_NOT_INITIALIZED;
+    return current ? OK : E_INVALID_CONTEXT;
 }
 
 API CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags)
