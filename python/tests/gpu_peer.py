@@ -1,24 +1,24 @@
-"""The prefill side of test_gpu_double.py: KV blocks in "GPU memory" of the CUDA
-driver's test double, registered as vLLM v1's MooncakeConnector does.
+"""The prefill side of test_gpu_vllm.py: KV blocks in GPU memory, registered
+as vLLM v1's MooncakeConnector does.
 
     gpu_peer.py LOCAL_NAME BLOCKS BLOCK_BYTES
 
-Allocates BLOCKS device blocks on device 1 (KVPT_FAKECUDA names the double,
-which kvpipe loads through KVPIPE_LIBCUDA), fills block i with pattern(100 + i),
-registers them with batch_register_memory, prints
+Allocates BLOCKS device blocks through cuda_mem (the real driver, or the
+double KVPT_FAKECUDA names), fills block i with pattern(100 + i), registers
+them with batch_register_memory, prints
 
     READY <rpc_port> <addr0> <addr1> ...
 
 and serves commands from stdin, one per line:
 
-    HEX <addr> <length>   the bytes at addr, through the double (not the CPU)
+    HEX <addr> <length>   the bytes at addr, copied device to host by the driver
     EXIT                  close the engine and exit 0
 """
-import ctypes
-import os
 import sys
 
-os.environ["KVPIPE_LIBCUDA"] = os.environ["KVPT_FAKECUDA"]
+import cuda_mem
+
+DEV = cuda_mem.open_driver()  # before kvpipe: it loads the same driver
 import kvpipe  # noqa: E402
 
 
@@ -28,18 +28,16 @@ def pattern(seed, n):
 
 def main():
     name, blocks, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    cuda = ctypes.CDLL(os.environ["KVPT_FAKECUDA"])
-    cuda.fakecuda_alloc.restype = ctypes.c_void_p
-    cuda.fakecuda_alloc.argtypes = [ctypes.c_int, ctypes.c_size_t]
-    cuda.fakecuda_poke.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
-    cuda.fakecuda_peek.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    if DEV is None:
+        print("FAILED no CUDA driver with a device here", flush=True)
+        return 1
     eng = kvpipe.TransferEngine()
     if eng.initialize(name, "P2PHANDSHAKE", "tcp", "") != 0:
         print("FAILED", kvpipe.last_error(), flush=True)
         return 1
-    addrs = [cuda.fakecuda_alloc(1, size) for _ in range(blocks)]
+    addrs = [DEV.alloc(size) for _ in range(blocks)]
     for i, a in enumerate(addrs):
-        cuda.fakecuda_poke(a, pattern(100 + i, size), size)
+        DEV.write(a, pattern(100 + i, size))
     if eng.batch_register_memory(addrs, [size] * blocks) != 0:
         print("FAILED", kvpipe.last_error(), flush=True)
         return 1
@@ -47,13 +45,12 @@ def main():
     for line in sys.stdin:
         words = line.split()
         if words and words[0] == "HEX":
-            n = int(words[2])
-            buf = ctypes.create_string_buffer(n)
-            cuda.fakecuda_peek(buf, int(words[1]), n)
-            print(buf.raw.hex(), flush=True)
+            print(DEV.read(int(words[1]), int(words[2])).hex(), flush=True)
         elif words and words[0] == "EXIT":
             break
     eng.close()
+    for a in addrs:
+        DEV.free(a)
     return 0
 
 
