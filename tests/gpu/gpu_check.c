@@ -506,6 +506,8 @@ static void throughput(peer *p, void *src, void *dst, size_t len, size_t chunk, 
         double best = 1e30;
         kvp_status s = KVP_OK;
         void *local = op == 0 ? src : dst;
+        /* What a READ fails to write must show: not bytes of an earlier one. */
+        if (op == 1 && device_fill(dst, 0, len, SEED_GUARD, 0)) s = KVP_EIO;
         for (int i = 0; i <= iters && s == KVP_OK; i++) {
             double t0 = now();
             s = transfer(p->e, p->seg, op == 0 ? KVP_OP_WRITE : KVP_OP_READ, local, p->remote, len,
