@@ -1,13 +1,15 @@
 """GPU KV caches through kvpipe's mooncake.engine, the way vLLM v1's
 MooncakeConnector uses it: P2PHANDSHAKE, batch_register_memory of device KV
 blocks (tensor.data_ptr() ints), ten threads of batch_transfer_sync_write, every
-byte checked on the peer's device; a READ into device memory.
+byte checked on the peer's device; a READ into device memory. Over shm (CUDA
+IPC) and over tcp (staged).
 
 Device memory comes from cuda_mem (the CUDA driver API through ctypes): on the
 real driver where one with a device is present (tests/gpu/run.sh), on the
 driver's test double when KVPT_FAKECUDA names it (ctest; its memory is
 PROT_NONE to the CPU, so a CPU access by kvpipe crashes the process);
 otherwise the tests are skipped (docs/gpu.md)."""
+import os
 import threading
 import unittest
 
@@ -28,7 +30,14 @@ def pattern(seed, n):
 @unittest.skipUnless(DEV, "no CUDA driver with a device (libcuda.so.1), and KVPT_FAKECUDA "
                      "does not name the driver's test double")
 class VllmV1Pattern(unittest.TestCase):
+    """Same host, as the engine chooses by default: shm, the target's device
+    memory reached by CUDA IPC (staged where the driver refuses it)."""
+    no_shm = False
+
     def setUp(self):
+        # Read by initialize() here and in the peer (which inherits it).
+        self.saved_env = os.environ.get("KVPIPE_DISABLE_SHM")
+        os.environ["KVPIPE_DISABLE_SHM"] = "1" if self.no_shm else "0"
         self.target = "%s:%d" % (tu.HOST, tu.free_port())
         self.peer = tu.python_child("gpu_peer.py", self.target, BLOCKS, BLOCK)
         words = self.peer.readline().split()
@@ -44,6 +53,10 @@ class VllmV1Pattern(unittest.TestCase):
             DEV.write(a, pattern(i, BLOCK))
 
     def tearDown(self):
+        if self.saved_env is None:
+            os.environ.pop("KVPIPE_DISABLE_SHM")
+        else:
+            os.environ["KVPIPE_DISABLE_SHM"] = self.saved_env
         self.eng.close()
         if self.peer.proc.poll() is None:
             self.peer.send("EXIT")
@@ -91,6 +104,12 @@ class VllmV1Pattern(unittest.TestCase):
         with self.assertRaises(kvpipe.Error):
             e.read_bytes_from_buffer(self.local[0], 16)
         self.assertNotEqual(e.write_bytes_to_buffer(self.local[0], b"x" * 16, 16), 0)
+
+
+class VllmV1PatternTcp(VllmV1Pattern):
+    """The same over tcp (KVPIPE_DISABLE_SHM=1), as between hosts: device
+    memory staged through pinned bounce buffers on both sides."""
+    no_shm = True
 
 
 if __name__ == "__main__":

@@ -98,8 +98,8 @@ out=$build/gpu_check.jsonl
 KVPT_REQUIRE_CUDA=1 KVPT_CUDA_DEVICE=$device PYTHONDONTWRITEBYTECODE=1 \
 PYTHONPATH="$build/python:python/mooncake_shim" \
     timeout 300 python3 python/tests/test_gpu_vllm.py -v 2>&1 | tee "$build/test_gpu_vllm.log" || failed=1
-grep -q "SUMMARY: 2 run, 0 failed, 0 errors, 0 skipped" "$build/test_gpu_vllm.log" ||
-    { echo "run.sh: test_gpu_vllm.py did not run both cases cleanly"; failed=1; }
+grep -q "SUMMARY: 4 run, 0 failed, 0 errors, 0 skipped" "$build/test_gpu_vllm.log" ||
+    { echo "run.sh: test_gpu_vllm.py did not run all four cases cleanly"; failed=1; }
 
 # 5. The figures.
 echo
