@@ -29,7 +29,6 @@
 #define _GNU_SOURCE
 #endif
 #include <dlfcn.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -37,7 +36,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -245,33 +243,21 @@ typedef struct ready_msg {
     uint64_t addr[N_PROTO];
 } ready_msg;
 
-static int free_port(void)
-{
-    int s = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t n = sizeof a;
-    int port = -1;
-    if (s >= 0 && bind(s, (struct sockaddr *)&a, sizeof a) == 0 &&
-        getsockname(s, (struct sockaddr *)&a, &n) == 0)
-        port = ntohs(a.sin_port);
-    if (s >= 0) close(s);
-    return port;
-}
-
+/* An engine on 127.0.0.1, on a port it picks; its segment name in name. */
 static kvp_engine *engine(int proto, char *name, size_t cap)
 {
-    snprintf(name, cap, "127.0.0.1:%d", free_port());
     kvp_engine_opts o;
     kvp_engine_opts_init(&o);
-    o.local_server_name = name;
+    o.local_server_name = "127.0.0.1:0";
     o.metadata = "P2PHANDSHAKE";
     o.protocol = proto_name[proto];
     o.disable_shm = proto != SHM; /* tcp: never shm for this same-host peer */
     kvp_engine *e = NULL;
     if (kvp_engine_create(&o, &e) != KVP_OK) {
-        fprintf(stderr, "gpu_check: %s engine %s: %s\n", proto_name[proto], name, kvp_last_error());
+        fprintf(stderr, "gpu_check: %s engine: %s\n", proto_name[proto], kvp_last_error());
         return NULL;
     }
+    snprintf(name, cap, "%s", kvp_engine_segment_name(e));
     return e;
 }
 
