@@ -84,8 +84,8 @@ static void sender(kvp_pipe *pipe, void *arg)
 /* Take announcement i, READ it from prefill's engine and check it. */
 static void read_announced(kvp_engine *e, kvp_segment_id seg, void *pull, int i)
 {
-    uint8_t f[2][16];
-    size_t sz[2];
+    uint8_t f[RAW_MSG_FRAMES][RAW_MSG_HEAD];
+    size_t sz[RAW_MSG_FRAMES];
     int frames = raw_recv_message(pull, f, sz, RAW_WAIT_MS);
     REQUIRE(frames == 2 && sz[0] == 8 && sz[1] == 8);
     uint64_t addr = kvpi_get_be64(f[0]), len = kvpi_get_be64(f[1]);
@@ -244,30 +244,6 @@ static void tagged_sender(kvp_pipe *pipe, void *arg)
     CHECK(s.acks == TAGGED && s.bad_acks == 2 && s.inflight_count == 0);
 }
 
-/* Receive one message of up to 3 frames; returns the frame count (-1 on
- * timeout) with each frame's size and its first 40 bytes. */
-static int recv_frames(void *z, uint8_t f[3][KVPI_TAG_LEN], size_t sz[3])
-{
-    int frames = 0, more;
-    do {
-        zmq_msg_t m;
-        zmq_msg_init(&m);
-        if (zmq_msg_recv(&m, z, 0) < 0) {
-            zmq_msg_close(&m);
-            return frames ? frames : -1;
-        }
-        if (frames < 3) {
-            sz[frames] = zmq_msg_size(&m);
-            memcpy(f[frames], zmq_msg_data(&m),
-                   sz[frames] < KVPI_TAG_LEN ? sz[frames] : KVPI_TAG_LEN);
-        }
-        frames++;
-        more = zmq_msg_more(&m);
-        zmq_msg_close(&m);
-    } while (more);
-    return frames;
-}
-
 static void send_tagged_ack(void *push, const char *instance, uint64_t seq)
 {
     kvpi_msg_tag t = {.seq = seq};
@@ -316,9 +292,9 @@ static void test_tagged_acks(void)
     REQUIRE_OK(kvpi_engine_lookup_field(e, s.side[0].local_segment, "kvpipe_instance", &id));
     REQUIRE(cJSON_IsString(id) && strlen(id->valuestring) == KVPI_TAG_INSTANCE_LEN);
     for (int i = 0; i < TAGGED; i++) {
-        uint8_t f[3][KVPI_TAG_LEN];
-        size_t sz[3];
-        int frames = recv_frames(pull, f, sz);
+        uint8_t f[RAW_MSG_FRAMES][RAW_MSG_HEAD];
+        size_t sz[RAW_MSG_FRAMES];
+        int frames = raw_recv_message(pull, f, sz, RAW_WAIT_MS);
         /* An announcement, then its tag: the prefill engine's instance, and
          * the message's number from 1. */
         CHECK(frames == 3 && sz[0] == 8 && sz[1] == 8 && sz[2] == KVPI_TAG_LEN);
@@ -420,9 +396,9 @@ static void test_stale_instance_announcement(void)
         CHECK(raw_send_frames(push, f, sz, i == 2 ? 2 : 3) == 0);
         /* Answered with a tagged ACK echoing its tag, the untagged one
          * plainly. */
-        uint8_t ack[3][KVPI_TAG_LEN];
-        size_t asz[3];
-        int frames = recv_frames(pull, ack, asz);
+        uint8_t ack[RAW_MSG_FRAMES][RAW_MSG_HEAD];
+        size_t asz[RAW_MSG_FRAMES];
+        int frames = raw_recv_message(pull, ack, asz, RAW_WAIT_MS);
         int want = i == 2 ? 1 : 2;
         CHECK(frames == want && asz[0] == 3 && memcmp(ack[0], "ACK", 3) == 0);
         if (frames != 2 || want != 2) continue;

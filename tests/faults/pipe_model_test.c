@@ -532,8 +532,8 @@ typedef struct raw_q {
 /* Take one ACK (waiting up to timeout_ms); 1 when one came. */
 static int raw_take_ack(kvp_engine *e, void *pull, raw_q *q, int timeout_ms)
 {
-    uint8_t f[2][16];
-    size_t sz[2];
+    uint8_t f[RAW_MSG_FRAMES][RAW_MSG_HEAD];
+    size_t sz[RAW_MSG_FRAMES];
     uint64_t t0 = kvpi_now_ms();
     int frames = raw_recv_message(pull, f, sz, timeout_ms);
     if (frames < 0) {

@@ -20,6 +20,7 @@
 #include "common/clock.h"
 #include "common/net.h"
 #include "kvpipe/pipe.h"
+#include "pipe/announce.h"
 #include "pipe/safetensors.h"
 #include "test.h"
 
@@ -310,9 +311,13 @@ static inline int raw_announce_good(kvp_engine *e, void *push, int i)
     return raw_send_announcement(push, (uint64_t)(uintptr_t)buf, len);
 }
 
-/* Receive one message of at most 2 frames of up to 16 bytes; returns the frame
- * count (-1 on timeout). */
-static inline int raw_recv_message(void *z, uint8_t f[2][16], size_t sz[2], int timeout_ms)
+/* Receive one message: its frame count (-1 on timeout), the sizes of its
+ * first RAW_MSG_FRAMES frames and their first RAW_MSG_HEAD bytes (a tag
+ * frame whole). */
+#define RAW_MSG_FRAMES 3
+#define RAW_MSG_HEAD KVPI_TAG_LEN
+static inline int raw_recv_message(void *z, uint8_t f[RAW_MSG_FRAMES][RAW_MSG_HEAD],
+                                   size_t sz[RAW_MSG_FRAMES], int timeout_ms)
 {
     zmq_setsockopt(z, ZMQ_RCVTIMEO, &timeout_ms, sizeof timeout_ms);
     int frames = 0, more;
@@ -323,9 +328,10 @@ static inline int raw_recv_message(void *z, uint8_t f[2][16], size_t sz[2], int 
             zmq_msg_close(&m);
             return frames ? frames : -1;
         }
-        if (frames < 2) {
-            sz[frames] = zmq_msg_size(&m) < 16 ? zmq_msg_size(&m) : 16;
-            memcpy(f[frames], zmq_msg_data(&m), sz[frames]);
+        if (frames < RAW_MSG_FRAMES) {
+            sz[frames] = zmq_msg_size(&m);
+            memcpy(f[frames], zmq_msg_data(&m),
+                   sz[frames] < RAW_MSG_HEAD ? sz[frames] : RAW_MSG_HEAD);
         }
         frames++;
         more = zmq_msg_more(&m);
@@ -340,8 +346,8 @@ static inline int raw_count_acks(void *pull, int max, int timeout_ms)
 {
     int n = 0;
     for (int i = 0; i < max; i++) {
-        uint8_t f[2][16];
-        size_t sz[2];
+        uint8_t f[RAW_MSG_FRAMES][RAW_MSG_HEAD];
+        size_t sz[RAW_MSG_FRAMES];
         int frames = raw_recv_message(pull, f, sz, timeout_ms);
         if (frames < 0) break;
         n += frames == 1 && sz[0] == 3 && memcmp(f[0], "ACK", 3) == 0 ? 1 : -1000;
