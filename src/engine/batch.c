@@ -85,7 +85,7 @@ struct kvp_batch {
     kvp_status conn_error;
     char detail[256];  /* kvp_last_error() of the first failure, from its thread */
     int notify_fd;     /* -1, or an eventfd told when pending reaches 0 */
-    char instance[40]; /* "", or the only peer instance to run against */
+    char instance[sizeof((kvp_engine *)0)->instance]; /* "", or the only peer instance to run on */
     kvpi_engine_metrics *metrics;
     uint64_t submit_ns;
 };
@@ -573,7 +573,7 @@ static kvp_status submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request
                          int notify_fd, const char *instance, int sync, kvp_batch **out)
 {
     if (!e || !out || (n && !reqs)) return kvpi_error(KVP_EINVAL, "batch_submit: NULL argument");
-    if (instance && strlen(instance) >= sizeof ((kvp_batch *)0)->instance)
+    if (instance && strlen(instance) >= sizeof((kvp_batch *)0)->instance)
         return kvpi_error(KVP_EINVAL, "batch_submit: instance id too long");
     kvpi_segment *seg = kvpi_segment_get(e, seg_id);
     if (!seg) return kvpi_error(KVP_EINVAL, "batch_submit: segment id %u is not open", seg_id);
