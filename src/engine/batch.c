@@ -131,8 +131,9 @@ static void complete(kvpi_work *w, kvp_status st, uint64_t done_ns)
     if (done)
         kvpi_metrics_request_done(b->metrics, w->slice.opcode, r->length, w->ops, r->status,
                                   done_ns - b->submit_ns);
-    b->outstanding--;
-    pthread_cond_broadcast(&b->cond);
+    /* Both waiters (kvp_batch_wait, kvp_batch_free) wait for the last
+     * work: waking them at every slice cost a wake-up per group. */
+    if (--b->outstanding == 0) pthread_cond_broadcast(&b->cond);
     pthread_mutex_unlock(&b->lock);
 }
 
