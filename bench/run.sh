@@ -452,27 +452,35 @@ section_samehost() {
     if ! grep -q '^  ucx ' <<<"$("$kvpipe" info 2>/dev/null)"; then
         echo "skipped: this kvpipe has no ucx transport (KVP_WITH_UCX)"; echo; return
     fi
-    echo "kvpipe over shm against kvpipe over ucx with UCX_TLS=sm,self (--no-shm), back to back."
+    echo "kvpipe over shm against kvpipe over ucx with UCX_TLS=sm,self (--no-shm), back to back,"
+    echo "each with the bench's defaults (2 threads, batches, through 512 MiB on the target,"
+    echo "after one untimed pass over it). Pool: the target serves kvp_engine_alloc memory"
+    echo "(over ucx, memory UCX allocated, which the initiator maps and copies itself);"
+    echo "registered: memory the target registers (over ucx, UCX 1.13's emulation)."
     echo
-    echo "| block | shm READ GB/s | ucx READ GB/s | ucx / shm READ | shm WRITE GB/s | ucx WRITE GB/s | ucx / shm WRITE |"
-    echo "|---|---|---|---|---|---|---|"
+    echo "| memory | block | shm READ GB/s | ucx READ GB/s | ucx / shm READ | shm WRITE GB/s | ucx WRITE GB/s | ucx / shm WRITE |"
+    echo "|---|---|---|---|---|---|---|---|"
     ucx_env "sm,self"
-    start_target shm; local shm_seg=$segment
-    start_target rdma --no-shm; local ucx_seg=$segment
-    for block in 1048576 16777216; do
-        local sr=() ur=() sw=() uw=()
-        for _ in $(seq "$repeat"); do
-            segment=$shm_seg; sr+=("$(initiator shm read "$block")")
-            segment=$ucx_seg; ur+=("$(initiator rdma read "$block" --no-shm)")
-            segment=$shm_seg; sw+=("$(initiator shm write "$block")")
-            segment=$ucx_seg; uw+=("$(initiator rdma write "$block" --no-shm)")
+    local memory
+    for memory in pool registered; do
+        local flag=(); [ "$memory" = pool ] && flag=(--pool)
+        start_target shm "${flag[@]}"; local shm_seg=$segment
+        start_target rdma --no-shm "${flag[@]}"; local ucx_seg=$segment
+        for block in 1048576 16777216; do
+            local sr=() ur=() sw=() uw=()
+            for _ in $(seq "$repeat"); do
+                segment=$shm_seg; sr+=("$(initiator shm read "$block")")
+                segment=$ucx_seg; ur+=("$(initiator rdma read "$block" --no-shm)")
+                segment=$shm_seg; sw+=("$(initiator shm write "$block")")
+                segment=$ucx_seg; uw+=("$(initiator rdma write "$block" --no-shm)")
+            done
+            local a b c d
+            a=$(med "${sr[@]}"); b=$(med "${ur[@]}"); c=$(med "${sw[@]}"); d=$(med "${uw[@]}")
+            echo "| $memory | $(human "$block") | $a | $b | $(ratio "$b" "$a") | $c | $d | $(ratio "$d" "$c") |"
         done
-        local a b c d
-        a=$(med "${sr[@]}"); b=$(med "${ur[@]}"); c=$(med "${sw[@]}"); d=$(med "${uw[@]}")
-        echo "| $(human "$block") | $a | $b | $(ratio "$b" "$a") | $c | $d | $(ratio "$d" "$c") |"
+        stop_target
+        stop_target
     done
-    stop_target
-    stop_target
     echo
 }
 

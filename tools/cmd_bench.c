@@ -46,6 +46,7 @@ enum {
     O_JSON,
     O_SWEEP,
     O_SYNC,
+    O_NO_WARMUP,
     O_POOL,
     O_WORKERS,
     O_CONNS,
@@ -97,6 +98,10 @@ static const kvp_cli_opt opts[] = {
      "initiator: each request by itself through the blocking\nkvp_engine_read/write (on the "
      "calling thread, no\nbatch): a batch's requests run one after the other",
      .id = O_SYNC},
+    {"no-warmup", KVP_ARG_FLAG, NULL,
+     "initiator: start the clock at once; by default one\nuntimed pass over the span comes "
+     "first (as ucx_perftest's\nwarm-up), so a fresh mapping's page faults are not timed",
+     .id = O_NO_WARMUP},
     {"pool", KVP_ARG_FLAG, NULL,
      "target: serve a buffer from the engine's pool\n(kvp_engine_alloc, as the pipe's tensors; over "
      "rdma/ucx\nmemory UCX allocates) instead of memory it registers",
@@ -213,6 +218,9 @@ static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value 
         break;
     case O_SYNC:
         o->sync = (int)v->i;
+        break;
+    case O_NO_WARMUP:
+        o->no_warmup = (int)v->i;
         break;
     case O_POOL:
         o->pool = (int)v->i;
