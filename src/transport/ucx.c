@@ -12,9 +12,10 @@
  * taken) the progress thread serves, the calling thread waiting within the
  * transfer's deadline (ucx_internal.h, "Threads"). A transfer out of time
  * closes the endpoint, which cancels what is in flight, and the engine looks
- * the peer up again. A REVOKE from the target
- * refuses its range from then on and is acknowledged once what was issued
- * before is flushed. In the authenticated mode the descriptor has no rkeys:
+ * the peer up again. An xfer all in target memory the rkeys map here (UCX's
+ * shared memory) is copied on the posting thread instead (copy_mapped). A
+ * REVOKE from the target refuses its range from then on and is acknowledged
+ * once what was issued before is flushed. In the authenticated mode the descriptor has no rkeys:
  * the HELLO runs a challenge-response (we check the target's MAC over our
  * fresh nonce before we send ours) and the rkeys come with its answer.
  */
@@ -68,7 +69,16 @@ typedef struct ucx_peer {
     ucp_worker_h worker;
     ucp_ep_h ep; /* NULL once closed */
     ucp_rkey_h *rkeys;
-    unsigned char *revoked; /* REVOKED_*: refused from now on */
+    unsigned char *revoked; /* REVOKED_*: refused from now on; written under map_lock too */
+    /* Regions whose rkey maps the target's memory here (UCX's shared
+     * memory, ucp_rkey_ptr): where region i's first byte is in this
+     * process, or NULL. A transfer of such memory is a copy on the posting
+     * thread (copy_mapped), without the worker, under map_lock for reading;
+     * whoever refuses a region or sets its rkey holds it for writing, so
+     * that once revoke_range returned no copy of the range runs. */
+    char **mapped;
+    size_t n_mapped;
+    pthread_rwlock_t map_lock;
     ucx_revoke *revokes, **revokes_tail;
     uint64_t conn_id;
     int awaiting_hello;
@@ -117,9 +127,21 @@ enum { HELLO_IMPOSTOR = 0x100, HELLO_BAD_RKEY = 0x101 };
 /* Refuse every region of ours that overlaps [addr, addr+length). */
 static void revoke_range(ucx_peer *p, uint64_t addr, uint64_t length)
 {
+    pthread_rwlock_wrlock(&p->map_lock); /* waits for the copies running */
     for (size_t i = 0; i < p->n_regions; i++)
         if (p->regions[i].addr < addr + length && addr < p->regions[i].addr + p->regions[i].length)
             p->revoked[i] = REVOKED_DEREG;
+    pthread_rwlock_unlock(&p->map_lock);
+}
+
+/* Region i's rkey was unpacked: is its memory mapped here? The caller holds
+ * map_lock for writing, or no transfer can use p yet. */
+static void find_mapping(ucx_peer *p, size_t i)
+{
+    void *here;
+    if (ucp_rkey_ptr(p->rkeys[i], p->regions[i].addr, &here) != UCS_OK) return;
+    p->mapped[i] = here;
+    p->n_mapped++;
 }
 
 /* The HELLO exchange ended with status. */
@@ -143,6 +165,7 @@ static int take_rkeys(ucx_peer *p, const uint8_t *d, const uint8_t *end)
 {
     kvpi_ucx_rkey_iter it;
     if (kvpi_ucx_rkeys_begin(d, end, &it)) return -1;
+    pthread_rwlock_wrlock(&p->map_lock);
     for (size_t i = 0; i < p->n_regions; i++)
         p->revoked[i] = p->revoked[i] ? p->revoked[i] : REVOKED_NO_RKEY;
     uint64_t addr, len;
@@ -157,11 +180,15 @@ static int take_rkeys(ucx_peer *p, const uint8_t *d, const uint8_t *end)
                 p->rkeys[i] = NULL;
                 KVPI_DEBUG("ucx peer %s: buffer 0x%" PRIx64 ": ucp_ep_rkey_unpack: %s", p->segment,
                            addr, ucs_status_string(ust));
-                return -1;
+                r = -1;
+                goto out;
             }
+            find_mapping(p, i);
             if (p->revoked[i] == REVOKED_NO_RKEY) p->revoked[i] = 0;
         }
     }
+out:
+    pthread_rwlock_unlock(&p->map_lock);
     return r;
 }
 
@@ -341,6 +368,7 @@ static kvp_status unpack_rkeys(ucx_peer *p)
                               ": ucp_ep_rkey_unpack: %s", p->segment, p->regions[i].addr,
                               ucs_status_string(ust));
         }
+        find_mapping(p, i); /* no transfer has p yet */
     }
     return KVP_OK;
 }
@@ -485,10 +513,12 @@ static void peer_close(void *peer)
         free(p->rkey_bufs[i]);
     pthread_cond_destroy(&p->answered);
     pthread_mutex_destroy(&p->lock);
+    pthread_rwlock_destroy(&p->map_lock);
     kvpi_ucx_pollee_destroy(&p->poll);
     free(p->rkey_bufs);
     free(p->rkey_lens);
     free(p->revoked);
+    free(p->mapped);
     free(p->rkeys);
     free(p->regions);
     free(p->segment);
@@ -598,7 +628,8 @@ static kvp_status peer_init(ucx_peer *p, const kvpi_peer_ctx *ctx)
     size_t n = ctx->n_regions ? ctx->n_regions : 1;
     if (!(p->segment = strdup(ctx->segment ? ctx->segment : "?")) ||
         !(p->regions = calloc(n, sizeof *p->regions)) || !(p->rkeys = calloc(n, sizeof *p->rkeys)) ||
-        !(p->revoked = calloc(n, 1)) || !(p->rkey_bufs = calloc(n, sizeof *p->rkey_bufs)) ||
+        !(p->revoked = calloc(n, 1)) || !(p->mapped = calloc(n, sizeof *p->mapped)) ||
+        !(p->rkey_bufs = calloc(n, sizeof *p->rkey_bufs)) ||
         !(p->rkey_lens = calloc(n, sizeof *p->rkey_lens)))
         return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
     for (size_t i = 0; i < ctx->n_regions; i++) {
@@ -698,6 +729,12 @@ static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
     pthread_mutex_init(&p->lock, NULL);
     kvpi_cond_init(&p->answered);
     kvpi_ucx_pollee_init(&p->poll);
+    /* A REVOKE waits for the copies running, not for every later one. */
+    pthread_rwlockattr_t ra;
+    pthread_rwlockattr_init(&ra);
+    pthread_rwlockattr_setkind_np(&ra, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+    pthread_rwlock_init(&p->map_lock, &ra);
+    pthread_rwlockattr_destroy(&ra);
     if (!(st = peer_init(p, ctx))) {
         parse_process(p, cJSON_GetObjectItemCaseSensitive(ctx->desc, KVPI_UCX_FIELD));
         open_args a = {.p = p, .addr = addr, .epoch = epoch};
@@ -1002,9 +1039,49 @@ static void lead(ucx_peer *p, ucx_xfer *ux, int *led)
     kvpi_ucx_let_go(s, &p->poll, more);
 }
 
+/* Every slice of x in memory the target's rkeys map here: copy them on this
+ * thread and complete x - what UCP's shared memory transports would do with
+ * the worker, without it, so that callers copy side by side. 0 (nothing
+ * done) when a slice is not, or is refused, or the peer is down or x
+ * cancelled: the worker's path then runs it, or fails it with its reason.
+ * A copy cannot stall, so it needs no deadline; a target that died leaves
+ * its memory mapped until we close, as UCP's own copy would read it, and
+ * its endpoint's failure stops the copies as it stops UCP's. */
+static int copy_mapped(ucx_peer *p, kvpi_xfer *x)
+{
+    if (!p->n_mapped) return 0;
+    pthread_rwlock_rdlock(&p->map_lock);
+    int ok = !atomic_load(&p->ep_status) && !atomic_load(&p->timed_out) &&
+             !atomic_load(&x->canceled);
+    for (size_t i = 0; ok && i < x->n; i++) {
+        const kvpi_slice *sl = x->slices[i];
+        size_t r = sl->remote_region;
+        ok = r < p->n_regions && p->mapped[r] && !p->revoked[r] &&
+             kvpi_regions_contain(&p->regions[r], 1, sl->remote, sl->length);
+    }
+    for (size_t i = 0; ok && i < x->n; i++) {
+        kvpi_slice *sl = x->slices[i];
+        size_t r = sl->remote_region;
+        char *there = p->mapped[r] + (sl->remote - p->regions[r].addr);
+        if (sl->opcode == KVP_OP_READ)
+            memcpy(sl->local, there, sl->length);
+        else
+            memcpy(there, sl->local, sl->length);
+        sl->status = KVP_OK;
+    }
+    pthread_rwlock_unlock(&p->map_lock);
+    if (!ok) return 0;
+    /* The target sees the bytes of a WRITE once told by a message that
+     * comes after this. */
+    atomic_thread_fence(memory_order_seq_cst);
+    x->done(x, KVP_OK);
+    return 1;
+}
+
 static void peer_post(void *peer, kvpi_xfer *x, unsigned flags)
 {
     ucx_peer *p = peer;
+    if (copy_mapped(p, x)) return;
     uint64_t bytes = 0;
     for (size_t i = 0; i < x->n; i++)
         bytes += x->slices[i]->length;

@@ -6,10 +6,12 @@
  * target stopped or killed mid-transfer fails the initiator's requests
  * within the engine's deadline; a killed initiator does not hold up the
  * target's deregistrations; a buffer of the target's pool is read over UCX's
- * shared memory without the target's progress. Skips in a build without
- * UCX. */
+ * shared memory without the target's progress, and once the target freed it
+ * (its chunk unmapped) is refused. Skips in a build without UCX. */
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -378,6 +380,85 @@ static void pool_read_while_target_stopped(void)
     CHECK(stop_target(&t) == 0);
 }
 
+typedef struct pool_reader {
+    kvp_engine *e;
+    kvp_segment_id seg;
+    uint64_t pool;
+    atomic_int stop;
+    atomic_long ok;
+    long wrong, refused, other;
+} pool_reader;
+
+/* READs 64 KiB pieces of the pool buffer, checking each one that succeeds,
+ * until told to stop. */
+static void *read_pool(void *arg)
+{
+    pool_reader *r = arg;
+    char *local = malloc(64 << 10);
+    for (uint64_t off = 0; local && !atomic_load(&r->stop); off = (off + (64 << 10)) % MIB) {
+        kvp_status st = kvp_engine_read(r->e, r->seg, local, r->pool + off, 64 << 10);
+        if (st == KVP_OK) {
+            r->wrong += kvpt_verify(local, 64 << 10, MIB + off) != (size_t)-1;
+            atomic_fetch_add(&r->ok, 1);
+        } else {
+            st == KVP_ERANGE ? r->refused++ : r->other++;
+        }
+    }
+    free(local);
+    return NULL;
+}
+
+/* The target frees a buffer of its pool and the pool gives the chunk back
+ * (it keeps none), while a thread here READs it all along: over UCX's shared
+ * memory the initiator maps such memory and copies it on the calling thread.
+ * Every READ that succeeded got the right bytes; once kvp_engine_free
+ * returned, READ and WRITE of it fail with KVP_ERANGE and touch nothing. */
+static void pool_freed_while_read(void)
+{
+    kvpt_ctarget t;
+    if (!kvpi_transport_lookup("ucx")) {
+        kvpt_skip("built without UCX (KVP_WITH_UCX)");
+        return;
+    }
+    setenv("UCX_TLS", tls, 1);
+    kvpt_ctarget_opts o = {.protocol = "rdma", .disable_shm = 1, .len = LEN, .seed = SEED,
+                           .timeout_ms = TIMEOUT_MS, .pool_retain_bytes = 1};
+    REQUIRE(kvpt_ctarget_start(&o, &t) == 0);
+    int64_t pool = kvpt_ctarget_cmd(&t, KVPT_CT_POOL, MIB, 3000);
+    REQUIRE(pool > 0);
+    pool_reader r = {.pool = (uint64_t)pool};
+    REQUIRE(start_initiator(&t, &r.e, &r.seg) == 0);
+    pthread_t th;
+    REQUIRE(pthread_create(&th, NULL, read_pool, &r) == 0);
+    usleep(200 * 1000);
+    int64_t ms = kvpt_ctarget_cmd(&t, KVPT_CT_POOL_FREE, 0, BOUND_MS + 2000);
+    fprintf(stderr, "  UCX_TLS=%s: freeing the pool buffer took %lld ms\n", tls, (long long)ms);
+    CHECK(ms >= 0 && ms < TIMEOUT_MS / 2);
+    long ok_at_free = atomic_load(&r.ok);
+    usleep(100 * 1000);
+    atomic_store(&r.stop, 1);
+    pthread_join(th, NULL);
+    fprintf(stderr, "  UCX_TLS=%s: %ld READs done (%ld before the free returned), %ld refused\n",
+            tls, atomic_load(&r.ok), ok_at_free, r.refused);
+    CHECK(ok_at_free > 0);
+    CHECK(r.wrong == 0);
+    CHECK(r.other == 0);
+    CHECK(r.refused > 0);
+    char *local = malloc(MIB);
+    REQUIRE(local);
+    memset(local, 0x5a, MIB);
+    CHECK_ST(kvp_engine_read(r.e, r.seg, local, (uint64_t)pool, MIB), KVP_ERANGE);
+    /* Refused by the target's REVOKE, then by its descriptor looked up again. */
+    CHECK(strstr(kvp_last_error(), "deregistered") ||
+          strstr(kvp_last_error(), "outside its registered"));
+    CHECK(local[0] == 0x5a && local[MIB - 1] == 0x5a); /* nothing landed */
+    CHECK_ST(kvp_engine_write(r.e, r.seg, local, (uint64_t)pool, MIB), KVP_ERANGE);
+    CHECK(target_alive(&t));
+    free(local);
+    kvp_engine_destroy(r.e);
+    CHECK(stop_target(&t) == 0);
+}
+
 static void target_stopped(void)
 {
     target_fault(SIGSTOP);
@@ -391,7 +472,8 @@ static void target_killed(void)
 #define CASES(X, row)                                                                        \
     X(row, deregistered_while_peer_holds_rkey) X(row, deregistered_while_peer_frozen)        \
     X(row, initiator_killed) X(row, target_stopped) X(row, target_killed)                    \
-    X(row, pool_read_while_target_stopped) X(row, reregistered_same_range)
+    X(row, pool_read_while_target_stopped) X(row, pool_freed_while_read)                    \
+    X(row, reregistered_same_range)
 
 #define DEFINE(row, c)                                                                       \
     static void row##__##c(void)                                                             \

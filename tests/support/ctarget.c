@@ -40,6 +40,7 @@ static int64_t timed_ms(uint64_t t0)
 
 static int64_t child_do(kvp_engine *e, kvpt_ctarget *t, const ct_cmd *c)
 {
+    static void *pool; /* the last KVPT_CT_POOL buffer */
     uint64_t t0 = kvpi_now_ns();
     switch (c->op) {
     case KVPT_CT_REGISTER: {
@@ -55,8 +56,13 @@ static int64_t child_do(kvp_engine *e, kvpt_ctarget *t, const ct_cmd *c)
         void *p;
         if (kvp_engine_alloc(e, c->arg, &p) != KVP_OK) return -1;
         kvpt_fill(p, c->arg, c->arg); /* the pattern's seed is the length */
+        pool = p;
         return (int64_t)(uintptr_t)p;
     }
+    case KVPT_CT_POOL_FREE:
+        if (!pool || kvp_engine_free(e, pool) != KVP_OK) return -1;
+        pool = NULL;
+        return timed_ms(t0);
     case KVPT_CT_UNREGISTER:
         return kvp_engine_unregister(e, t->buf) == KVP_OK ? timed_ms(t0) : -1;
     case KVPT_CT_REREGISTER:
@@ -92,6 +98,7 @@ static void child_main(const kvpt_ctarget_opts *o, kvpt_ctarget *t, int cmd_fd, 
     if (o->idle_timeout_ms) eo.idle_timeout_ms = o->idle_timeout_ms;
     if (o->max_connections) eo.max_connections = o->max_connections;
     if (o->min_transfer_rate) eo.min_transfer_rate = o->min_transfer_rate;
+    if (o->pool_retain_bytes) eo.pool_retain_bytes = o->pool_retain_bytes;
     kvp_engine *e;
     if (kvp_engine_create(&eo, &e) != KVP_OK) {
         fprintf(stderr, "ctarget: engine: %s\n", kvp_last_error());

@@ -28,6 +28,7 @@ typedef struct kvpt_ctarget_opts {
     int max_connections;
     uint64_t min_transfer_rate;
     int nofile; /* RLIMIT_NOFILE soft limit of the child; 0: unchanged */
+    size_t pool_retain_bytes;
 } kvpt_ctarget_opts;
 
 typedef struct kvpt_ctarget {
@@ -49,6 +50,7 @@ enum kvpt_ctarget_op {
     KVPT_CT_ALLOC = 'a',      /* kvp_engine_alloc of arg bytes: ms taken */
     KVPT_CT_POOL = 'p',       /* kvp_engine_alloc of arg bytes filled with
                                  kvpt_fill(seed arg): their address */
+    KVPT_CT_POOL_FREE = 'F',  /* kvp_engine_free of the last KVPT_CT_POOL buffer: ms taken */
     KVPT_CT_UNREGISTER = 'u', /* unregister the buffer: ms taken */
     KVPT_CT_REREGISTER = 'R', /* unregister the buffer, fill it with kvpt_fill(seed
                                  arg) and register it again (the same range): 0 */
