@@ -168,23 +168,27 @@ section_tcp() {
     echo "raw: one block reused on each side (cache-resident); raw walk: raw TCP through"
     echo "as much memory as the bench moves through (512 MiB served, batch x block filled),"
     echo "per direction. READ and WRITE: kvpipe bench's defaults (2 threads, 4 workers,"
-    echo "4 connections)."
+    echo "4 connections). \"1 block\": the same, at raw's footprint on the target's side"
+    echo "(--buffer-size of one block: every request moves the same block)."
     echo
-    echo "| block | raw GB/s | raw walk READ-wise GB/s | READ GB/s | READ / raw | READ / raw walk | raw walk WRITE-wise GB/s | WRITE GB/s | WRITE / raw | WRITE / raw walk |"
-    echo "|---|---|---|---|---|---|---|---|---|---|"
+    echo "| block | raw GB/s | raw walk READ-wise GB/s | READ GB/s | READ / raw walk | READ 1 block GB/s | READ 1 block / raw | raw walk WRITE-wise GB/s | WRITE GB/s | WRITE / raw walk | WRITE 1 block GB/s | WRITE 1 block / raw |"
+    echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
     for block in 65536 1048576 16777216; do
-        local bases=() rwalks=() wwalks=() reads=() writes=()
+        local bases=() rwalks=() wwalks=() reads=() writes=() oreads=() owrites=()
         for _ in $(seq "$repeat"); do
             bases+=("$(baseline_raw_tcp "$block")")
+            oreads+=("$(initiator tcp read "$block" --no-shm --buffer-size "$block")")
+            owrites+=("$(initiator tcp write "$block" --no-shm --buffer-size "$block")")
             rwalks+=("$(baseline_raw_read "$block")")
             reads+=("$(initiator tcp read "$block" --no-shm)")
             wwalks+=("$(baseline_raw_write "$block")")
             writes+=("$(initiator tcp write "$block" --no-shm)")
         done
-        local base rwalk wwalk read write
+        local base rwalk wwalk read write oread owrite
         base=$(med "${bases[@]}"); rwalk=$(med "${rwalks[@]}"); wwalk=$(med "${wwalks[@]}")
         read=$(med "${reads[@]}"); write=$(med "${writes[@]}")
-        echo "| $(human "$block") | $base | $rwalk | $read | $(ratio "$read" "$base") | $(ratio "$read" "$rwalk") | $wwalk | $write | $(ratio "$write" "$base") | $(ratio "$write" "$wwalk") |"
+        oread=$(med "${oreads[@]}"); owrite=$(med "${owrites[@]}")
+        echo "| $(human "$block") | $base | $rwalk | $read | $(ratio "$read" "$rwalk") | $oread | $(ratio "$oread" "$base") | $wwalk | $write | $(ratio "$write" "$wwalk") | $owrite | $(ratio "$owrite" "$base") |"
         echo "\"$(human "$block")\" $base $read $write" >> "$data/tcp.dat"
     done
     echo
