@@ -1,7 +1,5 @@
-/* The CUDA driver API through dlopen (see cuda.h). The types and entry points
- * are declared from NVIDIA's driver API reference (cuda.h of the toolkit is
- * not needed to build): handles are opaque pointers, CUdeviceptr is a 64-bit
- * integer, and the copy, stream-destroy, address-range and IPC-open entry
+/* The CUDA driver API through dlopen (see cuda.h; its types in
+ * cuda_driver.h). The copy, stream-destroy, address-range and IPC-open entry
  * points are resolved under their _v2 names, the ones the toolkit's header
  * maps the plain names to. */
 #include "gpu/cuda.h"
@@ -16,28 +14,9 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "gpu/cuda_driver.h"
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef unsigned long long CUdeviceptr;
-typedef struct CUctx_st *CUcontext;
-typedef struct CUstream_st *CUstream;
-typedef struct CUipcMemHandle {
-    char reserved[KVPI_CUDA_IPC_HANDLE_LEN]; /* CU_IPC_HANDLE_SIZE */
-} CUipcMemHandle;
-
-#define CUDA_SUCCESS 0
-#define CUDA_ERROR_INVALID_VALUE 1
-#define CU_POINTER_ATTRIBUTE_MEMORY_TYPE 2
-#define CU_POINTER_ATTRIBUTE_IS_MANAGED 8
-#define CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL 9
-#define CU_MEMORYTYPE_HOST 1
-#define CU_MEMORYTYPE_DEVICE 2
-#define CU_MEMORYTYPE_ARRAY 3
-#define CU_MEMORYTYPE_UNIFIED 4
-#define CU_STREAM_NON_BLOCKING 0x1
-#define CU_MEMHOSTALLOC_PORTABLE 0x1
-#define CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 0x1
+_Static_assert(KVPI_CUDA_IPC_HANDLE_LEN == CU_IPC_HANDLE_SIZE, "an IPC handle is the driver's");
 
 /* The primary contexts kvpipe retains (never released: they live as long as
  * the process, as the CUDA runtime's do). */

@@ -40,14 +40,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "gpu/cuda_driver.h"
 #include "kvpipe/kvpipe.h"
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef unsigned long long CUdeviceptr;
-typedef struct CUctx_st *CUcontext;
-
-#define CU_MEMHOSTALLOC_PORTABLE 1u
 #define SKIP 77
 
 /* The driver entry points this program calls (NVIDIA's documented names). */

@@ -39,14 +39,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef unsigned long long CUdeviceptr;
-typedef struct CUctx_st *CUcontext;
-typedef struct CUstream_st *CUstream;
-typedef struct {
-    char reserved[64];
-} CUipcMemHandle;
+#include "gpu/cuda_driver.h"
 
 /* What this double puts in a handle. */
 typedef struct ipc_handle {
