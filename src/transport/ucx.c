@@ -1069,11 +1069,10 @@ static int copy_mapped(ucx_peer *p, kvpi_xfer *x)
             memcpy(there, sl->local, sl->length);
         sl->status = KVP_OK;
     }
+    /* A release: the bytes of a WRITE come before anything that tells the
+     * target of them (a message after the completion). */
     pthread_rwlock_unlock(&p->map_lock);
     if (!ok) return 0;
-    /* The target sees the bytes of a WRITE once told by a message that
-     * comes after this. */
-    atomic_thread_fence(memory_order_seq_cst);
     x->done(x, KVP_OK);
     return 1;
 }
