@@ -15,9 +15,10 @@
  * the peer up again. An xfer all in target memory the rkeys map here (UCX's
  * shared memory) is copied on the posting thread instead (copy_mapped). A
  * REVOKE from the target refuses its range from then on and is acknowledged
- * once what was issued before is flushed. In the authenticated mode the descriptor has no rkeys:
- * the HELLO runs a challenge-response (we check the target's MAC over our
- * fresh nonce before we send ours) and the rkeys come with its answer.
+ * once what was issued before is flushed. In the authenticated mode the
+ * descriptor has no rkeys: the HELLO runs a challenge-response (we check the
+ * target's MAC over our fresh nonce before we send ours) and the rkeys come
+ * with its answer.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -769,6 +770,19 @@ typedef struct ucx_item {
 
 enum { REFUSED_OUTSIDE = 1, REFUSED_REVOKED = 2, REFUSED_NO_RKEY = 3, REFUSED_CANCELED = 4 };
 
+/* Why sl may not be issued (REFUSED_*), or 0. The caller holds the worker's
+ * lock or map_lock (both are held to change revoked). The engine checked
+ * the range before; one-sided, this is the last place a bad one can be
+ * stopped. */
+static int refusal(const ucx_peer *p, const kvpi_slice *sl)
+{
+    size_t r = sl->remote_region;
+    if (r >= p->n_regions || !kvpi_regions_contain(&p->regions[r], 1, sl->remote, sl->length))
+        return REFUSED_OUTSIDE;
+    if (p->revoked[r]) return p->revoked[r] == REVOKED_NO_RKEY ? REFUSED_NO_RKEY : REFUSED_REVOKED;
+    return 0;
+}
+
 /* One posted xfer. Everything here changes under the worker's lock: it is
  * issued by the lock's holder, and UCP calls its requests back from the
  * holder's progress. */
@@ -909,18 +923,7 @@ static void xfer_run(kvpi_ucx_server *s, kvpi_ucx_cmd *cmd)
             it->status = UCS_ERR_CANCELED;
             continue;
         }
-        /* The engine checked the range before; one-sided, this is the last
-         * place a bad one can be stopped. */
-        if (sl->remote_region >= p->n_regions ||
-            !kvpi_regions_contain(&p->regions[sl->remote_region], 1, sl->remote, sl->length)) {
-            it->refused = REFUSED_OUTSIDE;
-            continue;
-        }
-        if (p->revoked[sl->remote_region]) {
-            it->refused = p->revoked[sl->remote_region] == REVOKED_NO_RKEY ? REFUSED_NO_RKEY
-                                                                             : REFUSED_REVOKED;
-            continue;
-        }
+        if ((it->refused = refusal(p, sl))) continue;
         prm.user_data = it;
         ucp_rkey_h rkey = p->rkeys[sl->remote_region];
         issued(ux, it,
@@ -1053,12 +1056,8 @@ static int copy_mapped(ucx_peer *p, kvpi_xfer *x)
     pthread_rwlock_rdlock(&p->map_lock);
     int ok = !atomic_load(&p->ep_status) && !atomic_load(&p->timed_out) &&
              !atomic_load(&x->canceled);
-    for (size_t i = 0; ok && i < x->n; i++) {
-        const kvpi_slice *sl = x->slices[i];
-        size_t r = sl->remote_region;
-        ok = r < p->n_regions && p->mapped[r] && !p->revoked[r] &&
-             kvpi_regions_contain(&p->regions[r], 1, sl->remote, sl->length);
-    }
+    for (size_t i = 0; ok && i < x->n; i++)
+        ok = !refusal(p, x->slices[i]) && p->mapped[x->slices[i]->remote_region];
     for (size_t i = 0; ok && i < x->n; i++) {
         kvpi_slice *sl = x->slices[i];
         size_t r = sl->remote_region;

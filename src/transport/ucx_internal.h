@@ -22,8 +22,9 @@
  * a short request is served without a thread wake-up. A caller that finds
  * the lock taken posts its transfer for whoever holds it (kvpi_ucx_post).
  * A transfer all in target memory mapped here needs no worker: its caller
- * copies it (ucx.c, copy_mapped). Other threads hand work to the progress thread (kvpi_ucx_call,
- * kvpi_ucx_submit) and wait on their own condition variables. Only the
+ * copies it (ucx.c, copy_mapped). Other threads hand work to the progress
+ * thread (kvpi_ucx_call, kvpi_ucx_submit) and wait on their own condition
+ * variables. Only the
  * context's memory calls (ucp_mem_map, ucp_rkey_pack, ucp_mem_unmap) run on
  * any thread, the context being shared by workers.
  *
