@@ -109,6 +109,10 @@ static void baseline_in_place_p2p(void)
     CHECK(num(doc, "memcpy_gbps") > 0 && num(doc, "memcpy_ms") > 0);
     const cJSON *send = cJSON_GetObjectItemCaseSensitive(doc, "send");
     CHECK(cJSON_IsString(send) && !strcmp(send->valuestring, "in-place"));
+    /* Five messages a request; tokens and roi (a few bytes) go inline once
+     * prefill has read decode's descriptor, keys, values, hidden never. */
+    CHECK(num(doc, "messages") == 10);
+    CHECK(num(doc, "inline_messages") >= 0 && num(doc, "inline_messages") <= 4);
     cJSON_Delete(doc);
 }
 

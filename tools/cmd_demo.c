@@ -682,12 +682,21 @@ static int run_decode(const demo_opts *o)
             usleep((useconds_t)o->decode_lag_ms * 1000);
     }
     if (!rc) {
+        /* Messages up to inline_max_bytes travel inline over the pipe's
+         * ZeroMQ link and never touch the engine: name its transport only if
+         * one was READ (then the pipe has the peer's segment open, so this
+         * looks nothing up, and prefill may have exited meanwhile). */
+        kvp_pipe_stats ps;
+        kvp_pipe_get_stats(pipe, &ps);
         kvp_segment_id seg;
         kvp_engine *e = kvp_pipe_engine(pipe);
-        const char *tr = NULL;
-        if (kvp_engine_open_segment(e, kvp_pipe_get_endpoints(pipe)->peer_segment, &seg) == 0)
+        const char *tr = "inline";
+        if (ps.received > ps.inline_received &&
+            kvp_engine_open_segment(e, kvp_pipe_get_endpoints(pipe)->peer_segment, &seg) == 0)
             tr = kvp_engine_segment_transport(e, seg);
         fprintf(report, "transport %s\n", tr ? tr : "?");
+        fprintf(report, "inline %llu %llu\n", (unsigned long long)ps.inline_received,
+                (unsigned long long)ps.received);
     }
     if (report) fprintf(report, "rss 1 %ld\n", peak_rss_kib());
     if (report) fclose(report);
@@ -700,6 +709,7 @@ static int run_decode(const demo_opts *o)
 typedef struct results {
     uint64_t *start, *done;
     char transport[32];
+    long long inline_msgs, msgs; /* of the messages decode received, those inline (-1: unknown) */
     long rss_kib[2]; /* peak RSS of prefill and decode, as each reported it (-1: unknown) */
 } results;
 
@@ -715,6 +725,11 @@ static int read_reports(const kvp_launch *l, int n, results *res)
         while (fscanf(f, "%31s", kind) == 1) {
             if (strcmp(kind, "transport") == 0 && fscanf(f, "%31s", res->transport) == 1) continue;
             if (fscanf(f, "%d %63s", &r, val) != 2 || r < 0) break;
+            if (strcmp(kind, "inline") == 0) { /* "inline INLINE RECEIVED" */
+                res->inline_msgs = r;
+                res->msgs = strtoll(val, NULL, 10);
+                continue;
+            }
             if (strcmp(kind, "rss") == 0) { /* "rss SIDE KiB" */
                 if (r < 2) res->rss_kib[r] = strtol(val, NULL, 10);
                 continue;
@@ -832,8 +847,19 @@ static void summarize(const demo_opts *o, const part *p, const results *res)
     summary s;
     compute(o, p, res, &s);
     int n = o->requests;
-    printf("moved %.2f GB in %.3f s over %s: %.2f GB/s; every byte verified\n", s.bytes / 1e9,
-           s.secs, res->transport, s.gbps);
+    /* How the bytes went: the engine's transport, inline on the pipe's
+     * ZeroMQ link (messages up to inline_max_bytes), or both. */
+    char how[128];
+    if (res->msgs > 0 && res->inline_msgs == res->msgs)
+        snprintf(how, sizeof how, ", all %lld messages inline on the pipe's ZeroMQ link",
+                 res->msgs);
+    else if (res->inline_msgs > 0)
+        snprintf(how, sizeof how, " over %s, %lld of %lld messages inline", res->transport,
+                 res->inline_msgs, res->msgs);
+    else
+        snprintf(how, sizeof how, " over %s", res->transport);
+    printf("moved %.2f GB in %.3f s%s: %.2f GB/s; every byte verified\n", s.bytes / 1e9, s.secs,
+           how, s.gbps);
     printf("  first request %.1f ms (%s%s)\n", s.first_ms, o->in_place ? "in-place send; " : "",
            o->prefault ? "connections and lookups; memory pre-faulted"
                        : "page faults of fresh memory, connections and lookups");
@@ -874,9 +900,9 @@ static void summarize(const demo_opts *o, const part *p, const results *res)
     json_num("memcpy_gbps", s.memcpy_gbps, 0);
     json_num("memcpy_ms", s.memcpy_ms, 0);
     printf("\"prefault\": %s, \"send\": \"%s\", \"seconds\": %.3f, \"transport\": \"%s\", "
-           "\"errors\": 0}\n",
+           "\"messages\": %lld, \"inline_messages\": %lld, \"errors\": 0}\n",
            o->prefault ? "true" : "false", o->in_place ? "in-place" : "copy", s.secs,
-           res->transport);
+           res->transport, res->msgs, res->inline_msgs);
 }
 
 static void describe(const demo_opts *o, const part *p, const kvp_launch *l)
@@ -944,7 +970,8 @@ static int run_both(int argc, char **argv, const demo_opts *o)
     double extra = total / 20e6 * 1000 + (double)o->decode_lag_ms * o->requests;
     int limit_ms = 120000 + (int)(extra > 1e9 ? 1e9 : extra);
     int rc = kvp_launch_wait(pids, roles, 2, limit_ms);
-    results res = {calloc((size_t)o->requests, 8), calloc((size_t)o->requests, 8), "?", {-1, -1}};
+    results res = {calloc((size_t)o->requests, 8), calloc((size_t)o->requests, 8), "?", -1, -1,
+                   {-1, -1}};
     if (rc == 0 && read_reports(&l, o->requests, &res) == 0)
         summarize(o, p, &res);
     else if (rc == 0)
