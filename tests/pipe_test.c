@@ -556,6 +556,15 @@ static void test_cli_bench_pipe(void)
     CHECK(last && strstr(last, "\"ops\": 20") && strstr(last, "\"errors\": 0") &&
           strstr(last, "\"send\": \"in-place\""));
     CHECK(strstr(out, "every byte verified") != NULL);
+    /* 1 KiB tensors go inline (all but those sent before the sender read
+     * the receiver's descriptor): 20 timed, 32 warm-up, the None. */
+    char *small[] = {"bench", "--pipe", "--tensor-size", "1K", "--count", "20", "--json", NULL};
+    CHECK(run_cli(small, out, sizeof out) == 0);
+    last = strrchr(out, '{');
+    CHECK(last && strstr(last, "\"ops\": 20") && strstr(last, "\"messages\": 53"));
+    CHECK(last && !strstr(last, "\"inline_messages\": 0,"));
+    CHECK(strstr(out, " B via inline messages on the pipe's ZeroMQ link, ") ||
+          strstr(out, " messages inline), "));
     char *bad[] = {"bench", "--pipe", "--tensor-size", "12", NULL};
     CHECK(run_cli(bad, out, sizeof out) == 2);
     char *bad_send[] = {"bench", "--pipe", "--tensor-size", "1M", "--send", "zero", NULL};

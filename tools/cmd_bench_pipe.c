@@ -96,7 +96,8 @@ static const kvp_cli_opt opts[] = {
      .id = O_PORT},
     {"json", KVP_ARG_FLAG, NULL,
      "receiver: last stdout line is a JSON object with gbps,\nbytes, ops, errors, lost, "
-     "duplicated, reordered,\ncorrupt, failed",
+     "duplicated, reordered,\ncorrupt, failed, seconds, tensor_size, transport\n(\"inline\": "
+     "no message READ), messages and\ninline_messages (warm-up included), send",
      .id = O_JSON},
 };
 
@@ -515,16 +516,23 @@ static void report(const bp_opts *o, kvp_pipe *pipe, long ops, uint64_t failed, 
     uint64_t errors = failed + lost + y->duplicated + y->reordered + y->corrupt;
     uint64_t bytes = (uint64_t)ops * o->tensor_size;
     double gbps = secs > 0 ? (double)bytes / secs / 1e9 : 0;
-    kvp_segment_id seg;
-    const char *tr = NULL;
-    if (kvp_engine_open_segment(kvp_pipe_engine(pipe), kvp_pipe_get_endpoints(pipe)->peer_segment,
-                                &seg) == KVP_OK)
-        tr = kvp_engine_segment_transport(kvp_pipe_engine(pipe), seg);
+    const char *tr = kvp_launch_recv_transport(pipe);
+    kvp_pipe_stats ps; /* warm-up messages included */
+    kvp_pipe_get_stats(pipe, &ps);
+    char via[96];
+    if (ps.inline_received && ps.inline_received < ps.received)
+        snprintf(via, sizeof via, "%s (%" PRIu64 " of %" PRIu64 " messages inline)", tr,
+                 ps.inline_received, ps.received);
+    else
+        snprintf(via, sizeof via, "%s",
+                 ps.received && ps.inline_received == ps.received
+                     ? "inline messages on the pipe's ZeroMQ link"
+                     : tr);
     printf("kvpipe bench --pipe: %ld x %zu B via %s, %s send: %.3f GB/s in %.3f s, %" PRIu64
            " errors (%" PRIu64 " lost, %" PRIu64 " duplicated, %" PRIu64 " reordered, %" PRIu64
            " corrupt, %" PRIu64 " failed)%s\n",
-           ops, o->tensor_size, tr ? tr : "?", o->in_place ? "in-place" : "copying", gbps, secs,
-           errors, lost, y->duplicated, y->reordered, y->corrupt, failed,
+           ops, o->tensor_size, via, o->in_place ? "in-place" : "copying", gbps, secs, errors, lost,
+           y->duplicated, y->reordered, y->corrupt, failed,
            errors      ? ""
            : o->verify ? ", every byte verified"
                        : ", every block's stamp verified");
@@ -533,9 +541,10 @@ static void report(const bp_opts *o, kvp_pipe *pipe, long ops, uint64_t failed, 
                ", \"lost\": %" PRIu64 ", \"duplicated\": %" PRIu64 ", \"reordered\": %" PRIu64
                ", \"corrupt\": %" PRIu64 ", \"failed\": %" PRIu64
                ", \"seconds\": %.3f, \"tensor_size\": %zu, \"transport\": \"%s\", "
-               "\"send\": \"%s\"}\n",
+               "\"messages\": %" PRIu64 ", \"inline_messages\": %" PRIu64 ", \"send\": \"%s\"}\n",
                gbps, bytes, ops, errors, lost, y->duplicated, y->reordered, y->corrupt, failed,
-               secs, o->tensor_size, tr ? tr : "?", o->in_place ? "in-place" : "copy");
+               secs, o->tensor_size, tr, ps.received, ps.inline_received,
+               o->in_place ? "in-place" : "copy");
     fflush(stdout);
 }
 

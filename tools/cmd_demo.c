@@ -682,19 +682,9 @@ static int run_decode(const demo_opts *o)
             usleep((useconds_t)o->decode_lag_ms * 1000);
     }
     if (!rc) {
-        /* Messages up to inline_max_bytes travel inline over the pipe's
-         * ZeroMQ link and never touch the engine: name its transport only if
-         * one was READ (then the pipe has the peer's segment open, so this
-         * looks nothing up, and prefill may have exited meanwhile). */
         kvp_pipe_stats ps;
         kvp_pipe_get_stats(pipe, &ps);
-        kvp_segment_id seg;
-        kvp_engine *e = kvp_pipe_engine(pipe);
-        const char *tr = "inline";
-        if (ps.received > ps.inline_received &&
-            kvp_engine_open_segment(e, kvp_pipe_get_endpoints(pipe)->peer_segment, &seg) == 0)
-            tr = kvp_engine_segment_transport(e, seg);
-        fprintf(report, "transport %s\n", tr ? tr : "?");
+        fprintf(report, "transport %s\n", kvp_launch_recv_transport(pipe));
         fprintf(report, "inline %llu %llu\n", (unsigned long long)ps.inline_received,
                 (unsigned long long)ps.received);
     }
@@ -970,8 +960,8 @@ static int run_both(int argc, char **argv, const demo_opts *o)
     double extra = total / 20e6 * 1000 + (double)o->decode_lag_ms * o->requests;
     int limit_ms = 120000 + (int)(extra > 1e9 ? 1e9 : extra);
     int rc = kvp_launch_wait(pids, roles, 2, limit_ms);
-    results res = {calloc((size_t)o->requests, 8), calloc((size_t)o->requests, 8), "?", -1, -1,
-                   {-1, -1}};
+    results res = {
+        calloc((size_t)o->requests, 8), calloc((size_t)o->requests, 8), "?", -1, -1, {-1, -1}};
     if (rc == 0 && read_reports(&l, o->requests, &res) == 0)
         summarize(o, p, &res);
     else if (rc == 0)

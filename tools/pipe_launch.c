@@ -71,6 +71,19 @@ int kvp_launch_prepare(kvp_launch *l, const char *metadata, const char *protocol
     return write_config(l, protocol);
 }
 
+const char *kvp_launch_recv_transport(kvp_pipe *pipe)
+{
+    kvp_pipe_stats ps;
+    kvp_pipe_get_stats(pipe, &ps);
+    if (ps.received == ps.inline_received) return "inline";
+    kvp_engine *e = kvp_pipe_engine(pipe);
+    kvp_segment_id seg;
+    const char *tr = NULL;
+    if (kvp_engine_open_segment(e, kvp_pipe_get_endpoints(pipe)->peer_segment, &seg) == KVP_OK)
+        tr = kvp_engine_segment_transport(e, seg);
+    return tr ? tr : "?";
+}
+
 void kvp_launch_child_init(void)
 {
     sigset_t set;
