@@ -11,6 +11,7 @@ The config is MooncakePipe's (a dict here; a path to the JSON file works
 too). Each side binds its url's port and a few above it (docs/pipe.md).
 """
 import multiprocessing
+import random
 import socket
 
 import numpy
@@ -20,10 +21,25 @@ import kvpipe
 LAYERS, TOKENS, HIDDEN = 4, 256, 1024  # a small shape: 512 KiB a layer
 
 
-def free_port():
+def port_free(port):
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def pipe_base():
+    """A base port whose pipe ports are all free now: each side binds its
+    url's port, +9 and +10, and decode's are 100 above prefill's (both urls
+    name one host). Drawn below Linux's ephemeral ports (32768 and up), which
+    any outgoing connection on the host may take meanwhile."""
+    for _ in range(200):
+        base = random.randint(20000, 30000)
+        if all(port_free(base + d) for d in (0, 9, 10, 100, 109, 110)):
+            return base
+    raise RuntimeError("no free pipe ports on 127.0.0.1 between 20000 and 30110")
 
 
 def block(layer):
@@ -50,8 +66,8 @@ def decode(config, result):
 
 
 def main():
-    port = free_port()
-    # decode_url's port 100 above prefill's: the same-host rule of vLLM's pipe.
+    port = pipe_base()
+    # One url for both: on one host decode's ports are 100 above (vLLM's rule).
     config = {"prefill_url": "127.0.0.1:%d" % port, "decode_url": "127.0.0.1:%d" % port,
               "metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "device_name": ""}
     result = multiprocessing.Queue()
