@@ -516,18 +516,17 @@ static void report(const bp_opts *o, kvp_pipe *pipe, long ops, uint64_t failed, 
     uint64_t errors = failed + lost + y->duplicated + y->reordered + y->corrupt;
     uint64_t bytes = (uint64_t)ops * o->tensor_size;
     double gbps = secs > 0 ? (double)bytes / secs / 1e9 : 0;
-    const char *tr = kvp_launch_recv_transport(pipe);
     kvp_pipe_stats ps; /* warm-up messages included */
     kvp_pipe_get_stats(pipe, &ps);
+    const char *tr = kvp_launch_recv_transport(pipe, &ps);
     char via[96];
-    if (ps.inline_received && ps.inline_received < ps.received)
+    if (strcmp(tr, "inline") == 0)
+        snprintf(via, sizeof via, "inline messages on the pipe's ZeroMQ link");
+    else if (ps.inline_received)
         snprintf(via, sizeof via, "%s (%" PRIu64 " of %" PRIu64 " messages inline)", tr,
                  ps.inline_received, ps.received);
     else
-        snprintf(via, sizeof via, "%s",
-                 ps.received && ps.inline_received == ps.received
-                     ? "inline messages on the pipe's ZeroMQ link"
-                     : tr);
+        snprintf(via, sizeof via, "%s", tr);
     printf("kvpipe bench --pipe: %ld x %zu B via %s, %s send: %.3f GB/s in %.3f s, %" PRIu64
            " errors (%" PRIu64 " lost, %" PRIu64 " duplicated, %" PRIu64 " reordered, %" PRIu64
            " corrupt, %" PRIu64 " failed)%s\n",

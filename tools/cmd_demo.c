@@ -684,7 +684,7 @@ static int run_decode(const demo_opts *o)
     if (!rc) {
         kvp_pipe_stats ps;
         kvp_pipe_get_stats(pipe, &ps);
-        fprintf(report, "transport %s\n", kvp_launch_recv_transport(pipe));
+        fprintf(report, "transport %s\n", kvp_launch_recv_transport(pipe, &ps));
         fprintf(report, "inline %llu %llu\n", (unsigned long long)ps.inline_received,
                 (unsigned long long)ps.received);
     }

@@ -71,11 +71,9 @@ int kvp_launch_prepare(kvp_launch *l, const char *metadata, const char *protocol
     return write_config(l, protocol);
 }
 
-const char *kvp_launch_recv_transport(kvp_pipe *pipe)
+const char *kvp_launch_recv_transport(kvp_pipe *pipe, const kvp_pipe_stats *ps)
 {
-    kvp_pipe_stats ps;
-    kvp_pipe_get_stats(pipe, &ps);
-    if (ps.received == ps.inline_received) return "inline";
+    if (ps->received == ps->inline_received) return "inline";
     kvp_engine *e = kvp_pipe_engine(pipe);
     kvp_segment_id seg;
     const char *tr = NULL;

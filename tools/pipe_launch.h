@@ -38,12 +38,13 @@ int kvp_launch_wait(pid_t *pids, const char *const *names, int n, int timeout_ms
 /* Stop the store and remove the temporary files. */
 void kvp_launch_cleanup(kvp_launch *l);
 
-/* For a receiving side: the transport its engine READ messages with ("tcp",
- * "shm", "ucx"), or "inline" when every message came inline on the pipe's
- * ZeroMQ link (those up to inline_max_bytes never touch the engine); "?" when
- * unknown. Once a message was READ the pipe holds the peer's segment open, so
- * this asks nothing of a peer that may have exited meanwhile. */
-const char *kvp_launch_recv_transport(kvp_pipe *pipe);
+/* For a receiving side, with the pipe's stats the caller read: the transport
+ * its engine READ messages with ("tcp", "shm", "ucx"), or "inline" when every
+ * message came inline on the pipe's ZeroMQ link (those up to inline_max_bytes
+ * never touch the engine); "?" when unknown. Once a message was READ the pipe
+ * holds the peer's segment open, so this asks nothing of a peer that may have
+ * exited meanwhile. */
+const char *kvp_launch_recv_transport(kvp_pipe *pipe, const kvp_pipe_stats *ps);
 
 /* For a side: let SIGINT/SIGTERM act again (the CLI blocks them) and, when
  * started by kvp_launch_spawn(), die with the parent. */
