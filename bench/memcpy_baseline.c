@@ -30,9 +30,12 @@ static int parse_size(const char *s, size_t *out)
     char *end;
     unsigned long long v = strtoull(s, &end, 10);
     unsigned shift = 0;
-    if (*end == 'K' || *end == 'k') shift = 10;
-    else if (*end == 'M' || *end == 'm') shift = 20;
-    else if (*end == 'G' || *end == 'g') shift = 30;
+    if (*end == 'K' || *end == 'k')
+        shift = 10;
+    else if (*end == 'M' || *end == 'm')
+        shift = 20;
+    else if (*end == 'G' || *end == 'g')
+        shift = 30;
     if (shift) end++;
     if (end == s || *end || v == 0 || v > (1ull << 36) >> shift) return -1;
     *out = (size_t)(v << shift);

@@ -37,8 +37,8 @@ typedef struct ping_opts {
     long count, warmup;
     const char *protocol;
     int no_shm, busy_poll_us;
-    long inline_max; /* < 0: the default */
-    long ack_delay;  /* < 0: the default */
+    long inline_max;       /* < 0: the default */
+    long ack_delay;        /* < 0: the default */
     const char *echo_json; /* --echo JSON: be rank 1 of that pipe (the child) */
 } ping_opts;
 
@@ -239,7 +239,8 @@ int main(int argc, char **argv)
      * UCX's memory-event lock say, would stay held in the child for ever). */
     char **args = calloc((size_t)argc + 3, sizeof *args);
     if (!args) return 1;
-    for (int i = 0; i < argc; i++) args[i] = argv[i];
+    for (int i = 0; i < argc; i++)
+        args[i] = argv[i];
     args[argc] = "--echo";
     args[argc + 1] = json;
     fflush(NULL);

@@ -113,8 +113,8 @@ static void responder(int fd, size_t block)
     ucp_worker_h w;
     start(&ctx, &w);
     void *buf = map_block(block);
-    ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
-                                             UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+    ucp_mem_map_params_t mp = {.field_mask =
+                                   UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
                                .address = buf,
                                .length = block};
     ucp_mem_h memh;
@@ -171,9 +171,12 @@ int main(int argc, char **argv)
                                           {"op", required_argument, NULL, 'o'},
                                           {NULL, 0, NULL, 0}};
     for (int c; (c = getopt_long(argc, argv, "", longs, NULL)) != -1;) {
-        if (c == 'b') block = strtoull(optarg, NULL, 0);
-        else if (c == 'd') duration = atof(optarg);
-        else if (c == 'o' && (!strcmp(optarg, "get") || !strcmp(optarg, "put"))) put = optarg[1] == 'u';
+        if (c == 'b')
+            block = strtoull(optarg, NULL, 0);
+        else if (c == 'd')
+            duration = atof(optarg);
+        else if (c == 'o' && (!strcmp(optarg, "get") || !strcmp(optarg, "put")))
+            put = optarg[1] == 'u';
         else {
             fprintf(stderr, "usage: ucp_reg [--block-size BYTES] [--duration S] [--op get|put]\n");
             return 2;
@@ -243,8 +246,9 @@ int main(int argc, char **argv)
             if (st != UCS_OK) die(put ? "ucp_put_nbx" : "ucp_get_nbx", st);
         }
         if (put && (st = wait_for(w, ucp_ep_flush_nbx(e, &prm))) != UCS_OK) die("flush", st);
-        if (round) printf("{\"gbps\": %.4f, \"bytes\": %llu}\n", bytes / (now() - t0) / 1e9,
-                          (unsigned long long)bytes);
+        if (round)
+            printf("{\"gbps\": %.4f, \"bytes\": %llu}\n", bytes / (now() - t0) / 1e9,
+                   (unsigned long long)bytes);
     }
     ucp_rkey_destroy(rkey);
     ucp_request_param_t cl = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,

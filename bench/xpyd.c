@@ -1316,9 +1316,8 @@ static void print_sample(run *r, uint64_t t_ms)
     if (!n) return;
     printf("sample %6.0f s  engines %2d  fds %lld-%lld  established %lld-%lld  time_wait "
            "%lld-%lld  peak RSS %lld-%lld M\n",
-           t_ms / 1000.0, n, (long long)lo[0], (long long)hi[0], (long long)lo[1],
-           (long long)hi[1], (long long)lo[2], (long long)hi[2], (long long)lo[3],
-           (long long)hi[3]);
+           t_ms / 1000.0, n, (long long)lo[0], (long long)hi[0], (long long)lo[1], (long long)hi[1],
+           (long long)lo[2], (long long)hi[2], (long long)lo[3], (long long)hi[3]);
     fflush(stdout);
     memcpy(r->last, hi, sizeof r->last);
     if (!r->samples++) memcpy(r->first, hi, sizeof r->first);
@@ -1587,16 +1586,15 @@ static void json_run(FILE *f, run *r, const char *label)
 
 static void usage(FILE *f)
 {
-    fprintf(
-        f,
-        "usage: xpyd [--prefill P] [--decode D] [--seconds S] [--mode write|read|pipe]\n"
-        "            [--window W] [--skew K] [--min-tokens N] [--max-tokens N] [--seed N]\n"
-        "            [--timeout-ms MS] [--baseline] [--min-ratio R]\n"
-        "            [--fault kill-prefill|restart-prefill|restart-etcd|link-down|rate-limit]\n"
-        "            [--fault-seconds S] [--keep R] [--warmup-ms MS] [--sample-s S]\n"
-        "            [--json FILE] [--keep-logs]\n"
-        "Many prefill and many decode engines, each in a network namespace of its own,\n"
-        "through a real etcd (docs/scale-out.md). Needs root and iproute2.\n");
+    fprintf(f,
+            "usage: xpyd [--prefill P] [--decode D] [--seconds S] [--mode write|read|pipe]\n"
+            "            [--window W] [--skew K] [--min-tokens N] [--max-tokens N] [--seed N]\n"
+            "            [--timeout-ms MS] [--baseline] [--min-ratio R]\n"
+            "            [--fault kill-prefill|restart-prefill|restart-etcd|link-down|rate-limit]\n"
+            "            [--fault-seconds S] [--keep R] [--warmup-ms MS] [--sample-s S]\n"
+            "            [--json FILE] [--keep-logs]\n"
+            "Many prefill and many decode engines, each in a network namespace of its own,\n"
+            "through a real etcd (docs/scale-out.md). Needs root and iproute2.\n");
 }
 
 int main(int argc, char **argv)

@@ -767,7 +767,7 @@ static int parse_batch_args(PyObject *args, PyObject *kwds, int with_opcode, int
         "target_hostname", "buffers", "peer_buffer_addresses", "lengths", "transport_hint",
         "notify",          NULL};
     static char *kw_plain_async[] = {"target_hostname", "buffers",        "peer_buffer_addresses",
-                               "lengths",         "transport_hint", NULL};
+                                     "lengths",         "transport_hint", NULL};
     static char *kw_op[] = {
         "target_hostname", "buffers", "peer_buffer_addresses", "lengths", "opcode",
         "transport_hint",  NULL};

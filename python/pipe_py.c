@@ -36,9 +36,9 @@ typedef struct kvpy_pipe {
     PyObject_HEAD
     kvp_pipe *pipe;
     kvp_pipe_config *cfg;
-    int busy;        /* calls running with the GIL released */
-    int device;      /* recv_tensor's default: -1 CPU, else the CUDA device */
-    int device_ok;   /* 1 + the CUDA device a tensor was put on, 0: none yet */
+    int busy;      /* calls running with the GIL released */
+    int device;    /* recv_tensor's default: -1 CPU, else the CUDA device */
+    int device_ok; /* 1 + the CUDA device a tensor was put on, 0: none yet */
 } kvpy_pipe;
 
 /* ---- dtypes between kvpipe and DLPack ----------------------------------------- */
@@ -214,7 +214,8 @@ static int view_from_dlpack(src_view *v, PyObject *obj)
                         : NULL;
     if (dev) {
         int type = 0, id = 0;
-        cuda = PyArg_ParseTuple(dev, "ii", &type, &id) && (type == kDLCUDA || type == kDLCUDAManaged);
+        cuda =
+            PyArg_ParseTuple(dev, "ii", &type, &id) && (type == kDLCUDA || type == kDLCUDAManaged);
         Py_DECREF(dev);
     }
     PyErr_Clear(); /* no device, or a strange one: __dlpack__ says more */
@@ -337,9 +338,8 @@ static int view_from_cai(src_view *v, PyObject *obj)
         }
         unsigned long long ptr = rc ? 0 : PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(data, 0));
         if (!rc && PyErr_Occurred()) rc = -1;
-        kvp_status st = rc ? KVP_OK
-                           : kvp_tensor_init(&v->t, dt, (int)ndim, dims,
-                                             (void *)(uintptr_t)ptr);
+        kvp_status st =
+            rc ? KVP_OK : kvp_tensor_init(&v->t, dt, (int)ndim, dims, (void *)(uintptr_t)ptr);
         if (!rc && st) rc = (kvpy_raise(st, "send_tensor"), -1);
     }
     Py_DECREF(cai);
@@ -509,8 +509,7 @@ static int pipe_init(kvpy_pipe *self, PyObject *args, PyObject *kwds)
                              "device",
                              NULL};
     PyObject *config, *send_timeout = NULL, *io_timeout = NULL, *redial_min = NULL,
-                      *redial_max = NULL, *ack_timeout = NULL, *ack_linger = NULL,
-                      *device = NULL;
+                      *redial_max = NULL, *ack_timeout = NULL, *ack_linger = NULL, *device = NULL;
     int local_rank, kv_rank, disable_shm = 0;
     kvp_pipe_opts opts;
     kvp_pipe_opts_init(&opts);
@@ -611,7 +610,8 @@ static PyObject *wrap_on_device(kvpy_pipe *self, kvp_tensor *t, int device)
     st = kvp_tensor_to_cuda(t, device, &d);
     Py_END_ALLOW_THREADS
     kvp_tensor_free(t);
-    if (st) return kvpy_raise(st, "recv_tensor: the tensor arrived but could not be put on the device");
+    if (st)
+        return kvpy_raise(st, "recv_tensor: the tensor arrived but could not be put on the device");
     self->device_ok = device + 1;
     PyObject *obj = wrap_pipe_tensor(d, NULL, "recv_tensor");
     if (obj) kvpy_tensor_set_cuda(obj, device);
@@ -839,9 +839,9 @@ static PyObject *pipe_stats(kvpy_pipe *self, PyObject *args, PyObject *kwds)
             "bad_acks", (unsigned long long)s.bad_acks, "inflight_bytes",
             (Py_ssize_t)s.inflight_bytes, "inflight_count", (Py_ssize_t)s.inflight_count,
             "inline_sent", (unsigned long long)s.inline_sent, "inline_received",
-            (unsigned long long)s.inline_received, "peer_inline_max",
-            (Py_ssize_t)s.peer_inline_max, "peer_lookups", (unsigned long long)s.peer_lookups,
-            "send_timeouts", send_to ? (unsigned long long)send_to->value : 0ull, "recv_timeouts",
+            (unsigned long long)s.inline_received, "peer_inline_max", (Py_ssize_t)s.peer_inline_max,
+            "peer_lookups", (unsigned long long)s.peer_lookups, "send_timeouts",
+            send_to ? (unsigned long long)send_to->value : 0ull, "recv_timeouts",
             recv_to ? (unsigned long long)recv_to->value : 0ull, "engine", engine);
     Py_XDECREF(engine);
     kvp_metrics_free(m);

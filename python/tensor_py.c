@@ -271,8 +271,8 @@ void kvpy_tensor_take_end(PyObject *obj, int taken)
 static void fill_dltensor(kvpy_tensor *self, DLTensor *dl)
 {
     dl->data = self->nbytes ? self->data : (void *)empty_data;
-    dl->device = self->cuda_device < 0 ? (DLDevice){kDLCPU, 0}
-                                       : (DLDevice){kDLCUDA, self->cuda_device};
+    dl->device =
+        self->cuda_device < 0 ? (DLDevice){kDLCPU, 0} : (DLDevice){kDLCUDA, self->cuda_device};
     dl->ndim = self->ndim;
     dl->dtype = self->dtype;
     dl->shape = self->shape;
@@ -363,8 +363,8 @@ static int check_dl_device(kvpy_tensor *self, PyObject *dl_device)
     PyErr_Format(PyExc_BufferError,
                  "kvpipe.Tensor lives in %s memory of device %d; it cannot be exported to DLPack "
                  "device (%d, %d) without a copy",
-                 self->cuda_device < 0 ? "CPU" : "CUDA", self->cuda_device < 0 ? 0 : self->cuda_device,
-                 type, id);
+                 self->cuda_device < 0 ? "CPU" : "CUDA",
+                 self->cuda_device < 0 ? 0 : self->cuda_device, type, id);
     return -1;
 }
 
@@ -492,9 +492,9 @@ static const char *typestr(DLDataType dt)
     static const struct {
         uint8_t code, bits;
         const char *s;
-    } t[] = {{kDLBool, 8, "|b1"},   {kDLInt, 8, "|i1"},   {kDLInt, 16, "<i2"},
-             {kDLInt, 32, "<i4"},   {kDLInt, 64, "<i8"},  {kDLUInt, 8, "|u1"},
-             {kDLUInt, 16, "<u2"},  {kDLUInt, 32, "<u4"}, {kDLUInt, 64, "<u8"},
+    } t[] = {{kDLBool, 8, "|b1"},   {kDLInt, 8, "|i1"},    {kDLInt, 16, "<i2"},
+             {kDLInt, 32, "<i4"},   {kDLInt, 64, "<i8"},   {kDLUInt, 8, "|u1"},
+             {kDLUInt, 16, "<u2"},  {kDLUInt, 32, "<u4"},  {kDLUInt, 64, "<u8"},
              {kDLFloat, 16, "<f2"}, {kDLFloat, 32, "<f4"}, {kDLFloat, 64, "<f8"}};
     for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
         if (t[i].code == dt.code && t[i].bits == dt.bits) return t[i].s;
@@ -565,9 +565,10 @@ static PyTypeObject tensor_type = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvpipe.Tensor",
     .tp_basicsize = sizeof(kvpy_tensor),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A tensor from Pipe.recv_tensor() or Pipe.alloc_tensor(), in CPU memory or (recv_tensor "
-              "with a device) on a CUDA device. Take it without a copy with torch.from_dlpack(t); "
-              "in CPU memory also numpy.from_dlpack(t) or memoryview(t) / numpy.asarray(t).",
+    .tp_doc =
+        "A tensor from Pipe.recv_tensor() or Pipe.alloc_tensor(), in CPU memory or (recv_tensor "
+        "with a device) on a CUDA device. Take it without a copy with torch.from_dlpack(t); "
+        "in CPU memory also numpy.from_dlpack(t) or memoryview(t) / numpy.asarray(t).",
     .tp_dealloc = (destructor)tensor_dealloc,
     .tp_repr = (reprfunc)tensor_repr,
     .tp_as_buffer = &tensor_as_buffer,

@@ -16,9 +16,9 @@
 #include "pipe_pair.h"
 #include "test.h"
 
-#define BIG ((int64_t)3 << 20)   /* bytes: announced (above the inline threshold) */
-#define SMALL ((int64_t)1000)    /* bytes: inline between two kvpipe pipes */
-#define DEV 1                    /* the device each side uses */
+#define BIG ((int64_t)3 << 20) /* bytes: announced (above the inline threshold) */
+#define SMALL ((int64_t)1000)  /* bytes: inline between two kvpipe pipes */
+#define DEV 1                  /* the device each side uses */
 
 static void *(*fc_alloc)(int, size_t);
 static int (*fc_peek)(void *, const void *, size_t);

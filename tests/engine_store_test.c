@@ -256,10 +256,8 @@ static int redis_auth_start(kvpt_server *out)
 }
 
 static const store_kind kinds[] = {
-    {"http", kvpt_http_start},
-    {"etcd", kvpt_etcd_start},
-    {"redis", kvpt_redis_start},
-    {"redis-password", redis_auth_start},
+    {"http", kvpt_http_start},   {"etcd", kvpt_etcd_start},
+    {"redis", kvpt_redis_start}, {"redis-password", redis_auth_start},
     {"p2p", p2p_start},
 };
 

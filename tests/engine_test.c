@@ -132,8 +132,8 @@ static void batches(void)
                 offs[i] = ((i * 97 + c * 13) % (span / block)) * block;
                 char *l = local + i * block;
                 if (op == KVP_OP_WRITE) kvpt_fill(l, block, 7000 + offs[i]);
-                reqs[i] = (kvp_request){(kvp_opcode)op, l, (uint64_t)(uintptr_t)t.buf + offs[i],
-                                        block};
+                reqs[i] =
+                    (kvp_request){(kvp_opcode)op, l, (uint64_t)(uintptr_t)t.buf + offs[i], block};
             }
             kvp_batch *b;
             REQUIRE_OK(kvp_batch_submit(e, seg, reqs, n, &b));
@@ -233,8 +233,11 @@ static void target_restarted(void)
     int port = atoi(strchr(t.name, ':') + 1);
     kvpt_target_kill(&t);
     kvpt_target t2;
-    kvpt_target_opts o = {.metadata = meta, .protocol = M->protocol, .port = port,
-                          .len = 2 * len, .seed = SEED + 1,
+    kvpt_target_opts o = {.metadata = meta,
+                          .protocol = M->protocol,
+                          .port = port,
+                          .len = 2 * len,
+                          .seed = SEED + 1,
                           .disable_shm = strcmp(M->protocol, "tcp") == 0};
     REQUIRE(kvpt_target_start(&o, &t2) == 0);
     uint64_t addr = (uint64_t)(uintptr_t)t2.buf + len;
@@ -420,29 +423,41 @@ static void mooncake_rdma_segment(void)
 
 /* ucx runs on UCX's own transports here: tcp, and shared memory (UCX 1.13's
  * "sm": posix and sysv for messages, cma; self for loopback). */
-#define MODES(X)                                                                             \
-    X(tcp_http, "tcp", 0, NULL, 0) X(tcp_p2p, "tcp", 1, NULL, 0) X(shm_http, "shm", 0, NULL, 0) \
-    X(shm_p2p, "shm", 1, NULL, 0) X(ucx_tcp_http, "rdma", 0, "tcp", 0)                         \
-    X(ucx_tcp_p2p, "ucx", 1, "tcp", 0) X(ucx_sm_http, "rdma", 0, "sm,self", 0)                 \
-    X(ucx_sm_p2p, "ucx", 1, "sm,self", 0) X(tcp_http_auth, "tcp", 0, NULL, 1)                  \
-    X(tcp_p2p_auth, "tcp", 1, NULL, 1) X(shm_http_auth, "shm", 0, NULL, 1)                     \
-    X(shm_p2p_auth, "shm", 1, NULL, 1) X(ucx_tcp_http_auth, "rdma", 0, "tcp", 1)              \
-    X(ucx_tcp_p2p_auth, "ucx", 1, "tcp", 1) X(ucx_sm_http_auth, "rdma", 0, "sm,self", 1)       \
+/* clang-format off */
+#define MODES(X)                                                                                   \
+    X(tcp_http, "tcp", 0, NULL, 0)                                                                 \
+    X(tcp_p2p, "tcp", 1, NULL, 0)                                                                  \
+    X(shm_http, "shm", 0, NULL, 0)                                                                 \
+    X(shm_p2p, "shm", 1, NULL, 0)                                                                  \
+    X(ucx_tcp_http, "rdma", 0, "tcp", 0)                                                           \
+    X(ucx_tcp_p2p, "ucx", 1, "tcp", 0)                                                             \
+    X(ucx_sm_http, "rdma", 0, "sm,self", 0)                                                        \
+    X(ucx_sm_p2p, "ucx", 1, "sm,self", 0)                                                          \
+    X(tcp_http_auth, "tcp", 0, NULL, 1)                                                            \
+    X(tcp_p2p_auth, "tcp", 1, NULL, 1)                                                             \
+    X(shm_http_auth, "shm", 0, NULL, 1)                                                            \
+    X(shm_p2p_auth, "shm", 1, NULL, 1)                                                             \
+    X(ucx_tcp_http_auth, "rdma", 0, "tcp", 1)                                                      \
+    X(ucx_tcp_p2p_auth, "ucx", 1, "tcp", 1)                                                        \
+    X(ucx_sm_http_auth, "rdma", 0, "sm,self", 1)                                                   \
     X(ucx_sm_p2p_auth, "ucx", 1, "sm,self", 1)
+/* clang-format on */
 
+/* clang-format off */
 #define CASES(X, m)                                                                          \
     X(m, sizes) X(m, batches) X(m, out_of_range) X(m, target_killed) X(m, target_restarted)  \
     X(m, managed_buffers) X(m, threads) X(m, unknown_segment)
+/* clang-format on */
 
-#define DEFINE_MODE(m, proto, p2p_, tls, auth_)                                              \
+#define DEFINE_MODE(m, proto, p2p_, tls, auth_)                                                    \
     static const mode mode_##m = {proto, p2p_, tls, auth_};
 MODES(DEFINE_MODE)
 
-#define DEFINE_CASE(m, c)                                                                    \
-    static void m##__##c(void)                                                               \
-    {                                                                                        \
-        M = &mode_##m;                                                                       \
-        c();                                                                                 \
+#define DEFINE_CASE(m, c)                                                                          \
+    static void m##__##c(void)                                                                     \
+    {                                                                                              \
+        M = &mode_##m;                                                                             \
+        c();                                                                                       \
     }
 #define DEFINE_MODE_CASES(m, proto, p2p_, tls, auth_) CASES(DEFINE_CASE, m)
 MODES(DEFINE_MODE_CASES)

@@ -109,15 +109,18 @@ static void pool_fragmentation(void)
     kvpi_pool *p = make_pool(chunk, chunk, 0);
     REQUIRE(p);
     void *ptrs[64];
-    for (size_t i = 0; i < n; i++) REQUIRE_OK(kvpi_pool_alloc(p, blk, &ptrs[i]));
+    for (size_t i = 0; i < n; i++)
+        REQUIRE_OK(kvpi_pool_alloc(p, blk, &ptrs[i]));
     CHECK(registered == 1);
-    for (size_t i = 0; i < n; i += 2) CHECK_OK(kvpi_pool_free(p, ptrs[i]));
+    for (size_t i = 0; i < n; i += 2)
+        CHECK_OK(kvpi_pool_free(p, ptrs[i]));
     void *big;
     /* 128 KiB does not fit in the 64 KiB holes: a second chunk. */
     REQUIRE_OK(kvpi_pool_alloc(p, 2 * blk, &big));
     CHECK(registered == 2);
     CHECK_OK(kvpi_pool_free(p, big));
-    for (size_t i = 1; i < n; i += 2) CHECK_OK(kvpi_pool_free(p, ptrs[i]));
+    for (size_t i = 1; i < n; i += 2)
+        CHECK_OK(kvpi_pool_free(p, ptrs[i]));
     /* Only one fully free chunk is retained (retain = one chunk). */
     kvpi_pool_stats s;
     kvpi_pool_get_stats(p, &s);

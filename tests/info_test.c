@@ -71,8 +71,10 @@ static void store_for(void)
     static const struct {
         const char *conn, *name;
     } cases[] = {
-        {"http://127.0.0.1:1/metadata", "http"}, {"etcd://127.0.0.1:1", "etcd"},
-        {"127.0.0.1:2379", "etcd"},              {"redis://u:p@127.0.0.1:1/2", "redis"},
+        {"http://127.0.0.1:1/metadata", "http"},
+        {"etcd://127.0.0.1:1", "etcd"},
+        {"127.0.0.1:2379", "etcd"},
+        {"redis://u:p@127.0.0.1:1/2", "redis"},
         {"P2PHANDSHAKE", "p2p"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {

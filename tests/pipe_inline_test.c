@@ -335,10 +335,10 @@ static void test_sender_turns_it_off(void)
 
 enum { ACKS_IDLE, ACKS_WAITING, ACKS_ANNOUNCED, ACKS_SIXTEEN, ACKS_CLOSE, ACKS_NO_FLUSH };
 static int acks_case;
-static int done_fds[2];        /* prefill -> decode: one byte once prefill has checked */
-static int took_fds[2];        /* decode -> prefill: when it took the last (kvpi_now_ns) */
+static int done_fds[2]; /* prefill -> decode: one byte once prefill has checked */
+static int took_fds[2]; /* decode -> prefill: when it took the last (kvpi_now_ns) */
 #define NO_FLUSH_N 10
-#define NO_FLUSH_SLACK_MS 250 /* beyond ack_delay_us; a loaded 2-core VM's scheduling */
+#define NO_FLUSH_SLACK_MS 250  /* beyond ack_delay_us; a loaded 2-core VM's scheduling */
 #define SMALL_BYTES 1024       /* inline */
 #define LARGE_BYTES (64 << 10) /* announced: above THRESHOLD */
 #define LONG_DELAY_US 60000000 /* longer than any wait of the test */

@@ -178,7 +178,6 @@ static void test_send_in_place_no_peer(void)
     kvp_tensor_free(t);
 }
 
-
 static const kvpt_pipe_case cases[] = {
     KVPT_PIPE_CASE(test_send_in_place_tcp, 120, KVPT_AUTH),
     KVPT_PIPE_CASE(test_send_in_place_shm, 120, KVPT_AUTH),

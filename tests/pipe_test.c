@@ -148,7 +148,9 @@ static void send_round(kvp_pipe *pipe, int i)
 static void recv_round(kvp_pipe *pipe, int i)
 {
     round_spec r = spec_of(i);
-    kvp_tensor *x = kvpt_pipe_recv(pipe, KVPT_RECV_TIMEOUT), *m = kvpt_pipe_recv(pipe, KVPT_RECV_TIMEOUT), *sd = kvpt_pipe_recv(pipe, KVPT_RECV_TIMEOUT);
+    kvp_tensor *x = kvpt_pipe_recv(pipe, KVPT_RECV_TIMEOUT),
+               *m = kvpt_pipe_recv(pipe, KVPT_RECV_TIMEOUT),
+               *sd = kvpt_pipe_recv(pipe, KVPT_RECV_TIMEOUT);
     if (r.none) {
         CHECK(x == NULL && m == NULL && sd == NULL);
     } else if (x && m && sd) {
@@ -530,8 +532,8 @@ static void test_cli_demo(void)
 static void test_cli_demo_rdma(void)
 {
     static char out[8192];
-    char *args[] = {"demo",    "--requests", "3",          "--tokens", "100",      "--layers", "4",
-                    "--protocol", "rdma",    "--no-shm",   "--json",   NULL};
+    char *args[] = {"demo", "--requests", "3",    "--tokens", "100",    "--layers",
+                    "4",    "--protocol", "rdma", "--no-shm", "--json", NULL};
     CHECK(run_cli(args, out, sizeof out) == 0);
     CHECK(strstr(out, "every byte verified") != NULL);
     CHECK(strstr(out, "over ucx") != NULL);
@@ -593,7 +595,6 @@ static void test_cli_bench_pipe(void)
                      "1",           "--block-size", "99999999999G", NULL};
     CHECK(run_cli(block, out, sizeof out) == 2);
 }
-
 
 static const kvpt_pipe_case cases[] = {
     KVPT_PIPE_CASE(test_round_trip_x_y, 120, KVPT_AUTH),

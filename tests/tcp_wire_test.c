@@ -18,13 +18,15 @@
 
 static void codec_bytes(void)
 {
-    kvpi_tcp_hdr h = {.size = 0x0102030405060708ull, .addr = 0x1112131415161718ull,
-                      .opcode = KVPI_TCP_OP_WRITE, .v2 = 1};
+    kvpi_tcp_hdr h = {.size = 0x0102030405060708ull,
+                      .addr = 0x1112131415161718ull,
+                      .opcode = KVPI_TCP_OP_WRITE,
+                      .v2 = 1};
     uint8_t raw[KVPI_TCP_HDR_LEN];
     kvpi_tcp_hdr_encode(&h, raw);
-    static const uint8_t want[KVPI_TCP_HDR_LEN] = {
-        0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01, 0x18, 0x17, 0x16, 0x15,
-        0x14, 0x13, 0x12, 0x11, 0x81, 0, 0, 0, 0, 0, 0, 0};
+    static const uint8_t want[KVPI_TCP_HDR_LEN] = {0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,
+                                                   0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,
+                                                   0x81, 0,    0,    0,    0,    0,    0,    0};
     CHECK(memcmp(raw, want, sizeof want) == 0);
     kvpi_tcp_hdr back;
     CHECK(kvpi_tcp_hdr_decode(raw, &back) == 0);
@@ -51,8 +53,7 @@ static int data_port;
  * peer would. */
 static int start(void)
 {
-    kvpt_target_opts o = {.metadata = "P2PHANDSHAKE", .len = LEN, .seed = SEED,
-                          .disable_shm = 1};
+    kvpt_target_opts o = {.metadata = "P2PHANDSHAKE", .len = LEN, .seed = SEED, .disable_shm = 1};
     if (kvpt_target_start(&o, &T)) return -1;
     int port = atoi(strchr(T.name, ':') + 1);
     char *reply = NULL;
@@ -170,11 +171,11 @@ static void rejected(void)
         uint8_t op;
         int payload;
     } bad[] = {
-        {100, base() + LEN - 50, 0x80, 0},   /* READ past the end */
-        {100, base() - 100, 0x80, 0},        /* READ before the start */
-        {UINT64_MAX, base(), 0x80, 0},       /* wraps around */
-        {4096, base() + LEN, 0x81, 1},       /* WRITE past the end, with its payload */
-        {16, 0x1000, 0x81, 1},               /* WRITE to an unregistered address */
+        {100, base() + LEN - 50, 0x80, 0}, /* READ past the end */
+        {100, base() - 100, 0x80, 0},      /* READ before the start */
+        {UINT64_MAX, base(), 0x80, 0},     /* wraps around */
+        {4096, base() + LEN, 0x81, 1},     /* WRITE past the end, with its payload */
+        {16, 0x1000, 0x81, 1},             /* WRITE to an unregistered address */
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         int fd = conn();

@@ -76,15 +76,19 @@ static kvp_status region_remove(kvpi_region_table *t, void *addr)
 static uint64_t target_do(const cmd *c, char *a, kvpi_region_table *reg, void **server)
 {
     switch (c->op) {
-    case 'F': kvpt_fill(a + c->off, c->len, c->seed); return 0;
-    case 'V': return kvpt_verify(a + c->off, c->len, c->seed);
+    case 'F':
+        kvpt_fill(a + c->off, c->len, c->seed);
+        return 0;
+    case 'V':
+        return kvpt_verify(a + c->off, c->len, c->seed);
     case 'U':
         return region_remove(reg, a + BIG);
     case 'S':
         kvpi_transport_shm.server_stop(*server);
         *server = NULL;
         return 0;
-    default: return (uint64_t)-2;
+    default:
+        return (uint64_t)-2;
     }
 }
 
@@ -163,8 +167,12 @@ static void target_stop(target *t)
 static kvp_status open_peer(const target *t, const cJSON *desc, const kvpi_region *regions,
                             void **peer)
 {
-    kvpi_peer_ctx ctx = {.host = "127.0.0.1", .desc = desc, .regions = regions,
-                         .n_regions = 2, .timeout_ms = 3000, .conns = 4};
+    kvpi_peer_ctx ctx = {.host = "127.0.0.1",
+                         .desc = desc,
+                         .regions = regions,
+                         .n_regions = 2,
+                         .timeout_ms = 3000,
+                         .conns = 4};
     (void)t;
     return kvpi_transport_shm.peer_open(&ctx, peer);
 }
@@ -230,9 +238,11 @@ static void test_many_slices_one_bad(void)
     }
     s[333].remote = t.a + BIG - 10; /* crosses the end of region A */
     CHECK_OK(kvpi_transport_xfer_sync(&kvpi_transport_shm, peer, ps, N));
-    for (size_t i = 0; i < N; i++) CHECK_ST(s[i].status, i == 333 ? KVP_ERANGE : KVP_OK);
+    for (size_t i = 0; i < N; i++)
+        CHECK_ST(s[i].status, i == 333 ? KVP_ERANGE : KVP_OK);
     CHECK(kvpt_verify(local, 333 * LEN, 7) == (size_t)-1);
-    for (size_t i = 0; i < LEN; i++) CHECK(local[333 * LEN + i] == 0); /* failed: untouched */
+    for (size_t i = 0; i < LEN; i++)
+        CHECK(local[333 * LEN + i] == 0); /* failed: untouched */
     char *rest = local + 334 * LEN;
     char *want = malloc((size_t)N * LEN);
     kvpt_fill(want, (size_t)N * LEN, 7);
@@ -263,8 +273,8 @@ static void test_out_of_range(void)
 
     kvpi_region lies[2] = {{t.a, BIG + SMALL + 8192}, {0, 0}};
     lies[1] = lies[0];
-    kvpi_peer_ctx ctx = {.desc = t.desc, .regions = lies, .n_regions = 1, .timeout_ms = 3000,
-                         .conns = 2};
+    kvpi_peer_ctx ctx = {
+        .desc = t.desc, .regions = lies, .n_regions = 1, .timeout_ms = 3000, .conns = 2};
     REQUIRE_OK(kvpi_transport_shm.peer_open(&ctx, &forged));
     CHECK_OK(xfer1(forged, KVP_OP_READ, buf, t.b + SMALL, 8, &sst));
     CHECK_ST(sst, KVP_ERANGE);
@@ -280,7 +290,8 @@ static void test_out_of_range(void)
     }
     s[150].remote = t.b + SMALL; /* outside, but inside the forged region */
     CHECK_OK(kvpi_transport_xfer_sync(&kvpi_transport_shm, forged, ps, N));
-    for (size_t i = 0; i < N; i++) CHECK_ST(s[i].status, i == 150 ? KVP_ERANGE : KVP_OK);
+    for (size_t i = 0; i < N; i++)
+        CHECK_ST(s[i].status, i == 150 ? KVP_ERANGE : KVP_OK);
 
     /* B unregistered at the target: our cached view still lists it. */
     REQUIRE(target_cmd(&t, 'U', 0, 0, 0) == KVP_OK);
@@ -357,8 +368,10 @@ static kvp_status open_with(const target *t, const char *key, cJSON *value)
 {
     cJSON *d = cJSON_Duplicate(t->desc, 1);
     cJSON *o = cJSON_GetObjectItemCaseSensitive(d, KVPI_SHM_FIELD);
-    if (value) cJSON_ReplaceItemInObjectCaseSensitive(o, key, value);
-    else cJSON_DeleteItemFromObjectCaseSensitive(d, KVPI_SHM_FIELD);
+    if (value)
+        cJSON_ReplaceItemInObjectCaseSensitive(o, key, value);
+    else
+        cJSON_DeleteItemFromObjectCaseSensitive(d, KVPI_SHM_FIELD);
     void *peer = NULL;
     kvp_status st = open_peer(t, d, t->regions, &peer);
     if (st == KVP_OK) kvpi_transport_shm.peer_close(peer);

@@ -42,8 +42,11 @@ static void lanes_of(kvp_engine *e, kvp_segment_id seg, char *buf, size_t len)
 
 static int start_target(const char *protocol, kvpt_target *t)
 {
-    kvpt_target_opts o = {.metadata = "P2PHANDSHAKE", .protocol = protocol, .len = LEN,
-                          .seed = SEED, .disable_shm = 1};
+    kvpt_target_opts o = {.metadata = "P2PHANDSHAKE",
+                          .protocol = protocol,
+                          .len = LEN,
+                          .seed = SEED,
+                          .disable_shm = 1};
     return kvpt_target_start(&o, t);
 }
 
@@ -274,8 +277,10 @@ static void pool_memory(void)
     unlink(key);
 }
 
-#define CASES(X) X(uses_ucx_tcp) X(uses_ucx_sm) X(descriptor_fields) X(peer_without_ucx) \
-    X(device_names) X(force_tcp) X(pool_memory)
+#define CASES(X)                                                                                   \
+    X(uses_ucx_tcp)                                                                                \
+    X(uses_ucx_sm)                                                                                 \
+    X(descriptor_fields) X(peer_without_ucx) X(device_names) X(force_tcp) X(pool_memory)
 
 #else
 

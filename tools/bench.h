@@ -22,9 +22,9 @@ typedef struct bench_opts {
     int duration_set;
     double wait; /* --wait: seconds to wait for the store and (initiator) the segment */
     int verify, json, no_shm, sweep;
-    int sync; /* --sync: kvp_engine_read/write per request, not batches */
+    int sync;      /* --sync: kvp_engine_read/write per request, not batches */
     int no_warmup; /* --no-warmup: no untimed pass over the span first */
-    int pool; /* --pool: the target serves kvp_engine_alloc memory */
+    int pool;      /* --pool: the target serves kvp_engine_alloc memory */
     int unit;      /* index into bench_units */
     int precision; /* digits of the throughput (Mooncake's --report_precision) */
 } bench_opts;

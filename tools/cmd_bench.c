@@ -103,7 +103,8 @@ static const kvp_cli_opt opts[] = {
      "first (as ucx_perftest's\nwarm-up), so a fresh mapping's page faults are not timed",
      .id = O_NO_WARMUP},
     {"pool", KVP_ARG_FLAG, NULL,
-     "target: serve a buffer from the engine's pool\n(kvp_engine_alloc, as the pipe's tensors; over "
+     "target: serve a buffer from the engine's pool\n(kvp_engine_alloc, as the pipe's tensors; "
+     "over "
      "rdma/ucx\nmemory UCX allocates) instead of memory it registers",
      .id = O_POOL},
     {"sweep", KVP_ARG_FLAG, NULL,
@@ -290,8 +291,8 @@ static const char *check(bench_opts *o)
 
 static int parse_args(int argc, char **argv, bench_opts *o)
 {
-    *o = (bench_opts){.protocol = "tcp", .buffer_size = 256u << 20, .duration = 5, .wait = 10,
-                       .precision = 3};
+    *o = (bench_opts){
+        .protocol = "tcp", .buffer_size = 256u << 20, .duration = 5, .wait = 10, .precision = 3};
     int r = kvp_cli_parse(&spec, argc, argv, 0, set_opt, o);
     if (r) return r;
     if (!o->n_blocks) {
@@ -335,8 +336,7 @@ kvp_status bench_wait_for(const bench_opts *o, const char *what,
     char why[512] = "";
     kvp_status st;
     int said = 0;
-    while ((st = probe(o, why, sizeof why)) != KVP_OK && transient(st) &&
-           kvp_cli_now_ms() < end) {
+    while ((st = probe(o, why, sizeof why)) != KVP_OK && transient(st) && kvp_cli_now_ms() < end) {
         if (!said++)
             fprintf(stderr, "kvpipe bench: waiting up to %g s for %s (now: %s)\n", o->wait, what,
                     why);
@@ -408,8 +408,10 @@ static int target_buffer(const bench_opts *o, kvp_engine *e, void **out)
             return 1;
         }
         /* Populated now, so that no initiator's first pass pays our faults. */
-        if (o->verify) kvp_pattern_fill(buf, o->buffer_size, KVP_PATTERN_TARGET, 0);
-        else memset(buf, 0, o->buffer_size);
+        if (o->verify)
+            kvp_pattern_fill(buf, o->buffer_size, KVP_PATTERN_TARGET, 0);
+        else
+            memset(buf, 0, o->buffer_size);
         *out = buf;
         return 0;
     }

@@ -29,10 +29,10 @@ typedef struct bp_opts {
     long count, warmup; /* warmup < 0: choose */
     const char *protocol, *metadata, *config;
     int kv_rank, json, no_shm, port;
-    int timeout_ms; /* the engine's I/O timeout; 0: the pipe's default */
+    int timeout_ms;  /* the engine's I/O timeout; 0: the pipe's default */
     long inline_max; /* --inline-max-bytes; < 0: the pipe's default */
-    int in_place; /* --send in-place: kvp_pipe_tensor_alloc + kvp_pipe_send_take */
-    int verify;   /* compare every byte, not only the stamps */
+    int in_place;    /* --send in-place: kvp_pipe_tensor_alloc + kvp_pipe_send_take */
+    int verify;      /* compare every byte, not only the stamps */
 } bp_opts;
 
 enum {

@@ -122,8 +122,7 @@ int kvp_launch_wait(pid_t *pids, const char *const *names, int n, int timeout_ms
         if (r < 0 && errno != EINTR) break;
         if (r <= 0) {
             if (kvp_cli_now_ms() > deadline) {
-                kvp_cli_error("the run took longer than %d s; stopping it",
-                        timeout_ms / 1000);
+                kvp_cli_error("the run took longer than %d s; stopping it", timeout_ms / 1000);
                 kill_all(pids, n);
                 failed = 1;
                 deadline = UINT64_MAX;
@@ -138,11 +137,9 @@ int kvp_launch_wait(pid_t *pids, const char *const *names, int n, int timeout_ms
             int ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
             if (!ok && !failed) {
                 if (WIFSIGNALED(status))
-                    kvp_cli_error("the %s side died of signal %d", names[i],
-                            WTERMSIG(status));
+                    kvp_cli_error("the %s side died of signal %d", names[i], WTERMSIG(status));
                 else
-                    kvp_cli_error("the %s side failed (exit %d)", names[i],
-                            WEXITSTATUS(status));
+                    kvp_cli_error("the %s side failed (exit %d)", names[i], WEXITSTATUS(status));
                 failed = 1;
                 kill_all(pids, n); /* its peer would only wait for timeouts */
             }

@@ -321,7 +321,7 @@ typedef struct kvp_pipe_stats {
     uint64_t acks;                       /* messages acknowledged (by plain or tagged ACKs) */
     uint64_t bad_messages;               /* announcements dropped (malformed) or refused */
     uint64_t bad_acks; /* ACKs dropped: not the frame "ACK", unexpected, or another instance's */
-    size_t inflight_bytes;               /* sent, not yet acknowledged */
+    size_t inflight_bytes; /* sent, not yet acknowledged */
     size_t inflight_count;
     /* Of sent and received, the messages that travelled inline. */
     uint64_t inline_sent, inline_received;

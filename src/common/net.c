@@ -166,13 +166,17 @@ static int connect_one(const struct addrinfo *ai, int timeout_ms, int *err)
         }
         struct pollfd p = {.fd = fd, .events = POLLOUT};
         int rc;
-        do rc = poll(&p, 1, timeout_ms);
+        do
+            rc = poll(&p, 1, timeout_ms);
         while (rc < 0 && errno == EINTR);
         int soerr = 0;
         socklen_t sl = sizeof soerr;
-        if (rc == 0) soerr = ETIMEDOUT;
-        else if (rc < 0) soerr = errno;
-        else getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl);
+        if (rc == 0)
+            soerr = ETIMEDOUT;
+        else if (rc < 0)
+            soerr = errno;
+        else
+            getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl);
         if (soerr) {
             *err = soerr;
             close(fd);
@@ -206,7 +210,8 @@ kvp_status kvpi_tcp_connect(const char *host, int port, int timeout_ms, int *fd_
 kvp_status kvpi_tcp_accept(int listen_fd, int timeout_ms, int *fd_out)
 {
     int fd;
-    do fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
+    do
+        fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
     while (fd < 0 && errno == EINTR);
     if (fd < 0) return kvpi_error(KVP_EIO, "accept: %s", strerror(errno));
     tune(fd, timeout_ms);

@@ -116,22 +116,26 @@ int kvpi_iface_virtual(const char *name);
 /* Little-endian and big-endian integer codecs for wire headers. */
 static inline void kvpi_put_le64(uint8_t *p, uint64_t v)
 {
-    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
 }
 static inline uint64_t kvpi_get_le64(const uint8_t *p)
 {
     uint64_t v = 0;
-    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+    for (int i = 7; i >= 0; i--)
+        v = (v << 8) | p[i];
     return v;
 }
 static inline void kvpi_put_be64(uint8_t *p, uint64_t v)
 {
-    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (56 - 8 * i));
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (56 - 8 * i));
 }
 static inline uint64_t kvpi_get_be64(const uint8_t *p)
 {
     uint64_t v = 0;
-    for (int i = 0; i < 8; i++) v = (v << 8) | p[i];
+    for (int i = 0; i < 8; i++)
+        v = (v << 8) | p[i];
     return v;
 }
 

@@ -119,8 +119,8 @@ void kvpi_region_unpin_all(kvpi_region_table *t, kvpi_pin *pins, size_t count);
 kvp_mem_kind kvpi_region_kind_at(kvpi_region_table *t, uint64_t addr, uint64_t length, int *device);
 /* The same, always looking: non-zero when an active region holds the range
  * whole (then *kind and *device are its), 0 otherwise (host, 0). */
-int kvpi_region_kind_find(kvpi_region_table *t, uint64_t addr, uint64_t length,
-                          kvp_mem_kind *kind, int *device);
+int kvpi_region_kind_find(kvpi_region_table *t, uint64_t addr, uint64_t length, kvp_mem_kind *kind,
+                          int *device);
 
 /* Index of the one of the n sorted regions that holds [addr, addr+length)
  * whole, or -1; a pure helper, also for the client-side check against a

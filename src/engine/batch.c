@@ -83,8 +83,8 @@ struct kvp_batch {
     /* The first connection-level failure (the peer timed out, reset or
      * refused): the batch's other works fail with it. */
     kvp_status conn_error;
-    char detail[256];  /* kvp_last_error() of the first failure, from its thread */
-    int notify_fd;     /* -1, or an eventfd told when pending reaches 0 */
+    char detail[256]; /* kvp_last_error() of the first failure, from its thread */
+    int notify_fd;    /* -1, or an eventfd told when pending reaches 0 */
     char instance[sizeof((kvp_engine *)0)->instance]; /* "", or the only peer instance to run on */
     kvpi_engine_metrics *metrics;
     uint64_t submit_ns;
@@ -101,7 +101,8 @@ static void notify(kvp_batch *b)
 /* Cancel every xfer of the batch in flight; the caller holds b->lock. */
 static void cancel_groups(kvp_batch *b)
 {
-    for (group *g = b->groups; g; g = g->next) atomic_store(&g->x.canceled, 1);
+    for (group *g = b->groups; g; g = g->next)
+        atomic_store(&g->x.canceled, 1);
 }
 
 /* done_ns: when the work's transfer finished (the clock read once for a
@@ -139,7 +140,8 @@ static void complete(kvpi_work *w, kvp_status st, uint64_t done_ns)
 
 static void complete_all(kvpi_work **w, size_t n, kvp_status st)
 {
-    for (size_t i = 0; i < n; i++) complete(w[i], st, 0);
+    for (size_t i = 0; i < n; i++)
+        complete(w[i], st, 0);
 }
 
 /* ---- the workers ---- */
@@ -188,7 +190,8 @@ static void *worker_main(void *arg)
     kvpi_queue *q = &e->queue;
     pthread_mutex_lock(&q->lock);
     for (;;) {
-        while (!q->head && !q->closing && !q->stopping) pthread_cond_wait(&q->cond, &q->lock);
+        while (!q->head && !q->closing && !q->stopping)
+            pthread_cond_wait(&q->cond, &q->lock);
         if (q->closing) {
             kvpi_peer *peer = q->closing;
             q->closing = peer->next_closing;
@@ -232,11 +235,13 @@ void kvpi_workers_stop(kvp_engine *e)
      * whose completions may still hand the workers peers to close. */
     atomic_store(&q->draining, 1);
     pthread_mutex_lock(&q->lock);
-    while (atomic_load(&q->inflight) > 0) pthread_cond_wait(&q->cond, &q->lock);
+    while (atomic_load(&q->inflight) > 0)
+        pthread_cond_wait(&q->cond, &q->lock);
     q->stopping = 1;
     pthread_cond_broadcast(&q->cond);
     pthread_mutex_unlock(&q->lock);
-    for (int i = 0; i < e->n_workers; i++) pthread_join(e->workers[i], NULL);
+    for (int i = 0; i < e->n_workers; i++)
+        pthread_join(e->workers[i], NULL);
     free(e->workers);
     e->workers = NULL;
     pthread_mutex_destroy(&q->lock);
@@ -378,7 +383,8 @@ static int all_inside(const kvpi_peer *peer, kvpi_work **w, size_t m)
 static kvp_status acquire_for(kvp_engine *e, kvpi_segment *seg, kvpi_work **w, size_t m,
                               int blocking, kvpi_peer **out)
 {
-    kvp_status st = blocking ? kvpi_segment_acquire(e, seg, out) : kvpi_segment_try_acquire(seg, out);
+    kvp_status st =
+        blocking ? kvpi_segment_acquire(e, seg, out) : kvpi_segment_try_acquire(seg, out);
     if (st || all_inside(*out, w, m)) return st;
     kvpi_segment_release(seg, *out, 1);
     return blocking ? kvpi_segment_acquire(e, seg, out) : KVP_EBUSY;
@@ -476,8 +482,8 @@ static void dispatch(kvp_engine *e, kvpi_work **w, size_t m, int retried, int bl
             defer(e, w + i, live - i, retried);
             break;
         }
-        size_t limit = link && link->ops->group_bytes ? link->ops->group_bytes
-                                                      : KVPI_GROUP_BYTES_DEFAULT;
+        size_t limit =
+            link && link->ops->group_bytes ? link->ops->group_bytes : KVPI_GROUP_BYTES_DEFAULT;
         size_t j = i + 1, bytes = w[i]->slice.length;
         while (j < live && j - i < KVPI_XFER_MAX && w[j]->slice.opcode == w[i]->slice.opcode &&
                kinds_of(peer, w[j]) == kinds && bytes + w[j]->slice.length <= limit)
@@ -613,15 +619,14 @@ static kvp_status submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request
     return KVP_OK;
 }
 
-kvp_status kvp_batch_submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request *reqs,
-                            size_t n, kvp_batch **out)
+kvp_status kvp_batch_submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request *reqs, size_t n,
+                            kvp_batch **out)
 {
     return submit(e, seg_id, reqs, n, -1, NULL, 0, out);
 }
 
 kvp_status kvpi_batch_submit_notify(kvp_engine *e, kvp_segment_id seg_id, const kvp_request *reqs,
-                                    size_t n, int notify_fd, const char *instance,
-                                    kvp_batch **out)
+                                    size_t n, int notify_fd, const char *instance, kvp_batch **out)
 {
     return submit(e, seg_id, reqs, n, notify_fd, instance, 0, out);
 }
@@ -690,7 +695,8 @@ void kvp_batch_free(kvp_batch *b)
     if (!b) return;
     kvp_batch_cancel(b);
     pthread_mutex_lock(&b->lock);
-    while (b->outstanding > 0) pthread_cond_wait(&b->cond, &b->lock);
+    while (b->outstanding > 0)
+        pthread_cond_wait(&b->cond, &b->lock);
     pthread_mutex_unlock(&b->lock);
     pthread_mutex_destroy(&b->lock);
     pthread_cond_destroy(&b->cond);
@@ -722,8 +728,8 @@ kvp_status kvp_engine_read(kvp_engine *e, kvp_segment_id seg, void *local, uint6
     return transfer_sync(e, seg, KVP_OP_READ, local, remote, length);
 }
 
-kvp_status kvp_engine_write(kvp_engine *e, kvp_segment_id seg, const void *local,
-                            uint64_t remote, size_t length)
+kvp_status kvp_engine_write(kvp_engine *e, kvp_segment_id seg, const void *local, uint64_t remote,
+                            size_t length)
 {
     return transfer_sync(e, seg, KVP_OP_WRITE, (void *)local, remote, length);
 }

@@ -21,7 +21,7 @@ typedef struct chunk {
     size_t size;
     extent *free; /* sorted by off, coalesced */
     size_t n_free, cap_free;
-    size_t used; /* bytes allocated from it */
+    size_t used;                /* bytes allocated from it */
     struct chunk *next_release; /* taken out of the pool, to release unlocked */
 } chunk;
 
@@ -47,7 +47,8 @@ size_t kvpi_pool_size_class(size_t length)
     if (length <= MIN_CLASS) return MIN_CLASS;
     if (length <= SMALL_LIMIT) {
         size_t c = MIN_CLASS;
-        while (c < length) c <<= 1;
+        while (c < length)
+            c <<= 1;
         return c;
     }
     if (length > SIZE_MAX - SMALL_LIMIT) return 0;
@@ -58,7 +59,8 @@ static int grow(void **arr, size_t *cap, size_t need, size_t elem)
 {
     if (need <= *cap) return 0;
     size_t n = *cap ? *cap * 2 : 8;
-    while (n < need) n *= 2;
+    while (n < need)
+        n *= 2;
     void *p = realloc(*arr, n * elem);
     if (!p) return -1;
     *arr = p;
@@ -156,8 +158,8 @@ static kvp_status chunk_new(kvpi_pool *p, size_t need, chunk **out)
     size_t size = need > p->opts.chunk_size ? (need + MAP_ALIGN - 1) / MAP_ALIGN * MAP_ALIGN
                                             : p->opts.chunk_size;
     if (p->opts.max_bytes && p->mapped + size > p->opts.max_bytes)
-        return kvpi_error(KVP_ENOMEM, "buffer pool: %zu more bytes would pass the cap of %zu",
-                          size, p->opts.max_bytes);
+        return kvpi_error(KVP_ENOMEM, "buffer pool: %zu more bytes would pass the cap of %zu", size,
+                          p->opts.max_bytes);
     if (grow((void **)&p->chunks, &p->cap_chunks, p->n_chunks + 1, sizeof *p->chunks))
         return kvpi_error(KVP_ENOMEM, "buffer pool: out of memory");
     chunk *c = calloc(1, sizeof *c);
@@ -212,7 +214,8 @@ static size_t chunk_take(chunk *c, size_t len)
 static int chunk_give(chunk *c, size_t off, size_t len)
 {
     size_t i = 0;
-    while (i < c->n_free && c->free[i].off < off) i++;
+    while (i < c->n_free && c->free[i].off < off)
+        i++;
     int join_prev = i > 0 && c->free[i - 1].off + c->free[i - 1].len == off;
     int join_next = i < c->n_free && off + len == c->free[i].off;
     if (join_prev && join_next) {

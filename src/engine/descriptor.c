@@ -74,8 +74,8 @@ static kvp_status get_u64(const cJSON *obj, const char *key, const char *where, 
                           key);
     double d = item->valuedouble;
     if (!(d >= 0) || d >= EXACT_LIMIT || floor(d) != d)
-        return kvpi_error(KVP_EPROTO,
-                          "segment descriptor: %s.%s is not an integer in [0, 2^53)", where, key);
+        return kvpi_error(KVP_EPROTO, "segment descriptor: %s.%s is not an integer in [0, 2^53)",
+                          where, key);
     *out = (uint64_t)d;
     return KVP_OK;
 }

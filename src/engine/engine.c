@@ -495,13 +495,12 @@ static kvp_status engine_create(const kvp_engine_opts *opts,
               e->advert.why, e->advert.bind);
     *out = e;
     return KVP_OK;
-fail:
-    {
-        /* Keep the first failure's detail across the teardown's own calls. */
-        kvpi_error_kept detail = kvpi_error_keep();
-        kvp_engine_destroy(e);
-        return kvpi_error(st, "%s", detail.text);
-    }
+fail : {
+    /* Keep the first failure's detail across the teardown's own calls. */
+    kvpi_error_kept detail = kvpi_error_keep();
+    kvp_engine_destroy(e);
+    return kvpi_error(st, "%s", detail.text);
+}
 }
 
 void kvp_engine_destroy(kvp_engine *e)

@@ -41,17 +41,17 @@ typedef struct kvpi_peer {
     pthread_mutex_t lock;                 /* opening links */
     kvpi_link links[KVPI_MAX_TRANSPORTS]; /* the allowed transports, preferred first */
     size_t n_links;
-    kvpi_link *primary; /* the first that opened at lookup (links before it refused) */
+    kvpi_link *primary;             /* the first that opened at lookup (links before it refused) */
     struct kvpi_peer *next_closing; /* on the workers' queue, once unreferenced */
 } kvpi_peer;
 
 typedef struct kvpi_segment {
     char *name;
     pthread_mutex_t lock;
-    kvpi_peer *peer;        /* NULL until looked up, and after a connection error */
-    const char *transport;  /* name of the last transport used, for callers */
-    int failing;            /* the last transfer failed: log the next failure quietly */
-    int looked_up;          /* a descriptor was fetched once: later lookups refresh it */
+    kvpi_peer *peer;       /* NULL until looked up, and after a connection error */
+    const char *transport; /* name of the last transport used, for callers */
+    int failing;           /* the last transfer failed: log the next failure quietly */
+    int looked_up;         /* a descriptor was fetched once: later lookups refresh it */
 } kvpi_segment;
 
 typedef struct kvpi_job kvpi_job;
@@ -107,9 +107,9 @@ struct kvp_engine {
     cJSON *fields;     /* an upper layer's descriptor members (engine_ext.h), or NULL */
     int claimed;       /* the name is taken in the store: release it at destroy */
     pthread_mutex_t publish_lock;
-    char *desc_text; /* last rendered descriptor, for handshakes */
-    int desc_stale;  /* desc_text may list regions no longer registered */
-    kvpi_auth *auth; /* NULL: unauthenticated */
+    char *desc_text;         /* last rendered descriptor, for handshakes */
+    int desc_stale;          /* desc_text may list regions no longer registered */
+    kvpi_auth *auth;         /* NULL: unauthenticated */
     uint64_t desc_signed_ns; /* authenticated: when desc_text was signed */
 
     pthread_mutex_t segments_lock;

@@ -235,7 +235,8 @@ static size_t pool_mapper(const kvp_engine *e)
     for (; e->transports[i]; i++)
         if (e->transports[i] == e->transport) break;
     if (e->transports[i] && (e->auth || !e->servers[i] || !e->transports[i]->chunk_map))
-        while (e->transports[i]) i++;
+        while (e->transports[i])
+            i++;
     return i;
 }
 

@@ -193,7 +193,7 @@ kvp_status kvpi_cuda_range_device(const void *p, size_t length, int *device)
     int device_mem = first == KVPI_PTR_DEVICE || first == KVPI_PTR_MANAGED;
     if (!device_mem || (length && (last != first || dev_last != dev_first)))
         return kvpi_error(KVP_EINVAL, "[%p, +%zu) is not CUDA device memory (%s)", p, length,
-                          device_mem            ? "its last byte is not in the same device's memory"
+                          device_mem ? "its last byte is not in the same device's memory"
                           : first == KVPI_PTR_HOST ? "the CUDA driver does not know it"
                                                    : "the driver says pinned host memory");
     *device = dev_first;

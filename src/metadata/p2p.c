@@ -34,9 +34,9 @@ struct kvpi_rpc_server {
     void *ctx;
     const kvpi_auth *auth; /* NULL: unauthenticated */
     char addr[KVPI_HOST_MAX + 8];
-    int port; /* the bound port, also when started with port 0 */
+    int port;             /* the bound port, also when started with port 0 */
     pthread_mutex_t lock; /* guards warned */
-    int warned; /* a malformed frame was logged at WARN once */
+    int warned;           /* a malformed frame was logged at WARN once */
 };
 
 static int valid_type(unsigned type)

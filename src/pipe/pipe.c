@@ -270,7 +270,8 @@ static kvp_status open_link(kvp_pipe *p, kvpi_pull_link *l, const char *what, in
     if (zmq_socket_monitor(l->sock, mon_ep, p->auth ? LINK_EVENTS : LINK_EVENTS & ~AUTH_EVENTS) !=
         0)
         return kvpi_pipe_zmq_fail(p, "monitor");
-    if ((st = make_socket(p, ZMQ_PAIR, 0, p->opts.max_control_frame, KVPI_PIPE_ZAP_DOMAIN, &l->mon)))
+    if ((st =
+             make_socket(p, ZMQ_PAIR, 0, p->opts.max_control_frame, KVPI_PIPE_ZAP_DOMAIN, &l->mon)))
         return st;
     if (zmq_connect(l->mon, mon_ep) != 0) return kvpi_pipe_zmq_fail(p, "monitor connect");
     if (zmq_connect(l->sock, l->endpoint) == 0) return KVP_OK;
@@ -285,7 +286,8 @@ static kvp_status monitor_push(kvp_pipe *p, void *sock, const char *what, void *
     snprintf(ep, sizeof ep, "inproc://kvpipe-monitor-push-%s", what);
     if (zmq_socket_monitor(sock, ep, KVPI_PIPE_HANDSHAKE_FAILED) != 0)
         return kvpi_pipe_zmq_fail(p, "monitor");
-    kvp_status st = make_socket(p, ZMQ_PAIR, 0, p->opts.max_control_frame, KVPI_PIPE_ZAP_DOMAIN, mon);
+    kvp_status st =
+        make_socket(p, ZMQ_PAIR, 0, p->opts.max_control_frame, KVPI_PIPE_ZAP_DOMAIN, mon);
     if (!st && zmq_connect(*mon, ep) != 0) st = kvpi_pipe_zmq_fail(p, "monitor connect");
     return st;
 }
@@ -309,8 +311,8 @@ static kvp_status open_sockets(kvp_pipe *p)
     /* Announcements die with the pipe (their buffers are freed at close), so
      * linger 0; the last ACKs get a short grace so that a receiver closing right
      * after its last recv still releases the sender's buffers. */
-    if ((st =
-             make_socket(p, ZMQ_PUSH, 0, o->max_control_frame, KVPI_PIPE_ZAP_ANNOUNCE, &p->data_push)))
+    if ((st = make_socket(p, ZMQ_PUSH, 0, o->max_control_frame, KVPI_PIPE_ZAP_ANNOUNCE,
+                          &p->data_push)))
         return st;
     if ((st = make_socket(p, ZMQ_PUSH, o->ack_linger_ms, o->max_control_frame, KVPI_PIPE_ZAP_DOMAIN,
                           &p->ack_push)))

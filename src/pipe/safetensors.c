@@ -51,8 +51,7 @@ kvp_status kvpi_safetensors_size(const kvp_tensor *t, size_t *out)
 kvp_status kvpi_safetensors_write_header(const kvp_tensor *t, void *buf, size_t cap,
                                          size_t *data_off)
 {
-    if (!t || !buf || !data_off)
-        return kvpi_error(KVP_EINVAL, "safetensors write: NULL argument");
+    if (!t || !buf || !data_off) return kvpi_error(KVP_EINVAL, "safetensors write: NULL argument");
     if (t->nbytes && !t->data) return kvpi_error(KVP_EINVAL, "tensor data is NULL");
     char hdr[HEADER_CAP];
     size_t hlen;

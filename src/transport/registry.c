@@ -95,7 +95,8 @@ kvp_status kvpi_transport_xfer_sync(const kvpi_transport_ops *ops, void *peer,
     pthread_cond_init(&s.cond, NULL);
     ops->peer_post(peer, &s.x, KVPI_POST_INLINE);
     pthread_mutex_lock(&s.lock);
-    while (!s.done) pthread_cond_wait(&s.cond, &s.lock);
+    while (!s.done)
+        pthread_cond_wait(&s.cond, &s.lock);
     pthread_mutex_unlock(&s.lock);
     pthread_mutex_destroy(&s.lock);
     pthread_cond_destroy(&s.cond);

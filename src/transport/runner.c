@@ -36,7 +36,8 @@ static kvp_status run_fn(kvpi_xfer *x)
         return kvpi_error(KVP_ECANCELED, "the transfer was cancelled before it started");
     kvpi_runner_lane *lane = x->lane;
     uint64_t bytes = 0;
-    for (size_t i = 0; i < x->n; i++) bytes += x->slices[i]->length;
+    for (size_t i = 0; i < x->n; i++)
+        bytes += x->slices[i]->length;
     uint64_t start = kvpi_now_ns();
     /* A transport's function sets every slice; one it left unset failed
      * with the call. Device memory goes through bounce buffers on the way,
@@ -75,7 +76,8 @@ static kvpi_xfer *take_if(kvpi_runner *r, int (*match)(const kvpi_xfer *, const 
     }
     *last = NULL;
     r->tail = &r->head;
-    while (*r->tail) r->tail = &(*r->tail)->next;
+    while (*r->tail)
+        r->tail = &(*r->tail)->next;
     return out;
 }
 
@@ -121,8 +123,8 @@ static void *runner_main(void *arg)
         }
         int stopping = r->stopping;
         pthread_mutex_unlock(&r->lock);
-        kvp_status st = stopping ? kvpi_error(KVP_ECLOSED, "the engine is shutting down")
-                                 : run_fn(x);
+        kvp_status st =
+            stopping ? kvpi_error(KVP_ECLOSED, "the engine is shutting down") : run_fn(x);
         char detail[300] = "";
         pthread_mutex_lock(&r->lock);
         /* Before the completions, after which the peer may be closed. */
@@ -163,7 +165,8 @@ void kvpi_runner_stop(kvpi_runner *r)
     r->stopping = 1;
     pthread_cond_broadcast(&r->cond);
     pthread_mutex_unlock(&r->lock);
-    for (int i = 0; i < r->started; i++) pthread_join(r->threads[i], NULL);
+    for (int i = 0; i < r->started; i++)
+        pthread_join(r->threads[i], NULL);
     pthread_mutex_destroy(&r->lock);
     pthread_cond_destroy(&r->cond);
     free(r);

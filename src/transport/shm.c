@@ -162,7 +162,8 @@ static kvp_status hello(const shm_peer *p, int fd, uint64_t deadline)
         return kvpi_error(st, "shm peer @%s: handshake failed: %s", p->name, kvp_last_error());
     }
     if (remote == KVP_ENOTSUP)
-        return kvpi_error(KVP_ENOTSUP, "shm peer pid %d cannot reach our memory with "
+        return kvpi_error(KVP_ENOTSUP,
+                          "shm peer pid %d cannot reach our memory with "
                           "process_vm_*: %s (same user needed; yama ptrace_scope %d)",
                           (int)p->target, strerror(err), yama_scope());
     if (remote) return kvpi_error(remote, "shm peer @%s refused the handshake", p->name);
@@ -205,8 +206,10 @@ static kvp_status parse_endpoint(const cJSON *desc, shm_peer *p)
 {
     const cJSON *o = desc ? cJSON_GetObjectItemCaseSensitive(desc, KVPI_SHM_FIELD) : NULL;
     if (!cJSON_IsObject(o))
-        return kvpi_error(KVP_ENOTSUP, "shm: the peer advertises no '%s' endpoint (a Mooncake "
-                          "peer, or shm is off there)", KVPI_SHM_FIELD);
+        return kvpi_error(KVP_ENOTSUP,
+                          "shm: the peer advertises no '%s' endpoint (a Mooncake "
+                          "peer, or shm is off there)",
+                          KVPI_SHM_FIELD);
     const cJSON *ver = cJSON_GetObjectItemCaseSensitive(o, "version");
     const cJSON *host = cJSON_GetObjectItemCaseSensitive(o, "host_id");
     const cJSON *pid = cJSON_GetObjectItemCaseSensitive(o, "pid");
@@ -223,8 +226,10 @@ static kvp_status parse_endpoint(const cJSON *desc, shm_peer *p)
     kvp_status st = kvpi_shm_host_id(ours, sizeof ours);
     if (st) return st;
     if (strcmp(ours, host->valuestring) != 0)
-        return kvpi_error(KVP_ENOTSUP, "shm: the peer is on another host or namespace (host id "
-                          "'%s', ours '%s')", host->valuestring, ours);
+        return kvpi_error(KVP_ENOTSUP,
+                          "shm: the peer is on another host or namespace (host id "
+                          "'%s', ours '%s')",
+                          host->valuestring, ours);
     p->target = (pid_t)pid->valuedouble;
     snprintf(p->name, sizeof p->name, "%s", sock->valuestring);
     /* The driver opens no IPC handle of this very process: a target here stages. */
@@ -268,7 +273,8 @@ static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
                                  .timeout_ms = p->timeout_ms,
                                  .min_rate = p->min_rate,
                                  .own_staging = 1};
-    for (size_t i = 0; i < MAX_LINKS; i++) p->fds[i] = -1;
+    for (size_t i = 0; i < MAX_LINKS; i++)
+        p->fds[i] = -1;
     kvp_status st = parse_endpoint(ctx->desc, p);
     if (st) goto fail;
     if (ctx->n_regions && (!(p->regions = malloc(ctx->n_regions * sizeof *p->regions)) ||
@@ -333,9 +339,10 @@ static size_t check_slices(const shm_peer *p, kvpi_slice *const *slices, size_t 
         if (s->opcode != KVP_OP_READ && s->opcode != KVP_OP_WRITE)
             s->status = kvpi_error(KVP_EINVAL, "shm: bad opcode %d", (int)s->opcode);
         else if (!kvpi_regions_contain(p->regions, p->n_regions, s->remote, s->length))
-            s->status = kvpi_error(KVP_ERANGE, "shm peer pid %d: [0x%" PRIx64 ", +%zu) is not "
-                                   "inside one registered buffer", (int)p->target, s->remote,
-                                   s->length);
+            s->status = kvpi_error(KVP_ERANGE,
+                                   "shm peer pid %d: [0x%" PRIx64 ", +%zu) is not "
+                                   "inside one registered buffer",
+                                   (int)p->target, s->remote, s->length);
         else {
             s->status = KVP_EINPROGRESS;
             todo++;
@@ -369,12 +376,12 @@ static kvp_status link_collect(const shm_peer *p, int fd, kvpi_slice *const *win
         win[j]->status = remote;
         if (remote == KVP_OK) continue;
         kvpi_error(remote, "shm peer pid %d: %s of [0x%" PRIx64 ", +%zu) failed%s%s",
-                   (int)p->target, win[j]->opcode == KVP_OP_READ ? "READ" : "WRITE",
-                   win[j]->remote, win[j]->length,
+                   (int)p->target, win[j]->opcode == KVP_OP_READ ? "READ" : "WRITE", win[j]->remote,
+                   win[j]->length,
                    remote == KVP_ERANGE ? ": outside its registered memory"
                    : err                ? ": "
-                   : remote == KVP_EIO  ? ": its copy of its device memory failed (its log says why)"
-                                        : "",
+                   : remote == KVP_EIO ? ": its copy of its device memory failed (its log says why)"
+                                       : "",
                    remote != KVP_ERANGE && err ? strerror(err) : "");
     }
     return KVP_OK;
@@ -447,7 +454,7 @@ static size_t in_progress(kvpi_slice *const *slices, size_t n)
  * its bytes at min_rate. A link the target closed while it sat idle is
  * replaced once, when nothing was answered on it. */
 static kvp_status peer_xfer(void *peer, kvpi_slice *const *slices, size_t n, uint64_t start,
-                           uint64_t deadline)
+                            uint64_t deadline)
 {
     shm_peer *p = peer;
     size_t todo = check_slices(p, slices, n);

@@ -142,8 +142,8 @@ static kvp_status serve_hello(kvpi_conn *conn)
         return kvpi_error(KVP_ENOTSUP, "shm server: initiator is another user or pid namespace");
     }
     uint64_t probe = 0;
-    int err = copy_with_peer(c->fd, c->peer, KVP_OP_WRITE, (uint64_t)(uintptr_t)&probe, h.probe_addr,
-                             sizeof probe);
+    int err = copy_with_peer(c->fd, c->peer, KVP_OP_WRITE, (uint64_t)(uintptr_t)&probe,
+                             h.probe_addr, sizeof probe);
     if (!err && probe != h.probe_value) err = EFAULT;
     if (err) {
         reply(c, KVP_ENOTSUP, err);
@@ -156,11 +156,18 @@ static kvp_status serve_hello(kvpi_conn *conn)
 static kvp_status copy_status(int err, int *fatal)
 {
     switch (err) {
-    case 0: return KVP_OK;
-    case EFAULT: return KVP_EINVAL; /* the initiator's local address is not mapped */
-    case ESRCH: *fatal = 1; return KVP_ECONNRESET;
-    case EPERM: *fatal = 1; return KVP_ENOTSUP;
-    default: return KVP_EIO;
+    case 0:
+        return KVP_OK;
+    case EFAULT:
+        return KVP_EINVAL; /* the initiator's local address is not mapped */
+    case ESRCH:
+        *fatal = 1;
+        return KVP_ECONNRESET;
+    case EPERM:
+        *fatal = 1;
+        return KVP_ENOTSUP;
+    default:
+        return KVP_EIO;
     }
 }
 
@@ -251,7 +258,8 @@ static kvp_status serve_request(shm_conn *c, const uint8_t h[KVPI_SHM_REQ_LEN], 
     kvpi_pin pin;
     if (kvpi_region_pin(reg, remote, len, kvpi_transport_shm.mem_kinds, &pin) != KVP_OK) {
         KVPI_DEBUG("shm server: pid %d asked for [0x%" PRIx64 ", +%" PRIu64 ") outside registered "
-                   "memory", (int)c->peer, remote, len);
+                   "memory",
+                   (int)c->peer, remote, len);
         if (srv->served) kvpi_counter_add(&srv->served->refused, 1);
         return answer(c, KVP_ERANGE, 0, 0);
     }

@@ -345,7 +345,7 @@ struct tcp_peer {
     kvpi_counter *retries; /* may be NULL */
     int max_idle;          /* conns_per_peer: the most connections open at once */
     const kvpi_auth *auth;
-    kvpi_runner *runner; /* the server's; NULL without one */
+    kvpi_runner *runner;   /* the server's; NULL without one */
     kvpi_runner_lane lane; /* as many at once as connections kept */
     pthread_mutex_t lock;
     pthread_cond_t freed; /* a connection came back or closed */
@@ -486,7 +486,8 @@ static kvp_status tcp_peer_open(const kvpi_peer_ctx *ctx, void **out)
     p->max_idle = conns;
     p->auth = ctx->auth;
     p->runner = ctx->server ? ((tcp_server *)ctx->server)->runner : NULL;
-    p->lane = (kvpi_runner_lane){.limit = conns, .timeout_ms = p->timeout_ms, .min_rate = p->min_rate};
+    p->lane =
+        (kvpi_runner_lane){.limit = conns, .timeout_ms = p->timeout_ms, .min_rate = p->min_rate};
     pthread_mutex_init(&p->lock, NULL);
     kvpi_cond_init(&p->freed);
     tcp_server *srv = ctx->server;
@@ -648,7 +649,7 @@ static kvp_status run_reads(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n,
         } else {
             st = kvpi_recv_all_by(fd, s[i]->local, s[i]->length, deadline);
         }
-        if (st == KVP_ERANGE) s[*done = i]->status = KVP_ERANGE;
+        if (st == KVP_ERANGE) s[ *done = i]->status = KVP_ERANGE;
         if (st) return st;
         s[i]->status = KVP_OK;
         *done = i + 1;
@@ -672,7 +673,8 @@ static kvp_status run_writes(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n
         if ((st = kvpi_sendv_all_by(fd, iov, 2, deadline))) break;
     }
     if (!p->v2) {
-        for (size_t i = 0; i < sent; i++) s[i]->status = KVP_OK;
+        for (size_t i = 0; i < sent; i++)
+            s[i]->status = KVP_OK;
         *done = sent;
         return st;
     }
@@ -689,7 +691,7 @@ static kvp_status run_writes(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n
         for (size_t j = 0; j < k && iov[j].iov_len == 0; j++, i++) {
             kvp_status e = status_error(p, frames[j], s[i]);
             if (e == KVP_ERANGE) {
-                s[*done = i]->status = KVP_ERANGE;
+                s[ *done = i]->status = KVP_ERANGE;
                 return e;
             }
             if (e) return send_err ? send_err : e;
@@ -714,8 +716,8 @@ static kvp_status deadline_error(tcp_peer *p, kvpi_slice *const *s, size_t n, ui
                       (unsigned long long)p->min_rate, kvp_last_error());
 }
 
-static kvp_status tcp_peer_xfer(void *peer, kvpi_slice *const *slices, size_t n,
-                                uint64_t start, uint64_t deadline)
+static kvp_status tcp_peer_xfer(void *peer, kvpi_slice *const *slices, size_t n, uint64_t start,
+                                uint64_t deadline)
 {
     tcp_peer *p = peer;
     uint64_t bytes = 0;

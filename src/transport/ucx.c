@@ -83,13 +83,13 @@ typedef struct ucx_peer {
     ucx_revoke *revokes, **revokes_tail;
     uint64_t conn_id;
     int awaiting_hello;
-    long inflight;        /* requests issued and not completed */
+    long inflight; /* requests issued and not completed */
     /* Bytes of xfers posted and not completed: a new xfer's deadline counts
      * them, since UCX moves them first (see peer_post). */
     atomic_uint_fast64_t posted_bytes;
-    uint64_t down_ns; /* when the holder first saw the endpoint closed or failed */
+    uint64_t down_ns;        /* when the holder first saw the endpoint closed or failed */
     struct ucx_xfer *issued; /* xfers with requests in flight */
-    pid_t target_pid;     /* on this host; 0 where not, or unknown */
+    pid_t target_pid;        /* on this host; 0 where not, or unknown */
     unsigned long long target_start;
     uint64_t next_check;
 
@@ -193,8 +193,8 @@ out:
     return r;
 }
 
-static ucs_status_t on_hello_ack(void *arg, const void *header, size_t header_length,
-                                 void *data, size_t length, const ucp_am_recv_param_t *param)
+static ucs_status_t on_hello_ack(void *arg, const void *header, size_t header_length, void *data,
+                                 size_t length, const ucp_am_recv_param_t *param)
 {
     (void)header;
     (void)header_length;
@@ -365,9 +365,9 @@ static kvp_status unpack_rkeys(ucx_peer *p)
         ucs_status_t ust = ucp_ep_rkey_unpack(p->ep, p->rkey_bufs[i], &p->rkeys[i]);
         if (ust != UCS_OK) {
             p->rkeys[i] = NULL;
-            return kvpi_error(KVP_EPROTO, "ucx: segment %s: buffer 0x%" PRIx64
-                              ": ucp_ep_rkey_unpack: %s", p->segment, p->regions[i].addr,
-                              ucs_status_string(ust));
+            return kvpi_error(KVP_EPROTO,
+                              "ucx: segment %s: buffer 0x%" PRIx64 ": ucp_ep_rkey_unpack: %s",
+                              p->segment, p->regions[i].addr, ucs_status_string(ust));
         }
         find_mapping(p, i); /* no transfer has p yet */
     }
@@ -583,8 +583,10 @@ static kvp_status parse_endpoint(const kvpi_peer_ctx *ctx, void **addr, uint64_t
 {
     const cJSON *o = ctx->desc ? cJSON_GetObjectItemCaseSensitive(ctx->desc, KVPI_UCX_FIELD) : NULL;
     if (!cJSON_IsObject(o))
-        return kvpi_error(KVP_ENOTSUP, "ucx: segment %s publishes no '%s' endpoint (a Mooncake "
-                          "peer, or a kvpipe engine without UCX)", ctx->segment, KVPI_UCX_FIELD);
+        return kvpi_error(KVP_ENOTSUP,
+                          "ucx: segment %s publishes no '%s' endpoint (a Mooncake "
+                          "peer, or a kvpipe engine without UCX)",
+                          ctx->segment, KVPI_UCX_FIELD);
     const cJSON *ver = cJSON_GetObjectItemCaseSensitive(o, "version");
     const cJSON *worker = cJSON_GetObjectItemCaseSensitive(o, "worker");
     const cJSON *ep = cJSON_GetObjectItemCaseSensitive(o, "epoch");
@@ -628,8 +630,9 @@ static kvp_status peer_init(ucx_peer *p, const kvpi_peer_ctx *ctx)
     p->revokes_tail = &p->revokes;
     size_t n = ctx->n_regions ? ctx->n_regions : 1;
     if (!(p->segment = strdup(ctx->segment ? ctx->segment : "?")) ||
-        !(p->regions = calloc(n, sizeof *p->regions)) || !(p->rkeys = calloc(n, sizeof *p->rkeys)) ||
-        !(p->revoked = calloc(n, 1)) || !(p->mapped = calloc(n, sizeof *p->mapped)) ||
+        !(p->regions = calloc(n, sizeof *p->regions)) ||
+        !(p->rkeys = calloc(n, sizeof *p->rkeys)) || !(p->revoked = calloc(n, 1)) ||
+        !(p->mapped = calloc(n, sizeof *p->mapped)) ||
         !(p->rkey_bufs = calloc(n, sizeof *p->rkey_bufs)) ||
         !(p->rkey_lens = calloc(n, sizeof *p->rkey_lens)))
         return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
@@ -637,15 +640,17 @@ static kvp_status peer_init(ucx_peer *p, const kvpi_peer_ctx *ctx)
         p->regions[i].addr = ctx->regions[i].addr;
         p->regions[i].length = ctx->regions[i].length;
         if (p->auth) continue; /* its rkeys come with the HELLO's answer */
-        const cJSON *k = ctx->buffers && ctx->buffers[i]
-                             ? cJSON_GetObjectItemCaseSensitive(ctx->buffers[i], KVPI_UCX_RKEY_FIELD)
-                             : NULL;
+        const cJSON *k =
+            ctx->buffers && ctx->buffers[i]
+                ? cJSON_GetObjectItemCaseSensitive(ctx->buffers[i], KVPI_UCX_RKEY_FIELD)
+                : NULL;
         if (!cJSON_IsString(k))
             return kvpi_error(KVP_ENOTSUP, "ucx: segment %s: buffer 0x%" PRIx64 " has no '%s'",
                               p->segment, p->regions[i].addr, KVPI_UCX_RKEY_FIELD);
         if (kvpi_ucx_unhex(k->valuestring, &p->rkey_bufs[i], &p->rkey_lens[i]))
-            return kvpi_error(KVP_EPROTO, "ucx: segment %s: buffer 0x%" PRIx64
-                              ": its rkey is not hex", p->segment, p->regions[i].addr);
+            return kvpi_error(KVP_EPROTO,
+                              "ucx: segment %s: buffer 0x%" PRIx64 ": its rkey is not hex",
+                              p->segment, p->regions[i].addr);
     }
     return KVP_OK;
 }
@@ -709,8 +714,8 @@ static kvp_status await_hello(ucx_peer *p)
         return kvpi_error(KVP_ECONNREFUSED, "ucx: segment %s cannot be reached: %s", p->segment,
                           ucs_status_string((ucs_status_t)failed));
     if (!done)
-        return kvpi_error(KVP_ETIMEDOUT, "ucx: segment %s did not answer within %d ms",
-                          p->segment, p->timeout_ms);
+        return kvpi_error(KVP_ETIMEDOUT, "ucx: segment %s did not answer within %d ms", p->segment,
+                          p->timeout_ms);
     return hello_error(p, status);
 }
 
@@ -794,9 +799,9 @@ struct ucx_xfer {
     uint64_t bytes;
     int pending; /* requests in flight */
     int writes;
-    int abandoned; /* completed without its requests (see abandon) */
-    int *led;                  /* a leading caller's flag, set when done; NULL if none */
-    ucx_xfer *prev, *next;     /* the peer's issued xfers (p->issued) */
+    int abandoned;         /* completed without its requests (see abandon) */
+    int *led;              /* a leading caller's flag, set when done; NULL if none */
+    ucx_xfer *prev, *next; /* the peer's issued xfers (p->issued) */
     ucx_item flush;
     ucx_item items[];
 };
@@ -843,7 +848,9 @@ static void report(ucx_xfer *ux)
         if (k && !result) result = k;
     }
     if (conn == KVP_ETIMEDOUT) {
-        result = kvpi_error(conn, "ucx: segment %s: %" PRIu64 " bytes not done within %d ms + the bytes at %" PRIu64 " bytes/s",
+        result = kvpi_error(conn,
+                            "ucx: segment %s: %" PRIu64
+                            " bytes not done within %d ms + the bytes at %" PRIu64 " bytes/s",
                             p->segment, ux->bytes, p->timeout_ms, p->min_rate);
     } else if (conn) {
         int st = atomic_load(&p->ep_status);
@@ -907,8 +914,8 @@ static void xfer_run(kvpi_ucx_server *s, kvpi_ucx_cmd *cmd)
     kvpi_xfer *x = ux->x;
     int canceled = atomic_load(&x->canceled);
     if (!canceled && kvpi_now_ns() >= ux->deadline) atomic_store(&p->timed_out, 1);
-    ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
-                                               UCP_OP_ATTR_FIELD_USER_DATA,
+    ucp_request_param_t prm = {.op_attr_mask =
+                                   UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA,
                                .cb.send = request_done};
     for (size_t i = 0; i < x->n; i++) {
         ucx_item *it = &ux->items[i];
@@ -1001,7 +1008,8 @@ static void check_deadlines(ucx_peer *p)
     if (now - p->down_ns < ABANDON_NS) return;
     long requests = p->inflight;
     int xfers = 0;
-    for (; p->issued; xfers++) abandon(p, p->issued);
+    for (; p->issued; xfers++)
+        abandon(p, p->issued);
     KVPI_WARN("ucx peer %s: %ld requests of %d transfers still pending %u ms after the endpoint "
               "went down: the transfers fail without them, and this peer's worker is never "
               "progressed again",
@@ -1054,8 +1062,8 @@ static int copy_mapped(ucx_peer *p, kvpi_xfer *x)
 {
     if (!p->n_mapped) return 0;
     pthread_rwlock_rdlock(&p->map_lock);
-    int ok = !atomic_load(&p->ep_status) && !atomic_load(&p->timed_out) &&
-             !atomic_load(&x->canceled);
+    int ok =
+        !atomic_load(&p->ep_status) && !atomic_load(&p->timed_out) && !atomic_load(&x->canceled);
     for (size_t i = 0; ok && i < x->n; i++)
         ok = !refusal(p, x->slices[i]) && p->mapped[x->slices[i]->remote_region];
     for (size_t i = 0; ok && i < x->n; i++) {

@@ -92,7 +92,7 @@ typedef struct kvpi_ucx_pollee {
      * could still deliver their bytes into memory their callers own again
      * (ucx.c, abandon). Its owner destroys the worker without draining it. */
     atomic_int frozen;
-    int watched;                /* the progress thread's sleep wakes on efd */
+    int watched; /* the progress thread's sleep wakes on efd */
     struct kvpi_ucx_pollee *next;
 } kvpi_ucx_pollee;
 
@@ -149,8 +149,7 @@ void kvpi_ucx_retire(kvpi_ucx_server *s, ucp_worker_h w, void *req, void (*done)
  * it does not sleep while there are any. */
 void kvpi_ucx_busy_add(kvpi_ucx_server *s, long n);
 /* Set the active-message handler id of worker w (whole messages only). */
-kvp_status kvpi_ucx_set_handler(ucp_worker_h w, unsigned id, ucp_am_recv_callback_t cb,
-                                void *arg);
+kvp_status kvpi_ucx_set_handler(ucp_worker_h w, unsigned id, ucp_am_recv_callback_t cb, void *arg);
 /* Send a control message of len bytes (copied) on ep; UCP completes it in the
  * background. flags: UCP_AM_SEND_FLAG_*. */
 kvp_status kvpi_ucx_am_send(ucp_ep_h ep, unsigned id, const void *bytes, size_t len,

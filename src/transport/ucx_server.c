@@ -41,7 +41,8 @@
 #define DEFAULT_TIMEOUT_MS 5000
 /* The end of a message saying why the ucx transport cannot run here. */
 #define TCP_HINT                                                                                   \
-    "; protocol 'rdma' (and 'ucx') cannot run here: to run over TCP, ask for protocol 'tcp' (in a " \
+    "; protocol 'rdma' (and 'ucx') cannot run here: to run over TCP, ask for protocol 'tcp' (in "  \
+    "a "                                                                                           \
     "mooncake config file: \"protocol\": \"tcp\") or set MC_FORCE_TCP=1"
 
 /* ---- small helpers ---- */
@@ -111,8 +112,7 @@ static void sent(void *request, ucs_status_t st, void *user_data)
     ucp_request_free(request);
 }
 
-kvp_status kvpi_ucx_am_send(ucp_ep_h ep, unsigned id, const void *bytes, size_t len,
-                            uint32_t flags)
+kvp_status kvpi_ucx_am_send(ucp_ep_h ep, unsigned id, const void *bytes, size_t len, uint32_t flags)
 {
     void *copy = malloc(len);
     if (!copy) return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
@@ -142,14 +142,13 @@ void kvpi_ucx_ep_close_force(ucp_ep_h ep)
 
 kvp_status kvpi_ucx_set_handler(ucp_worker_h w, unsigned id, ucp_am_recv_callback_t cb, void *arg)
 {
-    ucp_am_handler_param_t hp = {.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
-                                               UCP_AM_HANDLER_PARAM_FIELD_CB |
-                                               UCP_AM_HANDLER_PARAM_FIELD_ARG |
-                                               UCP_AM_HANDLER_PARAM_FIELD_FLAGS,
-                                 .id = id,
-                                 .flags = UCP_AM_FLAG_WHOLE_MSG,
-                                 .cb = cb,
-                                 .arg = arg};
+    ucp_am_handler_param_t hp = {
+        .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                      UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS,
+        .id = id,
+        .flags = UCP_AM_FLAG_WHOLE_MSG,
+        .cb = cb,
+        .arg = arg};
     ucs_status_t st = ucp_worker_set_am_recv_handler(w, &hp);
     if (st != UCS_OK)
         return kvpi_error(kvpi_ucx_status(st), "ucx: ucp_worker_set_am_recv_handler: %s",
@@ -164,8 +163,7 @@ kvp_status kvpi_ucx_worker_create(kvpi_ucx_server *s, ucp_worker_h *out)
                               .thread_mode = UCS_THREAD_MODE_SERIALIZED};
     ucs_status_t st = ucp_worker_create(s->ctx, &wp, out);
     if (st != UCS_OK)
-        return kvpi_error(kvpi_ucx_status(st), "ucx: ucp_worker_create: %s",
-                          ucs_status_string(st));
+        return kvpi_error(kvpi_ucx_status(st), "ucx: ucp_worker_create: %s", ucs_status_string(st));
     return KVP_OK;
 }
 
@@ -334,8 +332,12 @@ void kvpi_ucx_retire(kvpi_ucx_server *s, ucp_worker_h w, void *req, void (*done)
         if (done) done(arg);
         return;
     }
-    *r = (ucx_retiree){.next = s->retirees, .worker = w, .req = req,
-                       .deadline = kvpi_deadline_ns(CLOSE_MS), .done = done, .arg = arg};
+    *r = (ucx_retiree){.next = s->retirees,
+                       .worker = w,
+                       .req = req,
+                       .deadline = kvpi_deadline_ns(CLOSE_MS),
+                       .done = done,
+                       .arg = arg};
     s->retirees = r;
 }
 
@@ -585,8 +587,10 @@ static kvp_status map_devices(const char *names, char **out)
             for (size_t i = 0, used = 0; i < have.n && used < sizeof list; i++)
                 used += (size_t)snprintf(list + used, sizeof list - used, "%s%s", i ? ", " : "",
                                          have.names[i]);
-            st = kvpi_error(KVP_ENOTSUP, "ucx: device '%s' (device_name) is not a network device "
-                            "UCX finds here (it finds: %s)" TCP_HINT, tok, have.n ? list : "none");
+            st = kvpi_error(KVP_ENOTSUP,
+                            "ucx: device '%s' (device_name) is not a network device "
+                            "UCX finds here (it finds: %s)" TCP_HINT,
+                            tok, have.n ? list : "none");
         }
     }
     size_t total = 1;
@@ -638,14 +642,14 @@ static int may_use_mm(void)
 static kvp_status configure(const kvpi_server_ctx *ctx, ucp_config_t *cfg)
 {
     kvp_status st = KVP_OK;
-    if (may_use_mm() && !getenv("UCX_POSIX_ERROR_HANDLING") &&
-        !getenv("UCX_SYSV_ERROR_HANDLING") && !getenv("UCX_MM_ERROR_HANDLING"))
+    if (may_use_mm() && !getenv("UCX_POSIX_ERROR_HANDLING") && !getenv("UCX_SYSV_ERROR_HANDLING") &&
+        !getenv("UCX_MM_ERROR_HANDLING"))
         st = config_set(cfg, "MM_ERROR_HANDLING", "y");
     if (!st && !getenv("UCX_KEEPALIVE_INTERVAL")) st = config_set(cfg, "KEEPALIVE_INTERVAL", "1s");
     if (st || !ctx->device_names || !*ctx->device_names) return st;
     if (getenv("UCX_NET_DEVICES")) {
-        KVPI_INFO("ucx %s: UCX_NET_DEVICES=%s is set: device_name '%s' is not used",
-                  ctx->segment, getenv("UCX_NET_DEVICES"), ctx->device_names);
+        KVPI_INFO("ucx %s: UCX_NET_DEVICES=%s is set: device_name '%s' is not used", ctx->segment,
+                  getenv("UCX_NET_DEVICES"), ctx->device_names);
         return KVP_OK;
     }
     char *devices;
@@ -665,15 +669,14 @@ static kvp_status start_context(kvpi_ucx_server *s, const kvpi_server_ctx *ctx)
         return kvpi_error(KVP_ENOTSUP, "ucx: ucp_config_read: %s", ucs_status_string(ust));
     kvp_status st = configure(ctx, cfg);
     if (!st) {
-        ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES |
-                                        UCP_PARAM_FIELD_MT_WORKERS_SHARED,
+        ucp_params_t p = {.field_mask =
+                              UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED,
                           .features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
                           .mt_workers_shared = 1};
         if ((ust = ucp_init(&p, cfg, &s->ctx)) != UCS_OK) {
             s->ctx = NULL;
             st = kvpi_error(KVP_ENOTSUP, "ucx: UCX cannot start here (UCX_TLS=%s): %s" TCP_HINT,
-                            getenv("UCX_TLS") ? getenv("UCX_TLS") : "all",
-                            ucs_status_string(ust));
+                            getenv("UCX_TLS") ? getenv("UCX_TLS") : "all", ucs_status_string(ust));
         }
     }
     ucp_config_release(cfg);

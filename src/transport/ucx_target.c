@@ -88,8 +88,7 @@ static uint8_t *hello_answer(kvpi_ucx_server *s, ucx_conn *c, int paired, uint64
     kvpi_ucx_hello_ack_put(ack, *status, n, c->id);
     for (uint64_t i = 0; i < n; i++) {
         uint64_t e = (epoch + 1 + i) % KVPI_UCX_REVOKE_LOG;
-        kvpi_ucx_range_put(ack + KVPI_UCX_HELLO_ACK_LEN + 16 * i, s->log[e].addr,
-                           s->log[e].length);
+        kvpi_ucx_range_put(ack + KVPI_UCX_HELLO_ACK_LEN + 16 * i, s->log[e].addr, s->log[e].length);
     }
     if (keys) rkeys_put(s, ack + KVPI_UCX_HELLO_ACK_LEN + 16 * n);
     return ack;
@@ -306,8 +305,8 @@ unsigned kvpi_ucx_expire_challenges(kvpi_ucx_server *s)
     return n;
 }
 
-static ucs_status_t on_revoke_ack(void *arg, const void *header, size_t header_length,
-                                  void *data, size_t length, const ucp_am_recv_param_t *param)
+static ucs_status_t on_revoke_ack(void *arg, const void *header, size_t header_length, void *data,
+                                  size_t length, const ucp_am_recv_param_t *param)
 {
     (void)header;
     (void)header_length;
@@ -380,7 +379,8 @@ kvp_status kvpi_ucx_chunk_map(void *server, size_t length, void **addr)
 static ucx_chunk **chunk_link(kvpi_ucx_server *s, uint64_t addr, uint64_t length)
 {
     ucx_chunk **pc = &s->chunks;
-    while (*pc && !((*pc)->addr == addr && (*pc)->length == length)) pc = &(*pc)->next;
+    while (*pc && !((*pc)->addr == addr && (*pc)->length == length))
+        pc = &(*pc)->next;
     return pc;
 }
 
@@ -571,8 +571,6 @@ kvp_status kvpi_ucx_buffer_describe(void *server, const kvpi_region *region, voi
         return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
     return KVP_OK;
 }
-
-
 
 /* ---- the runtime's hooks ---- */
 

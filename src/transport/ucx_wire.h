@@ -113,8 +113,8 @@ typedef struct kvpi_ucx_hello_ack {
     unsigned status;
     uint64_t conn_id;
     size_t n_ranges;
-    const uint8_t *ranges;              /* get: kvpi_ucx_range_get() of each */
-    const uint8_t *rkeys, *rkeys_end;   /* get, with_rkeys: the rkey list */
+    const uint8_t *ranges;            /* get: kvpi_ucx_range_get() of each */
+    const uint8_t *rkeys, *rkeys_end; /* get, with_rkeys: the rkey list */
 } kvpi_ucx_hello_ack;
 /* Bytes of a HELLO_ACK with n ranges and an rkey list of rkeys_len bytes. */
 size_t kvpi_ucx_hello_ack_size(size_t n_ranges, size_t rkeys_len);

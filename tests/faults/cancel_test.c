@@ -188,9 +188,21 @@ static void fence_after_timeout(void)
     X(fence_after_timeout)
 
 #define DEFINE(c)                                                                                  \
-    static void tcp__##c(void) { M = &modes[0]; c(); }                                             \
-    static void shm__##c(void) { M = &modes[1]; c(); }                                             \
-    static void ucx_sm__##c(void) { M = &modes[2]; c(); }
+    static void tcp__##c(void)                                                                     \
+    {                                                                                              \
+        M = &modes[0];                                                                             \
+        c();                                                                                       \
+    }                                                                                              \
+    static void shm__##c(void)                                                                     \
+    {                                                                                              \
+        M = &modes[1];                                                                             \
+        c();                                                                                       \
+    }                                                                                              \
+    static void ucx_sm__##c(void)                                                                  \
+    {                                                                                              \
+        M = &modes[2];                                                                             \
+        c();                                                                                       \
+    }
 CASES(DEFINE)
 
 #define RUN_ALL(c)                                                                                 \

@@ -17,8 +17,8 @@
  * (0.2, 0.4, 0.8, 1.6, 3.2, 6.4 s ...) then stalls a connection for over 10 s:
  * seen once in an ASan run with 10 s. 30 s covers seven losses in a row. */
 #define TIMEOUT_MS 30000
-#define DURATION_S 3.0   /* engine bench */
-#define BOUND_MS 90000   /* a run that takes longer than this has hung */
+#define DURATION_S 3.0 /* engine bench */
+#define BOUND_MS 90000 /* a run that takes longer than this has hung */
 
 /* The pair with the loss rules in place; skips where nftables is missing. */
 static int lossy_pair(kvpt_netns *n)

@@ -335,8 +335,9 @@ static void receive_quickly(kvp_pipe *pipe, void *arg)
         uint64_t t0 = kvpi_now_ms();
         CHECK_OK(kvp_pipe_recv(pipe, RAW_WAIT_MS, &t));
         uint64_t took = kvpi_now_ms() - t0;
-        if (took > 500) fprintf(stderr, "  decode: recv of tensor %d took %llu ms\n", i,
-                                 (unsigned long long)took);
+        if (took > 500)
+            fprintf(stderr, "  decode: recv of tensor %d took %llu ms\n", i,
+                    (unsigned long long)took);
         CHECK(took <= 500);
         CHECK(raw_tensor_check(t, i));
         kvp_tensor_free(t);

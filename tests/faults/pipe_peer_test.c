@@ -395,8 +395,8 @@ static void test_ack_while_announcing(void)
     kvp_pipe_get_stats(pipe, &st);
     /* The message never left (no peer took it), so it was never queued for an
      * ACK: this one is a stray too, whichever moment it came. */
-    CHECK(st.acks == 0 && st.bad_acks == 2 && st.inflight_count == 0 &&
-          st.inflight_bytes == 0 && st.sent == 0);
+    CHECK(st.acks == 0 && st.bad_acks == 2 && st.inflight_count == 0 && st.inflight_bytes == 0 &&
+          st.sent == 0);
     /* Still the caller's: intact, and not handed out again by the pool. */
     CHECK(kvpt_verify(t->data, t->nbytes, 21) == (size_t)-1);
     kvp_tensor *other;
@@ -420,7 +420,6 @@ static void test_ack_while_announcing(void)
     zmq_close(ack);
     zmq_ctx_term(ctx);
 }
-
 
 static const kvpt_pipe_case cases[] = {
     KVPT_PIPE_CASE(test_no_peer, 120, 0),

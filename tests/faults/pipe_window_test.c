@@ -398,8 +398,9 @@ static void expect_u8_tensor(kvp_pipe *pipe, size_t n, int seed, int timeout_ms)
     kvp_tensor *t = NULL;
     uint64_t t0 = kvpi_now_ms();
     kvp_status st = kvp_pipe_recv(pipe, timeout_ms, &t);
-    if (st) fprintf(stderr, "  recv after %llu ms: %s\n", (unsigned long long)(kvpi_now_ms() - t0),
-                    kvp_last_error());
+    if (st)
+        fprintf(stderr, "  recv after %llu ms: %s\n", (unsigned long long)(kvpi_now_ms() - t0),
+                kvp_last_error());
     CHECK_OK(st);
     CHECK(t && t->nbytes == n && kvpt_verify(t->data, n, (uint64_t)seed) == (size_t)-1);
     kvp_tensor_free(t);

@@ -32,7 +32,8 @@ static int *flood(int port, int n)
 {
     int *fds = calloc((size_t)n, sizeof *fds);
     if (!fds) return NULL;
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_port = htons((uint16_t)port),
                              .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     for (int i = 0; i < n; i++) {
         fds[i] = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
@@ -87,8 +88,8 @@ static void idle_flood_default_cap(void)
 {
     REQUIRE(kvpt_raise_nofile(4096) == 0);
     kvpt_ctarget t;
-    kvpt_ctarget_opts o = {.len = 4 * MIB, .seed = SEED, .timeout_ms = 2000, .disable_shm = 1,
-                           .nofile = 1024};
+    kvpt_ctarget_opts o = {
+        .len = 4 * MIB, .seed = SEED, .timeout_ms = 2000, .disable_shm = 1, .nofile = 1024};
     REQUIRE(kvpt_ctarget_start(&o, &t) == 0);
     int *fds = flood(t.data_port, 1100);
     REQUIRE(fds);
@@ -124,8 +125,13 @@ static void exhaustion_backoff_and_recovery(void)
 {
     REQUIRE(kvpt_raise_nofile(4096) == 0);
     kvpt_ctarget t;
-    kvpt_ctarget_opts o = {.len = 4 * MIB, .seed = SEED, .timeout_ms = 2000, .disable_shm = 1,
-                           .nofile = 512, .max_connections = 4096, .idle_timeout_ms = 1500};
+    kvpt_ctarget_opts o = {.len = 4 * MIB,
+                           .seed = SEED,
+                           .timeout_ms = 2000,
+                           .disable_shm = 1,
+                           .nofile = 512,
+                           .max_connections = 4096,
+                           .idle_timeout_ms = 1500};
     REQUIRE(kvpt_ctarget_start(&o, &t) == 0);
     int *fds = flood(t.data_port, 700);
     REQUIRE(fds);

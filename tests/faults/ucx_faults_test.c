@@ -40,8 +40,8 @@ static int start_target(kvpt_ctarget *t)
         return -1;
     }
     setenv("UCX_TLS", tls, 1);
-    kvpt_ctarget_opts o = {.protocol = "rdma", .disable_shm = 1, .len = LEN, .seed = SEED,
-                           .timeout_ms = TIMEOUT_MS};
+    kvpt_ctarget_opts o = {
+        .protocol = "rdma", .disable_shm = 1, .len = LEN, .seed = SEED, .timeout_ms = TIMEOUT_MS};
     return kvpt_ctarget_start(&o, t);
 }
 
@@ -75,8 +75,10 @@ static int stop_target(kvpt_ctarget *t)
 {
     int rc = kvpt_ctarget_stop(t);
     if (rc == 128 + SIGABRT && ucx_bug()) {
-        fprintf(stderr, "  UCX_TLS=%s: the target aborted inside UCX while stopping "
-                "(a UCX 1.13 bug, docs/transport-ucx.md)\n", tls);
+        fprintf(stderr,
+                "  UCX_TLS=%s: the target aborted inside UCX while stopping "
+                "(a UCX 1.13 bug, docs/transport-ucx.md)\n",
+                tls);
         return 0;
     }
     return rc;
@@ -178,8 +180,8 @@ static pid_t peer_child(const kvpt_ctarget *t, kvp_opcode op, int fd)
             /* Four at once, so that some are in flight whenever it is stopped. */
             kvp_request w[4];
             for (int k = 0; k < 4; k++)
-                w[k] = (kvp_request){KVP_OP_WRITE, buf + k * (LEN / 4), base + k * (LEN / 4),
-                                     LEN / 4};
+                w[k] =
+                    (kvp_request){KVP_OP_WRITE, buf + k * (LEN / 4), base + k * (LEN / 4), LEN / 4};
             kvp_batch *b;
             st = kvp_batch_submit(e, seg, w, 4, &b);
             if (!st) {
@@ -234,8 +236,10 @@ static void deregistered_while_peer_frozen(void)
     /* Its next requests fail (cut off: reset, or out of time), then, looked
      * up again, the range is not in the descriptor any more. */
     outcomes(p[0], BOUND_MS + 2000, &ok, &range, &other);
-    fprintf(stderr, "  UCX_TLS=%s: unregister %lld ms; thawed writer: %d ok, %d out of range, "
-            "%d failed\n", tls, (long long)ms, ok, range, other);
+    fprintf(stderr,
+            "  UCX_TLS=%s: unregister %lld ms; thawed writer: %d ok, %d out of range, "
+            "%d failed\n",
+            tls, (long long)ms, ok, range, other);
     /* One report may have been in the pipe before the freeze, one WRITE
      * complete at the target but not yet at the writer. */
     CHECK(ok <= 2);
@@ -303,8 +307,8 @@ static void target_fault(int sig)
     for (int i = 0; i < 100 && st == KVP_OK; i++)
         st = kvp_engine_read(e, seg, local, base + (i % 8) * MIB, MIB);
     uint64_t took = kvpi_now_ms() - t0;
-    fprintf(stderr, "  UCX_TLS=%s: signal %d: %s after %llu ms: %s\n", tls, sig,
-            kvp_strerror(st), (unsigned long long)took, kvp_last_error());
+    fprintf(stderr, "  UCX_TLS=%s: signal %d: %s after %llu ms: %s\n", tls, sig, kvp_strerror(st),
+            (unsigned long long)took, kvp_last_error());
     CHECK(st == (sig == SIGSTOP ? KVP_ETIMEDOUT : KVP_ECONNRESET) ||
           (sig == SIGKILL && st == KVP_ECONNREFUSED));
     CHECK(took < BOUND_MS);
@@ -317,8 +321,10 @@ static void target_fault(int sig)
         /* The target, resumed, replies to the READs the initiator gave up
          * on; UCX 1.13 over tcp can abort it there (the killed-reader bug). */
         if (st != KVP_OK && ucx_bug() && target_aborted(&t)) {
-            fprintf(stderr, "  UCX_TLS=%s: the resumed target aborted inside UCX (a UCX 1.13 "
-                    "bug, docs/transport-ucx.md)\n", tls);
+            fprintf(stderr,
+                    "  UCX_TLS=%s: the resumed target aborted inside UCX (a UCX 1.13 "
+                    "bug, docs/transport-ucx.md)\n",
+                    tls);
         } else {
             CHECK_OK(st);
             CHECK(kvpt_verify(local, MIB, SEED + MIB) == (size_t)-1);
@@ -328,8 +334,10 @@ static void target_fault(int sig)
     }
     free(local);
     kvp_engine_destroy(e);
-    if (sig == SIGSTOP) CHECK(stop_target(&t) == 0);
-    else kvpt_ctarget_stop(&t);
+    if (sig == SIGSTOP)
+        CHECK(stop_target(&t) == 0);
+    else
+        kvpt_ctarget_stop(&t);
 }
 
 /* A buffer of the target's pool (kvp_engine_alloc) is memory UCX allocated:
@@ -364,8 +372,8 @@ static void pool_read_while_target_stopped(void)
     CHECK_OK(kvp_engine_write(e, seg, local, (uint64_t)pool, MIB));
     uint64_t t0 = kvpi_now_ms();
     kvp_status st = kvp_engine_read(e, seg, local, base, MIB);
-    fprintf(stderr, "  UCX_TLS=%s: registered memory of a stopped target: %s after %llu ms\n",
-            tls, kvp_strerror(st), (unsigned long long)(kvpi_now_ms() - t0));
+    fprintf(stderr, "  UCX_TLS=%s: registered memory of a stopped target: %s after %llu ms\n", tls,
+            kvp_strerror(st), (unsigned long long)(kvpi_now_ms() - t0));
     CHECK_ST(st, KVP_ETIMEDOUT);
     kill(t.pid, SIGCONT);
     /* Looked up again once resumed: what the WRITE put there is there. */
@@ -421,8 +429,12 @@ static void pool_freed_while_read(void)
         return;
     }
     setenv("UCX_TLS", tls, 1);
-    kvpt_ctarget_opts o = {.protocol = "rdma", .disable_shm = 1, .len = LEN, .seed = SEED,
-                           .timeout_ms = TIMEOUT_MS, .pool_retain_bytes = 1};
+    kvpt_ctarget_opts o = {.protocol = "rdma",
+                           .disable_shm = 1,
+                           .len = LEN,
+                           .seed = SEED,
+                           .timeout_ms = TIMEOUT_MS,
+                           .pool_retain_bytes = 1};
     REQUIRE(kvpt_ctarget_start(&o, &t) == 0);
     int64_t pool = kvpt_ctarget_cmd(&t, KVPT_CT_POOL, MIB, 3000);
     REQUIRE(pool > 0);
@@ -469,16 +481,18 @@ static void target_killed(void)
     target_fault(SIGKILL);
 }
 
+/* clang-format off */
 #define CASES(X, row)                                                                        \
     X(row, deregistered_while_peer_holds_rkey) X(row, deregistered_while_peer_frozen)        \
     X(row, initiator_killed) X(row, target_stopped) X(row, target_killed)                    \
     X(row, pool_read_while_target_stopped) X(row, pool_freed_while_read)                    \
     X(row, reregistered_same_range)
+/* clang-format on */
 
-#define DEFINE(row, c)                                                                       \
-    static void row##__##c(void)                                                             \
-    {                                                                                        \
-        c();                                                                                 \
+#define DEFINE(row, c)                                                                             \
+    static void row##__##c(void)                                                                   \
+    {                                                                                              \
+        c();                                                                                       \
     }
 CASES(DEFINE, tcp)
 CASES(DEFINE, sm)

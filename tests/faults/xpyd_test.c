@@ -127,7 +127,7 @@ static void test_xpyd_restart_etcd(void)
 static void test_xpyd_link_down(void)
 {
     const char *a[] = {"--mode",    "write",           "--seconds", "20", "--fault",
-                       "link-down", "--fault-seconds", "8",          NULL};
+                       "link-down", "--fault-seconds", "8",         NULL};
     xpyd(a);
 }
 

@@ -105,10 +105,12 @@ static void check_fixed(int kind, const uint8_t *d, size_t len)
     int ok = -1;
     switch (kind) {
     case KVPI_UCX_AM_REVOKE:
-        if ((ok = kvpi_ucx_revoke_get(d, len, &a, &b, &c) == 0)) kvpi_ucx_revoke_put(again, a, b, c);
+        if ((ok = kvpi_ucx_revoke_get(d, len, &a, &b, &c) == 0))
+            kvpi_ucx_revoke_put(again, a, b, c);
         break;
     case KVPI_UCX_AM_REVOKE_ACK:
-        if ((ok = kvpi_ucx_revoke_ack_get(d, len, &a, &b) == 0)) kvpi_ucx_revoke_ack_put(again, a, b);
+        if ((ok = kvpi_ucx_revoke_ack_get(d, len, &a, &b) == 0))
+            kvpi_ucx_revoke_ack_put(again, a, b);
         break;
     case KVPI_UCX_AM_BYE:
         if ((ok = kvpi_ucx_bye_get(d, len, &a) == 0)) kvpi_ucx_bye_put(again, a);

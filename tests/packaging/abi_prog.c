@@ -70,14 +70,15 @@ int main(int argc, char **argv)
     expect(kvp_pipe_config_parse(json, strlen(json), &cfg), KVP_OK, "kvp_pipe_config_parse");
     kvp_pipe_endpoints *ep = guarded(sizeof *ep);
     expect(kvp_pipe_config_endpoints(cfg, 0, 1, ep), KVP_OK, "kvp_pipe_config_endpoints");
-    if (ep->peer_engine_port != port) printf("FAIL endpoints: peer port %d\n", ep->peer_engine_port);
+    if (ep->peer_engine_port != port)
+        printf("FAIL endpoints: peer port %d\n", ep->peer_engine_port);
     kvp_pipe *p = NULL;
     expect(kvp_pipe_open(cfg, 0, 0, po, &p), want, "kvp_pipe_open");
     if (p) {
         kvp_pipe_stats *st = guarded(sizeof *st);
         kvp_pipe_get_stats(p, st);
-        if (st->sent || st->inflight_count) printf("FAIL stats: sent %llu\n",
-                                                   (unsigned long long)st->sent);
+        if (st->sent || st->inflight_count)
+            printf("FAIL stats: sent %llu\n", (unsigned long long)st->sent);
         kvp_pipe_close(p);
     }
     kvp_pipe_config_free(cfg);

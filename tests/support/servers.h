@@ -21,18 +21,18 @@
 #define KVPT_SERVER_ABSENT (-2) /* binary not installed: skip the case */
 
 typedef struct kvpt_server {
-    const char *kind; /* "redis", "etcd", "http" */
-    char conn[256];   /* connection string: "redis://127.0.0.1:P", ... */
-    char addr[64];    /* "127.0.0.1:P" */
-    int port;         /* client port */
-    int peer_port;    /* etcd's peer port; 0 otherwise */
-    pid_t pid;        /* server process; 0 when stopped or in-process */
-    char dir[256];    /* data and log directory; "" for http */
-    void *http;       /* kvp_metadata_server * for an in-process http */
-    int cli;          /* http: a `kvpipe metadata-server` process instead */
+    const char *kind;        /* "redis", "etcd", "http" */
+    char conn[256];          /* connection string: "redis://127.0.0.1:P", ... */
+    char addr[64];           /* "127.0.0.1:P" */
+    int port;                /* client port */
+    int peer_port;           /* etcd's peer port; 0 otherwise */
+    pid_t pid;               /* server process; 0 when stopped or in-process */
+    char dir[256];           /* data and log directory; "" for http */
+    void *http;              /* kvp_metadata_server * for an in-process http */
+    int cli;                 /* http: a `kvpipe metadata-server` process instead */
     const char *const *args; /* its extra flags, NULL-terminated (caller's) */
     char password[64];       /* redis: started with --requirepass this */
-    char why[512];    /* reason of the last failure, for SKIP or a message */
+    char why[512];           /* reason of the last failure, for SKIP or a message */
 } kvpt_server;
 
 int kvpt_redis_start(kvpt_server *out);

@@ -13,10 +13,10 @@
 
 typedef struct kvpt_target {
     pid_t pid;
-    char name[64];     /* segment name, "127.0.0.1:port" */
-    void *buf;         /* shared with the child; registered there */
+    char name[64]; /* segment name, "127.0.0.1:port" */
+    void *buf;     /* shared with the child; registered there */
     size_t len;
-    int ctl;           /* write end of the control pipe: closing it stops the child */
+    int ctl; /* write end of the control pipe: closing it stops the child */
 } kvpt_target;
 
 typedef struct kvpt_target_opts {

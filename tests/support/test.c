@@ -112,7 +112,8 @@ int kvpt_summary(void)
 static int port_bindable(int port)
 {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_port = htons((uint16_t)port),
                              .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     int ok = fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0;
     if (fd >= 0) close(fd);
@@ -180,8 +181,10 @@ int kvpt_free_port_block(const int *offsets, size_t n)
             i++;
         if (i < n) continue;
         if (fseek(reg, 0, SEEK_SET) != 0 || ftruncate(fileno(reg), 0) != 0) abort();
-        for (i = 0; i < n_claims; i++) fprintf(reg, "%d %d\n", claims[i].port, claims[i].pid);
-        for (i = 0; i < n; i++) fprintf(reg, "%d %d\n", base + offsets[i], (int)getpid());
+        for (i = 0; i < n_claims; i++)
+            fprintf(reg, "%d %d\n", claims[i].port, claims[i].pid);
+        for (i = 0; i < n; i++)
+            fprintf(reg, "%d %d\n", base + offsets[i], (int)getpid());
         fclose(reg); /* flushes, then drops the lock */
         return base;
     }
@@ -275,7 +278,8 @@ void kvpt_fill(void *buf, size_t len, uint64_t seed)
         memcpy(p + i, &v, 8);
     }
     uint64_t v = mix(seed + i);
-    for (; i < len; i++) p[i] = (unsigned char)(v >> (8 * (i % 8)));
+    for (; i < len; i++)
+        p[i] = (unsigned char)(v >> (8 * (i % 8)));
 }
 
 size_t kvpt_verify(const void *buf, size_t len, uint64_t seed)

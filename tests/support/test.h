@@ -13,43 +13,43 @@
 
 extern int kvpt_failures; /* checks failed in the current case */
 
-#define CHECK(cond)                                                                          \
-    do {                                                                                     \
-        if (!(cond)) {                                                                       \
-            fprintf(stderr, "  %s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond);       \
-            kvpt_failures++;                                                                 \
-        }                                                                                    \
+#define CHECK(cond)                                                                                \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "  %s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond);             \
+            kvpt_failures++;                                                                       \
+        }                                                                                          \
     } while (0)
 
 /* Fails and returns from the case when cond is false. */
-#define REQUIRE(cond)                                                                        \
-    do {                                                                                     \
-        if (!(cond)) {                                                                       \
-            fprintf(stderr, "  %s:%d: REQUIRE(%s) failed\n", __FILE__, __LINE__, #cond);     \
-            kvpt_failures++;                                                                 \
-            return;                                                                          \
-        }                                                                                    \
+#define REQUIRE(cond)                                                                              \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "  %s:%d: REQUIRE(%s) failed\n", __FILE__, __LINE__, #cond);           \
+            kvpt_failures++;                                                                       \
+            return;                                                                                \
+        }                                                                                          \
     } while (0)
 
-#define CHECK_ST(expr, want)                                                                 \
-    do {                                                                                     \
-        kvp_status st_ = (expr);                                                             \
-        if (st_ != (want)) {                                                                 \
-            fprintf(stderr, "  %s:%d: %s = %d (%s: %s), want %d\n", __FILE__, __LINE__,     \
-                    #expr, (int)st_, kvp_strerror(st_), kvp_last_error(), (int)(want));      \
-            kvpt_failures++;                                                                 \
-        }                                                                                    \
+#define CHECK_ST(expr, want)                                                                       \
+    do {                                                                                           \
+        kvp_status st_ = (expr);                                                                   \
+        if (st_ != (want)) {                                                                       \
+            fprintf(stderr, "  %s:%d: %s = %d (%s: %s), want %d\n", __FILE__, __LINE__, #expr,     \
+                    (int)st_, kvp_strerror(st_), kvp_last_error(), (int)(want));                   \
+            kvpt_failures++;                                                                       \
+        }                                                                                          \
     } while (0)
 
-#define REQUIRE_OK(expr)                                                                     \
-    do {                                                                                     \
-        kvp_status st_ = (expr);                                                             \
-        if (st_ != KVP_OK) {                                                                 \
-            fprintf(stderr, "  %s:%d: %s = %s: %s\n", __FILE__, __LINE__, #expr,            \
-                    kvp_strerror(st_), kvp_last_error());                                    \
-            kvpt_failures++;                                                                 \
-            return;                                                                          \
-        }                                                                                    \
+#define REQUIRE_OK(expr)                                                                           \
+    do {                                                                                           \
+        kvp_status st_ = (expr);                                                                   \
+        if (st_ != KVP_OK) {                                                                       \
+            fprintf(stderr, "  %s:%d: %s = %s: %s\n", __FILE__, __LINE__, #expr,                   \
+                    kvp_strerror(st_), kvp_last_error());                                          \
+            kvpt_failures++;                                                                       \
+            return;                                                                                \
+        }                                                                                          \
     } while (0)
 
 #define CHECK_OK(expr) CHECK_ST(expr, KVP_OK)
@@ -76,10 +76,10 @@ int kvpt_ucx_older_than(unsigned major, unsigned minor);
 int kvpt_summary(void);
 
 /* Mark the current case skipped (with a reason) and return from it. */
-#define SKIP(...)                                                                            \
-    do {                                                                                     \
-        kvpt_skip(__VA_ARGS__);                                                              \
-        return;                                                                              \
+#define SKIP(...)                                                                                  \
+    do {                                                                                           \
+        kvpt_skip(__VA_ARGS__);                                                                    \
+        return;                                                                                    \
     } while (0)
 void kvpt_skip(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
