@@ -14,6 +14,10 @@ jobs=${JOBS:-2}
 SECONDS=0
 took() { echo "test.sh: $1 took $SECONDS s"; SECONDS=0; }
 
+# Every C file as clang-format 14 writes it (.clang-format); first, as it
+# takes seconds and a misformatted file fails the run.
+scripts/check-format.sh
+
 cmake -S . -B build -DKVP_WERROR=ON >/dev/null
 cmake --build build -j"$jobs"
 ctest --test-dir build --output-on-failure -j"$jobs" -LE packaging
