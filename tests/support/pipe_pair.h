@@ -103,10 +103,9 @@ typedef struct kvpt_pipe_case {
     int secs;
     unsigned flags;
 } kvpt_pipe_case;
-#define KVPT_PIPE_CASE(fn, secs, flags)                                                            \
-    {                                                                                              \
-#fn, fn, secs, flags                                                                       \
-    }
+/* clang-format off */
+#define KVPT_PIPE_CASE(fn, secs, flags) {#fn, fn, secs, flags}
+/* clang-format on */
 
 /* Run the cases on every row, then authenticated; returns the exit code. */
 int kvpt_pipe_main(int argc, char **argv, const kvpt_pipe_case *cases, size_t n);
