@@ -1,27 +1,26 @@
 /* The metrics endpoint: libmicrohttpd answers GET /metrics with the
  * Prometheus text of every attached source.
  *
- * A scraper is a trusted operator's tool, but the port is still a socket:
- * MHD runs one internal thread with epoll, so a slow client holds no thread;
- * connections are capped (CONNS_MAX in all, within the open-file limit;
- * CONNS_PER_IP from one address), closed after IDLE_S without a byte, and a
- * request's headers get CONN_MEMORY bytes. A client that trickles its
- * header a byte at a time defeats the idle timeout, so every connection has
- * deadlines too (common/conn_deadline.c): HEADER_S for its request line and
- * headers, from connecting or from its previous answer, and REQUEST_S until
- * its answer is sent. Requests carry no body worth reading: anything but GET
- * or HEAD of /metrics is answered 404 or 405 at once. */
+ * A scraper is a trusted operator's tool, but the port is still a socket: it
+ * is served by the HTTP listener (common/http_listener.h), as the metadata
+ * store is: CONNS_MAX connections in all (within the open-file limit) and
+ * CONNS_PER_IP from one address, a newcomer evicting the connection that has
+ * waited longest for a complete request header; HEADER_S for a request line
+ * and headers, from connecting or from the previous answer, however they
+ * trickle, REQUEST_S until the answer is sent, IDLE_S without a byte; a
+ * request's headers get CONN_MEMORY bytes. Requests carry no body worth
+ * reading: anything but GET or HEAD of /metrics is answered 404 or 405 at
+ * once. */
 #include <microhttpd.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
-#include <unistd.h>
+#include <limits.h>
 
-#include "common/conn_deadline.h"
 #include "common/error.h"
+#include "common/http_listener.h"
 #include "common/log.h"
 #include "common/metrics.h"
 #include "common/net.h"
@@ -46,8 +45,7 @@ struct kvpi_metrics_server {
     char *host;
     int port, asked_port;
     int refs;
-    struct MHD_Daemon *daemon;
-    kvpi_deadlines *deadlines;
+    kvpi_http_listener *listener;
     pthread_mutex_t lock; /* guards sources; held while a scrape collects */
     source *sources;
     size_t n_sources, cap_sources;
@@ -95,13 +93,6 @@ static enum MHD_Result scrape(kvpi_metrics_server *srv, struct MHD_Connection *c
     return reply(c, MHD_HTTP_OK, text, len, MHD_RESPMEM_MUST_FREE, CONTENT_TYPE);
 }
 
-static kvpi_deadline_conn *conn_of(struct MHD_Connection *c)
-{
-    const union MHD_ConnectionInfo *info =
-        MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
-    return info ? info->socket_context : NULL;
-}
-
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const char *url,
                                   const char *method, const char *version, const char *upload_data,
                                   size_t *upload_size, void **con_cls)
@@ -112,7 +103,6 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     if (*con_cls) return MHD_YES;
     *con_cls = c;
     kvpi_metrics_server *srv = cls;
-    kvpi_deadlines_set(srv->deadlines, conn_of(c), (uint64_t)REQUEST_S * 1000, "answer", 0);
     if (strcmp(url, "/metrics") != 0)
         return reply_text(c, MHD_HTTP_NOT_FOUND, "not found: the metrics are at /metrics\n");
     if (strcmp(method, MHD_HTTP_METHOD_GET) != 0 && strcmp(method, MHD_HTTP_METHOD_HEAD) != 0)
@@ -120,91 +110,44 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *c, const cha
     return scrape(srv, c);
 }
 
-/* The next request's header has HEADER_S from now. */
 static void on_completed(void *cls, struct MHD_Connection *c, void **con_cls,
                          enum MHD_RequestTerminationCode toe)
 {
-    (void)toe;
-    kvpi_metrics_server *srv = cls;
+    (void)cls, (void)c, (void)toe;
     *con_cls = NULL;
-    kvpi_deadlines_set(srv->deadlines, conn_of(c), (uint64_t)HEADER_S * 1000, "request header", 1);
 }
 
-static void on_connection(void *cls, struct MHD_Connection *c, void **socket_context,
-                          enum MHD_ConnectionNotificationCode code)
-{
-    kvpi_metrics_server *srv = cls;
-    if (code == MHD_CONNECTION_NOTIFY_STARTED) {
-        const union MHD_ConnectionInfo *info =
-            MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
-        /* Untracked when out of memory: it still has the idle timeout. */
-        if (info)
-            *socket_context = kvpi_deadlines_add(srv->deadlines, info->connect_fd,
-                                                 (uint64_t)HEADER_S * 1000, "request header");
-        return;
-    }
-    /* MHD closes the socket after this returns: the reaper never shuts down
-     * a reused descriptor. */
-    kvpi_deadlines_remove(srv->deadlines, *socket_context);
-    *socket_context = NULL;
-}
-
-/* At most CONNS_MAX, and within the open-file limit: MHD stops accepting
- * for good once accept() fails with EMFILE. */
+/* At most CONNS_MAX, and at most half the open-file limit: the other half
+ * is the engine's own sockets'. */
 static unsigned conns_max(void)
 {
     struct rlimit rl;
-    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY ||
-        rl.rlim_cur >= (rlim_t)CONNS_MAX + 2 * FD_RESERVE)
-        return CONNS_MAX;
-    unsigned cap = rl.rlim_cur > 2 * FD_RESERVE ? (unsigned)rl.rlim_cur / 2 : 16;
-    KVPI_INFO("metrics endpoint: serving at most %u connections (open-file limit %llu)", cap,
-              (unsigned long long)rl.rlim_cur);
-    return cap;
-}
-
-static void on_mhd_log(void *cls, const char *fmt, va_list ap)
-{
-    (void)cls;
-    char line[256];
-    vsnprintf(line, sizeof line, fmt, ap);
-    size_t n = strlen(line);
-    while (n && line[n - 1] == '\n')
-        line[--n] = '\0';
-    KVPI_DEBUG("metrics endpoint: %s", line);
+    unsigned reserve = FD_RESERVE;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY &&
+        rl.rlim_cur / 2 > reserve)
+        reserve = rl.rlim_cur / 2 > UINT_MAX ? UINT_MAX : (unsigned)(rl.rlim_cur / 2);
+    return kvpi_http_conns_within_fd_limit(CONNS_MAX, reserve, "metrics endpoint");
 }
 
 static kvp_status server_start(kvpi_metrics_server *srv)
 {
-    int fd = -1;
-    kvp_status st = kvpi_tcp_listen(srv->host, srv->asked_port, &fd, &srv->port);
-    if (st) {
-        return kvpi_error(st, "metrics endpoint: %s", kvp_last_error());
-    }
-    if ((st = kvpi_deadlines_start("metrics endpoint", &srv->deadlines))) {
-        close(fd);
-        return st;
-    }
-    srv->daemon = MHD_start_daemon(
-        MHD_USE_AUTO_INTERNAL_THREAD | MHD_USE_ERROR_LOG, 0, NULL, NULL, on_request, srv,
-        MHD_OPTION_LISTEN_SOCKET, (MHD_socket)fd, MHD_OPTION_CONNECTION_LIMIT, conns_max(),
-        MHD_OPTION_PER_IP_CONNECTION_LIMIT, CONNS_PER_IP, MHD_OPTION_CONNECTION_TIMEOUT, IDLE_S,
-        MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)CONN_MEMORY, MHD_OPTION_NOTIFY_COMPLETED,
-        on_completed, srv, MHD_OPTION_NOTIFY_CONNECTION, on_connection, srv,
-        MHD_OPTION_EXTERNAL_LOGGER, on_mhd_log, srv, MHD_OPTION_END);
-    if (!srv->daemon) {
-        close(fd);
-        return kvpi_error(KVP_EIO, "metrics endpoint: libmicrohttpd failed to start on %s:%d",
-                          srv->host, srv->port);
-    }
+    kvpi_http_limits hl = {
+        .max_conns = conns_max(),
+        .max_conns_per_ip = CONNS_PER_IP,
+        .idle_s = IDLE_S,
+        .header_ms = (uint64_t)HEADER_S * 1000,
+        .request_ms = (uint64_t)REQUEST_S * 1000,
+        .conn_memory = CONN_MEMORY,
+    };
+    kvp_status st =
+        kvpi_http_listener_start("metrics endpoint", srv->host, srv->asked_port, &hl, on_request,
+                                 on_completed, srv, &srv->listener, &srv->port);
+    if (st) return kvpi_error(st, "metrics endpoint on %s: %s", srv->host, kvp_last_error());
     return KVP_OK;
 }
-
 static void server_free(kvpi_metrics_server *srv)
 {
-    /* Stopping the daemon closes its listening socket too. */
-    if (srv->daemon) MHD_stop_daemon(srv->daemon);
-    kvpi_deadlines_stop(srv->deadlines);
+    kvpi_http_listener_stop(srv->listener);
     pthread_mutex_destroy(&srv->lock);
     free(srv->sources);
     free(srv->host);
