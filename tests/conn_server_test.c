@@ -282,49 +282,59 @@ static void evicts_oldest_idle(void)
     kvpi_conn_server_stop(s);
 }
 
-/* Incomplete requests go after idle connections, before busy ones; a full
- * server of young busy connections refuses; busy ones older than timeout_ms
- * can be evicted. */
+/* The order of eviction, by the progress a connection made: first one that
+ * never completed a request (a stranger), though it came last; then the
+ * longest idle of the peers that did; then one whose later request is
+ * incomplete; never a young busy one (a full server of those refuses); a
+ * busy one older than timeout_ms at last. */
 static void eviction_order(void)
 {
     int port;
     kvpi_conn_limits lim = {.max_conns = 3, .timeout_ms = 1500};
     kvpi_conn_server *s = start(&lim, &echo, &port);
     REQUIRE(s);
-    int busy = dial(port), part = dial(port), idle = dial(port);
-    REQUIRE(busy >= 0 && part >= 0 && idle >= 0);
     uint8_t hdr[8];
-    kvpi_put_le64(hdr, (4ull << 30) | SEND_ONLY); /* 4 GiB that nobody reads: busy */
-    CHECK_OK(kvpi_send_all(busy, hdr, 8));
+    int idle = dial(port), part = dial(port);
+    REQUIRE(idle >= 0 && part >= 0);
+    CHECK(echo_ok(idle)); /* one request done: a peer, idle from now */
+    CHECK(echo_ok(part)); /* one done, the next incomplete: a header, 10 of 100 bytes */
     kvpi_put_le64(hdr, 100);
-    CHECK_OK(kvpi_send_all(part, hdr, 8)); /* a header, and 10 of 100 bytes: incomplete */
+    CHECK_OK(kvpi_send_all(part, hdr, 8));
     CHECK_OK(kvpi_send_all(part, "0123456789", 10));
-    CHECK(echo_ok(idle));
     usleep(100000);
-    int d = dial(port); /* evicts idle */
+    int stranger = dial(port); /* the youngest, 4 bytes of its first header */
+    REQUIRE(stranger >= 0);
+    CHECK_OK(kvpi_send_all(stranger, hdr, 4));
+    usleep(100000);
+    int d = dial(port); /* evicts the stranger */
     REQUIRE(d >= 0);
-    CHECK(closed_within(idle, 2000));
-    CHECK(still_open(part) && still_open(busy));
-    kvpi_put_le64(hdr, (4ull << 30) | SEND_ONLY);
-    CHECK_OK(kvpi_send_all(d, hdr, 8)); /* d busy too */
+    CHECK(closed_within(stranger, 2000));
+    CHECK(still_open(idle) && still_open(part));
+    kvpi_put_le64(hdr, (4ull << 30) | SEND_ONLY); /* 4 GiB that nobody reads: busy */
+    CHECK_OK(kvpi_send_all(d, hdr, 8));
     usleep(100000);
-    int e = dial(port); /* evicts part */
+    int e = dial(port); /* evicts idle */
     REQUIRE(e >= 0);
-    CHECK(closed_within(part, 2000));
-    CHECK(still_open(busy));
-    CHECK_OK(kvpi_send_all(e, hdr, 8)); /* now all three are busy and young */
+    CHECK(closed_within(idle, 2000));
+    CHECK(still_open(part));
+    CHECK_OK(kvpi_send_all(e, hdr, 8));
     usleep(100000);
-    int f = dial(port);
+    int f = dial(port); /* evicts part */
     REQUIRE(f >= 0);
-    CHECK(closed_within(f, 2000)); /* refused */
-    CHECK(stats(s).refused == 1);
-    usleep(1600000); /* busy for longer than timeout_ms: the oldest may go now */
+    CHECK(closed_within(part, 2000));
+    CHECK_OK(kvpi_send_all(f, hdr, 8)); /* now all three are busy and young */
+    usleep(100000);
     int g = dial(port);
     REQUIRE(g >= 0);
-    CHECK(drained_within(busy, 5000));
-    CHECK(echo_ok(g));
-    CHECK(stats(s).evicted == 3);
-    int all[] = {busy, part, idle, d, e, f, g};
+    CHECK(closed_within(g, 2000)); /* refused */
+    CHECK(stats(s).refused == 1);
+    usleep(1600000); /* busy for longer than timeout_ms: the oldest may go now */
+    int h = dial(port);
+    REQUIRE(h >= 0);
+    CHECK(drained_within(d, 5000));
+    CHECK(echo_ok(h));
+    CHECK(stats(s).evicted == 4);
+    int all[] = {idle, part, stranger, d, e, f, g, h};
     for (size_t i = 0; i < sizeof all / sizeof *all; i++)
         close(all[i]);
     kvpi_conn_server_stop(s);

@@ -53,6 +53,8 @@ struct kvpi_conn {
     int fd;
     atomic_int state;
     atomic_uint_fast64_t since_ns; /* when the state was entered */
+    uint64_t accepted_ns;          /* immutable */
+    atomic_int proven;             /* it completed a request */
     uint64_t deadline_ns;          /* the handler's thread only */
     size_t later_len;              /* bytes in later (the handler's thread only) */
     uint8_t later[KVPI_CONN_LATER_MAX];
@@ -164,6 +166,9 @@ kvp_status kvpi_conn_next(kvpi_conn *c, void *hdr, size_t len)
     uint64_t idle_until = 0;
     int idle = 0;
     ssize_t got;
+    /* Called for a second request: the first is done, the peer speaks the
+     * protocol (and holds the key, when the setup asked for it). */
+    if (atomic_load(&c->state) != ST_SETUP) atomic_store(&c->proven, 1);
     for (;;) {
         got = recv(c->fd, hdr, len, MSG_DONTWAIT);
         if (got > 0) break;
@@ -292,25 +297,33 @@ static void *conn_main(void *arg)
     return NULL;
 }
 
-/* The connection to push out: the longest idle one; else the one whose setup
- * or request has been incomplete (waiting for the peer) the longest; else the
- * one busy on one request the longest, if that is over timeout_ms (a slow
- * reader, say). NULL when every connection is on a request younger than
- * that. Call with the lock held. */
+/* The connection to push out, by the progress it made: first one that has
+ * not completed a request yet (its setup, its first request, or the wait
+ * for it), the oldest first: a stranger half-open, trickling, or failing
+ * the handshake; then the one a peer that did complete one keeps idle the
+ * longest (a pooled connection, reopened at once if it is needed); then one
+ * whose later request has been incomplete the longest; then one busy on a
+ * request for more than timeout_ms (a slow reader). NULL when every
+ * connection is on a request younger than that. Call with the lock held. */
 static kvpi_conn *pick_victim(kvpi_conn_server *srv, int *state)
 {
     kvpi_conn *best = NULL;
-    int best_rank = 3;
+    int best_rank = 4;
     uint64_t best_since = 0;
     uint64_t busy_before = kvpi_now_ns() - (uint64_t)srv->lim.timeout_ms * 1000000u;
     for (kvpi_conn *c = srv->conns; c; c = c->next) {
-        int s = atomic_load(&c->state);
+        int s = atomic_load(&c->state), proven = atomic_load(&c->proven);
         uint64_t since = atomic_load(&c->since_ns);
-        int rank = s == ST_IDLE                          ? 0
-                   : s == ST_SETUP || s == ST_INCOMPLETE ? 1
-                   : s == ST_BUSY && since < busy_before ? 2
-                                                         : 3;
-        if (rank < best_rank || (rank == best_rank && rank < 3 && since < best_since)) {
+        int rank = 4, waiting = s == ST_SETUP || s == ST_IDLE || s == ST_INCOMPLETE;
+        if (waiting && !proven)
+            rank = 0, since = c->accepted_ns;
+        else if (s == ST_IDLE)
+            rank = 1;
+        else if (s == ST_INCOMPLETE)
+            rank = 2;
+        else if (s == ST_BUSY && since < busy_before)
+            rank = 3;
+        if (rank < best_rank || (rank == best_rank && rank < 4 && since < best_since)) {
             best = c;
             best_rank = rank;
             best_since = since;
@@ -332,11 +345,15 @@ static int evict_one(kvpi_conn_server *srv)
         shutdown(c->fd, SHUT_RDWR); /* its thread wakes, ends and closes it */
         srv->n_live--;
         srv->stats.evicted++;
+        int proven = atomic_load(&c->proven);
         KVPI_DEBUG("%s: evicted a connection %s for %llu ms to make room", srv->name,
-                   s == ST_IDLE   ? "idle"
-                   : s == ST_BUSY ? "busy on one request"
-                                  : "incomplete",
-                   (unsigned long long)((kvpi_now_ns() - atomic_load(&c->since_ns)) / 1000000u));
+                   !proven && s != ST_BUSY ? "without a completed request"
+                   : s == ST_IDLE          ? "idle"
+                   : s == ST_BUSY          ? "busy on one request"
+                                           : "incomplete",
+                   (unsigned long long)((kvpi_now_ns() -
+                                         (proven ? atomic_load(&c->since_ns) : c->accepted_ns)) /
+                                        1000000u));
         return 1;
     }
     return 0;
@@ -376,7 +393,9 @@ static void add_conn(kvpi_conn_server *srv, int fd)
     c->srv = srv;
     c->fd = fd;
     atomic_init(&c->state, ST_SETUP);
-    atomic_init(&c->since_ns, kvpi_now_ns());
+    c->accepted_ns = kvpi_now_ns();
+    atomic_init(&c->since_ns, c->accepted_ns);
+    atomic_init(&c->proven, 0);
     c->next = srv->conns;
     if (c->next) c->next->prev = c;
     srv->conns = c;

@@ -19,17 +19,20 @@
  *    below already bounds, and would serialise the copies that threads run in
  *    parallel.
  *  - A cap on connections (max_conns). When a new connection finds the server
- *    full, the server evicts the connection that has been idle (waiting for
- *    its next request) the longest; failing that, the one whose setup or
- *    request has been incomplete (waiting for the peer's bytes) the longest;
- *    failing that, the one that has been busy on one request the longest, if
- *    for more than timeout_ms (a reader that drains its READ slowly). Only
- *    when every connection is on a request younger than timeout_ms that the
- *    server is moving bytes for is the new one refused. So a flood of idle,
- *    trickling or slow-reading connections cannot lock a legitimate peer out:
- *    each new connection pushes the oldest of them out, and each is cut at its
- *    deadline anyway. A peer with an idle connection that was evicted
- *    reconnects (kvpipe's clients retry once).
+ *    full, the server evicts one by the progress it made: first the oldest
+ *    connection that has not completed a request yet (in its setup, waiting
+ *    for its first request, or in the middle of it: a half-open, trickling
+ *    or handshake-failing stranger); failing that, the one a peer that did
+ *    complete a request has kept idle the longest (a pooled connection,
+ *    which its client reopens at once when it needs it; kvpipe's clients
+ *    retry once); failing that, the one whose later request has been
+ *    incomplete the longest; failing that, the one that has been busy on one
+ *    request the longest, if for more than timeout_ms (a reader that drains
+ *    its READ slowly). Only when every connection is on a request younger
+ *    than timeout_ms that the server is moving bytes for is the new one
+ *    refused. So a flood of idle, trickling or slow-reading connections
+ *    cannot lock a legitimate peer out, and strangers displace each other,
+ *    not the peers that did their work: each is cut at its deadline anyway.
  *  - Idle reaping: a connection waiting for its next request longer than
  *    idle_timeout_ms is closed.
  *  - Deadlines. Setup must finish within setup_timeout_ms of the accept; a
