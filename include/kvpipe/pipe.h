@@ -140,7 +140,8 @@ typedef struct kvp_pipe_opts {
      * take the announcement (default 30000 ms). */
     int send_timeout_ms;
     /* The engine's per-round-trip I/O timeout, which bounds each READ
-     * (default 5000 ms). */
+     * (default 5000 ms); also how long a connection to the pipe's ZeroMQ
+     * ports may take to finish its handshake before it is closed. */
     int io_timeout_ms;
     /* Largest announced message recv accepts (default 32 GiB); longer ones are
      * refused before any memory is allocated. */

@@ -126,7 +126,8 @@ kvp_status kvpi_tcp_listen(const char *host, int port, int *fd_out, int *port_ou
         }
         int one = 1;
         setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-        if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 128) == 0) break;
+        if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, KVPI_LISTEN_BACKLOG) == 0)
+            break;
         err = errno;
         close(fd);
         fd = -1;

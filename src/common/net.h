@@ -10,6 +10,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/socket.h>
 
 #include "kvpipe/status.h"
 
@@ -27,6 +28,12 @@ kvp_status kvpi_hostport_parse(const char *text, int default_port, kvpi_hostport
 
 /* Format host and port as "host:port", bracketing IPv6 literals. */
 void kvpi_hostport_format(const char *host, int port, char *buf, size_t len);
+
+/* The listen queue of every listener kvpipe binds: as long as the kernel
+ * allows (net.core.somaxconn caps it), so that a burst of strangers
+ * connecting at once does not fill it and drop a legitimate client's SYN,
+ * which the client would send again only after a second. */
+#define KVPI_LISTEN_BACKLOG SOMAXCONN
 
 /* Listen on host:port (port 0: any free port); returns the fd and bound port.
  * SO_REUSEADDR is set so a restarted process can bind again at once.

@@ -185,6 +185,16 @@ kvpi_held *kvpi_pipe_sendable(kvp_pipe *p, kvp_tensor *t)
  * ZAP handler of the pipe's context (zap_answer()), which accepts everyone
  * but counts data_push's connections.
  *
+ * Strangers: ZeroMQ accepts on the PUSH sockets' ports itself, with no cap
+ * on connections, so the pipe bounds what a stranger holds by time: a
+ * connection that has not finished its ZMTP handshake (a half-open or
+ * trickling one, a CURVE client without the key) is closed after
+ * io_timeout_ms (ZMQ_HANDSHAKE_IVL; ZeroMQ's default is 30 s), and one that
+ * fails it is closed at once; the listen queue is as long as the kernel
+ * allows (ZMQ_BACKLOG), so a burst of them drops no real peer's SYN. A
+ * stranger never joins a PUSH socket's round-robin before its handshake is
+ * done (ZeroMQ attaches a connection's pipe then), so it takes no message.
+ *
  * In the authenticated mode the PUSH sockets are CURVE servers and the PULL
  * sockets CURVE clients, with keys derived from the key. The ZAP handler
  * still accepts every client that completes the CURVE handshake, which takes
@@ -208,7 +218,8 @@ static kvp_status make_socket(kvp_pipe *p, int type, int linger_ms, size_t max_f
     void *s = zmq_socket(p->zctx, type);
     if (!s) return kvpi_pipe_zmq_fail(p, "socket");
     int one = 1, rcvhwm = type == ZMQ_PUSH ? PUSH_RCVHWM : p->opts.zmq_hwm;
-    int sndhwm = p->opts.zmq_hwm;
+    int sndhwm = p->opts.zmq_hwm, backlog = KVPI_LISTEN_BACKLOG;
+    int handshake_ms = p->opts.io_timeout_ms;
     int64_t maxmsg = (int64_t)max_frame;
     if (zmq_setsockopt(s, ZMQ_LINGER, &linger_ms, sizeof linger_ms) != 0 ||
         zmq_setsockopt(s, ZMQ_IPV6, &one, sizeof one) != 0 ||
@@ -216,6 +227,8 @@ static kvp_status make_socket(kvp_pipe *p, int type, int linger_ms, size_t max_f
         zmq_setsockopt(s, ZMQ_ZAP_DOMAIN, domain, strlen(domain)) != 0 ||
         zmq_setsockopt(s, ZMQ_SNDHWM, &sndhwm, sizeof sndhwm) != 0 ||
         zmq_setsockopt(s, ZMQ_RCVHWM, &rcvhwm, sizeof rcvhwm) != 0 ||
+        zmq_setsockopt(s, ZMQ_BACKLOG, &backlog, sizeof backlog) != 0 ||
+        zmq_setsockopt(s, ZMQ_HANDSHAKE_IVL, &handshake_ms, sizeof handshake_ms) != 0 ||
         (p->auth && (type == ZMQ_PUSH || type == ZMQ_PULL) && set_curve(p, s, type) != 0)) {
         zmq_close(s);
         return kvpi_pipe_zmq_fail(p, "setsockopt");

@@ -320,7 +320,7 @@ static kvp_status listen_abstract(shm_server *srv, int *fd_out)
     socklen_t len = kvpi_shm_sockaddr(srv->name, &sa);
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) return kvpi_error(KVP_EIO, "shm server: socket: %s", strerror(errno));
-    if (bind(fd, (struct sockaddr *)&sa, len) != 0 || listen(fd, 128) != 0) {
+    if (bind(fd, (struct sockaddr *)&sa, len) != 0 || listen(fd, KVPI_LISTEN_BACKLOG) != 0) {
         kvp_status st =
             kvpi_error(KVP_EIO, "shm server: cannot listen on @%s: %s", srv->name, strerror(errno));
         close(fd);
