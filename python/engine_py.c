@@ -85,7 +85,7 @@ static PyObject *engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     (void)args;
     (void)kwds;
-    kvpy_engine *self = (kvpy_engine *)type->tp_alloc(type, 0);
+    kvpy_engine *self = (kvpy_engine *)kvpy_alloc_instance(type);
     if (!self) return NULL;
     self->segments = PyDict_New();
     self->batches = PyDict_New();
@@ -102,7 +102,7 @@ static void engine_dealloc(kvpy_engine *self)
     engine_teardown(self);
     Py_XDECREF(self->segments);
     Py_XDECREF(self->batches);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    kvpy_free_instance((PyObject *)self);
 }
 
 static PyObject *engine_close(kvpy_engine *self, PyObject *noargs)
@@ -219,7 +219,8 @@ static PyObject *engine_initialize_ext(kvpy_engine *self, PyObject *args, PyObje
         return initialize_common(self, host, metadata, protocol, devices);
     PyObject *conn = PyUnicode_FromFormat("%s://%s", type, metadata);
     if (!conn) return NULL;
-    PyObject *ret = initialize_common(self, host, PyUnicode_AsUTF8(conn), protocol, devices);
+    PyObject *ret =
+        initialize_common(self, host, PyUnicode_AsUTF8AndSize(conn, NULL), protocol, devices);
     Py_DECREF(conn);
     return ret;
 }
@@ -437,7 +438,7 @@ static uint64_t *int_list(PyObject *seq, const char *what, Py_ssize_t n_expected
 {
     PyObject *fast = PySequence_Fast(seq, "expected a list of ints");
     if (!fast) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Py_ssize_t n = PySequence_Size(fast);
     if (n_expected >= 0 && n != n_expected) {
         PyErr_Format(PyExc_ValueError, "%s has %zd entries, expected %zd", what, n, n_expected);
         Py_DECREF(fast);
@@ -449,7 +450,10 @@ static uint64_t *int_list(PyObject *seq, const char *what, Py_ssize_t n_expected
         return (uint64_t *)PyErr_NoMemory();
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (!kvpy_addr_conv(PySequence_Fast_GET_ITEM(fast, i), &out[i])) {
+        PyObject *item = PySequence_GetItem(fast, i);
+        int ok = item && kvpy_addr_conv(item, &out[i]);
+        Py_XDECREF(item);
+        if (!ok) {
             free(out);
             Py_DECREF(fast);
             return NULL;
@@ -566,7 +570,7 @@ static PyObject *engine_read_bytes_from_buffer(kvpy_engine *self, PyObject *args
     }
     PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)length);
     if (!out) return NULL;
-    char *dst = PyBytes_AS_STRING(out);
+    char *dst = PyBytes_AsString(out);
     Py_BEGIN_ALLOW_THREADS
     memcpy(dst, (const void *)(uintptr_t)addr, length);
     Py_END_ALLOW_THREADS
@@ -923,6 +927,12 @@ static int unknown_batch(PyObject *id, const char *what)
     return kvpy_fail_msg(KVP_EINVAL, "%s: unknown or already collected batch id %llu", what, v);
 }
 
+/* Item i of what PySequence_Fast returned (a list or a tuple), borrowed. */
+static PyObject *fast_item(PyObject *fast, Py_ssize_t i)
+{
+    return PyList_Check(fast) ? PyList_GetItem(fast, i) : PyTuple_GetItem(fast, i);
+}
+
 static PyObject *engine_get_batch_transfer_status(kvpy_engine *self, PyObject *args)
 {
     PyObject *ids_obj;
@@ -931,9 +941,10 @@ static PyObject *engine_get_batch_transfer_status(kvpy_engine *self, PyObject *a
     PyObject *ids = PySequence_Fast(ids_obj, "batch_ids must be a list of batch ids");
     if (!ids) return NULL;
     int ret = 0;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(ids);
+    /* ids is a list or a tuple (PySequence_Fast): its items are borrowed. */
+    Py_ssize_t n = PySequence_Size(ids);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *id = PySequence_Fast_GET_ITEM(ids, i);
+        PyObject *id = fast_item(ids, i);
         batch_wait w = {lookup_batch(self, id), KVP_OK};
         if (!w.batch) {
             if (PyErr_Occurred()) goto fail;
@@ -949,7 +960,7 @@ static PyObject *engine_get_batch_transfer_status(kvpy_engine *self, PyObject *a
     }
     /* As Mooncake: the ids are spent once their status has been collected. */
     for (Py_ssize_t i = 0; i < n; i++)
-        if (PyDict_DelItem(self->batches, PySequence_Fast_GET_ITEM(ids, i)) < 0) PyErr_Clear();
+        if (PyDict_DelItem(self->batches, fast_item(ids, i)) < 0) PyErr_Clear();
     Py_DECREF(ids);
     return PyLong_FromLong(ret);
 fail:
@@ -991,11 +1002,10 @@ static PyObject *engine_get_notifies(kvpy_engine *self, PyObject *noargs)
     PyObject *out = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; out && i < n; i++) {
         PyObject *item = kvpy_notify_from(list[i].name, list[i].msg);
-        if (!item) {
+        if (!item || PyList_SetItem(out, (Py_ssize_t)i, item) < 0) { /* it takes item */
             Py_CLEAR(out);
             break;
         }
-        PyList_SET_ITEM(out, (Py_ssize_t)i, item);
     }
     kvp_engine_notifies_free(list, n);
     return out;
@@ -1221,15 +1231,21 @@ static PyMethodDef engine_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-PyTypeObject kvpy_engine_type = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvpipe.TransferEngine",
-    .tp_basicsize = sizeof(kvpy_engine),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "TransferEngine()\n\nMooncake's TransferEngine API over kvpipe's engine. Call "
-              "initialize() first.",
-    .tp_new = engine_new,
-    .tp_dealloc = (destructor)engine_dealloc,
-    .tp_methods = engine_methods,
+static PyType_Slot engine_slots[] = {
+    {Py_tp_doc, "TransferEngine()\n\nMooncake's TransferEngine API over kvpipe's engine. Call "
+                "initialize() first."},
+    {Py_tp_new, engine_new},
+    {Py_tp_dealloc, engine_dealloc},
+    {Py_tp_methods, engine_methods},
+    {0, NULL},
+};
+
+/* Not immutable: kvpy_engine_init_type sets TransferOpcode on it. */
+static PyType_Spec engine_spec = {
+    .name = "kvpipe.TransferEngine",
+    .basicsize = sizeof(kvpy_engine),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .slots = engine_slots,
 };
 
 /* kvpipe.TransferOpcode: an IntEnum, so ints and members both work. */
@@ -1249,13 +1265,14 @@ static PyObject *make_opcode_enum(void)
 
 int kvpy_engine_init_type(PyObject *module)
 {
-    if (PyType_Ready(&kvpy_engine_type) < 0) return -1;
+    PyObject *engine_type = PyType_FromSpec(&engine_spec);
+    if (!engine_type) return -1;
     opcode_enum = make_opcode_enum();
-    if (!opcode_enum) return -1;
     /* Mooncake exposes the enum on the class and its values on the module. */
-    if (PyDict_SetItemString(kvpy_engine_type.tp_dict, "TransferOpcode", opcode_enum) < 0)
+    if (!opcode_enum || PyObject_SetAttrString(engine_type, "TransferOpcode", opcode_enum) < 0) {
+        Py_DECREF(engine_type);
         return -1;
-    PyType_Modified(&kvpy_engine_type);
+    }
     Py_INCREF(opcode_enum);
     if (PyModule_AddObject(module, "TransferOpcode", opcode_enum) < 0) return -1;
     PyObject *rd = PyObject_GetAttrString(opcode_enum, "Read");
@@ -1263,6 +1280,5 @@ int kvpy_engine_init_type(PyObject *module)
     if (!rd || !wr || PyModule_AddObject(module, "Read", rd) < 0 ||
         PyModule_AddObject(module, "Write", wr) < 0)
         return -1;
-    Py_INCREF(&kvpy_engine_type);
-    return PyModule_AddObject(module, "TransferEngine", (PyObject *)&kvpy_engine_type);
+    return PyModule_AddObject(module, "TransferEngine", engine_type);
 }

@@ -3,6 +3,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "kvpipe/kvpipe.h"
 
@@ -54,10 +55,48 @@ int kvpy_fail_msg(kvp_status status, const char *fmt, ...)
     return -(int)status;
 }
 
+const char *kvpy_type_name(PyObject *obj)
+{
+    static char buf[200];
+    PyObject *type = (PyObject *)Py_TYPE(obj);
+    PyObject *qualname = PyType_GetQualName(Py_TYPE(obj));
+    PyObject *module = PyObject_GetAttrString(type, "__module__");
+    const char *q = qualname ? PyUnicode_AsUTF8AndSize(qualname, NULL) : NULL;
+    const char *m =
+        module && PyUnicode_Check(module) ? PyUnicode_AsUTF8AndSize(module, NULL) : NULL;
+    if (!q)
+        snprintf(buf, sizeof buf, "?");
+    else if (!m || strcmp(m, "builtins") == 0)
+        snprintf(buf, sizeof buf, "%s", q);
+    else
+        snprintf(buf, sizeof buf, "%s.%s", m, q);
+    Py_XDECREF(qualname);
+    Py_XDECREF(module);
+    PyErr_Clear(); /* a name that could not be had: "?" or the bare qualname does */
+    return buf;
+}
+
+PyObject *kvpy_alloc_instance(PyTypeObject *type)
+{
+    allocfunc alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    return alloc ? alloc(type, 0) : PyType_GenericAlloc(type, 0);
+}
+
+void kvpy_free_instance(PyObject *self)
+{
+    PyTypeObject *type = Py_TYPE(self);
+    freefunc free_fn = (freefunc)PyType_GetSlot(type, Py_tp_free);
+    if (free_fn)
+        free_fn(self);
+    else
+        PyObject_Free(self);
+    Py_DECREF(type);
+}
+
 static int to_u64(PyObject *obj, const char *what, unsigned long long *out)
 {
     if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "%s must be an int, not %.100s", what, Py_TYPE(obj)->tp_name);
+        PyErr_Format(PyExc_TypeError, "%s must be an int, not %.100s", what, kvpy_type_name(obj));
         return 0;
     }
     unsigned long long v = PyLong_AsUnsignedLongLong(obj);

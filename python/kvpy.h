@@ -6,10 +6,18 @@
  * handler and level) and metrics_py.c (metric snapshots as Python values).
  *
  * Everything here runs with the GIL held unless a comment says otherwise.
+ *
+ * The module is built against CPython's stable ABI (the limited API of 3.11:
+ * the buffer protocol is in it from 3.11 on), so one kvpipe.abi3.so loads in
+ * every CPython >= 3.11 (docs/python.md). No struct of the interpreter is
+ * touched but PyObject's head and Py_buffer; the types are heap types made
+ * with PyType_FromSpec. python/tests/check_abi3.py fails the build's tests on
+ * any imported symbol outside the stable ABI.
  */
 #ifndef KVPIPE_PYTHON_KVPY_H
 #define KVPIPE_PYTHON_KVPY_H
 
+#define Py_LIMITED_API 0x030B0000
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -52,6 +60,20 @@ PyObject *kvpy_metrics_text(const struct kvp_metrics *m);
  * exception set (a signal handler raised, e.g. KeyboardInterrupt). */
 typedef int (*kvpy_poll_fn)(void *arg, int slice_ms);
 int kvpy_wait_sliced(kvpy_poll_fn poll, void *arg, int total_ms);
+
+/* The name of obj's type for a message, as tp_name spells it ("int",
+ * "numpy.ndarray"): the limited API has no tp_name. Valid until the next call
+ * (the GIL orders the calls); "?" where it cannot be had. Call it with no
+ * exception set (it leaves none). */
+const char *kvpy_type_name(PyObject *obj);
+
+/* Free an instance of one of the module's heap types and drop the reference
+ * the instance held to its type; the end of every tp_dealloc here. */
+void kvpy_free_instance(PyObject *self);
+
+/* A new instance of type (a heap type of this module or a subclass), zeroed,
+ * through the type's tp_alloc. */
+PyObject *kvpy_alloc_instance(PyTypeObject *type);
 
 /* PyArg "O&" converters: a non-negative int to uint64_t / size_t. */
 int kvpy_addr_conv(PyObject *obj, void *out);
@@ -114,7 +136,6 @@ void kvpy_notify_args_release(kvpy_notify_args *a);
 PyObject *kvpy_notify_from(const char *name, const char *msg);
 int kvpy_notify_init_type(PyObject *module);
 
-extern PyTypeObject kvpy_engine_type;
 int kvpy_engine_init_type(PyObject *module);
 int kvpy_tensor_init_type(PyObject *module);
 int kvpy_pipe_init_type(PyObject *module);

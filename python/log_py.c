@@ -17,18 +17,31 @@
  */
 #include "kvpy.h"
 
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "kvpipe/log.h"
 
-#if PY_VERSION_HEX >= 0x030D0000
-#define KVPY_FINALIZING() Py_IsFinalizing()
-#else
-#define KVPY_FINALIZING() _Py_IsFinalizing()
-#endif
+/* Whether the interpreter is finalizing. The stable ABI has no such call:
+ * 3.13 has Py_IsFinalizing(), earlier versions _Py_IsFinalizing(); the one
+ * the running interpreter exports is looked up once (module init, with the
+ * GIL). Neither found: never (the atexit hook has stopped the thread by
+ * then anyway). */
+typedef int (*finalizing_fn)(void);
+static finalizing_fn finalizing;
+
+static void find_finalizing(void)
+{
+    void *f = dlsym(RTLD_DEFAULT, "Py_IsFinalizing");
+    if (!f) f = dlsym(RTLD_DEFAULT, "_Py_IsFinalizing");
+    finalizing = (finalizing_fn)f;
+}
+
+#define KVPY_FINALIZING() (finalizing && finalizing())
 
 /* Lines waiting for the Python handler; more are dropped and counted. */
 #define QUEUE_CAP 1024
@@ -200,7 +213,7 @@ static PyObject *mod_set_log_handler(PyObject *self, PyObject *handler)
         PyErr_Format(PyExc_TypeError,
                      "set_log_handler() takes a callable (level, subsystem, message) or None, "
                      "not %.100s",
-                     Py_TYPE(handler)->tp_name);
+                     kvpy_type_name(handler));
         return NULL;
     }
     if (handler == Py_None) {
@@ -212,8 +225,10 @@ static PyObject *mod_set_log_handler(PyObject *self, PyObject *handler)
         return NULL;
     }
     if (start_delivery() < 0) return NULL;
+    PyObject *old = handler_obj;
     Py_INCREF(handler);
-    Py_XSETREF(handler_obj, handler);
+    handler_obj = handler;
+    Py_XDECREF(old);
     /* Not from inside a kvpipe handler (none of ours calls Python), so this
      * cannot be refused. */
     kvp_status st = kvp_log_set_handler(enqueue, NULL);
@@ -224,7 +239,7 @@ static PyObject *mod_set_log_handler(PyObject *self, PyObject *handler)
 static int level_from_object(PyObject *obj, kvp_log_level *out)
 {
     if (PyUnicode_Check(obj)) {
-        const char *name = PyUnicode_AsUTF8(obj);
+        const char *name = PyUnicode_AsUTF8AndSize(obj, NULL);
         if (!name) return -1;
         if (kvp_log_level_parse(name, out) == KVP_OK) return 0;
         PyErr_Format(PyExc_ValueError, "%s", kvp_last_error());
@@ -241,7 +256,7 @@ static int level_from_object(PyObject *obj, kvp_log_level *out)
         return 0;
     }
     PyErr_Format(PyExc_TypeError, "a log level is a name or a logging level int, not %.100s",
-                 Py_TYPE(obj)->tp_name);
+                 kvpy_type_name(obj));
     return -1;
 }
 
@@ -316,7 +331,8 @@ static int register_hook(const char *module, const char *fn, const char *kw, PyM
     if (hook && reg) {
         PyObject *args = PyTuple_New(0), *kwargs = kw ? Py_BuildValue("{sO}", kw, hook) : NULL;
         if (args && (!kw || kwargs))
-            res = kw ? PyObject_Call(reg, args, kwargs) : PyObject_CallOneArg(reg, hook);
+            res = kw ? PyObject_Call(reg, args, kwargs)
+                     : PyObject_CallFunctionObjArgs(reg, hook, NULL);
         Py_XDECREF(args);
         Py_XDECREF(kwargs);
     }
@@ -350,6 +366,7 @@ static PyMethodDef log_methods[] = {
 
 int kvpy_log_init(PyObject *module)
 {
+    find_finalizing();
     if (PyModule_AddFunctions(module, log_methods) < 0) return -1;
     if (register_hook("atexit", "register", NULL, &hook_defs[0]) < 0 ||
         register_hook("os", "register_at_fork", "after_in_child", &hook_defs[1]) < 0)

@@ -3,6 +3,8 @@
 #include "kvpy.h"
 
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "kvpipe/metrics.h"
 
@@ -22,11 +24,10 @@ static PyObject *histogram(const kvp_metric *x)
         double le = i < x->n_buckets ? x->bucket_bounds[i] : INFINITY;
         unsigned long long n = i < x->n_buckets ? x->bucket_counts[i] : x->count;
         PyObject *pair = Py_BuildValue("(dK)", le, n);
-        if (!pair) {
+        if (!pair || PyList_SetItem(buckets, (Py_ssize_t)i, pair) < 0) { /* it takes pair */
             Py_DECREF(buckets);
             return NULL;
         }
-        PyList_SET_ITEM(buckets, (Py_ssize_t)i, pair);
     }
     return Py_BuildValue("{sKsdsN}", "count", (unsigned long long)x->count, "sum", x->sum,
                          "buckets", buckets);

@@ -11,13 +11,13 @@ typedef struct kvpy_notify {
     PyObject *msg;  /* str */
 } kvpy_notify;
 
-static PyTypeObject kvpy_notify_type;
+static PyTypeObject *kvpy_notify_type; /* a heap type (kvpy_notify_init_type) */
 
 static PyObject *notify_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     (void)args;
     (void)kwds;
-    kvpy_notify *self = (kvpy_notify *)type->tp_alloc(type, 0);
+    kvpy_notify *self = (kvpy_notify *)kvpy_alloc_instance(type);
     if (!self) return NULL;
     self->name = PyUnicode_FromString("");
     self->msg = PyUnicode_FromString("");
@@ -42,10 +42,13 @@ static int notify_init(kvpy_notify *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     if (name) {
+        PyObject *old_name = self->name, *old_msg = self->msg;
         Py_INCREF(name);
-        Py_SETREF(self->name, name);
+        self->name = name;
         Py_INCREF(msg);
-        Py_SETREF(self->msg, msg);
+        self->msg = msg;
+        Py_XDECREF(old_name);
+        Py_XDECREF(old_msg);
     }
     return 0;
 }
@@ -54,7 +57,7 @@ static void notify_dealloc(kvpy_notify *self)
 {
     Py_XDECREF(self->name);
     Py_XDECREF(self->msg);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    kvpy_free_instance((PyObject *)self);
 }
 
 static PyObject *notify_get(kvpy_notify *self, void *which)
@@ -70,11 +73,10 @@ static int notify_set(kvpy_notify *self, PyObject *value, void *which)
         PyErr_Format(PyExc_TypeError, "TransferNotify.%s must be a str", which ? "msg" : "name");
         return -1;
     }
+    PyObject **slot = which ? &self->msg : &self->name, *old = *slot;
     Py_INCREF(value);
-    if (which)
-        Py_SETREF(self->msg, value);
-    else
-        Py_SETREF(self->name, value);
+    *slot = value;
+    Py_XDECREF(old);
     return 0;
 }
 
@@ -85,7 +87,7 @@ static PyObject *notify_repr(kvpy_notify *self)
 
 static PyObject *notify_richcompare(PyObject *a, PyObject *b, int op)
 {
-    if ((op != Py_EQ && op != Py_NE) || !PyObject_TypeCheck(b, &kvpy_notify_type))
+    if ((op != Py_EQ && op != Py_NE) || !PyObject_TypeCheck(b, kvpy_notify_type))
         Py_RETURN_NOTIMPLEMENTED;
     kvpy_notify *x = (kvpy_notify *)a, *y = (kvpy_notify *)b;
     int eq = PyUnicode_Compare(x->name, y->name) == 0 && PyUnicode_Compare(x->msg, y->msg) == 0;
@@ -99,25 +101,30 @@ static PyGetSetDef notify_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject kvpy_notify_type = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvpipe.TransferNotify",
-    .tp_basicsize = sizeof(kvpy_notify),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "TransferNotify(name='', msg='')\n\nA notification: passed as notify= to a "
-              "synchronous transfer, it is sent to the target once the transfer completed; "
-              "TransferEngine.get_notifies() returns those received.",
-    .tp_new = notify_new,
-    .tp_init = (initproc)notify_init,
-    .tp_dealloc = (destructor)notify_dealloc,
-    .tp_repr = (reprfunc)notify_repr,
-    .tp_richcompare = notify_richcompare,
-    .tp_getset = notify_getset,
-    .tp_hash = PyObject_HashNotImplemented,
+static PyType_Slot notify_slots[] = {
+    {Py_tp_doc, "TransferNotify(name='', msg='')\n\nA notification: passed as notify= to a "
+                "synchronous transfer, it is sent to the target once the transfer completed; "
+                "TransferEngine.get_notifies() returns those received."},
+    {Py_tp_new, notify_new},
+    {Py_tp_init, notify_init},
+    {Py_tp_dealloc, notify_dealloc},
+    {Py_tp_repr, notify_repr},
+    {Py_tp_richcompare, notify_richcompare},
+    {Py_tp_getset, notify_getset},
+    {Py_tp_hash, PyObject_HashNotImplemented},
+    {0, NULL},
+};
+
+static PyType_Spec notify_spec = {
+    .name = "kvpipe.TransferNotify",
+    .basicsize = sizeof(kvpy_notify),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = notify_slots,
 };
 
 PyObject *kvpy_notify_from(const char *name, const char *msg)
 {
-    kvpy_notify *self = (kvpy_notify *)kvpy_notify_type.tp_alloc(&kvpy_notify_type, 0);
+    kvpy_notify *self = (kvpy_notify *)kvpy_alloc_instance(kvpy_notify_type);
     if (!self) return NULL;
     self->name = PyUnicode_DecodeUTF8(name, (Py_ssize_t)strlen(name), "surrogateescape");
     self->msg = PyUnicode_DecodeUTF8(msg, (Py_ssize_t)strlen(msg), "surrogateescape");
@@ -138,13 +145,13 @@ static const char *str_attr(PyObject *obj, const char *attr, PyObject **keep)
             PyErr_Format(PyExc_TypeError,
                          "notify must be a TransferNotify (or have str attributes name and msg), "
                          "not %.100s",
-                         Py_TYPE(obj)->tp_name);
+                         kvpy_type_name(obj));
         }
         return NULL;
     }
     if (!PyUnicode_Check(v)) {
         PyErr_Format(PyExc_TypeError, "notify.%s must be a str, not %.100s", attr,
-                     Py_TYPE(v)->tp_name);
+                     kvpy_type_name(v));
         Py_DECREF(v);
         return NULL;
     }
@@ -185,7 +192,8 @@ void kvpy_notify_args_release(kvpy_notify_args *a)
 
 int kvpy_notify_init_type(PyObject *module)
 {
-    if (PyType_Ready(&kvpy_notify_type) < 0) return -1;
-    Py_INCREF(&kvpy_notify_type);
-    return PyModule_AddObject(module, "TransferNotify", (PyObject *)&kvpy_notify_type);
+    kvpy_notify_type = (PyTypeObject *)PyType_FromSpec(&notify_spec);
+    if (!kvpy_notify_type) return -1;
+    Py_INCREF((PyObject *)kvpy_notify_type);
+    return PyModule_AddObject(module, "TransferNotify", (PyObject *)kvpy_notify_type);
 }

@@ -25,6 +25,7 @@
  */
 #include "kvpy.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -310,11 +311,11 @@ static int view_from_cai(src_view *v, PyObject *obj)
     PyObject *mask = PyDict_Check(cai) ? PyDict_GetItemString(cai, "mask") : NULL;
     kvp_dtype dt;
     int64_t dims[KVP_TENSOR_MAX_NDIM];
-    Py_ssize_t ndim = shape && PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : -1;
-    if (!shape || !ts || !data || !PyTuple_Check(data) || PyTuple_GET_SIZE(data) < 1 || ndim < 0) {
+    Py_ssize_t ndim = shape && PyTuple_Check(shape) ? PyTuple_Size(shape) : -1;
+    if (!shape || !ts || !data || !PyTuple_Check(data) || PyTuple_Size(data) < 1 || ndim < 0) {
         PyErr_SetString(PyExc_ValueError, "send_tensor: malformed __cuda_array_interface__ (shape, "
                                           "typestr and data are required)");
-    } else if (!PyUnicode_Check(ts) || dtype_from_typestr(PyUnicode_AsUTF8(ts), &dt)) {
+    } else if (!PyUnicode_Check(ts) || dtype_from_typestr(PyUnicode_AsUTF8AndSize(ts, NULL), &dt)) {
         PyErr_Format(PyExc_TypeError,
                      "send_tensor: __cuda_array_interface__ typestr %R has no safetensors "
                      "dtype (little-endian bool, ints and floats)",
@@ -332,11 +333,11 @@ static int view_from_cai(src_view *v, PyObject *obj)
     } else {
         rc = 0;
         for (Py_ssize_t i = 0; i < ndim && rc == 0; i++) {
-            long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+            long long d = PyLong_AsLongLong(PyTuple_GetItem(shape, i));
             if (d == -1 && PyErr_Occurred()) rc = -1;
             dims[i] = d;
         }
-        unsigned long long ptr = rc ? 0 : PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(data, 0));
+        unsigned long long ptr = rc ? 0 : PyLong_AsUnsignedLongLong(PyTuple_GetItem(data, 0));
         if (!rc && PyErr_Occurred()) rc = -1;
         kvp_status st =
             rc ? KVP_OK : kvp_tensor_init(&v->t, dt, (int)ndim, dims, (void *)(uintptr_t)ptr);
@@ -360,7 +361,7 @@ static int view_from_object(src_view *v, PyObject *obj)
         PyErr_Format(PyExc_TypeError,
                      "send_tensor: expected None or an object exporting DLPack, "
                      "__cuda_array_interface__ or the buffer protocol, not %.100s",
-                     Py_TYPE(obj)->tp_name);
+                     kvpy_type_name(obj));
         return -1;
     }
     return view_from_buffer(v, obj);
@@ -391,7 +392,7 @@ static void pipe_teardown(kvpy_pipe *self)
 static void pipe_dealloc(kvpy_pipe *self)
 {
     pipe_teardown(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    kvpy_free_instance((PyObject *)self);
 }
 
 /* config: a path (str / os.PathLike), a dict, or None for MOONCAKE_CONFIG_PATH. */
@@ -415,7 +416,7 @@ static kvp_status load_config(PyObject *config, kvp_pipe_config **out)
     }
     PyObject *path = NULL;
     if (!PyUnicode_FSConverter(config, &path)) return KVP_EINTR;
-    st = kvp_pipe_config_load(PyBytes_AS_STRING(path), out);
+    st = kvp_pipe_config_load(PyBytes_AsString(path), out);
     Py_DECREF(path);
     return st;
 }
@@ -452,7 +453,7 @@ static int device_conv(PyObject *obj, int *out)
         return -1;
     }
     PyObject *str = PyObject_Str(obj);
-    const char *name = str ? PyUnicode_AsUTF8(str) : NULL;
+    const char *name = str ? PyUnicode_AsUTF8AndSize(str, NULL) : NULL;
     int rc = -1, n = -1, used = 0;
     if (name && strcmp(name, "cpu") == 0) {
         *out = -1;
@@ -693,7 +694,7 @@ static int shape_from_object(PyObject *obj, int64_t *shape, int *ndim)
 {
     PyObject *seq = PySequence_Fast(obj, "alloc_tensor: shape must be a sequence of ints");
     if (!seq) return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = PySequence_Size(seq);
     if (n > KVP_TENSOR_MAX_NDIM) {
         PyErr_Format(PyExc_ValueError, "alloc_tensor: %zd dimensions, at most %d", n,
                      KVP_TENSOR_MAX_NDIM);
@@ -701,7 +702,9 @@ static int shape_from_object(PyObject *obj, int64_t *shape, int *ndim)
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *index = PyNumber_Index(PySequence_Fast_GET_ITEM(seq, i));
+        PyObject *item = PySequence_GetItem(seq, i);
+        PyObject *index = item ? PyNumber_Index(item) : NULL;
+        Py_XDECREF(item);
         long long d = index ? PyLong_AsLongLong(index) : -1;
         Py_XDECREF(index);
         if (d == -1 && PyErr_Occurred()) {
@@ -796,7 +799,7 @@ static PyObject *pipe_close(kvpy_pipe *self, PyObject *noargs)
 static PyObject *pipe_enter(kvpy_pipe *self, PyObject *noargs)
 {
     (void)noargs;
-    Py_INCREF(self);
+    Py_INCREF((PyObject *)self);
     return (PyObject *)self;
 }
 
@@ -905,31 +908,36 @@ static PyGetSetDef pipe_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject pipe_type = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvpipe.Pipe",
-    .tp_basicsize = sizeof(kvpy_pipe),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .tp_doc = "Pipe(config, local_rank, kv_rank, *, kv_buffer_size=1e9, send_timeout=30.0,\n"
-              "     io_timeout=5.0, max_message_bytes=32 GiB, disable_shm=False,\n"
-              "     inline_max_bytes=131072, recv_window=32, recv_window_bytes=64 MiB,\n"
-              "     max_control_frame=4096, redial_min=0.2, redial_max=5.0, ack_timeout=2.0,\n"
-              "     ack_linger=0.5, ack_delay_us=1000, zmq_hwm=1000, busy_poll_us=0,\n"
-              "     device=None)\n\n"
-              "One side of a tensor pipe (vLLM's MooncakePipe wire). config: a path to the "
-              "mooncake JSON, a dict of it, or None for $MOONCAKE_CONFIG_PATH. kv_rank 0 is "
-              "prefill, 1 decode. Times in seconds; the options are kvp_pipe_opts' "
-              "(docs/pipe.md); device: where recv_tensor() puts tensors ('cpu', 'cuda:N'; "
-              "docs/gpu.md).",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)pipe_init,
-    .tp_dealloc = (destructor)pipe_dealloc,
-    .tp_methods = pipe_methods,
-    .tp_getset = pipe_getset,
+static PyType_Slot pipe_slots[] = {
+    {Py_tp_doc, "Pipe(config, local_rank, kv_rank, *, kv_buffer_size=1e9, send_timeout=30.0,\n"
+                "     io_timeout=5.0, max_message_bytes=32 GiB, disable_shm=False,\n"
+                "     inline_max_bytes=131072, recv_window=32, recv_window_bytes=64 MiB,\n"
+                "     max_control_frame=4096, redial_min=0.2, redial_max=5.0, ack_timeout=2.0,\n"
+                "     ack_linger=0.5, ack_delay_us=1000, zmq_hwm=1000, busy_poll_us=0,\n"
+                "     device=None)\n\n"
+                "One side of a tensor pipe (vLLM's MooncakePipe wire). config: a path to the "
+                "mooncake JSON, a dict of it, or None for $MOONCAKE_CONFIG_PATH. kv_rank 0 is "
+                "prefill, 1 decode. Times in seconds; the options are kvp_pipe_opts' "
+                "(docs/pipe.md); device: where recv_tensor() puts tensors ('cpu', 'cuda:N'; "
+                "docs/gpu.md)."},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_init, pipe_init},
+    {Py_tp_dealloc, pipe_dealloc},
+    {Py_tp_methods, pipe_methods},
+    {Py_tp_getset, pipe_getset},
+    {0, NULL},
+};
+
+static PyType_Spec pipe_spec = {
+    .name = "kvpipe.Pipe",
+    .basicsize = sizeof(kvpy_pipe),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = pipe_slots,
 };
 
 int kvpy_pipe_init_type(PyObject *module)
 {
-    if (PyType_Ready(&pipe_type) < 0) return -1;
-    Py_INCREF(&pipe_type);
-    return PyModule_AddObject(module, "Pipe", (PyObject *)&pipe_type);
+    PyObject *pipe_type = PyType_FromSpec(&pipe_spec);
+    if (!pipe_type) return -1;
+    return PyModule_AddObject(module, "Pipe", pipe_type);
 }

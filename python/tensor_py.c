@@ -39,7 +39,7 @@ typedef struct kvpy_tensor {
     int cuda_device; /* -1: CPU memory */
 } kvpy_tensor;
 
-static PyTypeObject tensor_type;
+static PyTypeObject *tensor_type; /* a heap type (kvpy_tensor_init_type) */
 
 /* Stands in for the data pointer of an empty tensor: DLPack consumers may
  * reject NULL even when there is nothing to read. */
@@ -112,7 +112,7 @@ static void tensor_dealloc(kvpy_tensor *self)
     free(self->strides);
     free(self->py_shape);
     free(self->py_strides);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    kvpy_free_instance((PyObject *)self);
 }
 
 static int tensor_set_shape(kvpy_tensor *t, int ndim, const int64_t *shape)
@@ -145,7 +145,7 @@ PyObject *kvpy_tensor_new(void *data, DLDataType dtype, int ndim, const int64_t 
                             "%d bits) or rank %d",
                             dtype.code, dtype.bits, ndim);
     }
-    kvpy_tensor *t = PyObject_New(kvpy_tensor, &tensor_type);
+    kvpy_tensor *t = (kvpy_tensor *)kvpy_alloc_instance(tensor_type);
     if (!t) {
         if (release) release(ctx);
         return NULL;
@@ -205,11 +205,11 @@ static int check_exportable(kvpy_tensor *self)
 
 void *kvpy_tensor_take_begin(PyObject *obj, const void *take_tag)
 {
-    if (!PyObject_TypeCheck(obj, &tensor_type)) {
+    if (!PyObject_TypeCheck(obj, tensor_type)) {
         PyErr_Format(PyExc_TypeError,
                      "send_tensor_take: expected a kvpipe.Tensor from Pipe.alloc_tensor(), not "
                      "%.100s (send_tensor() sends any tensor, with a copy)",
-                     Py_TYPE(obj)->tp_name);
+                     kvpy_type_name(obj));
         return NULL;
     }
     kvpy_tensor *t = (kvpy_tensor *)obj;
@@ -285,7 +285,7 @@ static void fill_dltensor(kvpy_tensor *self, DLTensor *dl)
  * destructor when nobody consumed it. */
 static kvpy_tensor *export_begin(kvpy_tensor *self)
 {
-    Py_INCREF(self);
+    Py_INCREF((PyObject *)self);
     self->exports++;
     return self;
 }
@@ -416,7 +416,7 @@ static int tensor_getbuffer(kvpy_tensor *self, Py_buffer *view, int flags)
     const char *format = kvpy_dtype_format(self->dtype, &itemsize);
     view->buf = self->nbytes ? self->data : (void *)empty_data;
     view->obj = (PyObject *)self;
-    Py_INCREF(self);
+    Py_INCREF((PyObject *)self);
     self->exports++;
     view->len = (Py_ssize_t)self->nbytes;
     view->readonly = 0;
@@ -439,11 +439,6 @@ static void tensor_releasebuffer(kvpy_tensor *self, Py_buffer *view)
     self->exports--;
 }
 
-static PyBufferProcs tensor_as_buffer = {
-    .bf_getbuffer = (getbufferproc)tensor_getbuffer,
-    .bf_releasebuffer = (releasebufferproc)tensor_releasebuffer,
-};
-
 /* ---- attributes --------------------------------------------------------------------------- */
 
 static PyObject *tensor_get_shape(kvpy_tensor *self, void *closure)
@@ -452,11 +447,10 @@ static PyObject *tensor_get_shape(kvpy_tensor *self, void *closure)
     PyObject *t = PyTuple_New(self->ndim);
     for (int i = 0; t && i < self->ndim; i++) {
         PyObject *d = PyLong_FromLongLong(self->shape[i]);
-        if (!d) {
+        if (!d || PyTuple_SetItem(t, i, d) < 0) { /* SetItem takes d, even when it fails */
             Py_CLEAR(t);
             break;
         }
-        PyTuple_SET_ITEM(t, i, d);
     }
     return t;
 }
@@ -561,24 +555,32 @@ static PyMethodDef tensor_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static PyTypeObject tensor_type = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvpipe.Tensor",
-    .tp_basicsize = sizeof(kvpy_tensor),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc =
-        "A tensor from Pipe.recv_tensor() or Pipe.alloc_tensor(), in CPU memory or (recv_tensor "
-        "with a device) on a CUDA device. Take it without a copy with torch.from_dlpack(t); "
-        "in CPU memory also numpy.from_dlpack(t) or memoryview(t) / numpy.asarray(t).",
-    .tp_dealloc = (destructor)tensor_dealloc,
-    .tp_repr = (reprfunc)tensor_repr,
-    .tp_as_buffer = &tensor_as_buffer,
-    .tp_methods = tensor_methods,
-    .tp_getset = tensor_getset,
+static PyType_Slot tensor_slots[] = {
+    {Py_tp_doc, "A tensor from Pipe.recv_tensor() or Pipe.alloc_tensor(), in CPU memory or "
+                "(recv_tensor with a device) on a CUDA device. Take it without a copy with "
+                "torch.from_dlpack(t); in CPU memory also numpy.from_dlpack(t) or memoryview(t) / "
+                "numpy.asarray(t)."},
+    {Py_tp_dealloc, tensor_dealloc},
+    {Py_tp_repr, tensor_repr},
+    {Py_bf_getbuffer, tensor_getbuffer},
+    {Py_bf_releasebuffer, tensor_releasebuffer},
+    {Py_tp_methods, tensor_methods},
+    {Py_tp_getset, tensor_getset},
+    {0, NULL},
+};
+
+/* Made by the module only: kvpipe.Tensor() raises TypeError. */
+static PyType_Spec tensor_spec = {
+    .name = "kvpipe.Tensor",
+    .basicsize = sizeof(kvpy_tensor),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = tensor_slots,
 };
 
 int kvpy_tensor_init_type(PyObject *module)
 {
-    if (PyType_Ready(&tensor_type) < 0) return -1;
-    Py_INCREF(&tensor_type);
-    return PyModule_AddObject(module, "Tensor", (PyObject *)&tensor_type);
+    tensor_type = (PyTypeObject *)PyType_FromSpec(&tensor_spec);
+    if (!tensor_type) return -1;
+    Py_INCREF((PyObject *)tensor_type);
+    return PyModule_AddObject(module, "Tensor", (PyObject *)tensor_type);
 }

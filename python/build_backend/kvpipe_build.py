@@ -2,8 +2,10 @@
 
 It builds the extension module with kvpipe's own CMake build (the python/
 target, which links libkvpipe.a in, so the wheel needs only Debian's shared
-libraries: libzmq5, libcurl4, ...) for the interpreter that runs it, and packs
-it with its type stubs into a wheel.
+libraries: libzmq5, libcurl4, ...) with the headers of the interpreter that
+runs it (CPython >= 3.11), and packs it with its type stubs into a wheel. The
+module is kvpipe.abi3.so, built against CPython's stable ABI: the wheel is
+tagged cp311-abi3-<platform> and installs in every CPython >= 3.11.
 
 Why not setuptools: pip builds in an isolated environment and fetches the
 backend's requirements from an index first; with requires = [] and this backend
@@ -64,7 +66,7 @@ def _metadata(version):
     if isinstance(license_, dict):
         license_ = license_.get("text", "")
     fields = [("Name", NAME), ("Version", version), ("Summary", p.get("description", "")),
-              ("License", license_), ("Requires-Python", p.get("requires-python", ">=3.8"))]
+              ("License", license_), ("Requires-Python", p.get("requires-python", ">=3.11"))]
     desc = ("kvpipe moves KV-cache tensors between the prefill and decode instances of a "
             "disaggregated LLM server.\n\n`kvpipe.TransferEngine` serves Mooncake's "
             "TransferEngine API and `kvpipe.Pipe` vLLM's MooncakePipe. The `mooncake` "
@@ -73,13 +75,19 @@ def _metadata(version):
     return wheel_writer.metadata_text(fields, desc)
 
 
+# The module is built against CPython's stable ABI of 3.11 (python/kvpy.h:
+# Py_LIMITED_API), whatever interpreter builds it: one wheel for every CPython
+# >= 3.11.
+ABI3_FLOOR = (3, 11)
+
+
 def _tag():
-    """cpXY-cpXY<flags>-<platform> of the running interpreter."""
-    impl = "cp" if sys.implementation.name == "cpython" else sys.implementation.name[:2]
-    py = "%s%d%d" % (impl, sys.version_info[0], sys.version_info[1])
-    abi = py + getattr(sys, "abiflags", "")
+    """cp311-abi3-<platform>: the module is kvpipe.abi3.so (PEP 425, PEP 384)."""
+    if sys.implementation.name != "cpython" or sys.version_info[:2] < ABI3_FLOOR:
+        raise RuntimeError("kvpipe builds an abi3 module for CPython >= %d.%d; this is %s %d.%d"
+                           % (ABI3_FLOOR + (sys.implementation.name,) + sys.version_info[:2]))
     plat = re.sub(r"[-.]", "_", sysconfig.get_platform())
-    return "%s-%s-%s" % (py, abi, plat)
+    return "cp%d%d-abi3-%s" % (ABI3_FLOOR + (plat,))
 
 
 def _interpreter_id():
@@ -110,8 +118,8 @@ def _build_module(build_dir, stage, cmake_args):
           "-j%d" % max(1, min(os.cpu_count() or 1, 8))])
     _run(["cmake", "--install", build_dir, "--component", "python", "--prefix", stage])
     built = [f for f in os.listdir(stage) if f.startswith(NAME + ".") and f.endswith(".so")]
-    if len(built) != 1:
-        raise RuntimeError("expected one kvpipe*.so from the build, found %s" % built)
+    if built != [NAME + ".abi3.so"]:
+        raise RuntimeError("expected kvpipe.abi3.so from the build, found %s" % built)
     return os.path.join(stage, built[0])
 
 
