@@ -1,14 +1,19 @@
-/* Baseline for the shm benchmark: single-thread memcpy throughput at one copy
- * size, on data that is not in cache.
+/* Baseline for the shm benchmark: memcpy throughput at one copy size, on data
+ * that is not in cache, from one thread or several.
  *
- *   memcpy_baseline --size BYTES[K|M|G] [--duration SECONDS]
+ *   memcpy_baseline --size BYTES[K|M|G] [--duration SECONDS] [--threads N]
  *
  * Copies rotate over source and destination slots whose total (at least
  * 512 MiB each side) is far larger than any last-level cache, so each copy
- * reads from and writes to memory, as a transfer of KV cache does. Pages are
- * touched before timing so that page faults are not measured. Prints one JSON
- * line: {"gbps": G, "size": N, "copies": C, "seconds": S} (GB = 1e9 bytes).
+ * reads from and writes to memory, as a transfer of KV cache does. With
+ * --threads N (default 1) each thread copies between slots of its own (at
+ * least 8 a side each), all starting together: the baseline of an engine
+ * moving with N initiator threads. Pages are touched (by the thread that
+ * copies them) before timing so that page faults are not measured. Prints one
+ * JSON line: {"gbps": G, "size": N, "copies": C, "seconds": S, "threads": T}
+ * (GB = 1e9 bytes; copies summed over the threads, seconds the longest).
  */
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,47 +49,94 @@ static int parse_size(const char *s, size_t *out)
 
 static int usage(void)
 {
-    fprintf(stderr, "usage: memcpy_baseline --size BYTES[K|M|G] [--duration SECONDS]\n");
+    fprintf(stderr,
+            "usage: memcpy_baseline --size BYTES[K|M|G] [--duration SECONDS] [--threads N]\n");
     return 2;
+}
+
+typedef struct copier {
+    char *src, *dst;
+    size_t size, slots;
+    double duration, elapsed;
+    uint64_t copies;
+    pthread_barrier_t *ready;
+} copier;
+
+static void *copy_loop(void *arg)
+{
+    copier *c = arg;
+    memset(c->src, 0x5a, c->slots * c->size);
+    memset(c->dst, 0xa5, c->slots * c->size);
+    pthread_barrier_wait(c->ready);
+    uint64_t copies = 0;
+    double start = now_s(), elapsed = 0;
+    /* Check the clock every few copies only, so small copies are not timed
+     * mostly by clock_gettime. */
+    size_t check = c->size >= ((size_t)1 << 20) ? 1 : ((size_t)1 << 20) / c->size;
+    while (elapsed < c->duration) {
+        for (size_t k = 0; k < check; k++, copies++) {
+            size_t slot = copies % c->slots;
+            memcpy(c->dst + slot * c->size, c->src + slot * c->size, c->size);
+        }
+        elapsed = now_s() - start;
+    }
+    /* Keep the copies observable so the compiler cannot drop them. */
+    volatile char sink = c->dst[(copies % c->slots) * c->size];
+    (void)sink;
+    c->copies = copies;
+    c->elapsed = elapsed;
+    return NULL;
 }
 
 int main(int argc, char **argv)
 {
     size_t size = 0;
     double duration = 3.0;
+    int threads = 1;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--size") == 0 && parse_size(argv[i + 1], &size) == 0) continue;
         if (strcmp(argv[i], "--duration") == 0 && (duration = atof(argv[i + 1])) > 0) continue;
+        if (strcmp(argv[i], "--threads") == 0 && (threads = atoi(argv[i + 1])) >= 1 &&
+            threads <= 256)
+            continue;
         return usage();
     }
     if (size == 0 || argc % 2 == 0) return usage();
-    size_t slots = POOL_MIN / size < SLOTS_MIN ? SLOTS_MIN : POOL_MIN / size;
-    char *src = malloc(slots * size), *dst = malloc(slots * size);
-    if (!src || !dst) {
-        fprintf(stderr, "memcpy_baseline: cannot allocate 2 x %zu bytes\n", slots * size);
-        return 1;
-    }
-    memset(src, 0x5a, slots * size);
-    memset(dst, 0xa5, slots * size);
-    uint64_t copies = 0;
-    double start = now_s(), elapsed = 0;
-    /* Check the clock every few copies only, so small copies are not timed
-     * mostly by clock_gettime. */
-    size_t check = size >= ((size_t)1 << 20) ? 1 : ((size_t)1 << 20) / size;
-    while (elapsed < duration) {
-        for (size_t k = 0; k < check; k++, copies++) {
-            size_t slot = copies % slots;
-            memcpy(dst + slot * size, src + slot * size, size);
+    /* Slots per thread: the pool of every thread together is at least
+     * POOL_MIN a side, each thread's at least SLOTS_MIN slots. */
+    size_t slots = POOL_MIN / size / (size_t)threads;
+    if (slots < SLOTS_MIN) slots = SLOTS_MIN;
+    copier *c = calloc((size_t)threads, sizeof *c);
+    pthread_t *t = calloc((size_t)threads, sizeof *t);
+    pthread_barrier_t ready;
+    if (!c || !t || pthread_barrier_init(&ready, NULL, (unsigned)threads)) return 1;
+    for (int i = 0; i < threads; i++) {
+        c[i] = (copier){.src = malloc(slots * size),
+                        .dst = malloc(slots * size),
+                        .size = size,
+                        .slots = slots,
+                        .duration = duration,
+                        .ready = &ready};
+        if (!c[i].src || !c[i].dst) {
+            fprintf(stderr, "memcpy_baseline: cannot allocate %d x 2 x %zu bytes\n", threads,
+                    slots * size);
+            return 1;
         }
-        elapsed = now_s() - start;
     }
-    /* Keep the copies observable so the compiler cannot drop them. */
-    volatile char sink = dst[(copies % slots) * size];
-    (void)sink;
-    printf("{\"gbps\": %.3f, \"size\": %zu, \"copies\": %llu, \"seconds\": %.3f}\n",
-           (double)copies * (double)size / elapsed / 1e9, size, (unsigned long long)copies,
-           elapsed);
-    free(src);
-    free(dst);
+    for (int i = 0; i < threads; i++)
+        if (pthread_create(&t[i], NULL, copy_loop, &c[i])) return 1;
+    uint64_t copies = 0;
+    double elapsed = 0;
+    for (int i = 0; i < threads; i++) {
+        pthread_join(t[i], NULL);
+        copies += c[i].copies;
+        if (c[i].elapsed > elapsed) elapsed = c[i].elapsed;
+        free(c[i].src);
+        free(c[i].dst);
+    }
+    printf("{\"gbps\": %.3f, \"size\": %zu, \"copies\": %llu, \"seconds\": %.3f, "
+           "\"threads\": %d}\n",
+           (double)copies * (double)size / elapsed / 1e9, size, (unsigned long long)copies, elapsed,
+           threads);
     return 0;
 }

@@ -3,6 +3,9 @@
  * Stream (the default): a sender process streams blocks of --block-size
  * bytes over one plain TCP connection to a receiver that recv()s them, for
  * --duration seconds: what the kernel can move with no protocol at all.
+ * --streams N: N connections at once, each with a sending thread and a
+ * receiving thread of its own (memory of its own too), summed: the baseline
+ * of an engine moving with N initiator threads.
  * By default both sides use one block of memory over and over, which stays
  * in the CPU's caches; --send-span and --recv-span make each side walk
  * through that many bytes of memory block by block instead, as an engine
@@ -18,6 +21,7 @@
 #include <getopt.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -31,7 +35,7 @@
 typedef struct raw_opts {
     size_t block, send_span, recv_span;
     double duration;
-    int request;
+    int request, streams;
     long count, warmup;
 } raw_opts;
 
@@ -91,41 +95,99 @@ static size_t next_block(size_t off, const raw_opts *o, size_t span)
     return off + o->block > span ? 0 : off;
 }
 
+/* One stream's end: its thread, memory and connection. */
+typedef struct stream_end {
+    const raw_opts *o;
+    int port, fd;
+    char *buf;
+    double start, end; /* receiver: the clock */
+    uint64_t bytes;
+    int failed;
+} stream_end;
+
 /* Each side touches its memory before the connection is made, so that the
- * receiver's clock, which starts at accept, times only the transfer. */
+ * receiver's clock, which starts once every stream is accepted, times only
+ * the transfer. */
+static void *send_stream(void *arg)
+{
+    stream_end *e = arg;
+    const raw_opts *o = e->o;
+    e->buf = span_alloc(o->send_span, 0x5a);
+    e->fd = e->buf ? connect_to(e->port, 0) : -1;
+    if (e->fd < 0) {
+        e->failed = 1;
+        return NULL;
+    }
+    for (size_t off = 0;; off = next_block(off, o, o->send_span))
+        if (send_all(e->fd, e->buf + off, o->block) != 0) return NULL; /* the receiver is done */
+}
+
 static int stream_sender(int port, const raw_opts *o)
 {
-    char *buf = span_alloc(o->send_span, 0x5a);
-    int fd = buf ? connect_to(port, 0) : -1;
-    if (fd < 0) return 1;
-    for (size_t off = 0;; off = next_block(off, o, o->send_span))
-        if (send_all(fd, buf + off, o->block) != 0) return 0; /* the receiver is done */
+    stream_end *e = calloc((size_t)o->streams, sizeof *e);
+    pthread_t *t = calloc((size_t)o->streams, sizeof *t);
+    if (!e || !t) return 1;
+    for (int i = 0; i < o->streams; i++) {
+        e[i] = (stream_end){.o = o, .port = port};
+        if (pthread_create(&t[i], NULL, send_stream, &e[i])) return 1;
+    }
+    int failed = 0;
+    for (int i = 0; i < o->streams; i++) {
+        pthread_join(t[i], NULL);
+        failed |= e[i].failed;
+    }
+    return failed;
+}
+
+static void *recv_stream(void *arg)
+{
+    stream_end *e = arg;
+    const raw_opts *o = e->o;
+    for (size_t off = 0; now() < e->end; off = next_block(off, o, o->recv_span)) {
+        if (recv_all(e->fd, e->buf + off, o->block) != 0) {
+            perror("raw_tcp: recv");
+            e->failed = 1;
+            return NULL;
+        }
+        e->bytes += o->block;
+    }
+    return NULL;
 }
 
 static int stream(int lfd, int port, const raw_opts *o)
 {
     pid_t pid = fork();
     if (pid == 0) _exit(stream_sender(port, o));
-    char *buf = span_alloc(o->recv_span, 0);
-    int fd = buf ? accept(lfd, NULL, NULL) : -1;
-    if (fd < 0) return 1;
-    uint64_t bytes = 0;
+    stream_end *e = calloc((size_t)o->streams, sizeof *e);
+    pthread_t *t = calloc((size_t)o->streams, sizeof *t);
+    if (!e || !t) return 1;
+    for (int i = 0; i < o->streams; i++) {
+        e[i] = (stream_end){.o = o, .buf = span_alloc(o->recv_span, 0)};
+        e[i].fd = e[i].buf ? accept(lfd, NULL, NULL) : -1;
+        if (e[i].fd < 0) return 1;
+    }
     double start = now(), end = start + o->duration;
-    for (size_t off = 0; now() < end; off = next_block(off, o, o->recv_span)) {
-        if (recv_all(fd, buf + off, o->block) != 0) {
-            perror("raw_tcp: recv");
-            return 1;
-        }
-        bytes += o->block;
+    for (int i = 0; i < o->streams; i++) {
+        e[i].end = end;
+        if (pthread_create(&t[i], NULL, recv_stream, &e[i])) return 1;
+    }
+    uint64_t bytes = 0;
+    int failed = 0;
+    for (int i = 0; i < o->streams; i++) {
+        pthread_join(t[i], NULL);
+        bytes += e[i].bytes;
+        failed |= e[i].failed;
     }
     double secs = now() - start;
-    close(fd);
+    for (int i = 0; i < o->streams; i++)
+        close(e[i].fd);
     kill(pid, SIGTERM);
     waitpid(pid, NULL, 0);
+    if (failed) return 1;
     printf("{\"gbps\": %.4f, \"bytes\": %llu, \"seconds\": %.3f, \"block_size\": %zu, "
-           "\"send_span\": %zu, \"recv_span\": %zu}\n",
+           "\"send_span\": %zu, \"recv_span\": %zu, \"streams\": %d}\n",
            (double)bytes / secs / 1e9, (unsigned long long)bytes, secs, o->block, o->send_span,
-           o->recv_span);
+           o->recv_span, o->streams);
     return 0;
 }
 
@@ -181,12 +243,16 @@ static int request(int lfd, int port, const raw_opts *o)
 
 static int parse(int argc, char **argv, raw_opts *o)
 {
-    *o = (raw_opts){.block = 1u << 20, .duration = 3, .count = 5000, .warmup = 500};
-    static const struct option opts[] = {
-        {"block-size", required_argument, 0, 'b'}, {"duration", required_argument, 0, 'd'},
-        {"send-span", required_argument, 0, 's'},  {"recv-span", required_argument, 0, 'r'},
-        {"request", no_argument, 0, 'q'},          {"count", required_argument, 0, 'c'},
-        {"warmup", required_argument, 0, 'w'},     {0, 0, 0, 0}};
+    *o = (raw_opts){.block = 1u << 20, .duration = 3, .count = 5000, .warmup = 500, .streams = 1};
+    static const struct option opts[] = {{"block-size", required_argument, 0, 'b'},
+                                         {"duration", required_argument, 0, 'd'},
+                                         {"send-span", required_argument, 0, 's'},
+                                         {"recv-span", required_argument, 0, 'r'},
+                                         {"request", no_argument, 0, 'q'},
+                                         {"count", required_argument, 0, 'c'},
+                                         {"warmup", required_argument, 0, 'w'},
+                                         {"streams", required_argument, 0, 'n'},
+                                         {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (c) {
@@ -211,28 +277,36 @@ static int parse(int argc, char **argv, raw_opts *o)
         case 'w':
             o->warmup = atol(optarg);
             break;
+        case 'n':
+            o->streams = atoi(optarg);
+            break;
         default:
             return -1;
         }
     }
     if (o->send_span < o->block) o->send_span = o->block;
     if (o->recv_span < o->block) o->recv_span = o->block;
-    return o->block == 0 || !(o->duration > 0) || o->count < 1 || o->warmup < 0 ? -1 : 0;
+    return o->block == 0 || !(o->duration > 0) || o->count < 1 || o->warmup < 0 || o->streams < 1 ||
+                   o->streams > 256
+               ? -1
+               : 0;
 }
 
 int main(int argc, char **argv)
 {
     raw_opts o;
     if (parse(argc, argv, &o)) {
-        fprintf(stderr, "usage: raw_tcp [--block-size B] [--duration S] [--send-span B] "
-                        "[--recv-span B]\n       raw_tcp --request [--block-size B] [--count N] "
-                        "[--warmup N]\n");
+        fprintf(
+            stderr,
+            "usage: raw_tcp [--block-size B] [--duration S] [--send-span B] "
+            "[--recv-span B] [--streams N]\n       raw_tcp --request [--block-size B] [--count N] "
+            "[--warmup N]\n");
         return 2;
     }
     int lfd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     socklen_t sl = sizeof sa;
-    if (bind(lfd, (struct sockaddr *)&sa, sizeof sa) || listen(lfd, 1) ||
+    if (bind(lfd, (struct sockaddr *)&sa, sizeof sa) || listen(lfd, 256) ||
         getsockname(lfd, (struct sockaddr *)&sa, &sl)) {
         perror("raw_tcp");
         return 1;
