@@ -12,7 +12,7 @@ else libcuda.so.1. The process's kvpipe loads the same one: open_driver()
 sets KVPIPE_LIBCUDA to the double, so call it before importing kvpipe. The
 device is the driver's last (device 1 of the double's two, so that a device
 other than 0 is exercised; device 0 on a one-GPU machine), or
-KVPT_CUDA_DEVICE. KVPT_REQUIRE_CUDA=1 (tests/gpu/run.sh) makes a missing
+KVPT_CUDA_DEVICE. KVPT_REQUIRE_CUDA=1 makes a missing
 driver or device an error instead of a reason to skip.
 """
 import ctypes

@@ -5,7 +5,7 @@ byte checked on the peer's device; a READ into device memory. Over shm (CUDA
 IPC) and over tcp (staged).
 
 Device memory comes from cuda_mem (the CUDA driver API through ctypes): on the
-real driver where one with a device is present (tests/gpu/run.sh), on the
+real driver where one with a device is present, on the
 driver's test double when KVPT_FAKECUDA names it (ctest; its memory is
 PROT_NONE to the CPU, so a CPU access by kvpipe crashes the process);
 otherwise the tests are skipped (docs/gpu.md)."""
