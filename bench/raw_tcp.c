@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -164,7 +165,12 @@ static int stream(int lfd, int port, const raw_opts *o)
     for (int i = 0; i < o->streams; i++) {
         e[i] = (stream_end){.o = o, .buf = span_alloc(o->recv_span, 0)};
         e[i].fd = e[i].buf ? accept(lfd, NULL, NULL) : -1;
-        if (e[i].fd < 0) return 1;
+        if (e[i].fd < 0) {
+            perror("raw_tcp: accept");
+            kill(pid, SIGTERM);
+            waitpid(pid, NULL, 0);
+            return 1;
+        }
     }
     double start = now(), end = start + o->duration;
     for (int i = 0; i < o->streams; i++) {
@@ -312,5 +318,10 @@ int main(int argc, char **argv)
         return 1;
     }
     int port = ntohs(sa.sin_port);
+    /* A sender that cannot connect must not leave accept() waiting forever
+     * (the accepted sockets inherit the timeout: 20 s without a byte fails a
+     * run too). */
+    struct timeval accept_wait = {.tv_sec = 20};
+    setsockopt(lfd, SOL_SOCKET, SO_RCVTIMEO, &accept_wait, sizeof accept_wait);
     return o.request ? request(lfd, port, &o) : stream(lfd, port, &o);
 }
