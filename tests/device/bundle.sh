@@ -14,7 +14,7 @@
 #   run.sh                 the device script (tests/device/run.sh)
 #   check_bundle.sh        is the bundle whole? (its first step, and a ctest)
 #   bin/                   kvpipe (the CLI), gpu_check, raw_tcp, memcpy_baseline,
-#                          rdma (iproute2's, for the soft-RoCE step)
+#                          rdma and ip (iproute2's, for the soft-RoCE step)
 #   lib/                   libkvpipe.so.0.3 and every shared library the
 #                          programs and modules here load that is not glibc's
 #                          (ldd, transitively): run.sh puts lib/ on
@@ -94,7 +94,7 @@ cp "$src/tests/device/run.sh" "$src/tests/device/check_bundle.sh" "$out/"
 cp "$src/tests/device/device.py" "$src/python/tests/cuda_mem.py" "$src/python/tests/kvpy_testutil.py" "$out/py/"
 
 # UCX's transport modules (verbs, rdmacm, cma) and libibverbs' soft-RoCE
-# provider, for the soft-RoCE step; iproute2's rdma to add the device.
+# provider, for the soft-RoCE step; iproute2's rdma and ip to add the device.
 libdir=$(dirname "$(ldd "$out/lib/$soname" | awk '$1 ~ /^libucs\.so/ {print $3}')")
 left_out=()
 if [ -d "$libdir/ucx" ]; then
@@ -107,7 +107,9 @@ if [ -e "$libdir/libibverbs/librxe-rdmav34.so" ]; then
 else
     left_out+=("librxe-rdmav34.so: not installed (Debian: ibverbs-providers)")
 fi
-if rdma=$(command -v rdma); then cp "$rdma" "$out/bin/"; else left_out+=("rdma: not installed (iproute2)"); fi
+for tool in rdma ip; do
+    if path=$(command -v "$tool"); then cp "$path" "$out/bin/"; else left_out+=("$tool: not installed (iproute2)"); fi
+done
 
 # glibc's own libraries stay out: the machine's glibc (newer) serves them.
 glibc_lib() {

@@ -369,13 +369,9 @@ def cmd_vllm_peer(args):
 def raw_tcp_gbps(raw_tcp, streams, block, span, duration):
     if not raw_tcp:
         return None
-    r = subprocess.run([raw_tcp, "--streams", str(streams), "--block-size", str(block),
-                        "--send-span", str(span), "--recv-span", str(span), "--duration", str(duration)],
-                       capture_output=True, text=True, timeout=duration + 60, env=prog_env())
-    if r.returncode != 0:
-        log("raw_tcp: exit %d: %s" % (r.returncode, r.stderr.strip()))
-        return None
-    return json.loads(r.stdout.strip().splitlines()[-1])["gbps"]
+    got = run_json([raw_tcp, "--streams", str(streams), "--block-size", str(block), "--send-span",
+                    str(span), "--recv-span", str(span), "--duration", str(duration)], duration + 60)
+    return got["gbps"] if got else None
 
 
 def cmd_vllm(args):
@@ -702,10 +698,12 @@ def cmd_rxe(args):
                 got.get("transport") == "ucx"
             fails += not ok
             gbps = got["gbps"] if got else None
-            emit({"figure": "ucx_rehearsal", "tls": "tcp", "op": op, "transport": got.get("transport") if got else None, "GBps": gbps, "baseline": "raw_tcp_1_stream",
-                  "baseline_GBps": base, "ratio": ratio(gbps, base), "verified": ok})
+            emit({"figure": "ucx_rehearsal", "tls": "tcp", "op": op,
+                  "transport": got.get("transport") if got else None, "GBps": gbps,
+                  "baseline": "raw_tcp_1_stream", "baseline_GBps": base, "ratio": ratio(gbps, base),
+                  "verified": ok})
         return 1 if fails else 0
-    rdma = args.rdma or "rdma"
+    rdma, ip = args.rdma or "rdma", args.ip or "ip"
     steps = []
     rc, out = sh([rdma, "link", "show"])
     if rc != 0:
@@ -715,15 +713,19 @@ def cmd_rxe(args):
     added, netdev = None, None
     for dev in ("lo", "kvprxe0"):
         if dev != "lo":
-            rc, out2 = sh(["ip", "link", "add", dev, "type", "dummy"])
-            if rc == 0:
-                sh(["ip", "addr", "add", "10.213.77.1/24", "dev", dev])
-                sh(["ip", "link", "set", dev, "up"])
+            rc, out2 = sh([ip, "link", "add", dev, "type", "dummy"])
+            if rc != 0:
+                steps.append("a dummy netdev: %s" % out2[-200:])
+                break
+            netdev = dev
+            sh([ip, "addr", "add", "10.213.77.1/24", "dev", dev])
+            sh([ip, "link", "set", dev, "up"])
         rc, out = sh([rdma, "link", "add", "kvprxe", "type", "rxe", "netdev", dev])
         steps.append("rxe on %s: %s" % (dev, "ok" if rc == 0 else out[-200:]))
         if rc == 0:
             added, netdev = "kvprxe", dev
             break
+    # (netdev: the device to remove afterwards, the dummy one even when rxe failed on it)
     try:
         if not added:
             emit({"soft_roce": "not possible", "why": "; ".join(steps)})
@@ -736,15 +738,16 @@ def cmd_rxe(args):
                 got.get("transport") == "ucx"
             fails += not ok
             gbps = got["gbps"] if got else None
-            emit({"figure": "ucx_soft_roce", "netdev": netdev, "tls": env["UCX_TLS"], "op": op, "transport": got.get("transport") if got else None,
-                  "GBps": gbps, "baseline": "raw_tcp_1_stream", "baseline_GBps": base,
-                  "ratio": ratio(gbps, base), "verified": ok})
+            emit({"figure": "ucx_soft_roce", "netdev": netdev, "tls": env["UCX_TLS"], "op": op,
+                  "transport": got.get("transport") if got else None, "GBps": gbps,
+                  "baseline": "raw_tcp_1_stream", "baseline_GBps": base, "ratio": ratio(gbps, base),
+                  "verified": ok})
         return 1 if fails else 0
     finally:
         if added:
             sh([rdma, "link", "delete", added])
         if netdev and netdev != "lo":
-            sh(["ip", "link", "delete", netdev])
+            sh([ip, "link", "delete", netdev])
 
 
 # ------------------------------------------------------------------ main ---
@@ -792,6 +795,7 @@ def main():
     p.add_argument("--kvpipe", required=True)
     p.add_argument("--raw-tcp")
     p.add_argument("--rdma")
+    p.add_argument("--ip")
     p.add_argument("--duration", type=float, default=2)
     p.add_argument("--rehearse", action="store_true")
     args = ap.parse_args()

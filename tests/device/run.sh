@@ -169,7 +169,7 @@ else
     vllm_args=()
     pipe_args=()
     scaling_args=(--duration 0.5)
-    rxe_args=(--rdma "$B/bin/rdma")
+    rxe_args=(--rdma "$B/bin/rdma" --ip "$B/bin/ip")
 fi
 
 step machine 60 "$py" "$B/py/device.py" machine --device "$device"
