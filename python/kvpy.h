@@ -11,8 +11,8 @@
  * the buffer protocol is in it from 3.11 on), so one kvpipe.abi3.so loads in
  * every CPython >= 3.11 (docs/python.md). No struct of the interpreter is
  * touched but PyObject's head and Py_buffer; the types are heap types made
- * with PyType_FromSpec. python/tests/check_abi3.py fails the build's tests on
- * any imported symbol outside the stable ABI.
+ * with PyType_FromSpec. python/tests/abi3.py (ctest python_abi3_symbols)
+ * fails on any imported symbol outside the stable ABI.
  */
 #ifndef KVPIPE_PYTHON_KVPY_H
 #define KVPIPE_PYTHON_KVPY_H
