@@ -27,6 +27,7 @@ EINPROGRESS: int
 ECLOSED: int
 EINTR: int
 EAUTH: int
+ECORRUPT: int
 
 class Error(RuntimeError):
     """A kvpipe operation failed; str(e) says what and why."""

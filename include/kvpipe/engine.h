@@ -166,7 +166,22 @@ typedef struct kvp_engine_opts {
      * port, or a wildcard, here fails kvp_engine_create with KVP_EINVAL; an
      * address not of this host with KVP_EIO (cannot listen). */
     const char *bind_address;
+    /* End-to-end integrity (docs/reliability.md, "Integrity"): with it on
+     * here and on the peer, every slice a transfer moves is digested where
+     * its bytes are copied (XXH3-64), on the side that sends them and on the
+     * side that receives them, and a slice whose digests differ fails its
+     * request with KVP_ECORRUPT, naming the peer, the remote address and the
+     * length (counted in kvpipe_engine_corrupt_total). A peer without it
+     * (Mooncake, an older kvpipe, kvpipe with it off) keeps its wire and goes
+     * unchecked; the log says so once per peer. KVP_INTEGRITY_ENV (the
+     * default): as env KVPIPE_INTEGRITY says ("1": on; unset, "" or "0":
+     * off; anything else fails kvp_engine_create with KVP_ECONFIG); 0: off;
+     * 1: on. */
+    int integrity;
 } kvp_engine_opts;
+
+/* kvp_engine_opts.integrity: as env KVPIPE_INTEGRITY says. */
+#define KVP_INTEGRITY_ENV (-1)
 
 /* kvp_engine_opts.metrics_port: any free port. */
 #define KVP_METRICS_PORT_ANY (-1)

@@ -56,7 +56,9 @@ extern "C" {
     /* a blocking call was interrupted (a signal) */                                               \
     X(KVP_EINTR, 17, "interrupted")                                                                \
     /* a peer or descriptor failed authentication */                                               \
-    X(KVP_EAUTH, 18, "authentication failed")
+    X(KVP_EAUTH, 18, "authentication failed")                                                      \
+    /* the bytes that arrived differ from those the source held (integrity) */                     \
+    X(KVP_ECORRUPT, 19, "data corrupted in transfer (integrity check failed)")
 
 #define KVP_STATUS_ENUM_ENTRY_(name, value, text) name = value,
 typedef enum kvp_status { KVP_STATUS_LIST(KVP_STATUS_ENUM_ENTRY_) } kvp_status;

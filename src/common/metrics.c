@@ -208,27 +208,10 @@ void kvpi_metrics_add_histogram(kvp_metrics *m, const kvpi_metric_family *f,
 
 const char *kvpi_metrics_status_name(kvp_status st)
 {
-    static const char *const names[] = {
-        [KVP_OK] = "OK",
-        [KVP_EINVAL] = "EINVAL",
-        [KVP_ENOMEM] = "ENOMEM",
-        [KVP_ETIMEDOUT] = "ETIMEDOUT",
-        [KVP_ECONNREFUSED] = "ECONNREFUSED",
-        [KVP_ECONNRESET] = "ECONNRESET",
-        [KVP_ERANGE] = "ERANGE",
-        [KVP_ENOTFOUND] = "ENOTFOUND",
-        [KVP_EPROTO] = "EPROTO",
-        [KVP_ENOTSUP] = "ENOTSUP",
-        [KVP_EMETADATA] = "EMETADATA",
-        [KVP_EIO] = "EIO",
-        [KVP_EBUSY] = "EBUSY",
-        [KVP_ECONFIG] = "ECONFIG",
-        [KVP_ECANCELED] = "ECANCELED",
-        [KVP_EINPROGRESS] = "EINPROGRESS",
-        [KVP_ECLOSED] = "ECLOSED",
-        [KVP_EINTR] = "EINTR",
-        [KVP_EAUTH] = "EAUTH",
-    };
+    /* The status's name without "KVP_": "EAUTH". */
+#define KVPI_STATUS_NAME_(name, value, text) [value] = #name + 4,
+    static const char *const names[] = {KVP_STATUS_LIST(KVPI_STATUS_NAME_)};
+#undef KVPI_STATUS_NAME_
     if ((unsigned)st < sizeof names / sizeof names[0] && names[st]) return names[st];
     return "EUNKNOWN";
 }

@@ -116,6 +116,7 @@ static void complete(kvpi_work *w, kvp_status st, uint64_t done_ns)
     if (st == KVP_ECANCELED && b->conn_error) st = b->conn_error;
     req_state *r = &b->reqs[w->req];
     if (st != KVP_OK && r->first_error == KVP_OK) r->first_error = st;
+    if (st == KVP_ECORRUPT) kvpi_metrics_corrupt(b->seg, w->ops);
     if (st != KVP_OK && !b->detail[0])
         snprintf(b->detail, sizeof b->detail, "%s",
                  *kvp_last_error() ? kvp_last_error() : kvp_strerror(st));

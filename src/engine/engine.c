@@ -28,7 +28,8 @@ static kvp_engine_opts default_opts(void)
                              .max_connections = KVPI_CONN_MAX_DEFAULT,
                              .idle_timeout_ms = KVPI_CONN_IDLE_MS_DEFAULT,
                              .min_transfer_rate = KVPI_MIN_RATE_DEFAULT,
-                             .auth_max_age_ms = KVPI_AUTH_MAX_AGE_MS_DEFAULT};
+                             .auth_max_age_ms = KVPI_AUTH_MAX_AGE_MS_DEFAULT,
+                             .integrity = KVP_INTEGRITY_ENV};
 }
 
 void kvp_engine_opts_init_size(kvp_engine_opts *opts, size_t size)
@@ -105,9 +106,11 @@ static kvp_status descriptor_render(kvp_engine *e, char **out)
             regions[i] = *kvpi_pin_region(pins[i]);
         doc = kvpi_descriptor_build(e->name, mooncake_protocol(e), regions, n);
     }
-    st = doc && cJSON_AddStringToObject(doc, KVPI_INSTANCE_FIELD, e->instance)
-             ? KVP_OK
-             : kvpi_error(KVP_ENOMEM, "cannot render the segment descriptor: out of memory");
+    st =
+        doc && cJSON_AddStringToObject(doc, KVPI_INSTANCE_FIELD, e->instance) &&
+                (!e->integrity || cJSON_AddStringToObject(doc, KVPI_DIGEST_FIELD, KVPI_DIGEST_NAME))
+            ? KVP_OK
+            : kvpi_error(KVP_ENOMEM, "cannot render the segment descriptor: out of memory");
     if (!st) st = describe_transports(e, doc, regions);
     if (!st && add_fields(doc, e->fields))
         st = kvpi_error(KVP_ENOMEM, "cannot render the segment descriptor: out of memory");
@@ -286,7 +289,9 @@ static kvp_status copy_opts(kvp_engine *e, const kvp_engine_opts *o)
     if (e->opts.min_transfer_rate == 0) e->opts.min_transfer_rate = KVPI_MIN_RATE_DEFAULT;
     if (e->opts.auth_max_age_ms <= 0) e->opts.auth_max_age_ms = KVPI_AUTH_MAX_AGE_MS_DEFAULT;
     e->opts.auth_key_file = NULL; /* read once, below */
-    kvp_status st = kvpi_auth_resolve(o->auth_key_file, &e->auth);
+    kvp_status st = kvpi_integrity_resolve(o->integrity, &e->integrity);
+    if (st) return st;
+    st = kvpi_auth_resolve(o->auth_key_file, &e->auth);
     if (st) return st;
     st = kvpi_protocol_resolve(o->protocol, &e->transport);
     if (st) return st;

@@ -14,6 +14,7 @@
 #include <stdatomic.h>
 
 #include "common/auth.h"
+#include "common/digest.h"
 #include "common/net.h"
 #include "common/region.h"
 #include "engine/buffer_pool.h"
@@ -42,6 +43,7 @@ typedef struct kvpi_peer {
     kvpi_link links[KVPI_MAX_TRANSPORTS]; /* the allowed transports, preferred first */
     size_t n_links;
     kvpi_link *primary;             /* the first that opened at lookup (links before it refused) */
+    int integrity;                  /* both sides digest (common/digest.h) */
     struct kvpi_peer *next_closing; /* on the workers' queue, once unreferenced */
 } kvpi_peer;
 
@@ -52,6 +54,9 @@ typedef struct kvpi_segment {
     const char *transport; /* name of the last transport used, for callers */
     int failing;           /* the last transfer failed: log the next failure quietly */
     int looked_up;         /* a descriptor was fetched once: later lookups refresh it */
+    /* Slices whose digests differed (KVP_ECORRUPT), by transport, as
+     * kvpi_transports[] orders them (metrics.c). */
+    kvpi_counter corrupt[KVPI_TRANSPORTS_MAX];
 } kvpi_segment;
 
 typedef struct kvpi_job kvpi_job;
@@ -110,6 +115,7 @@ struct kvp_engine {
     char *desc_text;         /* last rendered descriptor, for handshakes */
     int desc_stale;          /* desc_text may list regions no longer registered */
     kvpi_auth *auth;         /* NULL: unauthenticated */
+    int integrity;           /* opts.integrity resolved: digests with peers that have it too */
     uint64_t desc_signed_ns; /* authenticated: when desc_text was signed */
 
     pthread_mutex_t segments_lock;

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <xxhash.h>
 #include <zmq.h>
 
 #if KVP_HAVE_HTTP || KVP_HAVE_ETCD
@@ -63,7 +64,16 @@ static const struct {
 
 /* ------------------------------------------------------------ components --- */
 
-enum { COMP_KVPIPE, COMP_ZMQ, COMP_CJSON, COMP_CURL, COMP_HIREDIS, COMP_MHD, N_COMPONENTS };
+enum {
+    COMP_KVPIPE,
+    COMP_ZMQ,
+    COMP_CJSON,
+    COMP_XXHASH,
+    COMP_CURL,
+    COMP_HIREDIS,
+    COMP_MHD,
+    N_COMPONENTS
+};
 
 #define N_MEMORY_KINDS 2
 
@@ -103,6 +113,14 @@ static void fill_components(kvp_info *info)
 
     set_component(info, COMP_CJSON, "cJSON", "segment descriptors and configs (JSON)", 1);
     snprintf(info->versions[COMP_CJSON], sizeof info->versions[0], "%s", cJSON_Version());
+
+    set_component(info, COMP_XXHASH, "libxxhash",
+                  "integrity's digest, XXH3-64 (on: KVPIPE_INTEGRITY=1 or "
+                  "kvp_engine_opts.integrity)",
+                  1);
+    unsigned xv = XXH_versionNumber();
+    snprintf(info->versions[COMP_XXHASH], sizeof info->versions[0], "%u.%u.%u", xv / 10000,
+             xv / 100 % 100, xv % 100);
 
     set_component(info, COMP_CURL, "libcurl", "the http and etcd store clients",
                   KVP_HAVE_HTTP || KVP_HAVE_ETCD);

@@ -56,6 +56,12 @@ void kvpi_metrics_request_done(kvpi_engine_metrics *m, kvp_opcode op, size_t len
     }
 }
 
+void kvpi_metrics_corrupt(kvpi_segment *seg, const void *ops)
+{
+    size_t t = transport_index(ops);
+    if (t < KVPI_TRANSPORTS_MAX) kvpi_counter_add(&seg->corrupt[t], 1);
+}
+
 /* The shards added up. */
 typedef struct totals {
     uint64_t requests[2][KVPI_TRANSPORTS_MAX], bytes[2][KVPI_TRANSPORTS_MAX];
@@ -100,6 +106,10 @@ static const kvpi_metric_family
                       KVP_METRIC_GAUGE},
     f_inflight_bytes = {"kvpipe_engine_inflight_bytes",
                         "Bytes of the requests submitted and not yet completed", KVP_METRIC_GAUGE},
+    f_corrupt = {"kvpipe_engine_corrupt_total",
+                 "Slices moved to or from a peer whose digests differed (integrity on: the "
+                 "request failed with ECORRUPT), by peer segment and transport",
+                 KVP_METRIC_COUNTER},
     f_retries = {"kvpipe_engine_retries_total",
                  "Requests a transport ran again on a new connection (an idle one had been "
                  "closed by the peer)",
@@ -212,6 +222,14 @@ static void collect_memory(kvp_engine *e, kvp_metrics *out)
     kvpi_metrics_add(out, &f_pool_allocs, (double)ps.allocations, NULL);
     pthread_mutex_lock(&e->segments_lock);
     size_t segs = e->n_segments;
+    /* Integrity failures, by peer: a series once one occurred. */
+    for (size_t i = 0; i < e->n_segments; i++)
+        for (size_t t = 0; t < KVPI_TRANSPORTS_MAX && kvpi_transports[t]; t++) {
+            uint64_t v = kvpi_counter_get(&e->segments[i]->corrupt[t]);
+            if (v)
+                kvpi_metrics_add(out, &f_corrupt, (double)v, "peer", e->segments[i]->name,
+                                 "transport", kvpi_transports[t]->name, NULL);
+        }
     pthread_mutex_unlock(&e->segments_lock);
     kvpi_metrics_add(out, &f_segments, (double)segs, NULL);
 }

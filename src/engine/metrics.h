@@ -51,6 +51,11 @@ typedef struct kvpi_engine_metrics {
     kvpi_served served[KVPI_TRANSPORTS_MAX];
 } kvpi_engine_metrics;
 
+/* A slice to or from seg failed its integrity check (KVP_ECORRUPT) on the
+ * transport ops: kvpipe_engine_corrupt_total{peer,transport}. */
+struct kvpi_segment;
+void kvpi_metrics_corrupt(struct kvpi_segment *seg, const void *ops);
+
 /* The calling thread's shard. */
 kvpi_engine_shard *kvpi_metrics_shard(kvpi_engine_metrics *m);
 

@@ -159,7 +159,8 @@ static kvp_status link_open(kvp_engine *e, kvpi_peer *peer, const char *segname,
                          .min_rate = e->opts.min_transfer_rate,
                          .conns = e->opts.conns_per_peer,
                          .retries = &e->metrics.retries,
-                         .auth = e->auth};
+                         .auth = e->auth,
+                         .integrity = peer->integrity};
     kvp_status st = l->ops->peer_open(&ctx, &l->handle);
     if (st) {
         l->handle = NULL;
@@ -185,6 +186,16 @@ static void note_refusal(char *buf, size_t len, const kvpi_link *l, const char *
  * them (kvpi_peer_select). */
 static kvp_status peer_connect(kvp_engine *e, kvpi_peer *peer, const char *segname)
 {
+    /* Integrity takes both sides: a peer that does not digest keeps its wire
+     * (Mooncake's, an older kvpipe's), unchecked. */
+    if (e->integrity) {
+        const cJSON *f = cJSON_GetObjectItemCaseSensitive(peer->desc.json, KVPI_DIGEST_FIELD);
+        peer->integrity = cJSON_IsString(f) && strcmp(f->valuestring, KVPI_DIGEST_NAME) == 0;
+        if (!peer->integrity)
+            KVPI_WARN("segment %s does not check integrity (a Mooncake peer, or kvpipe with it "
+                      "off or older): transfers with it are not digested",
+                      segname);
+    }
     for (size_t i = 0; e->transports[i]; i++)
         if (transport_allowed(e, e->transports[i]))
             peer->links[peer->n_links++] = (kvpi_link){.ops = e->transports[i], .slot = i};

@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
+#include "common/digest.h"
 #include "common/error.h"
 #include "common/conn_server.h"
 #include "common/log.h"
@@ -61,6 +62,7 @@ typedef struct shm_peer {
     kvpi_runner *runner;   /* the server's; NULL without one */
     kvpi_runner_lane lane; /* as many at once as links */
     kvpi_counter *retries; /* may be NULL */
+    int digest;            /* integrity with this peer (common/digest.h) */
     /* CUDA IPC (the descriptor's "cuda_ipc"): the target's device allocations
      * mapped here, found by asking it on a link. ipc_lock guards them and is
      * held across a request and the mapping, never with a link busy. */
@@ -268,6 +270,7 @@ static kvp_status peer_open(const kvpi_peer_ctx *ctx, void **out)
     p->auth = ctx->auth;
     p->runner = kvpi_shm_server_runner(ctx->server);
     p->retries = ctx->retries;
+    p->digest = ctx->integrity;
     p->n_links = ctx->conns < 1 ? 1 : ctx->conns > MAX_LINKS ? MAX_LINKS : (size_t)ctx->conns;
     p->lane = (kvpi_runner_lane){.limit = (int)p->n_links,
                                  .timeout_ms = p->timeout_ms,
@@ -351,20 +354,46 @@ static size_t check_slices(const shm_peer *p, kvpi_slice *const *slices, size_t 
     return todo;
 }
 
-static kvp_status link_send(int fd, kvpi_slice *const *win, size_t n, uint64_t deadline)
+/* The window's requests; integrity: a WRITE's digest of its source is taken
+ * (into sent[j]) in a pass that ends before the request leaves. */
+static kvp_status link_send(const shm_peer *p, int fd, kvpi_slice *const *win, size_t n,
+                            uint64_t deadline, uint64_t *sent)
 {
     uint8_t buf[WINDOW * KVPI_SHM_REQ_LEN];
-    for (size_t j = 0; j < n; j++)
+    for (size_t j = 0; j < n; j++) {
+        if (p->digest && win[j]->opcode == KVP_OP_WRITE)
+            sent[j] = kvpi_digest(win[j]->local, win[j]->length);
         kvpi_shm_req_encode(&(kvpi_shm_req){.remote = win[j]->remote,
                                             .length = win[j]->length,
                                             .local = (uint64_t)(uintptr_t)win[j]->local,
-                                            .opcode = (uint8_t)win[j]->opcode},
+                                            .opcode = (uint8_t)win[j]->opcode,
+                                            .digest = p->digest},
                             buf + j * KVPI_SHM_REQ_LEN);
+    }
     return kvpi_send_all_by(fd, buf, n * KVPI_SHM_REQ_LEN, deadline);
 }
 
-static kvp_status link_collect(const shm_peer *p, int fd, kvpi_slice *const *win, size_t n,
+/* Integrity: the target's digest after a status, compared with ours of
+ * this side (a READ's destination now, a WRITE's source before it went). */
+static kvp_status check_digest(const shm_peer *p, int fd, kvpi_slice *s, uint64_t sent,
                                uint64_t deadline)
+{
+    uint8_t d[KVPI_DIGEST_LEN];
+    kvp_status st = kvpi_recv_all_by(fd, d, sizeof d, deadline);
+    if (st || s->status != KVP_OK) return st;
+    uint64_t ours = s->opcode == KVP_OP_READ ? kvpi_digest(s->local, s->length) : sent;
+    if (kvpi_get_le64(d) != ours)
+        s->status = kvpi_error(KVP_ECORRUPT,
+                               "shm peer pid %d: %s of [0x%" PRIx64 ", +%zu) arrived corrupted: "
+                               "its digest and ours differ (the source changed while it was "
+                               "copied)",
+                               (int)p->target, s->opcode == KVP_OP_READ ? "READ" : "WRITE",
+                               s->remote, s->length);
+    return KVP_OK;
+}
+
+static kvp_status link_collect(const shm_peer *p, int fd, kvpi_slice *const *win, size_t n,
+                               uint64_t deadline, const uint64_t *sent)
 {
     for (size_t j = 0; j < n; j++) {
         uint8_t s[KVPI_SHM_STATUS_LEN];
@@ -374,6 +403,7 @@ static kvp_status link_collect(const shm_peer *p, int fd, kvpi_slice *const *win
         if (!st) st = kvpi_shm_get_status(s, &remote, &err);
         if (st) return st;
         win[j]->status = remote;
+        if (p->digest && (st = check_digest(p, fd, win[j], sent[j], deadline))) return st;
         if (remote == KVP_OK) continue;
         kvpi_error(remote, "shm peer pid %d: %s of [0x%" PRIx64 ", +%zu) failed%s%s",
                    (int)p->target, win[j]->opcode == KVP_OP_READ ? "READ" : "WRITE", win[j]->remote,
@@ -435,8 +465,9 @@ static kvp_status link_run(const shm_peer *p, int fd, kvpi_slice *const *slices,
         size_t k = 0;
         for (; next < n && k < WINDOW; next++)
             if (slices[next]->status == KVP_EINPROGRESS) win[k++] = slices[next];
-        if (k) st = link_send(fd, win, k, deadline);
-        if (k && !st) st = link_collect(p, fd, win, k, deadline);
+        uint64_t sent[WINDOW];
+        if (k) st = link_send(p, fd, win, k, deadline, sent);
+        if (k && !st) st = link_collect(p, fd, win, k, deadline, sent);
     }
     return st;
 }

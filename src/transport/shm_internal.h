@@ -20,6 +20,13 @@
  *   ipc     (target -> initiator, 80 bytes, after the OK status of a CUDA
  *           IPC request): u64 base, u64 size of the device allocation that
  *           holds [remote, +length), its 64-byte CUDA IPC handle
+ * Integrity (common/digest.h): between two kvpipe engines that both have it
+ * on, a READ's or WRITE's opcode carries KVPI_SHM_OP_DIGEST and its status
+ * is followed by 8 bytes, the target's digest (little-endian; 0 after a
+ * failure): of its memory read just before it copied it out (READ), or of
+ * its memory after the copy in (WRITE). The initiator digests its own side
+ * (a READ's destination after, a WRITE's source before) and fails the
+ * request with KVP_ECORRUPT when the two differ.
  * A CUDA IPC request (local 0) asks for the handle of registered device
  * memory, so that the initiator copies with the driver itself (shm.c); only a
  * target whose descriptor says "cuda_ipc": true is sent one. A connection
@@ -47,6 +54,7 @@
 #define KVPI_SHM_STATUS_LEN 8
 #define KVPI_SHM_IPC_LEN (16 + KVPI_CUDA_IPC_HANDLE_LEN)
 #define KVPI_SHM_OP_CUDA_IPC 2
+#define KVPI_SHM_OP_DIGEST 0x40
 /* The server copies a request this much at a time, and stops between two
  * copies when the initiator has closed or shut down the connection (it gave
  * the request up at its deadline); the initiator then waits up to one copy's
@@ -79,6 +87,7 @@ typedef struct kvpi_shm_req {
     uint64_t length;
     uint64_t local; /* initiator address */
     uint8_t opcode; /* KVP_OP_READ, KVP_OP_WRITE or KVPI_SHM_OP_CUDA_IPC */
+    int digest;     /* KVPI_SHM_OP_DIGEST: a digest follows the status (READ and WRITE) */
 } kvpi_shm_req;
 
 /* The answer to a CUDA IPC request. */
@@ -109,7 +118,7 @@ static inline void kvpi_shm_req_encode(const kvpi_shm_req *r, uint8_t out[KVPI_S
     kvpi_put_le64(out, r->remote);
     kvpi_put_le64(out + 8, r->length);
     kvpi_put_le64(out + 16, r->local);
-    out[24] = r->opcode;
+    out[24] = (uint8_t)(r->opcode | (r->digest ? KVPI_SHM_OP_DIGEST : 0));
 }
 
 /* Fills *r; returns 0, or -1 for an unknown opcode. The padding is ignored. */
@@ -118,7 +127,9 @@ static inline int kvpi_shm_req_decode(const uint8_t in[KVPI_SHM_REQ_LEN], kvpi_s
     r->remote = kvpi_get_le64(in);
     r->length = kvpi_get_le64(in + 8);
     r->local = kvpi_get_le64(in + 16);
-    r->opcode = in[24];
+    r->digest = (in[24] & KVPI_SHM_OP_DIGEST) != 0;
+    r->opcode = in[24] & (uint8_t)~KVPI_SHM_OP_DIGEST;
+    if (r->digest) return r->opcode <= KVP_OP_WRITE ? 0 : -1;
     return r->opcode <= KVP_OP_WRITE || r->opcode == KVPI_SHM_OP_CUDA_IPC ? 0 : -1;
 }
 

@@ -21,6 +21,7 @@
 #include <cjson/cJSON.h>
 
 #include "common/conn_server.h"
+#include "common/digest.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/tsan.h"
@@ -56,16 +57,25 @@ typedef struct shm_conn {
     uint64_t out_bytes; /* bytes moved since this connection last forced its statuses out */
 } shm_conn;
 
-/* Queue a status: it leaves with those of the requests queued behind it, or
- * at once past DEFER_BYTES moved. */
-static kvp_status answer(shm_conn *c, kvp_status st, int err, uint64_t bytes)
+/* Queue a status, and the digest after it for a request that asked for one
+ * (digest non-NULL): it leaves with those of the requests queued behind it,
+ * or at once past DEFER_BYTES moved. */
+static kvp_status answer_digest(shm_conn *c, kvp_status st, int err, uint64_t bytes,
+                                const uint64_t *digest)
 {
-    uint8_t frame[KVPI_SHM_STATUS_LEN];
+    uint8_t frame[KVPI_SHM_STATUS_LEN + KVPI_DIGEST_LEN];
     kvpi_shm_put_status(frame, st, err);
-    kvp_status sent = kvpi_conn_send_later(c->conn, frame, sizeof frame);
+    if (digest) kvpi_put_le64(frame + KVPI_SHM_STATUS_LEN, *digest);
+    kvp_status sent =
+        kvpi_conn_send_later(c->conn, frame, KVPI_SHM_STATUS_LEN + (digest ? KVPI_DIGEST_LEN : 0));
     if (sent || (c->out_bytes += bytes) < DEFER_BYTES) return sent;
     c->out_bytes = 0;
     return kvpi_conn_flush(c->conn);
+}
+
+static kvp_status answer(shm_conn *c, kvp_status st, int err, uint64_t bytes)
+{
+    return answer_digest(c, st, err, bytes, NULL);
 }
 
 /* A status sent now: the last before the connection closes. */
@@ -179,25 +189,34 @@ typedef struct staged_io {
     pid_t peer;
     kvp_opcode op;
     uint64_t theirs;
-    int err; /* what stopped process_vm_*, for the status */
+    int err;               /* what stopped process_vm_*, for the status */
+    kvpi_digester *digest; /* integrity: of the bounce buffers' bytes moved */
 } staged_io;
 
 static kvp_status staged_copy(void *ctx, void *buf, size_t len, uint64_t off)
 {
     staged_io *io = ctx;
+    if (io->digest && io->op == KVP_OP_READ) kvpi_digester_add(io->digest, buf, len);
     io->err =
         copy_with_peer(io->fd, io->peer, io->op, (uint64_t)(uintptr_t)buf, io->theirs + off, len);
+    if (!io->err && io->digest && io->op == KVP_OP_WRITE) kvpi_digester_add(io->digest, buf, len);
     return io->err ? KVP_EIO : KVP_OK;
 }
 
 /* Returns the request's status; *err and *fatal as copy_status() sets them.
  * A failed driver copy is KVP_EIO (errno 0), logged here. */
-static kvp_status serve_staged(shm_conn *c, const kvpi_shm_req *r, int device, int *err, int *fatal)
+static kvp_status serve_staged(shm_conn *c, const kvpi_shm_req *r, int device, int *err, int *fatal,
+                               uint64_t *digest)
 {
     staged_io io = {.fd = c->fd, .peer = c->peer, .op = (kvp_opcode)r->opcode, .theirs = r->local};
     uint64_t moved;
     int copy_failed;
+    *err = 0;
+    if (r->digest && !(io.digest = kvpi_digester_new()))
+        return kvpi_error(KVP_ENOMEM, "shm server: out of memory");
     kvpi_stage_serve(io.op, device, r->remote, r->length, staged_copy, &io, &moved, &copy_failed);
+    if (io.digest) *digest = kvpi_digester_value(io.digest);
+    kvpi_digester_free(io.digest);
     *err = io.err;
     if (copy_failed) {
         KVPI_WARN_LIMITED("shm server: %s of [0x%" PRIx64 ", +%" PRIu64 ") on cuda device %d for "
@@ -251,33 +270,44 @@ static kvp_status serve_request(shm_conn *c, const uint8_t h[KVPI_SHM_REQ_LEN], 
                           (int)c->peer);
     }
     if (r.opcode == KVPI_SHM_OP_CUDA_IPC) return serve_ipc(c, &r, srv);
-    uint64_t remote = r.remote, len = r.length, local = r.local;
+    uint64_t remote = r.remote, len = r.length, local = r.local, digest = 0;
     uint8_t op = r.opcode;
+    const uint64_t *dp = r.digest ? &digest : NULL; /* what the answer carries */
     if (!kvpi_conn_busy(c->conn, len)) return KVP_ECLOSED;
-    if (len == 0) return answer(c, KVP_OK, 0, 0);
+    if (len == 0) return answer_digest(c, KVP_OK, 0, 0, dp);
     kvpi_pin pin;
     if (kvpi_region_pin(reg, remote, len, kvpi_transport_shm.mem_kinds, &pin) != KVP_OK) {
         KVPI_DEBUG("shm server: pid %d asked for [0x%" PRIx64 ", +%" PRIu64 ") outside registered "
                    "memory",
                    (int)c->peer, remote, len);
         if (srv->served) kvpi_counter_add(&srv->served->refused, 1);
-        return answer(c, KVP_ERANGE, 0, 0);
+        return answer_digest(c, KVP_ERANGE, 0, 0, dp);
     }
     int fatal = 0;
     kvp_status st;
     int err;
     if (kvpi_pin_region(pin)->kind != KVP_MEM_HOST) {
-        st = serve_staged(c, &r, kvpi_pin_region(pin)->device, &err, &fatal);
+        st = serve_staged(c, &r, kvpi_pin_region(pin)->device, &err, &fatal, &digest);
         kvpi_region_unpin(reg, pin);
     } else {
+        /* Integrity: a READ's digest is taken in a pass of its own that ends
+         * before the copy out begins; a WRITE's of what the copy left. */
+        const void *mem = (const void *)(uintptr_t)remote;
+        KVPI_PEER_COPY_BEGIN();
+        if (r.digest && op == KVP_OP_READ) digest = kvpi_digest(mem, len);
+        KVPI_PEER_COPY_END();
         err = copy_with_peer(c->fd, c->peer, (kvp_opcode)op, remote, local, len);
+        KVPI_PEER_COPY_BEGIN();
+        if (r.digest && op == KVP_OP_WRITE && !err) digest = kvpi_digest(mem, len);
+        KVPI_PEER_COPY_END();
         kvpi_region_unpin(reg, pin);
         st = copy_status(err, &fatal);
     }
     if (err == ECONNABORTED)
         return kvpi_error(KVP_ECLOSED, "shm server: pid %d gave the request up", (int)c->peer);
     if (st == KVP_OK && srv->served) kvpi_served_add(srv->served, op == KVP_OP_WRITE, len);
-    kvp_status sent = fatal ? reply(c, st, err) : answer(c, st, err, len);
+    if (st) digest = 0;
+    kvp_status sent = fatal ? reply(c, st, err) : answer_digest(c, st, err, len, dp);
     if (fatal) return kvpi_error(st, "shm server: pid %d: %s", (int)c->peer, strerror(err));
     return sent;
 }

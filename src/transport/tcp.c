@@ -28,6 +28,7 @@
 
 #include "common/clock.h"
 #include "common/conn_server.h"
+#include "common/digest.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/tsan.h"
@@ -118,12 +119,14 @@ static void log_fault(kvpi_conn *c, const kvpi_tcp_hdr *h, const char *when)
 typedef struct staged_io {
     kvpi_conn *c;
     int status_due;
+    kvpi_digester *digest; /* integrity: of the bounce buffers moved */
 } staged_io;
 
 static kvp_status staged_send(void *ctx, void *buf, size_t len, uint64_t off)
 {
     staged_io *io = ctx;
     (void)off;
+    if (io->digest) kvpi_digester_add(io->digest, buf, len);
     uint8_t frame[8];
     kvpi_tcp_status_encode(KVPI_TCP_STATUS_OK, frame);
     struct iovec iov[2] = {{frame, sizeof frame}, {buf, len}};
@@ -134,8 +137,42 @@ static kvp_status staged_send(void *ctx, void *buf, size_t len, uint64_t off)
 
 static kvp_status staged_recv(void *ctx, void *buf, size_t len, uint64_t off)
 {
+    staged_io *io = ctx;
     (void)off;
-    return kvpi_conn_recv(((staged_io *)ctx)->c, buf, len);
+    kvp_status st = kvpi_conn_recv(io->c, buf, len);
+    if (!st && io->digest) kvpi_digester_add(io->digest, buf, len);
+    return st;
+}
+
+/* Integrity: a READ's payload is followed by the digest of what was sent. */
+static kvp_status send_digest(kvpi_conn *c, uint64_t digest)
+{
+    uint8_t d[KVPI_DIGEST_LEN];
+    kvpi_put_le64(d, digest);
+    return kvpi_conn_send(c, d, sizeof d);
+}
+
+/* Integrity: a WRITE's payload is followed by the digest its sender took;
+ * KVP_ECORRUPT (logged) when it is not got, the digest of what landed. */
+static kvp_status check_digest(kvpi_conn *c, const kvpi_tcp_hdr *h, uint64_t got)
+{
+    uint8_t d[KVPI_DIGEST_LEN];
+    kvp_status st = kvpi_conn_recv(c, d, sizeof d);
+    if (st || kvpi_get_le64(d) == got) return st;
+    KVPI_WARN_LIMITED("%s: WRITE of [0x%llx, +%llu) arrived corrupted (its digest differs from "
+                      "the sender's); the request fails with status 2",
+                      kvpi_conn_name(c), (unsigned long long)h->addr, (unsigned long long)h->size);
+    return KVP_ECORRUPT;
+}
+
+/* A WRITE's v2 status, OK or 2 for a verdict of KVP_ECORRUPT, sent with the
+ * statuses of the WRITEs pipelined behind it (kvpi_conn_send_later). */
+static kvp_status write_status(kvpi_conn *c, kvp_status verdict)
+{
+    uint8_t frame[8];
+    kvpi_tcp_status_encode(verdict == KVP_ECORRUPT ? KVPI_TCP_STATUS_CORRUPT : KVPI_TCP_STATUS_OK,
+                           frame);
+    return kvpi_conn_busy(c, 8) ? kvpi_conn_send_later(c, frame, sizeof frame) : KVP_ECLOSED;
 }
 
 /* A request on registered device memory, through bounce buffers. A failed
@@ -146,12 +183,18 @@ static int serve_staged(kvpi_conn *c, tcp_server *srv, const kvpi_tcp_hdr *h, kv
 {
     const kvpi_region *r = kvpi_pin_region(pin);
     staged_io io = {.c = c, .status_due = h->v2};
+    if (h->digest && !(io.digest = kvpi_digester_new())) {
+        kvpi_region_unpin(srv->regions, pin);
+        return -1;
+    }
     uint64_t moved = 0;
     int copy_failed = 0;
     int read = h->opcode == KVPI_TCP_OP_READ;
     kvp_status st = kvpi_stage_serve(read ? KVP_OP_READ : KVP_OP_WRITE, r->device, h->addr, h->size,
                                      read ? staged_send : staged_recv, &io, &moved, &copy_failed);
     kvpi_region_unpin(srv->regions, pin);
+    uint64_t digest = io.digest ? kvpi_digester_value(io.digest) : 0;
+    kvpi_digester_free(io.digest);
     if (copy_failed) {
         KVPI_WARN_LIMITED("%s: %s of [0x%llx, +%llu) on cuda device %d failed: %s",
                           kvpi_conn_name(c), op_name(h), (unsigned long long)h->addr,
@@ -161,8 +204,10 @@ static int serve_staged(kvpi_conn *c, tcp_server *srv, const kvpi_tcp_hdr *h, kv
         rest.size = h->size - moved;
         return refuse(c, &rest);
     }
-    if (st == KVP_OK && !read && h->v2)
-        st = kvpi_conn_busy(c, 8) ? send_status(c, KVPI_TCP_STATUS_OK) : KVP_ECLOSED;
+    if (st == KVP_OK && read && h->digest) st = send_digest(c, digest);
+    kvp_status verdict = st == KVP_OK && !read && h->digest ? check_digest(c, h, digest) : st;
+    if (verdict != KVP_ECORRUPT) st = verdict;
+    if (st == KVP_OK && !read && h->v2) st = write_status(c, verdict);
     if (st)
         KVPI_DEBUG("%s: connection dropped during %s of %llu bytes: %s", kvpi_conn_name(c),
                    op_name(h), (unsigned long long)h->size, kvp_last_error());
@@ -199,30 +244,32 @@ static int serve_request(kvpi_conn *c, tcp_server *srv, const kvpi_tcp_hdr *h)
             log_fault(c, h, "refused");
             return refuse(c, h);
         }
-        uint8_t frame[8];
+        uint8_t frame[8], digest[KVPI_DIGEST_LEN];
         kvpi_tcp_status_encode(KVPI_TCP_STATUS_OK, frame);
-        struct iovec iov[2] = {{frame, sizeof frame}, {mem, h->size}};
+        struct iovec iov[3] = {{frame, sizeof frame}, {mem, h->size}, {digest, sizeof digest}};
         KVPI_PEER_COPY_BEGIN();
-        st = h->v2 ? kvpi_conn_sendv(c, iov, 2) : kvpi_conn_sendv(c, iov + 1, 1);
+        /* Integrity: the digest is taken in a pass of its own, which ends
+         * before the send's copy begins (common/digest.h). */
+        if (h->digest) kvpi_put_le64(digest, kvpi_digest(mem, h->size));
+        st = h->v2 ? kvpi_conn_sendv(c, iov, h->digest ? 3 : 2) : kvpi_conn_sendv(c, iov + 1, 1);
         KVPI_PEER_COPY_END();
         kvpi_region_unpin(srv->regions, pin);
         if (st == KVP_EINVAL) log_fault(c, h, "cut short"); /* unmapped mid-send */
     } else {
+        uint64_t got = 0;
         KVPI_PEER_COPY_BEGIN();
-        st = kvpi_conn_recv(c, mem, h->size);
+        st = h->digest
+                 ? kvpi_digest_recv(kvpi_conn_fd(c), mem, h->size, kvpi_conn_deadline(c), &got)
+                 : kvpi_conn_recv(c, mem, h->size);
         KVPI_PEER_COPY_END();
         kvpi_region_unpin(srv->regions, pin);
         if (st == KVP_EINVAL) {
             log_fault(c, h, "refused");
             return refuse(c, h);
         }
-        if (st == KVP_OK && h->v2) {
-            /* With the statuses of the WRITEs pipelined behind it, when the
-             * initiator reads them (kvpi_conn_send_later). */
-            uint8_t frame[8];
-            kvpi_tcp_status_encode(KVPI_TCP_STATUS_OK, frame);
-            st = kvpi_conn_busy(c, 8) ? kvpi_conn_send_later(c, frame, sizeof frame) : KVP_ECLOSED;
-        }
+        kvp_status verdict = st == KVP_OK && h->digest ? check_digest(c, h, got) : st;
+        if (verdict != KVP_ECORRUPT) st = verdict;
+        if (st == KVP_OK && h->v2) st = write_status(c, verdict);
     }
     if (st)
         KVPI_DEBUG("%s: connection dropped during %s of %llu bytes: %s", kvpi_conn_name(c),
@@ -340,6 +387,7 @@ struct tcp_peer {
     char host[KVPI_HOST_MAX];
     int port;
     int v2;
+    int digest; /* integrity with this peer (v2 only) */
     int timeout_ms;
     uint64_t min_rate;
     kvpi_counter *retries; /* may be NULL */
@@ -480,6 +528,7 @@ static kvp_status tcp_peer_open(const kvpi_peer_ctx *ctx, void **out)
     strcpy(p->host, ctx->host);
     p->port = port;
     p->v2 = v2;
+    p->digest = v2 && ctx->integrity;
     p->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : KVPI_CONN_TIMEOUT_MS_DEFAULT;
     p->min_rate = ctx->min_rate ? ctx->min_rate : KVPI_MIN_RATE_DEFAULT;
     p->retries = ctx->retries;
@@ -596,10 +645,22 @@ static void conn_give(tcp_peer *p, int fd)
     pthread_mutex_unlock(&p->lock);
 }
 
+/* Integrity: slice s moved corrupted (common/digest.h). */
+static kvp_status corrupt_error(const tcp_peer *p, const kvpi_slice *s, const char *how)
+{
+    return kvpi_error(KVP_ECORRUPT,
+                      "tcp peer %s:%d: %s of [0x%llx, +%zu) arrived corrupted: %s (the bytes "
+                      "changed on the way, or the source changed while they were read)",
+                      p->host, p->port, s->opcode == KVP_OP_READ ? "READ" : "WRITE",
+                      (unsigned long long)s->remote, s->length, how);
+}
+
 static kvp_status status_error(tcp_peer *p, const uint8_t frame[8], const kvpi_slice *s)
 {
     int64_t code = kvpi_tcp_status_decode(frame);
     if (code == KVPI_TCP_STATUS_OK) return KVP_OK;
+    if (code == KVPI_TCP_STATUS_CORRUPT)
+        return corrupt_error(p, s, "its digest of what arrived differs from ours of what we sent");
     if (code == KVPI_TCP_STATUS_REJECTED)
         return kvpi_error(KVP_ERANGE,
                           "%s:%d rejected %s of [0x%llx, +%zu) (status 1, address rejected): "
@@ -617,8 +678,8 @@ static kvp_status send_headers(tcp_peer *p, int fd, kvpi_slice *const *s, size_t
     size_t off = 0;
     for (size_t i = 0; i < n; i++) {
         kvpi_tcp_hdr h = {s[i]->length, s[i]->remote,
-                          s[i]->opcode == KVP_OP_READ ? KVPI_TCP_OP_READ : KVPI_TCP_OP_WRITE,
-                          p->v2};
+                          s[i]->opcode == KVP_OP_READ ? KVPI_TCP_OP_READ : KVPI_TCP_OP_WRITE, p->v2,
+                          p->digest && s[i]->length};
         kvpi_tcp_hdr_encode(&h, buf + off);
         off += KVPI_TCP_HDR_LEN;
         if (off == sizeof buf || i + 1 == n) {
@@ -630,6 +691,22 @@ static kvp_status send_headers(tcp_peer *p, int fd, kvpi_slice *const *s, size_t
     return KVP_OK;
 }
 
+/* Integrity: one READ's status, payload (digested as it arrives, a chunk at
+ * a time) and the digest the peer sent after it. KVP_ECORRUPT when the two
+ * differ; the stream is whole then. */
+static kvp_status read_digested(tcp_peer *p, int fd, kvpi_slice *s, uint64_t deadline)
+{
+    uint8_t frame[8], theirs[KVPI_DIGEST_LEN];
+    uint64_t ours;
+    kvp_status st = kvpi_recv_all_by(fd, frame, sizeof frame, deadline);
+    if (!st) st = status_error(p, frame, s);
+    if (!st) st = kvpi_digest_recv(fd, s->local, s->length, deadline, &ours);
+    if (!st) st = kvpi_recv_all_by(fd, theirs, sizeof theirs, deadline);
+    if (!st && kvpi_get_le64(theirs) != ours)
+        st = corrupt_error(p, s, "our digest of what arrived differs from the one it sent");
+    return st;
+}
+
 /* Pipelined READs: every header, then each status and payload in order.
  * *done counts slices completed (successfully or rejected). */
 static kvp_status run_reads(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n, uint64_t deadline,
@@ -637,6 +714,21 @@ static kvp_status run_reads(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n,
 {
     kvp_status st = send_headers(p, fd, s, n, deadline);
     for (size_t i = 0; st == KVP_OK && i < n; i++) {
+        if (p->digest && s[i]->length) {
+            if ((st = read_digested(p, fd, s[i], deadline)) == KVP_ERANGE)
+                s[ *done = i]->status = st;
+            if (st == KVP_ECORRUPT) {
+                /* The stream is whole: the next slices go on. */
+                s[i]->status = st;
+                *done = i + 1;
+                st = KVP_OK;
+                continue;
+            }
+            if (st) return st;
+            s[i]->status = KVP_OK;
+            *done = i + 1;
+            continue;
+        }
         if (p->v2) {
             /* Status and payload in one call; a rejection is followed by a
              * close, so the payload read then ends early. */
@@ -666,11 +758,16 @@ static kvp_status run_writes(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n
     kvp_status st = KVP_OK;
     size_t sent = 0;
     for (; sent < n; sent++) {
-        uint8_t hdr[KVPI_TCP_HDR_LEN];
-        kvpi_tcp_hdr h = {s[sent]->length, s[sent]->remote, KVPI_TCP_OP_WRITE, p->v2};
+        uint8_t hdr[KVPI_TCP_HDR_LEN], digest[KVPI_DIGEST_LEN];
+        int digested = p->digest && s[sent]->length;
+        kvpi_tcp_hdr h = {s[sent]->length, s[sent]->remote, KVPI_TCP_OP_WRITE, p->v2, digested};
         kvpi_tcp_hdr_encode(&h, hdr);
-        struct iovec iov[2] = {{hdr, sizeof hdr}, {s[sent]->local, s[sent]->length}};
-        if ((st = kvpi_sendv_all_by(fd, iov, 2, deadline))) break;
+        /* Integrity: the digest is taken in a pass of its own, which ends
+         * before the send's copy begins (common/digest.h). */
+        if (digested) kvpi_put_le64(digest, kvpi_digest(s[sent]->local, s[sent]->length));
+        struct iovec iov[3] = {
+            {hdr, sizeof hdr}, {s[sent]->local, s[sent]->length}, {digest, sizeof digest}};
+        if ((st = kvpi_sendv_all_by(fd, iov, digested ? 3 : 2, deadline))) break;
     }
     if (!p->v2) {
         for (size_t i = 0; i < sent; i++)
@@ -690,6 +787,11 @@ static kvp_status run_writes(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n
         /* The frames that arrived whole (a rejection is followed by a close). */
         for (size_t j = 0; j < k && iov[j].iov_len == 0; j++, i++) {
             kvp_status e = status_error(p, frames[j], s[i]);
+            if (e == KVP_ECORRUPT) {
+                s[i]->status = e;
+                *done = i + 1;
+                continue;
+            }
             if (e == KVP_ERANGE) {
                 s[ *done = i]->status = KVP_ERANGE;
                 return e;

@@ -182,6 +182,11 @@ typedef struct kvpi_peer_ctx {
     const kvpi_auth *auth;
     /* Counts the requests run again on a new connection (may be NULL). */
     kvpi_counter *retries;
+    /* Non-zero: integrity with this peer (this engine and the peer both
+     * have it on, common/digest.h): digest every slice moved, and fail one
+     * whose digests differ with KVP_ECORRUPT. A transport that cannot
+     * ignores it (docs/reliability.md says which). */
+    int integrity;
 } kvpi_peer_ctx;
 
 /* Everything in the contexts is valid only during the call; copy what a
