@@ -203,6 +203,16 @@ typedef struct kvp_pipe_opts {
      * KVPIPE_METRICS_HOST; unset: no endpoint). */
     int metrics_port;
     const char *metrics_host;
+    /* End-to-end integrity (docs/pipe.md, "Integrity"): with it on at both
+     * sides (kvpipe pipes only), each message's digest (XXH3-64, taken as
+     * its bytes are copied in) travels in its tag and recv checks what
+     * arrived against it, and the pipe's engine digests every transfer
+     * (kvp_engine_opts.integrity); a message whose bytes differ is handed
+     * out as an error, KVP_ECORRUPT. A MooncakePipe peer, or a pipe with it
+     * off, goes unchecked. KVP_INTEGRITY_ENV (the default): as env
+     * KVPIPE_INTEGRITY says ("0": off, "1": on), and on when it is unset;
+     * 0: off; 1: on. */
+    int integrity;
 } kvp_pipe_opts;
 
 /* Fill opts with the defaults above. The struct grows at its end

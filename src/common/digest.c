@@ -50,6 +50,16 @@ uint64_t kvpi_digester_value(const kvpi_digester *d)
     return XXH3_64bits_digest(d->state);
 }
 
+void kvpi_digester_copy(kvpi_digester *d, void *dst, const void *src, size_t len)
+{
+    for (size_t off = 0; off < len;) {
+        size_t n = len - off < KVPI_DIGEST_CHUNK ? len - off : KVPI_DIGEST_CHUNK;
+        memcpy((char *)dst + off, (const char *)src + off, n);
+        XXH3_64bits_update(d->state, (char *)dst + off, n);
+        off += n;
+    }
+}
+
 /* The calling thread's digester, made on first use and freed when the
  * thread ends. */
 static pthread_key_t mine_key;

@@ -36,6 +36,9 @@ void kvpi_digester_free(kvpi_digester *d);
 void kvpi_digester_reset(kvpi_digester *d);
 void kvpi_digester_add(kvpi_digester *d, const void *buf, size_t len);
 uint64_t kvpi_digester_value(const kvpi_digester *d);
+/* Copy len bytes from src to dst, adding them to d as they are copied: a
+ * chunk at a time, each digested from dst while it is in cache. */
+void kvpi_digester_copy(kvpi_digester *d, void *dst, const void *src, size_t len);
 
 /* Receive len bytes into buf from fd by deadline (kvpi_recv_all_by), a
  * chunk at a time, and the digest of what arrived in *digest. */

@@ -32,6 +32,10 @@ kvp_status kvpi_engine_create_with_fields(const kvp_engine_opts *opts, const cJS
 kvp_status kvpi_engine_lookup_field(kvp_engine *e, const char *segment, const char *key,
                                     cJSON **out);
 
+/* Say at INFO, not WARN, that a peer does not check integrity: an upper
+ * layer that turned it on by default (the pipe) says so itself. */
+void kvpi_engine_integrity_quiet(kvp_engine *e);
+
 /* The engine's instance id (KVPI_INSTANCE_FIELD of its descriptor: 32
  * lower-case hex digits drawn at creation), which a restarted process of the
  * same segment name draws anew. */

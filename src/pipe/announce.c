@@ -13,19 +13,23 @@ void kvpi_control_add_frame(kvpi_control_msg *m, const void *data, size_t size)
                size < KVPI_ANNOUNCE_FRAME_LEN ? size : KVPI_ANNOUNCE_FRAME_LEN);
     }
     m->last_size = size;
-    if (size == KVPI_TAG_LEN) memcpy(m->last, data, KVPI_TAG_LEN);
+    if (size == KVPI_TAG_LEN || size == KVPI_TAG_DIGEST_LEN) memcpy(m->last, data, size);
     m->frames++;
 }
 
-void kvpi_tag_encode(const kvpi_msg_tag *t, uint8_t frame[KVPI_TAG_LEN])
+size_t kvpi_tag_encode(const kvpi_msg_tag *t, uint8_t frame[KVPI_TAG_DIGEST_LEN])
 {
     memcpy(frame, t->instance, KVPI_TAG_INSTANCE_LEN);
     kvpi_put_be64(frame + KVPI_TAG_INSTANCE_LEN, t->seq);
+    if (!t->has_digest) return KVPI_TAG_LEN;
+    kvpi_put_be64(frame + KVPI_TAG_LEN, t->digest);
+    return KVPI_TAG_DIGEST_LEN;
 }
 
 int kvpi_control_take_tag(kvpi_control_msg *m, kvpi_msg_tag *t)
 {
-    if (m->frames < 2 || m->last_size != KVPI_TAG_LEN) return 0;
+    if (m->frames < 2 || (m->last_size != KVPI_TAG_LEN && m->last_size != KVPI_TAG_DIGEST_LEN))
+        return 0;
     for (int i = 0; i < KVPI_TAG_INSTANCE_LEN; i++) {
         uint8_t c = m->last[i];
         if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return 0;
@@ -33,6 +37,8 @@ int kvpi_control_take_tag(kvpi_control_msg *m, kvpi_msg_tag *t)
     memcpy(t->instance, m->last, KVPI_TAG_INSTANCE_LEN);
     t->instance[KVPI_TAG_INSTANCE_LEN] = '\0';
     t->seq = kvpi_get_be64(m->last + KVPI_TAG_INSTANCE_LEN);
+    t->has_digest = m->last_size == KVPI_TAG_DIGEST_LEN;
+    t->digest = t->has_digest ? kvpi_get_be64(m->last + KVPI_TAG_LEN) : 0;
     m->frames--;
     m->last_size = 0; /* a message has one tag */
     return 1;

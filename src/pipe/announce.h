@@ -13,6 +13,9 @@
  *       inline message or an ACK: the sender's instance and the message's
  *       sequence number (kvpi_msg_tag). A tagged ACK acknowledges every
  *       message of that instance up to that number (pipe_internal.h, "Tags").
+ *       Between pipes that both check integrity, a message's tag is
+ *       KVPI_TAG_DIGEST_LEN bytes: the message's digest follows
+ *       (pipe_internal.h, "Integrity").
  *
  * A reader takes the frames of one message into a kvpi_control_msg, then asks
  * whether it is an announcement or an ACK; anything else is dropped by the
@@ -43,28 +46,34 @@
  * (u64 big-endian, from 1). */
 #define KVPI_TAG_INSTANCE_LEN 32
 #define KVPI_TAG_LEN (KVPI_TAG_INSTANCE_LEN + 8)
+/* A tag with the message's digest after the sequence number (u64
+ * big-endian; common/digest.h). */
+#define KVPI_TAG_DIGEST_LEN (KVPI_TAG_LEN + 8)
 typedef struct kvpi_msg_tag {
     char instance[KVPI_TAG_INSTANCE_LEN + 1];
     uint64_t seq;
+    int has_digest;
+    uint64_t digest;
 } kvpi_msg_tag;
 
 /* One message as it arrived: its frame count, the sizes of its first two
  * frames and the first 8 bytes of each (fewer when shorter; the rest is
- * unspecified), and its last frame when that is KVPI_TAG_LEN bytes long.
+ * unspecified), and its last frame when that is KVPI_TAG_LEN or
+ * KVPI_TAG_DIGEST_LEN bytes long.
  * Start from {0}. */
 typedef struct kvpi_control_msg {
     int frames;
     size_t size[2];
     uint8_t head[2][KVPI_ANNOUNCE_FRAME_LEN];
     size_t last_size;
-    uint8_t last[KVPI_TAG_LEN];
+    uint8_t last[KVPI_TAG_DIGEST_LEN];
 } kvpi_control_msg;
 
 /* Take the next frame of a message (size bytes at data). */
 void kvpi_control_add_frame(kvpi_control_msg *m, const void *data, size_t size);
 
-/* The frame of tag t. */
-void kvpi_tag_encode(const kvpi_msg_tag *t, uint8_t frame[KVPI_TAG_LEN]);
+/* The frame of tag t; returns its length (KVPI_TAG_DIGEST_LEN with a digest). */
+size_t kvpi_tag_encode(const kvpi_msg_tag *t, uint8_t frame[KVPI_TAG_DIGEST_LEN]);
 
 /* If m has more than one frame and its last is a tag: *t set, m without that
  * frame (the decoders below then see the message it tags), 1. Else 0, m and

@@ -37,6 +37,7 @@
 #include <zmq.h>
 
 #include "common/clock.h"
+#include "common/digest.h"
 #include "common/error.h"
 #include "common/sized.h"
 #include "common/log.h"
@@ -82,7 +83,8 @@ static kvp_pipe_opts default_opts(void)
                            .ack_timeout_ms = DEFAULT_ACK_TIMEOUT_MS,
                            .ack_delay_us = DEFAULT_ACK_DELAY_US,
                            .ack_linger_ms = DEFAULT_ACK_LINGER_MS,
-                           .zmq_hwm = DEFAULT_ZMQ_HWM};
+                           .zmq_hwm = DEFAULT_ZMQ_HWM,
+                           .integrity = KVP_INTEGRITY_ENV};
 }
 
 void kvp_pipe_opts_init_size(kvp_pipe_opts *opts, size_t size)
@@ -382,11 +384,12 @@ static size_t pool_retention(const kvp_pipe_opts *o)
 /* What this side offers in its descriptor (pipe_internal.h): the inline
  * path up to inline_max_bytes (0: off), and tags; NULL when out of memory
  * (then neither is offered). */
-static cJSON *pipe_fields(const kvp_pipe_opts *o)
+static cJSON *pipe_fields(const kvp_pipe_opts *o, int integrity)
 {
     cJSON *doc = cJSON_CreateObject(), *f = cJSON_CreateObject();
     if (!doc || !f || !cJSON_AddNumberToObject(f, "version", KVPI_PIPE_FIELD_VERSION) ||
         !cJSON_AddNumberToObject(f, "inline_max_bytes", (double)o->inline_max_bytes) ||
+        (integrity && !cJSON_AddStringToObject(f, "digest", KVPI_DIGEST_NAME)) ||
         !cJSON_AddItemToObject(doc, KVPI_PIPE_FIELD, f)) {
         cJSON_Delete(doc);
         cJSON_Delete(f);
@@ -411,10 +414,12 @@ static kvp_status create_engine(kvp_pipe *p, const kvp_pipe_config *cfg)
     eo.pool_retain_bytes = pool_retention(&p->opts);
     eo.auth_key_file = cfg->auth_key_file;
     eo.metrics_port = p->opts.metrics_port;
+    eo.integrity = p->integrity;
     eo.metrics_host = p->opts.metrics_host;
-    cJSON *fields = pipe_fields(&p->opts);
+    cJSON *fields = pipe_fields(&p->opts, p->integrity);
     if (p->opts.inline_max_bytes && !fields) p->opts.inline_max_bytes = 0;
     st = kvpi_engine_create_with_fields(&eo, fields, &p->engine);
+    if (!st && !p->integrity_asked) kvpi_engine_integrity_quiet(p->engine);
     cJSON_Delete(fields);
     free(conn);
     return st;
@@ -530,14 +535,22 @@ kvp_status kvp_pipe_open_size(const kvp_pipe_config *cfg, int local_rank, int kv
         goto fail;
     }
     if (p->auth && (st = kvpi_auth_curve_keys(p->auth, &p->curve))) goto fail;
+    /* Integrity is on unless asked off (the engine's default is off). */
+    const char *env = getenv("KVPIPE_INTEGRITY");
+    if (o.integrity == KVP_INTEGRITY_ENV && (!env || !*env))
+        p->integrity = 1;
+    else if ((st = kvpi_integrity_resolve(o.integrity, &p->integrity)))
+        goto fail;
+    else
+        p->integrity_asked = p->integrity;
     if ((st = create_engine(p, cfg))) goto fail;
     if ((st = open_sockets(p))) goto fail;
     if ((st = start_threads(p))) goto fail;
     if ((st = kvpi_engine_metrics_attach(p->engine, kvpi_pipe_metrics_serve, p))) goto fail;
-    KVPI_INFO("pipe %s open (kv_rank %d, peer %s): ZeroMQ data %d ack %d, inline path %s%s",
+    KVPI_INFO("pipe %s open (kv_rank %d, peer %s): ZeroMQ data %d ack %d, inline path %s%s%s",
               ep.local_segment, kv_rank, ep.peer_segment, ep.data_port, ep.ack_port,
               p->opts.inline_max_bytes ? "offered" : "off",
-              p->auth ? ", authenticated (CURVE)" : "");
+              p->auth ? ", authenticated (CURVE)" : "", p->integrity ? ", integrity checked" : "");
     *out = p;
     return KVP_OK;
 fail:

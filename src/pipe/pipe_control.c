@@ -15,6 +15,7 @@
 #include <cjson/cJSON.h>
 
 #include "common/clock.h"
+#include "common/digest.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/net.h"
@@ -353,8 +354,8 @@ void kvpi_pipe_negotiate(kvp_pipe *p, uint64_t gen)
 }
 
 /* The peer's inline_max_bytes from its descriptor's field (0 without one),
- * and whether it reads tags (version 2 on). */
-static kvp_status read_peer_terms(kvp_pipe *p, size_t *inline_max, int *tags)
+ * whether it reads tags (version 2 on), and whether it checks digests. */
+static kvp_status read_peer_terms(kvp_pipe *p, size_t *inline_max, int *tags, int *digest)
 {
     cJSON *f = NULL;
     kvp_status st = kvpi_engine_lookup_field(p->engine, p->ep.peer_segment, KVPI_PIPE_FIELD, &f);
@@ -368,6 +369,8 @@ static kvp_status read_peer_terms(kvp_pipe *p, size_t *inline_max, int *tags)
         max->valuedouble >= 0 && max->valuedouble < 9.0e15)
         *inline_max = p->opts.inline_max_bytes ? (size_t)max->valuedouble : 0;
     if (cJSON_IsNumber(ver) && ver->valuedouble >= 2) *tags = 1;
+    const cJSON *d = cJSON_GetObjectItemCaseSensitive(f, "digest");
+    *digest = *tags && cJSON_IsString(d) && strcmp(d->valuestring, KVPI_DIGEST_NAME) == 0;
     cJSON_Delete(f);
     return KVP_OK;
 }
@@ -395,8 +398,8 @@ void *kvpi_pipe_negotiator_main(void *arg)
         uint64_t gen = p->neg_want;
         pthread_mutex_unlock(&p->lock);
         size_t peer = 0;
-        int tags = 0;
-        kvp_status st = read_peer_terms(p, &peer, &tags);
+        int tags = 0, digest = 0;
+        kvp_status st = read_peer_terms(p, &peer, &tags, &digest);
         if (st) {
             KVPI_INFO("pipe %s: cannot read the descriptor of %s (%s); announcing every message "
                       "until it can, again in %d ms",
@@ -413,6 +416,12 @@ void *kvpi_pipe_negotiator_main(void *arg)
         p->neg_done = gen;
         p->neg_peer_inline = peer;
         p->neg_peer_tags = tags;
+        if (p->integrity && !digest && gen == 1)
+            kvpi_log(p->integrity_asked ? KVP_LOG_WARN : KVP_LOG_INFO, KVPI_LOG_SUBSYS,
+                     "pipe %s: peer %s does not check integrity (a MooncakePipe peer, or a "
+                     "kvpipe pipe with it off): its messages go unchecked",
+                     p->ep.local_segment, p->ep.peer_segment);
+        p->neg_peer_digest = p->integrity && digest;
         p->stats.peer_lookups++;
         if (peer != was || gen == 1)
             KVPI_INFO("pipe %s: peer %s %s", p->ep.local_segment, p->ep.peer_segment,

@@ -46,6 +46,19 @@
  * receiver READs a tagged announcement only from the instance that made it:
  * the engine refuses the READ (KVP_ECONNRESET) when the descriptor it would
  * READ through names another (kvpi_batch_submit_notify).
+ *
+ * Integrity. With it on (kvp_pipe_opts.integrity, the default), a side says
+ * so in its field ("digest": "xxh3-64"), and its engine digests every
+ * transfer with a peer that does too (common/digest.h). A sender whose
+ * peer's field says so (negotiated as tags are) puts each message's digest
+ * in its tag (announce.h, KVPI_TAG_DIGEST_LEN), taken as the message's
+ * bytes are copied into their buffer or inline frame (over a message built
+ * in place, send_take's, in a pass of its own); the receiver digests what
+ * arrived - an inline message as it copies it out, an announced one once
+ * its READ completes - and hands out a message whose digest differs as
+ * KVP_ECORRUPT, acknowledged like any failed message. So the check covers
+ * what the engine's cannot: a sender's buffer rewritten or reused between
+ * the copy in and the READ.
  */
 #ifndef KVPI_PIPE_INTERNAL_H
 #define KVPI_PIPE_INTERNAL_H
@@ -72,8 +85,9 @@
 /* The descriptor field a pipe's engine publishes:
  * {"kvpipe_pipe": {"version": 1, "inline_max_bytes": N}}. */
 #define KVPI_PIPE_FIELD "kvpipe_pipe"
-/* Version 2: the side reads tags (see "Tags"). */
-#define KVPI_PIPE_FIELD_VERSION 2
+/* Version 2: the side reads tags (see "Tags"). Version 3 may add "digest":
+ * "xxh3-64": the side checks messages' digests (see "Integrity"). */
+#define KVPI_PIPE_FIELD_VERSION 3
 
 /* One message sent and not yet acknowledged; buf is the managed buffer to
  * free on its ACK (NULL for an inline message, which ZeroMQ owns). */
@@ -160,6 +174,7 @@ struct kvp_pipe {
     uint64_t neg_done;      /* the push_gen peer_inline is valid for; 0: none */
     size_t neg_peer_inline; /* the peer's inline_max_bytes (0: it takes none) */
     int neg_peer_tags;      /* the peer reads tags */
+    int neg_peer_digest;    /* the peer checks digests (so both sides do) */
 
     /* recv's window (under recv_lock). */
     kvpi_rx_entry *rx;
@@ -169,6 +184,8 @@ struct kvp_pipe {
     int rx_done_fd;       /* eventfd: a READ of the window completed */
     int ack_stalled;      /* the last ACKs were given up: give up the next at once */
     int ack_link_up;      /* the ACK link took an ACK since open */
+    int integrity;        /* opts.integrity resolved */
+    int integrity_asked;  /* on because asked (not the default): a peer without it is a WARN */
     int ack_tagged;       /* ack_tag is owed (it covers every ACK owed before it) */
     kvpi_msg_tag ack_tag;
     /* Deferred ACKs (pipe_recv.c): inline messages handed out and not yet

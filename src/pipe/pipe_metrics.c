@@ -20,6 +20,10 @@ static const kvpi_metric_family
     f_timeouts = {"kvpipe_pipe_timeouts_total",
                   "Sends and receives that ran out of time (KVP_ETIMEDOUT), by operation",
                   KVP_METRIC_COUNTER},
+    f_corrupt = {"kvpipe_pipe_corrupt_total",
+                 "Messages received whose bytes differ from the digest the sender took "
+                 "(integrity on at both sides: handed out as ECORRUPT)",
+                 KVP_METRIC_COUNTER},
     f_inflight_bytes = {"kvpipe_pipe_inflight_bytes", "Bytes sent and not yet acknowledged",
                         KVP_METRIC_GAUGE},
     f_inflight_messages = {"kvpipe_pipe_inflight_messages",
@@ -41,6 +45,7 @@ void kvpi_pipe_metrics_collect(kvp_pipe *p, kvp_metrics *m)
                      NULL);
     kvpi_metrics_add(m, &f_timeouts, (double)kvpi_counter_get(&c->recv_timeouts), "op", "recv",
                      NULL);
+    kvpi_metrics_add(m, &f_corrupt, (double)kvpi_counter_get(&c->corrupt), NULL);
     kvpi_metrics_add(m, &f_inflight_bytes, (double)s.inflight_bytes, NULL);
     kvpi_metrics_add(m, &f_inflight_messages, (double)s.inflight_count, NULL);
 }

@@ -12,6 +12,7 @@
 typedef struct kvpi_pipe_counters {
     kvpi_counter send_timeouts; /* sends that ran out of time (room or announcement) */
     kvpi_counter recv_timeouts; /* receives that ended at their timeout */
+    kvpi_counter corrupt;       /* messages received whose digest differed (integrity) */
 } kvpi_pipe_counters;
 
 /* pipe.c: the pipe's counters. */

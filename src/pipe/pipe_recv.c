@@ -38,6 +38,7 @@
 #include <zmq.h>
 
 #include "common/clock.h"
+#include "common/digest.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/net.h"
@@ -66,6 +67,27 @@ static kvp_status check_announcement(kvp_pipe *p, uint64_t addr, uint64_t len)
 {
     return kvpi_announce_check(addr, len, p->opts.max_message_bytes, p->ep.local_segment,
                                p->ep.peer_segment);
+}
+
+/* Integrity: a message whose digest is not the one its tag carries fails
+ * (pipe_internal.h, "Integrity"). */
+static void rx_check(kvp_pipe *p, kvpi_rx_entry *e, uint64_t digest)
+{
+    if (digest == e->tag.digest) return;
+    kvpi_counter_add(&p->counters.corrupt, 1);
+    rx_fail(e, kvpi_error(KVP_ECORRUPT,
+                          "pipe %s: message %llu from %s (%llu bytes, %s) arrived corrupted: "
+                          "its digest differs from the one the sender took as it copied the "
+                          "message in (its buffer changed before it was read, or the bytes "
+                          "changed on the way)",
+                          p->ep.local_segment, (unsigned long long)e->tag.seq, p->ep.peer_segment,
+                          (unsigned long long)e->len, e->is_inline ? "inline" : "READ"));
+}
+
+/* Whether e's message is checked against its tag's digest. */
+static int rx_digested(const kvp_pipe *p, const kvpi_rx_entry *e)
+{
+    return p->integrity && e->tagged && e->tag.has_digest;
 }
 
 /* The window holds len more bytes (a READ started, an inline copy taken). */
@@ -163,7 +185,15 @@ static void take_inline(kvp_pipe *p, zmq_msg_t *f0, size_t len, const kvpi_msg_t
         rx_fail(e, st);
         return;
     }
-    memcpy(e->buf, (const uint8_t *)zmq_msg_data(f0) + KVPI_INLINE_TAG_LEN, len);
+    const uint8_t *body = (const uint8_t *)zmq_msg_data(f0) + KVPI_INLINE_TAG_LEN;
+    kvpi_digester *d = rx_digested(p, e) ? kvpi_digester_new() : NULL;
+    if (d) {
+        kvpi_digester_copy(d, e->buf, body, len);
+        rx_check(p, e, kvpi_digester_value(d));
+        kvpi_digester_free(d);
+    } else {
+        memcpy(e->buf, body, len);
+    }
     rx_hold(p, len);
 }
 
@@ -232,10 +262,11 @@ static kvp_status rx_fill(kvp_pipe *p, int *drained)
 }
 
 /* The head's READ ended: keep its outcome. */
-static void rx_finish(kvpi_rx_entry *e)
+static void rx_finish(kvp_pipe *p, kvpi_rx_entry *e)
 {
     kvp_status st = kvp_batch_wait(e->batch, 0);
     if (st) rx_fail(e, st);
+    if (!st && rx_digested(p, e)) rx_check(p, e, kvpi_digest(e->buf, (size_t)e->len));
     kvp_batch_free(e->batch);
     e->batch = NULL;
     e->state = RX_DONE;
@@ -277,7 +308,7 @@ static int head_ready(kvp_pipe *p)
 {
     if (!p->rx_count) return 0;
     kvpi_rx_entry *e = rx_at(p, 0);
-    if (e->state == RX_READING && kvp_batch_pending(e->batch) == 0) rx_finish(e);
+    if (e->state == RX_READING && kvp_batch_pending(e->batch) == 0) rx_finish(p, e);
     return e->state == RX_DONE;
 }
 
@@ -367,15 +398,15 @@ static long acks_retry_us(const kvp_pipe *p)
  * may wait for the link (0: not at all). */
 static int send_tagged_ack(kvp_pipe *p, int wait_ms)
 {
-    uint8_t tag[KVPI_TAG_LEN];
-    kvpi_tag_encode(&p->ack_tag, tag);
+    uint8_t tag[KVPI_TAG_DIGEST_LEN];
+    size_t tag_len = kvpi_tag_encode(&p->ack_tag, tag);
     if (kvpi_pipe_zsend(p->ack_push, KVPI_ACK_TEXT, KVPI_ACK_LEN, ZMQ_SNDMORE | ZMQ_DONTWAIT, 0) !=
             KVPI_ACK_LEN &&
         (wait_ms == 0 || kvpi_pipe_zsend(p->ack_push, KVPI_ACK_TEXT, KVPI_ACK_LEN, ZMQ_SNDMORE,
                                          wait_ms) != KVPI_ACK_LEN))
         return 0;
     /* The first frame is in: ZeroMQ takes the rest of the message. */
-    kvpi_pipe_zsend(p->ack_push, tag, sizeof tag, 0, p->opts.io_timeout_ms);
+    kvpi_pipe_zsend(p->ack_push, tag, tag_len, 0, p->opts.io_timeout_ms);
     return 1;
 }
 
@@ -475,6 +506,7 @@ static void ack_taken(kvp_pipe *p, int is_inline, const kvpi_msg_tag *tag)
     if (tag) {
         p->ack_tagged = 1;
         p->ack_tag = *tag;
+        p->ack_tag.has_digest = 0; /* an ACK's tag is KVPI_TAG_LEN */
     } else if (p->ack_tagged) {
         p->ack_tagged = 0;
         atomic_store(&p->acks_owed, 0);

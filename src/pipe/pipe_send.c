@@ -13,6 +13,7 @@
 #include <zmq.h>
 
 #include "common/clock.h"
+#include "common/digest.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/net.h"
@@ -172,17 +173,46 @@ typedef struct outgoing {
     zmq_msg_t zmsg; /* the inline form */
     int have_zmsg;
     int cuda_device; /* copying send: the CUDA device holding t's bytes, or -1 */
+    int digested;    /* integrity: digest is the message's (either form) */
+    uint64_t digest;
 } outgoing;
 
+/* Copy len bytes of the message to dst, digesting them on the way when
+ * integrity is on (the digest of the whole message, header first: into
+ * m->digest once the last byte is in). */
+static kvp_status copy_in(kvp_pipe *p, kvpi_digester **d, void *dst, const void *src, size_t len)
+{
+    if (!p->integrity) {
+        memcpy(dst, src, len);
+        return KVP_OK;
+    }
+    if (!*d && !(*d = kvpi_digester_new())) return kvpi_error(KVP_ENOMEM, "pipe: out of memory");
+    kvpi_digester_copy(*d, dst, src, len);
+    return KVP_OK;
+}
+
 /* Encode m's tensor into out (m->size bytes): its bytes copied once, by the
- * CPU or, from GPU memory, by the driver. */
-static kvp_status encode(const outgoing *m, void *out)
+ * CPU (digested as they are copied, with integrity on) or, from GPU memory,
+ * by the driver (then digested in a pass over the host copy). */
+static kvp_status encode(kvp_pipe *p, outgoing *m, void *out)
 {
     size_t off;
-    if (m->cuda_device < 0) return kvpi_safetensors_write(m->t, out, m->size, &off);
     kvp_status st = kvpi_safetensors_write_header(m->t, out, m->size, &off);
-    if (!st && m->t->nbytes)
-        st = kvpi_cuda_copy_sync((uint8_t *)out + off, m->t->data, m->t->nbytes, m->cuda_device, 1);
+    if (st) return st;
+    if (m->cuda_device >= 0) {
+        if (m->t->nbytes)
+            st = kvpi_cuda_copy_sync((uint8_t *)out + off, m->t->data, m->t->nbytes, m->cuda_device,
+                                     1);
+        if (!st && p->integrity) m->digest = kvpi_digest(out, m->size), m->digested = 1;
+        return st;
+    }
+    kvpi_digester *d = NULL;
+    if (p->integrity && !(d = kvpi_digester_new()))
+        return kvpi_error(KVP_ENOMEM, "pipe: out of memory");
+    if (d) kvpi_digester_add(d, out, off);
+    if (m->t->nbytes) st = copy_in(p, &d, (uint8_t *)out + off, m->t->data, m->t->nbytes);
+    if (!st && d) m->digest = kvpi_digester_value(d), m->digested = 1;
+    kvpi_digester_free(d);
     return st;
 }
 
@@ -210,7 +240,7 @@ static kvp_status make_announced(kvp_pipe *p, outgoing *m)
     if (m->h || m->buf) return KVP_OK; /* send_take's message is in a managed buffer already */
     kvp_status st = kvp_engine_alloc(p->engine, m->size, &m->buf);
     if (st) return st;
-    if ((st = encode(m, m->buf))) {
+    if ((st = encode(p, m, m->buf))) {
         kvp_engine_free(p->engine, m->buf);
         m->buf = NULL;
     }
@@ -225,11 +255,15 @@ static kvp_status make_inline(kvp_pipe *p, outgoing *m)
                           p->ep.local_segment, m->size);
     m->have_zmsg = 1;
     uint8_t *out = kvpi_inline_put_tag(zmq_msg_data(&m->zmsg));
+    kvp_status st;
     if (m->msg) {
-        memcpy(out, m->msg, m->size);
-        return KVP_OK;
+        kvpi_digester *d = NULL;
+        st = copy_in(p, &d, out, m->msg, m->size);
+        if (!st && d) m->digest = kvpi_digester_value(d), m->digested = 1;
+        kvpi_digester_free(d);
+    } else {
+        st = encode(p, m, out);
     }
-    kvp_status st = encode(m, out);
     if (st) {
         zmq_msg_close(&m->zmsg);
         m->have_zmsg = 0;
@@ -246,15 +280,30 @@ static void outgoing_done(kvp_pipe *p, outgoing *m)
 }
 
 /* What the peer of data_push's current connections takes, as the
- * negotiator read it: whether a message of size bytes may go inline, and
- * whether it is tagged (pipe_internal.h). Under push_lock. */
-static void peer_terms(kvp_pipe *p, size_t size, int *as_inline, int *tagged)
+ * negotiator read it: whether a message of size bytes may go inline,
+ * whether it is tagged, and whether the tag carries its digest
+ * (pipe_internal.h). Under push_lock. */
+static void peer_terms(kvp_pipe *p, size_t size, int *as_inline, int *tagged, int *digested)
 {
     pthread_mutex_lock(&p->lock);
     int known = p->push_gen && p->neg_done == p->push_gen;
     *as_inline = known && size <= p->opts.inline_max_bytes && size <= p->neg_peer_inline;
     *tagged = known && p->neg_peer_tags;
+    *digested = *tagged && p->neg_peer_digest;
     pthread_mutex_unlock(&p->lock);
+}
+
+/* The message's digest, for its tag: taken as it was copied in, or now, in
+ * a pass over a message built in place (send_take's). */
+static uint64_t message_digest(outgoing *m)
+{
+    if (!m->digested) {
+        const void *msg = m->msg ? (const void *)m->msg : m->buf;
+        if (!msg && m->have_zmsg) msg = (uint8_t *)zmq_msg_data(&m->zmsg) + KVPI_INLINE_TAG_LEN;
+        m->digest = kvpi_digest(msg, m->size);
+        m->digested = 1;
+    }
+    return m->digest;
 }
 
 /* Queue the message for its ACK (its buffer, for an announced one) and note
@@ -319,20 +368,23 @@ static int push_rest(kvp_pipe *p, const void *const *frames, const size_t *sizes
  * seq unless seq is 0. Returns 1 when it left, 0 when data_push cannot take
  * it now (no peer, queue full), or a negative status on a ZeroMQ failure.
  * Under push_lock. */
-static int try_push(kvp_pipe *p, outgoing *m, int as_inline, uint64_t seq, kvp_status *st)
+static int try_push(kvp_pipe *p, outgoing *m, int as_inline, uint64_t seq, int digested,
+                    kvp_status *st)
 {
-    uint8_t tag[KVPI_TAG_LEN];
+    uint8_t tag[KVPI_TAG_DIGEST_LEN];
+    size_t tag_len = 0;
     if (seq) {
-        kvpi_msg_tag t = {.seq = seq};
+        kvpi_msg_tag t = {.seq = seq, .has_digest = digested};
+        if (digested) t.digest = message_digest(m);
         memcpy(t.instance, kvpi_engine_instance(p->engine), KVPI_TAG_INSTANCE_LEN);
-        kvpi_tag_encode(&t, tag);
+        tag_len = kvpi_tag_encode(&t, tag);
     }
     int more = seq ? ZMQ_SNDMORE : 0;
     if (as_inline) {
         if (zmq_msg_send(&m->zmsg, p->data_push, more | ZMQ_DONTWAIT) >= 0) {
             m->have_zmsg = 0; /* ZeroMQ owns it now */
             const void *f[] = {tag};
-            size_t sz[] = {sizeof tag};
+            size_t sz[] = {tag_len};
             return seq ? push_rest(p, f, sz, 1, st) : 1;
         }
     } else {
@@ -341,7 +393,7 @@ static int try_push(kvp_pipe *p, outgoing *m, int as_inline, uint64_t seq, kvp_s
         kvpi_announce_encode((uint64_t)(uintptr_t)msg, m->size, addr, length);
         if (zmq_send(p->data_push, addr, 8, ZMQ_SNDMORE | ZMQ_DONTWAIT) >= 0) {
             const void *f[] = {length, tag};
-            size_t sz[] = {sizeof length, sizeof tag};
+            size_t sz[] = {sizeof length, tag_len};
             return push_rest(p, f, sz, seq ? 2 : 1, st);
         }
     }
@@ -386,8 +438,8 @@ static kvp_status post(kvp_pipe *p, outgoing *m, uint64_t deadline, int *as_inli
     for (int must_wait = 0;;) {
         if (must_wait && (st = wait_writable(p, deadline))) return st;
         pthread_mutex_lock(&p->push_lock);
-        int inl, tagged;
-        peer_terms(p, m->size, &inl, &tagged);
+        int inl, tagged, digested;
+        peer_terms(p, m->size, &inl, &tagged, &digested);
         if (inl ? !m->have_zmsg : !(m->h || m->buf)) {
             /* Made outside push_lock: a copy of up to the message's size. */
             pthread_mutex_unlock(&p->push_lock);
@@ -400,7 +452,7 @@ static kvp_status post(kvp_pipe *p, outgoing *m, uint64_t deadline, int *as_inli
             pthread_mutex_unlock(&p->push_lock);
             return st;
         }
-        int r = try_push(p, m, inl, tagged ? seq : 0, &st);
+        int r = try_push(p, m, inl, tagged ? seq : 0, digested, &st);
         pthread_mutex_unlock(&p->push_lock);
         if (r <= 0) {
             /* A stray ACK may have taken the entry: nothing of ours was freed

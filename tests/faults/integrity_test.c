@@ -17,6 +17,13 @@
  *     generations never rise along the buffer, and differ by at most one).
  *   tcp_source_rewritten_write: the same for the initiator's source of a
  *     WRITE, checked in the target's memory.
+ *   pipe_corrupt_messages: a raw sender on a pipe's wire sends messages whose
+ *     tags carry their digest, right or wrong, announced (READ) and inline:
+ *     the receiving pipe hands out the right ones and fails the wrong ones
+ *     with ECORRUPT, ACKing each, and counts them.
+ *   pipe_buffer_rewritten: a sender rewrites its tensor's buffer after
+ *     send_take handed it over and before the receiver READs it (the pipe
+ *     sender's buffer reused too early): recv fails it with ECORRUPT.
  *   mooncake_wire_unchanged: with integrity on only at the initiator, the
  *     target (an engine with it off: what a Mooncake or an older kvpipe peer
  *     looks like) is sent plain requests: no digest bit, no trailer.
@@ -42,8 +49,11 @@
 #include "common/clock.h"
 #include "common/net.h"
 #include "common/tsan.h"
+#include "common/digest.h"
 #include "ctarget.h"
+#include "engine/engine_ext.h"
 #include "metadata/metadata.h"
+#include "pipe_raw.h"
 #include "target.h"
 #include "test.h"
 #include "transport/tcp_wire.h"
@@ -485,6 +495,146 @@ static void shm_source_rewritten_write(void)
     source_rewritten_write("shm");
 }
 
+/* ------------------------------------------------------------ the pipe --- */
+
+#define PIPE_MSGS 8
+
+static void corrupt_receiver(kvp_pipe *pipe, void *arg)
+{
+    (void)arg;
+    for (int i = 0; i < PIPE_MSGS; i++) {
+        kvp_tensor *t = NULL;
+        kvp_status st = kvp_pipe_recv(pipe, RAW_WAIT_MS, &t);
+        int bad = i & 1; /* odd ones carry a wrong digest */
+        if (bad) {
+            if (st != KVP_ECORRUPT)
+                fprintf(stderr, "  message %d: %s, want ECORRUPT\n", i,
+                        st ? kvp_last_error() : "handed out");
+            CHECK(st == KVP_ECORRUPT);
+            CHECK(st != KVP_ECORRUPT || strstr(kvp_last_error(), "arrived corrupted"));
+        } else {
+            CHECK_OK(st);
+            CHECK(raw_tensor_check(t, i));
+        }
+        kvp_tensor_free(t);
+    }
+    kvp_metrics *m = NULL;
+    REQUIRE_OK(kvp_pipe_metrics(pipe, &m));
+    const kvp_metric *x = kvp_metrics_find(m, "kvpipe_pipe_corrupt_total", NULL);
+    CHECK(x && x->value == PIPE_MSGS / 2);
+    kvp_metrics_free(m);
+}
+
+/* Messages from a raw sender: even ones with their digest, odd ones with it
+ * off by one; the first half announced, the rest inline. */
+static void pipe_corrupt_messages(void)
+{
+    unsetenv("KVPIPE_INTEGRITY"); /* the pipe's default: on */
+    raw_setup s;
+    REQUIRE(raw_setup_init(&s) == 0);
+    char err[128];
+    raw_err_path(err, sizeof err, "integrity_decode");
+    pid_t decode = raw_spawn_side(&s, 1, corrupt_receiver, NULL, err);
+    kvp_engine *e;
+    REQUIRE_OK(raw_engine(&s, 0, &e));
+    void *ctx = zmq_ctx_new();
+    void *push = raw_socket(ctx, ZMQ_PUSH), *pull = raw_socket(ctx, ZMQ_PULL);
+    REQUIRE(raw_bind(push, s.side[0].data_port) == 0 && raw_connect(pull, s.side[1].ack_port) == 0);
+    for (int i = 0; i < PIPE_MSGS; i++) {
+        void *buf;
+        size_t len;
+        REQUIRE_OK(raw_message(e, i, &buf, &len));
+        kvpi_msg_tag t = {.seq = (uint64_t)i + 1, .has_digest = 1};
+        t.digest = kvpi_digest(buf, len) + (uint64_t)(i & 1);
+        memcpy(t.instance, kvpi_engine_instance(e), KVPI_TAG_INSTANCE_LEN);
+        uint8_t tag[KVPI_TAG_DIGEST_LEN], a[8], l[8];
+        size_t tag_len = kvpi_tag_encode(&t, tag);
+        if (i < PIPE_MSGS / 2) {
+            kvpi_put_be64(a, (uint64_t)(uintptr_t)buf);
+            kvpi_put_be64(l, len);
+            const void *f[3] = {a, l, tag};
+            size_t sz[3] = {8, 8, tag_len};
+            CHECK(raw_send_frames(push, f, sz, 3) == 0);
+        } else {
+            static uint8_t frame[KVPI_INLINE_TAG_LEN + 8192];
+            memcpy(kvpi_inline_put_tag(frame), buf, len);
+            const void *f[2] = {frame, tag};
+            size_t sz[2] = {KVPI_INLINE_TAG_LEN + len, tag_len};
+            CHECK(raw_send_frames(push, f, sz, 2) == 0);
+        }
+    }
+    int rc = kvpt_wait_child(decode, RAW_SIDE_MS);
+    if (rc != 0) raw_show(err, "decode");
+    CHECK(rc == 0);
+    unlink(err);
+    zmq_close(pull);
+    zmq_close(push);
+    zmq_ctx_term(ctx);
+    kvp_engine_destroy(e);
+}
+
+/* The receiver READs only once the sender says its buffer was rewritten. */
+static raw_chan rewritten;
+
+static void late_receiver(kvp_pipe *pipe, void *arg)
+{
+    (void)arg;
+    kvp_tensor *t = NULL;
+    CHECK_OK(kvp_pipe_recv(pipe, RAW_WAIT_MS, &t));
+    CHECK(raw_tensor_check(t, 0));
+    kvp_tensor_free(t);
+    t = NULL;
+    CHECK(raw_wait_step(&rewritten, RAW_WAIT_MS) == 'w');
+    kvp_status st = kvp_pipe_recv(pipe, RAW_WAIT_MS, &t);
+    if (st != KVP_ECORRUPT)
+        fprintf(stderr, "  the rewritten message: %s, want ECORRUPT\n",
+                st ? kvp_last_error() : "handed out");
+    CHECK(st == KVP_ECORRUPT);
+    kvp_tensor_free(t);
+    /* The next one, left alone, arrives whole. */
+    CHECK_OK(kvp_pipe_recv(pipe, RAW_WAIT_MS, &t));
+    CHECK(raw_tensor_check(t, 1));
+    kvp_tensor_free(t);
+}
+
+static void pipe_buffer_rewritten(void)
+{
+    unsetenv("KVPIPE_INTEGRITY");
+    raw_setup s;
+    REQUIRE(raw_setup_init(&s) == 0);
+    REQUIRE(raw_chan_init(&rewritten) == 0);
+    char err[128];
+    raw_err_path(err, sizeof err, "rewritten_decode");
+    kvp_pipe_opts o = raw_pipe_opts();
+    o.inline_max_bytes = 0; /* announced, so that it is READ later */
+    pid_t decode = raw_spawn_side_with(&s, 1, &o, late_receiver, NULL, err);
+    kvp_pipe *pipe;
+    REQUIRE_OK(raw_open_pipe(&s, 0, &o, &pipe));
+    /* Digests go in tags, once the sender has read the peer's descriptor. */
+    raw_send_good(pipe, 0);
+    kvp_pipe_stats st;
+    uint64_t until = kvpi_now_ms() + RAW_WAIT_MS;
+    do
+        kvp_pipe_get_stats(pipe, &st);
+    while (!st.peer_lookups && kvpi_now_ms() < until && !usleep(1000));
+    CHECK(st.peer_lookups > 0);
+    int64_t n = 1 << 20;
+    kvp_tensor *t;
+    REQUIRE_OK(kvp_pipe_tensor_alloc(pipe, KVP_DTYPE_U8, 1, &n, &t));
+    uint8_t *data = t->data;
+    kvpt_fill(data, (size_t)n, 5);
+    REQUIRE_OK(kvp_pipe_send_take(pipe, t));
+    data[n / 2] ^= 1; /* the buffer is the pipe's now: a bug, as users make it */
+    raw_step(&rewritten, 'w');
+    raw_send_good(pipe, 1);
+    CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
+    kvp_pipe_close(pipe);
+    int rc = kvpt_wait_child(decode, RAW_SIDE_MS);
+    if (rc != 0) raw_show(err, "decode");
+    CHECK(rc == 0);
+    unlink(err);
+}
+
 /* ------------------------------------------------- a peer without it --- */
 
 /* Integrity on here, off at the target: the requests go as before (no
@@ -526,6 +676,8 @@ int main(void)
     RUN_T(shm_source_rewritten_read, 120);
     RUN_T(tcp_source_rewritten_write, 120);
     RUN_T(shm_source_rewritten_write, 120);
+    RUN_T(pipe_corrupt_messages, 120);
+    RUN_T(pipe_buffer_rewritten, 120);
     RUN_T(mooncake_wire_unchanged, 120);
     return kvpt_summary();
 }

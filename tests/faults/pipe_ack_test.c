@@ -248,10 +248,10 @@ static void send_tagged_ack(void *push, const char *instance, uint64_t seq)
 {
     kvpi_msg_tag t = {.seq = seq};
     memcpy(t.instance, instance, KVPI_TAG_INSTANCE_LEN);
-    uint8_t tag[KVPI_TAG_LEN];
-    kvpi_tag_encode(&t, tag);
+    uint8_t tag[KVPI_TAG_DIGEST_LEN];
+    size_t len = kvpi_tag_encode(&t, tag);
     const void *f[2] = {"ACK", tag};
-    size_t sz[2] = {3, sizeof tag};
+    size_t sz[2] = {3, len};
     CHECK(raw_send_frames(push, f, sz, 2) == 0);
 }
 
@@ -384,14 +384,14 @@ static void test_stale_instance_announcement(void)
         void *buf;
         size_t len;
         REQUIRE_OK(raw_message(e, i, &buf, &len));
-        uint8_t a[8], l[8], tag[KVPI_TAG_LEN];
+        uint8_t a[8], l[8], tag[KVPI_TAG_DIGEST_LEN];
         kvpi_put_be64(a, (uint64_t)(uintptr_t)buf);
         kvpi_put_be64(l, len);
         kvpi_msg_tag t = {.seq = (uint64_t)i + 1};
         memcpy(t.instance, i == 0 ? other : mine, KVPI_TAG_INSTANCE_LEN);
-        kvpi_tag_encode(&t, tag);
+        size_t tag_len = kvpi_tag_encode(&t, tag);
         const void *f[3] = {a, l, tag};
-        size_t sz[3] = {8, 8, sizeof tag};
+        size_t sz[3] = {8, 8, tag_len};
         /* The last one untagged: MooncakePipe's wire still works. */
         CHECK(raw_send_frames(push, f, sz, i == 2 ? 2 : 3) == 0);
         /* Answered with a tagged ACK echoing its tag, the untagged one

@@ -35,7 +35,7 @@ typedef struct frames {
 
 static int is_tag(const uint8_t *p, size_t n)
 {
-    if (n != KVPI_TAG_LEN) return 0;
+    if (n != KVPI_TAG_LEN && n != KVPI_TAG_DIGEST_LEN) return 0;
     for (int i = 0; i < KVPI_TAG_INSTANCE_LEN; i++)
         if (!((p[i] >= '0' && p[i] <= '9') || (p[i] >= 'a' && p[i] <= 'f'))) return 0;
     return 1;
@@ -130,9 +130,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     FUZZ_CHECK(strlen(tag.instance) == KVPI_TAG_INSTANCE_LEN &&
                memcmp(tag.instance, last, KVPI_TAG_INSTANCE_LEN) == 0);
     FUZZ_CHECK(tag.seq == kvpi_get_be64(last + KVPI_TAG_INSTANCE_LEN));
-    uint8_t again[KVPI_TAG_LEN];
-    kvpi_tag_encode(&tag, again);
-    FUZZ_CHECK(memcmp(again, last, KVPI_TAG_LEN) == 0);
+    size_t len = f.size[f.n - 1];
+    FUZZ_CHECK(tag.has_digest == (len == KVPI_TAG_DIGEST_LEN));
+    FUZZ_CHECK(!tag.has_digest || tag.digest == kvpi_get_be64(last + KVPI_TAG_LEN));
+    uint8_t again[KVPI_TAG_DIGEST_LEN];
+    FUZZ_CHECK(kvpi_tag_encode(&tag, again) == len);
+    FUZZ_CHECK(memcmp(again, last, len) == 0);
     check_message(&untagged, &f, f.n - 1, max);
     /* One tag a message. */
     kvpi_msg_tag twice;
