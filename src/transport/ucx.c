@@ -193,6 +193,31 @@ out:
     return r;
 }
 
+/* Not authenticated: unpack the descriptor's rkeys, once the HELLO's answer
+ * refused the ranges deregistered since the descriptor was made. Those are
+ * left packed: over UCX's shared memory the rkey of a pool chunk names its
+ * segment, which the target removes once the chunk is given back, and UCX
+ * 1.13 takes SIGSEGV on the failed unpack (it releases the parts it never
+ * unpacked, ucp_ep_rkey_unpack -> ucp_rkey_destroy). A range deregistered
+ * later is REVOKEd on this connection, after this answer, and the target
+ * unmaps it only once we answered, or cut us off. 0, or -1 when UCX refuses
+ * an rkey. The progress thread: no transfer has p yet. */
+static int unpack_rkeys(ucx_peer *p)
+{
+    for (size_t i = 0; i < p->n_regions; i++) {
+        if (p->revoked[i]) continue;
+        ucs_status_t ust = ucp_ep_rkey_unpack(p->ep, p->rkey_bufs[i], &p->rkeys[i]);
+        if (ust != UCS_OK) {
+            p->rkeys[i] = NULL;
+            KVPI_DEBUG("ucx peer %s: buffer 0x%" PRIx64 ": ucp_ep_rkey_unpack: %s", p->segment,
+                       p->regions[i].addr, ucs_status_string(ust));
+            return -1;
+        }
+        find_mapping(p, i);
+    }
+    return 0;
+}
+
 static ucs_status_t on_hello_ack(void *arg, const void *header, size_t header_length, void *data,
                                  size_t length, const ucp_am_recv_param_t *param)
 {
@@ -217,6 +242,7 @@ static ucs_status_t on_hello_ack(void *arg, const void *header, size_t header_le
         }
     }
     if (keys && take_rkeys(p, m.rkeys, m.rkeys_end) != 0) status = HELLO_BAD_RKEY;
+    if (!p->auth && status == KVPI_UCX_HELLO_OK && unpack_rkeys(p) != 0) status = HELLO_BAD_RKEY;
     hello_finish(p, status);
     return UCS_OK;
 }
@@ -359,21 +385,6 @@ static unsigned peer_service(kvpi_ucx_server *s, kvpi_ucx_pollee *poll)
 
 /* ---- opening (progress thread) ---- */
 
-static kvp_status unpack_rkeys(ucx_peer *p)
-{
-    for (size_t i = 0; i < p->n_regions; i++) {
-        ucs_status_t ust = ucp_ep_rkey_unpack(p->ep, p->rkey_bufs[i], &p->rkeys[i]);
-        if (ust != UCS_OK) {
-            p->rkeys[i] = NULL;
-            return kvpi_error(KVP_EPROTO,
-                              "ucx: segment %s: buffer 0x%" PRIx64 ": ucp_ep_rkey_unpack: %s",
-                              p->segment, p->regions[i].addr, ucs_status_string(ust));
-        }
-        find_mapping(p, i); /* no transfer has p yet */
-    }
-    return KVP_OK;
-}
-
 static kvp_status send_hello(ucx_peer *p, uint64_t epoch)
 {
     ucp_address_t *addr;
@@ -440,8 +451,8 @@ static kvp_status open_steps(kvpi_ucx_server *s, open_args *a)
                           "ucx: no endpoint to segment %s: %s (UCX_TLS=%s)", p->segment,
                           ucs_status_string(ust), getenv("UCX_TLS") ? getenv("UCX_TLS") : "all");
     }
-    /* Authenticated, the rkeys come with the HELLO's answer. */
-    if (!p->auth && (st = unpack_rkeys(p))) return st;
+    /* The rkeys are unpacked once the HELLO is answered (unpack_rkeys;
+     * authenticated, they come with the answer). */
     return send_hello(p, a->epoch);
 }
 
@@ -691,8 +702,8 @@ static kvp_status hello_error(const ucx_peer *p, unsigned status)
                           "match): an impostor, or a replayed answer",
                           p->segment);
     case HELLO_BAD_RKEY:
-        return kvpi_error(KVP_EPROTO, "ucx: segment %s: malformed rkeys in its HELLO's answer",
-                          p->segment);
+        return kvpi_error(KVP_EPROTO, "ucx: segment %s: UCX cannot unpack the rkeys %s", p->segment,
+                          p->auth ? "of its HELLO's answer" : "its descriptor publishes");
     default:
         return kvpi_error(KVP_ENOTSUP, "ucx: segment %s could not pair our endpoint with its own",
                           p->segment);
