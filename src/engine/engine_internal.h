@@ -49,6 +49,12 @@ typedef struct kvpi_peer {
 
 typedef struct kvpi_segment {
     char *name;
+    /* Held across a lookup (the transports' peer_open and peer_close, which
+     * may wait on a transport's own threads), so that workers racing to a
+     * segment that failed look it up once. */
+    pthread_mutex_t lookup_lock;
+    /* The fields below; held briefly, never across a call into a transport:
+     * transfers complete on the transports' threads and take it there. */
     pthread_mutex_t lock;
     kvpi_peer *peer;       /* NULL until looked up, and after a connection error */
     const char *transport; /* name of the last transport used, for callers */

@@ -38,6 +38,7 @@ kvp_status kvp_engine_open_segment(kvp_engine *e, const char *name, kvp_segment_
             st = kvpi_error(KVP_ENOMEM, "open_segment: out of memory");
             goto out;
         }
+        pthread_mutex_init(&seg->lookup_lock, NULL);
         pthread_mutex_init(&seg->lock, NULL);
         e->segments[e->n_segments++] = seg;
     }
@@ -65,10 +66,12 @@ kvpi_segment *kvpi_segment_find(kvp_engine *e, const char *name)
 
 void kvpi_segment_forget(kvpi_segment *seg)
 {
+    pthread_mutex_lock(&seg->lookup_lock); /* after a lookup under way, not before */
     pthread_mutex_lock(&seg->lock);
     kvpi_peer *peer = seg->peer;
     seg->peer = NULL;
     pthread_mutex_unlock(&seg->lock);
+    pthread_mutex_unlock(&seg->lookup_lock);
     if (peer) peer_put(NULL, peer);
 }
 
@@ -427,25 +430,33 @@ int kvpi_engine_watch_state(kvp_engine *e)
 kvp_status kvpi_segment_acquire(kvp_engine *e, kvpi_segment *seg, kvpi_peer **out)
 {
     kvp_status st = KVP_OK;
-    /* The lock is held across a lookup, so that workers racing to a segment
-     * that failed look it up once. */
+    /* lookup_lock is held across a lookup, so that workers racing to a
+     * segment that failed look it up once; seg->lock is not: a transfer of
+     * the failed peer completing on a transport's thread takes it
+     * (kvpi_segment_note, release), and ucx's peer_open and peer_close wait
+     * for that very thread. */
+    pthread_mutex_lock(&seg->lookup_lock);
     pthread_mutex_lock(&seg->lock);
-    if (!seg->peer) {
+    kvpi_peer *peer = seg->peer;
+    if (peer) atomic_fetch_add(&peer->refs, 1); /* the caller's */
+    int looked_up = seg->looked_up;
+    pthread_mutex_unlock(&seg->lock);
+    if (!peer) {
         kvpi_counter_add(&e->metrics.lookups, 1);
-        if (seg->looked_up) kvpi_counter_add(&e->metrics.refreshes, 1);
-        st = peer_lookup(e, seg->name, &seg->peer);
+        if (looked_up) kvpi_counter_add(&e->metrics.refreshes, 1);
+        st = peer_lookup(e, seg->name, &peer); /* its reference is the segment's */
         if (st == KVP_OK) {
-            if (!seg->looked_up) watch_start(e);
+            if (!looked_up) watch_start(e);
+            pthread_mutex_lock(&seg->lock);
+            seg->peer = peer; /* still NULL: only a lookup sets it, under lookup_lock */
             seg->looked_up = 1;
-            const kvpi_transport_ops *ops = seg->peer->primary->ops;
-            seg->transport = ops->name;
+            seg->transport = peer->primary->ops->name;
+            atomic_fetch_add(&peer->refs, 1); /* the caller's */
+            pthread_mutex_unlock(&seg->lock);
         }
     }
-    if (st == KVP_OK) {
-        atomic_fetch_add(&seg->peer->refs, 1);
-        *out = seg->peer;
-    }
-    pthread_mutex_unlock(&seg->lock);
+    pthread_mutex_unlock(&seg->lookup_lock);
+    if (st == KVP_OK) *out = peer;
     return st;
 }
 
@@ -502,6 +513,7 @@ void kvpi_segments_destroy(kvp_engine *e)
         kvpi_segment *seg = e->segments[i];
         if (seg->peer) peer_put(NULL, seg->peer);
         pthread_mutex_destroy(&seg->lock);
+        pthread_mutex_destroy(&seg->lookup_lock);
         free(seg->name);
         free(seg);
     }
