@@ -149,8 +149,17 @@ const char *kvpt_pipe_peer_transport(kvp_pipe *pipe)
 
 void kvpt_pipe_expect_same_host(kvp_pipe *pipe, int rank)
 {
+    if (rank == 0) {
+        kvpt_pipe_expect(pipe, NULL);
+        return;
+    }
     const char *want = kvpi_transport_lookup("shm") ? "shm" : "tcp";
-    if (rank == 1) CHECK(strcmp(kvpt_pipe_peer_transport(pipe), want) == 0);
+    const char *got = kvpt_pipe_peer_transport(pipe);
+    if (strcmp(got, want) != 0)
+        fprintf(stderr, "  the receiver READ over '%s' (%s), not %s\n", got,
+                *got ? "its transport" : kvp_last_error(), want);
+    CHECK(strcmp(got, want) == 0);
+    CHECK_OK(kvp_pipe_send(pipe, NULL));
 }
 
 static int64_t x_val[1] = {1};

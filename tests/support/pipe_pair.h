@@ -83,7 +83,9 @@ void kvpt_pipe_expect(kvp_pipe *pipe, const kvp_tensor *want);
 const char *kvpt_pipe_peer_transport(kvp_pipe *pipe);
 
 /* On the receiver (rank 1): it READ over shm when this build has the
- * same-host transport, over tcp otherwise. */
+ * same-host transport, over tcp otherwise. Called on both sides after their
+ * last tensor: the sender waits until the receiver looked (its answer is a
+ * None), since the look needs the sender's segment, gone once it closed. */
 void kvpt_pipe_expect_same_host(kvp_pipe *pipe, int rank);
 
 /* vLLM's test tensors: x = int64 [1], y = float32 [1, 4] = 2, 3, 4, 8. */
