@@ -1,4 +1,5 @@
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -82,6 +83,11 @@ static void child_main(const kvpt_ctarget_opts *o, kvpt_ctarget *t, int cmd_fd, 
 {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     signal(SIGPIPE, SIG_IGN);
+    if (o->stderr_path) {
+        int fd = open(o->stderr_path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0600);
+        if (fd < 0 || dup2(fd, STDERR_FILENO) < 0) _exit(2);
+        close(fd);
+    }
     if (o->nofile) {
         struct rlimit rl;
         getrlimit(RLIMIT_NOFILE, &rl);
@@ -164,6 +170,21 @@ int64_t kvpt_ctarget_cmd(kvpt_ctarget *t, int op, uint64_t arg, int timeout_ms)
         return -1;
     }
     return r;
+}
+
+int kvpt_ctarget_said(const char *stderr_path, const char *text)
+{
+    FILE *f = fopen(stderr_path, "r");
+    if (!f) return 0;
+    int found = 0;
+    char line[4096];
+    while (fgets(line, sizeof line, f)) {
+        fputs(line, stderr);
+        found |= strstr(line, text) != NULL;
+    }
+    fclose(f);
+    unlink(stderr_path);
+    return found;
 }
 
 int64_t kvpt_ctarget_cpu_ms(const kvpt_ctarget *t)

@@ -29,6 +29,9 @@ typedef struct kvpt_ctarget_opts {
     uint64_t min_transfer_rate;
     int nofile; /* RLIMIT_NOFILE soft limit of the child; 0: unchanged */
     size_t pool_retain_bytes;
+    /* The child's stderr goes to this file (NULL: the test's own), so that a
+     * test can read what it said before it died (kvpt_ctarget_said). */
+    const char *stderr_path;
 } kvpt_ctarget_opts;
 
 typedef struct kvpt_ctarget {
@@ -61,6 +64,10 @@ enum kvpt_ctarget_op {
 /* Run a command; returns its value, or -1 if it failed or no answer came
  * within timeout_ms (the child is then stuck). */
 int64_t kvpt_ctarget_cmd(kvpt_ctarget *t, int op, uint64_t arg, int timeout_ms);
+
+/* Copy the file opts.stderr_path named to our stderr and delete it; 1 if
+ * it held text, else 0. Call it once the child was reaped. */
+int kvpt_ctarget_said(const char *stderr_path, const char *text);
 
 /* CPU time (user + system) the child used so far, in ms; -1 on error. */
 int64_t kvpt_ctarget_cpu_ms(const kvpt_ctarget *t);

@@ -316,6 +316,27 @@ int kvpt_ucx_older_than(unsigned major, unsigned minor)
 #endif
 }
 
+int64_t kvpt_runq_wait_ms(pid_t pid)
+{
+    char dir[64];
+    snprintf(dir, sizeof dir, "/proc/%d/task", (int)pid);
+    DIR *d = opendir(dir);
+    if (!d) return -1;
+    unsigned long long sum = 0;
+    for (struct dirent *t; (t = readdir(d));) {
+        if (t->d_name[0] == '.') continue;
+        char path[384];
+        snprintf(path, sizeof path, "%s/%s/schedstat", dir, t->d_name);
+        FILE *f = fopen(path, "r");
+        unsigned long long run, wait;
+        /* "time on the CPU, time waiting on a run queue, timeslices", in ns */
+        if (f && fscanf(f, "%llu %llu", &run, &wait) == 2) sum += wait;
+        if (f) fclose(f);
+    }
+    closedir(d);
+    return (int64_t)(sum / 1000000u);
+}
+
 int kvpt_stop(pid_t pid, int timeout_ms)
 {
     if (kill(pid, SIGSTOP) != 0) return -1;

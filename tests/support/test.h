@@ -105,6 +105,12 @@ int kvpt_wait_file_has(const char *path, const char *text, int timeout_ms);
  * 0 once they are all stopped. */
 int kvpt_stop(pid_t pid, int timeout_ms);
 
+/* Milliseconds the threads of process pid (alive now) spent runnable but
+ * waiting for a CPU, so far (/proc/PID/task/TID/schedstat); -1 if unknown.
+ * The difference over an interval is how much load delayed the process:
+ * what a check of a duration may add to its bound. */
+int64_t kvpt_runq_wait_ms(pid_t pid);
+
 /* Start a program (argv[0] is a path) with stdout to out_path (NULL: inherit).
  * Returns its pid. */
 pid_t kvpt_spawn(char *const argv[], const char *out_path);
