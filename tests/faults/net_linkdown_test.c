@@ -61,11 +61,15 @@ static int outage(kvpt_netns *n, int outage_ms)
         fprintf(stderr, "  %s\n", n->why);
         return -1;
     }
+    uint64_t t0 = kvpi_now_ms();
     sleep_ms(outage_ms);
     if (kvpt_net_link_up(n)) {
         fprintf(stderr, "  %s\n", n->why);
         return -1;
     }
+    /* Load can stretch it: TCP's retransmit backoff grows with it. */
+    fprintf(stderr, "  the link was down %llu ms (%d asked)\n",
+            (unsigned long long)(kvpi_now_ms() - t0), outage_ms);
     return 0;
 }
 
