@@ -1,12 +1,16 @@
 /* The HTTP listener: see http_listener.h for what it does and why.
  *
- * Locking: l->lock guards the list of connections and the statistics. Only
- * the acceptor thread shuts sockets down, always under the lock and only
- * sockets of connections MHD has announced (started) and not yet closed;
- * MHD's thread forgets a connection under the same lock before it closes
- * its socket. A connection handed to MHD and not announced yet (pending) is
- * never shut down: were MHD to drop it without a notification, its
- * descriptor could be reused by then.
+ * Locking: l->lock guards the list of connections and the statistics.
+ *
+ * Descriptors: the listener keeps a descriptor of its own for every
+ * connection (a dup of the one MHD gets), closed only when it forgets the
+ * connection, and shuts sockets down through it: so it may shut down any
+ * connection it tracks, one MHD has not announced yet included, without
+ * ever touching a descriptor number MHD closed and the process reused. A
+ * connection MHD announced is forgotten when MHD says it closed it (MHD's
+ * notification comes before its close); one MHD never announced (it took
+ * it, then dropped it) after PENDING_MS. Each connection costs two
+ * descriptors (kvpi_http_conns_within_fd_limit counts them).
  *
  * The list is kept in the order of each connection's start (its connect, or
  * its previous answer), oldest first: the first waiting connection found is
@@ -44,7 +48,8 @@
 #define BACKOFF_MAX_MS 1000
 
 typedef struct hconn {
-    int fd;
+    int fd;            /* MHD's: to match its notification */
+    int own;           /* ours (a dup): for shutdown and FIONREAD */
     int family;        /* AF_INET or AF_INET6 (v4-mapped addresses as AF_INET) */
     uint8_t addr[16];  /* the client's address, for max_conns_per_ip */
     uint64_t since_ms; /* connected, or last answered */
@@ -67,8 +72,7 @@ struct kvpi_http_listener {
     pthread_t acceptor;
     int acceptor_started;
     pthread_mutex_t lock;
-    pthread_cond_t closed;    /* a shut connection was closed */
-    pthread_cond_t announced; /* MHD announced a connection */
+    pthread_cond_t closed; /* a shut connection was closed */
     hconn *head, *tail;
     unsigned n_shut; /* shut, not closed yet */
     kvpi_http_listener_stats stats;
@@ -100,10 +104,18 @@ static void append_conn(kvpi_http_listener *l, hconn *c)
     l->tail = c;
 }
 
+/* Forget c: unlinked and our descriptor closed. Under the lock. */
+static void drop_conn(kvpi_http_listener *l, hconn *c)
+{
+    unlink_conn(l, c);
+    if (c->own >= 0) close(c->own);
+    free(c);
+}
+
 /* Under the lock: shut c down; MHD closes it. */
 static void shut_conn(kvpi_http_listener *l, hconn *c)
 {
-    shutdown(c->fd, SHUT_RDWR);
+    shutdown(c->own, SHUT_RDWR);
     c->shut = 1;
     l->n_shut++;
 }
@@ -138,7 +150,7 @@ static void addr_text(const hconn *c, char *buf, size_t len)
 static int unread(const hconn *c)
 {
     int n = 0;
-    return ioctl(c->fd, FIONREAD, &n) == 0 && n > 0;
+    return ioctl(c->own, FIONREAD, &n) == 0 && n > 0;
 }
 
 /* Under the lock: shut down victim to admit a newcomer; n connections
@@ -157,43 +169,24 @@ static int evict(kvpi_http_listener *l, hconn *victim, unsigned n, int per_ip)
     return 0;
 }
 
-static void wait_a_little(pthread_cond_t *cond, pthread_mutex_t *lock, int ms)
-{
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    until.tv_nsec += ms * 1000000L;
-    if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
-    pthread_cond_timedwait(cond, lock, &until);
-}
-
 /* Under the lock: make room for a newcomer from (family, addr). Returns 0
  * when it may be served (a connection evicted if need be), -1 when every
- * connection it would displace is in a request. A connection MHD has not
- * announced yet cannot be shut down (http_listener.c, top), so while some
- * would be candidates, it waits for MHD to announce them (a burst of
- * connections from one address can be all pending). */
+ * connection it would displace is in a request or has a request waiting. */
 static int make_room(kvpi_http_listener *l, int family, const uint8_t addr[16])
 {
-    for (int tries = 0;; tries++) {
-        unsigned total = 0, same = 0, pending = 0;
-        for (hconn *c = l->head; c; c = c->next) {
-            if (c->shut) continue;
-            int mine = c->family == family && memcmp(c->addr, addr, 16) == 0;
-            total++;
-            same += mine;
-            pending += !c->started && mine;
-        }
-        int per_ip = same >= l->lim.max_conns_per_ip;
-        if (!per_ip && total < l->lim.max_conns) return 0;
-        hconn *victim = NULL;
-        for (hconn *c = l->head; c && !victim; c = c->next)
-            if (c->started && !c->shut && !c->in_request && !unread(c) &&
-                (!per_ip || (c->family == family && memcmp(c->addr, addr, 16) == 0)))
-                victim = c;
-        if (victim) return evict(l, victim, per_ip ? same : total, per_ip);
-        if (!pending || tries == 10) return -1;
-        wait_a_little(&l->announced, &l->lock, 10);
+    unsigned total = 0, same = 0;
+    for (hconn *c = l->head; c; c = c->next) {
+        if (c->shut) continue;
+        total++;
+        same += c->family == family && memcmp(c->addr, addr, 16) == 0;
     }
+    int per_ip = same >= l->lim.max_conns_per_ip;
+    if (!per_ip && total < l->lim.max_conns) return 0;
+    for (hconn *c = l->head; c; c = c->next)
+        if (!c->shut && !c->in_request && !unread(c) &&
+            (!per_ip || (c->family == family && memcmp(c->addr, addr, 16) == 0)))
+            return evict(l, c, per_ip ? same : total, per_ip);
+    return -1;
 }
 
 /* While MHD still holds more shut connections than its slack, wait a little
@@ -201,8 +194,12 @@ static int make_room(kvpi_http_listener *l, int family, const uint8_t addr[16])
  * never refuses a newcomer the listener admitted. Under the lock. */
 static void wait_for_closes(kvpi_http_listener *l)
 {
-    for (int i = 0; i < 10 && l->n_shut >= SHUT_SLACK; i++)
-        wait_a_little(&l->closed, &l->lock, 10);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_nsec += 100 * 1000000L;
+    if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
+    while (l->n_shut >= SHUT_SLACK)
+        if (pthread_cond_timedwait(&l->closed, &l->lock, &until) != 0) break;
 }
 
 static void admit(kvpi_http_listener *l, int fd, const struct sockaddr *sa, socklen_t salen)
@@ -211,27 +208,29 @@ static void admit(kvpi_http_listener *l, int fd, const struct sockaddr *sa, sock
     uint8_t addr[16];
     key_of(sa, &family, addr);
     hconn *c = calloc(1, sizeof *c);
+    int own = c ? fcntl(fd, F_DUPFD_CLOEXEC, 0) : -1;
     pthread_mutex_lock(&l->lock);
-    if (!c || make_room(l, family, addr) != 0) {
+    if (own < 0 || make_room(l, family, addr) != 0) {
         l->stats.refused++;
         pthread_mutex_unlock(&l->lock);
         free(c);
+        if (own >= 0) close(own);
         close(fd);
         KVPI_WARN_LIMITED("%s: refused a connection: %s", l->what,
-                          c ? "every connection it could displace is in a request"
-                            : "out of memory");
+                          own >= 0 ? "every connection it could displace is in a request"
+                                   : "out of memory or descriptors");
         return;
     }
     wait_for_closes(l);
-    /* A pending entry with this descriptor is stale (MHD dropped it
-     * unannounced and the kernel reused the number). */
+    /* An unannounced entry with this descriptor number is stale: MHD dropped
+     * it and the kernel reused the number. */
     for (hconn *o = l->head; o; o = o->next)
         if (!o->started && o->fd == fd) {
-            unlink_conn(l, o);
-            free(o);
+            drop_conn(l, o);
             break;
         }
     c->fd = fd;
+    c->own = own;
     c->family = family;
     memcpy(c->addr, addr, 16);
     c->since_ms = c->added_ms = kvpi_now_ms();
@@ -242,10 +241,7 @@ static void admit(kvpi_http_listener *l, int fd, const struct sockaddr *sa, sock
         /* MHD closed fd; only this thread shuts sockets down, so nothing
          * touched the number since. */
         pthread_mutex_lock(&l->lock);
-        if (!c->started) {
-            unlink_conn(l, c);
-            free(c);
-        }
+        if (!c->started) drop_conn(l, c);
         l->stats.accepted--;
         l->stats.refused++;
         pthread_mutex_unlock(&l->lock);
@@ -265,11 +261,8 @@ static int reap(kvpi_http_listener *l)
     pthread_mutex_lock(&l->lock);
     for (hconn *c = l->head, *nx; c; c = nx) {
         nx = c->next;
-        if (!c->started) {
-            if (now - c->added_ms > PENDING_MS) {
-                unlink_conn(l, c);
-                free(c);
-            }
+        if (!c->started && now - c->added_ms > PENDING_MS) {
+            drop_conn(l, c);
             continue;
         }
         if (c->shut) continue;
@@ -298,7 +291,7 @@ static void shed(kvpi_http_listener *l)
 {
     pthread_mutex_lock(&l->lock);
     for (hconn *c = l->head; c; c = c->next)
-        if (c->started && !c->shut && !c->in_request) {
+        if (!c->shut && !c->in_request) {
             shut_conn(l, c);
             l->stats.evicted++;
             break;
@@ -371,7 +364,6 @@ static void on_connection(void *cls, struct MHD_Connection *mc, void **socket_co
          * timeout. */
         if (c) c->started = 1;
         *socket_context = c;
-        pthread_cond_broadcast(&l->announced);
     } else if (*socket_context) {
         /* Closed: MHD closes the socket after this returns. */
         hconn *c = *socket_context;
@@ -379,8 +371,7 @@ static void on_connection(void *cls, struct MHD_Connection *mc, void **socket_co
             l->n_shut--;
             pthread_cond_broadcast(&l->closed);
         }
-        unlink_conn(l, c);
-        free(c);
+        drop_conn(l, c);
         *socket_context = NULL;
     }
     pthread_mutex_unlock(&l->lock);
@@ -433,9 +424,10 @@ unsigned kvpi_http_conns_within_fd_limit(unsigned max_conns, unsigned reserve, c
 {
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return max_conns;
-    /* MHD may hold SHUT_SLACK connections more: those being closed. */
-    rlim_t other = (rlim_t)reserve + SHUT_SLACK;
-    rlim_t room = rl.rlim_cur > other + 16 ? rl.rlim_cur - other : 16;
+    /* Two descriptors a connection (MHD's and ours), and MHD may hold
+     * SHUT_SLACK connections more: those being closed. */
+    rlim_t other = (rlim_t)reserve + 2 * SHUT_SLACK;
+    rlim_t room = rl.rlim_cur > other + 32 ? (rl.rlim_cur - other) / 2 : 16;
     if (room >= max_conns) return max_conns;
     KVPI_INFO("%s: serving at most %llu connections (open-file limit %llu)", what,
               (unsigned long long)room, (unsigned long long)rl.rlim_cur);
@@ -454,15 +446,11 @@ void kvpi_http_listener_stop(kvpi_http_listener *l)
     /* Closing MHD closes every connection it serves; each leaves the list
      * on its way. What is left was never announced. */
     if (l->daemon) MHD_stop_daemon(l->daemon);
-    while (l->head) {
-        hconn *c = l->head;
-        unlink_conn(l, c);
-        free(c);
-    }
+    while (l->head)
+        drop_conn(l, l->head);
     if (l->listen_fd >= 0) close(l->listen_fd);
     if (l->wake_fd >= 0) close(l->wake_fd);
     pthread_cond_destroy(&l->closed);
-    pthread_cond_destroy(&l->announced);
     pthread_mutex_destroy(&l->lock);
     free(l);
 }
@@ -485,7 +473,6 @@ kvp_status kvpi_http_listener_start(const char *what, const char *host, int port
     l->listen_fd = -1;
     pthread_mutex_init(&l->lock, NULL);
     pthread_cond_init(&l->closed, NULL);
-    pthread_cond_init(&l->announced, NULL);
     kvp_status st;
     if ((l->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) < 0) {
         st = kvpi_error(KVP_EIO, "%s: eventfd: %s", what, strerror(errno));

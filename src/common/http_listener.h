@@ -30,11 +30,12 @@
  *    trickles; MHD's own idle timeout (idle_s) closes a connection silent
  *    that long.
  *  - Shutting down, never closing: evicted and overdue connections are
- *    shut down (shutdown(2)) under the listener's lock, and MHD, seeing the
- *    socket end, closes them on its own thread. MHD calls the closed
- *    notification before it closes a socket, and the listener forgets the
- *    connection there under the same lock, so it never touches a descriptor
- *    reused for something else.
+ *    shut down (shutdown(2)) through a descriptor of the listener's own (a
+ *    dup of MHD's, closed only once MHD has closed its own), and MHD, seeing
+ *    the socket end, closes them on its own thread. So any connection can be
+ *    evicted, one MHD has not taken up yet included, and the listener never
+ *    touches a descriptor number the process reused. Each connection costs
+ *    two descriptors.
  *  - Out of descriptors (EMFILE and the like): the oldest waiting connection
  *    is evicted and accepting pauses 10 ms, doubling up to 1 s while the
  *    shortage lasts; never a busy loop.
