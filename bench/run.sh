@@ -2,7 +2,7 @@
 # kvpipe benchmark driver: every figure is a ratio against a baseline measured
 # in the same run on the same machine.
 #
-#   bench/run.sh [--build DIR] [--duration SECONDS] [--repeat N] [--only tcp|shm|pipe|small|sweep|ucx|samehost|mdscale]
+#   bench/run.sh [--build DIR] [--duration SECONDS] [--repeat N] [--only tcp|shm|pipe|small|sweep|ucx|samehost|integrity|mdscale]
 #
 # Sections:
 #   tcp   kvpipe bench READ/WRITE over TCP vs raw loopback TCP (bench/raw_tcp.c), both
@@ -21,6 +21,9 @@
 #         UCX_TLS of this host, and of registered memory vs bench/ucp_reg (the
 #         same loop on registered application memory)
 #   samehost  kvpipe READ/WRITE over shm vs over ucx on UCX's shared memory
+#   integrity kvpipe bench READ/WRITE over tcp and shm, and the pipe at 64 MiB, with
+#         integrity on (KVPIPE_INTEGRITY=1 on both sides) vs off, back to back; and
+#         the digest's own speed (bench/digest_speed.c) beside its candidates
 #   mdscale   1,000 segments in a fresh etcd and a fresh redis-server (bench/md_scale.c):
 #         segment lookup p50/p99 cold and warm vs one store GET, and how long a
 #         changed descriptor takes to reach a caching engine (its watch) vs one PUT
@@ -41,13 +44,14 @@ while [ $# -gt 0 ]; do
     --duration) duration=$2; shift 2 ;;
     --repeat) repeat=$2; shift 2 ;;
     --only) only=$2; shift 2 ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
     *) echo "bench/run.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
 kvpipe="$build/kvpipe"
 for bin in "$kvpipe" "$build/raw_tcp" "$build/memcpy_baseline" "$build/zmq_pushpull" \
-    "$build/zmq_reqrep" "$build/pipe_ping" "$build/engine_lat" "$build/md_scale"; do
+    "$build/zmq_reqrep" "$build/pipe_ping" "$build/engine_lat" "$build/md_scale" \
+    "$build/digest_speed"; do
     [ -x "$bin" ] || { echo "bench/run.sh: $bin not built (cmake --build $build)" >&2; exit 1; }
 done
 tmp=$(mktemp -d)
@@ -578,7 +582,67 @@ print("| %s | %.3f / %.3f | %.3f / %.3f | %.2f | %.4f / %.4f | %.3f / %.3f (%.3f
     echo
 }
 
-for s in tcp shm pipe small sweep ucx samehost mdscale; do
+# ------------------------------------------------------ integrity section ---
+
+# Integrity on against off, back to back: the target restarted for each
+# setting (both ends must have it), the pipe's both sides set by the env.
+section_integrity() {
+    echo "## Integrity on vs off (docs/reliability.md, \"Integrity\")"
+    echo
+    echo "kvpipe bench's defaults (2 threads, 4 connections) over tcp and shm, and \`bench"
+    echo "--pipe\` of 64 MiB tensors (copying send, tcp and shm), with KVPIPE_INTEGRITY=1 at"
+    echo "both ends against =0, alternated in each of $repeat rounds; the median GB/s of each."
+    echo
+    echo "| path | block | off GB/s | on GB/s | on / off |"
+    echo "|---|---|---|---|---|"
+    local proto op block
+    for proto in tcp shm; do
+        local extra=(); [ "$proto" = tcp ] && extra=(--no-shm)
+        for block in 65536 1048576 16777216; do
+            for op in read write; do
+                local offs=() ons=()
+                for _ in $(seq "$repeat"); do
+                    KVPIPE_INTEGRITY=0 start_target "$proto" "${extra[@]}"
+                    offs+=("$(KVPIPE_INTEGRITY=0 initiator "$proto" "$op" "$block" "${extra[@]}")")
+                    stop_target
+                    KVPIPE_INTEGRITY=1 start_target "$proto" "${extra[@]}"
+                    ons+=("$(KVPIPE_INTEGRITY=1 initiator "$proto" "$op" "$block" "${extra[@]}")")
+                    stop_target
+                done
+                local off on
+                off=$(med "${offs[@]}"); on=$(med "${ons[@]}")
+                echo "| $proto ${op^^} | $(human "$block") | $off | $on | $(ratio "$on" "$off") |"
+            done
+        done
+    done
+    local size=$((64 << 20)) count=$(( 64 * duration ))
+    for proto in tcp shm; do
+        local extra=(); [ "$proto" = tcp ] && extra=(--no-shm)
+        local offs=() ons=()
+        for _ in $(seq "$repeat"); do
+            offs+=("$(KVPIPE_INTEGRITY=0 "$kvpipe" bench --pipe --tensor-size "$size" \
+                --count "$count" --protocol "$proto" "${extra[@]}" --json | gbps_of)")
+            ons+=("$(KVPIPE_INTEGRITY=1 "$kvpipe" bench --pipe --tensor-size "$size" \
+                --count "$count" --protocol "$proto" "${extra[@]}" --json | gbps_of)")
+        done
+        local off on
+        off=$(med "${offs[@]}"); on=$(med "${ons[@]}")
+        echo "| pipe $proto | 64 MiB | $off | $on | $(ratio "$on" "$off") |"
+    done
+    echo
+    echo "The digest's own speed, 256 KiB chunks, one core (bench/digest_speed.c; GB/s):"
+    echo
+    echo "| function | in cache | walking 1 GiB |"
+    echo "|---|---|---|"
+    "$build/digest_speed" --duration 1 | python3 -c '
+import json, sys
+for l in sys.stdin:
+    r = json.loads(l)
+    print("| %s | %.2f | %.2f |" % (r["function"], r["in_cache_gbps"], r["memory_gbps"]))'
+    echo
+}
+
+for s in tcp shm pipe small sweep ucx samehost integrity mdscale; do
     [ -n "$only" ] && [ "$only" != "$s" ] && continue
     "section_$s" | tee -a "$out"
 done

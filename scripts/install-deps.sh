@@ -10,7 +10,7 @@ set -eu
 # wheel and venv tests, curl for the README's metrics line, libabigail's
 # abidiff (and xz) for the ABI check.
 PKGS="build-essential cmake pkg-config libzmq3-dev libcurl4-openssl-dev libmicrohttpd-dev
-libhiredis-dev libcjson-dev libucx-dev libsodium-dev libxxhash-dev
+libhiredis-dev libcjson-dev libucx-dev libsodium-dev libxxhash-dev zlib1g-dev
 redis-server etcd-server python3 python3-dev python3-numpy valgrind
 clang clang-format libclang-rt-14-dev nftables iproute2 ucx-utils gnuplot-nox
 python3-venv python3-setuptools python3-wheel python3-build curl abigail-tools xz-utils"
