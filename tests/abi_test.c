@@ -77,6 +77,53 @@ static void engine_opts_newer(void)
     unguard(o, size);
 }
 
+/* kvp_batch_opts of an older program (before instance: it takes its default,
+ * any instance) and of a newer one (a field set that this library lacks:
+ * KVP_ENOTSUP, nothing submitted). */
+static void batch_opts_sizes(void)
+{
+    kvp_engine_opts eo;
+    kvp_engine_opts_init(&eo);
+    eo.local_server_name = "127.0.0.1:0";
+    eo.metadata = "P2PHANDSHAKE";
+    kvp_engine *e = NULL;
+    REQUIRE_OK(kvp_engine_create(&eo, &e));
+    kvp_segment_id seg;
+    REQUIRE_OK(kvp_engine_open_segment(e, kvp_engine_segment_name(e), &seg));
+    size_t size = OLDER_SIZE(kvp_batch_opts, instance);
+    kvp_batch_opts *o = guarded(size);
+    REQUIRE(o);
+    memset(o, 0x5a, size);
+    kvp_batch_opts_init_size(o, size);
+    CHECK(o->on_complete == NULL && o->user_data == NULL && o->reap == 0);
+    o->reap = 1;
+    kvp_batch *b = NULL;
+    CHECK_OK(kvp_batch_submit_with_size(e, seg, NULL, 0, o, size, &b));
+    kvp_completion c;
+    CHECK(kvp_engine_reap(e, &c, 1) == 1 && c.batch == b);
+    kvp_batch_free(b);
+    unguard(o, size);
+
+    size = sizeof(kvp_batch_opts) + 16;
+    o = guarded(size);
+    REQUIRE(o);
+    memset(o, 0x5a, size);
+    kvp_batch_opts_init_size(o, size);
+    CHECK(((unsigned char *)o)[size - 1] == 0);
+    o->reap = 1;
+    b = NULL;
+    CHECK_OK(kvp_batch_submit_with_size(e, seg, NULL, 0, o, size, &b));
+    CHECK(kvp_engine_reap(e, &c, 1) == 1 && c.batch == b);
+    kvp_batch_free(b);
+    ((unsigned char *)o)[sizeof *o + 3] = 1;
+    b = NULL;
+    CHECK_ST(kvp_batch_submit_with_size(e, seg, NULL, 0, o, size, &b), KVP_ENOTSUP);
+    CHECK(b == NULL && kvp_engine_reap(e, &c, 1) == 0);
+    CHECK(strstr(kvp_last_error(), "kvp_batch_opts") != NULL);
+    unguard(o, size);
+    kvp_engine_destroy(e);
+}
+
 static void pipe_opts_and_stats_older(void)
 {
     static const int offsets[] = {0, 9, 10, 100, 109, 110};
@@ -143,6 +190,7 @@ int main(void)
 {
     RUN(engine_opts_older);
     RUN(engine_opts_newer);
+    RUN(batch_opts_sizes);
     RUN(pipe_opts_and_stats_older);
     RUN(metadata_server_opts_sizes);
     return kvpt_summary();

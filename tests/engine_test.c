@@ -2,8 +2,10 @@
  * the HTTP store and P2PHANDSHAKE. The target runs in a child process; this
  * process is the initiator. (etcd and Redis run the store-level cases in
  * engine_store_test.c.) */
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -392,6 +394,324 @@ static void create_errors(void)
     kvp_engine_destroy(e);
 }
 
+/* ---- completion: callbacks, the completion fd, reaping ---- */
+
+#define NB 32 /* batches in flight at once */
+
+typedef struct done_log {
+    atomic_int calls[NB + 2]; /* on_complete calls, by batch index (user_data) */
+    atomic_int order;         /* on_complete calls in all */
+} done_log;
+
+static done_log *LOG;
+
+static void on_done(kvp_batch *b, void *arg)
+{
+    size_t i = (size_t)(uintptr_t)arg;
+    /* The callback may read its batch: it is complete. */
+    if (kvp_batch_pending(b) != 0) atomic_fetch_add(&LOG->calls[NB + 1], 1);
+    atomic_fetch_add(&LOG->calls[i], 1);
+    atomic_fetch_add(&LOG->order, 1);
+}
+
+static int fd_readable(int fd, int timeout_ms)
+{
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    return poll(&p, 1, timeout_ms) == 1 && (p.revents & POLLIN);
+}
+
+/* NB batches of READs and WRITEs in flight at once, one with a request
+ * outside the target's buffer: each calls its callback once and is reaped
+ * once, with its status, through the fd a poll(2) waits on; the fd stays
+ * readable until the queue is empty (level-triggered), and not after. */
+static void completion(void)
+{
+    const size_t block = 64 * 1024, per = 4;
+    PROLOGUE(NB * per * block);
+    done_log log = {0};
+    LOG = &log;
+    char *local = malloc(NB * per * block);
+    REQUIRE(local);
+    kvpt_fill(local, NB * per * block, 77);
+    int fd = kvp_engine_completion_fd(e);
+    REQUIRE(fd >= 0);
+    CHECK(!fd_readable(fd, 0));
+    kvp_batch *bs[NB];
+    const size_t bad = 5; /* its last request lies past the buffer */
+    for (size_t i = 0; i < NB; i++) {
+        kvp_request r[4];
+        for (size_t q = 0; q < per; q++) {
+            size_t off = (i * per + q) * block;
+            /* Odd batches WRITE the second half of their span. */
+            kvp_opcode op = (i % 2 && q >= per / 2) ? KVP_OP_WRITE : KVP_OP_READ;
+            r[q] = (kvp_request){op, local + off, (uint64_t)(uintptr_t)t.buf + off, block};
+        }
+        if (i == bad) r[per - 1].remote = (uint64_t)(uintptr_t)t.buf + t.len;
+        kvp_batch_opts o;
+        kvp_batch_opts_init(&o);
+        o.on_complete = on_done;
+        o.user_data = (void *)(uintptr_t)i;
+        o.reap = 1;
+        REQUIRE_OK(kvp_batch_submit_with(e, seg, r, per, &o, &bs[i]));
+    }
+    size_t reaped = 0;
+    int seen[NB] = {0};
+    uint64_t deadline = kvpi_now_ms() + 30000;
+    while (reaped < NB && kvpi_now_ms() < deadline) {
+        if (!fd_readable(fd, 1000)) continue;
+        /* Level-triggered: still readable while nothing was taken. */
+        CHECK(fd_readable(fd, 0));
+        kvp_completion c[4];
+        size_t n = kvp_engine_reap(e, c, 4);
+        CHECK(n > 0);
+        for (size_t k = 0; k < n; k++) {
+            size_t i = (size_t)(uintptr_t)c[k].user_data;
+            REQUIRE(i < NB);
+            CHECK(c[k].batch == bs[i]);
+            CHECK(seen[i]++ == 0);
+            CHECK(atomic_load(&log.calls[i]) == 1); /* before it was queued */
+            CHECK(kvp_batch_pending(c[k].batch) == 0);
+            CHECK_ST(c[k].status, i == bad ? KVP_ERANGE : KVP_OK);
+            CHECK_ST(kvp_batch_wait(c[k].batch, 0), i == bad ? KVP_ERANGE : KVP_OK);
+        }
+        reaped += n;
+    }
+    CHECK(reaped == NB);
+    CHECK(!fd_readable(fd, 0));
+    kvp_completion none;
+    CHECK(kvp_engine_reap(e, &none, 1) == 0);
+    CHECK(atomic_load(&log.order) == NB);
+    CHECK(atomic_load(&log.calls[NB + 1]) == 0);
+    for (size_t i = 0; i < NB; i++) {
+        kvp_batch_free(bs[i]);
+        CHECK(atomic_load(&log.calls[i]) == 1);
+    }
+    /* What the READs brought and the WRITEs left. */
+    for (size_t i = 0; i < NB; i++)
+        for (size_t q = 0; q < per; q++) {
+            size_t off = (i * per + q) * block;
+            if (i == bad && q == per - 1) continue;
+            if (i % 2 && q >= per / 2)
+                CHECK(kvpt_verify((char *)t.buf + off, block, 77 + off) == (size_t)-1);
+            else
+                CHECK(kvpt_verify(local + off, block, SEED + off) == (size_t)-1);
+        }
+    free(local);
+    kvp_engine_destroy(e);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
+}
+
+typedef struct reaper {
+    pthread_t th;
+    kvp_engine *e;
+    atomic_int *stop;
+    size_t got;
+    int *seen; /* shared: a batch reaped twice shows as 2 */
+} reaper;
+
+static void *reaper_main(void *arg)
+{
+    reaper *r = arg;
+    int fd = kvp_engine_completion_fd(r->e);
+    while (!atomic_load(r->stop)) {
+        if (!fd_readable(fd, 50)) continue;
+        kvp_completion c[3];
+        size_t n = kvp_engine_reap(r->e, c, 3);
+        for (size_t k = 0; k < n; k++) {
+            __atomic_fetch_add(&r->seen[(size_t)(uintptr_t)c[k].user_data], 1, __ATOMIC_RELAXED);
+            kvp_batch_free(c[k].batch);
+        }
+        r->got += n;
+    }
+    return NULL;
+}
+
+/* The completion queue's edges: a batch of no requests completes before
+ * kvp_batch_submit_with returns; a batch freed unreaped leaves the queue
+ * (the fd turns unreadable); a cancelled batch completes once; threads
+ * reaping at once get each batch once. */
+static void completion_edges(void)
+{
+    const size_t block = 1u << 20, nreq = 64;
+    PROLOGUE(nreq * block);
+    done_log log = {0};
+    LOG = &log;
+    int fd = kvp_engine_completion_fd(e);
+    kvp_batch_opts o;
+    kvp_batch_opts_init(&o);
+    o.on_complete = on_done;
+    o.reap = 1;
+    o.user_data = (void *)(uintptr_t)0;
+    kvp_batch *b;
+    REQUIRE_OK(kvp_batch_submit_with(e, seg, NULL, 0, &o, &b));
+    CHECK(atomic_load(&log.calls[0]) == 1);
+    CHECK(fd_readable(fd, 0));
+    /* Freed without reaping: off the queue. */
+    kvp_batch_free(b);
+    CHECK(!fd_readable(fd, 0));
+    kvp_completion c[2];
+    CHECK(kvp_engine_reap(e, c, 2) == 0);
+
+    /* Freed unreaped behind one reaped later: the queue keeps the other. */
+    char *local = malloc(nreq * block);
+    REQUIRE(local);
+    kvp_request r = {KVP_OP_READ, local, (uint64_t)(uintptr_t)t.buf, 4096};
+    kvp_batch *b1, *b2;
+    o.user_data = (void *)(uintptr_t)1;
+    REQUIRE_OK(kvp_batch_submit_with(e, seg, &r, 1, &o, &b1));
+    CHECK_OK(kvp_batch_wait(b1, 10000));
+    o.user_data = (void *)(uintptr_t)2;
+    REQUIRE_OK(kvp_batch_submit_with(e, seg, &r, 1, &o, &b2));
+    CHECK_OK(kvp_batch_wait(b2, 10000));
+    CHECK(fd_readable(fd, 0));
+    kvp_batch_free(b1);
+    CHECK(fd_readable(fd, 0));
+    CHECK(kvp_engine_reap(e, c, 2) == 1);
+    CHECK(c[0].batch == b2 && c[0].user_data == (void *)(uintptr_t)2);
+    CHECK(!fd_readable(fd, 0));
+    kvp_batch_free(b2);
+    /* A callback without the queue; the queue without a callback. */
+    kvp_batch_opts only_cb = o;
+    only_cb.reap = 0;
+    only_cb.user_data = (void *)(uintptr_t)3;
+    REQUIRE_OK(kvp_batch_submit_with(e, seg, &r, 1, &only_cb, &b));
+    CHECK_OK(kvp_batch_wait(b, 10000));
+    kvp_batch_free(b); /* returns after the callback */
+    CHECK(atomic_load(&log.calls[3]) == 1);
+    CHECK(!fd_readable(fd, 0));
+
+    /* Cancelled at once: it completes, once, most requests KVP_ECANCELED. */
+    kvp_request *rs = calloc(nreq, sizeof *rs);
+    REQUIRE(rs);
+    for (size_t i = 0; i < nreq; i++)
+        rs[i] = (kvp_request){KVP_OP_READ, local + i * block,
+                              (uint64_t)(uintptr_t)t.buf + i * block, block};
+    o.user_data = (void *)(uintptr_t)4;
+    REQUIRE_OK(kvp_batch_submit_with(e, seg, rs, nreq, &o, &b));
+    kvp_batch_cancel(b);
+    CHECK(fd_readable(fd, 20000));
+    CHECK(kvp_engine_reap(e, c, 2) == 1);
+    CHECK(c[0].batch == b);
+    CHECK(c[0].status == KVP_OK || c[0].status == KVP_ECANCELED);
+    CHECK(kvp_batch_request_status(b, nreq - 1) == KVP_ECANCELED ||
+          kvp_batch_request_status(b, nreq - 1) == KVP_OK);
+    CHECK(atomic_load(&log.calls[4]) == 1);
+    kvp_batch_free(b);
+    CHECK(atomic_load(&log.calls[4]) == 1);
+
+    /* Four threads reap 400 batches at once. */
+    enum { MANY = 400 };
+    int *seen = calloc(MANY, sizeof *seen);
+    REQUIRE(seen);
+    atomic_int stop = 0;
+    reaper rp[4];
+    for (int i = 0; i < 4; i++) {
+        rp[i] = (reaper){.e = e, .stop = &stop, .seen = seen};
+        pthread_create(&rp[i].th, NULL, reaper_main, &rp[i]);
+    }
+    kvp_batch_opts q;
+    kvp_batch_opts_init(&q);
+    q.reap = 1;
+    for (size_t i = 0; i < MANY; i++) {
+        q.user_data = (void *)(uintptr_t)i;
+        kvp_request ri = {KVP_OP_READ, local + (i % nreq) * 4096,
+                          (uint64_t)(uintptr_t)t.buf + (i % nreq) * 4096, 4096};
+        kvp_batch *bi;
+        REQUIRE_OK(kvp_batch_submit_with(e, seg, &ri, 1, &q, &bi));
+    }
+    uint64_t deadline = kvpi_now_ms() + 30000;
+    size_t total = 0;
+    while (kvpi_now_ms() < deadline) {
+        total = 0;
+        for (int i = 0; i < 4; i++)
+            total += __atomic_load_n(&rp[i].got, __ATOMIC_RELAXED);
+        if (total >= MANY) break;
+        usleep(10000);
+    }
+    atomic_store(&stop, 1);
+    total = 0;
+    for (int i = 0; i < 4; i++) {
+        pthread_join(rp[i].th, NULL);
+        total += rp[i].got;
+    }
+    CHECK(total == MANY);
+    for (size_t i = 0; i < MANY; i++)
+        CHECK(seen[i] == 1);
+    free(seen);
+    free(rs);
+    free(local);
+    kvp_engine_destroy(e);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
+}
+
+/* The instance guard: requests that name the target's instance run; after
+ * the target restarted under the same name they fail with KVP_ECONNRESET,
+ * never touching the new process's memory, until the new instance is named. */
+static void instance_guard(void)
+{
+    const size_t len = 1u << 20;
+    PROLOGUE(len);
+    const char *mine = kvp_engine_instance(e);
+    REQUIRE(mine && strlen(mine) == KVP_INSTANCE_LEN);
+    char id[KVP_INSTANCE_LEN + 1], id2[KVP_INSTANCE_LEN + 1];
+    CHECK_ST(kvp_engine_segment_instance(e, seg, id, sizeof id - 1), KVP_EINVAL);
+    REQUIRE_OK(kvp_engine_segment_instance(e, seg, id, sizeof id));
+    CHECK(strlen(id) == KVP_INSTANCE_LEN && strcmp(id, mine) != 0);
+    char local[4096];
+    kvp_request r = {KVP_OP_READ, local, (uint64_t)(uintptr_t)t.buf, sizeof local};
+    kvp_batch_opts o;
+    kvp_batch_opts_init(&o);
+    o.instance = id;
+    kvp_batch *b;
+    REQUIRE_OK(kvp_batch_submit_with(e, seg, &r, 1, &o, &b));
+    CHECK_OK(kvp_batch_wait(b, 10000));
+    kvp_batch_free(b);
+    char other[KVP_INSTANCE_LEN + 1];
+    memcpy(other, id, sizeof other);
+    other[0] = other[0] == 'a' ? 'b' : 'a';
+    o.instance = other;
+    REQUIRE_OK(kvp_batch_submit_with(e, seg, &r, 1, &o, &b));
+    CHECK_ST(kvp_batch_wait(b, 10000), KVP_ECONNRESET);
+    kvp_batch_free(b);
+    char toolong[KVP_INSTANCE_LEN + 2];
+    memset(toolong, 'a', sizeof toolong - 1);
+    toolong[sizeof toolong - 1] = '\0';
+    o.instance = toolong;
+    CHECK_ST(kvp_batch_submit_with(e, seg, &r, 1, &o, &b), KVP_EINVAL);
+
+    /* The target restarts under its name: the old instance is refused. */
+    int port = atoi(strchr(t.name, ':') + 1);
+    kvpt_target_kill(&t);
+    kvpt_target t2;
+    kvpt_target_opts to = {.metadata = meta,
+                           .protocol = M->protocol,
+                           .port = port,
+                           .len = len,
+                           .seed = SEED + 1,
+                           .disable_shm = !same_host()};
+    REQUIRE(kvpt_target_start(&to, &t2) == 0);
+    r.remote = (uint64_t)(uintptr_t)t2.buf;
+    o.instance = id;
+    kvp_status st = KVP_OK;
+    for (int i = 0; i < 3; i++) { /* the first may fail on the dead connection */
+        REQUIRE_OK(kvp_batch_submit_with(e, seg, &r, 1, &o, &b));
+        st = kvp_batch_wait(b, 10000);
+        kvp_batch_free(b);
+        if (st == KVP_ECONNRESET && strstr(kvp_last_error(), "restarted")) break;
+    }
+    CHECK_ST(st, KVP_ECONNRESET);
+    REQUIRE_OK(kvp_engine_segment_instance(e, seg, id2, sizeof id2));
+    CHECK(strcmp(id2, id) != 0);
+    o.instance = id2;
+    REQUIRE_OK(kvp_batch_submit_with(e, seg, &r, 1, &o, &b));
+    CHECK_OK(kvp_batch_wait(b, 10000));
+    kvp_batch_free(b);
+    CHECK(kvpt_verify(local, sizeof local, SEED + 1) == (size_t)-1);
+    munmap(t.buf, t.len);
+    kvp_engine_destroy(e);
+    CHECK(kvpt_target_stop(&t2, 0) == 0);
+}
+
 /* A Mooncake segment of protocol rdma in the store (as Mooncake's RDMA
  * transport writes it: no tcp_data_port, devices, rkeys): opening it fails
  * with KVP_ENOTSUP saying how to reach it, not as a malformed descriptor. */
@@ -446,7 +766,8 @@ static void mooncake_rdma_segment(void)
 /* clang-format off */
 #define CASES(X, m)                                                                          \
     X(m, sizes) X(m, batches) X(m, out_of_range) X(m, target_killed) X(m, target_restarted)  \
-    X(m, managed_buffers) X(m, threads) X(m, unknown_segment)
+    X(m, managed_buffers) X(m, threads) X(m, unknown_segment) X(m, completion)               \
+    X(m, instance_guard)
 /* clang-format on */
 
 #define DEFINE_MODE(m, proto, p2p_, tls, auth_)                                                    \
@@ -461,6 +782,12 @@ MODES(DEFINE_MODE)
     }
 #define DEFINE_MODE_CASES(m, proto, p2p_, tls, auth_) CASES(DEFINE_CASE, m)
 MODES(DEFINE_MODE_CASES)
+
+static void tcp_p2p__completion_edges(void)
+{
+    M = &mode_tcp_p2p;
+    completion_edges();
+}
 
 #define RUN_CASE(m, c) RUN(m##__##c);
 #define RUN_MODE_CASES(m, proto, p2p_, tls, auth_) CASES(RUN_CASE, m)
@@ -483,6 +810,7 @@ int main(void)
     RUN(create_errors);
     RUN(mooncake_rdma_segment);
     MODES(RUN_MODE_CASES)
+    RUN(tcp_p2p__completion_edges);
     unlink(key_file);
     return kvpt_summary();
 }

@@ -211,8 +211,10 @@ static inline kvp_status kvp_engine_create(const kvp_engine_opts *opts, kvp_engi
 }
 
 /* Unpublish the segment (its keys, if they are still this engine's), stop all
- * threads, close connections, free managed memory. Requests still running fail
- * with KVP_ECLOSED first. NULL is a no-op. */
+ * threads, close connections, free managed memory and close the completion
+ * fd. Requests still running fail with KVP_ECLOSED first. Batches are not
+ * freed here: free each first (kvp_batch_free touches the engine). NULL is a
+ * no-op. */
 KVP_API void kvp_engine_destroy(kvp_engine *engine);
 
 /* The segment name ("host:port"); owned by the engine. */
@@ -335,8 +337,120 @@ KVP_API kvp_status kvp_batch_wait(kvp_batch *batch, int timeout_ms);
 KVP_API void kvp_batch_cancel(kvp_batch *batch);
 
 /* Release a batch: kvp_batch_cancel, then wait for what runs (bounded by its
- * deadlines). NULL is a no-op. */
+ * deadlines) and for its on_complete (kvp_batch_submit_with) to return; a
+ * batch still on the completion queue leaves it (kvp_engine_reap never
+ * returns it). Every batch must be freed before kvp_engine_destroy(), once.
+ * NULL is a no-op. */
 KVP_API void kvp_batch_free(kvp_batch *batch);
+
+/* ---- Completion without waiting: callbacks and a pollable fd ----
+ *
+ * kvp_batch_submit_with() submits like kvp_batch_submit() and says what to
+ * do when the batch's last request completes: call a function, queue the
+ * batch on the engine's completion queue (which an event loop watches
+ * through kvp_engine_completion_fd() and empties with kvp_engine_reap()), or
+ * both. A batch completes exactly once, whatever ends it: every request
+ * done, failed, cancelled (kvp_batch_cancel), or failed with KVP_ECLOSED by
+ * kvp_engine_destroy(). */
+
+/* The completion callback: see kvp_batch_opts.on_complete. */
+typedef void (*kvp_batch_done_fn)(kvp_batch *batch, void *user_data);
+
+/* The length of an instance id (kvp_engine_instance()): hex digits. */
+#define KVP_INSTANCE_LEN 32
+
+typedef struct kvp_batch_opts {
+    /* Called once, when the batch's last request completed (a batch of no
+     * requests: before kvp_batch_submit_with() returns), with the batch and
+     * user_data; NULL: none. It runs on whichever thread completed that
+     * request - a transport's thread, an engine worker, or the submitting
+     * thread itself (before kvp_batch_submit_with() returns, *out already
+     * set) - so it must be short and must not block. It may read the batch
+     * (kvp_batch_request_status, kvp_batch_pending, kvp_batch_wait with
+     * timeout 0) and do things of its own that do not block (write an
+     * eventfd, signal a condition variable, queue the batch for a thread of
+     * its own); it must call no other kvpipe function: it may not submit,
+     * cancel, free (this or another batch), nor destroy the engine. Nothing
+     * of the batch is freed while it runs: kvp_batch_free() and
+     * kvp_batch_wait() return only after it returned. */
+    kvp_batch_done_fn on_complete;
+    /* Given to on_complete, and returned with the batch by kvp_engine_reap(). */
+    void *user_data;
+    /* Non-zero: once completed (after on_complete returned), the batch is
+     * queued on its engine's completion queue until kvp_engine_reap() takes
+     * it or kvp_batch_free() frees it. */
+    int reap;
+    /* An instance id (kvp_engine_instance(), kvp_engine_segment_instance()):
+     * the requests run only against a descriptor of the segment that carries
+     * this instance id, else fail with KVP_ECONNRESET - addresses one process
+     * gave out mean nothing in a process that took its segment name since
+     * (restarted). NULL (default): any instance. At most KVP_INSTANCE_LEN
+     * characters. Learn the peer's instance before its addresses, so that a
+     * restart between the two fails the requests instead of moving bytes to
+     * the wrong memory. */
+    const char *instance;
+} kvp_batch_opts;
+
+/* Fill opts with the defaults (no callback, not queued, any instance).
+ * kvp_batch_opts grows at its end like kvp_engine_opts (docs/abi.md): call
+ * it before setting fields. */
+KVP_API void kvp_batch_opts_init_size(kvp_batch_opts *opts, size_t size);
+static inline void kvp_batch_opts_init(kvp_batch_opts *opts)
+{
+    kvp_batch_opts_init_size(opts, sizeof *opts);
+}
+
+/* kvp_batch_submit() with opts (NULL: as kvp_batch_submit). Returns at once;
+ * on success the batch completes exactly once as opts says, and is the
+ * caller's to free with kvp_batch_free() (also after it was reaped). On an
+ * error nothing was submitted, *out is untouched and nothing is called or
+ * queued. Errors as kvp_batch_submit(), plus KVP_EINVAL for an instance id
+ * too long, KVP_ENOTSUP for fields of a newer kvpipe set. Thread-safe. */
+KVP_API kvp_status kvp_batch_submit_with_size(kvp_engine *engine, kvp_segment_id seg,
+                                              const kvp_request *reqs, size_t n,
+                                              const kvp_batch_opts *opts, size_t size,
+                                              kvp_batch **out);
+static inline kvp_status kvp_batch_submit_with(kvp_engine *engine, kvp_segment_id seg,
+                                               const kvp_request *reqs, size_t n,
+                                               const kvp_batch_opts *opts, kvp_batch **out)
+{
+    return kvp_batch_submit_with_size(engine, seg, reqs, n, opts, sizeof *opts, out);
+}
+
+/* The engine's completion fd: it polls readable (POLLIN) exactly while the
+ * completion queue holds a batch (level-triggered: it stays readable until
+ * kvp_engine_reap() or kvp_batch_free() took every queued batch), for
+ * poll(2), epoll (level-triggered), an event loop's add_reader. Owned by the
+ * engine, open until kvp_engine_destroy(): do not read, write or close it.
+ * Never fails; does not block. */
+KVP_API int kvp_engine_completion_fd(const kvp_engine *engine);
+
+/* One batch taken off the completion queue. Fixed layout (an array). */
+typedef struct kvp_completion {
+    kvp_batch *batch;  /* still the caller's to free */
+    void *user_data;   /* kvp_batch_opts.user_data */
+    kvp_status status; /* KVP_OK, or the first failed request's status */
+} kvp_completion;
+
+/* Take up to cap completed batches off the engine's completion queue, oldest
+ * first, into out; returns how many (0 when none). Each queued batch is
+ * returned once: concurrent callers get distinct ones. The fd stops being
+ * readable when this takes the last one. Thread-safe; does not block. */
+KVP_API size_t kvp_engine_reap(kvp_engine *engine, kvp_completion *out, size_t cap);
+
+/* This engine's instance id: KVP_INSTANCE_LEN lower-case hex digits drawn at
+ * kvp_engine_create() and published in its descriptor, so that a process
+ * that restarts under the same segment name has another. Owned by the
+ * engine. */
+KVP_API const char *kvp_engine_instance(const kvp_engine *engine);
+
+/* The instance id an open segment's descriptor carries (the cached one;
+ * looked up again if it was dropped), into out (cap >= KVP_INSTANCE_LEN + 1).
+ * KVP_ENOTFOUND when the descriptor has none (a Mooncake peer), KVP_EINVAL
+ * for seg not open or cap too small, the lookup's errors. Thread-safe; may
+ * block for a lookup (timeout_ms). */
+KVP_API kvp_status kvp_engine_segment_instance(kvp_engine *engine, kvp_segment_id seg, char *out,
+                                               size_t cap);
 
 /* Synchronous single transfers: submit, wait without limit, free. */
 KVP_API kvp_status kvp_engine_read(kvp_engine *engine, kvp_segment_id seg, void *local,

@@ -21,12 +21,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <unistd.h>
 
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
-#include "engine/engine_ext.h"
+#include "common/sized.h"
 #include "engine/engine_internal.h"
 #include "gpu/cuda.h"
 
@@ -84,18 +85,108 @@ struct kvp_batch {
      * refused): the batch's other works fail with it. */
     kvp_status conn_error;
     char detail[256]; /* kvp_last_error() of the first failure, from its thread */
-    int notify_fd;    /* -1, or an eventfd told when pending reaches 0 */
-    char instance[sizeof((kvp_engine *)0)->instance]; /* "", or the only peer instance to run on */
+    /* What completing does (kvp_batch_opts): call on_complete, then queue
+     * the batch on the engine's completion queue if reap is set. */
+    kvp_batch_done_fn on_complete;
+    void *user_data;
+    int reap;
+    /* On the completion queue (under e->cq.lock), and its place there. */
+    int queued;
+    kvp_batch *cq_prev, *cq_next;
+    kvp_status final;                    /* the first failed request's status, once completed */
+    char instance[KVP_INSTANCE_LEN + 1]; /* "", or the only peer instance to run on */
     kvpi_engine_metrics *metrics;
     uint64_t submit_ns;
 };
 
-/* Tell the batch's waiter, if it has an fd, that every request completed. */
-static void notify(kvp_batch *b)
+/* ---- the completion queue ---- */
+
+kvp_status kvpi_cq_init(kvp_engine *e)
 {
-    uint64_t one = 1;
-    if (b->notify_fd >= 0 && write(b->notify_fd, &one, sizeof one) < 0 && errno != EAGAIN)
-        KVPI_WARN("batch: cannot write its completion eventfd: %s", strerror(errno));
+    pthread_mutex_init(&e->cq.lock, NULL);
+    e->cq.fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (e->cq.fd < 0)
+        return kvpi_error(KVP_EIO, "engine: cannot make the completion eventfd: %s",
+                          strerror(errno));
+    return KVP_OK;
+}
+
+void kvpi_cq_destroy(kvp_engine *e)
+{
+    if (e->cq.fd >= 0) close(e->cq.fd);
+    e->cq.fd = -1;
+    pthread_mutex_destroy(&e->cq.lock);
+}
+
+static void cq_signal(int fd, int readable)
+{
+    uint64_t v = 1;
+    ssize_t r = readable ? write(fd, &v, sizeof v) : read(fd, &v, sizeof v);
+    if (r < 0 && errno != EAGAIN) KVPI_WARN("engine: the completion eventfd: %s", strerror(errno));
+}
+
+/* Queue a completed batch; the fd turns readable with the first. */
+static void cq_push(kvp_engine *e, kvp_batch *b)
+{
+    pthread_mutex_lock(&e->cq.lock);
+    b->cq_next = NULL;
+    b->cq_prev = e->cq.tail;
+    if (e->cq.tail)
+        e->cq.tail->cq_next = b;
+    else
+        e->cq.head = b;
+    e->cq.tail = b;
+    b->queued = 1;
+    if (!b->cq_prev) cq_signal(e->cq.fd, 1);
+    pthread_mutex_unlock(&e->cq.lock);
+}
+
+/* Take b off the queue; under e->cq.lock. The fd turns unreadable with the
+ * last. */
+static void cq_unlink(kvp_engine *e, kvp_batch *b)
+{
+    if (b->cq_prev)
+        b->cq_prev->cq_next = b->cq_next;
+    else
+        e->cq.head = b->cq_next;
+    if (b->cq_next)
+        b->cq_next->cq_prev = b->cq_prev;
+    else
+        e->cq.tail = b->cq_prev;
+    b->queued = 0;
+    b->cq_prev = b->cq_next = NULL;
+    if (!e->cq.head) cq_signal(e->cq.fd, 0);
+}
+
+int kvp_engine_completion_fd(const kvp_engine *e)
+{
+    return e ? e->cq.fd : -1;
+}
+
+size_t kvp_engine_reap(kvp_engine *e, kvp_completion *out, size_t cap)
+{
+    if (!e || !out) return 0;
+    size_t n = 0;
+    pthread_mutex_lock(&e->cq.lock);
+    while (n < cap && e->cq.head) {
+        kvp_batch *b = e->cq.head;
+        out[n++] = (kvp_completion){.batch = b, .user_data = b->user_data, .status = b->final};
+        cq_unlink(e, b);
+    }
+    pthread_mutex_unlock(&e->cq.lock);
+    return n;
+}
+
+/* Every request of b completed (nothing runs any more): call its callback,
+ * queue it. The caller holds no lock of b's; b->outstanding is still 1 (or
+ * the batch has no works), so a kvp_batch_free waits for this. */
+static void finish(kvp_batch *b)
+{
+    b->final = KVP_OK;
+    for (size_t i = 0; i < b->n && !b->final; i++)
+        b->final = b->reqs[i].status;
+    if (b->on_complete) b->on_complete(b, b->user_data);
+    if (b->reap) cq_push(b->e, b);
 }
 
 /* Cancel every xfer of the batch in flight; the caller holds b->lock. */
@@ -127,15 +218,27 @@ static void complete(kvpi_work *w, kvp_status st, uint64_t done_ns)
     int done = --r->slices_left == 0;
     if (done) {
         r->status = r->first_error;
-        if (--b->pending == 0) notify(b);
+        b->pending--;
     }
     /* Counted before a waiter can see the request done. */
     if (done)
         kvpi_metrics_request_done(b->metrics, w->slice.opcode, r->length, w->ops, r->status,
                                   done_ns - b->submit_ns);
     /* Both waiters (kvp_batch_wait, kvp_batch_free) wait for the last
-     * work: waking them at every slice cost a wake-up per group. */
-    if (--b->outstanding == 0) pthread_cond_broadcast(&b->cond);
+     * work: waking them at every slice cost a wake-up per group. The last
+     * work is the last request's (pending is 0 now); the batch finishes
+     * first, outside the lock (its callback may read it), and only then
+     * may a waiter free it. */
+    if (b->outstanding > 1) {
+        b->outstanding--;
+        pthread_mutex_unlock(&b->lock);
+        return;
+    }
+    pthread_mutex_unlock(&b->lock);
+    finish(b);
+    pthread_mutex_lock(&b->lock);
+    b->outstanding = 0;
+    pthread_cond_broadcast(&b->cond);
     pthread_mutex_unlock(&b->lock);
 }
 
@@ -392,7 +495,7 @@ static kvp_status acquire_for(kvp_engine *e, kvpi_segment *seg, kvpi_work **w, s
 }
 
 /* The batch runs only against its instance, if it names one
- * (kvpi_batch_submit_notify). */
+ * (kvp_batch_opts.instance). */
 static kvp_status check_instance(const kvp_batch *b, const kvpi_peer *peer)
 {
     if (!b->instance[0]) return KVP_OK;
@@ -576,13 +679,25 @@ static uint64_t build_works(kvp_engine *e, kvp_batch *b, const kvp_request *reqs
     return bytes;
 }
 
+static kvp_batch_opts default_batch_opts(void)
+{
+    return (kvp_batch_opts){0};
+}
+
+void kvp_batch_opts_init_size(kvp_batch_opts *opts, size_t size)
+{
+    kvp_batch_opts d = default_batch_opts();
+    if (opts) kvpi_sized_out(opts, size, &d, sizeof d);
+}
+
 /* sync: the caller waits for the batch at once (see dispatch). */
 static kvp_status submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request *reqs, size_t n,
-                         int notify_fd, const char *instance, int sync, kvp_batch **out)
+                         const kvp_batch_opts *o, int sync, kvp_batch **out)
 {
     if (!e || !out || (n && !reqs)) return kvpi_error(KVP_EINVAL, "batch_submit: NULL argument");
-    if (instance && strlen(instance) >= sizeof((kvp_batch *)0)->instance)
-        return kvpi_error(KVP_EINVAL, "batch_submit: instance id too long");
+    if (o->instance && strlen(o->instance) > KVP_INSTANCE_LEN)
+        return kvpi_error(KVP_EINVAL, "batch_submit: instance id longer than %d characters",
+                          KVP_INSTANCE_LEN);
     kvpi_segment *seg = kvpi_segment_get(e, seg_id);
     if (!seg) return kvpi_error(KVP_EINVAL, "batch_submit: segment id %u is not open", seg_id);
     size_t n_works = 0;
@@ -606,14 +721,17 @@ static kvp_status submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request
     b->seg = seg;
     b->n = n;
     b->n_works = b->outstanding = n_works;
-    b->notify_fd = notify_fd;
-    if (instance) strcpy(b->instance, instance);
+    b->on_complete = o->on_complete;
+    b->user_data = o->user_data;
+    b->reap = o->reap;
+    if (o->instance) strcpy(b->instance, o->instance);
     b->metrics = &e->metrics;
     b->submit_ns = kvpi_now_ns();
     uint64_t bytes = build_works(e, b, reqs, e->opts.slice_size);
     kvpi_metrics_submitted(&e->metrics, b->pending, bytes);
-    if (b->pending == 0) notify(b);
     *out = b;
+    /* Nothing to run (no request, or none with bytes): complete now. */
+    if (n_works == 0) finish(b);
     /* b may complete (and be freed by a waiter on another thread) once the
      * last group is posted: out is set first. */
     dispatch(e, b->order, n_works, 0, sync, sync);
@@ -623,13 +741,18 @@ static kvp_status submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request
 kvp_status kvp_batch_submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request *reqs, size_t n,
                             kvp_batch **out)
 {
-    return submit(e, seg_id, reqs, n, -1, NULL, 0, out);
+    kvp_batch_opts o = default_batch_opts();
+    return submit(e, seg_id, reqs, n, &o, 0, out);
 }
 
-kvp_status kvpi_batch_submit_notify(kvp_engine *e, kvp_segment_id seg_id, const kvp_request *reqs,
-                                    size_t n, int notify_fd, const char *instance, kvp_batch **out)
+kvp_status kvp_batch_submit_with_size(kvp_engine *e, kvp_segment_id seg_id, const kvp_request *reqs,
+                                      size_t n, const kvp_batch_opts *opts, size_t size,
+                                      kvp_batch **out)
 {
-    return submit(e, seg_id, reqs, n, notify_fd, instance, 0, out);
+    kvp_batch_opts o = default_batch_opts();
+    kvp_status st;
+    if (opts && (st = kvpi_sized_in(&o, sizeof o, opts, size, "kvp_batch_opts"))) return st;
+    return submit(e, seg_id, reqs, n, &o, 0, out);
 }
 
 kvp_status kvp_batch_request_status(const kvp_batch *b, size_t i)
@@ -699,6 +822,12 @@ void kvp_batch_free(kvp_batch *b)
     while (b->outstanding > 0)
         pthread_cond_wait(&b->cond, &b->lock);
     pthread_mutex_unlock(&b->lock);
+    if (b->reap) {
+        kvp_engine *e = b->e;
+        pthread_mutex_lock(&e->cq.lock);
+        if (b->queued) cq_unlink(e, b);
+        pthread_mutex_unlock(&e->cq.lock);
+    }
     pthread_mutex_destroy(&b->lock);
     pthread_cond_destroy(&b->cond);
     free(b->reqs);
@@ -716,7 +845,8 @@ static kvp_status transfer_sync(kvp_engine *e, kvp_segment_id seg, kvp_opcode op
 {
     kvp_request req = {op, local, remote, length};
     kvp_batch *b;
-    kvp_status st = submit(e, seg, &req, 1, -1, NULL, 1, &b);
+    kvp_batch_opts o = default_batch_opts();
+    kvp_status st = submit(e, seg, &req, 1, &o, 1, &b);
     if (st) return st;
     st = kvp_batch_wait(b, -1);
     kvp_batch_free(b);

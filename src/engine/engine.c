@@ -473,6 +473,7 @@ static kvp_status engine_create(const kvp_engine_opts *opts,
     pthread_mutex_init(&e->watch_lock, NULL);
     kvpi_notify_init(e);
     kvp_status st;
+    if ((st = kvpi_cq_init(e))) goto fail;
     if ((st = copy_opts(e, opts))) goto fail;
     if ((st = kvpi_meta_open(e->metadata_conn, e->opts.timeout_ms, rpc_describe, e, &e->meta)))
         goto fail;
@@ -539,6 +540,7 @@ void kvp_engine_destroy(kvp_engine *e)
     for (size_t i = 0; e->transports[i]; i++)
         if (e->servers[i]) e->transports[i]->server_stop(e->servers[i]);
     kvpi_region_table_destroy(&e->regions);
+    kvpi_cq_destroy(e);
     pthread_mutex_destroy(&e->publish_lock);
     pthread_mutex_destroy(&e->segments_lock);
     pthread_mutex_destroy(&e->keeper_lock);

@@ -1,14 +1,11 @@
-/* Internal: what the tensor pipe asks of its engine beyond the public API.
- *
- * Descriptor fields of an upper layer. A pipe advertises what its side accepts
- * (kvpipe's own fast path) in a field of its engine's segment descriptor, so
- * only a peer that reads that field - a kvpipe pipe - uses it; Mooncake and
- * MooncakePipe peers ignore unknown fields. The fields are fixed for the
- * engine's life: they are in the first descriptor the engine publishes.
- *
- * Completion notification. A batch submitted with a notify fd (an eventfd)
- * gets 1 added to it when its last request completes, so that a thread can
- * wait for READs and for sockets in one poll.
+/* Internal: what the tensor pipe asks of its engine beyond the public API:
+ * descriptor fields of an upper layer. A pipe advertises what its side
+ * accepts (kvpipe's own fast path) in a field of its engine's segment
+ * descriptor, so only a peer that reads that field - a kvpipe pipe - uses
+ * it; Mooncake and MooncakePipe peers ignore unknown fields. The fields are
+ * fixed for the engine's life: they are in the first descriptor the engine
+ * publishes. (Submitting, completion and instance ids are public:
+ * kvp_batch_submit_with(), kvp_engine_instance() in engine.h.)
  */
 #ifndef KVPI_ENGINE_EXT_H
 #define KVPI_ENGINE_EXT_H
@@ -35,19 +32,5 @@ kvp_status kvpi_engine_lookup_field(kvp_engine *e, const char *segment, const ch
 /* Say at INFO, not WARN, that a peer does not check integrity: an upper
  * layer that turned it on by default (the pipe) says so itself. */
 void kvpi_engine_integrity_quiet(kvp_engine *e);
-
-/* The engine's instance id (KVPI_INSTANCE_FIELD of its descriptor: 32
- * lower-case hex digits drawn at creation), which a restarted process of the
- * same segment name draws anew. */
-const char *kvpi_engine_instance(const kvp_engine *e);
-
-/* kvp_batch_submit(), and when the last request of the batch completes, 1 is
- * written to notify_fd (an eventfd the caller owns, open until the batch is
- * freed). A batch of no requests notifies at once. With instance (not NULL),
- * the requests run only against a descriptor of the segment whose
- * KVPI_INSTANCE_FIELD is instance, else fail with KVP_ECONNRESET: addresses
- * a process gave out mean nothing in the process that took its name since. */
-kvp_status kvpi_batch_submit_notify(kvp_engine *e, kvp_segment_id seg, const kvp_request *reqs,
-                                    size_t n, int notify_fd, const char *instance, kvp_batch **out);
 
 #endif

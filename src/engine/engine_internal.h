@@ -82,6 +82,17 @@ typedef struct kvpi_queue {
     atomic_long inflight;
 } kvpi_queue;
 
+/* The completion queue (batch.c): batches submitted with
+ * kvp_batch_opts.reap that completed and were not reaped or freed yet,
+ * oldest first. fd (an eventfd) holds 1 exactly while the queue is not
+ * empty: written when the first batch is queued, read when the last leaves,
+ * both under lock. */
+typedef struct kvpi_cq {
+    pthread_mutex_t lock;
+    int fd;
+    kvp_batch *head, *tail;
+} kvpi_cq;
+
 /* Notifications received (notify.c): a FIFO bounded by
  * KVP_NOTIFY_QUEUE_MAX entries and KVP_NOTIFY_QUEUE_MAX_BYTES. */
 typedef struct kvpi_notify_entry {
@@ -114,9 +125,9 @@ struct kvp_engine {
     int data_port;
     kvpi_pool *pool;
 
-    char instance[33]; /* KVPI_INSTANCE_FIELD: random hex, drawn at creation */
-    cJSON *fields;     /* an upper layer's descriptor members (engine_ext.h), or NULL */
-    int claimed;       /* the name is taken in the store: release it at destroy */
+    char instance[KVP_INSTANCE_LEN + 1]; /* KVPI_INSTANCE_FIELD: random hex, drawn at creation */
+    cJSON *fields; /* an upper layer's descriptor members (engine_ext.h), or NULL */
+    int claimed;   /* the name is taken in the store: release it at destroy */
     pthread_mutex_t publish_lock;
     char *desc_text;         /* last rendered descriptor, for handshakes */
     int desc_stale;          /* desc_text may list regions no longer registered */
@@ -130,6 +141,7 @@ struct kvp_engine {
     size_t n_segments, cap_segments;
 
     kvpi_queue queue;
+    kvpi_cq cq;
     pthread_t *workers;
     int n_workers;
 
@@ -192,6 +204,9 @@ kvp_status kvpi_peer_select(kvp_engine *e, kvpi_peer *peer, unsigned kinds, int 
 void kvpi_segment_note(kvpi_segment *seg, kvp_status st);
 
 /* batch.c */
+/* The completion queue and its eventfd (create); closed by kvpi_cq_destroy. */
+kvp_status kvpi_cq_init(kvp_engine *e);
+void kvpi_cq_destroy(kvp_engine *e);
 kvp_status kvpi_workers_start(kvp_engine *e);
 /* Wait for every xfer in flight, then stop the workers (destroy). */
 void kvpi_workers_stop(kvp_engine *e);

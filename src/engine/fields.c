@@ -30,7 +30,7 @@ void kvpi_engine_integrity_quiet(kvp_engine *e)
     e->integrity_quiet = 1;
 }
 
-const char *kvpi_engine_instance(const kvp_engine *e)
+const char *kvp_engine_instance(const kvp_engine *e)
 {
-    return e->instance;
+    return e ? e->instance : NULL;
 }

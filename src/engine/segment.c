@@ -108,6 +108,25 @@ kvp_status kvp_engine_segment_buffers(kvp_engine *e, kvp_segment_id id, kvp_remo
     return KVP_OK;
 }
 
+kvp_status kvp_engine_segment_instance(kvp_engine *e, kvp_segment_id id, char *out, size_t cap)
+{
+    kvpi_segment *seg = e && out ? kvpi_segment_get(e, id) : NULL;
+    if (!seg) return kvpi_error(KVP_EINVAL, "segment_instance: segment id %u is not open", id);
+    if (cap < KVP_INSTANCE_LEN + 1)
+        return kvpi_error(KVP_EINVAL, "segment_instance: %zu bytes hold no instance id", cap);
+    kvpi_peer *peer;
+    kvp_status st = kvpi_segment_acquire(e, seg, &peer);
+    if (st) return st;
+    const cJSON *f = cJSON_GetObjectItemCaseSensitive(peer->desc.json, KVPI_INSTANCE_FIELD);
+    if (cJSON_IsString(f) && strlen(f->valuestring) < cap)
+        snprintf(out, cap, "%s", f->valuestring);
+    else
+        st = kvpi_error(KVP_ENOTFOUND, "segment %s: its descriptor carries no instance id%s",
+                        seg->name, cJSON_IsString(f) ? " kvpipe knows" : " (a Mooncake peer?)");
+    kvpi_segment_release(seg, peer, 0);
+    return st;
+}
+
 void kvpi_peer_free(kvpi_peer *peer)
 {
     for (size_t i = 0; i < peer->n_links; i++)

@@ -28,6 +28,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvpipe/engine.h"
 #include "kvpipe/status.h"
 
 #define KVPI_ANNOUNCE_FRAME_LEN 8
@@ -44,7 +45,7 @@
 /* A tag frame: the sending pipe's engine instance (KVPI_INSTANCE_FIELD of its
  * descriptor, 32 lower-case hex digits), then the message's sequence number
  * (u64 big-endian, from 1). */
-#define KVPI_TAG_INSTANCE_LEN 32
+#define KVPI_TAG_INSTANCE_LEN KVP_INSTANCE_LEN
 #define KVPI_TAG_LEN (KVPI_TAG_INSTANCE_LEN + 8)
 /* A tag with the message's digest after the sequence number (u64
  * big-endian; common/digest.h). */

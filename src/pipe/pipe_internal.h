@@ -45,7 +45,7 @@
  * good by the next. A sender drops a tagged ACK of another instance. A
  * receiver READs a tagged announcement only from the instance that made it:
  * the engine refuses the READ (KVP_ECONNRESET) when the descriptor it would
- * READ through names another (kvpi_batch_submit_notify).
+ * READ through names another (kvp_batch_opts.instance).
  *
  * Integrity. With it on (kvp_pipe_opts.integrity, the default), a side says
  * so in its field ("digest": "xxh3-64"), and its engine digests every

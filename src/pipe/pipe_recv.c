@@ -42,7 +42,6 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/net.h"
-#include "engine/engine_ext.h"
 #include "pipe/pipe_internal.h"
 #include "pipe/safetensors.h"
 
@@ -97,6 +96,18 @@ static void rx_hold(kvp_pipe *p, size_t len)
     if (p->rx_bytes > p->rx_bytes_peak) p->rx_bytes_peak = p->rx_bytes;
 }
 
+/* A READ of the window completed (kvp_batch_opts.on_complete, on an engine
+ * thread): wake rx_wait. */
+static void rx_read_done(kvp_batch *b, void *arg)
+{
+    (void)b;
+    kvp_pipe *p = arg;
+    uint64_t one = 1;
+    if (write(p->rx_done_fd, &one, sizeof one) < 0 && errno != EAGAIN)
+        KVPI_WARN("pipe %s: cannot write its READ eventfd: %s", p->ep.local_segment,
+                  strerror(errno));
+}
+
 /* Start e's READ into a new local managed buffer. */
 static void rx_start(kvp_pipe *p, kvpi_rx_entry *e)
 {
@@ -117,10 +128,14 @@ static void rx_start(kvp_pipe *p, kvpi_rx_entry *e)
     }
     kvp_request req = {KVP_OP_READ, e->buf, e->addr, (size_t)e->len};
     kvp_batch *b;
+    kvp_batch_opts bo;
+    kvp_batch_opts_init(&bo);
+    bo.on_complete = rx_read_done;
+    bo.user_data = p;
     /* A tagged announcement is READ only from the instance that made it
      * (pipe_internal.h, "Tags"). */
-    if ((st = kvpi_batch_submit_notify(p->engine, p->peer_seg, &req, 1, p->rx_done_fd,
-                                       e->tagged ? e->tag.instance : NULL, &b))) {
+    bo.instance = e->tagged ? e->tag.instance : NULL;
+    if ((st = kvp_batch_submit_with(p->engine, p->peer_seg, &req, 1, &bo, &b))) {
         kvp_engine_free(p->engine, e->buf);
         e->buf = NULL;
         rx_fail(e, st);

@@ -18,7 +18,6 @@
 #include "common/log.h"
 #include "common/net.h"
 #include "common/region.h"
-#include "engine/engine_ext.h"
 #include "gpu/cuda.h"
 #include "pipe/pipe_internal.h"
 #include "pipe/safetensors.h"
@@ -86,7 +85,7 @@ void kvpi_pipe_take_ack(kvp_pipe *p, const kvpi_msg_tag *tag)
 {
     const char *bad = NULL;
     pthread_mutex_lock(&p->lock);
-    if (tag && strcmp(tag->instance, kvpi_engine_instance(p->engine)) != 0)
+    if (tag && strcmp(tag->instance, kvp_engine_instance(p->engine)) != 0)
         bad = "for another instance of this pipe's segment (one that ran before this process)";
     else if (tag && tag->seq > p->seq)
         bad = "for a message never sent";
@@ -376,7 +375,7 @@ static int try_push(kvp_pipe *p, outgoing *m, int as_inline, uint64_t seq, int d
     if (seq) {
         kvpi_msg_tag t = {.seq = seq, .has_digest = digested};
         if (digested) t.digest = message_digest(m);
-        memcpy(t.instance, kvpi_engine_instance(p->engine), KVPI_TAG_INSTANCE_LEN);
+        memcpy(t.instance, kvp_engine_instance(p->engine), KVPI_TAG_INSTANCE_LEN);
         tag_len = kvpi_tag_encode(&t, tag);
     }
     int more = seq ? ZMQ_SNDMORE : 0;

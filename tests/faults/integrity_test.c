@@ -59,7 +59,6 @@
 #include "common/tsan.h"
 #include "common/digest.h"
 #include "ctarget.h"
-#include "engine/engine_ext.h"
 #include "metadata/metadata.h"
 #include "pipe_raw.h"
 #include "target.h"
@@ -678,7 +677,7 @@ static void pipe_corrupt_messages(void)
         REQUIRE_OK(raw_message(e, i, &buf, &len));
         kvpi_msg_tag t = {.seq = (uint64_t)i + 1, .has_digest = 1};
         t.digest = kvpi_digest(buf, len) + (uint64_t)(i & 1);
-        memcpy(t.instance, kvpi_engine_instance(e), KVPI_TAG_INSTANCE_LEN);
+        memcpy(t.instance, kvp_engine_instance(e), KVPI_TAG_INSTANCE_LEN);
         uint8_t tag[KVPI_TAG_DIGEST_LEN], a[8], l[8];
         size_t tag_len = kvpi_tag_encode(&t, tag);
         if (i < PIPE_MSGS / 2) {

@@ -373,7 +373,7 @@ static void test_stale_instance_announcement(void)
     REQUIRE(mon && raw_bind(push, s.side[0].data_port) == 0 &&
             raw_connect(pull, s.side[1].ack_port) == 0);
 
-    const char *mine = kvpi_engine_instance(e);
+    const char *mine = kvp_engine_instance(e);
     char other[KVPI_TAG_INSTANCE_LEN + 1];
     snprintf(other, sizeof other, "%s", mine);
     other[0] = other[0] == 'a' ? 'b' : 'a';

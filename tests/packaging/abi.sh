@@ -47,7 +47,8 @@ fi
 mkdir -p "$tmp/src"
 (cd "$src" && git ls-files -co --exclude-standard -z | tar --null -T - -cf -) | tar -C "$tmp/src" -xf -
 # The next release: a field appended to each sized struct.
-for s in kvp_engine_opts kvp_pipe_opts kvp_metadata_server_opts kvp_pipe_stats kvp_pipe_endpoints; do
+for s in kvp_engine_opts kvp_pipe_opts kvp_metadata_server_opts kvp_pipe_stats kvp_pipe_endpoints \
+    kvp_batch_opts; do
     grep -lq "^} $s;" "$tmp"/src/include/kvpipe/*.h
     sed -i "s|^} $s;|    uint64_t abi_test_added; /* tests/packaging/abi.sh */\n} $s;|" \
         "$tmp"/src/include/kvpipe/*.h

@@ -4,7 +4,8 @@
  * library that reads or writes past the program's struct crashes it.
  *
  *   abi_prog          create an engine, a metadata server and a pipe with
- *                     options, read the pipe's stats and endpoints: "ok"
+ *                     options, submit a batch with options, read the
+ *                     pipe's stats and endpoints: "ok"
  *   abi_prog --set    (built with -DABI_PROG_NEWER, against headers with a
  *                     field abi_test_added at the end of each struct) set
  *                     that field: each call must fail with KVP_ENOTSUP */
@@ -60,6 +61,30 @@ int main(int argc, char **argv)
     kvp_engine *e = NULL;
     expect(kvp_engine_create(eo, &e), want, "kvp_engine_create");
     kvp_engine_destroy(e);
+
+    /* A batch submitted with options, on an engine made without the field. */
+#ifdef ABI_PROG_NEWER
+    eo->abi_test_added = 0;
+#endif
+    kvp_engine *be = NULL;
+    kvp_segment_id seg = 0;
+    expect(kvp_engine_create(eo, &be), KVP_OK, "kvp_engine_create (batches)");
+    if (be)
+        expect(kvp_engine_open_segment(be, kvp_engine_segment_name(be), &seg), KVP_OK,
+               "kvp_engine_open_segment (its own)");
+    kvp_batch_opts *bo = guarded(sizeof *bo);
+    kvp_batch_opts_init(bo);
+    bo->reap = 1;
+#ifdef ABI_PROG_NEWER
+    if (set) bo->abi_test_added = 1;
+#endif
+    kvp_batch *b = NULL;
+    if (be) expect(kvp_batch_submit_with(be, seg, NULL, 0, bo, &b), want, "kvp_batch_submit_with");
+    kvp_completion c = {0};
+    if (b && (kvp_engine_reap(be, &c, 1) != 1 || c.batch != b || c.status != KVP_OK))
+        printf("FAIL kvp_engine_reap\n"), failures++;
+    kvp_batch_free(b);
+    kvp_engine_destroy(be);
 
     char json[256];
     snprintf(json, sizeof json,

@@ -123,6 +123,8 @@ run_pair "target(static) <- initiator(pkg-config)" \
     "$work/cm-static/target" "127.0.0.1:$((base + 1))" -- "$work/pc/initiator" "127.0.0.1:$((base + 1))"
 run_pair "target(find_package) <- initiator(pkg-config --static)" \
     "$work/cm-shared/target" "127.0.0.1:$((base + 2))" -- "$work/initiator-static" "127.0.0.1:$((base + 2))"
+run_pair "target(pkg-config) <- poll_initiator(find_package)" \
+    "$work/pc/target" "127.0.0.1:$((base + 3))" -- "$work/cm-shared/poll_initiator" "127.0.0.1:$((base + 3))"
 cat > "$work/pipe.json" <<JSON
 {"prefill_url": "127.0.0.1:$((base + 20))", "decode_url": "127.0.0.1:$((base + 220))",
  "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}
