@@ -21,87 +21,67 @@
 
 #include "kvpipe/engine.h"
 #include "kvpipe/metrics.h"
-
-/* Memory this engine knows: its managed buffers and the regions registered
- * through it. write_bytes_to_buffer / read_bytes_from_buffer touch nothing
- * else, so a wrong address is an error instead of a crash. */
-typedef struct mem_range {
-    uint64_t addr;
-    size_t length;
-    int managed;
-    int device; /* GPU memory (the engine registered it as KVP_MEM_CUDA): no memcpy */
-} mem_range;
+#include "mooncake_core.h"
 
 typedef struct kvpy_engine {
     PyObject_HEAD
-    kvp_engine *engine;
-    PyObject *segments; /* dict: target name -> int kvp_segment_id */
-    PyObject *batches;  /* dict: int batch id -> capsule owning a kvp_batch */
-    uint64_t next_batch_id;
-    mem_range *ranges;
-    size_t n_ranges, cap_ranges;
-    int busy; /* calls running with the GIL released; close() waits for none */
+    /* Mooncake's semantics - the region table, the segment-id and batch-id
+     * maps, Mooncake's quirks - are compat/mooncake/mooncake_core.h, shared
+     * with the C API; this file only binds them to Python. */
+    kvmc_engine *core;
+    int busy;         /* calls running with the GIL released; close() waits for none */
+    PyObject *aio;    /* the asyncio glue's state (kvpy_aio_*), or NULL */
+    kvpy_aio_op *ops; /* awaited batches not reaped yet */
 } kvpy_engine;
 
+#define KVP(self) kvmc_kvp((self)->core)
+
 static PyObject *opcode_enum; /* kvpipe.TransferOpcode (an IntEnum) */
+
+static void kvpy_aio_close(kvpy_engine *self);
+
+/* A failed call reported Mooncake's way (a negative int), with the core's
+ * detail (its own refusals, or kvpipe's). */
+static int mc_fail(kvp_status st, const char *what)
+{
+    return kvpy_fail_msg(st, "%s: %s", what,
+                         *kvmc_last_error() ? kvmc_last_error() : kvp_strerror(st));
+}
 
 /* ---- lifetime -------------------------------------------------------------- */
 
 static int engine_ready(kvpy_engine *self)
 {
-    if (self->engine) return 0;
+    if (self->core) return 0;
     PyErr_SetString(kvpy_error_type,
                     "TransferEngine is not initialized (call initialize() first) or was closed");
     return -1;
 }
 
-static void batch_capsule_free(PyObject *capsule)
-{
-    kvp_batch *batch = PyCapsule_GetPointer(capsule, "kvpipe.batch");
-    /* Freeing waits for running requests (bounded by the I/O timeout). */
-    Py_BEGIN_ALLOW_THREADS
-    kvp_batch_free(batch);
-    Py_END_ALLOW_THREADS
-}
-
 static void engine_teardown(kvpy_engine *self)
 {
-    /* Batches first: they point into the engine. */
-    if (self->batches) PyDict_Clear(self->batches);
-    if (self->segments) PyDict_Clear(self->segments);
-    kvp_engine *engine = self->engine;
-    self->engine = NULL;
-    if (engine) {
+    /* Awaited batches first: they point into the engine. */
+    kvpy_aio_close(self);
+    kvmc_engine *core = self->core;
+    self->core = NULL;
+    if (core) {
         Py_BEGIN_ALLOW_THREADS
-        kvp_engine_destroy(engine);
+        kvmc_destroy(core, 0);
         Py_END_ALLOW_THREADS
     }
-    free(self->ranges);
-    self->ranges = NULL;
-    self->n_ranges = self->cap_ranges = 0;
 }
 
 static PyObject *engine_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     (void)args;
     (void)kwds;
-    kvpy_engine *self = (kvpy_engine *)kvpy_alloc_instance(type);
-    if (!self) return NULL;
-    self->segments = PyDict_New();
-    self->batches = PyDict_New();
-    self->next_batch_id = 1;
-    if (!self->segments || !self->batches) {
-        Py_DECREF(self);
-        return NULL;
-    }
-    return (PyObject *)self;
+    return kvpy_alloc_instance(type);
 }
 
 static void engine_dealloc(kvpy_engine *self)
 {
     engine_teardown(self);
-    Py_XDECREF(self->segments);
-    Py_XDECREF(self->batches);
+    Py_CLEAR(self->aio);
     kvpy_free_instance((PyObject *)self);
 }
 
@@ -119,79 +99,25 @@ static PyObject *engine_close(kvpy_engine *self, PyObject *noargs)
 
 /* ---- initialize ------------------------------------------------------------ */
 
-/* Whether "host:port" / "[v6]:port" carries a port (a bare IPv6 address has
- * several colons and no brackets). */
-static int has_port(const char *name)
-{
-    if (name[0] == '[') return strstr(name, "]:") != NULL;
-    const char *colon = strchr(name, ':');
-    return colon && !strchr(colon + 1, ':');
-}
-
-static void format_server_name(char *buf, size_t cap, const char *host, int port)
-{
-    int v6 = strchr(host, ':') != NULL;
-    snprintf(buf, cap, v6 ? "[%s]:%d" : "%s:%d", host, port);
-}
-
-static kvp_status create_engine(kvpy_engine *self, kvp_engine_opts *opts)
-{
-    kvp_status st;
-    kvp_engine *engine = NULL;
-    /* busy keeps a second initialize() (or close()) out while the GIL is free. */
-    self->busy++;
-    Py_BEGIN_ALLOW_THREADS
-    st = kvp_engine_create(opts, &engine);
-    Py_END_ALLOW_THREADS
-    self->busy--;
-    if (st == KVP_OK) self->engine = engine;
-    return st;
-}
-
-/* host without the brackets of "[v6]", into buf. */
-static const char *bare_host(const char *host, char *buf, size_t cap)
-{
-    size_t n = strlen(host);
-    if (n < 2 || host[0] != '[' || host[n - 1] != ']' || n - 1 > cap) return host;
-    memcpy(buf, host + 1, n - 2);
-    buf[n - 2] = '\0';
-    return buf;
-}
-
-/* Create the engine for a host with or without a port. Mooncake accepts a bare
- * host and picks the handshake port itself (callers learn it from
- * get_rpc_port()); kvpipe's engine does the same for port 0. */
-static int start_engine(kvpy_engine *self, const char *host, kvp_engine_opts *opts)
-{
-    char name[300], unbracketed[272];
-    if (!has_port(host)) {
-        format_server_name(name, sizeof name, bare_host(host, unbracketed, sizeof unbracketed), 0);
-        host = name;
-    }
-    opts->local_server_name = host;
-    kvp_status st = create_engine(self, opts);
-    return st ? kvpy_fail(st, "TransferEngine.initialize") : 0;
-}
-
+/* A bare host gets a free port, as Mooncake picks one (callers learn it from
+ * get_rpc_port()); KVPIPE_PROTOCOL and KVPIPE_DISABLE_SHM apply (the core). */
 static PyObject *initialize_common(kvpy_engine *self, const char *host, const char *metadata,
                                    const char *protocol, const char *devices)
 {
-    if (self->engine || self->busy)
+    if (self->core || self->busy)
         return PyLong_FromLong(kvpy_fail_msg(KVP_EBUSY, "TransferEngine.initialize: already "
                                                         "initialized"));
-    /* Stacks written for Mooncake hard-code "rdma"; KVPIPE_PROTOCOL lets an
-     * operator run them over another transport without editing them. */
-    const char *forced = getenv("KVPIPE_PROTOCOL");
-    kvp_engine_opts opts;
-    kvp_engine_opts_init(&opts);
-    opts.metadata = metadata;
-    opts.protocol = (forced && *forced) ? forced : (protocol && *protocol ? protocol : "tcp");
-    opts.device_names = devices && *devices ? devices : NULL;
-    /* Same-host peers go through shm unless asked not to (Mooncake's API has
-     * no parameter for it). */
-    const char *no_shm = getenv("KVPIPE_DISABLE_SHM");
-    opts.disable_shm = no_shm && *no_shm && strcmp(no_shm, "0") != 0;
-    return PyLong_FromLong(start_engine(self, host, &opts));
+    kvp_status st;
+    kvmc_engine *core = NULL;
+    /* busy keeps a second initialize() (or close()) out while the GIL is free. */
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvmc_create(host, metadata, protocol, devices, &core);
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    if (st) return PyLong_FromLong(mc_fail(st, "TransferEngine.initialize"));
+    self->core = core;
+    return PyLong_FromLong(0);
 }
 
 static PyObject *engine_initialize(kvpy_engine *self, PyObject *args, PyObject *kwds)
@@ -229,14 +155,14 @@ static PyObject *engine_get_rpc_port(kvpy_engine *self, PyObject *noargs)
 {
     (void)noargs;
     if (engine_ready(self)) return NULL;
-    return PyLong_FromLong(kvp_engine_rpc_port(self->engine));
+    return PyLong_FromLong(kvp_engine_rpc_port(KVP(self)));
 }
 
 static PyObject *engine_get_segment_name(kvpy_engine *self, PyObject *noargs)
 {
     (void)noargs;
     if (engine_ready(self)) return NULL;
-    return PyUnicode_FromString(kvp_engine_segment_name(self->engine));
+    return PyUnicode_FromString(kvp_engine_segment_name(KVP(self)));
 }
 
 /* stats(prometheus=False): the engine's metrics (docs/metrics.md) as a dict
@@ -250,7 +176,7 @@ static PyObject *engine_stats(kvpy_engine *self, PyObject *args, PyObject *kwds)
         engine_ready(self))
         return NULL;
     kvp_metrics *m;
-    kvp_status st = kvp_engine_metrics(self->engine, &m);
+    kvp_status st = kvp_engine_metrics(KVP(self), &m);
     if (st) return kvpy_raise(st, "TransferEngine.stats");
     PyObject *out = prometheus ? kvpy_metrics_text(m) : PyDict_New();
     if (out && !prometheus && kvpy_metrics_into(m, "kvpipe_engine_", out) < 0) Py_CLEAR(out);
@@ -264,79 +190,11 @@ static PyObject *engine_segment_transport(kvpy_engine *self, PyObject *args)
 {
     const char *target;
     if (!PyArg_ParseTuple(args, "s:segment_transport", &target) || engine_ready(self)) return NULL;
-    PyObject *cached = PyDict_GetItemString(self->segments, target);
-    const char *name = cached ? kvp_engine_segment_transport(
-                                    self->engine, (kvp_segment_id)PyLong_AsUnsignedLong(cached))
-                              : NULL;
+    kvp_segment_id seg;
+    const char *name =
+        kvmc_lookup(self->core, target, &seg) ? kvp_engine_segment_transport(KVP(self), seg) : NULL;
     if (!name) Py_RETURN_NONE;
     return PyUnicode_FromString(name);
-}
-
-/* ---- memory ranges ----------------------------------------------------------- */
-
-static int ranges_add(kvpy_engine *self, uint64_t addr, size_t length, int managed)
-{
-    if (self->n_ranges == self->cap_ranges) {
-        size_t cap = self->cap_ranges ? 2 * self->cap_ranges : 16;
-        mem_range *r = realloc(self->ranges, cap * sizeof *r);
-        if (!r) return -1;
-        self->ranges = r;
-        self->cap_ranges = cap;
-    }
-    self->ranges[self->n_ranges++] = (mem_range){addr, length, managed, 0};
-    return 0;
-}
-
-/* Can the CPU read the byte at addr? A write(2) from it into a pipe fails
- * with EFAULT, rather than crashing, where it cannot (GPU memory). */
-static int cpu_readable(uint64_t addr)
-{
-    int fds[2];
-    if (pipe(fds) != 0) return 1;
-    int ok = write(fds[1], (const void *)(uintptr_t)addr, 1) == 1;
-    close(fds[0]);
-    close(fds[1]);
-    return ok;
-}
-
-static void ranges_remove(kvpy_engine *self, uint64_t addr, int managed)
-{
-    for (size_t i = 0; i < self->n_ranges; i++) {
-        if (self->ranges[i].addr == addr && self->ranges[i].managed == managed) {
-            self->ranges[i] = self->ranges[--self->n_ranges];
-            return;
-        }
-    }
-}
-
-/* The range holding [addr, +length) whole, or NULL. */
-static const mem_range *ranges_find(const kvpy_engine *self, uint64_t addr, size_t length)
-{
-    for (size_t i = 0; i < self->n_ranges; i++) {
-        const mem_range *r = &self->ranges[i];
-        if (addr >= r->addr && addr - r->addr <= r->length &&
-            length <= r->length - (addr - r->addr))
-            return r;
-    }
-    return NULL;
-}
-
-static int ranges_contain(const kvpy_engine *self, uint64_t addr, size_t length)
-{
-    return ranges_find(self, addr, length) != NULL;
-}
-
-/* Why the CPU may not copy to or from [addr, +length) (read/write_bytes_*),
- * or NULL: it must lie in a registered or managed range that is not GPU
- * memory. */
-static const char *bytes_refusal(const kvpy_engine *self, uint64_t addr, size_t length)
-{
-    const mem_range *r = ranges_find(self, addr, length);
-    if (!r) return "is not inside a managed or registered buffer of this engine";
-    if (r->device)
-        return "is GPU memory, which the CPU cannot copy (read it with torch; kvpipe's "
-               "transfers stage it, docs/gpu.md)";
-    return NULL;
 }
 
 /* ---- managed buffers and registration ------------------------------------ */
@@ -350,16 +208,12 @@ static PyObject *engine_allocate_managed_buffer(kvpy_engine *self, PyObject *arg
     kvp_status st;
     self->busy++;
     Py_BEGIN_ALLOW_THREADS
-    st = kvp_engine_alloc(self->engine, length, &addr);
+    st = kvmc_alloc(self->core, length, &addr);
     Py_END_ALLOW_THREADS
     self->busy--;
     if (st) {
-        kvpy_fail(st, "TransferEngine.allocate_managed_buffer");
+        mc_fail(st, "TransferEngine.allocate_managed_buffer");
         return PyLong_FromLong(0);
-    }
-    if (ranges_add(self, (uint64_t)(uintptr_t)addr, length, 1)) {
-        kvp_engine_free(self->engine, addr);
-        return PyErr_NoMemory();
     }
     return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)addr);
 }
@@ -375,38 +229,32 @@ static PyObject *engine_free_managed_buffer(kvpy_engine *self, PyObject *args)
     kvp_status st;
     self->busy++;
     Py_BEGIN_ALLOW_THREADS
-    st = kvp_engine_free(self->engine, (void *)(uintptr_t)addr);
+    st = kvmc_free(self->core, (void *)(uintptr_t)addr);
     Py_END_ALLOW_THREADS
     self->busy--;
-    if (st) return PyLong_FromLong(kvpy_fail(st, "TransferEngine.free_managed_buffer"));
-    ranges_remove(self, addr, 1);
-    return PyLong_FromLong(0);
+    return PyLong_FromLong(st ? mc_fail(st, "TransferEngine.free_managed_buffer") : 0);
 }
 
 static kvp_status register_one(kvpy_engine *self, uint64_t addr, size_t length)
 {
-    kvp_status st;
+    kvmc_rc rc;
     self->busy++;
     Py_BEGIN_ALLOW_THREADS
-    st = kvp_engine_register(self->engine, (void *)(uintptr_t)addr, length);
+    rc = kvmc_register(self->core, (void *)(uintptr_t)addr, length, 1);
     Py_END_ALLOW_THREADS
     self->busy--;
-    if (st == KVP_OK && ranges_add(self, addr, length, 0)) st = KVP_ENOMEM;
-    /* The engine took memory the CPU cannot read: GPU memory (docs/gpu.md). */
-    if (st == KVP_OK && length) self->ranges[self->n_ranges - 1].device = !cpu_readable(addr);
-    return st;
+    return rc.st;
 }
 
 static kvp_status unregister_one(kvpy_engine *self, uint64_t addr)
 {
-    kvp_status st;
+    kvmc_rc rc;
     self->busy++;
     Py_BEGIN_ALLOW_THREADS
-    st = kvp_engine_unregister(self->engine, (void *)(uintptr_t)addr);
+    rc = kvmc_unregister(self->core, (void *)(uintptr_t)addr);
     Py_END_ALLOW_THREADS
     self->busy--;
-    if (st == KVP_OK) ranges_remove(self, addr, 0);
-    return st;
+    return rc.st;
 }
 
 static PyObject *engine_register_memory(kvpy_engine *self, PyObject *args, PyObject *kwds)
@@ -420,7 +268,7 @@ static PyObject *engine_register_memory(kvpy_engine *self, PyObject *args, PyObj
         return NULL;
     if (engine_ready(self)) return NULL;
     kvp_status st = register_one(self, addr, length);
-    return PyLong_FromLong(st ? kvpy_fail(st, "TransferEngine.register_memory") : 0);
+    return PyLong_FromLong(st ? mc_fail(st, "TransferEngine.register_memory") : 0);
 }
 
 static PyObject *engine_unregister_memory(kvpy_engine *self, PyObject *args)
@@ -429,7 +277,7 @@ static PyObject *engine_unregister_memory(kvpy_engine *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "O&:unregister_memory", kvpy_addr_conv, &addr)) return NULL;
     if (engine_ready(self)) return NULL;
     kvp_status st = unregister_one(self, addr);
-    return PyLong_FromLong(st ? kvpy_fail(st, "TransferEngine.unregister_memory") : 0);
+    return PyLong_FromLong(st ? mc_fail(st, "TransferEngine.unregister_memory") : 0);
 }
 
 /* A list of n ints (addresses or lengths) as a malloc'ed array; n_expected < 0
@@ -481,18 +329,31 @@ static PyObject *engine_batch_register_memory(kvpy_engine *self, PyObject *args,
         free(addrs);
         return NULL;
     }
-    int ret = 0;
-    for (size_t i = 0; i < n && ret == 0; i++) {
-        kvp_status st = register_one(self, addrs[i], (size_t)lens[i]);
-        if (st == KVP_OK) continue;
-        ret = kvpy_fail(st, "TransferEngine.batch_register_memory");
-        /* All or nothing: undo the regions registered so far. */
-        for (size_t j = i; j-- > 0;)
-            unregister_one(self, addrs[j]);
+    /* All or nothing (the core undoes what it registered). */
+    void **ptrs = malloc((n ? n : 1) * sizeof *ptrs);
+    size_t *sizes = malloc((n ? n : 1) * sizeof *sizes);
+    if (!ptrs || !sizes) {
+        free(ptrs);
+        free(sizes);
+        free(addrs);
+        free(lens);
+        return PyErr_NoMemory();
     }
+    for (size_t i = 0; i < n; i++) {
+        ptrs[i] = (void *)(uintptr_t)addrs[i];
+        sizes[i] = (size_t)lens[i];
+    }
+    kvmc_rc rc = {0, KVP_OK};
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvmc_register_all(self->core, ptrs, sizes, n);
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    free(ptrs);
+    free(sizes);
     free(addrs);
     free(lens);
-    return PyLong_FromLong(ret);
+    return PyLong_FromLong(rc.st ? mc_fail(rc.st, "TransferEngine.batch_register_memory") : 0);
 }
 
 static PyObject *engine_batch_unregister_memory(kvpy_engine *self, PyObject *args)
@@ -508,7 +369,7 @@ static PyObject *engine_batch_unregister_memory(kvpy_engine *self, PyObject *arg
         /* Keep going past a failure so that one bad address does not leave the
          * rest registered; report the first failure. */
         kvp_status st = unregister_one(self, addrs[i]);
-        if (st && ret == 0) ret = kvpy_fail(st, "TransferEngine.batch_unregister_memory");
+        if (st && ret == 0) ret = mc_fail(st, "TransferEngine.batch_unregister_memory");
     }
     free(addrs);
     return PyLong_FromLong(ret);
@@ -525,6 +386,8 @@ static PyObject *engine_write_bytes_to_buffer(kvpy_engine *self, PyObject *args)
                           kvpy_size_conv, &length))
         return NULL;
     int ret = 0;
+    const char *why;
+    kvp_status st;
     if (engine_ready(self)) {
         PyBuffer_Release(&src);
         return NULL;
@@ -534,10 +397,9 @@ static PyObject *engine_write_bytes_to_buffer(kvpy_engine *self, PyObject *args)
                             "write_bytes_to_buffer: length %zu exceeds the %zd "
                             "bytes given",
                             length, src.len);
-    else if (bytes_refusal(self, addr, length))
-        ret = kvpy_fail_msg(ranges_contain(self, addr, length) ? KVP_ENOTSUP : KVP_ERANGE,
-                            "write_bytes_to_buffer: [0x%llx, +%zu) %s", (unsigned long long)addr,
-                            length, bytes_refusal(self, addr, length));
+    else if ((why = kvmc_copy_refusal(self->core, addr, length, &st)))
+        ret = kvpy_fail_msg(st, "write_bytes_to_buffer: [0x%llx, +%zu) %s",
+                            (unsigned long long)addr, length, why);
     else {
         Py_BEGIN_ALLOW_THREADS
         memcpy((void *)(uintptr_t)addr, src.buf, length);
@@ -555,7 +417,8 @@ static PyObject *engine_read_bytes_from_buffer(kvpy_engine *self, PyObject *args
                           kvpy_size_conv, &length))
         return NULL;
     if (engine_ready(self)) return NULL;
-    const char *why = bytes_refusal(self, addr, length);
+    kvp_status st;
+    const char *why = kvmc_copy_refusal(self->core, addr, length, &st);
     if (why) {
         /* snprintf: PyUnicode_FromFormat has no %llx before Python 3.12. */
         char text[256];
@@ -579,26 +442,22 @@ static PyObject *engine_read_bytes_from_buffer(kvpy_engine *self, PyObject *args
 
 /* ---- transfers --------------------------------------------------------------- */
 
-static kvp_status open_segment(kvpy_engine *self, const char *name, kvp_segment_id *out)
+/* kvpipe's id (and Mooncake's) of a segment by name: answered from the
+ * core's map, or looked up with the GIL released. */
+static kvp_status open_segment(kvpy_engine *self, const char *name, kvp_segment_id *out,
+                               int32_t *mc_id)
 {
-    PyObject *cached = PyDict_GetItemString(self->segments, name);
-    if (cached) {
-        *out = (kvp_segment_id)PyLong_AsUnsignedLong(cached);
+    if (kvmc_lookup(self->core, name, out)) {
+        if (mc_id) *mc_id = (int32_t)(*out + 1);
         return KVP_OK;
     }
     kvp_status st;
-    kvp_segment_id seg = 0;
     self->busy++;
     Py_BEGIN_ALLOW_THREADS
-    st = kvp_engine_open_segment(self->engine, name, &seg);
+    st = kvmc_open(self->core, name, mc_id, out);
     Py_END_ALLOW_THREADS
     self->busy--;
-    if (st) return st;
-    PyObject *id = PyLong_FromUnsignedLong(seg);
-    if (!id || PyDict_SetItemString(self->segments, name, id) < 0) PyErr_Clear(); /* cache only */
-    Py_XDECREF(id);
-    *out = seg;
-    return KVP_OK;
+    return st;
 }
 
 /* The requests of one call, built from the Python arguments. */
@@ -639,48 +498,41 @@ static int parse_opcode(PyObject *obj, kvp_opcode *out)
     return 0;
 }
 
-typedef struct batch_wait {
-    kvp_batch *batch;
-    kvp_status status;
-} batch_wait;
-
-static int poll_batch(void *arg, int slice_ms)
-{
-    batch_wait *w = arg;
-    w->status = kvp_batch_wait(w->batch, slice_ms);
-    /* KVP_ETIMEDOUT is also a request's own failure; pending tells them apart. */
-    return w->status != KVP_ETIMEDOUT || kvp_batch_pending(w->batch) == 0;
-}
-
-static void free_batch_nogil(kvp_batch *batch)
-{
-    Py_BEGIN_ALLOW_THREADS
-    kvp_batch_free(batch);
-    Py_END_ALLOW_THREADS
-}
-
-/* Run the requests to completion. Returns -1 with a Python exception (Ctrl-C),
- * else 0 with *st the transfer status. */
+/* Run the requests to completion: submitted with a completion callback that
+ * writes an eventfd this thread polls (kvpy_wait_fd), so the wait ends with
+ * the batch, without slices, and Ctrl-C still interrupts it (the batch is then
+ * cancelled and freed, its memory untouched once this returns). Returns -1
+ * with a Python exception, 1 when the segment could not be opened (*st;
+ * kvmc_last_error() says why), else 0 with *st the transfer status. */
 static int xfer_run(kvpy_engine *self, const char *target, const xfer *x, kvp_status *st,
                     kvp_segment_id *segp)
 {
-    kvp_segment_id seg;
-    *st = open_segment(self, target, &seg);
+    kvp_segment_id seg = 0;
+    *st = open_segment(self, target, &seg, NULL);
     *segp = seg;
-    if (*st) return 0;
-    batch_wait w = {NULL, KVP_OK};
+    if (*st) return 1;
+    int fd = kvpy_eventfd();
+    if (fd < 0) return -1;
+    kvp_batch_opts o;
+    kvp_batch_opts_init(&o);
+    o.on_complete = kvpy_eventfd_done;
+    o.user_data = (void *)(intptr_t)fd;
+    kvp_batch *batch = NULL;
     self->busy++;
     Py_BEGIN_ALLOW_THREADS
-    *st = kvp_batch_submit(self->engine, seg, x->reqs, x->n, &w.batch);
+    *st = kvp_batch_submit_with(KVP(self), seg, x->reqs, x->n, &o, &batch);
     Py_END_ALLOW_THREADS
     int rc = 0;
     if (*st == KVP_OK) {
-        rc = kvpy_wait_sliced(poll_batch, &w, -1);
-        *st = w.status;
-        free_batch_nogil(w.batch);
+        rc = kvpy_wait_fd(fd);
+        Py_BEGIN_ALLOW_THREADS
+        if (rc == 0) *st = kvp_batch_wait(batch, 0);
+        kvp_batch_free(batch); /* after an interruption: cancels, waits for what runs */
+        Py_END_ALLOW_THREADS
     }
     self->busy--;
-    return rc < 0 ? -1 : 0;
+    close(fd);
+    return rc;
 }
 
 /* Run, then, when every request succeeded and a notify was given, send it:
@@ -695,10 +547,14 @@ static PyObject *xfer_sync(kvpy_engine *self, const char *target, xfer *x, kvpy_
     kvp_segment_id seg = 0;
     int rc = xfer_run(self, target, x, &st, &seg);
     free(x->reqs);
+    if (rc == 1) {
+        kvpy_notify_args_release(n);
+        return PyLong_FromLong(mc_fail(st, what));
+    }
     if (rc == 0 && st == KVP_OK && n->name) {
         self->busy++;
         Py_BEGIN_ALLOW_THREADS
-        st = kvp_engine_notify(self->engine, seg, n->name, n->msg);
+        st = kvp_engine_notify(KVP(self), seg, n->name, n->msg);
         Py_END_ALLOW_THREADS
         self->busy--;
     }
@@ -834,34 +690,36 @@ static PyObject *engine_batch_transfer_sync(kvpy_engine *self, PyObject *args, P
 
 /* ---- asynchronous batches ------------------------------------------------------ */
 
-/* Submit and remember the batch under a fresh id; returns the id, or 0 (and
+/* Submit under a fresh batch id of the core's map; returns the id, or 0 (and
  * the detail for kvpipe.last_error()) on failure, as Mooncake does. */
 static PyObject *submit_async(kvpy_engine *self, const char *target, xfer *x, const char *what)
 {
     kvp_segment_id seg;
-    kvp_batch *batch = NULL;
-    kvp_status st = open_segment(self, target, &seg);
-    if (st == KVP_OK) {
+    int32_t mc_id = 0;
+    uint64_t id = 0;
+    kvp_status st = open_segment(self, target, &seg, &mc_id);
+    kvmc_request *reqs = st ? NULL : malloc((x->n ? x->n : 1) * sizeof *reqs);
+    if (!st && !reqs) st = KVP_ENOMEM;
+    for (size_t i = 0; reqs && i < x->n; i++)
+        reqs[i] = (kvmc_request){x->reqs[i].opcode, x->reqs[i].local, mc_id, x->reqs[i].remote,
+                                 x->reqs[i].length};
+    if (!st && !(id = kvmc_batch_new(self->core, x->n))) st = KVP_ENOMEM;
+    if (!st) {
+        kvmc_rc rc;
         self->busy++;
         Py_BEGIN_ALLOW_THREADS
-        st = kvp_batch_submit(self->engine, seg, x->reqs, x->n, &batch);
+        rc = kvmc_batch_submit(self->core, id, reqs, x->n, NULL, NULL);
         Py_END_ALLOW_THREADS
         self->busy--;
+        if ((st = rc.st)) kvmc_batch_free(self->core, id, 1);
     }
+    free(reqs);
     free(x->reqs);
     if (st) {
-        kvpy_fail(st, what);
+        mc_fail(st, what);
         return PyLong_FromLong(0);
     }
-    PyObject *capsule = PyCapsule_New(batch, "kvpipe.batch", batch_capsule_free);
-    if (!capsule) {
-        free_batch_nogil(batch);
-        return NULL;
-    }
-    PyObject *id = PyLong_FromUnsignedLongLong(self->next_batch_id++);
-    if (!id || PyDict_SetItem(self->batches, id, capsule) < 0) Py_CLEAR(id);
-    Py_DECREF(capsule);
-    return id;
+    return PyLong_FromUnsignedLongLong(id);
 }
 
 static PyObject *batch_async(kvpy_engine *self, PyObject *args, PyObject *kwds, int op_given,
@@ -913,24 +771,40 @@ static PyObject *engine_transfer_submit_write(kvpy_engine *self, PyObject *args,
     return submit_async(self, target, &x, "TransferEngine.transfer_submit_write");
 }
 
-/* The batch of an id, borrowed from the table; NULL if unknown. */
-static kvp_batch *lookup_batch(kvpy_engine *self, PyObject *id)
-{
-    PyObject *capsule = PyDict_GetItemWithError(self->batches, id);
-    return capsule ? PyCapsule_GetPointer(capsule, "kvpipe.batch") : NULL;
-}
-
-static int unknown_batch(PyObject *id, const char *what)
+/* A batch id as the core's, or 0 (none is 0) with no exception set. */
+static uint64_t batch_id_of(PyObject *id)
 {
     unsigned long long v = PyLong_Check(id) ? PyLong_AsUnsignedLongLong(id) : 0;
-    PyErr_Clear();
-    return kvpy_fail_msg(KVP_EINVAL, "%s: unknown or already collected batch id %llu", what, v);
+    if (PyErr_Occurred()) PyErr_Clear();
+    return (uint64_t)v;
 }
 
 /* Item i of what PySequence_Fast returned (a list or a tuple), borrowed. */
 static PyObject *fast_item(PyObject *fast, Py_ssize_t i)
 {
     return PyList_Check(fast) ? PyList_GetItem(fast, i) : PyTuple_GetItem(fast, i);
+}
+
+/* Wait for every request of batch id: the core writes an eventfd once they
+ * completed (kvmc_batch_watch), which this thread polls. -1 with a Python
+ * exception (Ctrl-C; the batch runs on), else 0 with *st the first failed
+ * request's status, or the core's refusal (an unknown id). */
+static int wait_batch(kvpy_engine *self, uint64_t id, kvp_status *st)
+{
+    int complete = 0;
+    if ((*st = kvmc_batch_progress(self->core, id, &complete, st)) || complete) return 0;
+    int fd = kvpy_eventfd();
+    if (fd < 0) return -1;
+    int rc = 0;
+    if (!(*st = kvmc_batch_watch(self->core, id, fd))) {
+        self->busy++;
+        rc = kvpy_wait_fd(fd);
+        self->busy--;
+        kvmc_batch_watch(self->core, id, -1);
+        if (rc == 0) kvmc_batch_progress(self->core, id, &complete, st);
+    }
+    close(fd);
+    return rc;
 }
 
 static PyObject *engine_get_batch_transfer_status(kvpy_engine *self, PyObject *args)
@@ -944,46 +818,240 @@ static PyObject *engine_get_batch_transfer_status(kvpy_engine *self, PyObject *a
     /* ids is a list or a tuple (PySequence_Fast): its items are borrowed. */
     Py_ssize_t n = PySequence_Size(ids);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *id = fast_item(ids, i);
-        batch_wait w = {lookup_batch(self, id), KVP_OK};
-        if (!w.batch) {
-            if (PyErr_Occurred()) goto fail;
-            if (ret == 0) ret = unknown_batch(id, "get_batch_transfer_status");
-            continue;
+        kvp_status st;
+        if (wait_batch(self, batch_id_of(fast_item(ids, i)), &st) < 0) {
+            Py_DECREF(ids);
+            return NULL;
         }
-        self->busy++;
-        int rc = kvpy_wait_sliced(poll_batch, &w, -1);
-        self->busy--;
-        if (rc < 0) goto fail;
-        if (w.status && ret == 0)
-            ret = kvpy_fail(w.status, "TransferEngine.get_batch_transfer_status");
+        if (st && ret == 0) ret = mc_fail(st, "TransferEngine.get_batch_transfer_status");
     }
     /* As Mooncake: the ids are spent once their status has been collected. */
     for (Py_ssize_t i = 0; i < n; i++)
-        if (PyDict_DelItem(self->batches, fast_item(ids, i)) < 0) PyErr_Clear();
+        kvmc_batch_free(self->core, batch_id_of(fast_item(ids, i)), 1);
     Py_DECREF(ids);
     return PyLong_FromLong(ret);
+}
+
+static PyObject *engine_transfer_check_status(kvpy_engine *self, PyObject *id_obj)
+{
+    if (engine_ready(self)) return NULL;
+    uint64_t id = batch_id_of(id_obj);
+    int complete = 0;
+    kvp_status st;
+    if (kvmc_batch_progress(self->core, id, &complete, &st)) {
+        mc_fail(KVP_EINVAL, "TransferEngine.transfer_check_status");
+        return PyLong_FromLong(-1);
+    }
+    if (!complete) return PyLong_FromLong(0);
+    kvmc_task_status(self->core, id, 0, &st, NULL);
+    /* Mooncake: 1 completed, -1 failed, -2 timed out; a finished id is spent. */
+    int ret = st == KVP_OK ? 1 : st == KVP_ETIMEDOUT ? -2 : -1;
+    if (st) mc_fail(st, "TransferEngine.transfer_check_status");
+    kvmc_batch_free(self->core, id, 1);
+    return PyLong_FromLong(ret);
+}
+
+/* ---- awaitable transfers (asyncio) --------------------------------------------- */
+
+/* One awaited batch: submitted with kvp_batch_opts.reap (user_data: this),
+ * reaped off the engine's completion fd by the glue's reader
+ * (python/kvpipe_aio.py). Owned by a capsule the future holds (_kvp_op), so
+ * a cancel after the reap finds batch NULL instead of freed memory; while
+ * unreaped it is on the engine's list and holds its future. */
+struct kvpy_aio_op {
+    kvpy_aio_op *prev, *next;
+    kvp_batch *batch; /* NULL once reaped or freed */
+    PyObject *fut;    /* until resolved */
+};
+
+static void op_capsule_free(PyObject *capsule)
+{
+    free(PyCapsule_GetPointer(capsule, "kvpipe.aio_op"));
+}
+
+static void op_unlink(kvpy_engine *self, kvpy_aio_op *op)
+{
+    if (op->prev)
+        op->prev->next = op->next;
+    else
+        self->ops = op->next;
+    if (op->next) op->next->prev = op->prev;
+    op->prev = op->next = NULL;
+}
+
+/* The result of a completed batch: 0, or -status with the detail recorded
+ * for kvpipe.last_error(). */
+static PyObject *op_value(kvp_batch *batch)
+{
+    kvp_status st = kvp_batch_wait(batch, 0);
+    return PyLong_FromLong(st ? kvpy_fail(st, "TransferEngine transfer") : 0);
+}
+
+/* (future, value) for every batch reaped now; the glue resolves them. */
+static PyObject *engine_aio_reap(kvpy_engine *self, PyObject *noargs)
+{
+    (void)noargs;
+    PyObject *out = PyList_New(0);
+    if (!out || !self->core) return out;
+    kvp_completion c[32];
+    size_t n;
+    while ((n = kvp_engine_reap(KVP(self), c, 32)) > 0) {
+        for (size_t i = 0; i < n; i++) {
+            kvpy_aio_op *op = c[i].user_data;
+            PyObject *value = op_value(c[i].batch);
+            kvp_batch_free(c[i].batch); /* complete: returns at once */
+            op->batch = NULL;
+            op_unlink(self, op);
+            PyObject *pair = value ? PyTuple_Pack(2, op->fut, value) : NULL;
+            Py_XDECREF(value);
+            Py_CLEAR(op->fut);
+            if (!pair || PyList_Append(out, pair) < 0) PyErr_Clear(); /* out of memory: lost */
+            Py_XDECREF(pair);
+        }
+    }
+    return out;
+}
+
+/* The future's cancel(): kvp_batch_cancel, which does not wait. */
+static PyObject *engine_aio_cancel(kvpy_engine *self, PyObject *capsule)
+{
+    (void)self;
+    kvpy_aio_op *op = PyCapsule_GetPointer(capsule, "kvpipe.aio_op");
+    if (!op) return NULL;
+    if (op->batch) kvp_batch_cancel(op->batch);
+    Py_RETURN_NONE;
+}
+
+/* Close: cancel and free every awaited batch (waiting for what runs), take
+ * the readers off the fd, and resolve the futures with -KVP_ECLOSED. */
+static void kvpy_aio_close(kvpy_engine *self)
+{
+    if (!self->aio) return;
+    PyObject *pending = PyList_New(0);
+    PyObject *closed = PyLong_FromLong(-(long)KVP_ECLOSED);
+    while (self->ops) {
+        kvpy_aio_op *op = self->ops;
+        op_unlink(self, op);
+        kvp_batch *batch = op->batch;
+        op->batch = NULL;
+        Py_BEGIN_ALLOW_THREADS
+        kvp_batch_free(batch);
+        Py_END_ALLOW_THREADS
+        PyObject *pair = pending && closed ? PyTuple_Pack(2, op->fut, closed) : NULL;
+        if (!pair || PyList_Append(pending, pair) < 0) PyErr_Clear();
+        Py_XDECREF(pair);
+        Py_CLEAR(op->fut);
+    }
+    PyObject *r = pending ? kvpy_aio_call("close", PyTuple_Pack(2, self->aio, pending)) : NULL;
+    if (!r) PyErr_Clear(); /* at teardown: nothing to raise to */
+    Py_XDECREF(r);
+    Py_XDECREF(pending);
+    Py_XDECREF(closed);
+    Py_CLEAR(self->aio);
+}
+
+/* Submit x as one batch and return the future of its completion (the
+ * Mooncake-style int: 0, or negative). A failed submit resolves it at once. */
+static PyObject *submit_aio(kvpy_engine *self, const char *target, xfer *x)
+{
+    PyObject *fut = kvpy_aio_call("new_future", PyTuple_New(0)); /* needs a running loop */
+    if (!fut) {
+        free(x->reqs);
+        return NULL;
+    }
+    if (!self->aio) {
+        PyObject *fd = PyLong_FromLong(kvp_engine_completion_fd(KVP(self)));
+        self->aio = fd ? kvpy_aio_call("State", PyTuple_Pack(1, fd)) : NULL;
+        Py_XDECREF(fd);
+        if (!self->aio) goto fail;
+    }
+    kvp_segment_id seg;
+    kvp_status st = open_segment(self, target, &seg, NULL);
+    kvpy_aio_op *op = st ? NULL : calloc(1, sizeof *op);
+    PyObject *capsule = op ? PyCapsule_New(op, "kvpipe.aio_op", op_capsule_free) : NULL;
+    if (!st && !capsule) {
+        free(op);
+        PyErr_NoMemory();
+        goto fail;
+    }
+    if (!st) {
+        kvp_batch_opts o;
+        kvp_batch_opts_init(&o);
+        o.reap = 1;
+        o.user_data = op;
+        /* Never blocks (a lookup goes to the engine's workers). */
+        st = kvp_batch_submit_with(KVP(self), seg, x->reqs, x->n, &o, &op->batch);
+    }
+    free(x->reqs);
+    x->reqs = NULL;
+    if (st) {
+        Py_XDECREF(capsule);
+        PyObject *v = PyLong_FromLong(mc_fail(st, "TransferEngine transfer"));
+        PyObject *r = v ? PyObject_CallMethod(fut, "set_result", "O", v) : NULL;
+        Py_XDECREF(v);
+        if (!r) goto fail;
+        Py_DECREF(r);
+        PyObject *w = kvpy_aio_call("wait", PyTuple_Pack(1, fut));
+        Py_DECREF(fut);
+        return w;
+    }
+    op->fut = fut;
+    Py_INCREF(fut);
+    op->next = self->ops;
+    if (self->ops) self->ops->prev = op;
+    self->ops = op;
+    PyObject *me = (PyObject *)self;
+    if (PyObject_SetAttrString(fut, "_kvp_op", capsule) < 0 ||
+        PyObject_SetAttrString(fut, "_kvp_engine", me) < 0) {
+        Py_DECREF(capsule);
+        goto fail; /* the op stays on the list: reaped or closed later */
+    }
+    Py_DECREF(capsule);
+    PyObject *r = kvpy_aio_call("watch", PyTuple_Pack(3, me, self->aio, fut));
+    if (!r) goto fail;
+    Py_DECREF(r);
+    r = kvpy_aio_call("wait", PyTuple_Pack(1, fut));
+    Py_DECREF(fut);
+    return r;
 fail:
-    Py_DECREF(ids);
+    free(x->reqs);
+    Py_DECREF(fut);
     return NULL;
 }
 
-static PyObject *engine_transfer_check_status(kvpy_engine *self, PyObject *id)
+/* transfer_aio(target_hostname, buffer, peer_buffer_address, length, opcode)
+ * -> awaitable int. */
+static PyObject *engine_transfer_aio(kvpy_engine *self, PyObject *args, PyObject *kwds)
 {
-    if (engine_ready(self)) return NULL;
-    kvp_batch *batch = lookup_batch(self, id);
-    if (!batch) {
-        if (PyErr_Occurred()) return NULL;
-        unknown_batch(id, "transfer_check_status");
-        return PyLong_FromLong(-1);
-    }
-    if (kvp_batch_pending(batch) > 0) return PyLong_FromLong(0);
-    kvp_status st = kvp_batch_request_status(batch, 0);
-    /* Mooncake: 1 completed, -1 failed, -2 timed out; a finished id is spent. */
-    int ret = st == KVP_OK ? 1 : st == KVP_ETIMEDOUT ? -2 : -1;
-    if (st) kvpy_fail(st, "TransferEngine.transfer_check_status");
-    if (PyDict_DelItem(self->batches, id) < 0) return NULL;
-    return PyLong_FromLong(ret);
+    static char *kwlist[] = {"target_hostname", "buffer", "peer_buffer_address",
+                             "length",          "opcode", NULL};
+    const char *target;
+    uint64_t buf, peer;
+    size_t length;
+    PyObject *opcode;
+    kvp_opcode op;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "sO&O&O&O:transfer_aio", kwlist, &target,
+                                     kvpy_addr_conv, &buf, kvpy_addr_conv, &peer, kvpy_size_conv,
+                                     &length, &opcode) ||
+        parse_opcode(opcode, &op) || engine_ready(self))
+        return NULL;
+    xfer x = {calloc(1, sizeof(kvp_request)), 1};
+    if (!x.reqs) return PyErr_NoMemory();
+    x.reqs[0] = (kvp_request){op, (void *)(uintptr_t)buf, peer, length};
+    return submit_aio(self, target, &x);
+}
+
+/* batch_transfer_aio(target_hostname, buffers, peer_buffer_addresses,
+ * lengths, opcode) -> awaitable int. */
+static PyObject *engine_batch_transfer_aio(kvpy_engine *self, PyObject *args, PyObject *kwds)
+{
+    batch_args a;
+    kvp_opcode op;
+    if (parse_batch_args(args, kwds, 1, 0, &a) || parse_opcode(a.opcode, &op) || engine_ready(self))
+        return NULL;
+    xfer x;
+    if (xfer_build(&x, op, a.bufs, a.peers, a.lens)) return NULL;
+    return submit_aio(self, a.target, &x);
 }
 
 /* ---- notifications, probes and the rest of Mooncake's surface ------------------ */
@@ -997,7 +1065,7 @@ static PyObject *engine_get_notifies(kvpy_engine *self, PyObject *noargs)
     if (engine_ready(self)) return NULL;
     kvp_notify *list = NULL;
     size_t n = 0;
-    kvp_status st = kvp_engine_get_notifies(self->engine, &list, &n);
+    kvp_status st = kvp_engine_get_notifies(KVP(self), &list, &n);
     if (st) return kvpy_raise(st, "TransferEngine.get_notifies");
     PyObject *out = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; out && i < n; i++) {
@@ -1020,21 +1088,17 @@ static PyObject *engine_send_probe(kvpy_engine *self, PyObject *args, PyObject *
     const char *peer;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "s:send_probe", kwlist, &peer)) return NULL;
     /* Mooncake returns -1 before initialize(). */
-    if (!self->engine)
+    if (!self->core)
         return PyLong_FromLong(kvpy_fail_msg(KVP_EINVAL, "send_probe: the engine is not "
                                                          "initialized"));
     kvp_status st;
     self->busy++;
     Py_BEGIN_ALLOW_THREADS
-    st = kvp_engine_probe(self->engine, peer);
+    /* The probe opens the segment, which the map remembers like a transfer. */
+    st = kvmc_probe(self->core, peer, NULL, NULL);
     Py_END_ALLOW_THREADS
     self->busy--;
-    if (st) return PyLong_FromLong(kvpy_fail(st, "TransferEngine.send_probe"));
-    /* The probe opened the segment: remember its id like a transfer does. */
-    kvp_segment_id seg;
-    if (open_segment(self, peer, &seg))
-        return PyLong_FromLong(kvpy_fail(KVP_ENOTFOUND, "TransferEngine.send_probe"));
-    return PyLong_FromLong(0);
+    return PyLong_FromLong(st ? mc_fail(st, "TransferEngine.send_probe") : 0);
 }
 
 /* get_first_buffer_address(segment_name) -> int: the lowest registered
@@ -1046,18 +1110,18 @@ static PyObject *engine_get_first_buffer_address(kvpy_engine *self, PyObject *ar
     if (!PyArg_ParseTuple(args, "s:get_first_buffer_address", &target) || engine_ready(self))
         return NULL;
     kvp_segment_id seg;
-    kvp_status st = open_segment(self, target, &seg);
+    kvp_status st = open_segment(self, target, &seg, NULL);
     kvp_remote_buffer first = {0, 0};
     size_t count = 0;
     if (st == KVP_OK) {
         self->busy++;
         Py_BEGIN_ALLOW_THREADS
-        st = kvp_engine_segment_buffers(self->engine, seg, &first, 1, &count);
+        st = kvp_engine_segment_buffers(KVP(self), seg, &first, 1, &count);
         Py_END_ALLOW_THREADS
         self->busy--;
     }
     if (st) {
-        kvpy_fail(st, "TransferEngine.get_first_buffer_address");
+        mc_fail(st, "TransferEngine.get_first_buffer_address");
         return PyLong_FromLong(0);
     }
     if (count == 0)
@@ -1184,6 +1248,17 @@ static PyMethodDef engine_methods[] = {
     {"batch_transfer_async", FN(engine_batch_transfer_async), KW,
      "batch_transfer_async(target_hostname, buffers, peer_buffer_addresses, lengths, opcode, "
      "transport_hint='') -> batch id (0 on failure)"},
+    {"transfer_aio", FN(engine_transfer_aio), KW,
+     "transfer_aio(target_hostname, buffer, peer_buffer_address, length, opcode) -> "
+     "awaitable int\n\nasyncio: submit one transfer and return a future of its result (0, or "
+     "negative as transfer_sync's), resolved from the engine's completion fd by the running "
+     "loop (no thread per wait). Cancelling the awaiting task cancels the transfer; it raises "
+     "CancelledError once nothing of kvpipe touches the memory any more (kvpipe extension)."},
+    {"batch_transfer_aio", FN(engine_batch_transfer_aio), KW,
+     "batch_transfer_aio(target_hostname, buffers, peer_buffer_addresses, lengths, opcode) -> "
+     "awaitable int\n\nasyncio: as transfer_aio(), for a batch (kvpipe extension)."},
+    {"_aio_reap", FN(engine_aio_reap), METH_NOARGS, "The asyncio glue's: reap completions."},
+    {"_aio_cancel", FN(engine_aio_cancel), METH_O, "The asyncio glue's: cancel a batch."},
     {"get_batch_transfer_status", FN(engine_get_batch_transfer_status), METH_VARARGS,
      "get_batch_transfer_status(batch_ids) -> int\n\nWait for every batch; 0 if all succeeded, "
      "else negative. The ids are spent afterwards."},

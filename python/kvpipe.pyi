@@ -4,7 +4,8 @@
 import enum
 import os
 from types import TracebackType
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple, Type, Union, overload
+from typing import (Any, Awaitable, Callable, Dict, List, NoReturn, Optional, Sequence, Tuple, Type,
+                    Union, overload)
 
 __version__: str
 
@@ -133,6 +134,22 @@ class TransferEngine:
         notify: Optional[TransferNotify] = ...,
         transport_hint: str = ...,
     ) -> int: ...
+    def transfer_aio(
+        self,
+        target_hostname: str,
+        buffer: int,
+        peer_buffer_address: int,
+        length: int,
+        opcode: int,
+    ) -> Awaitable[int]: ...
+    def batch_transfer_aio(
+        self,
+        target_hostname: str,
+        buffers: Sequence[int],
+        peer_buffer_addresses: Sequence[int],
+        lengths: Sequence[int],
+        opcode: int,
+    ) -> Awaitable[int]: ...
     def batch_transfer_sync_read(
         self,
         target_hostname: str,

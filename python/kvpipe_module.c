@@ -1,9 +1,15 @@
 /* The kvpipe Python module: exceptions, status helpers and module init. */
 #include "kvpy.h"
 
+#include <errno.h>
+#include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "kvpipe_aio_py.h"
 
 #include "kvpipe/kvpipe.h"
 
@@ -149,6 +155,72 @@ int kvpy_wait_sliced(kvpy_poll_fn poll, void *arg, int total_ms)
     }
 }
 
+int kvpy_eventfd(void)
+{
+    int fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (fd < 0) PyErr_SetFromErrno(PyExc_OSError);
+    return fd;
+}
+
+void kvpy_eventfd_done(struct kvp_batch *batch, void *user_data)
+{
+    (void)batch;
+    uint64_t one = 1;
+    /* An eventfd takes it unless full (2^64 - 2): nothing else can fail. */
+    if (write((int)(intptr_t)user_data, &one, sizeof one) < 0) return;
+}
+
+int kvpy_wait_fd(int fd)
+{
+    for (;;) {
+        int r, err;
+        Py_BEGIN_ALLOW_THREADS
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        r = poll(&p, 1, 1000);
+        err = errno;
+        Py_END_ALLOW_THREADS
+        if (r > 0) return 0;
+        if (r < 0 && err != EINTR) {
+            errno = err;
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        if (PyErr_CheckSignals() < 0) return -1;
+    }
+}
+
+PyObject *kvpy_aio;
+
+PyObject *kvpy_aio_call(const char *name, PyObject *args)
+{
+    if (!args) return NULL;
+    PyObject *fn = kvpy_aio ? PyDict_GetItemString(kvpy_aio, name) : NULL; /* borrowed */
+    PyObject *out = fn ? PyObject_CallObject(fn, args) : NULL;
+    if (!fn) PyErr_Format(PyExc_RuntimeError, "kvpipe: no asyncio glue function %s", name);
+    Py_DECREF(args);
+    return out;
+}
+
+/* Run the glue's source into a namespace of its own. */
+static int aio_init(void)
+{
+    PyObject *builtins = PyImport_ImportModule("builtins");
+    PyObject *ns = PyDict_New();
+    PyObject *name = PyUnicode_FromString("kvpipe._aio");
+    PyObject *r = NULL;
+    if (builtins && ns && name && PyDict_SetItemString(ns, "__name__", name) == 0)
+        r = PyObject_CallMethod(builtins, "exec", "sO", kvpy_aio_source, ns);
+    Py_XDECREF(builtins);
+    Py_XDECREF(name);
+    if (!r) {
+        Py_XDECREF(ns);
+        return -1;
+    }
+    Py_DECREF(r);
+    kvpy_aio = ns;
+    return 0;
+}
+
 static PyObject *mod_last_error(PyObject *self, PyObject *noargs)
 {
     (void)self;
@@ -223,7 +295,7 @@ PyMODINIT_FUNC PyInit_kvpipe(void)
     PyObject *module = PyModule_Create(&module_def);
     if (!module) return NULL;
     if (PyModule_AddStringConstant(module, "__version__", KVP_VERSION_STRING) < 0 ||
-        add_status_constants(module) < 0 || add_error_type(module) < 0 ||
+        add_status_constants(module) < 0 || add_error_type(module) < 0 || aio_init() < 0 ||
         kvpy_engine_init_type(module) < 0 || kvpy_notify_init_type(module) < 0 ||
         kvpy_tensor_init_type(module) < 0 || kvpy_pipe_init_type(module) < 0 ||
         kvpy_log_init(module) < 0) {

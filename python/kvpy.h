@@ -61,6 +61,27 @@ PyObject *kvpy_metrics_text(const struct kvp_metrics *m);
 typedef int (*kvpy_poll_fn)(void *arg, int slice_ms);
 int kvpy_wait_sliced(kvpy_poll_fn poll, void *arg, int total_ms);
 
+/* An eventfd for one wait (non-blocking, close-on-exec), or -1 with a
+ * Python exception. */
+int kvpy_eventfd(void);
+/* kvp_batch_opts.on_complete that adds 1 to the eventfd in user_data
+ * ((void *)(intptr_t)fd): runs on an engine thread, without the GIL. */
+struct kvp_batch;
+void kvpy_eventfd_done(struct kvp_batch *batch, void *user_data);
+/* Wait until the eventfd fd is readable, with the GIL released and without
+ * slices: a signal to this thread (Ctrl-C reaches the main thread) ends
+ * poll(2) with EINTR, and the handlers run then; one delivered elsewhere
+ * (or _thread.interrupt_main) is seen within a second. Returns 0, or -1
+ * with a Python exception (e.g. KeyboardInterrupt). */
+int kvpy_wait_fd(int fd);
+
+/* The asyncio glue (python/kvpipe_aio.py, compiled into the module): its
+ * namespace, set up by the module init; NULL before. */
+extern PyObject *kvpy_aio;
+/* Call the glue's function name with args (a tuple, stolen; NULL on a
+ * failure to build it). New reference, or NULL with an exception. */
+PyObject *kvpy_aio_call(const char *name, PyObject *args);
+
 /* The name of obj's type for a message, as tp_name spells it ("int",
  * "numpy.ndarray"): the limited API has no tp_name. Valid until the next call
  * (the GIL orders the calls); "?" where it cannot be had. Call it with no
@@ -136,6 +157,9 @@ void kvpy_notify_args_release(kvpy_notify_args *a);
 PyObject *kvpy_notify_from(const char *name, const char *msg);
 int kvpy_notify_init_type(PyObject *module);
 
+/* engine_py.c: the awaited batches of an engine (kvpy_aio_op) are cancelled,
+ * waited for and their futures resolved when it closes. */
+typedef struct kvpy_aio_op kvpy_aio_op;
 int kvpy_engine_init_type(PyObject *module);
 int kvpy_tensor_init_type(PyObject *module);
 int kvpy_pipe_init_type(PyObject *module);

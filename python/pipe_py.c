@@ -868,7 +868,7 @@ static PyObject *pipe_get_usable(kvpy_pipe *self, void *closure)
 
 static PyMethodDef pipe_methods[] = {
     {"send_tensor", FN(pipe_send_tensor), METH_O,
-     "send_tensor(tensor_or_None)\n\nSend a CPU tensor (DLPack or buffer protocol, contiguous) "
+     "send_tensor(tensor)\n\nSend a CPU tensor (DLPack or buffer protocol, contiguous) "
      "or None. The data is copied before this returns. Raises kvpipe.Error."},
     {"alloc_tensor", FN(pipe_alloc_tensor), METH_VARARGS | METH_KEYWORDS,
      "alloc_tensor(shape, dtype=\"uint8\") -> kvpipe.Tensor\n\nA writable tensor whose data "

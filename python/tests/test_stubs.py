@@ -61,6 +61,39 @@ class StubTests(unittest.TestCase):
             runtime = public(vars(cls))
             self.assertEqual(sorted(runtime - stubbed), [], "%s: members not stubbed" % name)
 
+    def test_signatures_match_the_method_table(self):
+        """Each method's parameters, as the C method table's docstring spells
+        them on its first line ("name(a, b=..., ...) -> ..."), are the stub's,
+        in order, with the same ones optional: the table and the .pyi cannot
+        drift apart."""
+        import re
+        checked = 0
+        for cname, node in self.classes.items():
+            cls = getattr(kvpipe, cname)
+            for fn in node.body:
+                if not isinstance(fn, ast.FunctionDef) or fn.name.startswith("_"):
+                    continue
+                if any(isinstance(d, ast.Name) and d.id in ("property", "overload")
+                       for d in fn.decorator_list):
+                    continue
+                doc = (getattr(getattr(cls, fn.name), "__doc__", None) or "").split("\n")[0]
+                m = re.match(r"%s\((.*?)\)" % re.escape(fn.name), doc)
+                if not m:
+                    continue  # no signature line (Python's own, or a property)
+                runtime = [p.strip() for p in m.group(1).split(",") if p.strip()]
+                runtime = [(p.split("=")[0].strip(), "=" in p) for p in runtime
+                           if p.strip() not in ("/", "*")]
+                args = fn.args.args[1:] if fn.args.args and fn.args.args[0].arg == "self" \
+                    else fn.args.args
+                first_default = len(args) - len(fn.args.defaults)
+                stub = [(a.arg, i >= first_default) for i, a in enumerate(args)]
+                stub += [(a.arg, d is not None) for a, d in zip(fn.args.kwonlyargs,
+                                                                   fn.args.kw_defaults)]
+                self.assertEqual(runtime, stub, "%s.%s: the method table says %r"
+                                 % (cname, fn.name, doc))
+                checked += 1
+        self.assertGreater(checked, 30)
+
     def test_opcode_values(self):
         node = self.classes["TransferOpcode"]
         for a in node.body:

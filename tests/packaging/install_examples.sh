@@ -160,5 +160,21 @@ CM
     KVPIPE_DISABLE_SHM=1 run_pair "mooncake target(pkg-config) <- initiator(find_package)" \
         "$work/mc-pc" target P2PHANDSHAKE 127.0.0.1 "$work/mc-info" -- \
         "$work/mc-cm/b/mc_prog" initiator P2PHANDSHAKE 127.0.0.1 "$work/mc-info"
+    # Linked as NIXL's plugin links it, -ltransfer_engine, through a symlink in
+    # a folder of its own (docs/mooncake-c-api.md): the program records the
+    # library's SONAME, libkvpipe_mooncake.so.N, and finds it through the one
+    # rpath the doc gives, with no LD_LIBRARY_PATH.
+    mkdir -p "$work/te"
+    ln -s "$prefix/lib/libkvpipe_mooncake.so" "$work/te/libtransfer_engine.so"
+    export PKG_CONFIG_PATH=$prefix/lib/pkgconfig
+    cc -o "$work/mc-te" "$prog" $(pkg-config --cflags kvpipe-mooncake) -L"$work/te" \
+        -ltransfer_engine -Wl,-rpath,"$(pkg-config --variable=libdir kvpipe-mooncake)" ||
+        { echo "FAIL: the Mooncake C API program with -ltransfer_engine"; exit 1; }
+    unset PKG_CONFIG_PATH
+    (unset LD_LIBRARY_PATH; ldd "$work/mc-te") | grep -q "not found" &&
+        { echo "FAIL: -ltransfer_engine: $(ldd "$work/mc-te" | grep 'not found')"; exit 1; }
+    KVPIPE_DISABLE_SHM=1 run_pair "mooncake target(-ltransfer_engine) <- initiator(pkg-config)" \
+        env -u LD_LIBRARY_PATH "$work/mc-te" target P2PHANDSHAKE 127.0.0.1 "$work/mc-info2" -- \
+        "$work/mc-pc" initiator P2PHANDSHAKE 127.0.0.1 "$work/mc-info2"
 fi
 echo "ok: install, examples and their runs"
