@@ -182,27 +182,31 @@ class AsyncioTests(unittest.TestCase):
         self.assertEqual(asyncio.run(main()), -kvpipe.ECLOSED)
 
     def test_ctrl_c_interrupts_a_sync_wait(self):
-        """transfer_sync waits on its callback's eventfd, without 100 ms
-        slices: a SIGINT ends the wait at once (the peer is stopped, so only
-        the engine's 5 s deadline would), and the engine goes on."""
-        e = self.eng
+        """batch_transfer_sync waits on its callback's eventfd, without 100 ms
+        slices: a SIGINT ends the wait at once (the peer is stopped), the
+        call cancels its batch - what had not started never runs - and raises
+        KeyboardInterrupt once what had started finished (the peer resumed)."""
+        e, n, mib = self.eng, 16, 1 << 20
+        local = e.allocate_managed_buffer(n * mib)
+        e.write_bytes_to_buffer(local, b"\xee" * (n * mib), n * mib)
         self.assertEqual(e.transfer_sync_read(self.target, self.local, self.peer_managed, 64), 0)
         self.stop_peer()
         timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
-        # Resumed soon after: the interrupted call frees its batch, which
-        # waits for what had started (kvpipe's cancel guarantee).
-        resume = threading.Timer(0.8, os.kill, (self.peer.proc.pid, signal.SIGCONT))
-        t0 = time.monotonic()
+        # Resumed later: the interrupted call frees its batch, which waits for
+        # what had started (kvpipe's cancel guarantee).
+        resume = threading.Timer(1.0, os.kill, (self.peer.proc.pid, signal.SIGCONT))
         timer.start()
         resume.start()
         try:
             with self.assertRaises(KeyboardInterrupt):
-                e.transfer_sync_read(self.target, self.local, self.peer_managed, SIZE)
-            took = time.monotonic() - t0
+                # 16 requests of 1 MiB: at most 4 run at once on one peer.
+                e.batch_transfer_sync_read(self.target, [local + i * mib for i in range(n)],
+                                           [self.peer_managed] * n, [mib] * n)
         finally:
             timer.cancel()
             resume.join()
-        self.assertLess(took, 4.5)  # not the deadline: the signal ended it
+        # The last requests were cancelled, not run: their memory is untouched.
+        self.assertEqual(e.read_bytes_from_buffer(local + (n - 1) * mib, 64), b"\xee" * 64)
         self.assertEqual(e.transfer_sync_read(self.target, self.local, self.peer_managed, 64), 0,
                          kvpipe.last_error())
 
