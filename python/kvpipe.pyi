@@ -268,6 +268,7 @@ class Pipe:
         zmq_hwm: int = ...,
         busy_poll_us: int = ...,
         device: Optional[Any] = ...,
+        integrity: Optional[bool] = ...,
     ) -> None: ...
     @property
     def segment_name(self) -> str: ...

@@ -488,40 +488,33 @@ static int buffer_size_conv(PyObject *obj, void *out)
 
 static int pipe_init(kvpy_pipe *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"config",
-                             "local_rank",
-                             "kv_rank",
-                             "kv_buffer_size",
-                             "send_timeout",
-                             "io_timeout",
-                             "max_message_bytes",
-                             "disable_shm",
-                             "inline_max_bytes",
-                             "recv_window",
-                             "recv_window_bytes",
-                             "max_control_frame",
-                             "redial_min",
-                             "redial_max",
-                             "ack_timeout",
-                             "ack_linger",
-                             "ack_delay_us",
-                             "zmq_hwm",
-                             "busy_poll_us",
-                             "device",
-                             NULL};
+    static char *kwlist[] = {
+        "config",           "local_rank",  "kv_rank",           "kv_buffer_size",
+        "send_timeout",     "io_timeout",  "max_message_bytes", "disable_shm",
+        "inline_max_bytes", "recv_window", "recv_window_bytes", "max_control_frame",
+        "redial_min",       "redial_max",  "ack_timeout",       "ack_linger",
+        "ack_delay_us",     "zmq_hwm",     "busy_poll_us",      "device",
+        "integrity",        NULL};
     PyObject *config, *send_timeout = NULL, *io_timeout = NULL, *redial_min = NULL,
-                      *redial_max = NULL, *ack_timeout = NULL, *ack_linger = NULL, *device = NULL;
+                      *redial_max = NULL, *ack_timeout = NULL, *ack_linger = NULL, *device = NULL,
+                      *integrity = NULL;
     int local_rank, kv_rank, disable_shm = 0;
     kvp_pipe_opts opts;
     kvp_pipe_opts_init(&opts);
     if (!PyArg_ParseTupleAndKeywords(
-            args, kwds, "Oii|$O&OOO&pO&iO&O&OOOOiiiO:Pipe", kwlist, &config, &local_rank, &kv_rank,
+            args, kwds, "Oii|$O&OOO&pO&iO&O&OOOOiiiOO:Pipe", kwlist, &config, &local_rank, &kv_rank,
             buffer_size_conv, &opts.kv_buffer_size, &send_timeout, &io_timeout, kvpy_size_conv,
             &opts.max_message_bytes, &disable_shm, kvpy_size_conv, &opts.inline_max_bytes,
             &opts.recv_window, kvpy_size_conv, &opts.recv_window_bytes, kvpy_size_conv,
             &opts.max_control_frame, &redial_min, &redial_max, &ack_timeout, &ack_linger,
-            &opts.ack_delay_us, &opts.zmq_hwm, &opts.busy_poll_us, &device))
+            &opts.ack_delay_us, &opts.zmq_hwm, &opts.busy_poll_us, &device, &integrity))
         return -1;
+    /* None (the default): env KVPIPE_INTEGRITY, else on. */
+    if (integrity && integrity != Py_None) {
+        int on = PyObject_IsTrue(integrity);
+        if (on < 0) return -1;
+        opts.integrity = on;
+    }
     if (device_conv(device, &self->device)) return -1;
     self->device_ok = 0;
     if (ms_from_seconds(send_timeout, &opts.send_timeout_ms, "send_timeout") ||
@@ -914,12 +907,13 @@ static PyType_Slot pipe_slots[] = {
                 "     inline_max_bytes=131072, recv_window=32, recv_window_bytes=64 MiB,\n"
                 "     max_control_frame=4096, redial_min=0.2, redial_max=5.0, ack_timeout=2.0,\n"
                 "     ack_linger=0.5, ack_delay_us=1000, zmq_hwm=1000, busy_poll_us=0,\n"
-                "     device=None)\n\n"
+                "     device=None, integrity=None)\n\n"
                 "One side of a tensor pipe (vLLM's MooncakePipe wire). config: a path to the "
                 "mooncake JSON, a dict of it, or None for $MOONCAKE_CONFIG_PATH. kv_rank 0 is "
                 "prefill, 1 decode. Times in seconds; the options are kvp_pipe_opts' "
                 "(docs/pipe.md); device: where recv_tensor() puts tensors ('cpu', 'cuda:N'; "
-                "docs/gpu.md)."},
+                "docs/gpu.md); integrity: check each message's digest (None: env "
+                "KVPIPE_INTEGRITY, else on; docs/pipe.md)."},
     {Py_tp_new, PyType_GenericNew},
     {Py_tp_init, pipe_init},
     {Py_tp_dealloc, pipe_dealloc},

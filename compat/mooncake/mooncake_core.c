@@ -77,6 +77,7 @@ int kvmc_err(kvp_status st)
     case KVP_EIO:
     case KVP_ECLOSED:
     case KVP_EINTR:
+    case KVP_ECORRUPT: /* a transfer's bytes arrived corrupted (integrity) */
         return KVMC_ERR_SOCKET;
     case KVP_EPROTO:
         return KVMC_ERR_MALFORMED_JSON;

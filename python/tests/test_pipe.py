@@ -141,6 +141,26 @@ class PairTests(PipePairCase):
                     self.assertEqual(got.dtype, arr.dtype)
                     np.testing.assert_array_equal(got, arr)
 
+    def test_integrity_catches_a_buffer_written_after_send(self):
+        # Digests travel once the sender has read the receiver's descriptor.
+        self.assertIsNone(self.roundtrip(None))
+        deadline = time.time() + 10
+        while self.prefill.stats()["peer_lookups"] < 1 and time.time() < deadline:
+            time.sleep(0.01)
+        t = self.prefill.alloc_tensor((1 << 20,), "uint8")  # announced: READ later
+        view = np.asarray(t)
+        view[:] = 7
+        addr = view.ctypes.data
+        del view
+        self.prefill.send_tensor_take(t)
+        ctypes.memset(addr + 12345, 8, 1)  # the buffer is the pipe's now: written too late
+        with self.assertRaises(kvpipe.Error) as cm:
+            self.decode.recv_tensor(timeout=30)
+        self.assertEqual(cm.exception.status, kvpipe.ECORRUPT)
+        self.assertIn("arrived corrupted", str(cm.exception))
+        np.testing.assert_array_equal(as_numpy(self.roundtrip(np.arange(4))), np.arange(4))
+        self.assertIn("kvpipe_pipe_corrupt_total 1", self.decode.stats(prometheus=True))
+
     def test_none_scalars_empty_and_plain_buffers(self):
         self.assertIsNone(self.roundtrip(None))
         t = self.roundtrip(np.array(3.25, dtype=np.float64))
