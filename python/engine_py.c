@@ -524,7 +524,7 @@ static int xfer_run(kvpy_engine *self, const char *target, const xfer *x, kvp_st
     Py_END_ALLOW_THREADS
     int rc = 0;
     if (*st == KVP_OK) {
-        rc = kvpy_wait_fd(fd);
+        rc = kvpy_wait_fd(fd, -1);
         Py_BEGIN_ALLOW_THREADS
         if (rc == 0) *st = kvp_batch_wait(batch, 0);
         kvp_batch_free(batch); /* after an interruption: cancels, waits for what runs */
@@ -798,7 +798,7 @@ static int wait_batch(kvpy_engine *self, uint64_t id, kvp_status *st)
     int rc = 0;
     if (!(*st = kvmc_batch_watch(self->core, id, fd))) {
         self->busy++;
-        rc = kvpy_wait_fd(fd);
+        rc = kvpy_wait_fd(fd, -1);
         self->busy--;
         kvmc_batch_watch(self->core, id, -1);
         if (rc == 0) kvmc_batch_progress(self->core, id, &complete, st);

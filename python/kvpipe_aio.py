@@ -111,3 +111,99 @@ def close(state, pending):
 def _settle(fut, value):
     if not fut.done():
         fut.set_result(value)
+
+
+# ---- the pipe ----------------------------------------------------------------
+#
+# Pipe.recv_tensor_async() and send_tensor_async(): tries that never wait
+# (Pipe._aio_recv, _aio_send: kvp_pipe_recv / kvp_pipe_send_timeout with 0),
+# and between them a wait on the pipe's descriptor for that direction
+# (kvp_pipe_recv_fd, kvp_pipe_send_fd) with the running loop's add_reader.
+# Awaits of one pipe on one loop share one reader per descriptor. A task
+# cancelled while it waits took nothing from the pipe (a receive) or sent
+# nothing (a send).
+
+class _Readers:
+    """The awaits of one descriptor on one loop: one add_reader for all."""
+
+    def __init__(self):
+        self.waiting = {}  # (loop, fd) -> set of futures
+
+    def wait(self, loop, fd):
+        fut = loop.create_future()
+        key = (loop, fd)
+        futs = self.waiting.get(key)
+        if futs is None:
+            futs = self.waiting[key] = set()
+            loop.add_reader(fd, self._ready, key)
+        futs.add(fut)
+        return fut
+
+    def _ready(self, key):
+        for fut in self.waiting.pop(key, ()):
+            if not fut.done():
+                fut.set_result(None)
+        key[0].remove_reader(key[1])
+
+    def forget(self, loop, fd, fut):
+        key = (loop, fd)
+        futs = self.waiting.get(key)
+        if futs is None:
+            return
+        futs.discard(fut)
+        if not futs:
+            del self.waiting[key]
+            loop.remove_reader(fd)
+
+
+_readers = _Readers()
+
+
+async def _wait_readable(fd, timeout):
+    loop = asyncio.get_running_loop()
+    fut = _readers.wait(loop, fd)
+    try:
+        if timeout is None:
+            await fut
+        else:
+            await asyncio.wait_for(asyncio.shield(fut), timeout)
+    except asyncio.TimeoutError:
+        pass
+    finally:
+        _readers.forget(loop, fd, fut)
+
+
+def _timed_out(text):
+    import kvpipe
+    err = kvpipe.Error(text)
+    err.status = kvpipe.ETIMEDOUT
+    return err
+
+
+async def pipe_recv(pipe, fd, timeout, device):
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    last = False
+    while True:
+        ready, tensor = pipe._aio_recv(device, last)
+        if ready:
+            return tensor
+        if last:
+            raise _timed_out("recv_tensor_async: nothing arrived within the timeout")
+        left = None if deadline is None else deadline - loop.time()
+        last = left is not None and left <= 0
+        if not last:
+            await _wait_readable(fd, left)
+
+
+async def pipe_send(pipe, fd, obj, timeout):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not pipe._aio_send(obj):
+        left = deadline - loop.time()
+        if left <= 0:
+            raise _timed_out("send_tensor_async: the peer took nothing within send_timeout "
+                             "(no room under kv_buffer_size, or not connected)")
+        # Room comes with an ACK (the descriptor); a peer connecting is not
+        # told by it: look again after 10 ms at the latest.
+        await _wait_readable(fd, min(left, 0.01))

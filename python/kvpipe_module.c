@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "kvpipe_aio_py.h"
@@ -134,27 +135,6 @@ int kvpy_size_conv(PyObject *obj, void *out)
     return 1;
 }
 
-int kvpy_wait_sliced(kvpy_poll_fn poll, void *arg, int total_ms)
-{
-    /* Slices keep Ctrl-C responsive: a signal handler can only run while this
-     * thread holds the GIL, so the wait comes back to Python every slice. */
-    const int slice = 100;
-    int left = total_ms;
-    for (;;) {
-        int this_slice = (left >= 0 && left < slice) ? left : slice;
-        int done;
-        Py_BEGIN_ALLOW_THREADS
-        done = poll(arg, this_slice);
-        Py_END_ALLOW_THREADS
-        if (done) return 0;
-        if (left >= 0) {
-            left -= this_slice;
-            if (left <= 0) return 1;
-        }
-        if (PyErr_CheckSignals() < 0) return -1;
-    }
-}
-
 int kvpy_eventfd(void)
 {
     int fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -170,13 +150,27 @@ void kvpy_eventfd_done(struct kvp_batch *batch, void *user_data)
     if (write((int)(intptr_t)user_data, &one, sizeof one) < 0) return;
 }
 
-int kvpy_wait_fd(int fd)
+uint64_t kvpy_now_ms(void)
 {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+int kvpy_wait_fd(int fd, int timeout_ms)
+{
+    uint64_t deadline = kvpy_now_ms() + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0);
     for (;;) {
+        int wait = 1000;
+        if (timeout_ms >= 0) {
+            uint64_t now = kvpy_now_ms();
+            if (now >= deadline) return 1;
+            if (deadline - now < 1000) wait = (int)(deadline - now);
+        }
         int r, err;
         Py_BEGIN_ALLOW_THREADS
         struct pollfd p = {.fd = fd, .events = POLLIN};
-        r = poll(&p, 1, 1000);
+        r = poll(&p, 1, wait);
         err = errno;
         Py_END_ALLOW_THREADS
         if (r > 0) return 0;

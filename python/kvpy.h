@@ -53,14 +53,6 @@ int kvpy_metrics_into(const struct kvp_metrics *m, const char *prefix, PyObject 
 /* m as Prometheus text (str), or NULL with an exception. */
 PyObject *kvpy_metrics_text(const struct kvp_metrics *m);
 
-/* Wait with the GIL released in slices of at most 100 ms, checking for signals
- * (Ctrl-C) between slices. poll(arg, slice_ms) runs without the GIL; it returns
- * non-zero when the wait is over, 0 to be called again. total_ms < 0: until
- * poll says done. Returns 0 (done), 1 (total_ms passed) or -1 with a Python
- * exception set (a signal handler raised, e.g. KeyboardInterrupt). */
-typedef int (*kvpy_poll_fn)(void *arg, int slice_ms);
-int kvpy_wait_sliced(kvpy_poll_fn poll, void *arg, int total_ms);
-
 /* An eventfd for one wait (non-blocking, close-on-exec), or -1 with a
  * Python exception. */
 int kvpy_eventfd(void);
@@ -68,12 +60,15 @@ int kvpy_eventfd(void);
  * ((void *)(intptr_t)fd): runs on an engine thread, without the GIL. */
 struct kvp_batch;
 void kvpy_eventfd_done(struct kvp_batch *batch, void *user_data);
-/* Wait until the eventfd fd is readable, with the GIL released and without
- * slices: a signal to this thread (Ctrl-C reaches the main thread) ends
- * poll(2) with EINTR, and the handlers run then; one delivered elsewhere
- * (or _thread.interrupt_main) is seen within a second. Returns 0, or -1
- * with a Python exception (e.g. KeyboardInterrupt). */
-int kvpy_wait_fd(int fd);
+/* Wait until fd is readable, at most timeout_ms (negative: no limit), with
+ * the GIL released and without slices: a signal to this thread (Ctrl-C
+ * reaches the main thread) ends poll(2) with EINTR, and the handlers run
+ * then; one delivered elsewhere (or _thread.interrupt_main) is seen within a
+ * second. Returns 0 (readable), 1 (timeout_ms passed), or -1 with a Python
+ * exception (e.g. KeyboardInterrupt). */
+int kvpy_wait_fd(int fd, int timeout_ms);
+/* CLOCK_MONOTONIC in ms. */
+uint64_t kvpy_now_ms(void);
 
 /* The asyncio glue (python/kvpipe_aio.py, compiled into the module): its
  * namespace, set up by the module init; NULL before. */

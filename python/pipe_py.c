@@ -37,9 +37,10 @@ typedef struct kvpy_pipe {
     PyObject_HEAD
     kvp_pipe *pipe;
     kvp_pipe_config *cfg;
-    int busy;      /* calls running with the GIL released */
-    int device;    /* recv_tensor's default: -1 CPU, else the CUDA device */
-    int device_ok; /* 1 + the CUDA device a tensor was put on, 0: none yet */
+    int busy;            /* calls running with the GIL released */
+    int device;          /* recv_tensor's default: -1 CPU, else the CUDA device */
+    int device_ok;       /* 1 + the CUDA device a tensor was put on, 0: none yet */
+    int send_timeout_ms; /* opts.send_timeout_ms, for send_tensor_async */
 } kvpy_pipe;
 
 /* ---- dtypes between kvpipe and DLPack ----------------------------------------- */
@@ -525,6 +526,7 @@ static int pipe_init(kvpy_pipe *self, PyObject *args, PyObject *kwds)
         ms_from_seconds(ack_linger, &opts.ack_linger_ms, "ack_linger"))
         return -1;
     opts.disable_shm = disable_shm;
+    self->send_timeout_ms = opts.send_timeout_ms;
     if (self->busy) {
         PyErr_SetString(kvpy_error_type, "Pipe.__init__: the pipe is in use by another thread");
         return -1;
@@ -540,7 +542,10 @@ static int pipe_init(kvpy_pipe *self, PyObject *args, PyObject *kwds)
     return 0;
 }
 
-static PyObject *pipe_send_tensor(kvpy_pipe *self, PyObject *obj)
+/* Send obj (None included) with kvp_pipe_send_timeout: timeout_ms as the
+ * pipe's send_timeout (negative), or 0, a try that does not wait: then
+ * False when it would have had to (nothing sent), True when it went. */
+static PyObject *send_object(kvpy_pipe *self, PyObject *obj, int timeout_ms)
 {
     if (pipe_ready(self)) return NULL;
     src_view v;
@@ -555,25 +560,54 @@ static PyObject *pipe_send_tensor(kvpy_pipe *self, PyObject *obj)
     kvp_status st;
     self->busy++;
     Py_BEGIN_ALLOW_THREADS
-    st = kvp_pipe_send(self->pipe, t);
+    st = timeout_ms ? kvp_pipe_send(self->pipe, t) : kvp_pipe_send_timeout(self->pipe, t, 0);
     Py_END_ALLOW_THREADS
     self->busy--;
     if (t) src_release(&v);
+    if (!timeout_ms && st == KVP_ETIMEDOUT) Py_RETURN_FALSE;
     if (st) return kvpy_raise(st, "send_tensor");
+    if (!timeout_ms) Py_RETURN_TRUE;
     Py_RETURN_NONE;
 }
 
-typedef struct recv_wait {
-    kvp_pipe *pipe;
-    kvp_tensor *t;
-    kvp_status status;
-} recv_wait;
-
-static int poll_recv(void *arg, int slice_ms)
+static PyObject *pipe_send_tensor(kvpy_pipe *self, PyObject *obj)
 {
-    recv_wait *w = arg;
-    w->status = kvp_pipe_recv(w->pipe, slice_ms, &w->t);
-    return w->status != KVP_ETIMEDOUT;
+    return send_object(self, obj, -1);
+}
+
+/* The asyncio glue's try (python/kvpipe_aio.py, pipe_send). */
+static PyObject *pipe_aio_send(kvpy_pipe *self, PyObject *obj)
+{
+    return send_object(self, obj, 0);
+}
+
+static PyObject *received(kvpy_pipe *self, kvp_status st, kvp_tensor *t, int device);
+
+/* Receive within timeout_ms (negative: no limit): kvp_pipe_recv without
+ * waiting, and between tries a wait on the pipe's recv_fd with the GIL
+ * released. Returns 0 with *status (and *t), 1 when the time ran out, -1
+ * when a signal handler raised (Ctrl-C): nothing was consumed. */
+static int recv_waiting(kvpy_pipe *self, int timeout_ms, kvp_status *status, kvp_tensor **t)
+{
+    uint64_t deadline = kvpy_now_ms() + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0);
+    int last = 0; /* the wait reached the deadline: this try is the last */
+    for (;;) {
+        /* The last try waits a millisecond: kvp_pipe_recv counts a timeout
+         * (recv_timeouts) only for a wait, never for a look. */
+        Py_BEGIN_ALLOW_THREADS
+        *status = kvp_pipe_recv(self->pipe, last, t);
+        Py_END_ALLOW_THREADS
+        if (*status != KVP_ETIMEDOUT) return 0;
+        if (last) return 1;
+        int left = -1;
+        if (timeout_ms >= 0) {
+            uint64_t now = kvpy_now_ms();
+            left = now >= deadline ? 0 : (int)(deadline - now);
+        }
+        int rc = kvpy_wait_fd(kvp_pipe_recv_fd(self->pipe), left);
+        if (rc < 0) return -1;
+        last = rc;
+    }
 }
 
 static void release_pipe_tensor(void *ctx)
@@ -643,18 +677,80 @@ static PyObject *pipe_recv_tensor(kvpy_pipe *self, PyObject *args, PyObject *kwd
         (device_obj != Py_None && device_conv(device_obj, &device)) || pipe_ready(self) ||
         check_device(self, device))
         return NULL;
-    recv_wait w = {self->pipe, NULL, KVP_OK};
+    kvp_status st = KVP_OK;
+    kvp_tensor *t = NULL;
     self->busy++;
-    int rc = kvpy_wait_sliced(poll_recv, &w, timeout_ms);
+    int rc = recv_waiting(self, timeout_ms, &st, &t);
     self->busy--;
     if (rc < 0) return NULL; /* Ctrl-C: nothing was consumed */
-    if (rc > 0) w.status = KVP_ETIMEDOUT;
-    if (w.status == KVP_ETIMEDOUT)
+    if (rc > 0)
         return kvpy_raise_text(KVP_ETIMEDOUT, "recv_tensor: nothing arrived within the timeout");
-    if (w.status) return kvpy_raise(w.status, "recv_tensor");
-    if (!w.t) Py_RETURN_NONE;
-    if (device >= 0) return wrap_on_device(self, w.t, device);
-    return wrap_pipe_tensor(w.t, NULL, "recv_tensor");
+    return received(self, st, t, device);
+}
+
+/* What recv_tensor hands out for kvp_pipe_recv's answer. */
+static PyObject *received(kvpy_pipe *self, kvp_status st, kvp_tensor *t, int device)
+{
+    if (st) return kvpy_raise(st, "recv_tensor");
+    if (!t) Py_RETURN_NONE;
+    if (device >= 0) return wrap_on_device(self, t, device);
+    return wrap_pipe_tensor(t, NULL, "recv_tensor");
+}
+
+/* The asyncio glue's try (python/kvpipe_aio.py, pipe_recv): (True, tensor
+ * or None) when one was handed out, (False, None) when none is ready. */
+static PyObject *pipe_aio_recv(kvpy_pipe *self, PyObject *args)
+{
+    PyObject *device_obj;
+    int last; /* the deadline passed: wait 1 ms, so that the timeout counts */
+    int device = self->device;
+    if (!PyArg_ParseTuple(args, "Op:_aio_recv", &device_obj, &last) ||
+        (device_obj != Py_None && device_conv(device_obj, &device)) || pipe_ready(self) ||
+        check_device(self, device))
+        return NULL;
+    kvp_status st;
+    kvp_tensor *t = NULL;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    st = kvp_pipe_recv(self->pipe, last, &t);
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    if (st == KVP_ETIMEDOUT) return Py_BuildValue("(OO)", Py_False, Py_None);
+    PyObject *obj = received(self, st, t, device);
+    if (!obj) return NULL;
+    PyObject *r = Py_BuildValue("(OO)", Py_True, obj);
+    Py_DECREF(obj);
+    return r;
+}
+
+/* recv_tensor_async / send_tensor_async: coroutines of the asyncio glue. */
+static PyObject *pipe_recv_tensor_async(kvpy_pipe *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"timeout", "device", NULL};
+    PyObject *timeout = Py_None, *device_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|OO:recv_tensor_async", kwlist, &timeout,
+                                     &device_obj) ||
+        pipe_ready(self))
+        return NULL;
+    PyObject *fd = PyLong_FromLong(kvp_pipe_recv_fd(self->pipe));
+    PyObject *r =
+        fd ? kvpy_aio_call("pipe_recv", PyTuple_Pack(4, (PyObject *)self, fd, timeout, device_obj))
+           : NULL;
+    Py_XDECREF(fd);
+    return r;
+}
+
+static PyObject *pipe_send_tensor_async(kvpy_pipe *self, PyObject *obj)
+{
+    if (pipe_ready(self)) return NULL;
+    PyObject *fd = PyLong_FromLong(kvp_pipe_send_fd(self->pipe));
+    PyObject *to = PyFloat_FromDouble((double)self->send_timeout_ms / 1000.0);
+    PyObject *r = fd && to
+                      ? kvpy_aio_call("pipe_send", PyTuple_Pack(4, (PyObject *)self, fd, obj, to))
+                      : NULL;
+    Py_XDECREF(fd);
+    Py_XDECREF(to);
+    return r;
 }
 
 /* alloc_tensor's dtype: a name as torch spells it, or an object whose str() is
@@ -880,6 +976,19 @@ static PyMethodDef pipe_methods[] = {
      "there once (the device is checked before a tensor is taken). Ctrl-C interrupts the "
      "wait. Raises kvpipe.Error (status kvpipe.ETIMEDOUT on timeout; after EPROTO / ERANGE "
      "the bad message is dropped and the pipe goes on)."},
+    {"recv_tensor_async", FN(pipe_recv_tensor_async), METH_VARARGS | METH_KEYWORDS,
+     "recv_tensor_async(timeout=None, device=None) -> coroutine\n\nrecv_tensor() for asyncio: "
+     "await it for the next tensor (or None). It waits on the pipe's receive descriptor with "
+     "the running loop's add_reader, never on a thread; cancelling the awaiting task takes "
+     "nothing from the pipe. Raises as recv_tensor()."},
+    {"send_tensor_async", FN(pipe_send_tensor_async), METH_O,
+     "send_tensor_async(tensor) -> coroutine\n\nsend_tensor() for asyncio: the data is "
+     "copied when the send goes; while the peer's ACKs have not made room (kv_buffer_size) "
+     "it waits on the pipe's send descriptor with add_reader, and retries every 10 ms while "
+     "the peer is not connected, up to send_timeout. Cancelling the awaiting task sends "
+     "nothing more. Raises as send_tensor()."},
+    {"_aio_recv", FN(pipe_aio_recv), METH_VARARGS, NULL},
+    {"_aio_send", FN(pipe_aio_send), METH_O, NULL},
     {"flush", FN(pipe_flush), METH_VARARGS | METH_KEYWORDS,
      "flush(timeout=30.0)\n\nWait until the peer has acknowledged every sent tensor."},
     {"stats", FN(pipe_stats), METH_VARARGS | METH_KEYWORDS,

@@ -316,6 +316,31 @@ KVP_API kvp_status kvp_pipe_send_take(kvp_pipe *pipe, kvp_tensor *t);
  * pipe finished. */
 KVP_API kvp_status kvp_pipe_recv(kvp_pipe *pipe, int timeout_ms, kvp_tensor **out);
 
+/* kvp_pipe_send() with its own bound on the wait for room under
+ * kv_buffer_size and for the peer to take the announcement (timeout_ms; 0:
+ * no wait at all, negative: no limit) in place of send_timeout_ms. With 0,
+ * KVP_ETIMEDOUT means nothing was sent and the send would have had to wait:
+ * try again once kvp_pipe_send_fd() is readable (or a little later, when the
+ * peer is not connected yet). */
+KVP_API kvp_status kvp_pipe_send_timeout(kvp_pipe *pipe, const kvp_tensor *t, int timeout_ms);
+
+/* Descriptors for an event loop (poll, epoll, asyncio's add_reader), one per
+ * direction, so that a side that only sends (or only receives) waits on
+ * nothing of the other's. The pipe owns them (do not read or close them);
+ * valid until kvp_pipe_close(); -1 for NULL. Thread-safe.
+ *
+ * kvp_pipe_recv_fd: readable when a message arrived or a READ of one ended,
+ * so that kvp_pipe_recv(pipe, 0, ...) may hand one out. Edge-like: once it
+ * is readable, call kvp_pipe_recv(pipe, 0, ...) until it answers
+ * KVP_ETIMEDOUT, then wait on it again.
+ *
+ * kvp_pipe_send_fd: readable when room came free for a send (an ACK freed a
+ * buffer under kv_buffer_size): retry kvp_pipe_send_timeout(pipe, t, 0). A
+ * send that waits for the peer to connect or to take an announcement is not
+ * told by it: retry such a send on a timer. */
+KVP_API int kvp_pipe_recv_fd(kvp_pipe *pipe);
+KVP_API int kvp_pipe_send_fd(kvp_pipe *pipe);
+
 /* Wait until every sent message has been acknowledged, at most timeout_ms
  * (negative: no limit). A sender should flush before closing, because closing
  * frees the buffers the peer may still be reading. KVP_ETIMEDOUT otherwise. */

@@ -2,6 +2,7 @@
 sending in place (alloc_tensor + send_tensor_take); errors; Ctrl-C; a Python pipe
 talking to a C pipe and to another Python process."""
 import _thread
+import asyncio
 import ctypes
 import os
 import sys
@@ -589,6 +590,125 @@ class SendTakeTests(PipePairCase):
         np.asarray(u)[...] += 1
         np.testing.assert_array_equal(np.asarray(u), np.arange(1, 9))
         del u
+
+
+class AsyncTests(PipePairCase):
+    """recv_tensor_async / send_tensor_async on one asyncio loop: no thread
+    per wait, the loop stays free while a side waits, order kept, timeouts
+    as kvpipe.ETIMEDOUT, and a cancelled await takes nothing."""
+
+    def run_loop(self, coro):
+        threads = threading.active_count()
+        loop = asyncio.new_event_loop()
+        try:
+            watched = len(loop._selector.get_map())
+            result = loop.run_until_complete(asyncio.wait_for(coro, 60))
+            # every add_reader was taken back, and no thread was started
+            self.assertEqual(len(loop._selector.get_map()), watched)
+            self.assertEqual(threading.active_count(), threads)
+            return result
+        finally:
+            loop.close()
+
+    def test_stream_both_sides_on_one_loop(self):
+        count = 300
+        arrays = [np.full(1000 + i, i % 251, dtype=np.uint8) for i in range(count)]
+        ticks = []
+
+        async def send_all():
+            for a in arrays:
+                await self.prefill.send_tensor_async(a)
+            await self.prefill.send_tensor_async(None)
+
+        async def recv_all():
+            got = []
+            while True:
+                t = await self.decode.recv_tensor_async(timeout=30)
+                if t is None:
+                    return got
+                got.append(as_numpy(t).copy())
+
+        async def ticker():
+            while True:
+                ticks.append(1)
+                await asyncio.sleep(0.001)
+
+        async def main():
+            tick = asyncio.ensure_future(ticker())
+            got, _ = await asyncio.gather(recv_all(), send_all())
+            tick.cancel()
+            return got
+
+        got = self.run_loop(main())
+        self.assertEqual(len(got), count)
+        for i, a in enumerate(got):
+            np.testing.assert_array_equal(a, arrays[i])
+        self.assertGreater(len(ticks), 1)  # the loop ran beside the waits
+
+    def test_send_waits_for_room_without_blocking_the_loop(self):
+        cfg = tu.pipe_config()
+        block = np.ones(1 << 16, dtype=np.uint8)
+        with kvpipe.Pipe(cfg, 0, 0, kv_buffer_size=3 * block.nbytes, send_timeout=30.0) as p, \
+                kvpipe.Pipe(cfg, 0, 1) as d:
+            order = []
+
+            async def sender():
+                for i in range(8):
+                    await p.send_tensor_async(block * i)
+                    order.append("sent %d" % i)
+
+            async def receiver():
+                await asyncio.sleep(0.3)  # the sender fills kv_buffer_size meanwhile
+                order.append("receiving")
+                for i in range(8):
+                    t = await d.recv_tensor_async(timeout=30)
+                    self.assertEqual(int(as_numpy(t)[0]), i % 256)
+
+            async def both():
+                await asyncio.gather(sender(), receiver())
+
+            self.run_loop(both())
+            first = order.index("receiving")
+            self.assertGreaterEqual(first, 1)   # some went before any room was freed
+            self.assertLessEqual(first, 4)      # and the rest waited for room
+            self.assertEqual(len(order), 9)
+
+    def test_recv_timeout_then_the_tensor(self):
+        async def main():
+            t0 = time.monotonic()
+            with self.assertRaises(kvpipe.Error) as cm:
+                await self.decode.recv_tensor_async(timeout=0.2)
+            self.assertEqual(cm.exception.status, kvpipe.ETIMEDOUT)
+            self.assertGreaterEqual(time.monotonic() - t0, 0.15)
+            self.assertEqual(self.decode.stats()["recv_timeouts"], 1)  # one, not one per look
+            await self.prefill.send_tensor_async(np.arange(4, dtype=np.int16))
+            return await self.decode.recv_tensor_async(timeout=30)
+
+        np.testing.assert_array_equal(as_numpy(self.run_loop(main())),
+                                      np.arange(4, dtype=np.int16))
+
+    def test_cancelled_recv_takes_nothing(self):
+        async def main():
+            waiting = asyncio.ensure_future(self.decode.recv_tensor_async())
+            await asyncio.sleep(0.05)
+            waiting.cancel()
+            with self.assertRaises(asyncio.CancelledError):
+                await waiting
+            await self.prefill.send_tensor_async(np.arange(3, dtype=np.int64))
+
+        self.run_loop(main())
+        np.testing.assert_array_equal(as_numpy(self.decode.recv_tensor(timeout=30)),
+                                      np.arange(3, dtype=np.int64))
+
+    def test_send_without_peer_times_out(self):
+        with kvpipe.Pipe(tu.pipe_config(), 0, 0, send_timeout=0.3) as lone:
+            async def main():
+                with self.assertRaises(kvpipe.Error) as cm:
+                    await lone.send_tensor_async(np.arange(3, dtype=np.int8))
+                self.assertEqual(cm.exception.status, kvpipe.ETIMEDOUT)
+
+            self.run_loop(main())
+            self.assertEqual(lone.stats()["sent"], 0)
 
 
 class ConfigTests(unittest.TestCase):

@@ -30,6 +30,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/timerfd.h>
 #include <unistd.h>
@@ -127,6 +128,8 @@ kvp_status kvpi_pipe_zmq_fail(kvp_pipe *p, const char *what)
 
 /* ------------------------------------------------------------ lifetime --- */
 
+static void close_eventfds(kvp_pipe *p);
+
 void kvpi_pipe_unref(kvp_pipe *p)
 {
     if (atomic_fetch_sub(&p->refs, 1) != 1) return;
@@ -139,9 +142,7 @@ void kvpi_pipe_unref(kvp_pipe *p)
     pthread_mutex_destroy(&p->lock);
     pthread_cond_destroy(&p->room);
     pthread_cond_destroy(&p->neg_cond);
-    close(p->recv_wake_fd);
-    close(p->rx_done_fd);
-    close(p->ack_timer_fd);
+    close_eventfds(p);
     kvpi_auth_free(p->auth);
     sodium_memzero(&p->curve, sizeof p->curve);
     free(p);
@@ -450,9 +451,52 @@ static kvp_status check_opts(const kvp_pipe_opts *o)
     return bad ? kvpi_error(KVP_EINVAL, "pipe option %s", bad) : KVP_OK;
 }
 
+void kvpi_pipe_room_freed(kvp_pipe *p)
+{
+    pthread_cond_broadcast(&p->room);
+    uint64_t one = 1;
+    if (write(p->room_fd, &one, sizeof one) < 0 && errno != EAGAIN)
+        KVPI_WARN("pipe %s: cannot write its room eventfd: %s", p->ep.local_segment,
+                  strerror(errno));
+}
+
+void kvpi_pipe_drain_fd(int fd)
+{
+    uint64_t v;
+    while (read(fd, &v, sizeof v) > 0) {
+    }
+}
+
+int kvp_pipe_recv_fd(kvp_pipe *p)
+{
+    return p ? p->poll_fd : -1;
+}
+
+int kvp_pipe_send_fd(kvp_pipe *p)
+{
+    return p ? p->room_fd : -1;
+}
+
+/* The receiver's descriptor for an event loop (kvp_pipe_recv_fd): its
+ * wake-ups together. The senders' is room_fd itself; data_push's ZMQ_FD is
+ * in neither: it signals whenever that socket has commands, which nothing
+ * reads while no send runs, so a loop would spin on it. */
+static kvp_status open_poll_fd(kvp_pipe *p)
+{
+    if ((p->poll_fd = epoll_create1(EPOLL_CLOEXEC)) < 0)
+        return kvpi_error(KVP_EIO, "pipe: epoll_create1: %s", strerror(errno));
+    int fds[] = {p->data_in_fd, p->rx_done_fd, p->recv_wake_fd};
+    for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++) {
+        struct epoll_event ev = {.events = EPOLLIN, .data.fd = fds[i]};
+        if (epoll_ctl(p->poll_fd, EPOLL_CTL_ADD, fds[i], &ev) != 0)
+            return kvpi_error(KVP_EIO, "pipe: epoll_ctl: %s", strerror(errno));
+    }
+    return KVP_OK;
+}
+
 static void close_eventfds(kvp_pipe *p)
 {
-    int *fds[] = {&p->recv_wake_fd, &p->rx_done_fd, &p->ack_timer_fd};
+    int *fds[] = {&p->recv_wake_fd, &p->rx_done_fd, &p->ack_timer_fd, &p->room_fd, &p->poll_fd};
     for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
         if (*fds[i] >= 0) close(*fds[i]);
 }
@@ -462,7 +506,9 @@ static kvp_status pipe_init_sync(kvp_pipe *p)
     p->recv_wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     p->rx_done_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     p->ack_timer_fd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
-    if (p->recv_wake_fd < 0 || p->rx_done_fd < 0 || p->ack_timer_fd < 0) {
+    p->room_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    p->poll_fd = -1;
+    if (p->recv_wake_fd < 0 || p->rx_done_fd < 0 || p->ack_timer_fd < 0 || p->room_fd < 0) {
         int err = errno;
         close_eventfds(p);
         return kvpi_error(KVP_EIO, "pipe: eventfd: %s", strerror(err));
@@ -545,6 +591,7 @@ kvp_status kvp_pipe_open_size(const kvp_pipe_config *cfg, int local_rank, int kv
         p->integrity_asked = p->integrity;
     if ((st = create_engine(p, cfg))) goto fail;
     if ((st = open_sockets(p))) goto fail;
+    if ((st = open_poll_fd(p))) goto fail;
     if ((st = start_threads(p))) goto fail;
     if ((st = kvpi_engine_metrics_attach(p->engine, kvpi_pipe_metrics_serve, p))) goto fail;
     KVPI_INFO("pipe %s open (kv_rank %d, peer %s): ZeroMQ data %d ack %d, inline path %s%s%s",
@@ -601,7 +648,7 @@ void kvp_pipe_close(kvp_pipe *p)
     if (!p) return;
     pthread_mutex_lock(&p->lock);
     atomic_store(&p->closing, 1);
-    pthread_cond_broadcast(&p->room);
+    kvpi_pipe_room_freed(p);
     pthread_mutex_unlock(&p->lock);
     kvpi_engine_metrics_detach(p->engine, p);
     stop_negotiator(p);

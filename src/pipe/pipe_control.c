@@ -338,7 +338,7 @@ void *kvpi_pipe_control_main(void *arg)
     /* Nothing takes ACKs any more: senders must not wait for room. */
     pthread_mutex_lock(&p->lock);
     if (!atomic_load(&p->closing)) atomic_store(&p->broken, 1);
-    pthread_cond_broadcast(&p->room);
+    kvpi_pipe_room_freed(p);
     pthread_mutex_unlock(&p->lock);
     return NULL;
 }

@@ -154,6 +154,8 @@ struct kvp_pipe {
 
     pthread_mutex_t lock; /* guards everything below */
     pthread_cond_t room;
+    int room_fd; /* eventfd: room came free (kvpi_pipe_room_freed): kvp_pipe_send_fd */
+    int poll_fd; /* epoll of data_in_fd, rx_done_fd, recv_wake_fd: kvp_pipe_recv_fd */
     kvpi_inflight *q;
     size_t q_head, q_count, q_cap;
     size_t inflight_bytes;
@@ -257,5 +259,12 @@ typedef struct kvpi_held {
 kvp_tensor *kvpi_pipe_hold(kvp_pipe *p, kvpi_held *h, void *buf);
 /* h when t is a sendable tensor of pipe p, else NULL. */
 kvpi_held *kvpi_pipe_sendable(kvp_pipe *p, kvp_tensor *t);
+
+/* Under p->lock: room came free for senders (an ACK, a message taken back,
+ * the pipe closing or broken): wake the waiting ones and poll_fd. */
+void kvpi_pipe_room_freed(kvp_pipe *p);
+
+/* Read an eventfd down to zero (it is non-blocking). */
+void kvpi_pipe_drain_fd(int fd);
 
 #endif

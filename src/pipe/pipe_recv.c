@@ -574,6 +574,9 @@ kvp_status kvp_pipe_recv(kvp_pipe *p, int timeout_ms, kvp_tensor **out)
     pthread_mutex_lock(&p->recv_lock);
     uint64_t deadline = kvpi_now_ms() + (uint64_t)(timeout_ms < 0 ? 0 : timeout_ms);
     kvp_status st = KVP_OK;
+    /* What woke poll_fd is looked at below (kvp_pipe_recv_fd). */
+    kvpi_pipe_drain_fd(p->rx_done_fd);
+    kvpi_pipe_drain_fd(p->recv_wake_fd);
     int polled = 0, drained;
     for (;;) {
         if (!kvp_pipe_usable(p)) {
@@ -594,8 +597,15 @@ kvp_status kvp_pipe_recv(kvp_pipe *p, int timeout_ms, kvp_tensor **out)
         int left = timeout_ms < 0 ? -1 : kvpi_pipe_remaining_ms(deadline);
         if (left == 0) {
             /* The window stays as it is: a READ running goes on (the engine's
-             * deadlines end it), and the next recv hands out its message. */
-            kvpi_counter_add(&p->counters.recv_timeouts, 1);
+             * deadlines end it), and the next recv hands out its message.
+             * The link's ZMQ_FD, which signals activity, not state, is
+             * cleared (ZMQ_EVENTS): with the window full it may say messages
+             * wait, and recv_fd must not stay readable for them until the
+             * head's READ ends. */
+            int events;
+            size_t events_len = sizeof events;
+            zmq_getsockopt(p->data_in.sock, ZMQ_EVENTS, &events, &events_len);
+            if (timeout_ms) kvpi_counter_add(&p->counters.recv_timeouts, 1);
             if (!p->rx_count)
                 st = kvpi_error(KVP_ETIMEDOUT, "pipe %s: nothing announced by %s within %d ms",
                                 p->ep.local_segment, p->ep.peer_segment, timeout_ms);

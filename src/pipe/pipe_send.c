@@ -110,7 +110,7 @@ void kvpi_pipe_take_ack(kvp_pipe *p, const kvpi_msg_tag *tag)
         kvp_engine_free(p->engine, buf);
         pthread_mutex_lock(&p->lock);
     }
-    if (freed) pthread_cond_broadcast(&p->room);
+    if (freed) kvpi_pipe_room_freed(p);
     pthread_mutex_unlock(&p->lock);
     if (freed) atomic_store(&p->ack_in.good, 1);
 }
@@ -126,7 +126,9 @@ void kvpi_pipe_drop_queue(kvp_pipe *p)
 /* ------------------------------------------------------- flow control --- */
 
 /* Wait until size more bytes fit under kv_buffer_size, or nothing is in flight
- * (so a message larger than the budget still goes, alone). */
+ * (so a message larger than the budget still goes, alone). A deadline of 0
+ * (kvp_pipe_send_timeout with 0) only looks: a caller's poll, not a timeout,
+ * so it is not counted as one. */
 static kvp_status wait_for_room(kvp_pipe *p, size_t size, uint64_t deadline)
 {
     kvp_status st = KVP_OK;
@@ -137,7 +139,7 @@ static kvp_status wait_for_room(kvp_pipe *p, size_t size, uint64_t deadline)
         int rc = pthread_cond_timedwait(&p->room, &p->lock, &ts);
         if (rc == ETIMEDOUT && p->inflight_bytes > 0 &&
             p->inflight_bytes + size > p->opts.kv_buffer_size) {
-            kvpi_counter_add(&p->counters.send_timeouts, 1);
+            if (deadline) kvpi_counter_add(&p->counters.send_timeouts, 1);
             st = kvpi_error(KVP_ETIMEDOUT,
                             "pipe %s: peer %s acknowledged nothing for %d ms (%zu messages, %zu "
                             "bytes in flight, kv_buffer_size %zu); is it alive and receiving?",
@@ -328,6 +330,8 @@ static void unqueue_posting(kvp_pipe *p)
     pthread_mutex_lock(&p->lock);
     if (!p->posting_acked) {
         q_drop_tail(p);
+        /* For flush; not the send descriptor: the sender that took its
+         * message back is the one that would be told. */
         pthread_cond_broadcast(&p->room);
     }
     p->posting = 0;
@@ -411,7 +415,7 @@ static kvp_status wait_writable(kvp_pipe *p, uint64_t deadline)
         if (r > 0) return KVP_OK;
         if (r < 0 && zmq_errno() != EINTR) return kvpi_pipe_zmq_fail(p, "poll");
         if (r == 0 && left == 0) {
-            kvpi_counter_add(&p->counters.send_timeouts, 1);
+            if (deadline) kvpi_counter_add(&p->counters.send_timeouts, 1);
             return kvpi_error(KVP_ETIMEDOUT,
                               "pipe %s: peer %s took no announcement within %d ms (is its pipe "
                               "open and connected to port %d?%s)",
@@ -471,6 +475,12 @@ static kvp_status post(kvp_pipe *p, outgoing *m, uint64_t deadline, int *as_inli
 kvp_status kvp_pipe_send(kvp_pipe *p, const kvp_tensor *t)
 {
     if (!p) return kvpi_error(KVP_EINVAL, "pipe send: NULL pipe");
+    return kvp_pipe_send_timeout(p, t, p->opts.send_timeout_ms);
+}
+
+kvp_status kvp_pipe_send_timeout(kvp_pipe *p, const kvp_tensor *t, int timeout_ms)
+{
+    if (!p) return kvpi_error(KVP_EINVAL, "pipe send: NULL pipe");
     int64_t none_value = KVP_PIPE_NONE_VALUE, one = 1;
     kvp_tensor none;
     if (!t) {
@@ -481,8 +491,11 @@ kvp_status kvp_pipe_send(kvp_pipe *p, const kvp_tensor *t)
     kvp_status st = kvpi_safetensors_size(t, &m.size);
     if (!st) st = tensor_device(t, &m.cuda_device);
     if (st) return st;
-    uint64_t deadline = kvpi_now_ms() + (uint64_t)p->opts.send_timeout_ms;
+    /* A wait "without limit" of a century; 0: only a look (wait_for_room). */
+    uint64_t deadline =
+        timeout_ms ? kvpi_now_ms() + (uint64_t)(timeout_ms < 0 ? 3153600000000ll : timeout_ms) : 0;
     pthread_mutex_lock(&p->send_lock);
+    kvpi_pipe_drain_fd(p->room_fd); /* what was freed before now is seen below */
     int as_inline = 0;
     if ((st = begin_send(p, m.size, deadline)) == KVP_OK) st = post(p, &m, deadline, &as_inline);
     /* An announced buffer that left belongs to the queue now. */
