@@ -244,6 +244,7 @@ static void run(int mode)
     live_loop l = {0};
     dead_caller d[DEAD_THREADS];
     int started = 0;
+    const char *skip = NULL; /* after the clean-up below: kvpt_skip exits */
     if (!fill || kvpt_initiator_start("tcp", 1, TIMEOUT_MS, &e) != 0 ||
         kvp_engine_open_segment(e, live.name, &live_seg) != KVP_OK ||
         kvp_engine_open_segment(e, dead.name, &dead_seg) != KVP_OK) {
@@ -265,7 +266,7 @@ static void run(int mode)
                 "connect %s\n",
                 made, holed ? "goes unanswered" : "is still answered");
         if (!holed) {
-            kvpt_skip("the kernel answers connects to a full listen queue here");
+            skip = "the kernel answers connects to a full listen queue here";
             goto out;
         }
     }
@@ -322,6 +323,7 @@ out:
     kvpt_ctarget_stop(&dead);
     CHECK(kvpt_ctarget_stop(&live) == 0);
     if (mode == NETWORK_HOLE) kvpt_netns_destroy(&n);
+    if (skip) kvpt_skip("%s", skip);
 }
 
 static void stopped_peer(void)

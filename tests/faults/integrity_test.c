@@ -91,11 +91,14 @@ typedef struct proxy {
     atomic_int reads_flipped, writes_flipped, reads_seen, writes_seen;
     atomic_int digest_bits; /* requests that carried the digest bit */
     pthread_t thread;
+    struct leg *legs; /* the proxy thread's; proxy_stop's once it is joined */
 } proxy;
 
 typedef struct leg {
     proxy *px;
     int client, server;
+    pthread_t up, down;
+    struct leg *next;
     pthread_mutex_t lock;
     pthread_cond_t cond;
     pending q[4096];
@@ -193,16 +196,33 @@ static void *proxy_main(void *arg)
             continue;
         }
         leg *l = calloc(1, sizeof *l);
-        *l = (leg){.px = px, .client = c, .server = s};
+        if (!l) abort();
+        *l = (leg){.px = px, .client = c, .server = s, .next = px->legs};
         pthread_mutex_init(&l->lock, NULL);
         pthread_cond_init(&l->cond, NULL);
-        pthread_t a, b;
-        pthread_create(&a, NULL, upstream, l);
-        pthread_create(&b, NULL, downstream, l);
-        pthread_detach(a);
-        pthread_detach(b); /* the case's process ends them */
+        pthread_create(&l->up, NULL, upstream, l);
+        pthread_create(&l->down, NULL, downstream, l);
+        px->legs = l;
     }
     return NULL;
+}
+
+/* After the engine and the target are gone (their sockets closed, so each
+ * leg's reads end): join and free every leg. */
+static void proxy_stop(proxy *px)
+{
+    while (px->legs) {
+        leg *l = px->legs;
+        px->legs = l->next;
+        pthread_join(l->up, NULL);
+        pthread_join(l->down, NULL);
+        close(l->client);
+        close(l->server);
+        pthread_mutex_destroy(&l->lock);
+        pthread_cond_destroy(&l->cond);
+        free(l);
+    }
+    close(px->listen_fd);
 }
 
 static int proxy_start(proxy *px, int target_port)
@@ -269,6 +289,7 @@ static void rig_stop(rig *r)
     pthread_join(r->px.thread, NULL);
     kvp_engine_destroy(r->e);
     kvpt_ctarget_stop(&r->t);
+    proxy_stop(&r->px);
 }
 
 static double corrupt_count(kvp_engine *e)
