@@ -13,8 +13,6 @@
 #include "cli_opts.h"
 #include "kvpipe/kvpipe.h"
 
-#define STORE_TIMEOUT_MS 5000
-
 typedef struct info_opts {
     const char *conn, *segment, *host;
     int json;
@@ -280,7 +278,7 @@ static cJSON *json_segment(const char *segment, const char *text, const char *ho
 /* Check the store (and segment); text lines, or fields of doc. */
 static int check_store(const kvp_info *info, const info_opts *o, cJSON *doc)
 {
-    kvp_status st = kvp_info_store_check(o->conn, STORE_TIMEOUT_MS);
+    kvp_status st = kvp_info_store_check(o->conn, 0 /* the default, 5000 */);
     const kvp_store_info *store = kvp_info_store_for(info, o->conn);
     cJSON *check = doc ? cJSON_AddObjectToObject(doc, "store_check") : NULL;
     if (check) {
@@ -301,7 +299,7 @@ static int check_store(const kvp_info *info, const info_opts *o, cJSON *doc)
                    : "answers");
     if (!o->segment) return 0;
     char *desc = NULL, *host = NULL;
-    if ((st = kvp_info_segment(o->conn, o->segment, STORE_TIMEOUT_MS, &desc, &host))) {
+    if ((st = kvp_info_segment(o->conn, o->segment, 0, &desc, &host))) {
         if (doc) {
             cJSON *seg = cJSON_AddObjectToObject(doc, "segment");
             cJSON_AddStringToObject(seg, "name", o->segment);

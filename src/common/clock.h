@@ -14,6 +14,11 @@
 #include <stdint.h>
 #include <time.h>
 
+/* The default of every timeout the API leaves to kvpipe (0 or unset): an
+ * engine's timeout_ms, a pipe's io_timeout_ms, the requests to a metadata
+ * store and the P2P handshakes, a connection server's deadline base. */
+#define KVPI_DEFAULT_TIMEOUT_MS 5000
+
 static inline uint64_t kvpi_now_ns(void)
 {
     struct timespec ts;

@@ -60,9 +60,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/clock.h"
 #include "kvpipe/status.h"
 
-#define KVPI_CONN_TIMEOUT_MS_DEFAULT 5000
+/* The deadline base of a server's connections (KVPI_DEFAULT_TIMEOUT_MS). */
+#define KVPI_CONN_TIMEOUT_MS_DEFAULT KVPI_DEFAULT_TIMEOUT_MS
 #define KVPI_CONN_IDLE_MS_DEFAULT 60000
 #define KVPI_CONN_MAX_DEFAULT 256
 #define KVPI_MIN_RATE_DEFAULT ((uint64_t)16 << 20) /* bytes per second */

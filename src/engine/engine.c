@@ -12,7 +12,6 @@
 #include "engine/engine_internal.h"
 #include "engine/protocol.h"
 
-#define DEFAULT_TIMEOUT_MS 5000
 #define DEFAULT_WORKERS 4
 #define DEFAULT_CONNS 4
 #define DEFAULT_SLICE (4u << 20)
@@ -21,7 +20,7 @@
 static kvp_engine_opts default_opts(void)
 {
     return (kvp_engine_opts){.protocol = "tcp",
-                             .timeout_ms = DEFAULT_TIMEOUT_MS,
+                             .timeout_ms = KVPI_DEFAULT_TIMEOUT_MS,
                              .workers = DEFAULT_WORKERS,
                              .conns_per_peer = DEFAULT_CONNS,
                              .slice_size = DEFAULT_SLICE,
@@ -280,7 +279,7 @@ static kvp_status copy_opts(kvp_engine *e, const kvp_engine_opts *o)
     if (!o->local_server_name || !o->metadata)
         return kvpi_error(KVP_EINVAL, "engine: local_server_name and metadata are required");
     e->opts = *o;
-    if (e->opts.timeout_ms <= 0) e->opts.timeout_ms = DEFAULT_TIMEOUT_MS;
+    if (e->opts.timeout_ms <= 0) e->opts.timeout_ms = KVPI_DEFAULT_TIMEOUT_MS;
     if (e->opts.workers <= 0) e->opts.workers = DEFAULT_WORKERS;
     if (e->opts.conns_per_peer <= 0) e->opts.conns_per_peer = DEFAULT_CONNS;
     if (e->opts.slice_size == 0) e->opts.slice_size = DEFAULT_SLICE;

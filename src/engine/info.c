@@ -29,7 +29,6 @@
 #include "transport/transport.h"
 
 #define INFO_PROBE_TIMEOUT_MS 2000
-#define INFO_STORE_TIMEOUT_MS 5000
 #define INFO_MAX_TRANSPORTS 8
 #define INFO_DETAIL_MAX 512
 
@@ -301,8 +300,7 @@ const kvp_store_info *kvp_info_store_for(const kvp_info *info, const char *conn)
 kvp_status kvp_info_store_check(const char *conn, int timeout_ms)
 {
     kvpi_meta *meta;
-    kvp_status st = kvpi_meta_open(conn, timeout_ms > 0 ? timeout_ms : INFO_STORE_TIMEOUT_MS, NULL,
-                                   NULL, &meta);
+    kvp_status st = kvpi_meta_open(conn, timeout_ms, NULL, NULL, &meta);
     if (st == KVP_OK) kvpi_meta_close(meta);
     return st;
 }
@@ -316,8 +314,7 @@ kvp_status kvp_info_segment(const char *conn, const char *segment, int timeout_m
     kvp_status st = kvpi_auth_resolve(NULL, &auth);
     if (st) return st;
     kvpi_meta *meta;
-    st = kvpi_meta_open(conn, timeout_ms > 0 ? timeout_ms : INFO_STORE_TIMEOUT_MS, NULL, NULL,
-                        &meta);
+    st = kvpi_meta_open(conn, timeout_ms, NULL, NULL, &meta);
     if (st) {
         kvpi_auth_free(auth);
         return st;

@@ -27,6 +27,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/net.h"
@@ -357,7 +358,7 @@ static kvp_status etcd_open(const char *conn, int timeout_ms, void **out)
     if (!s) return kvpi_error(KVP_ENOMEM, "etcd: out of memory");
     for (size_t i = 0; i < ETCD_MAX_ENDPOINTS; i++)
         kvpi_curl_pool_init(&s->handles[i]);
-    s->timeout_ms = timeout_ms > 0 ? timeout_ms : 5000;
+    s->timeout_ms = timeout_ms > 0 ? timeout_ms : KVPI_DEFAULT_TIMEOUT_MS;
     s->bare = strncasecmp(conn, ETCD_SCHEME, strlen(ETCD_SCHEME)) != 0;
     kvp_status st = parse_endpoints(s, conn);
     if (!st) st = format_addrs(s);

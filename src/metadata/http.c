@@ -9,6 +9,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "metadata/curl_common.h"
@@ -210,7 +211,7 @@ static kvp_status http_open(const char *conn, int timeout_ms, void **store)
     if (!s) return kvpi_error(KVP_ENOMEM, "out of memory");
     s->base = strdup(conn);
     s->sep = strchr(conn, '?') ? '&' : '?';
-    s->timeout_ms = timeout_ms > 0 ? timeout_ms : 5000;
+    s->timeout_ms = timeout_ms > 0 ? timeout_ms : KVPI_DEFAULT_TIMEOUT_MS;
     kvpi_curl_pool_init(&s->handles);
     if (!s->base) {
         http_close(s);

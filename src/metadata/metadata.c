@@ -20,8 +20,6 @@
 #include "common/net.h"
 #include "metadata/metadata.h"
 
-#define META_DEFAULT_TIMEOUT_MS 5000
-
 /* Schemed stores first: etcd also accepts a bare "h:p". */
 static const kvpi_store_ops *const stores[] = {
     &kvpi_store_http,
@@ -109,7 +107,7 @@ kvp_status kvpi_meta_open(const char *conn, int timeout_ms, kvpi_rpc_desc_fn des
         free(m);
         return kvpi_error(KVP_ENOMEM, "out of memory");
     }
-    m->timeout_ms = timeout_ms > 0 ? timeout_ms : META_DEFAULT_TIMEOUT_MS;
+    m->timeout_ms = timeout_ms > 0 ? timeout_ms : KVPI_DEFAULT_TIMEOUT_MS;
     m->desc_fn = desc_fn;
     m->desc_ctx = desc_ctx;
     if (strcmp(conn, KVPI_P2P_CONN) != 0) {

@@ -25,8 +25,6 @@
 #include "common/net.h"
 #include "metadata/metadata.h"
 
-#define RPC_DEFAULT_TIMEOUT_MS 5000
-
 struct kvpi_rpc_server {
     kvpi_conn_server *conns;
     kvpi_rpc_desc_fn desc_fn;
@@ -384,7 +382,7 @@ kvp_status kvpi_rpc_call_auth(const char *host, int port, const kvpi_auth *auth,
     if (strlen(json) + 1 > KVPI_RPC_MAX_FRAME)
         return kvpi_error(KVP_EINVAL, "handshake with %s: request of %zu bytes exceeds %u", addr,
                           strlen(json), KVPI_RPC_MAX_FRAME);
-    if (timeout_ms <= 0) timeout_ms = RPC_DEFAULT_TIMEOUT_MS;
+    if (timeout_ms <= 0) timeout_ms = KVPI_DEFAULT_TIMEOUT_MS;
     /* The whole exchange, reply included, within timeout_ms: a peer that
      * trickles its reply cannot hold the caller longer. */
     uint64_t deadline = kvpi_deadline_ns(timeout_ms);

@@ -19,6 +19,7 @@
 #include <strings.h>
 #include <time.h>
 
+#include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/net.h"
@@ -342,7 +343,7 @@ static kvp_status redis_open(const char *conn, int timeout_ms, void **out)
     redis_store *s = calloc(1, sizeof *s);
     if (!s) return kvpi_error(KVP_ENOMEM, "redis: out of memory");
     pthread_mutex_init(&s->lock, NULL);
-    s->timeout_ms = timeout_ms > 0 ? timeout_ms : 5000;
+    s->timeout_ms = timeout_ms > 0 ? timeout_ms : KVPI_DEFAULT_TIMEOUT_MS;
     kvp_status st = parse_conn(s, conn);
     if (!st) {
         /* Connect now, so that a store that is down is reported at open. */

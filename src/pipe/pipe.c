@@ -53,7 +53,6 @@
 #define ZAP_ENDPOINT "inproc://zeromq.zap.01"
 #define DEFAULT_KV_BUFFER_SIZE 1000000000u
 #define DEFAULT_SEND_TIMEOUT_MS 30000
-#define DEFAULT_IO_TIMEOUT_MS 5000
 #define DEFAULT_MAX_MESSAGE ((size_t)32 << 30)
 #define DEFAULT_INLINE_MAX ((size_t)128 << 10)
 #define DEFAULT_RECV_WINDOW 32
@@ -73,7 +72,7 @@ static kvp_pipe_opts default_opts(void)
 {
     return (kvp_pipe_opts){.kv_buffer_size = DEFAULT_KV_BUFFER_SIZE,
                            .send_timeout_ms = DEFAULT_SEND_TIMEOUT_MS,
-                           .io_timeout_ms = DEFAULT_IO_TIMEOUT_MS,
+                           .io_timeout_ms = KVPI_DEFAULT_TIMEOUT_MS,
                            .max_message_bytes = DEFAULT_MAX_MESSAGE,
                            .inline_max_bytes = DEFAULT_INLINE_MAX,
                            .recv_window = DEFAULT_RECV_WINDOW,
