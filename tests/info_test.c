@@ -69,18 +69,20 @@ static void store_for(void)
     kvp_info *info;
     REQUIRE_OK(kvp_info_get(NULL, 0, &info));
     static const struct {
-        const char *conn, *name;
+        const char *conn, *name, *syntax;
     } cases[] = {
-        {"http://127.0.0.1:1/metadata", "http"},
-        {"etcd://127.0.0.1:1", "etcd"},
-        {"127.0.0.1:2379", "etcd"},
-        {"redis://u:p@127.0.0.1:1/2", "redis"},
-        {"P2PHANDSHAKE", "p2p"},
+        {"http://127.0.0.1:1/metadata", "http", "http://h:p/path"},
+        {"HTTPS://127.0.0.1:1/metadata", "http", "http://h:p/path"},
+        {"etcd://127.0.0.1:1", "etcd", "etcd://h:p[,h:p] (or h:p)"},
+        {"127.0.0.1:2379", "etcd", "etcd://h:p[,h:p] (or h:p)"},
+        {"redis://u:p@127.0.0.1:1/2", "redis", "redis://[user:pass@]h:p[/db]"},
+        {"P2PHANDSHAKE", "p2p", "P2PHANDSHAKE"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         const kvp_store_info *s = kvp_info_store_for(info, cases[i].conn);
         REQUIRE(s);
         CHECK(strcmp(s->name, cases[i].name) == 0);
+        CHECK(strcmp(s->syntax, cases[i].syntax) == 0);
         CHECK(!(s->flags & KVP_STORE_PEER_TO_PEER) == (strcmp(cases[i].name, "p2p") != 0));
     }
     CHECK(kvp_info_store_for(info, "ftp://127.0.0.1:1") == NULL);
@@ -104,6 +106,9 @@ static void checks(void)
 {
     CHECK_OK(kvp_info_store_check("P2PHANDSHAKE", 0));
     CHECK_ST(kvp_info_store_check("ftp://127.0.0.1:1", 0), KVP_EINVAL);
+    CHECK(strcmp(kvp_last_error(), "unknown metadata connection string 'ftp://127.0.0.1:1' "
+                                   "(expected http://, etcd://, redis://, host:port or "
+                                   "P2PHANDSHAKE)") == 0);
     CHECK_ST(kvp_info_store_check("", 0), KVP_EINVAL);
     char *desc = NULL, *host = NULL;
     CHECK_ST(kvp_info_segment("P2PHANDSHAKE", "127.0.0.1:1", 0, NULL, &host), KVP_EINVAL);

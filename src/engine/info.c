@@ -42,24 +42,8 @@ unsigned kvp_version_number(void)
     return KVP_VERSION_NUMBER;
 }
 
-/* ---------------------------------------------------------------- stores --- */
-
-/* Each store's ops table exists in every build: a store left out of the build
- * has one whose open() says so (store_absent.c). */
-static const struct {
-    const kvpi_store_ops *ops;
-    const char *syntax;
-    int built_in;
-    const char *option;
-} store_table[] = {
-    {&kvpi_store_http, "http://h:p/path", KVP_HAVE_HTTP,
-     "configure with -DKVP_WITH_HTTP=ON (needs libcurl)"},
-    {&kvpi_store_etcd, "etcd://h:p[,h:p] (or h:p)", KVP_HAVE_ETCD,
-     "configure with -DKVP_WITH_ETCD=ON (needs libcurl)"},
-    {&kvpi_store_redis, "redis://[user:pass@]h:p[/db]", KVP_HAVE_REDIS,
-     "configure with -DKVP_WITH_REDIS=ON (needs hiredis)"},
-};
-#define N_STORES (sizeof store_table / sizeof store_table[0])
+/* Each store's ops table exists in every build, with its facts (metadata.h). */
+#define N_STORES KVPI_N_STORES
 
 /* ------------------------------------------------------------ components --- */
 
@@ -84,6 +68,7 @@ struct kvp_info {
     char details[INFO_MAX_TRANSPORTS + 1][INFO_DETAIL_MAX];
     size_t n_transports;
     kvp_store_info stores[N_STORES + 1];
+    char store_detail[N_STORES][INFO_DETAIL_MAX];
     kvp_component_info components[N_COMPONENTS];
     char versions[N_COMPONENTS][32];
     kvp_address_info address;
@@ -230,12 +215,16 @@ kvp_status kvp_info_get(const char *host, int timeout_ms, kvp_info **out)
     if (!info) return kvpi_error(KVP_ENOMEM, "kvp_info_get: out of memory");
     fill_transports(info, host ? host : "127.0.0.1",
                     timeout_ms > 0 ? timeout_ms : INFO_PROBE_TIMEOUT_MS);
-    for (size_t i = 0; i < N_STORES; i++)
-        info->stores[i] =
-            (kvp_store_info){.name = store_table[i].ops->name,
-                             .syntax = store_table[i].syntax,
-                             .status = store_table[i].built_in ? KVP_OK : KVP_ENOTSUP,
-                             .detail = store_table[i].built_in ? "" : store_table[i].option};
+    for (size_t i = 0; i < N_STORES; i++) {
+        const kvpi_store_ops *ops = kvpi_stores[i];
+        if (!ops->open)
+            snprintf(info->store_detail[i], INFO_DETAIL_MAX, "configure with -D%s=ON (needs %s)",
+                     ops->option, ops->needs);
+        info->stores[i] = (kvp_store_info){.name = ops->name,
+                                           .syntax = ops->syntax,
+                                           .status = ops->open ? KVP_OK : KVP_ENOTSUP,
+                                           .detail = info->store_detail[i]};
+    }
     info->stores[N_STORES] = (kvp_store_info){.name = "p2p",
                                               .syntax = KVPI_P2P_CONN,
                                               .status = KVP_OK,
@@ -291,7 +280,7 @@ const kvp_store_info *kvp_info_store_for(const kvp_info *info, const char *conn)
     if (strcmp(conn, KVPI_P2P_CONN) == 0) return &info->stores[N_STORES];
     const kvpi_store_ops *ops = kvpi_store_lookup(conn);
     for (size_t i = 0; ops && i < N_STORES; i++)
-        if (store_table[i].ops == ops) return &info->stores[i];
+        if (kvpi_stores[i] == ops) return &info->stores[i];
     return NULL;
 }
 

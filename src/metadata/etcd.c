@@ -124,13 +124,6 @@ bad:
 
 /* ---- connection string ---- */
 
-static int etcd_accepts(const char *conn)
-{
-    if (strncasecmp(conn, ETCD_SCHEME, strlen(ETCD_SCHEME)) == 0) return 1;
-    /* Mooncake treats a string without a scheme as etcd endpoints. */
-    return *conn && !strstr(conn, "://") && strcmp(conn, KVPI_P2P_CONN) != 0;
-}
-
 static kvp_status add_endpoint(etcd_store *s, const char *conn, const char *text)
 {
     kvpi_hostport hp;
@@ -637,9 +630,6 @@ static kvp_status etcd_watch_run(void *store, const char *prefix, int stop_fd,
 }
 
 const kvpi_store_ops kvpi_store_etcd = {
-    .name = "etcd",
-    .newline_values = 1,
-    .accepts = etcd_accepts,
     .open = etcd_open,
     .get = etcd_get,
     .get_many = etcd_get_many,
@@ -647,4 +637,5 @@ const kvpi_store_ops kvpi_store_etcd = {
     .del = etcd_del,
     .watch = etcd_watch_run,
     .close = etcd_close,
+    KVPI_STORE_ETCD,
 };

@@ -28,11 +28,6 @@ typedef struct http_store {
     kvpi_curl_pool handles;
 } http_store;
 
-static int http_accepts(const char *conn)
-{
-    return strncasecmp(conn, "http://", 7) == 0 || strncasecmp(conn, "https://", 8) == 0;
-}
-
 static char *make_url(http_store *s, CURL *h, const char *key)
 {
     char *enc = curl_easy_escape(h, key, 0);
@@ -228,12 +223,10 @@ static kvp_status http_open(const char *conn, int timeout_ms, void **store)
 }
 
 const kvpi_store_ops kvpi_store_http = {
-    .name = "http",
-    .newline_values = 0, /* Mooncake's HTTP client writes none */
-    .accepts = http_accepts,
     .open = http_open,
     .get = http_get,
     .put = http_put,
     .del = http_del,
     .close = http_close,
+    KVPI_STORE_HTTP,
 };

@@ -20,8 +20,17 @@
 #include "common/net.h"
 #include "metadata/metadata.h"
 
-/* Schemed stores first: etcd also accepts a bare "h:p". */
-static const kvpi_store_ops *const stores[] = {
+#if !KVP_HAVE_HTTP
+const kvpi_store_ops kvpi_store_http = {KVPI_STORE_HTTP};
+#endif
+#if !KVP_HAVE_ETCD
+const kvpi_store_ops kvpi_store_etcd = {KVPI_STORE_ETCD};
+#endif
+#if !KVP_HAVE_REDIS
+const kvpi_store_ops kvpi_store_redis = {KVPI_STORE_REDIS};
+#endif
+
+const kvpi_store_ops *const kvpi_stores[KVPI_N_STORES + 1] = {
     &kvpi_store_http,
     &kvpi_store_etcd,
     &kvpi_store_redis,
@@ -39,11 +48,18 @@ struct kvpi_meta {
     int auth_max_age_ms;
 };
 
+static int accepts(const kvpi_store_ops *ops, const char *conn)
+{
+    for (size_t i = 0; i < KVPI_STORE_SCHEMES && ops->schemes[i]; i++)
+        if (strncasecmp(conn, ops->schemes[i], strlen(ops->schemes[i])) == 0) return 1;
+    return ops->bare && *conn && !strstr(conn, "://") && strcmp(conn, KVPI_P2P_CONN) != 0;
+}
+
 const kvpi_store_ops *kvpi_store_lookup(const char *conn)
 {
     if (!conn) return NULL;
-    for (size_t i = 0; stores[i]; i++)
-        if (stores[i]->accepts(conn)) return stores[i];
+    for (size_t i = 0; kvpi_stores[i]; i++)
+        if (accepts(kvpi_stores[i], conn)) return kvpi_stores[i];
     return NULL;
 }
 
@@ -67,17 +83,39 @@ static char *mask_credentials(const char *conn)
     return out;
 }
 
+/* "http://, etcd://, redis://, host:port": what the stores take. */
+static void expected_conns(char *buf, size_t size)
+{
+    size_t used = 0;
+    int bare = 0;
+    buf[0] = '\0';
+    for (size_t i = 0; kvpi_stores[i] && used < size; i++) {
+        used += (size_t)snprintf(buf + used, size - used, "%s%s", used ? ", " : "",
+                                 kvpi_stores[i]->schemes[0]);
+        bare |= kvpi_stores[i]->bare;
+    }
+    if (bare && used < size) snprintf(buf + used, size - used, ", host:port");
+}
+
 static kvp_status open_store(kvpi_meta *m, const char *conn)
 {
     m->ops = kvpi_store_lookup(conn);
-    if (!m->ops)
+    if (!m->ops) {
+        char expected[128];
+        expected_conns(expected, sizeof expected);
         return kvpi_error(KVP_EINVAL,
-                          "unknown metadata connection string '%s' (expected http://, etcd://, "
-                          "redis://, host:port or " KVPI_P2P_CONN ")",
-                          m->conn);
+                          "unknown metadata connection string '%s' (expected %s or " KVPI_P2P_CONN
+                          ")",
+                          m->conn, expected);
+    }
+    /* The connection string is not repeated: it may hold a password. */
+    if (!m->ops->open)
+        return kvpi_error(KVP_ENOTSUP,
+                          "the %s metadata store is not built in: reconfigure kvpipe with -D%s=ON "
+                          "(needs %s)",
+                          m->ops->name, m->ops->option, m->ops->needs);
     kvp_status st = m->ops->open(conn, m->timeout_ms, &m->store);
-    /* A store left out of this build says so itself (store_absent.c). */
-    if (st == KVP_OK || st == KVP_ENOMEM || st == KVP_ENOTSUP) return st;
+    if (st == KVP_OK || st == KVP_ENOMEM) return st;
     if (strstr(kvp_last_error(), conn)) return KVP_EMETADATA; /* the detail names it already */
     char prefix[512];
     snprintf(prefix, sizeof prefix, "cannot open %s metadata store %s", m->ops->name, m->conn);

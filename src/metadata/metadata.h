@@ -24,13 +24,30 @@
 #include "common/net.h"
 #include "kvpipe/status.h"
 
+#define KVPI_STORE_SCHEMES 2
+
 typedef struct kvpi_store_ops {
+    /* The store's facts, the same whether this build has it or not: its
+     * table has KVPI_STORE_HTTP (..._ETCD, ..._REDIS). */
     const char *name; /* "http", "etcd", "redis" */
+    /* The connection strings it takes start with one of these (any case)... */
+    const char *schemes[KVPI_STORE_SCHEMES];
+    /* ...or, where bare, have no "://" at all (and are not P2PHANDSHAKE):
+     * Mooncake treats such a string as etcd endpoints. */
+    int bare;
+    /* vLLM's mooncake config may name it in metadata_backend. */
+    int backend;
+    const char *syntax; /* for kvp_info: "http://h:p/path" */
+    const char *option; /* the CMake option that builds it in, "KVP_WITH_HTTP" */
+    const char *needs;  /* the library that option needs, "libcurl" */
     /* Mooncake writes its values to this store with a trailing newline (its
      * jsoncpp FastWriter does; its HTTP client does not), and so does kvpipe. */
     int newline_values;
-    /* Non-zero if this store handles the connection string. */
-    int (*accepts)(const char *conn);
+    /* The functions: all NULL in a build that leaves the store out (CMake
+     * KVP_WITH_* OFF, or its library not found). Its facts still claim its
+     * connection strings, and kvpi_meta_open answers them with KVP_ENOTSUP
+     * naming the option, not with "unknown connection string" or by sending
+     * them to another store (a bare h:p is etcd's). */
     /* Connect (or prepare to). Must fail with KVP_EMETADATA, naming the address,
      * when the store cannot be reached. timeout_ms bounds every request. */
     kvp_status (*open)(const char *conn, int timeout_ms, void **store);
@@ -58,11 +75,31 @@ typedef struct kvpi_store_ops {
     void (*close)(void *store);
 } kvpi_store_ops;
 
+/* Each store's facts, once: in its ops table (http.c, etcd.c, redis.c;
+ * metadata.c's in a build without it). */
+#define KVPI_STORE_HTTP                                                                            \
+    .name = "http", .schemes = {"http://", "https://"}, .syntax = "http://h:p/path",               \
+    .option = "KVP_WITH_HTTP", .needs = "libcurl",                                                 \
+    .newline_values = 0 /* Mooncake's HTTP client writes none */
+#define KVPI_STORE_ETCD                                                                            \
+    .name = "etcd", .schemes = {"etcd://"}, .bare = 1, .backend = 1,                               \
+    .syntax = "etcd://h:p[,h:p] (or h:p)", .option = "KVP_WITH_ETCD", .needs = "libcurl",          \
+    .newline_values = 1
+#define KVPI_STORE_REDIS                                                                           \
+    .name = "redis", .schemes = {"redis://"}, .backend = 1,                                        \
+    .syntax = "redis://[user:pass@]h:p[/db]", .option = "KVP_WITH_REDIS", .needs = "hiredis",      \
+    .newline_values = 1
+
 extern const kvpi_store_ops kvpi_store_http;
 extern const kvpi_store_ops kvpi_store_etcd;
 extern const kvpi_store_ops kvpi_store_redis;
 
-/* Find the store for a connection string; NULL for P2PHANDSHAKE or unknown. */
+/* Every store, schemed ones first (etcd also takes a bare "h:p"), then NULL. */
+#define KVPI_N_STORES 3
+extern const kvpi_store_ops *const kvpi_stores[KVPI_N_STORES + 1];
+
+/* Find the store for a connection string; NULL for P2PHANDSHAKE or unknown.
+ * A store this build leaves out is found all the same (its open is NULL). */
 const kvpi_store_ops *kvpi_store_lookup(const char *conn);
 
 typedef struct kvpi_meta kvpi_meta;

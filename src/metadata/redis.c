@@ -40,11 +40,6 @@ typedef struct redis_store {
     int timeout_ms;
 } redis_store;
 
-static int redis_accepts(const char *conn)
-{
-    return strncasecmp(conn, REDIS_SCHEME, strlen(REDIS_SCHEME)) == 0;
-}
-
 /* ---- connection string: redis://[user:password@]host[:port][/db] ---- */
 
 static int hex_value(char c)
@@ -561,9 +556,6 @@ static kvp_status redis_watch(void *store, const char *prefix, int stop_fd,
 }
 
 const kvpi_store_ops kvpi_store_redis = {
-    .name = "redis",
-    .newline_values = 1,
-    .accepts = redis_accepts,
     .open = redis_open,
     .get = redis_get,
     .get_many = redis_get_many,
@@ -571,4 +563,5 @@ const kvpi_store_ops kvpi_store_redis = {
     .del = redis_del,
     .watch = redis_watch,
     .close = redis_close,
+    KVPI_STORE_REDIS,
 };

@@ -34,9 +34,18 @@ static kvp_status check_url(const char *field, const char *value, kvpi_hostport 
     return KVP_OK;
 }
 
-static int is_backend(const char *s)
+/* metadata_backend: the name of a store vLLM takes there, else what is. */
+static const char *check_backend(const char *s, char *expected, size_t size)
 {
-    return strcmp(s, "etcd") == 0 || strcmp(s, "redis") == 0;
+    size_t used = 0;
+    for (size_t i = 0; kvpi_stores[i]; i++) {
+        if (!kvpi_stores[i]->backend) continue;
+        if (strcmp(s, kvpi_stores[i]->name) == 0) return NULL;
+        if (used < size)
+            used += (size_t)snprintf(expected + used, size - used, "%s%s", used ? ", " : "",
+                                     kvpi_stores[i]->name);
+    }
+    return expected;
 }
 
 kvp_status kvp_pipe_config_check(const kvp_pipe_config *cfg)
@@ -58,10 +67,10 @@ kvp_status kvp_pipe_config_check(const kvp_pipe_config *cfg)
                           "value without '://' is an etcd address, as in Mooncake); did you mean "
                           "'" KVPI_P2P_CONN "'? It must be written in upper case",
                           cfg->metadata_server);
-    if (cfg->metadata_backend && !is_backend(cfg->metadata_backend))
-        return kvpi_error(KVP_ECONFIG,
-                          "config field 'metadata_backend': '%.64s' is not one of etcd, redis",
-                          cfg->metadata_backend);
+    char backends[64];
+    if (cfg->metadata_backend && check_backend(cfg->metadata_backend, backends, sizeof backends))
+        return kvpi_error(KVP_ECONFIG, "config field 'metadata_backend': '%.64s' is not one of %s",
+                          cfg->metadata_backend, backends);
     if (!cfg->protocol || !cfg->protocol[0])
         return kvpi_error(KVP_ECONFIG, "config field 'protocol' is empty");
     for (const char *p = cfg->protocol; *p; p++) {
@@ -208,7 +217,7 @@ kvp_status kvp_pipe_config_metadata_conn(const kvp_pipe_config *cfg, char **out)
      * pass unchanged; a bare address gets the backend's scheme, etcd by default. */
     const char *scheme = NULL;
     if (strcmp(server, KVPI_P2P_CONN) != 0 && !strstr(server, "://"))
-        scheme = cfg->metadata_backend ? cfg->metadata_backend : "etcd";
+        scheme = cfg->metadata_backend ? cfg->metadata_backend : kvpi_store_etcd.name;
     size_t len = strlen(server) + (scheme ? strlen(scheme) + 3 : 0) + 1;
     char *conn = malloc(len);
     if (!conn) return kvpi_error(KVP_ENOMEM, "config: out of memory");
