@@ -394,7 +394,8 @@ static void register_kinds(void)
     REQUIRE_OK(engine_with(two_regs, 1, &e));
     char *buf = mem_new(LEN);
     CHECK_ST(kvp_engine_register_mem(e, buf, LEN, KVP_MEM_CUDA, 0), KVP_ENOTSUP);
-    CHECK(strstr(kvp_last_error(), "cuda memory") && strstr(kvp_last_error(), "host memory"));
+    CHECK(strstr(kvp_last_error(), "register: cuda memory (device 0)") &&
+          strstr(kvp_last_error(), "move host memory)"));
     CHECK(count(" reg:") == 0);
     CHECK_ST(kvp_engine_register_mem(e, buf, LEN, (kvp_mem_kind)7, 0), KVP_EINVAL);
     CHECK_ST(kvp_engine_register_mem(e, buf, LEN, KVP_MEM_HOST, 1), KVP_EINVAL);

@@ -333,6 +333,29 @@ static void registry_pins(void)
     kvpi_region_table_destroy(&r);
 }
 
+/* Every message and descriptor names the kinds alike: "host", "cuda", a
+ * mask as "host and cuda" (registration's refusal once wrote "host, cuda",
+ * which read as part of its list of transports). */
+static void mem_kind_names(void)
+{
+    char buf[64];
+    CHECK(strcmp(kvpi_mem_kind_name(KVP_MEM_HOST), "host") == 0);
+    CHECK(strcmp(kvpi_mem_kind_name(KVP_MEM_CUDA), "cuda") == 0);
+    CHECK(strcmp(kvpi_mem_kind_name((kvp_mem_kind)7), "unknown") == 0);
+    CHECK(kvpi_mem_kind_parse("host") == KVP_MEM_HOST);
+    CHECK(kvpi_mem_kind_parse("cuda") == KVP_MEM_CUDA);
+    CHECK(kvpi_mem_kind_parse("CUDA") == KVPI_MEM_KIND_UNKNOWN);
+    CHECK(kvpi_mem_kind_parse("unknown") == KVPI_MEM_KIND_UNKNOWN);
+    CHECK(strcmp(kvpi_mem_kinds_names(0, buf, sizeof buf), "") == 0);
+    CHECK(strcmp(kvpi_mem_kinds_names(KVPI_MEM_HOST_BIT, buf, sizeof buf), "host") == 0);
+    CHECK(strcmp(kvpi_mem_kinds_names(KVPI_MEM_BIT(KVP_MEM_CUDA), buf, sizeof buf), "cuda") == 0);
+    unsigned both = KVPI_MEM_HOST_BIT | KVPI_MEM_BIT(KVP_MEM_CUDA);
+    CHECK(strcmp(kvpi_mem_kinds_names(both, buf, sizeof buf), "host and cuda") == 0);
+    CHECK(strcmp(kvpi_mem_kinds_names(both | KVPI_MEM_BIT(KVPI_MEM_KIND_UNKNOWN), buf, sizeof buf),
+                 "host, cuda and unknown") == 0);
+    CHECK(strcmp(kvpi_mem_kinds_names(both, buf, 6), "host ") == 0); /* truncated, terminated */
+}
+
 static void descriptor_round_trip(void)
 {
     kvpi_region regions[3] = {
@@ -574,6 +597,7 @@ int main(void)
     RUN(registry_ranges);
     RUN(registry_phases_and_kinds);
     RUN(registry_pins);
+    RUN(mem_kind_names);
     RUN(descriptor_round_trip);
     RUN(descriptor_mooncake);
     RUN(descriptor_mooncake_rdma);

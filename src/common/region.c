@@ -1,6 +1,7 @@
 /* The region table and the host-memory checks; see region.h. */
 #include <errno.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -24,15 +25,35 @@ struct kvpi_region_entry {
     entry_state state;
 };
 
+static const char *const kind_names[KVPI_N_MEM_KINDS] = {
+    [KVP_MEM_HOST] = "host",
+    [KVP_MEM_CUDA] = "cuda",
+};
+
 const char *kvpi_mem_kind_name(kvp_mem_kind kind)
 {
-    switch (kind) {
-    case KVP_MEM_HOST:
-        return "host";
-    case KVP_MEM_CUDA:
-        return "cuda";
+    return (unsigned)kind < KVPI_N_MEM_KINDS ? kind_names[kind] : "unknown";
+}
+
+kvp_mem_kind kvpi_mem_kind_parse(const char *name)
+{
+    for (unsigned k = 0; k < KVPI_N_MEM_KINDS; k++)
+        if (strcmp(name, kind_names[k]) == 0) return (kvp_mem_kind)k;
+    return KVPI_MEM_KIND_UNKNOWN;
+}
+
+const char *kvpi_mem_kinds_names(unsigned kinds, char *buf, size_t size)
+{
+    size_t used = 0;
+    buf[0] = '\0';
+    for (unsigned k = 0; k < 32; k++) {
+        if (!(kinds & KVPI_MEM_BIT(k)) || used >= size) continue;
+        unsigned later = kinds & ~(KVPI_MEM_BIT(k) | (KVPI_MEM_BIT(k) - 1));
+        const char *sep = !later ? "" : later & (later - 1) ? ", " : " and ";
+        used += (size_t)snprintf(buf + used, size - used, "%s%s",
+                                 kvpi_mem_kind_name((kvp_mem_kind)k), sep);
     }
-    return "unknown";
+    return buf;
 }
 
 void kvpi_region_table_init(kvpi_region_table *t)

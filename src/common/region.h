@@ -54,8 +54,18 @@ typedef struct kvpi_region {
  * transport's mem_kinds holds it. */
 #define KVPI_MEM_KIND_UNKNOWN ((kvp_mem_kind)31)
 
+/* The kinds this build knows are 0 .. KVPI_N_MEM_KINDS - 1. */
+#define KVPI_N_MEM_KINDS 2
+
+/* The names of the kinds, in messages and descriptors alike. */
+
 /* "host", "cuda"; "unknown" for a value this build does not know. */
 const char *kvpi_mem_kind_name(kvp_mem_kind kind);
+/* The kind of a name; KVPI_MEM_KIND_UNKNOWN for one this build does not know. */
+kvp_mem_kind kvpi_mem_kind_parse(const char *name);
+/* The kinds of a mask (KVPI_MEM_BIT) in buf: "host", "host and cuda" (and
+ * "a, b and c" for three); "" for none. Returns buf. */
+const char *kvpi_mem_kinds_names(unsigned kinds, char *buf, size_t size);
 
 typedef struct kvpi_region_entry kvpi_region_entry;
 

@@ -93,9 +93,7 @@ static kvp_status parse_kind(const cJSON *b, size_t i, kvpi_region *r)
         if (!cJSON_IsString(kind))
             return kvpi_error(KVP_EPROTO, "segment descriptor: buffers[%zu].kind is not a string",
                               i);
-        r->kind = strcmp(kind->valuestring, "host") == 0   ? KVP_MEM_HOST
-                  : strcmp(kind->valuestring, "cuda") == 0 ? KVP_MEM_CUDA
-                                                           : KVPI_MEM_KIND_UNKNOWN;
+        r->kind = kvpi_mem_kind_parse(kind->valuestring);
         uint64_t dev = 0;
         kvp_status st = cJSON_GetObjectItemCaseSensitive(b, "device")
                             ? get_u64(b, "device", "buffers[]", &dev)

@@ -58,7 +58,7 @@ enum {
     N_COMPONENTS
 };
 
-#define N_MEMORY_KINDS 2
+#define N_MEMORY_KINDS KVPI_N_MEM_KINDS
 
 struct kvp_info {
     kvp_memory_info memory[N_MEMORY_KINDS];
@@ -174,18 +174,18 @@ static void fill_transports(kvp_info *info, const char *host, int timeout_ms)
 
 static void fill_memory(kvp_info *info)
 {
-    static const kvp_mem_kind kinds[N_MEMORY_KINDS] = {KVP_MEM_HOST, KVP_MEM_CUDA};
-    for (size_t k = 0; k < N_MEMORY_KINDS; k++) {
+    for (unsigned k = 0; k < N_MEMORY_KINDS; k++) {
+        kvp_mem_kind kind = (kvp_mem_kind)k;
         char *names = info->memory_transports[k];
         size_t used = 0;
         for (size_t i = 0; kvpi_transports[i]; i++)
-            if (kvpi_transports[i]->mem_kinds & KVPI_MEM_BIT(kinds[k]) &&
+            if (kvpi_transports[i]->mem_kinds & KVPI_MEM_BIT(kind) &&
                 used < sizeof info->memory_transports[k])
                 used += (size_t)snprintf(names + used, sizeof info->memory_transports[k] - used,
                                          "%s%s", used ? ", " : "", kvpi_transports[i]->name);
         kvp_status st = KVP_OK;
         char *detail = info->memory_detail[k];
-        if (kinds[k] == KVP_MEM_HOST) {
+        if (kind == KVP_MEM_HOST) {
             snprintf(detail, INFO_DETAIL_MAX, "CPU memory");
         } else {
             int version = 0, devices = 0;
@@ -199,10 +199,8 @@ static void fill_memory(kvp_info *info)
                          version / 1000, version % 1000 / 10, devices, devices == 1 ? "" : "s");
             if (st) st = KVP_ENOTSUP;
         }
-        info->memory[k] = (kvp_memory_info){.name = kvpi_mem_kind_name(kinds[k]),
-                                            .status = st,
-                                            .detail = detail,
-                                            .transports = names};
+        info->memory[k] = (kvp_memory_info){
+            .name = kvpi_mem_kind_name(kind), .status = st, .detail = detail, .transports = names};
     }
 }
 

@@ -62,15 +62,12 @@ static kvp_status check_kind(const kvp_engine *e, kvp_mem_kind kind, int device)
     char names[128];
     unsigned kinds = movable_kinds(e, names, sizeof names);
     if (kinds & KVPI_MEM_BIT(kind)) return KVP_OK;
-    char moved[64] = "";
-    for (unsigned k = 0; k < 31; k++)
-        if (kinds & KVPI_MEM_BIT(k))
-            snprintf(moved + strlen(moved), sizeof moved - strlen(moved), "%s%s",
-                     moved[0] ? ", " : "", kvpi_mem_kind_name((kvp_mem_kind)k));
+    char moved[64];
     return kvpi_error(KVP_ENOTSUP,
                       "register: %s memory (device %d): no transport of this engine can move it "
                       "(its transports %s move %s memory)",
-                      kvpi_mem_kind_name(kind), device, names, moved);
+                      kvpi_mem_kind_name(kind), device, names,
+                      kvpi_mem_kinds_names(kinds, moved, sizeof moved));
 }
 
 /* Register r with every transport that takes its kind and add it to the

@@ -271,14 +271,11 @@ kvp_status kvpi_peer_select(kvp_engine *e, kvpi_peer *peer, unsigned kinds, int 
     }
     pthread_mutex_unlock(&peer->lock);
     if (st == KVP_OK || st == KVP_EBUSY) return st;
-    char names[64] = "";
-    for (unsigned k = 0; k < 32; k++)
-        if (kinds & KVPI_MEM_BIT(k))
-            snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s",
-                     names[0] ? " and " : "", kvpi_mem_kind_name((kvp_mem_kind)k));
+    char names[64];
     return kvpi_error(KVP_ENOTSUP,
                       "segment %s: no transport this engine may use moves %s memory%s%s",
-                      peer->desc.name, names, refusals[0] ? "; refused: " : "", refusals);
+                      peer->desc.name, kvpi_mem_kinds_names(kinds, names, sizeof names),
+                      refusals[0] ? "; refused: " : "", refusals);
 }
 
 /* Authenticated: only a descriptor signed with an accepted key, fresh and of
