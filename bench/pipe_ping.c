@@ -224,7 +224,7 @@ int main(int argc, char **argv)
     }
     if (o.echo_json) return echo(o.echo_json, &o);
     kvp_metadata_server *store;
-    int base = kvp_pick_pipe_base();
+    int base = pick_pipe_base();
     if (base < 0 || kvp_metadata_server_start("127.0.0.1", 0, &store) != KVP_OK) {
         fprintf(stderr, "pipe_ping: no ports or no metadata store: %s\n", kvp_last_error());
         return 1;

@@ -662,7 +662,7 @@ static void test_cli_bench_pipe(void)
     CHECK(run_cli(bad, out, sizeof out) == 2);
     char *bad_send[] = {"bench", "--pipe", "--tensor-size", "1M", "--send", "zero", NULL};
     CHECK(run_cli(bad_send, out, sizeof out) == 2);
-    /* Byte counts: no sign, no overflow (kvp_cli_parse_size). */
+    /* Byte counts: no sign, no overflow (cli_parse_size). */
     char *negative[] = {"bench", "--pipe", "--tensor-size", "-8", NULL};
     CHECK(run_cli(negative, out, sizeof out) == 2);
     char *huge[] = {"bench",        "--pipe", "--tensor-size", "1M", "--kv-buffer-size",

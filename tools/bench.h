@@ -1,6 +1,6 @@
 /* kvpipe bench: what the target, the initiator and the sweep share. */
-#ifndef KVP_TOOLS_BENCH_H
-#define KVP_TOOLS_BENCH_H
+#ifndef TOOLS_BENCH_H
+#define TOOLS_BENCH_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -14,7 +14,7 @@ typedef struct bench_opts {
     bench_mode mode; /* BENCH_BOTH: no --mode: both sides here */
     const char *metadata, *local_name, *segment, *protocol, *device_names;
     int write; /* --operation write */
-    size_t blocks[KVP_CLI_LIST_MAX], batches[KVP_CLI_LIST_MAX], threads[KVP_CLI_LIST_MAX];
+    size_t blocks[CLI_LIST_MAX], batches[CLI_LIST_MAX], threads[CLI_LIST_MAX];
     size_t n_blocks, n_batches, n_threads;
     size_t buffer_size, slice_size;
     int workers, conns, timeout_ms, metrics_port;

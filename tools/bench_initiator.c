@@ -68,7 +68,7 @@ static void count_ok(worker *w, size_t i, const char *local, size_t slots, const
     w->bytes += block;
     if (w->written) w->written[offs[i] / block] = 1;
     if (!w->o->write && w->o->verify &&
-        kvp_pattern_check(local + (i % slots) * block, block, KVP_PATTERN_TARGET, offs[i]))
+        pattern_check(local + (i % slots) * block, block, PATTERN_TARGET, offs[i]))
         w->mismatches++;
 }
 
@@ -123,18 +123,18 @@ static void *worker_main(void *arg)
         goto out;
     }
     uint64_t next = (uint64_t)w->id * batch;
-    while (kvp_cli_now_ns() < w->deadline_ns) {
+    while (cli_now_ns() < w->deadline_ns) {
         for (size_t i = 0; i < batch; i++) {
             offs[i] = (next++ % nblocks) * block;
             char *l = local + (i % slots) * block;
-            if (o->write && o->verify) kvp_pattern_fill(l, block, KVP_PATTERN_WRITE, offs[i]);
+            if (o->write && o->verify) pattern_fill(l, block, PATTERN_WRITE, offs[i]);
             reqs[i] = (kvp_request){o->write ? KVP_OP_WRITE : KVP_OP_READ, l,
                                     w->remote_base + offs[i], block};
         }
-        uint64_t t0 = kvp_cli_now_ns();
+        uint64_t t0 = cli_now_ns();
         if (o->sync) {
             sync_batch(w, reqs, local, slots, offs);
-            record(w, kvp_cli_now_ns() - t0);
+            record(w, cli_now_ns() - t0);
             if (w->errors) break;
             continue;
         }
@@ -142,7 +142,7 @@ static void *worker_main(void *arg)
         kvp_status st = kvp_batch_submit(w->e, w->seg, reqs, batch, &b);
         if (st == KVP_OK) {
             st = kvp_batch_wait(b, -1);
-            record(w, kvp_cli_now_ns() - t0);
+            record(w, cli_now_ns() - t0);
             if (st != KVP_OK && !w->error[0])
                 snprintf(w->error, sizeof w->error, "%s", kvp_last_error());
             account(w, b, local, slots, offs);
@@ -183,8 +183,8 @@ static int64_t read_back(const worker *ws, int threads, size_t nblocks, uint64_t
             break;
         }
         (*checked)++;
-        if (kvp_pattern_check(local, block, KVP_PATTERN_WRITE, off)) {
-            if (!lost) kvp_cli_error("block at %" PRIu64 " lost its write", off);
+        if (pattern_check(local, block, PATTERN_WRITE, off)) {
+            if (!lost) cli_error("block at %" PRIu64 " lost its write", off);
             lost++;
         }
     }
@@ -249,7 +249,7 @@ static int warm_up(const bench_opts *o, target *t, char *error, size_t cap)
         snprintf(error, cap, "warm-up: out of memory for %zu local bytes", chunk);
         return -1;
     }
-    uint64_t start = kvp_cli_now_ns();
+    uint64_t start = cli_now_ns();
     int rc = 0;
     for (uint64_t off = 0; off < t->span && !rc; off += chunk) {
         size_t len = t->span - off < chunk ? (size_t)(t->span - off) : chunk;
@@ -262,7 +262,7 @@ static int warm_up(const bench_opts *o, target *t, char *error, size_t cap)
             t->warmup_bytes += len;
         }
     }
-    t->warmup_secs = (double)(kvp_cli_now_ns() - start) / 1e9;
+    t->warmup_secs = (double)(cli_now_ns() - start) / 1e9;
     munmap(local, chunk);
     return rc;
 }
@@ -285,7 +285,7 @@ static int run_point(const bench_opts *o, const target *t, point at, result *r, 
     int rc = 0;
     for (int i = 0; i < at.threads && check_writes; i++)
         if (!(ws[i].written = calloc(nblocks, 1))) rc = -1;
-    uint64_t start = kvp_cli_now_ns();
+    uint64_t start = cli_now_ns();
     for (int i = 0; i < at.threads && !rc; i++) {
         uint8_t *written = ws[i].written;
         ws[i] = (worker){.id = i,
@@ -307,7 +307,7 @@ static int run_point(const bench_opts *o, const target *t, point at, result *r, 
         r->mismatches += ws[i].mismatches;
         if (ws[i].error[0] && !error[0]) snprintf(error, cap, "%s", ws[i].error);
     }
-    r->secs = (double)(kvp_cli_now_ns() - start) / 1e9;
+    r->secs = (double)(cli_now_ns() - start) / 1e9;
     r->gbps = (double)r->bytes / r->secs / 1e9;
     if (!rc) percentiles(ws, at.threads, r);
     if (!rc && check_writes && !r->errors) {
@@ -421,11 +421,11 @@ static int open_target(const bench_opts *o, target *t)
     size_t nb = 0;
     if (kvp_engine_open_segment(t->e, o->segment, &t->seg) ||
         kvp_engine_segment_buffers(t->e, t->seg, &t->rb, 1, &nb)) {
-        kvp_cli_error("cannot open segment %s: %s", o->segment, kvp_last_error());
+        cli_error("cannot open segment %s: %s", o->segment, kvp_last_error());
         return -1;
     }
     if (nb == 0) {
-        kvp_cli_error("segment %s has no registered buffer", o->segment);
+        cli_error("segment %s has no registered buffer", o->segment);
         return -1;
     }
     t->span = t->rb.length < o->buffer_size ? t->rb.length : o->buffer_size;
@@ -482,7 +482,7 @@ int bench_initiator(const bench_opts *o)
         json_fields(&rs[0]);
         printf("}\n");
     }
-    if (error[0]) kvp_cli_error("transfers failed: %s", error);
+    if (error[0]) cli_error("transfers failed: %s", error);
 out:
     free(rs);
     kvp_engine_destroy(t.e);

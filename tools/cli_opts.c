@@ -15,19 +15,19 @@
 #define NAME_MAX_LEN 64
 #define VAL_BASE 1000
 
-const char *kvp_cli_cmd = "";
+const char *cli_cmd = "";
 
-void kvp_cli_error(const char *fmt, ...)
+void cli_error(const char *fmt, ...)
 {
     char line[1024];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(line, sizeof line, fmt, ap);
     va_end(ap);
-    fprintf(stderr, "kvpipe%s%s: %s\n", *kvp_cli_cmd ? " " : "", kvp_cli_cmd, line);
+    fprintf(stderr, "kvpipe%s%s: %s\n", *cli_cmd ? " " : "", cli_cmd, line);
 }
 
-const char *kvp_cli_opt_name(const kvp_cli_spec *spec, int id)
+const char *cli_opt_name(const cli_spec *spec, int id)
 {
     for (size_t i = 0; i < spec->n_opts; i++)
         if (spec->opts[i].id == id) return spec->opts[i].name;
@@ -42,8 +42,7 @@ typedef struct spellings {
     size_t n;
 } spellings;
 
-static void add_spelling(spellings *s, const char *name, size_t len, const kvp_cli_opt *o,
-                         int index)
+static void add_spelling(spellings *s, const char *name, size_t len, const cli_opt *o, int index)
 {
     if (s->n == MAX_SPELLINGS || len == 0 || len >= NAME_MAX_LEN) return;
     for (size_t i = 0; i < s->n; i++)
@@ -51,17 +50,17 @@ static void add_spelling(spellings *s, const char *name, size_t len, const kvp_c
     memcpy(s->names[s->n], name, len);
     s->names[s->n][len] = '\0';
     s->opts[s->n] = (struct option){s->names[s->n],
-                                    o->arg == KVP_ARG_FLAG ? optional_argument : required_argument,
+                                    o->arg == CLI_ARG_FLAG ? optional_argument : required_argument,
                                     NULL, VAL_BASE + index};
     s->n++;
 }
 
 /* The canonical name, its underscore form, and the aliases. */
-static void build_spellings(const kvp_cli_spec *spec, spellings *s)
+static void build_spellings(const cli_spec *spec, spellings *s)
 {
     s->n = 0;
     for (size_t i = 0; i < spec->n_opts; i++) {
-        const kvp_cli_opt *o = &spec->opts[i];
+        const cli_opt *o = &spec->opts[i];
         add_spelling(s, o->name, strlen(o->name), o, (int)i);
         char under[NAME_MAX_LEN];
         snprintf(under, sizeof under, "%s", o->name);
@@ -81,7 +80,7 @@ static void build_spellings(const kvp_cli_spec *spec, spellings *s)
 
 /* ---- values ---- */
 
-static const char *parse_flag(const char *text, kvp_cli_value *v)
+static const char *parse_flag(const char *text, cli_value *v)
 {
     static const char *const yes[] = {"1", "true", "yes", "on"};
     static const char *const no[] = {"0", "false", "no", "off"};
@@ -101,23 +100,23 @@ static void describe_range(char *buf, size_t cap, const char *what, long long lo
         snprintf(buf, cap, "%s in %lld..%lld", what, lo, hi);
 }
 
-static const char *parse_value(const kvp_cli_opt *o, const char *text, kvp_cli_value *v, char *buf,
+static const char *parse_value(const cli_opt *o, const char *text, cli_value *v, char *buf,
                                size_t cap);
 
 /* A list: each item a value of the single kind. */
-static const char *parse_list(const kvp_cli_opt *o, const char *text, kvp_cli_value *v, char *buf,
+static const char *parse_list(const cli_opt *o, const char *text, cli_value *v, char *buf,
                               size_t cap)
 {
-    kvp_cli_opt one = *o;
-    one.arg = o->arg == KVP_ARG_INTS ? KVP_ARG_INT : KVP_ARG_SIZE;
+    cli_opt one = *o;
+    one.arg = o->arg == CLI_ARG_INTS ? CLI_ARG_INT : CLI_ARG_SIZE;
     v->n_list = 0;
     const char *c = text;
     do {
         char item[64];
         size_t len = strcspn(c, ",");
-        kvp_cli_value iv;
+        cli_value iv;
         const char *what = NULL;
-        if (len >= sizeof item || v->n_list == KVP_CLI_LIST_MAX) {
+        if (len >= sizeof item || v->n_list == CLI_LIST_MAX) {
             what = "";
         } else {
             memcpy(item, c, len);
@@ -128,10 +127,10 @@ static const char *parse_list(const kvp_cli_opt *o, const char *text, kvp_cli_va
             char single[160];
             snprintf(single, sizeof single, "%s", what[0] ? what : "a shorter list");
             snprintf(buf, cap, "%.100s, or a comma-separated list of at most %d of them", single,
-                     KVP_CLI_LIST_MAX);
+                     CLI_LIST_MAX);
             return buf;
         }
-        v->list[v->n_list++] = one.arg == KVP_ARG_INT ? (size_t)iv.i : iv.size;
+        v->list[v->n_list++] = one.arg == CLI_ARG_INT ? (size_t)iv.i : iv.size;
         c += len;
     } while (*c++ == ',');
     v->i = (long long)v->list[0];
@@ -141,29 +140,29 @@ static const char *parse_list(const kvp_cli_opt *o, const char *text, kvp_cli_va
 
 /* NULL when text is a good value of o (then *v holds it), else what is
  * expected, written into buf. */
-static const char *parse_value(const kvp_cli_opt *o, const char *text, kvp_cli_value *v, char *buf,
+static const char *parse_value(const cli_opt *o, const char *text, cli_value *v, char *buf,
                                size_t cap)
 {
     v->text = text;
     char *end;
     switch (o->arg) {
-    case KVP_ARG_FLAG:
+    case CLI_ARG_FLAG:
         return parse_flag(text, v);
-    case KVP_ARG_STRING:
+    case CLI_ARG_STRING:
         return text && *text ? NULL : "a non-empty value";
-    case KVP_ARG_INT:
+    case CLI_ARG_INT:
         errno = 0;
         v->i = strtoll(text, &end, 10);
         if (*text && !*end && !errno && v->i >= o->lo && v->i <= o->hi) return NULL;
         describe_range(buf, cap, "an integer", o->lo, o->hi);
         return buf;
-    case KVP_ARG_SIZE:
-        if (kvp_cli_parse_size(text, &v->size) == 0 && v->size >= (size_t)o->lo &&
+    case CLI_ARG_SIZE:
+        if (cli_parse_size(text, &v->size) == 0 && v->size >= (size_t)o->lo &&
             (o->hi == LLONG_MAX || v->size <= (size_t)o->hi))
             return NULL;
         describe_range(buf, cap, "a byte count (K, M, G suffixes: powers of 1024)", o->lo, o->hi);
         return buf;
-    case KVP_ARG_SECONDS:
+    case CLI_ARG_SECONDS:
         errno = 0;
         v->seconds = strtod(text, &end);
         if (*text && !*end && !errno && v->seconds > 0 && (!o->hi || v->seconds <= (double)o->hi))
@@ -173,10 +172,10 @@ static const char *parse_value(const kvp_cli_opt *o, const char *text, kvp_cli_v
         else
             snprintf(buf, cap, "seconds, a number above 0");
         return buf;
-    case KVP_ARG_INTS:
-    case KVP_ARG_SIZES:
+    case CLI_ARG_INTS:
+    case CLI_ARG_SIZES:
         return parse_list(o, text, v, buf, cap);
-    case KVP_ARG_CHOICE: {
+    case CLI_ARG_CHOICE: {
         long long k = 0;
         for (const char *c = o->choices; *c; k++) {
             size_t len = strcspn(c, "|");
@@ -203,11 +202,10 @@ static void typed(const char *arg, char *out, size_t cap)
     snprintf(out, cap, "%.*s", (int)len, arg);
 }
 
-int kvp_cli_parse(const kvp_cli_spec *spec, int argc, char **argv, int operands, kvp_cli_set_fn set,
-                  void *o)
+int cli_parse(const cli_spec *spec, int argc, char **argv, int operands, cli_set_fn set, void *o)
 {
     static spellings s;
-    kvp_cli_cmd = spec->cmd;
+    cli_cmd = spec->cmd;
     build_spellings(spec, &s);
     optind = 1;
     opterr = 0;
@@ -215,37 +213,37 @@ int kvp_cli_parse(const kvp_cli_spec *spec, int argc, char **argv, int operands,
     while ((c = getopt_long_only(argc, argv, ":h", s.opts, &longindex)) != -1) {
         char name[NAME_MAX_LEN + 8];
         if (c == 'h') {
-            kvp_cli_usage(spec, stdout);
+            cli_usage(spec, stdout);
             return 1;
         }
         if (c == '?') {
             typed(argv[optind - 1], name, sizeof name);
-            kvp_cli_error("unknown option '%s' (kvpipe help %s lists them)", name, spec->cmd);
+            cli_error("unknown option '%s' (kvpipe help %s lists them)", name, spec->cmd);
             return 3;
         }
         if (c == ':') {
-            const kvp_cli_opt *opt = optopt >= VAL_BASE ? &spec->opts[optopt - VAL_BASE] : NULL;
+            const cli_opt *opt = optopt >= VAL_BASE ? &spec->opts[optopt - VAL_BASE] : NULL;
             char buf[256];
-            kvp_cli_value v;
+            cli_value v;
             const char *what = opt ? parse_value(opt, "", &v, buf, sizeof buf) : "a value";
-            kvp_cli_error("--%s needs a value: %s", opt ? opt->name : "?", what ? what : "a value");
+            cli_error("--%s needs a value: %s", opt ? opt->name : "?", what ? what : "a value");
             return 3;
         }
-        const kvp_cli_opt *opt = &spec->opts[c - VAL_BASE];
-        kvp_cli_value v = {0};
+        const cli_opt *opt = &spec->opts[c - VAL_BASE];
+        cli_value v = {0};
         char buf[256];
         const char *what = parse_value(opt, optarg, &v, buf, sizeof buf);
         if (!what && set) what = set(o, opt, &v);
         if (what) {
             if (optarg)
-                kvp_cli_error("--%s: invalid value '%s': expected %s", opt->name, optarg, what);
+                cli_error("--%s: invalid value '%s': expected %s", opt->name, optarg, what);
             else
-                kvp_cli_error("--%s: %s", opt->name, what);
+                cli_error("--%s: %s", opt->name, what);
             return 3;
         }
     }
     if (!operands && optind < argc) {
-        kvp_cli_error("unexpected argument '%s' (kvpipe help %s)", argv[optind], spec->cmd);
+        cli_error("unexpected argument '%s' (kvpipe help %s)", argv[optind], spec->cmd);
         return 3;
     }
     return 0;
@@ -266,14 +264,14 @@ static void put_help(FILE *out, const char *help, int col)
     }
 }
 
-void kvp_cli_usage(const kvp_cli_spec *spec, FILE *out)
+void cli_usage(const cli_spec *spec, FILE *out)
 {
     enum { COL = 28 };
     fputs(spec->synopsis, out);
     if (spec->about) fprintf(out, "\n%s", spec->about);
     fprintf(out, "\nOptions:\n");
     for (size_t i = 0; i < spec->n_opts; i++) {
-        const kvp_cli_opt *o = &spec->opts[i];
+        const cli_opt *o = &spec->opts[i];
         if (!o->help) continue;
         char head[96];
         int n = snprintf(head, sizeof head, "  --%s%s%s", o->name, o->meta ? " " : "",

@@ -12,76 +12,75 @@
  *     CMD` prints it.
  *   - A flag takes no value, or gflags' =true/=false (1/0, yes/no, on/off).
  */
-#ifndef KVP_TOOLS_CLI_OPTS_H
-#define KVP_TOOLS_CLI_OPTS_H
+#ifndef TOOLS_CLI_OPTS_H
+#define TOOLS_CLI_OPTS_H
 
 #include <stddef.h>
 #include <stdio.h>
 
-typedef enum kvp_arg {
-    KVP_ARG_FLAG,    /* no value (or =true/=false) */
-    KVP_ARG_STRING,  /* any non-empty text */
-    KVP_ARG_INT,     /* a decimal integer in [lo, hi] */
-    KVP_ARG_SIZE,    /* a byte count, K/M/G suffixes, in [lo, hi] */
-    KVP_ARG_SECONDS, /* a decimal number of seconds, > 0 and <= hi */
-    KVP_ARG_CHOICE,  /* one of choices, "a|b|c" (case-sensitive) */
-    KVP_ARG_INTS,    /* INT, or a comma-separated list of them */
-    KVP_ARG_SIZES,   /* SIZE, or a comma-separated list of them */
-} kvp_arg;
+typedef enum cli_arg {
+    CLI_ARG_FLAG,    /* no value (or =true/=false) */
+    CLI_ARG_STRING,  /* any non-empty text */
+    CLI_ARG_INT,     /* a decimal integer in [lo, hi] */
+    CLI_ARG_SIZE,    /* a byte count, K/M/G suffixes, in [lo, hi] */
+    CLI_ARG_SECONDS, /* a decimal number of seconds, > 0 and <= hi */
+    CLI_ARG_CHOICE,  /* one of choices, "a|b|c" (case-sensitive) */
+    CLI_ARG_INTS,    /* INT, or a comma-separated list of them */
+    CLI_ARG_SIZES,   /* SIZE, or a comma-separated list of them */
+} cli_arg;
 
-#define KVP_CLI_LIST_MAX 32
+#define CLI_LIST_MAX 32
 
-typedef struct kvp_cli_value {
-    const char *text;              /* as given */
-    long long i;                   /* FLAG (0/1), INT, CHOICE (index) */
-    size_t size;                   /* SIZE */
-    double seconds;                /* SECONDS */
-    size_t list[KVP_CLI_LIST_MAX]; /* INTS, SIZES (i and size hold the first) */
+typedef struct cli_value {
+    const char *text;          /* as given */
+    long long i;               /* FLAG (0/1), INT, CHOICE (index) */
+    size_t size;               /* SIZE */
+    double seconds;            /* SECONDS */
+    size_t list[CLI_LIST_MAX]; /* INTS, SIZES (i and size hold the first) */
     size_t n_list;
-} kvp_cli_value;
+} cli_value;
 
-typedef struct kvp_cli_opt {
+typedef struct cli_opt {
     const char *name; /* canonical long name, "block-size" */
-    kvp_arg arg;
+    cli_arg arg;
     const char *meta;    /* the value in --help: "BYTES"; NULL for a flag */
     const char *help;    /* --help text; '\n' continues on the next line; NULL: hidden */
     long long lo, hi;    /* INT and SIZE bounds; SECONDS: hi (0: none) */
     const char *choices; /* CHOICE: "read|write" */
     const char *aliases; /* other spellings, space-separated, without dashes */
     int id;              /* handed to the command's set() */
-} kvp_cli_opt;
+} cli_opt;
 
 /* A command's value check beyond the kind: NULL to accept, else what is
  * expected ("a multiple of 8"), for the error line. */
-typedef const char *(*kvp_cli_set_fn)(void *o, const kvp_cli_opt *opt, const kvp_cli_value *v);
+typedef const char *(*cli_set_fn)(void *o, const cli_opt *opt, const cli_value *v);
 
-typedef struct kvp_cli_spec {
+typedef struct cli_spec {
     const char *cmd;      /* "bench": messages start "kvpipe bench: " */
     const char *synopsis; /* "usage: ..." lines, each ending in \n */
     const char *about;    /* paragraph(s) before the options; may be NULL */
-    const kvp_cli_opt *opts;
+    const cli_opt *opts;
     size_t n_opts;
     const char *epilog; /* after the options; may be NULL */
-} kvp_cli_spec;
+} cli_spec;
 
 /* Parse argv (argv[0] the command) against spec, calling set for each
  * option in order. Returns 0 to go on, with optind at the first operand when
  * operands is non-zero (else an operand is an error); otherwise 1 + the exit
  * code: --help printed the usage to stdout (1), or an error line went to
  * stderr (3). */
-int kvp_cli_parse(const kvp_cli_spec *spec, int argc, char **argv, int operands, kvp_cli_set_fn set,
-                  void *o);
+int cli_parse(const cli_spec *spec, int argc, char **argv, int operands, cli_set_fn set, void *o);
 
 /* The usage text, from the table. */
-void kvp_cli_usage(const kvp_cli_spec *spec, FILE *out);
+void cli_usage(const cli_spec *spec, FILE *out);
 
-/* The command whose messages these are ("bench"); set by kvp_cli_parse(). */
-extern const char *kvp_cli_cmd;
+/* The command whose messages these are ("bench"); set by cli_parse(). */
+extern const char *cli_cmd;
 
 /* One line on stderr: "kvpipe CMD: " + the message + newline. */
-void kvp_cli_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+void cli_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* The option of spec with this id (for messages that name it). */
-const char *kvp_cli_opt_name(const kvp_cli_spec *spec, int id);
+const char *cli_opt_name(const cli_spec *spec, int id);
 
 #endif

@@ -61,88 +61,88 @@ enum {
     O_NIC_MATRIX,
 };
 
-static const kvp_cli_opt opts[] = {
-    {"mode", KVP_ARG_CHOICE, "target|initiator",
+static const cli_opt opts[] = {
+    {"mode", CLI_ARG_CHOICE, "target|initiator",
      "run one side (as Mooncake's bench); without --mode both\nsides run here, the target as a "
      "child process",
      .choices = "target|initiator", .id = O_MODE},
-    {"metadata-server", KVP_ARG_STRING, "S",
+    {"metadata-server", CLI_ARG_STRING, "S",
      "metadata connection string (default P2PHANDSHAKE):\nhttp://h:p/metadata, etcd://h:p, "
      "redis://h:p, h:p (etcd)",
      .aliases = "metadata", .id = O_METADATA},
-    {"local-server-name", KVP_ARG_STRING, "H:P",
+    {"local-server-name", CLI_ARG_STRING, "H:P",
      "this engine's segment name (required with --mode)", .id = O_LOCAL},
-    {"segment-id", KVP_ARG_STRING, "NAME", "the target's segment name (--mode initiator)",
+    {"segment-id", CLI_ARG_STRING, "NAME", "the target's segment name (--mode initiator)",
      .id = O_SEGMENT},
-    {"protocol", KVP_ARG_STRING, "P", "tcp (default), shm, or rdma/ucx (where built)",
+    {"protocol", CLI_ARG_STRING, "P", "tcp (default), shm, or rdma/ucx (where built)",
      .id = O_PROTOCOL},
-    {"device-name", KVP_ARG_STRING, "NAMES",
+    {"device-name", CLI_ARG_STRING, "NAMES",
      "RDMA devices, for rdma/ucx: UCX_NET_DEVICES (ignored by tcp\nand shm)", .id = O_DEVICE},
-    {"no-shm", KVP_ARG_FLAG, NULL, "never use shm automatically for a same-host peer",
+    {"no-shm", CLI_ARG_FLAG, NULL, "never use shm automatically for a same-host peer",
      .id = O_NO_SHM},
-    {"operation", KVP_ARG_CHOICE, "read|write", "initiator operation (default read)",
+    {"operation", CLI_ARG_CHOICE, "read|write", "initiator operation (default read)",
      .choices = "read|write", .id = O_OPERATION},
-    {"block-size", KVP_ARG_SIZES, "BYTES", "bytes per request (default 65536)", 1, 1ll << 40,
+    {"block-size", CLI_ARG_SIZES, "BYTES", "bytes per request (default 65536)", 1, 1ll << 40,
      .id = O_BLOCK},
-    {"batch-size", KVP_ARG_INTS, "N", "requests per batch (default 128)", 1, 65536, .id = O_BATCH},
-    {"threads", KVP_ARG_INTS, "N", "initiator threads (default 2)", 1, 256, .id = O_THREADS},
-    {"duration", KVP_ARG_SECONDS, "SECONDS",
+    {"batch-size", CLI_ARG_INTS, "N", "requests per batch (default 128)", 1, 65536, .id = O_BATCH},
+    {"threads", CLI_ARG_INTS, "N", "initiator threads (default 2)", 1, 256, .id = O_THREADS},
+    {"duration", CLI_ARG_SECONDS, "SECONDS",
      "initiator run time (default 5; with --sweep 1 per point)", .hi = 86400, .id = O_DURATION},
-    {"buffer-size", KVP_ARG_SIZE, "BYTES", "target buffer and span used (default 256M)", 8,
+    {"buffer-size", CLI_ARG_SIZE, "BYTES", "target buffer and span used (default 256M)", 8,
      1ll << 44, .id = O_BUFFER},
-    {"verify", KVP_ARG_FLAG, NULL,
+    {"verify", CLI_ARG_FLAG, NULL,
      "target fills a pattern; initiator checks every byte\nread, or writes a pattern the target "
      "checks on exit\nand reads back every block it wrote, checking it",
      .id = O_VERIFY},
-    {"sync", KVP_ARG_FLAG, NULL,
+    {"sync", CLI_ARG_FLAG, NULL,
      "initiator: each request by itself through the blocking\nkvp_engine_read/write (on the "
      "calling thread, no\nbatch): a batch's requests run one after the other",
      .id = O_SYNC},
-    {"no-warmup", KVP_ARG_FLAG, NULL,
+    {"no-warmup", CLI_ARG_FLAG, NULL,
      "initiator: start the clock at once; by default one\nuntimed pass over the span comes "
      "first (as ucx_perftest's\nwarm-up), so a fresh mapping's page faults are not timed",
      .id = O_NO_WARMUP},
-    {"pool", KVP_ARG_FLAG, NULL,
+    {"pool", CLI_ARG_FLAG, NULL,
      "target: serve a buffer from the engine's pool\n(kvp_engine_alloc, as the pipe's tensors; "
      "over "
      "rdma/ucx\nmemory UCX allocates) instead of memory it registers",
      .id = O_POOL},
-    {"sweep", KVP_ARG_FLAG, NULL,
+    {"sweep", CLI_ARG_FLAG, NULL,
      "measure every combination of --block-size, --batch-size\nand --threads, each a "
      "comma-separated list (default\n4K,64K,1M,16M x 1,32 x 1,2), and print a table",
      .id = O_SWEEP},
-    {"json", KVP_ARG_FLAG, NULL,
+    {"json", CLI_ARG_FLAG, NULL,
      "initiator: the last stdout line is a JSON object (with\n--sweep: every point in "
      "\"points\")",
      .id = O_JSON},
-    {"report-unit", KVP_ARG_CHOICE, "UNIT",
+    {"report-unit", CLI_ARG_CHOICE, "UNIT",
      "throughput unit: GB (default), GiB, Gb, MB, MiB, Mb, KB,\nKiB, Kb (Mooncake's "
      "--report_unit)",
      .choices = "GB|GiB|Gb|MB|MiB|Mb|KB|KiB|Kb", .id = O_UNIT},
-    {"report-precision", KVP_ARG_INT, "N", "digits after the point of the throughput (default 3)",
+    {"report-precision", CLI_ARG_INT, "N", "digits after the point of the throughput (default 3)",
      0, 9, .id = O_PRECISION},
-    {"workers", KVP_ARG_INT, "N", "engine worker threads (default 4)", 1, 256, .id = O_WORKERS},
-    {"conns", KVP_ARG_INT, "N", "connections per peer (default 4)", 1, 256, .id = O_CONNS},
-    {"slice-size", KVP_ARG_SIZE, "BYTES", "requests above this are split (default 4M)", 1,
+    {"workers", CLI_ARG_INT, "N", "engine worker threads (default 4)", 1, 256, .id = O_WORKERS},
+    {"conns", CLI_ARG_INT, "N", "connections per peer (default 4)", 1, 256, .id = O_CONNS},
+    {"slice-size", CLI_ARG_SIZE, "BYTES", "requests above this are split (default 4M)", 1,
      1ll << 40, .id = O_SLICE},
-    {"timeout-ms", KVP_ARG_INT, "MS", "the engine's I/O timeout (default 5000)", 1, 86400000,
+    {"timeout-ms", CLI_ARG_INT, "MS", "the engine's I/O timeout (default 5000)", 1, 86400000,
      .id = O_TIMEOUT},
-    {"wait", KVP_ARG_SECONDS, "SECONDS",
+    {"wait", CLI_ARG_SECONDS, "SECONDS",
      "with --mode: wait this long for the metadata store to answer\nand (initiator) for "
      "--segment-id to serve a buffer, so the\nsides may start in any order (default 10)",
      .hi = 3600, .id = O_WAIT},
-    {"metrics-port", KVP_ARG_INT, "P",
+    {"metrics-port", CLI_ARG_INT, "P",
      "serve the engine's metrics at http://127.0.0.1:P/metrics\n(default: env "
      "KVPIPE_METRICS_PORT, else none); without\n--mode the target's engine serves them",
      1, 65535, .id = O_METRICS_PORT},
-    {"auto-discovery", KVP_ARG_FLAG, NULL, "Mooncake's RDMA device discovery: only =false",
+    {"auto-discovery", CLI_ARG_FLAG, NULL, "Mooncake's RDMA device discovery: only =false",
      .id = O_AUTO_DISCOVERY},
-    {"backend", KVP_ARG_STRING, "classic", "Mooncake's engine backend: only classic",
+    {"backend", CLI_ARG_STRING, "classic", "Mooncake's engine backend: only classic",
      .id = O_BACKEND},
-    {"nic-priority-matrix", KVP_ARG_STRING, "FILE", NULL, .id = O_NIC_MATRIX},
+    {"nic-priority-matrix", CLI_ARG_STRING, "FILE", NULL, .id = O_NIC_MATRIX},
 };
 
-static const kvp_cli_spec spec = {
+static const cli_spec spec = {
     .cmd = "bench",
     .synopsis = "usage: kvpipe bench [--sweep] [options]                    (both sides here)\n"
                 "       kvpipe bench --mode target --local-server-name H:P [options]\n"
@@ -162,13 +162,13 @@ static const kvp_cli_spec spec = {
               "--local_server_name=... --segment_id=... --device_name=... --report_unit=...).\n",
 };
 
-static void copy_list(size_t *dst, size_t *n, const kvp_cli_value *v)
+static void copy_list(size_t *dst, size_t *n, const cli_value *v)
 {
     memcpy(dst, v->list, v->n_list * sizeof *dst);
     *n = v->n_list;
 }
 
-static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value *v)
+static const char *set_opt(void *p, const cli_opt *opt, const cli_value *v)
 {
     bench_opts *o = p;
     switch (opt->id) {
@@ -293,7 +293,7 @@ static int parse_args(int argc, char **argv, bench_opts *o)
 {
     *o = (bench_opts){
         .protocol = "tcp", .buffer_size = 256u << 20, .duration = 5, .wait = 10, .precision = 3};
-    int r = kvp_cli_parse(&spec, argc, argv, 0, set_opt, o);
+    int r = cli_parse(&spec, argc, argv, 0, set_opt, o);
     if (r) return r;
     if (!o->n_blocks) {
         static const size_t sweep_blocks[] = {4096, 65536, 1u << 20, 16u << 20};
@@ -314,7 +314,7 @@ static int parse_args(int argc, char **argv, bench_opts *o)
     if (o->sweep && !o->duration_set) o->duration = 1;
     const char *bad = check(o);
     if (bad) {
-        kvp_cli_error("%s", bad);
+        cli_error("%s", bad);
         return 3;
     }
     if (!o->metadata) o->metadata = "P2PHANDSHAKE";
@@ -332,11 +332,11 @@ static int transient(kvp_status st)
 kvp_status bench_wait_for(const bench_opts *o, const char *what,
                           kvp_status (*probe)(const bench_opts *o, char *why, size_t cap))
 {
-    uint64_t end = kvp_cli_now_ms() + (uint64_t)(o->wait * 1000);
+    uint64_t end = cli_now_ms() + (uint64_t)(o->wait * 1000);
     char why[512] = "";
     kvp_status st;
     int said = 0;
-    while ((st = probe(o, why, sizeof why)) != KVP_OK && transient(st) && kvp_cli_now_ms() < end) {
+    while ((st = probe(o, why, sizeof why)) != KVP_OK && transient(st) && cli_now_ms() < end) {
         if (!said++)
             fprintf(stderr, "kvpipe bench: waiting up to %g s for %s (now: %s)\n", o->wait, what,
                     why);
@@ -357,7 +357,7 @@ kvp_status bench_engine(const bench_opts *o, const char *name, kvp_engine **out)
 {
     /* One side of a pair started by hand: the store may still be starting. */
     if (o->mode != BENCH_BOTH && bench_wait_for(o, "the metadata store", store_answers)) {
-        kvp_cli_error("cannot start the engine: the metadata store does not answer");
+        cli_error("cannot start the engine: the metadata store does not answer");
         return KVP_EMETADATA;
     }
     kvp_engine_opts eo;
@@ -373,7 +373,7 @@ kvp_status bench_engine(const bench_opts *o, const char *name, kvp_engine **out)
     if (o->timeout_ms) eo.timeout_ms = o->timeout_ms;
     if (o->metrics_port) eo.metrics_port = o->metrics_port;
     kvp_status st = kvp_engine_create(&eo, out);
-    if (st) kvp_cli_error("cannot start the engine: %s", kvp_last_error());
+    if (st) cli_error("cannot start the engine: %s", kvp_last_error());
     return st;
 }
 
@@ -386,10 +386,10 @@ static int verify_target(const void *buf, size_t len)
     for (size_t off = 0; off + 8 <= len; off += 8) {
         uint64_t w;
         memcpy(&w, (const char *)buf + off, 8);
-        if (w == kvp_pattern_word(KVP_PATTERN_WRITE, off)) {
+        if (w == pattern_word(PATTERN_WRITE, off)) {
             written += 8;
-        } else if (w != kvp_pattern_word(KVP_PATTERN_TARGET, off)) {
-            kvp_cli_error("target: verify FAILED at byte %zu", off);
+        } else if (w != pattern_word(PATTERN_TARGET, off)) {
+            cli_error("target: verify FAILED at byte %zu", off);
             return 1;
         }
     }
@@ -403,13 +403,13 @@ static int target_buffer(const bench_opts *o, kvp_engine *e, void **out)
     void *buf;
     if (o->pool) {
         if (kvp_engine_alloc(e, o->buffer_size, &buf)) {
-            kvp_cli_error("target: cannot allocate %zu bytes from the pool: %s", o->buffer_size,
-                          kvp_last_error());
+            cli_error("target: cannot allocate %zu bytes from the pool: %s", o->buffer_size,
+                      kvp_last_error());
             return 1;
         }
         /* Populated now, so that no initiator's first pass pays our faults. */
         if (o->verify)
-            kvp_pattern_fill(buf, o->buffer_size, KVP_PATTERN_TARGET, 0);
+            pattern_fill(buf, o->buffer_size, PATTERN_TARGET, 0);
         else
             memset(buf, 0, o->buffer_size);
         *out = buf;
@@ -418,12 +418,12 @@ static int target_buffer(const bench_opts *o, kvp_engine *e, void **out)
     buf = mmap(NULL, o->buffer_size, PROT_READ | PROT_WRITE,
                MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (buf == MAP_FAILED) {
-        kvp_cli_error("target: cannot map %zu bytes: %s", o->buffer_size, strerror(errno));
+        cli_error("target: cannot map %zu bytes: %s", o->buffer_size, strerror(errno));
         return 1;
     }
-    if (o->verify) kvp_pattern_fill(buf, o->buffer_size, KVP_PATTERN_TARGET, 0);
+    if (o->verify) pattern_fill(buf, o->buffer_size, PATTERN_TARGET, 0);
     if (kvp_engine_register(e, buf, o->buffer_size)) {
-        kvp_cli_error("target: cannot register the buffer: %s", kvp_last_error());
+        cli_error("target: cannot register the buffer: %s", kvp_last_error());
         munmap(buf, o->buffer_size);
         return 1;
     }
@@ -448,7 +448,7 @@ static int run_target(const bench_opts *o)
         printf("kvpipe bench target: metrics at http://127.0.0.1:%d/metrics\n",
                kvp_engine_metrics_port(e));
     fflush(stdout);
-    kvp_cli_wait_for_signal();
+    cli_wait_for_signal();
     if (o->pool) {
         /* The pool's memory goes with the engine: checked first (the
          * initiators are done when the signal comes). */
@@ -516,7 +516,7 @@ static pid_t spawn_target(const bench_opts *o, char segment[256], FILE **out)
     while (f && !found && fgets(line, sizeof line, f))
         found = sscanf(line, "kvpipe bench target: serving segment %255s", segment) == 1;
     if (!found) {
-        kvp_cli_error("the target did not start (run kvpipe bench --mode target to see why)");
+        cli_error("the target did not start (run kvpipe bench --mode target to see why)");
         kill(pid, SIGKILL);
         waitpid(pid, NULL, 0);
         if (f) fclose(f);
@@ -550,17 +550,17 @@ static int run_both(bench_opts *o)
     int status = 0;
     waitpid(target, &status, 0);
     if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
-        kvp_cli_error("the target failed%s", o->verify ? " its --verify check" : "");
+        cli_error("the target failed%s", o->verify ? " its --verify check" : "");
         rc = 1;
     }
     return rc;
 }
 
-int kvp_cmd_bench(int argc, char **argv)
+int cmd_bench(int argc, char **argv)
 {
     for (int i = 1; i < argc; i++)
         if (strcmp(argv[i], "--pipe") == 0 || strcmp(argv[i], "-pipe") == 0)
-            return kvp_cmd_bench_pipe(argc, argv);
+            return cmd_bench_pipe(argc, argv);
     bench_opts o;
     int r = parse_args(argc, argv, &o);
     if (r) return r - 1;

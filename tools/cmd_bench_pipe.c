@@ -54,54 +54,54 @@ enum {
     O_JSON,
 };
 
-static const kvp_cli_opt opts[] = {
-    {"pipe", KVP_ARG_FLAG, NULL, "measure the tensor pipe (this mode)", .id = O_PIPE},
-    {"tensor-size", KVP_ARG_SIZE, "BYTES",
+static const cli_opt opts[] = {
+    {"pipe", CLI_ARG_FLAG, NULL, "measure the tensor pipe (this mode)", .id = O_PIPE},
+    {"tensor-size", CLI_ARG_SIZE, "BYTES",
      "bytes per tensor, a multiple of 8, at least 16 (required)", 16, 1ll << 40,
      .id = O_TENSOR_SIZE},
-    {"count", KVP_ARG_INT, "N", "tensors to send (default 100)", 1, 1ll << 40, .id = O_COUNT},
-    {"protocol", KVP_ARG_STRING, "P", "engine protocol for the two-process run (default tcp)",
+    {"count", CLI_ARG_INT, "N", "tensors to send (default 100)", 1, 1ll << 40, .id = O_COUNT},
+    {"protocol", CLI_ARG_STRING, "P", "engine protocol for the two-process run (default tcp)",
      .id = O_PROTOCOL},
-    {"send", KVP_ARG_CHOICE, "copy|in-place",
+    {"send", CLI_ARG_CHOICE, "copy|in-place",
      "copy: kvp_pipe_send() copies each tensor into registered\nmemory (default); in-place: "
      "tensors are built in pipe\nbuffers (kvp_pipe_tensor_alloc) and sent with no copy",
      .choices = "copy|in-place", .id = O_SEND},
-    {"no-shm", KVP_ARG_FLAG, NULL, "never use the same-host transport", .id = O_NO_SHM},
-    {"verify", KVP_ARG_FLAG, NULL,
+    {"no-shm", CLI_ARG_FLAG, NULL, "never use the same-host transport", .id = O_NO_SHM},
+    {"verify", CLI_ARG_FLAG, NULL,
      "receiver compares every byte (default: the stamp at the\nstart of each 64 KiB block, "
      "which catches lost, repeated,\nreordered and misplaced blocks)",
      .id = O_VERIFY},
-    {"metadata-server", KVP_ARG_STRING, "M",
+    {"metadata-server", CLI_ARG_STRING, "M",
      "two-process run: http (an embedded store, default), p2p\n(P2PHANDSHAKE), or a connection "
      "string",
      .aliases = "metadata", .id = O_METADATA},
-    {"kv-buffer-size", KVP_ARG_SIZE, "BYTES", "bytes in flight before send waits (default 1e9)", 1,
+    {"kv-buffer-size", CLI_ARG_SIZE, "BYTES", "bytes in flight before send waits (default 1e9)", 1,
      LLONG_MAX, .id = O_KV_BUFFER},
-    {"timeout-ms", KVP_ARG_INT, "MS",
+    {"timeout-ms", CLI_ARG_INT, "MS",
      "the engines' I/O timeout, which bounds each READ\n(default 5000)", 1, 86400000,
      .id = O_TIMEOUT},
-    {"warmup", KVP_ARG_INT, "N",
+    {"warmup", CLI_ARG_INT, "N",
      "untimed tensors first, so that both engines' buffer\npools hold their memory (default: "
      "kv-buffer-size worth,\nat most 32)",
      0, 1000000, .id = O_WARMUP},
-    {"inline-max-bytes", KVP_ARG_INT, "B",
+    {"inline-max-bytes", CLI_ARG_INT, "B",
      "both ranks' kvp_pipe_opts.inline_max_bytes: messages up to\nB bytes travel inline "
      "(default: the pipe's, 128 KiB); 0:\nevery message is announced and READ (MooncakePipe's "
      "path)",
      0, 1 << 30, .id = O_INLINE_MAX},
-    {"config", KVP_ARG_STRING, "FILE", "run one rank with this mooncake config", .id = O_CONFIG},
-    {"kv-rank", KVP_ARG_INT, "0|1", "the rank to run with --config (0 sends, 1 receives)", 0, 1,
+    {"config", CLI_ARG_STRING, "FILE", "run one rank with this mooncake config", .id = O_CONFIG},
+    {"kv-rank", CLI_ARG_INT, "0|1", "the rank to run with --config (0 sends, 1 receives)", 0, 1,
      .id = O_KV_RANK},
-    {"port", KVP_ARG_INT, "P", "two-process run: base port (default: a free one)", 1, 65000,
+    {"port", CLI_ARG_INT, "P", "two-process run: base port (default: a free one)", 1, 65000,
      .id = O_PORT},
-    {"json", KVP_ARG_FLAG, NULL,
+    {"json", CLI_ARG_FLAG, NULL,
      "receiver: last stdout line is a JSON object with gbps,\nbytes, ops, errors, lost, "
      "duplicated, reordered,\ncorrupt, failed, seconds, tensor_size, transport\n(\"inline\": "
      "no message READ), messages and\ninline_messages (warm-up included), send",
      .id = O_JSON},
 };
 
-static const kvp_cli_spec spec = {
+static const cli_spec spec = {
     .cmd = "bench",
     .synopsis = "usage: kvpipe bench --pipe --tensor-size BYTES [--count N] [options]\n"
                 "       kvpipe bench --pipe --config FILE --kv-rank 0|1 --tensor-size BYTES "
@@ -118,7 +118,7 @@ static const kvp_cli_spec spec = {
               "receiver goes on after one). It exits 1 unless all of these are 0.\n",
 };
 
-static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value *v)
+static const char *set_opt(void *p, const cli_opt *opt, const cli_value *v)
 {
     bp_opts *o = p;
     switch (opt->id) {
@@ -182,7 +182,7 @@ static int parse_args(int argc, char **argv, bp_opts *o)
                    .metadata = "http",
                    .kv_rank = -1,
                    .kv_buffer_size = 1000000000u};
-    int r = kvp_cli_parse(&spec, argc, argv, 0, set_opt, o);
+    int r = cli_parse(&spec, argc, argv, 0, set_opt, o);
     if (r) return r;
     const char *bad = !o->tensor_size ? "--tensor-size is required: bytes per tensor, a "
                                         "multiple of 8, at least 16"
@@ -190,7 +190,7 @@ static int parse_args(int argc, char **argv, bp_opts *o)
                       : !o->config && o->kv_rank >= 0 ? "--kv-rank needs --config"
                                                       : NULL;
     if (bad) {
-        kvp_cli_error("%s", bad);
+        cli_error("%s", bad);
         return 3;
     }
     if (o->warmup < 0) {
@@ -274,7 +274,7 @@ static kvp_pipe *open_pipe(const bp_opts *o, int kv_rank)
         st = kvp_pipe_open(cfg, 0, kv_rank, &po, &pipe);
     }
     kvp_pipe_config_free(cfg);
-    if (st) kvp_cli_error("%s", kvp_last_error());
+    if (st) cli_error("%s", kvp_last_error());
     return pipe;
 }
 
@@ -382,7 +382,7 @@ static int run_sender(const bp_opts *o)
     if (!pipe) return 1;
     filled_set filled = {.n = 0, .size = o->tensor_size};
     uint8_t ref[BLOCK];
-    kvp_pattern_fill(ref, BLOCK, KVP_PATTERN_WRITE, 0);
+    pattern_fill(ref, BLOCK, PATTERN_WRITE, 0);
     /* The copying send's source, filled once. */
     uint8_t *buf = o->in_place ? NULL : malloc(o->tensor_size);
     int rc = o->in_place || buf ? 0 : 1;
@@ -417,7 +417,7 @@ static int run_sender(const bp_opts *o)
         if (kvp_pipe_send(pipe, &t) != KVP_OK) rc = 1;
     }
     if (!rc && kvp_pipe_flush(pipe, FLUSH_TIMEOUT_MS) != KVP_OK) rc = 1;
-    if (rc) kvp_cli_error("sender: %s", kvp_last_error());
+    if (rc) cli_error("sender: %s", kvp_last_error());
     free(buf);
     kvp_pipe_close(pipe);
     return rc;
@@ -438,18 +438,17 @@ static void tally_add(tally *y, const kvp_tensor *t, const uint8_t *ref, size_t 
     long i = index_of(t, n, y->count);
     if (i < 0 || check(t, ref, n, (uint64_t)i, full) != 0) {
         if (!y->corrupt)
-            kvp_cli_error("pipe: tensor %" PRIu64 " received: MISMATCH",
-                          y->intact + y->duplicated + y->corrupt);
+            cli_error("pipe: tensor %" PRIu64 " received: MISMATCH",
+                      y->intact + y->duplicated + y->corrupt);
         y->corrupt++;
     } else if (y->seen[i]) {
-        if (!y->duplicated) kvp_cli_error("pipe: tensor %ld: DUPLICATE", i);
+        if (!y->duplicated) cli_error("pipe: tensor %ld: DUPLICATE", i);
         y->duplicated++;
     } else {
         y->seen[i] = 1;
         y->intact++;
         if (i < y->highest) {
-            if (!y->reordered)
-                kvp_cli_error("pipe: tensor %ld after %ld: REORDERED", i, y->highest);
+            if (!y->reordered) cli_error("pipe: tensor %ld after %ld: REORDERED", i, y->highest);
             y->reordered++;
         } else {
             y->highest = i;
@@ -518,7 +517,7 @@ static void report(const bp_opts *o, kvp_pipe *pipe, long ops, uint64_t failed, 
     double gbps = secs > 0 ? (double)bytes / secs / 1e9 : 0;
     kvp_pipe_stats ps; /* warm-up messages included */
     kvp_pipe_get_stats(pipe, &ps);
-    const char *tr = kvp_launch_recv_transport(pipe, &ps);
+    const char *tr = launch_recv_transport(pipe, &ps);
     char via[96];
     if (strcmp(tr, "inline") == 0)
         snprintf(via, sizeof via, "inline messages on the pipe's ZeroMQ link");
@@ -574,7 +573,7 @@ static kvp_status receive_preamble(const bp_opts *o, kvp_pipe *pipe)
         why = "expected None, got a tensor";
     }
     kvp_tensor_free(t);
-    if (st) kvp_cli_error("pipe: no start marker: %s", why ? why : kvp_last_error());
+    if (st) cli_error("pipe: no start marker: %s", why ? why : kvp_last_error());
     return st;
 }
 
@@ -590,7 +589,7 @@ static int run_receiver(const bp_opts *o)
         free(v.tally.seen);
         return 1;
     }
-    kvp_pattern_fill(v.ref, BLOCK, KVP_PATTERN_WRITE, 0);
+    pattern_fill(v.ref, BLOCK, PATTERN_WRITE, 0);
     kvp_status st = receive_preamble(o, pipe);
     if (st) {
         free(v.ref);
@@ -598,7 +597,7 @@ static int run_receiver(const bp_opts *o)
         kvp_pipe_close(pipe);
         return 1;
     }
-    uint64_t t0 = kvp_cli_now_ns(), t1 = t0;
+    uint64_t t0 = cli_now_ns(), t1 = t0;
     pthread_mutex_init(&v.lock, NULL);
     pthread_cond_init(&v.cond, NULL);
     pthread_t th;
@@ -616,12 +615,11 @@ static int run_receiver(const bp_opts *o)
         st = kvp_pipe_recv(pipe, RECV_TIMEOUT_MS, &t);
         if (st == KVP_OK && t) {
             ops++;
-            t1 = kvp_cli_now_ns();
+            t1 = cli_now_ns();
             verify_push(&v, t);
             continue;
         }
-        kvp_cli_error("pipe: receipt %ld: %s", ops + (long)failed,
-                      st ? kvp_last_error() : "got None");
+        cli_error("pipe: receipt %ld: %s", ops + (long)failed, st ? kvp_last_error() : "got None");
         kvp_pipe_get_stats(pipe, &after);
         failed++;
         if (st != KVP_OK && after.bad_messages == before.bad_messages) break;
@@ -641,9 +639,9 @@ static int run_receiver(const bp_opts *o)
 
 static int run_both(int argc, char **argv, const bp_opts *o)
 {
-    kvp_launch l;
-    if (kvp_launch_prepare(&l, o->metadata, o->protocol, o->port) != 0) {
-        kvp_launch_cleanup(&l);
+    launch_pair l;
+    if (launch_prepare(&l, o->metadata, o->protocol, o->port) != 0) {
+        launch_cleanup(&l);
         return 1;
     }
     char **args = calloc((size_t)argc + 8, sizeof *args);
@@ -660,23 +658,23 @@ static int run_both(int argc, char **argv, const bp_opts *o)
         args[n++] = "--kv-rank";
         args[n++] = (char *)ranks[i];
         args[n] = NULL;
-        pids[i] = kvp_launch_spawn(&l, args);
+        pids[i] = launch_spawn(&l, args);
     }
     free(args);
     /* A backstop only: each side bounds its own waits. */
     double slow_ms = (double)o->tensor_size * (double)o->count / 20e6 * 1000;
     int limit = FLUSH_TIMEOUT_MS + 60000 + (slow_ms > 1e9 ? 1000000000 : (int)slow_ms);
-    int rc = kvp_launch_wait(pids, names, 2, limit);
-    kvp_launch_cleanup(&l);
+    int rc = launch_wait(pids, names, 2, limit);
+    launch_cleanup(&l);
     return rc;
 }
 
-int kvp_cmd_bench_pipe(int argc, char **argv)
+int cmd_bench_pipe(int argc, char **argv)
 {
     bp_opts o;
     int r = parse_args(argc, argv, &o);
     if (r) return r - 1;
     if (!o.config) return run_both(argc, argv, &o);
-    kvp_launch_child_init();
+    launch_child_init();
     return o.kv_rank == 0 ? run_sender(&o) : run_receiver(&o);
 }

@@ -122,57 +122,57 @@ enum {
     O_RUN_DIR,
 };
 
-static const kvp_cli_opt opts[] = {
-    {"tokens", KVP_ARG_INT, "T", "tokens per request (default 1024)", 1, 1 << 20, .id = O_TOKENS},
-    {"tokens-mix", KVP_ARG_STRING, "MIN..MAX",
+static const cli_opt opts[] = {
+    {"tokens", CLI_ARG_INT, "T", "tokens per request (default 1024)", 1, 1 << 20, .id = O_TOKENS},
+    {"tokens-mix", CLI_ARG_STRING, "MIN..MAX",
      "tokens per request drawn from MIN..MAX, log-uniformly:\n"
      "an octave [MIN*2^k, MIN*2^(k+1)) uniformly (the last\n"
      "one up to MAX), then a count in it uniformly; the same\n"
      "--seed draws the same counts (instead of --tokens)",
      .id = O_TOKENS_MIX},
-    {"seed", KVP_ARG_INT, "S", "seed of --tokens-mix (default 1)", 0, 4294967295LL, .id = O_SEED},
-    {"decode-lag-ms", KVP_ARG_INT, "MS",
+    {"seed", CLI_ARG_INT, "S", "seed of --tokens-mix (default 1)", 0, 4294967295LL, .id = O_SEED},
+    {"decode-lag-ms", CLI_ARG_INT, "MS",
      "decode pauses MS between requests, so that prefill runs\nahead, as far as kv_buffer_size "
      "lets it (default 0)",
      0, 10000, .id = O_DECODE_LAG},
-    {"requests", KVP_ARG_INT, "N", "requests (default 8)", 1, 1 << 20, .id = O_REQUESTS},
-    {"layers", KVP_ARG_INT, "L", "layers (default 32: Llama-3-8B)", 1, 4096, .id = O_LAYERS},
-    {"kv-heads", KVP_ARG_INT, "H", "KV heads (default 8)", 1, 4096, .id = O_KV_HEADS},
-    {"head-dim", KVP_ARG_INT, "D", "head dimension (default 128)", 1, 65536, .id = O_HEAD_DIM},
-    {"hidden-size", KVP_ARG_INT, "S", "hidden size (default 4096; 0: an empty hidden tensor)", 0,
+    {"requests", CLI_ARG_INT, "N", "requests (default 8)", 1, 1 << 20, .id = O_REQUESTS},
+    {"layers", CLI_ARG_INT, "L", "layers (default 32: Llama-3-8B)", 1, 4096, .id = O_LAYERS},
+    {"kv-heads", CLI_ARG_INT, "H", "KV heads (default 8)", 1, 4096, .id = O_KV_HEADS},
+    {"head-dim", CLI_ARG_INT, "D", "head dimension (default 128)", 1, 65536, .id = O_HEAD_DIM},
+    {"hidden-size", CLI_ARG_INT, "S", "hidden size (default 4096; 0: an empty hidden tensor)", 0,
      1 << 20, .id = O_HIDDEN},
-    {"dtype", KVP_ARG_STRING, "T", DTYPE_HELP, .id = O_DTYPE},
-    {"protocol", KVP_ARG_STRING, "P", "engine protocol in the config (default tcp)",
+    {"dtype", CLI_ARG_STRING, "T", DTYPE_HELP, .id = O_DTYPE},
+    {"protocol", CLI_ARG_STRING, "P", "engine protocol in the config (default tcp)",
      .id = O_PROTOCOL},
-    {"no-shm", KVP_ARG_FLAG, NULL, "never use the same-host transport", .id = O_NO_SHM},
-    {"metadata-server", KVP_ARG_STRING, "M",
+    {"no-shm", CLI_ARG_FLAG, NULL, "never use the same-host transport", .id = O_NO_SHM},
+    {"metadata-server", CLI_ARG_STRING, "M",
      "http (an embedded store, default), p2p (P2PHANDSHAKE),\nor a connection string such as "
      "etcd://127.0.0.1:2379",
      .aliases = "metadata", .id = O_METADATA},
-    {"port", KVP_ARG_INT, "P", "base port of prefill_url/decode_url (default: a free one)", 1,
+    {"port", CLI_ARG_INT, "P", "base port of prefill_url/decode_url (default: a free one)", 1,
      65000, .id = O_PORT},
-    {"timeout-ms", KVP_ARG_INT, "MS", "the engines' I/O timeout (default 5000)", 1, 86400000,
+    {"timeout-ms", CLI_ARG_INT, "MS", "the engines' I/O timeout (default 5000)", 1, 86400000,
      .id = O_TIMEOUT},
-    {"no-prefault", KVP_ARG_FLAG, NULL,
+    {"no-prefault", CLI_ARG_FLAG, NULL,
      "do not touch the engines' buffer memory before the run:\nthe first requests then pay the "
      "page faults of fresh\nmemory, as in a process that just started",
      .id = O_NO_PREFAULT},
-    {"send", KVP_ARG_CHOICE, "copy|in-place",
+    {"send", CLI_ARG_CHOICE, "copy|in-place",
      "copy: kvp_pipe_send() copies each tensor into registered\nmemory, as vLLM's connector "
      "does (default); in-place:\nprefill builds each tensor in a pipe buffer\n"
      "(kvp_pipe_tensor_alloc) before its clock starts, and\nkvp_pipe_send_take() sends it "
      "with no copy",
      .choices = "copy|in-place", .id = O_SEND},
-    {"baseline", KVP_ARG_FLAG, NULL,
+    {"baseline", CLI_ARG_FLAG, NULL,
      "also time memcpy of the same bytes (one thread, memory\npre-faulted) after the run, for "
      "comparison",
      .id = O_BASELINE},
-    {"json", KVP_ARG_FLAG, NULL, "last stdout line: a JSON object with the results", .id = O_JSON},
-    {"role", KVP_ARG_CHOICE, NULL, NULL, .choices = "prefill|decode", .id = O_ROLE},
-    {"run-dir", KVP_ARG_STRING, NULL, NULL, .id = O_RUN_DIR},
+    {"json", CLI_ARG_FLAG, NULL, "last stdout line: a JSON object with the results", .id = O_JSON},
+    {"role", CLI_ARG_CHOICE, NULL, NULL, .choices = "prefill|decode", .id = O_ROLE},
+    {"run-dir", CLI_ARG_STRING, NULL, NULL, .id = O_RUN_DIR},
 };
 
-static const kvp_cli_spec spec = {
+static const cli_spec spec = {
     .cmd = "demo",
     .synopsis = "usage: kvpipe demo [options]\n",
     .about = "Run a prefill and a decode process on this host and move the KV cache of\n"
@@ -187,7 +187,7 @@ static const kvp_cli_spec spec = {
     .epilog = "docs/demo.md explains every figure.\n",
 };
 
-static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value *v)
+static const char *set_opt(void *p, const cli_opt *opt, const cli_value *v)
 {
     demo_opts *o = p;
     switch (opt->id) {
@@ -284,7 +284,7 @@ static int parse_args(int argc, char **argv, demo_opts *o)
                      .metadata = "http",
                      .seed = 1,
                      .prefault = 1};
-    int r = kvp_cli_parse(&spec, argc, argv, 0, set_opt, o);
+    int r = cli_parse(&spec, argc, argv, 0, set_opt, o);
     if (r) return r;
     if (!strcmp(o->metadata, "P2PHANDSHAKE")) o->metadata = "p2p";
     return 0;
@@ -361,7 +361,7 @@ static long peak_rss_kib(void)
 
 static uint64_t seed_of(int request, int k)
 {
-    return KVP_PATTERN_WRITE ^ ((uint64_t)request << 8) ^ (uint64_t)k;
+    return PATTERN_WRITE ^ ((uint64_t)request << 8) ^ (uint64_t)k;
 }
 
 /* The content of part k of a request: token ids, an all-true roi, or the
@@ -371,15 +371,15 @@ static void fill_part(void *buf, size_t n, int k, uint64_t seed)
     uint8_t *b = buf;
     if (k == 0) {
         for (size_t i = 0; i < n / 8; i++) {
-            int64_t id = (int64_t)(kvp_pattern_word(seed, i) % VOCAB);
+            int64_t id = (int64_t)(pattern_word(seed, i) % VOCAB);
             memcpy(b + 8 * i, &id, 8);
         }
     } else if (k == 1) {
         memset(b, 1, n);
     } else {
         size_t whole = n / 8 * 8;
-        kvp_pattern_fill(b, whole, seed, 0);
-        uint64_t w = kvp_pattern_word(seed, whole);
+        pattern_fill(b, whole, seed, 0);
+        uint64_t w = pattern_word(seed, whole);
         memcpy(b + whole, &w, n - whole);
     }
 }
@@ -391,7 +391,7 @@ static int check_part(const void *buf, size_t n, int k, uint64_t seed)
         for (size_t i = 0; i < n / 8; i++) {
             int64_t id;
             memcpy(&id, b + 8 * i, 8);
-            if (id != (int64_t)(kvp_pattern_word(seed, i) % VOCAB)) return -1;
+            if (id != (int64_t)(pattern_word(seed, i) % VOCAB)) return -1;
         }
         return 0;
     }
@@ -401,8 +401,8 @@ static int check_part(const void *buf, size_t n, int k, uint64_t seed)
         return 0;
     }
     size_t whole = n / 8 * 8;
-    if (kvp_pattern_check(b, whole, seed, 0) != 0) return -1;
-    uint64_t w = kvp_pattern_word(seed, whole);
+    if (pattern_check(b, whole, seed, 0) != 0) return -1;
+    uint64_t w = pattern_word(seed, whole);
     return memcmp(b + whole, &w, n - whole) == 0 ? 0 : -1;
 }
 
@@ -421,7 +421,7 @@ static kvp_pipe *open_pipe(const demo_opts *o, int kv_rank)
         st = kvp_pipe_open(cfg, 0, kv_rank, &po, &pipe);
     }
     kvp_pipe_config_free(cfg);
-    if (st) kvp_cli_error("%s: %s", o->role, kvp_last_error());
+    if (st) cli_error("%s: %s", o->role, kvp_last_error());
     return pipe;
 }
 
@@ -430,7 +430,7 @@ static FILE *open_report(const demo_opts *o)
     char path[512];
     snprintf(path, sizeof path, "%s/%s.txt", o->run_dir, o->role);
     FILE *f = fopen(path, "w");
-    if (!f) kvp_cli_error("%s: cannot write %s", o->role, path);
+    if (!f) cli_error("%s: cannot write %s", o->role, path);
     return f;
 }
 
@@ -459,7 +459,7 @@ static int prefault(kvp_pipe *pipe, const part *p, int copies)
     for (size_t i = 0; i < n && !rc; i++) {
         size_t len = p[i % N_PARTS].nbytes + 4096;
         if (kvp_engine_alloc(e, len, &bufs[i]) != KVP_OK) {
-            kvp_cli_error("cannot pre-fault %zu bytes of engine memory: %s", len, kvp_last_error());
+            cli_error("cannot pre-fault %zu bytes of engine memory: %s", len, kvp_last_error());
             rc = -1;
             break;
         }
@@ -511,12 +511,12 @@ static int wait_mark(const demo_opts *o, const char *what)
 {
     char path[512];
     snprintf(path, sizeof path, "%s/%s", o->run_dir, what);
-    for (uint64_t until = kvp_cli_now_ms() + RECV_TIMEOUT_MS; kvp_cli_now_ms() < until;) {
+    for (uint64_t until = cli_now_ms() + RECV_TIMEOUT_MS; cli_now_ms() < until;) {
         if (access(path, F_OK) == 0) return 0;
         usleep(2000);
     }
-    kvp_cli_error("%s: the other side did not get to %s in %d s", o->role, what,
-                  RECV_TIMEOUT_MS / 1000);
+    cli_error("%s: the other side did not get to %s in %d s", o->role, what,
+              RECV_TIMEOUT_MS / 1000);
     return -1;
 }
 
@@ -540,12 +540,12 @@ static int send_copying(kvp_pipe *pipe, const part *p, void *const bufs[N_PARTS]
 {
     for (int k = 0; k < N_PARTS; k++)
         fill_part(bufs[k], p[k].nbytes, k, seed_of(r, k));
-    fprintf(report, "start %d %llu\n", r, (unsigned long long)kvp_cli_now_ns());
+    fprintf(report, "start %d %llu\n", r, (unsigned long long)cli_now_ns());
     for (int k = 0; k < N_PARTS; k++) {
         kvp_tensor t;
         kvp_tensor_init(&t, p[k].dtype, p[k].ndim, p[k].shape, bufs[k]);
         if (kvp_pipe_send(pipe, &t) != KVP_OK) {
-            kvp_cli_error("prefill: request %d %s: %s", r, part_names[k], kvp_last_error());
+            cli_error("prefill: request %d %s: %s", r, part_names[k], kvp_last_error());
             return 1;
         }
     }
@@ -560,16 +560,16 @@ static int send_in_place(const demo_opts *o, kvp_pipe *pipe, const part *p, int 
     int rc = 0;
     for (int k = 0; k < N_PARTS && !rc; k++) {
         if (kvp_pipe_tensor_alloc(pipe, p[k].dtype, p[k].ndim, p[k].shape, &t[k]) != KVP_OK) {
-            kvp_cli_error("%s: request %d %s: %s", o->role, r, part_names[k], kvp_last_error());
+            cli_error("%s: request %d %s: %s", o->role, r, part_names[k], kvp_last_error());
             rc = 1;
             break;
         }
         fill_part(t[k]->data, p[k].nbytes, k, seed_of(r, k));
     }
-    if (!rc) fprintf(report, "start %d %llu\n", r, (unsigned long long)kvp_cli_now_ns());
+    if (!rc) fprintf(report, "start %d %llu\n", r, (unsigned long long)cli_now_ns());
     for (int k = 0; k < N_PARTS && !rc; k++) {
         if (kvp_pipe_send_take(pipe, t[k]) != KVP_OK) {
-            kvp_cli_error("prefill: request %d %s: %s", r, part_names[k], kvp_last_error());
+            cli_error("prefill: request %d %s: %s", r, part_names[k], kvp_last_error());
             rc = 1;
             break;
         }
@@ -609,7 +609,7 @@ static int run_prefill(const demo_opts *o)
     long long lag_ms = (long long)o->decode_lag_ms * o->requests;
     int flush_ms = RECV_TIMEOUT_MS + (int)(lag_ms > 1000000000 ? 1000000000 : lag_ms);
     if (!rc && kvp_pipe_flush(pipe, flush_ms) != KVP_OK) {
-        kvp_cli_error("prefill: %s", kvp_last_error());
+        cli_error("prefill: %s", kvp_last_error());
         rc = 1;
     }
     for (int k = 0; k < N_PARTS; k++)
@@ -637,19 +637,19 @@ static int receive_request(kvp_pipe *pipe, const part *p, int r, uint64_t *done_
     for (int k = 0; k < N_PARTS && !rc; k++) {
         kvp_status st = kvp_pipe_recv(pipe, RECV_TIMEOUT_MS, &got[k]);
         if (st || !got[k]) {
-            kvp_cli_error("decode: request %d %s: %s", r, part_names[k],
-                          st ? kvp_last_error() : "got None");
+            cli_error("decode: request %d %s: %s", r, part_names[k],
+                      st ? kvp_last_error() : "got None");
             rc = 1;
         }
     }
-    *done_ns = kvp_cli_now_ns();
+    *done_ns = cli_now_ns();
     for (int k = 0; k < N_PARTS && !rc; k++) {
         kvp_tensor want;
         kvp_tensor_init(&want, p[k].dtype, p[k].ndim, p[k].shape, got[k]->data);
         if (got[k]->dtype != want.dtype || got[k]->ndim != want.ndim ||
             memcmp(got[k]->shape, want.shape, sizeof want.shape) != 0 ||
             check_part(got[k]->data, got[k]->nbytes, k, seed_of(r, k)) != 0) {
-            kvp_cli_error("decode: request %d %s: MISMATCH", r, part_names[k]);
+            cli_error("decode: request %d %s: MISMATCH", r, part_names[k]);
             rc = 1;
         }
     }
@@ -684,7 +684,7 @@ static int run_decode(const demo_opts *o)
     if (!rc) {
         kvp_pipe_stats ps;
         kvp_pipe_get_stats(pipe, &ps);
-        fprintf(report, "transport %s\n", kvp_launch_recv_transport(pipe, &ps));
+        fprintf(report, "transport %s\n", launch_recv_transport(pipe, &ps));
         fprintf(report, "inline %llu %llu\n", (unsigned long long)ps.inline_received,
                 (unsigned long long)ps.received);
     }
@@ -703,7 +703,7 @@ typedef struct results {
     long rss_kib[2]; /* peak RSS of prefill and decode, as each reported it (-1: unknown) */
 } results;
 
-static int read_reports(const kvp_launch *l, int n, results *res)
+static int read_reports(const launch_pair *l, int n, results *res)
 {
     const char *names[2] = {"prefill", "decode"};
     for (int i = 0; i < 2; i++) {
@@ -760,14 +760,14 @@ static double memcpy_gbps(const demo_opts *o, const part *p, double total, doubl
     double gbps = 0;
     if (src != MAP_FAILED && dst != MAP_FAILED) {
         memset(src, 0x5a, big);
-        uint64_t t0 = kvp_cli_now_ns();
+        uint64_t t0 = cli_now_ns();
         for (int r = 0; r < o->requests; r++) {
             part pr[N_PARTS];
             parts_of(o, tokens_of(o, r), pr);
             for (int k = 0; k < N_PARTS; k++)
                 memcpy(dst, src, pr[k].nbytes);
         }
-        double secs = (double)(kvp_cli_now_ns() - t0) / 1e9;
+        double secs = (double)(cli_now_ns() - t0) / 1e9;
         gbps = secs > 0 ? total / secs / 1e9 : 0;
         *ms = secs * 1e3 / o->requests;
     }
@@ -895,7 +895,7 @@ static void summarize(const demo_opts *o, const part *p, const results *res)
            res->transport, res->msgs, res->inline_msgs);
 }
 
-static void describe(const demo_opts *o, const part *p, const kvp_launch *l)
+static void describe(const demo_opts *o, const part *p, const launch_pair *l)
 {
     char tokens[96];
     if (o->tokens_min)
@@ -930,12 +930,12 @@ static int run_both(int argc, char **argv, const demo_opts *o)
 {
     part p[N_PARTS]; /* of the largest request */
     if (parts_of(o, tokens_most(o), p) != 0) {
-        kvp_cli_error("the model shape is too large");
+        cli_error("the model shape is too large");
         return 2;
     }
-    kvp_launch l;
-    if (kvp_launch_prepare(&l, o->metadata, o->protocol, o->port) != 0) {
-        kvp_launch_cleanup(&l);
+    launch_pair l;
+    if (launch_prepare(&l, o->metadata, o->protocol, o->port) != 0) {
+        launch_cleanup(&l);
         return 1;
     }
     describe(o, p, &l);
@@ -953,13 +953,13 @@ static int run_both(int argc, char **argv, const demo_opts *o)
         args[n++] = "--run-dir";
         args[n++] = l.dir;
         args[n] = NULL;
-        pids[i] = kvp_launch_spawn(&l, args);
+        pids[i] = launch_spawn(&l, args);
     }
     free(args);
     double total = bytes_from(o, 0);
     double extra = total / 20e6 * 1000 + (double)o->decode_lag_ms * o->requests;
     int limit_ms = 120000 + (int)(extra > 1e9 ? 1e9 : extra);
-    int rc = kvp_launch_wait(pids, roles, 2, limit_ms);
+    int rc = launch_wait(pids, roles, 2, limit_ms);
     results res = {
         calloc((size_t)o->requests, 8), calloc((size_t)o->requests, 8), "?", -1, -1, {-1, -1}};
     if (rc == 0 && read_reports(&l, o->requests, &res) == 0)
@@ -968,20 +968,20 @@ static int run_both(int argc, char **argv, const demo_opts *o)
         rc = 1;
     free(res.start);
     free(res.done);
-    kvp_launch_cleanup(&l);
-    if (rc) kvp_cli_error("FAILED");
+    launch_cleanup(&l);
+    if (rc) cli_error("FAILED");
     return rc;
 }
 
-int kvp_cmd_demo(int argc, char **argv)
+int cmd_demo(int argc, char **argv)
 {
     demo_opts o;
     int r = parse_args(argc, argv, &o);
     if (r) return r - 1;
     if (!o.role) return run_both(argc, argv, &o);
-    kvp_launch_child_init();
+    launch_child_init();
     if (!o.run_dir) {
-        kvp_cli_error("--role needs --run-dir");
+        cli_error("--role needs --run-dir");
         return 2;
     }
     return strcmp(o.role, "prefill") == 0 ? run_prefill(&o) : run_decode(&o);

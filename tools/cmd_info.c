@@ -20,19 +20,19 @@ typedef struct info_opts {
 
 enum { O_METADATA = 1, O_SEGMENT, O_HOST, O_JSON };
 
-static const kvp_cli_opt opts[] = {
-    {"metadata-server", KVP_ARG_STRING, "S", "also check that the metadata store S answers",
+static const cli_opt opts[] = {
+    {"metadata-server", CLI_ARG_STRING, "S", "also check that the metadata store S answers",
      .aliases = "metadata", .id = O_METADATA},
-    {"segment-id", KVP_ARG_STRING, "NAME",
+    {"segment-id", CLI_ARG_STRING, "NAME",
      "and show the descriptor it holds for segment NAME\n(with P2PHANDSHAKE: ask the engine at "
      "NAME)",
      .aliases = "segment", .id = O_SEGMENT},
-    {"host", KVP_ARG_STRING, "H", "where the transports are tried (default 127.0.0.1)",
+    {"host", CLI_ARG_STRING, "H", "where the transports are tried (default 127.0.0.1)",
      .id = O_HOST},
-    {"json", KVP_ARG_FLAG, NULL, "print one JSON object instead of text", .id = O_JSON},
+    {"json", CLI_ARG_FLAG, NULL, "print one JSON object instead of text", .id = O_JSON},
 };
 
-static const kvp_cli_spec spec = {
+static const cli_spec spec = {
     .cmd = "info",
     .synopsis = "usage: kvpipe info [--metadata-server S [--segment-id NAME]] [--host H] "
                 "[--json]\n",
@@ -43,7 +43,7 @@ static const kvp_cli_spec spec = {
     .epilog = "Exit status: 0 if every check asked for passed, 1 otherwise.\n",
 };
 
-static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value *v)
+static const char *set_opt(void *p, const cli_opt *opt, const cli_value *v)
 {
     info_opts *o = p;
     switch (opt->id) {
@@ -318,19 +318,19 @@ static int check_store(const kvp_info *info, const info_opts *o, cJSON *doc)
     return 0;
 }
 
-int kvp_cmd_info(int argc, char **argv)
+int cmd_info(int argc, char **argv)
 {
     info_opts o = {.host = "127.0.0.1"};
-    int r = kvp_cli_parse(&spec, argc, argv, 0, set_opt, &o);
+    int r = cli_parse(&spec, argc, argv, 0, set_opt, &o);
     if (r) return r - 1;
     if (o.segment && !o.conn) {
-        kvp_cli_error("--segment-id needs --metadata-server");
+        cli_error("--segment-id needs --metadata-server");
         return 2;
     }
     kvp_info *info;
     kvp_status st = kvp_info_get(o.host, 0, &info);
     if (st) {
-        kvp_cli_error("%s: %s", kvp_strerror(st), kvp_last_error());
+        cli_error("%s: %s", kvp_strerror(st), kvp_last_error());
         return 1;
     }
     cJSON *doc = o.json ? json_build(info) : NULL;

@@ -26,29 +26,29 @@ enum {
     O_REQUEST_TIMEOUT,
 };
 
-static const kvp_cli_opt opts[] = {
-    {"host", KVP_ARG_STRING, "H", "address to bind (default 127.0.0.1; IPv6 allowed)",
+static const cli_opt opts[] = {
+    {"host", CLI_ARG_STRING, "H", "address to bind (default 127.0.0.1; IPv6 allowed)",
      .id = O_HOST},
-    {"port", KVP_ARG_INT, "P", "port to listen on (default 8080; 0 picks a free one)", 0, 65535,
+    {"port", CLI_ARG_INT, "P", "port to listen on (default 8080; 0 picks a free one)", 0, 65535,
      .id = O_PORT},
-    {"max-value-bytes", KVP_ARG_SIZE, "N", "largest value (default 16M)", 1, LLONG_MAX,
+    {"max-value-bytes", CLI_ARG_SIZE, "N", "largest value (default 16M)", 1, LLONG_MAX,
      .id = O_MAX_VALUE},
-    {"max-total-bytes", KVP_ARG_SIZE, "N", "memory for keys, values and requests (default 256M)", 1,
+    {"max-total-bytes", CLI_ARG_SIZE, "N", "memory for keys, values and requests (default 256M)", 1,
      LLONG_MAX, .id = O_MAX_TOTAL},
-    {"max-connections", KVP_ARG_INT, "N", "connections served at once (default 1024)", 1, 1000000,
+    {"max-connections", CLI_ARG_INT, "N", "connections served at once (default 1024)", 1, 1000000,
      .id = O_MAX_CONNS},
-    {"max-connections-per-ip", KVP_ARG_INT, "N", "from one client address (default 256)", 1,
+    {"max-connections-per-ip", CLI_ARG_INT, "N", "from one client address (default 256)", 1,
      1000000, .id = O_MAX_CONNS_PER_IP},
-    {"idle-timeout", KVP_ARG_INT, "S",
+    {"idle-timeout", CLI_ARG_INT, "S",
      "close a connection silent for S s, or that takes\nover S s for its request header (default "
      "15)",
      1, 86400, .id = O_IDLE_TIMEOUT},
-    {"request-timeout", KVP_ARG_INT, "S",
+    {"request-timeout", CLI_ARG_INT, "S",
      "close one that takes over S s for a request\n(default 30)", 1, 86400,
      .id = O_REQUEST_TIMEOUT},
 };
 
-static const kvp_cli_spec spec = {
+static const cli_spec spec = {
     .cmd = "metadata-server",
     .synopsis = "usage: kvpipe metadata-server [--host H] [--port P] [LIMITS]\n",
     .about = "Serve Mooncake's HTTP metadata protocol (GET|PUT|DELETE /metadata?key=K) from\n"
@@ -74,7 +74,7 @@ static int strip_brackets(const char *in, char *out, size_t len)
     return 0;
 }
 
-static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value *v)
+static const char *set_opt(void *p, const cli_opt *opt, const cli_value *v)
 {
     server_opts *so = p;
     kvp_metadata_server_opts *o = &so->o;
@@ -106,22 +106,22 @@ static const char *set_opt(void *p, const kvp_cli_opt *opt, const kvp_cli_value 
     return NULL;
 }
 
-int kvp_cmd_metadata_server(int argc, char **argv)
+int cmd_metadata_server(int argc, char **argv)
 {
     server_opts so = {.host = "127.0.0.1"};
     kvp_metadata_server_opts_init(&so.o);
     so.o.port = 8080;
-    int r = kvp_cli_parse(&spec, argc, argv, 0, set_opt, &so);
+    int r = cli_parse(&spec, argc, argv, 0, set_opt, &so);
     if (r) return r - 1;
     if (so.o.max_value_bytes > so.o.max_total_bytes) {
-        kvp_cli_error("--max-value-bytes exceeds --max-total-bytes");
+        cli_error("--max-value-bytes exceeds --max-total-bytes");
         return 2;
     }
     so.o.host = so.host;
     kvp_metadata_server *srv;
     kvp_status st = kvp_metadata_server_start_opts(&so.o, &srv);
     if (st) {
-        kvp_cli_error("%s: %s", kvp_strerror(st), kvp_last_error());
+        cli_error("%s: %s", kvp_strerror(st), kvp_last_error());
         return 1;
     }
     /* An IPv6 literal goes in brackets in a URL. */
@@ -129,8 +129,8 @@ int kvp_cmd_metadata_server(int argc, char **argv)
     printf("kvpipe metadata-server listening on http://%s%s%s:%d/metadata\n", v6 ? "[" : "",
            so.host, v6 ? "]" : "", kvp_metadata_server_port(srv));
     fflush(stdout);
-    int sig = kvp_cli_wait_for_signal();
-    kvp_cli_error("signal %d, stopping", sig);
+    int sig = cli_wait_for_signal();
+    cli_error("signal %d, stopping", sig);
     kvp_metadata_server_stop(srv);
     return 0;
 }

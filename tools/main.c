@@ -12,11 +12,11 @@
 
 static int cmd_help(int argc, char **argv);
 
-static const kvp_cli_command commands[] = {
-    {"bench", "measure transfers: throughput and latency, one point or a sweep", kvp_cmd_bench},
-    {"metadata-server", "run the HTTP metadata store", kvp_cmd_metadata_server},
-    {"info", "list transports and stores; check a store and a segment", kvp_cmd_info},
-    {"demo", "move a model's KV cache from prefill to decode on this host", kvp_cmd_demo},
+static const cli_command commands[] = {
+    {"bench", "measure transfers: throughput and latency, one point or a sweep", cmd_bench},
+    {"metadata-server", "run the HTTP metadata store", cmd_metadata_server},
+    {"info", "list transports and stores; check a store and a segment", cmd_info},
+    {"demo", "move a model's KV cache from prefill to decode on this host", cmd_demo},
     {"help", "describe a command: kvpipe help [COMMAND [--pipe]]", cmd_help},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
@@ -33,7 +33,7 @@ static void usage(FILE *out)
                  "MC_TE_METRIC=1 logs Mooncake's throughput line every 5 s.\n");
 }
 
-static const kvp_cli_command *find_command(const char *name)
+static const cli_command *find_command(const char *name)
 {
     for (size_t i = 0; i < N_COMMANDS; i++)
         if (strcmp(name, commands[i].name) == 0) return &commands[i];
@@ -47,10 +47,10 @@ static int cmd_help(int argc, char **argv)
         usage(stdout);
         return 0;
     }
-    const kvp_cli_command *c = find_command(argv[1]);
+    const cli_command *c = find_command(argv[1]);
     if (!c || c->main == cmd_help) {
-        kvp_cli_cmd = "help";
-        kvp_cli_error("unknown command '%s' (kvpipe help lists them)", argv[1]);
+        cli_cmd = "help";
+        cli_error("unknown command '%s' (kvpipe help lists them)", argv[1]);
         return 2;
     }
     char *args[8] = {argv[1]};
@@ -62,7 +62,7 @@ static int cmd_help(int argc, char **argv)
     return c->main(n, args);
 }
 
-int kvp_cli_parse_size(const char *s, size_t *out)
+int cli_parse_size(const char *s, size_t *out)
 {
     if (*s < '0' || *s > '9') return -1; /* no sign, no space: strtoull takes both */
     char *end;
@@ -80,7 +80,7 @@ int kvp_cli_parse_size(const char *s, size_t *out)
     return 0;
 }
 
-int kvp_cli_wait_for_signal(void)
+int cli_wait_for_signal(void)
 {
     sigset_t set;
     sigemptyset(&set);
@@ -108,8 +108,8 @@ int main(int argc, char **argv)
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &set, NULL);
-    const kvp_cli_command *c = find_command(argv[1]);
+    const cli_command *c = find_command(argv[1]);
     if (c) return c->main(argc - 1, argv + 1);
-    kvp_cli_error("unknown command '%s' (kvpipe help lists them)", argv[1]);
+    cli_error("unknown command '%s' (kvpipe help lists them)", argv[1]);
     return 2;
 }

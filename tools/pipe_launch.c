@@ -18,7 +18,7 @@
 #include "pipe_launch.h"
 #include "pipe_ports.h"
 
-static int start_metadata(kvp_launch *l, const char *metadata)
+static int start_metadata(launch_pair *l, const char *metadata)
 {
     if (strcmp(metadata, "p2p") == 0) {
         snprintf(l->metadata, sizeof l->metadata, "P2PHANDSHAKE");
@@ -30,7 +30,7 @@ static int start_metadata(kvp_launch *l, const char *metadata)
     }
     kvp_status st = kvp_metadata_server_start("127.0.0.1", 0, &l->store);
     if (st) {
-        kvp_cli_error("cannot start the metadata store: %s", kvp_last_error());
+        cli_error("cannot start the metadata store: %s", kvp_last_error());
         return -1;
     }
     snprintf(l->metadata, sizeof l->metadata, "http://127.0.0.1:%d/metadata",
@@ -38,12 +38,12 @@ static int start_metadata(kvp_launch *l, const char *metadata)
     return 0;
 }
 
-static int write_config(kvp_launch *l, const char *protocol)
+static int write_config(launch_pair *l, const char *protocol)
 {
     snprintf(l->config_path, sizeof l->config_path, "%s/mooncake.json", l->dir);
     FILE *f = fopen(l->config_path, "w");
     if (!f) {
-        kvp_cli_error("cannot write %s: %s", l->config_path, strerror(errno));
+        cli_error("cannot write %s: %s", l->config_path, strerror(errno));
         return -1;
     }
     fprintf(f,
@@ -53,25 +53,25 @@ static int write_config(kvp_launch *l, const char *protocol)
     return fclose(f) == 0 ? 0 : -1;
 }
 
-int kvp_launch_prepare(kvp_launch *l, const char *metadata, const char *protocol, int base_port)
+int launch_prepare(launch_pair *l, const char *metadata, const char *protocol, int base_port)
 {
     memset(l, 0, sizeof *l);
     snprintf(l->dir, sizeof l->dir, "/tmp/kvpipe-run-XXXXXX");
     if (!mkdtemp(l->dir)) {
-        kvp_cli_error("cannot create a temporary directory: %s", strerror(errno));
+        cli_error("cannot create a temporary directory: %s", strerror(errno));
         l->dir[0] = '\0';
         return -1;
     }
-    l->base_port = base_port ? base_port : kvp_pick_pipe_base();
+    l->base_port = base_port ? base_port : pick_pipe_base();
     if (l->base_port <= 0) {
-        kvp_cli_error("found no free port range for the pipe");
+        cli_error("found no free port range for the pipe");
         return -1;
     }
     if (start_metadata(l, metadata) != 0) return -1;
     return write_config(l, protocol);
 }
 
-const char *kvp_launch_recv_transport(kvp_pipe *pipe, const kvp_pipe_stats *ps)
+const char *launch_recv_transport(kvp_pipe *pipe, const kvp_pipe_stats *ps)
 {
     if (ps->received == ps->inline_received) return "inline";
     kvp_engine *e = kvp_pipe_engine(pipe);
@@ -82,7 +82,7 @@ const char *kvp_launch_recv_transport(kvp_pipe *pipe, const kvp_pipe_stats *ps)
     return tr ? tr : "?";
 }
 
-void kvp_launch_child_init(void)
+void launch_child_init(void)
 {
     sigset_t set;
     sigemptyset(&set);
@@ -94,7 +94,7 @@ void kvp_launch_child_init(void)
     if (getenv("KVPIPE_LAUNCHED")) prctl(PR_SET_PDEATHSIG, SIGKILL);
 }
 
-pid_t kvp_launch_spawn(const kvp_launch *l, char *const args[])
+pid_t launch_spawn(const launch_pair *l, char *const args[])
 {
     fflush(NULL);
     pid_t pid = fork();
@@ -102,7 +102,7 @@ pid_t kvp_launch_spawn(const kvp_launch *l, char *const args[])
     setenv("MOONCAKE_CONFIG_PATH", l->config_path, 1);
     setenv("KVPIPE_LAUNCHED", "1", 1);
     execv("/proc/self/exe", args);
-    kvp_cli_error("cannot run /proc/self/exe: %s", strerror(errno));
+    cli_error("cannot run /proc/self/exe: %s", strerror(errno));
     _exit(127);
 }
 
@@ -112,17 +112,17 @@ static void kill_all(pid_t *pids, int n)
         if (pids[i] > 0) kill(pids[i], SIGKILL);
 }
 
-int kvp_launch_wait(pid_t *pids, const char *const *names, int n, int timeout_ms)
+int launch_wait(pid_t *pids, const char *const *names, int n, int timeout_ms)
 {
     int failed = 0, left = n;
-    uint64_t deadline = kvp_cli_now_ms() + (uint64_t)timeout_ms;
+    uint64_t deadline = cli_now_ms() + (uint64_t)timeout_ms;
     while (left > 0) {
         int status;
         pid_t r = waitpid(-1, &status, WNOHANG);
         if (r < 0 && errno != EINTR) break;
         if (r <= 0) {
-            if (kvp_cli_now_ms() > deadline) {
-                kvp_cli_error("the run took longer than %d s; stopping it", timeout_ms / 1000);
+            if (cli_now_ms() > deadline) {
+                cli_error("the run took longer than %d s; stopping it", timeout_ms / 1000);
                 kill_all(pids, n);
                 failed = 1;
                 deadline = UINT64_MAX;
@@ -137,9 +137,9 @@ int kvp_launch_wait(pid_t *pids, const char *const *names, int n, int timeout_ms
             int ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
             if (!ok && !failed) {
                 if (WIFSIGNALED(status))
-                    kvp_cli_error("the %s side died of signal %d", names[i], WTERMSIG(status));
+                    cli_error("the %s side died of signal %d", names[i], WTERMSIG(status));
                 else
-                    kvp_cli_error("the %s side failed (exit %d)", names[i], WEXITSTATUS(status));
+                    cli_error("the %s side failed (exit %d)", names[i], WEXITSTATUS(status));
                 failed = 1;
                 kill_all(pids, n); /* its peer would only wait for timeouts */
             }
@@ -148,7 +148,7 @@ int kvp_launch_wait(pid_t *pids, const char *const *names, int n, int timeout_ms
     return failed;
 }
 
-void kvp_launch_cleanup(kvp_launch *l)
+void launch_cleanup(launch_pair *l)
 {
     kvp_metadata_server_stop(l->store);
     l->store = NULL;

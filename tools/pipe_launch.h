@@ -3,40 +3,40 @@
  * or a given connection string), a mooncake config file, and the two sides as
  * child processes of this one, each a fresh exec of the kvpipe binary that
  * finds the config through MOONCAKE_CONFIG_PATH, as vLLM does. */
-#ifndef KVP_TOOLS_PIPE_LAUNCH_H
-#define KVP_TOOLS_PIPE_LAUNCH_H
+#ifndef TOOLS_PIPE_LAUNCH_H
+#define TOOLS_PIPE_LAUNCH_H
 
 #include <sys/types.h>
 
 #include "kvpipe/metadata_server.h"
 #include "kvpipe/pipe.h"
 
-typedef struct kvp_launch {
+typedef struct launch_pair {
     char dir[64];          /* private temporary directory */
     char config_path[128]; /* dir/mooncake.json */
     char metadata[512];    /* metadata_server as written in the config */
     int base_port;         /* prefill_url = decode_url = 127.0.0.1:base_port */
     kvp_metadata_server *store;
-} kvp_launch;
+} launch_pair;
 
 /* Prepare a run: metadata is "http" (start the embedded store), "p2p"
  * (P2PHANDSHAKE) or a connection string used as given. base_port 0 picks one
  * whose pipe ports (base, +9, +10, +100, +109, +110) are free. Prints the
  * reason to stderr and returns -1 on failure. */
-int kvp_launch_prepare(kvp_launch *l, const char *metadata, const char *protocol, int base_port);
+int launch_prepare(launch_pair *l, const char *metadata, const char *protocol, int base_port);
 
 /* Start this binary with args (args[0] is ignored and replaced), with env
  * MOONCAKE_CONFIG_PATH set to the config; the child dies with this process.
  * Returns the pid, or -1. */
-pid_t kvp_launch_spawn(const kvp_launch *l, char *const args[]);
+pid_t launch_spawn(const launch_pair *l, char *const args[]);
 
 /* Wait for n children up to timeout_ms in all. When one fails or the time is
  * up, the others are killed. Returns 0 when all exited 0; otherwise prints
  * which failed and returns 1. names label the children in messages. */
-int kvp_launch_wait(pid_t *pids, const char *const *names, int n, int timeout_ms);
+int launch_wait(pid_t *pids, const char *const *names, int n, int timeout_ms);
 
 /* Stop the store and remove the temporary files. */
-void kvp_launch_cleanup(kvp_launch *l);
+void launch_cleanup(launch_pair *l);
 
 /* For a receiving side, with the pipe's stats the caller read: the transport
  * its engine READ messages with ("tcp", "shm", "ucx"), or "inline" when every
@@ -44,10 +44,10 @@ void kvp_launch_cleanup(kvp_launch *l);
  * never touch the engine); "?" when unknown. Once a message was READ the pipe
  * holds the peer's segment open, so this asks nothing of a peer that may have
  * exited meanwhile. */
-const char *kvp_launch_recv_transport(kvp_pipe *pipe, const kvp_pipe_stats *ps);
+const char *launch_recv_transport(kvp_pipe *pipe, const kvp_pipe_stats *ps);
 
 /* For a side: let SIGINT/SIGTERM act again (the CLI blocks them) and, when
- * started by kvp_launch_spawn(), die with the parent. */
-void kvp_launch_child_init(void);
+ * started by launch_spawn(), die with the parent. */
+void launch_child_init(void);
 
 #endif

@@ -2,8 +2,8 @@
  * (pipe_launch.c) and bench/pipe_ping.c. Header-only: the CLI sees only the
  * public API and the bench programs are single files, so neither can share
  * a helper through the library. */
-#ifndef KVP_TOOLS_PIPE_PORTS_H
-#define KVP_TOOLS_PIPE_PORTS_H
+#ifndef TOOLS_PIPE_PORTS_H
+#define TOOLS_PIPE_PORTS_H
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -13,7 +13,7 @@
 #include <unistd.h>
 
 /* Whether a TCP socket can bind port on 127.0.0.1 now. */
-static inline int kvp_port_free(int port)
+static inline int port_free(int port)
 {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in sa = {.sin_family = AF_INET,
@@ -29,7 +29,7 @@ static inline int kvp_port_free(int port)
  * every port the two sides bind (base, +9, +10, +100, +109, +110) free; -1
  * when none was found. The range stays below the usual ephemeral ports, which
  * the engines' data ports come from. */
-static inline int kvp_pick_pipe_base(void)
+static inline int pick_pipe_base(void)
 {
     srand((unsigned)(getpid() ^ time(NULL)));
     for (int tries = 0; tries < 500; tries++) {
@@ -37,7 +37,7 @@ static inline int kvp_pick_pipe_base(void)
         int need[] = {b, b + 9, b + 10, b + 100, b + 109, b + 110};
         int ok = 1;
         for (size_t i = 0; i < 6 && ok; i++)
-            ok = kvp_port_free(need[i]);
+            ok = port_free(need[i]);
         if (ok) return b;
     }
     return -1;
