@@ -14,6 +14,7 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "common/util.h"
 
 /* A message longer than this is cut (and ends in "..."). */
 #define MESSAGE_MAX 1024
@@ -108,11 +109,9 @@ static kvp_log_level level_from_env(void)
 static void repeat_from_env(void)
 {
     const char *s = getenv("KVPIPE_LOG_REPEAT_S");
+    long v;
     if (!s || !*s) return;
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || *end || v < 0 || v > MAX_REPEAT_S) {
+    if (kvpi_parse_long(s, 0, MAX_REPEAT_S, &v)) {
         note_env("KVPIPE_LOG_REPEAT_S='%.32s' is not a number of seconds in 0..%d; using %d", s,
                  MAX_REPEAT_S, DEFAULT_REPEAT_S);
         return;

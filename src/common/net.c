@@ -18,14 +18,12 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/net.h"
+#include "common/util.h"
 
 static int parse_port(const char *s, int *port)
 {
-    if (!*s) return -1;
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || *end || v < 0 || v > 65535) return -1;
+    long v;
+    if (kvpi_parse_long(s, 0, 65535, &v)) return -1;
     *port = (int)v;
     return 0;
 }

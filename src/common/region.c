@@ -12,6 +12,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/region.h"
+#include "common/util.h"
 
 typedef enum entry_state {
     RESERVED, /* being added: blocks overlaps, not pinnable, not listed */
@@ -150,15 +151,9 @@ kvp_status kvpi_region_add(kvpi_region_table *t, const kvpi_region *r, kvpi_regi
                         (unsigned long long)addr, (unsigned long long)length);
         goto out;
     }
-    if (t->count == t->cap) {
-        size_t cap = t->cap ? t->cap * 2 : 16;
-        kvpi_region_entry **grown = realloc(t->entries, cap * sizeof *grown);
-        if (!grown) {
-            st = kvpi_error(KVP_ENOMEM, "region table: out of memory");
-            goto out;
-        }
-        t->entries = grown;
-        t->cap = cap;
+    if (kvpi_grow((void **)&t->entries, &t->cap, t->count + 1, sizeof *t->entries)) {
+        st = kvpi_error(KVP_ENOMEM, "region table: out of memory");
+        goto out;
     }
     memmove(&t->entries[i + 1], &t->entries[i], (t->count - i) * sizeof *t->entries);
     t->entries[i] = e;

@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "common/util.h"
 #include "engine/buffer_pool.h"
 
 #define MIN_CLASS 256u
@@ -53,19 +54,6 @@ size_t kvpi_pool_size_class(size_t length)
     }
     if (length > SIZE_MAX - SMALL_LIMIT) return 0;
     return (length + SMALL_LIMIT - 1) / SMALL_LIMIT * SMALL_LIMIT;
-}
-
-static int grow(void **arr, size_t *cap, size_t need, size_t elem)
-{
-    if (need <= *cap) return 0;
-    size_t n = *cap ? *cap * 2 : 8;
-    while (n < need)
-        n *= 2;
-    void *p = realloc(*arr, n * elem);
-    if (!p) return -1;
-    *arr = p;
-    *cap = n;
-    return 0;
 }
 
 kvp_status kvpi_pool_create(const kvpi_pool_opts *opts, const kvpi_pool_hooks *hooks,
@@ -160,10 +148,10 @@ static kvp_status chunk_new(kvpi_pool *p, size_t need, chunk **out)
     if (p->opts.max_bytes && p->mapped + size > p->opts.max_bytes)
         return kvpi_error(KVP_ENOMEM, "buffer pool: %zu more bytes would pass the cap of %zu", size,
                           p->opts.max_bytes);
-    if (grow((void **)&p->chunks, &p->cap_chunks, p->n_chunks + 1, sizeof *p->chunks))
+    if (kvpi_grow((void **)&p->chunks, &p->cap_chunks, p->n_chunks + 1, sizeof *p->chunks))
         return kvpi_error(KVP_ENOMEM, "buffer pool: out of memory");
     chunk *c = calloc(1, sizeof *c);
-    if (!c || grow((void **)&c->free, &c->cap_free, 1, sizeof *c->free)) {
+    if (!c || kvpi_grow((void **)&c->free, &c->cap_free, 1, sizeof *c->free)) {
         if (c) free(c);
         return kvpi_error(KVP_ENOMEM, "buffer pool: out of memory");
     }
@@ -228,7 +216,7 @@ static int chunk_give(chunk *c, size_t off, size_t len)
         c->free[i].off = off;
         c->free[i].len += len;
     } else {
-        if (grow((void **)&c->free, &c->cap_free, c->n_free + 1, sizeof *c->free)) return -1;
+        if (kvpi_grow((void **)&c->free, &c->cap_free, c->n_free + 1, sizeof *c->free)) return -1;
         memmove(&c->free[i + 1], &c->free[i], (c->n_free - i) * sizeof *c->free);
         c->free[i] = (extent){off, len};
         c->n_free++;
@@ -257,7 +245,7 @@ kvp_status kvpi_pool_alloc(kvpi_pool *p, size_t length, void **out)
         return kvpi_error(KVP_EINVAL, "buffer pool: cannot allocate %zu bytes", length);
     kvp_status st = KVP_OK;
     pthread_mutex_lock(&p->lock);
-    if (grow((void **)&p->allocs, &p->cap_allocs, p->n_allocs + 1, sizeof *p->allocs)) {
+    if (kvpi_grow((void **)&p->allocs, &p->cap_allocs, p->n_allocs + 1, sizeof *p->allocs)) {
         st = kvpi_error(KVP_ENOMEM, "buffer pool: out of memory");
         goto out;
     }

@@ -9,6 +9,7 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "common/util.h"
 #include "engine/engine_internal.h"
 #include "engine/metrics.h"
 #include "engine/metrics_server.h"
@@ -295,10 +296,8 @@ static kvp_status endpoint_port(const kvp_engine *e, int *port)
     const char *env = getenv("KVPIPE_METRICS_PORT");
     *port = 0;
     if (!env || !*env) return KVP_OK;
-    char *end;
-    errno = 0;
-    long v = strtol(env, &end, 10);
-    if (*end || errno || v < 0 || v > 65535)
+    long v;
+    if (kvpi_parse_long(env, 0, 65535, &v))
         return kvpi_error(KVP_ECONFIG,
                           "KVPIPE_METRICS_PORT='%s': expected a port, 1..65535 (0: "
                           "any free port)",
@@ -443,10 +442,8 @@ static kvp_status reporter_start(kvp_engine *e)
     e->report_interval_s = REPORT_INTERVAL_S;
     const char *env = getenv("MC_TE_METRIC_INTERVAL_SECONDS");
     if (env && *env) {
-        char *end;
-        errno = 0;
-        long v = strtol(env, &end, 10);
-        if (*end || errno || v < 1 || v > 86400)
+        long v;
+        if (kvpi_parse_long(env, 1, 86400, &v))
             return kvpi_error(KVP_ECONFIG,
                               "MC_TE_METRIC_INTERVAL_SECONDS='%s': expected seconds, "
                               "1..86400 (default %d)",

@@ -6,6 +6,7 @@
 #include "common/auth.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "common/util.h"
 #include "engine/engine_internal.h"
 
 static void peer_put(kvp_engine *later, kvpi_peer *peer);
@@ -22,18 +23,9 @@ kvp_status kvp_engine_open_segment(kvp_engine *e, const char *name, kvp_segment_
     for (id = 0; id < e->n_segments; id++)
         if (strcmp(e->segments[id]->name, name) == 0) break;
     if (id == e->n_segments) {
-        if (e->n_segments == e->cap_segments) {
-            size_t cap = e->cap_segments ? e->cap_segments * 2 : 16;
-            kvpi_segment **grown = realloc(e->segments, cap * sizeof *grown);
-            if (!grown) {
-                st = kvpi_error(KVP_ENOMEM, "open_segment: out of memory");
-                goto out;
-            }
-            e->segments = grown;
-            e->cap_segments = cap;
-        }
-        seg = calloc(1, sizeof *seg);
-        if (!seg || !(seg->name = strdup(name))) {
+        if (kvpi_grow((void **)&e->segments, &e->cap_segments, e->n_segments + 1,
+                      sizeof *e->segments) ||
+            !(seg = calloc(1, sizeof *seg)) || !(seg->name = strdup(name))) {
             free(seg);
             st = kvpi_error(KVP_ENOMEM, "open_segment: out of memory");
             goto out;
@@ -398,13 +390,11 @@ static void watch_start(kvp_engine *e)
     e->watch_tried = 1;
     const char *mode = getenv("KVPIPE_METADATA_WATCH");
     const char *poll_env = getenv("KVPIPE_METADATA_POLL_MS");
-    char *end = NULL;
-    long poll_ms = poll_env ? strtol(poll_env, &end, 10) : WATCH_POLL_MS_DEFAULT;
-    if (poll_env && (!*poll_env || *end || poll_ms < 10 || poll_ms > 3600000)) {
+    long poll_ms = WATCH_POLL_MS_DEFAULT;
+    if (poll_env && kvpi_parse_long(poll_env, 10, 3600000, &poll_ms)) {
         KVPI_WARN("KVPIPE_METADATA_POLL_MS='%s' is not a number of milliseconds in "
                   "10..3600000: polling every %d ms",
                   poll_env, WATCH_POLL_MS_DEFAULT);
-        poll_ms = WATCH_POLL_MS_DEFAULT;
     }
     if (mode && strcmp(mode, "watch") != 0 && strcmp(mode, "poll") != 0 &&
         strcmp(mode, "off") != 0) {

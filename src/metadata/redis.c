@@ -23,6 +23,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/net.h"
+#include "common/util.h"
 #include "metadata/metadata.h"
 
 #define REDIS_SCHEME "redis://"
@@ -91,10 +92,8 @@ static kvp_status parse_userinfo(redis_store *s, const char *conn, const char *u
 
 static kvp_status parse_db(redis_store *s, const char *conn, const char *text)
 {
-    char *end;
-    errno = 0;
-    long db = strtol(text, &end, 10);
-    if (!*text || *end || errno || db < 0 || db > 1000000)
+    long db;
+    if (kvpi_parse_long(text, 0, 1000000, &db))
         return kvpi_error(KVP_EMETADATA,
                           "redis connection string '%s': database '%s' is not a number", conn,
                           text);
@@ -127,10 +126,8 @@ static kvp_status env_db(redis_store *s)
 {
     const char *text = getenv("MC_REDIS_DB_INDEX");
     if (!text) return KVP_OK;
-    char *end;
-    errno = 0;
-    long db = strtol(text, &end, 10);
-    if (!*text || *end || errno || db < 0 || db > 255)
+    long db;
+    if (kvpi_parse_long(text, 0, 255, &db))
         return kvpi_error(KVP_EMETADATA,
                           "redis at %s: MC_REDIS_DB_INDEX '%s' is not a database number in 0..255",
                           s->addr, text);
