@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <ifaddrs.h>
 #include <net/if.h>
-#include <limits.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -249,59 +248,6 @@ static int arm(int fd, int opt, uint64_t deadline_ns)
     return 0;
 }
 
-kvp_status kvpi_send_all_by(int fd, const void *buf, size_t len, uint64_t deadline_ns)
-{
-    const char *p = buf;
-    size_t left = len;
-    while (left > 0) {
-        ssize_t n = arm(fd, SO_SNDTIMEO, deadline_ns)
-                        ? -1
-                        : send(fd, p, left > INT_MAX ? INT_MAX : left, MSG_NOSIGNAL);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            if ((errno == EAGAIN || errno == EWOULDBLOCK) && deadline_ns &&
-                kvpi_remaining_ms(deadline_ns) > 0)
-                continue; /* the socket timeout rounded down: the deadline is not here yet */
-            return io_error(errno, "send", left, len, deadline_ns);
-        }
-        p += n;
-        left -= (size_t)n;
-    }
-    return KVP_OK;
-}
-
-kvp_status kvpi_recv_all_by(int fd, void *buf, size_t len, uint64_t deadline_ns)
-{
-    char *p = buf;
-    size_t left = len;
-    while (left > 0) {
-        ssize_t n = arm(fd, SO_RCVTIMEO, deadline_ns)
-                        ? -1
-                        : recv(fd, p, left > INT_MAX ? INT_MAX : left, MSG_WAITALL);
-        if (n < 0) {
-            if (errno == EINTR) continue;
-            if ((errno == EAGAIN || errno == EWOULDBLOCK) && deadline_ns &&
-                kvpi_remaining_ms(deadline_ns) > 0)
-                continue;
-            return io_error(errno, "recv", left, len, deadline_ns);
-        }
-        if (n == 0) return io_error(0, "recv", left, len, deadline_ns);
-        p += n;
-        left -= (size_t)n;
-    }
-    return KVP_OK;
-}
-
-kvp_status kvpi_send_all(int fd, const void *buf, size_t len)
-{
-    return kvpi_send_all_by(fd, buf, len, 0);
-}
-
-kvp_status kvpi_recv_all(int fd, void *buf, size_t len)
-{
-    return kvpi_recv_all_by(fd, buf, len, 0);
-}
-
 /* Skip the first done bytes of an iovec list; returns the new start. */
 static struct iovec *iov_advance(struct iovec *iov, int *n, size_t done)
 {
@@ -326,44 +272,61 @@ static size_t iov_total(const struct iovec *iov, int n)
     return t;
 }
 
-kvp_status kvpi_sendv_all_by(int fd, struct iovec *iov, int n, uint64_t deadline_ns)
+/* Send (recving 0) or receive all of iov by deadline_ns (0: none). */
+static kvp_status move_all_by(int fd, int recving, struct iovec *iov, int n, uint64_t deadline_ns)
 {
+    const char *what = recving ? "recv" : "send";
     iov = iov_advance(iov, &n, 0);
     size_t total = iov_total(iov, n);
     while (n > 0) {
         struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)n};
-        ssize_t sent = arm(fd, SO_SNDTIMEO, deadline_ns) ? -1 : sendmsg(fd, &m, MSG_NOSIGNAL);
-        if (sent < 0) {
+        ssize_t moved = arm(fd, recving ? SO_RCVTIMEO : SO_SNDTIMEO, deadline_ns) ? -1
+                        : recving ? recvmsg(fd, &m, MSG_WAITALL)
+                                  : sendmsg(fd, &m, MSG_NOSIGNAL);
+        if (moved < 0) {
             if (errno == EINTR) continue;
             if ((errno == EAGAIN || errno == EWOULDBLOCK) && deadline_ns &&
                 kvpi_remaining_ms(deadline_ns) > 0)
-                continue;
-            return io_error(errno, "send", iov_total(iov, n), total, deadline_ns);
+                continue; /* the socket timeout rounded down: the deadline is not here yet */
+            return io_error(errno, what, iov_total(iov, n), total, deadline_ns);
         }
-        iov = iov_advance(iov, &n, (size_t)sent);
+        /* n > 0: bytes were still to come (iov_advance drops empty buffers). */
+        if (moved == 0 && recving) return io_error(0, what, iov_total(iov, n), total, deadline_ns);
+        iov = iov_advance(iov, &n, (size_t)moved);
     }
     return KVP_OK;
 }
 
+kvp_status kvpi_send_all_by(int fd, const void *buf, size_t len, uint64_t deadline_ns)
+{
+    struct iovec iov = {.iov_base = (void *)buf, .iov_len = len};
+    return move_all_by(fd, 0, &iov, 1, deadline_ns);
+}
+
+kvp_status kvpi_recv_all_by(int fd, void *buf, size_t len, uint64_t deadline_ns)
+{
+    struct iovec iov = {.iov_base = buf, .iov_len = len};
+    return move_all_by(fd, 1, &iov, 1, deadline_ns);
+}
+
+kvp_status kvpi_send_all(int fd, const void *buf, size_t len)
+{
+    return kvpi_send_all_by(fd, buf, len, 0);
+}
+
+kvp_status kvpi_recv_all(int fd, void *buf, size_t len)
+{
+    return kvpi_recv_all_by(fd, buf, len, 0);
+}
+
+kvp_status kvpi_sendv_all_by(int fd, struct iovec *iov, int n, uint64_t deadline_ns)
+{
+    return move_all_by(fd, 0, iov, n, deadline_ns);
+}
+
 kvp_status kvpi_recvv_all_by(int fd, struct iovec *iov, int n, uint64_t deadline_ns)
 {
-    iov = iov_advance(iov, &n, 0);
-    size_t total = iov_total(iov, n);
-    while (n > 0) {
-        struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)n};
-        ssize_t got = arm(fd, SO_RCVTIMEO, deadline_ns) ? -1 : recvmsg(fd, &m, MSG_WAITALL);
-        if (got < 0) {
-            if (errno == EINTR) continue;
-            if ((errno == EAGAIN || errno == EWOULDBLOCK) && deadline_ns &&
-                kvpi_remaining_ms(deadline_ns) > 0)
-                continue;
-            return io_error(errno, "recv", iov_total(iov, n), total, deadline_ns);
-        }
-        if (got == 0 && iov_total(iov, n) > 0)
-            return io_error(0, "recv", iov_total(iov, n), total, deadline_ns);
-        iov = iov_advance(iov, &n, (size_t)got);
-    }
-    return KVP_OK;
+    return move_all_by(fd, 1, iov, n, deadline_ns);
 }
 
 kvp_status kvpi_sendv_all(int fd, struct iovec *iov, int n)
