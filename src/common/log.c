@@ -279,15 +279,10 @@ void kvpi_log(kvp_log_level level, const char *subsys, const char *fmt, ...)
     emit(level, subsys, msg);
 }
 
-void kvpi_log_always(kvp_log_level level, const char *subsys, const char *fmt, ...)
+void kvpi_log_always(kvp_log_level level, const char *subsys, const char *message)
 {
     ensure_init();
-    char msg[MESSAGE_MAX];
-    va_list ap;
-    va_start(ap, fmt);
-    format_message(msg, fmt, ap);
-    va_end(ap);
-    emit(level, subsys, msg);
+    emit(level, subsys, message);
 }
 
 /* ------------------------------------------------------ rate limits --- */

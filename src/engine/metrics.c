@@ -409,9 +409,10 @@ static void report_once(kvp_engine *e, report_state *prev)
             first = 0;
         }
     }
+    if (used < sizeof line) snprintf(line + used, sizeof line - used, " [segment %s]", e->name);
     /* Asked for by MC_TE_METRIC: shown at any log level, as Mooncake (whose
      * default level is INFO) shows it. */
-    kvpi_log_always(KVP_LOG_INFO, KVPI_LOG_SUBSYS, "%s [segment %s]", line, e->name);
+    kvpi_log_always(KVP_LOG_INFO, KVPI_LOG_SUBSYS, line);
 }
 
 static void *reporter_main(void *arg)
