@@ -22,6 +22,15 @@ int kvpi_cond_init(pthread_cond_t *cond)
     return err;
 }
 
+void kvpi_thread_stop(pthread_t thread, pthread_mutex_t *lock, pthread_cond_t *cond, int *stop)
+{
+    pthread_mutex_lock(lock);
+    *stop = 1;
+    pthread_cond_signal(cond);
+    pthread_mutex_unlock(lock);
+    pthread_join(thread, NULL);
+}
+
 struct timespec kvpi_timespec_at_ns(uint64_t deadline_ns)
 {
     struct timespec ts = {.tv_sec = (time_t)(deadline_ns / 1000000000u),

@@ -47,6 +47,10 @@ int kvpi_remaining_ms(uint64_t deadline_ns);
  * Returns 0 or the pthread error. */
 int kvpi_cond_init(pthread_cond_t *cond);
 
+/* Stop a thread that waits on cond, under lock, until *stop: set *stop
+ * under lock, wake the thread and join it. */
+void kvpi_thread_stop(pthread_t thread, pthread_mutex_t *lock, pthread_cond_t *cond, int *stop);
+
 /* The absolute timespec of deadline_ns, for pthread_cond_timedwait on a
  * condition variable made by kvpi_cond_init(). */
 struct timespec kvpi_timespec_at_ns(uint64_t deadline_ns);

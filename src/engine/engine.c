@@ -512,13 +512,8 @@ void kvp_engine_destroy(kvp_engine *e)
 {
     if (!e) return;
     kvpi_engine_metrics_stop(e);
-    if (e->keeper_started) {
-        pthread_mutex_lock(&e->keeper_lock);
-        e->keeper_stop = 1;
-        pthread_cond_signal(&e->keeper_cond);
-        pthread_mutex_unlock(&e->keeper_lock);
-        pthread_join(e->keeper, NULL);
-    }
+    if (e->keeper_started)
+        kvpi_thread_stop(e->keeper, &e->keeper_lock, &e->keeper_cond, &e->keeper_stop);
     kvpi_segments_watch_stop(e);
     if (e->claimed) {
         kvpi_meta_self me = self_of(e, e->desc_text); /* every other thread has stopped */

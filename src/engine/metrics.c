@@ -477,11 +477,7 @@ kvp_status kvpi_engine_metrics_start(kvp_engine *e)
 void kvpi_engine_metrics_stop(kvp_engine *e)
 {
     if (e->reporter_started) {
-        pthread_mutex_lock(&e->report_lock);
-        e->report_stop = 1;
-        pthread_cond_signal(&e->report_cond);
-        pthread_mutex_unlock(&e->report_lock);
-        pthread_join(e->reporter, NULL);
+        kvpi_thread_stop(e->reporter, &e->report_lock, &e->report_cond, &e->report_stop);
         pthread_mutex_destroy(&e->report_lock);
         pthread_cond_destroy(&e->report_cond);
         e->reporter_started = 0;

@@ -537,11 +537,7 @@ static kvp_status start_threads(kvp_pipe *p)
 static void stop_negotiator(kvp_pipe *p)
 {
     if (!p->neg_started) return;
-    pthread_mutex_lock(&p->lock);
-    p->neg_stop = 1;
-    pthread_cond_signal(&p->neg_cond);
-    pthread_mutex_unlock(&p->lock);
-    pthread_join(p->neg_thread, NULL);
+    kvpi_thread_stop(p->neg_thread, &p->lock, &p->neg_cond, &p->neg_stop);
     p->neg_started = 0;
 }
 
