@@ -2,6 +2,7 @@
 #include <cjson/cJSON.h>
 #include <ctype.h>
 #include <errno.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -86,6 +87,29 @@ kvp_status kvp_pipe_config_check(const kvp_pipe_config *cfg)
     return KVP_OK;
 }
 
+/* The config's fields, all strings: the JSON name, where it goes, its value
+ * when absent (or null), and whether it must be there. */
+static const struct {
+    const char *name;
+    size_t at;
+    const char *def;
+    int required;
+} fields[] = {
+    {"prefill_url", offsetof(kvp_pipe_config, prefill_url), NULL, 1},
+    {"decode_url", offsetof(kvp_pipe_config, decode_url), NULL, 1},
+    {"metadata_server", offsetof(kvp_pipe_config, metadata_server), NULL, 1},
+    {"metadata_backend", offsetof(kvp_pipe_config, metadata_backend), NULL, 0},
+    {"protocol", offsetof(kvp_pipe_config, protocol), "tcp", 0},
+    {"device_name", offsetof(kvp_pipe_config, device_name), "", 0},
+    {"auth_key_file", offsetof(kvp_pipe_config, auth_key_file), NULL, 0},
+};
+#define N_FIELDS (sizeof fields / sizeof fields[0])
+
+static char **field(kvp_pipe_config *cfg, size_t i)
+{
+    return (char **)((char *)cfg + fields[i].at);
+}
+
 static const char *type_name(const cJSON *v)
 {
     if (cJSON_IsNumber(v)) return "a number";
@@ -118,14 +142,11 @@ static kvp_status get_string(const cJSON *root, const char *name, const char *de
 static kvp_status fill_config(const cJSON *root, kvp_pipe_config *cfg)
 {
     if (!cJSON_IsObject(root)) return kvpi_error(KVP_ECONFIG, "config is not a JSON object");
-    kvp_status st;
-    if ((st = get_string(root, "prefill_url", NULL, 1, &cfg->prefill_url))) return st;
-    if ((st = get_string(root, "decode_url", NULL, 1, &cfg->decode_url))) return st;
-    if ((st = get_string(root, "metadata_server", NULL, 1, &cfg->metadata_server))) return st;
-    if ((st = get_string(root, "metadata_backend", NULL, 0, &cfg->metadata_backend))) return st;
-    if ((st = get_string(root, "protocol", "tcp", 0, &cfg->protocol))) return st;
-    if ((st = get_string(root, "device_name", "", 0, &cfg->device_name))) return st;
-    if ((st = get_string(root, "auth_key_file", NULL, 0, &cfg->auth_key_file))) return st;
+    for (size_t i = 0; i < N_FIELDS; i++) {
+        kvp_status st =
+            get_string(root, fields[i].name, fields[i].def, fields[i].required, field(cfg, i));
+        if (st) return st;
+    }
     /* vLLM lower-cases the backend before checking it. */
     for (char *p = cfg->metadata_backend; p && *p; p++)
         *p = (char)tolower((unsigned char)*p);
@@ -197,13 +218,8 @@ kvp_status kvp_pipe_config_load_env(kvp_pipe_config **out)
 void kvp_pipe_config_free(kvp_pipe_config *cfg)
 {
     if (!cfg) return;
-    free(cfg->prefill_url);
-    free(cfg->decode_url);
-    free(cfg->metadata_server);
-    free(cfg->metadata_backend);
-    free(cfg->protocol);
-    free(cfg->device_name);
-    free(cfg->auth_key_file);
+    for (size_t i = 0; i < N_FIELDS; i++)
+        free(*field(cfg, i));
     free(cfg);
 }
 
