@@ -365,13 +365,23 @@ kvp_status kvpi_cuda_mem_alloc(int device, size_t n, void **out)
     return KVP_OK;
 }
 
-void kvpi_cuda_mem_free(int device, void *p)
+typedef CUresult (*release_fn)(CUdeviceptr);
+
+/* Give p back with *release (cuMemFree, cuIpcCloseMemHandle: read once the
+ * driver is known to be loaded) in device's context; nothing when there is
+ * nothing to give back. */
+static void release_in(int device, void *p, const release_fn *release)
 {
     CUcontext ctx = NULL, saved = NULL;
     if (!p || !kvpi_cuda_active() || primary_ctx(device, &ctx)) return;
     if (ctx_push(ctx, &saved) != CUDA_SUCCESS) return;
-    cu.mem_free((CUdeviceptr)(uintptr_t)p);
+    (*release)((CUdeviceptr)(uintptr_t)p);
     ctx_pop(ctx, saved);
+}
+
+void kvpi_cuda_mem_free(int device, void *p)
+{
+    release_in(device, p, &cu.mem_free);
 }
 
 kvp_status kvpi_cuda_ipc_export(int device, const void *p, uint64_t *base, uint64_t *size,
@@ -422,11 +432,7 @@ kvp_status kvpi_cuda_ipc_open(int device, const unsigned char handle[KVPI_CUDA_I
 
 void kvpi_cuda_ipc_close(int device, void *mapped)
 {
-    CUcontext ctx = NULL, saved = NULL;
-    if (!mapped || !kvpi_cuda_active() || primary_ctx(device, &ctx)) return;
-    if (ctx_push(ctx, &saved) != CUDA_SUCCESS) return;
-    cu.ipc_close((CUdeviceptr)(uintptr_t)mapped);
-    ctx_pop(ctx, saved);
+    release_in(device, mapped, &cu.ipc_close);
 }
 
 kvp_status kvpi_cuda_copy_ipc(int device, void *dst, const void *src, size_t n)
