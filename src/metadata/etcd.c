@@ -450,11 +450,7 @@ static kvp_status etcd_get_many(void *store, const char *const *keys, size_t n, 
                                   s->addrs, keys[i]);
     }
     cJSON_Delete(resp);
-    if (st)
-        for (size_t i = 0; i < n; i++) {
-            free(values[i]);
-            values[i] = NULL;
-        }
+    if (st) kvpi_store_values_free(values, n);
     return st;
 }
 

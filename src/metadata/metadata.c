@@ -48,6 +48,14 @@ struct kvpi_meta {
     int auth_max_age_ms;
 };
 
+void kvpi_store_values_free(char **values, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        free(values[i]);
+        values[i] = NULL;
+    }
+}
+
 static int accepts(const kvpi_store_ops *ops, const char *conn)
 {
     for (size_t i = 0; i < KVPI_STORE_SCHEMES && ops->schemes[i]; i++)

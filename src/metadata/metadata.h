@@ -98,6 +98,9 @@ extern const kvpi_store_ops kvpi_store_redis;
 #define KVPI_N_STORES 3
 extern const kvpi_store_ops *const kvpi_stores[KVPI_N_STORES + 1];
 
+/* A get_many that failed: free values[0..n) and leave them NULL. */
+void kvpi_store_values_free(char **values, size_t n);
+
 /* Find the store for a connection string; NULL for P2PHANDSHAKE or unknown.
  * A store this build leaves out is found all the same (its open is NULL). */
 const kvpi_store_ops *kvpi_store_lookup(const char *conn);

@@ -406,11 +406,7 @@ static kvp_status redis_get_many(void *store, const char *const *keys, size_t n,
             st = kvpi_error(KVP_ENOMEM, "redis: out of memory");
     }
     freeReplyObject(r);
-    if (st)
-        for (size_t i = 0; i < n; i++) {
-            free(values[i]);
-            values[i] = NULL;
-        }
+    if (st) kvpi_store_values_free(values, n);
     return st;
 }
 
