@@ -195,6 +195,38 @@ static const char *parse_value(const cli_opt *o, const char *text, cli_value *v,
     return "a value";
 }
 
+/* Where CLI_TO says. */
+static void store(void *o, const cli_opt *opt, const cli_value *v)
+{
+    char *at = (char *)o + opt->to;
+    long long n = opt->arg == CLI_ARG_SIZE ? (long long)v->size : v->i;
+    switch (opt->to_type) {
+    case CLI_NOWHERE:
+        break;
+    case CLI_TEXT:
+        *(const char **)at = v->text;
+        break;
+    case CLI_INT:
+        *(int *)at = (int)n;
+        break;
+    case CLI_UNSIGNED:
+        *(unsigned *)at = (unsigned)n;
+        break;
+    case CLI_LONG:
+        *(long *)at = (long)n;
+        break;
+    case CLI_SIZE_T:
+        *(size_t *)at = (size_t)n;
+        break;
+    case CLI_ULLONG:
+        *(unsigned long long *)at = (unsigned long long)n;
+        break;
+    case CLI_DOUBLE:
+        *(double *)at = v->seconds;
+        break;
+    }
+}
+
 /* The option as the user typed it, without =value. */
 static void typed(const char *arg, char *out, size_t cap)
 {
@@ -234,6 +266,7 @@ int cli_parse(const cli_spec *spec, int argc, char **argv, int operands, cli_set
         char buf[256];
         const char *what = parse_value(opt, optarg, &v, buf, sizeof buf);
         if (!what && set) what = set(o, opt, &v);
+        if (!what) store(o, opt, &v);
         if (what) {
             if (optarg)
                 cli_error("--%s: invalid value '%s': expected %s", opt->name, optarg, what);

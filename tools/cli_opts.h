@@ -18,6 +18,34 @@
 #include <stddef.h>
 #include <stdio.h>
 
+/* The type of the field an option's value goes to (CLI_TO). */
+typedef enum cli_field {
+    CLI_NOWHERE, /* set() alone takes the value */
+    CLI_TEXT,    /* const char *: the text as given (a STRING) */
+    CLI_INT,
+    CLI_UNSIGNED,
+    CLI_LONG,
+    CLI_SIZE_T,
+    CLI_ULLONG,
+    CLI_DOUBLE, /* a SECONDS */
+} cli_field;
+
+/* In an option's entry: cli_parse stores the value in this field of the
+ * command's options (its o, a TYPE). A number goes to an int, unsigned,
+ * long, size_t or unsigned long long, converted (a FLAG's 0/1, an INT, a
+ * CHOICE's index, a SIZE); SECONDS to a double; a STRING's text to a
+ * const char *. Anything else does not compile. */
+#define CLI_TO(TYPE, FIELD)                                                                        \
+    .to = offsetof(TYPE, FIELD),                                                                   \
+    .to_type = _Generic(((TYPE *)0)->FIELD,                                                        \
+                        const char *: CLI_TEXT,                                                    \
+                        int: CLI_INT,                                                              \
+                        unsigned: CLI_UNSIGNED,                                                    \
+                        long: CLI_LONG,                                                            \
+                        size_t: CLI_SIZE_T,                                                        \
+                        unsigned long long: CLI_ULLONG,                                            \
+                        double: CLI_DOUBLE)
+
 typedef enum cli_arg {
     CLI_ARG_FLAG,    /* no value (or =true/=false) */
     CLI_ARG_STRING,  /* any non-empty text */
@@ -49,10 +77,13 @@ typedef struct cli_opt {
     const char *choices; /* CHOICE: "read|write" */
     const char *aliases; /* other spellings, space-separated, without dashes */
     int id;              /* handed to the command's set() */
+    size_t to;           /* CLI_TO: where the value goes */
+    cli_field to_type;
 } cli_opt;
 
-/* A command's value check beyond the kind: NULL to accept, else what is
- * expected ("a multiple of 8"), for the error line. */
+/* A command's value check beyond the kind, and what an option without
+ * CLI_TO does: NULL to accept, else what is expected ("a multiple of 8"),
+ * for the error line. Called before the value is stored (CLI_TO). */
 typedef const char *(*cli_set_fn)(void *o, const cli_opt *opt, const cli_value *v);
 
 typedef struct cli_spec {
@@ -64,9 +95,9 @@ typedef struct cli_spec {
     const char *epilog; /* after the options; may be NULL */
 } cli_spec;
 
-/* Parse argv (argv[0] the command) against spec, calling set for each
- * option in order. Returns 0 to go on, with optind at the first operand when
- * operands is non-zero (else an operand is an error); otherwise 1 + the exit
+/* Parse argv (argv[0] the command) against spec, calling set (if not NULL)
+ * for each option in order and storing its value (CLI_TO). Returns 0 to go on, with optind at the
+ * first operand when operands is non-zero (else an operand is an error); otherwise 1 + the exit
  * code: --help printed the usage to stdout (1), or an error line went to
  * stderr (3). */
 int cli_parse(const cli_spec *spec, int argc, char **argv, int operands, cli_set_fn set, void *o);

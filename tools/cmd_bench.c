@@ -30,32 +30,10 @@ const bench_unit bench_units[] = {
 
 enum {
     O_MODE = 1,
-    O_METADATA,
-    O_LOCAL,
-    O_SEGMENT,
-    O_PROTOCOL,
-    O_DEVICE,
-    O_NO_SHM,
-    O_OPERATION,
     O_BLOCK,
     O_BATCH,
     O_THREADS,
     O_DURATION,
-    O_BUFFER,
-    O_VERIFY,
-    O_JSON,
-    O_SWEEP,
-    O_SYNC,
-    O_NO_WARMUP,
-    O_POOL,
-    O_WORKERS,
-    O_CONNS,
-    O_SLICE,
-    O_TIMEOUT,
-    O_WAIT,
-    O_METRICS_PORT,
-    O_UNIT,
-    O_PRECISION,
     O_AUTO_DISCOVERY,
     O_BACKEND,
     O_NIC_MATRIX,
@@ -69,19 +47,20 @@ static const cli_opt opts[] = {
     {"metadata-server", CLI_ARG_STRING, "S",
      "metadata connection string (default P2PHANDSHAKE):\nhttp://h:p/metadata, etcd://h:p, "
      "redis://h:p, h:p (etcd)",
-     .aliases = "metadata", .id = O_METADATA},
+     .aliases = "metadata", CLI_TO(bench_opts, metadata)},
     {"local-server-name", CLI_ARG_STRING, "H:P",
-     "this engine's segment name (required with --mode)", .id = O_LOCAL},
+     "this engine's segment name (required with --mode)", CLI_TO(bench_opts, local_name)},
     {"segment-id", CLI_ARG_STRING, "NAME", "the target's segment name (--mode initiator)",
-     .id = O_SEGMENT},
+     CLI_TO(bench_opts, segment)},
     {"protocol", CLI_ARG_STRING, "P", "tcp (default), shm, or rdma/ucx (where built)",
-     .id = O_PROTOCOL},
+     CLI_TO(bench_opts, protocol)},
     {"device-name", CLI_ARG_STRING, "NAMES",
-     "RDMA devices, for rdma/ucx: UCX_NET_DEVICES (ignored by tcp\nand shm)", .id = O_DEVICE},
+     "RDMA devices, for rdma/ucx: UCX_NET_DEVICES (ignored by tcp\nand shm)",
+     CLI_TO(bench_opts, device_names)},
     {"no-shm", CLI_ARG_FLAG, NULL, "never use shm automatically for a same-host peer",
-     .id = O_NO_SHM},
+     CLI_TO(bench_opts, no_shm)},
     {"operation", CLI_ARG_CHOICE, "read|write", "initiator operation (default read)",
-     .choices = "read|write", .id = O_OPERATION},
+     .choices = "read|write", CLI_TO(bench_opts, write)},
     {"block-size", CLI_ARG_SIZES, "BYTES", "bytes per request (default 65536)", 1, 1ll << 40,
      .id = O_BLOCK},
     {"batch-size", CLI_ARG_INTS, "N", "requests per batch (default 128)", 1, 65536, .id = O_BATCH},
@@ -89,52 +68,54 @@ static const cli_opt opts[] = {
     {"duration", CLI_ARG_SECONDS, "SECONDS",
      "initiator run time (default 5; with --sweep 1 per point)", .hi = 86400, .id = O_DURATION},
     {"buffer-size", CLI_ARG_SIZE, "BYTES", "target buffer and span used (default 256M)", 8,
-     1ll << 44, .id = O_BUFFER},
+     1ll << 44, CLI_TO(bench_opts, buffer_size)},
     {"verify", CLI_ARG_FLAG, NULL,
      "target fills a pattern; initiator checks every byte\nread, or writes a pattern the target "
      "checks on exit\nand reads back every block it wrote, checking it",
-     .id = O_VERIFY},
+     CLI_TO(bench_opts, verify)},
     {"sync", CLI_ARG_FLAG, NULL,
      "initiator: each request by itself through the blocking\nkvp_engine_read/write (on the "
      "calling thread, no\nbatch): a batch's requests run one after the other",
-     .id = O_SYNC},
+     CLI_TO(bench_opts, sync)},
     {"no-warmup", CLI_ARG_FLAG, NULL,
      "initiator: start the clock at once; by default one\nuntimed pass over the span comes "
      "first (as ucx_perftest's\nwarm-up), so a fresh mapping's page faults are not timed",
-     .id = O_NO_WARMUP},
+     CLI_TO(bench_opts, no_warmup)},
     {"pool", CLI_ARG_FLAG, NULL,
      "target: serve a buffer from the engine's pool\n(kvp_engine_alloc, as the pipe's tensors; "
      "over "
      "rdma/ucx\nmemory UCX allocates) instead of memory it registers",
-     .id = O_POOL},
+     CLI_TO(bench_opts, pool)},
     {"sweep", CLI_ARG_FLAG, NULL,
      "measure every combination of --block-size, --batch-size\nand --threads, each a "
      "comma-separated list (default\n4K,64K,1M,16M x 1,32 x 1,2), and print a table",
-     .id = O_SWEEP},
+     CLI_TO(bench_opts, sweep)},
     {"json", CLI_ARG_FLAG, NULL,
      "initiator: the last stdout line is a JSON object (with\n--sweep: every point in "
      "\"points\")",
-     .id = O_JSON},
+     CLI_TO(bench_opts, json)},
     {"report-unit", CLI_ARG_CHOICE, "UNIT",
      "throughput unit: GB (default), GiB, Gb, MB, MiB, Mb, KB,\nKiB, Kb (Mooncake's "
      "--report_unit)",
-     .choices = "GB|GiB|Gb|MB|MiB|Mb|KB|KiB|Kb", .id = O_UNIT},
+     .choices = "GB|GiB|Gb|MB|MiB|Mb|KB|KiB|Kb", CLI_TO(bench_opts, unit)},
     {"report-precision", CLI_ARG_INT, "N", "digits after the point of the throughput (default 3)",
-     0, 9, .id = O_PRECISION},
-    {"workers", CLI_ARG_INT, "N", "engine worker threads (default 4)", 1, 256, .id = O_WORKERS},
-    {"conns", CLI_ARG_INT, "N", "connections per peer (default 4)", 1, 256, .id = O_CONNS},
+     0, 9, CLI_TO(bench_opts, precision)},
+    {"workers", CLI_ARG_INT, "N", "engine worker threads (default 4)", 1, 256,
+     CLI_TO(bench_opts, workers)},
+    {"conns", CLI_ARG_INT, "N", "connections per peer (default 4)", 1, 256,
+     CLI_TO(bench_opts, conns)},
     {"slice-size", CLI_ARG_SIZE, "BYTES", "requests above this are split (default 4M)", 1,
-     1ll << 40, .id = O_SLICE},
+     1ll << 40, CLI_TO(bench_opts, slice_size)},
     {"timeout-ms", CLI_ARG_INT, "MS", "the engine's I/O timeout (default 5000)", 1, 86400000,
-     .id = O_TIMEOUT},
+     CLI_TO(bench_opts, timeout_ms)},
     {"wait", CLI_ARG_SECONDS, "SECONDS",
      "with --mode: wait this long for the metadata store to answer\nand (initiator) for "
      "--segment-id to serve a buffer, so the\nsides may start in any order (default 10)",
-     .hi = 3600, .id = O_WAIT},
+     .hi = 3600, CLI_TO(bench_opts, wait)},
     {"metrics-port", CLI_ARG_INT, "P",
      "serve the engine's metrics at http://127.0.0.1:P/metrics\n(default: env "
      "KVPIPE_METRICS_PORT, else none); without\n--mode the target's engine serves them",
-     1, 65535, .id = O_METRICS_PORT},
+     1, 65535, CLI_TO(bench_opts, metrics_port)},
     {"auto-discovery", CLI_ARG_FLAG, NULL, "Mooncake's RDMA device discovery: only =false",
      .id = O_AUTO_DISCOVERY},
     {"backend", CLI_ARG_STRING, "classic", "Mooncake's engine backend: only classic",
@@ -175,27 +156,6 @@ static const char *set_opt(void *p, const cli_opt *opt, const cli_value *v)
     case O_MODE:
         o->mode = v->i ? BENCH_INITIATOR : BENCH_TARGET;
         break;
-    case O_METADATA:
-        o->metadata = v->text;
-        break;
-    case O_LOCAL:
-        o->local_name = v->text;
-        break;
-    case O_SEGMENT:
-        o->segment = v->text;
-        break;
-    case O_PROTOCOL:
-        o->protocol = v->text;
-        break;
-    case O_DEVICE:
-        o->device_names = v->text;
-        break;
-    case O_NO_SHM:
-        o->no_shm = (int)v->i;
-        break;
-    case O_OPERATION:
-        o->write = (int)v->i;
-        break;
     case O_BLOCK:
         copy_list(o->blocks, &o->n_blocks, v);
         break;
@@ -207,51 +167,6 @@ static const char *set_opt(void *p, const cli_opt *opt, const cli_value *v)
         break;
     case O_DURATION:
         o->duration = v->seconds, o->duration_set = 1;
-        break;
-    case O_BUFFER:
-        o->buffer_size = v->size;
-        break;
-    case O_VERIFY:
-        o->verify = (int)v->i;
-        break;
-    case O_SWEEP:
-        o->sweep = (int)v->i;
-        break;
-    case O_SYNC:
-        o->sync = (int)v->i;
-        break;
-    case O_NO_WARMUP:
-        o->no_warmup = (int)v->i;
-        break;
-    case O_POOL:
-        o->pool = (int)v->i;
-        break;
-    case O_JSON:
-        o->json = (int)v->i;
-        break;
-    case O_UNIT:
-        o->unit = (int)v->i;
-        break;
-    case O_PRECISION:
-        o->precision = (int)v->i;
-        break;
-    case O_WORKERS:
-        o->workers = (int)v->i;
-        break;
-    case O_CONNS:
-        o->conns = (int)v->i;
-        break;
-    case O_SLICE:
-        o->slice_size = v->size;
-        break;
-    case O_TIMEOUT:
-        o->timeout_ms = (int)v->i;
-        break;
-    case O_WAIT:
-        o->wait = v->seconds;
-        break;
-    case O_METRICS_PORT:
-        o->metrics_port = (int)v->i;
         break;
     case O_AUTO_DISCOVERY:
         if (v->i) return "false: RDMA device discovery is not in this build";

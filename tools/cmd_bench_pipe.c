@@ -35,70 +35,55 @@ typedef struct bp_opts {
     int verify;      /* compare every byte, not only the stamps */
 } bp_opts;
 
-enum {
-    O_PIPE = 1,
-    O_TENSOR_SIZE,
-    O_COUNT,
-    O_PROTOCOL,
-    O_SEND,
-    O_NO_SHM,
-    O_VERIFY,
-    O_METADATA,
-    O_KV_BUFFER,
-    O_TIMEOUT,
-    O_WARMUP,
-    O_INLINE_MAX,
-    O_CONFIG,
-    O_KV_RANK,
-    O_PORT,
-    O_JSON,
-};
+enum { O_TENSOR_SIZE = 1 };
 
 static const cli_opt opts[] = {
-    {"pipe", CLI_ARG_FLAG, NULL, "measure the tensor pipe (this mode)", .id = O_PIPE},
+    {"pipe", CLI_ARG_FLAG, NULL, "measure the tensor pipe (this mode)"},
     {"tensor-size", CLI_ARG_SIZE, "BYTES",
      "bytes per tensor, a multiple of 8, at least 16 (required)", 16, 1ll << 40,
-     .id = O_TENSOR_SIZE},
-    {"count", CLI_ARG_INT, "N", "tensors to send (default 100)", 1, 1ll << 40, .id = O_COUNT},
+     .id = O_TENSOR_SIZE, CLI_TO(bp_opts, tensor_size)},
+    {"count", CLI_ARG_INT, "N", "tensors to send (default 100)", 1, 1ll << 40,
+     CLI_TO(bp_opts, count)},
     {"protocol", CLI_ARG_STRING, "P", "engine protocol for the two-process run (default tcp)",
-     .id = O_PROTOCOL},
+     CLI_TO(bp_opts, protocol)},
     {"send", CLI_ARG_CHOICE, "copy|in-place",
      "copy: kvp_pipe_send() copies each tensor into registered\nmemory (default); in-place: "
      "tensors are built in pipe\nbuffers (kvp_pipe_tensor_alloc) and sent with no copy",
-     .choices = "copy|in-place", .id = O_SEND},
-    {"no-shm", CLI_ARG_FLAG, NULL, "never use the same-host transport", .id = O_NO_SHM},
+     .choices = "copy|in-place", CLI_TO(bp_opts, in_place)},
+    {"no-shm", CLI_ARG_FLAG, NULL, "never use the same-host transport", CLI_TO(bp_opts, no_shm)},
     {"verify", CLI_ARG_FLAG, NULL,
      "receiver compares every byte (default: the stamp at the\nstart of each 64 KiB block, "
      "which catches lost, repeated,\nreordered and misplaced blocks)",
-     .id = O_VERIFY},
+     CLI_TO(bp_opts, verify)},
     {"metadata-server", CLI_ARG_STRING, "M",
      "two-process run: http (an embedded store, default), p2p\n(P2PHANDSHAKE), or a connection "
      "string",
-     .aliases = "metadata", .id = O_METADATA},
+     .aliases = "metadata", CLI_TO(bp_opts, metadata)},
     {"kv-buffer-size", CLI_ARG_SIZE, "BYTES", "bytes in flight before send waits (default 1e9)", 1,
-     LLONG_MAX, .id = O_KV_BUFFER},
+     LLONG_MAX, CLI_TO(bp_opts, kv_buffer_size)},
     {"timeout-ms", CLI_ARG_INT, "MS",
      "the engines' I/O timeout, which bounds each READ\n(default 5000)", 1, 86400000,
-     .id = O_TIMEOUT},
+     CLI_TO(bp_opts, timeout_ms)},
     {"warmup", CLI_ARG_INT, "N",
      "untimed tensors first, so that both engines' buffer\npools hold their memory (default: "
      "kv-buffer-size worth,\nat most 32)",
-     0, 1000000, .id = O_WARMUP},
+     0, 1000000, CLI_TO(bp_opts, warmup)},
     {"inline-max-bytes", CLI_ARG_INT, "B",
      "both ranks' kvp_pipe_opts.inline_max_bytes: messages up to\nB bytes travel inline "
      "(default: the pipe's, 128 KiB); 0:\nevery message is announced and READ (MooncakePipe's "
      "path)",
-     0, 1 << 30, .id = O_INLINE_MAX},
-    {"config", CLI_ARG_STRING, "FILE", "run one rank with this mooncake config", .id = O_CONFIG},
+     0, 1 << 30, CLI_TO(bp_opts, inline_max)},
+    {"config", CLI_ARG_STRING, "FILE", "run one rank with this mooncake config",
+     CLI_TO(bp_opts, config)},
     {"kv-rank", CLI_ARG_INT, "0|1", "the rank to run with --config (0 sends, 1 receives)", 0, 1,
-     .id = O_KV_RANK},
+     CLI_TO(bp_opts, kv_rank)},
     {"port", CLI_ARG_INT, "P", "two-process run: base port (default: a free one)", 1, 65000,
-     .id = O_PORT},
+     CLI_TO(bp_opts, port)},
     {"json", CLI_ARG_FLAG, NULL,
      "receiver: last stdout line is a JSON object with gbps,\nbytes, ops, errors, lost, "
      "duplicated, reordered,\ncorrupt, failed, seconds, tensor_size, transport\n(\"inline\": "
      "no message READ), messages and\ninline_messages (warm-up included), send",
-     .id = O_JSON},
+     CLI_TO(bp_opts, json)},
 };
 
 static const cli_spec spec = {
@@ -120,55 +105,9 @@ static const cli_spec spec = {
 
 static const char *set_opt(void *p, const cli_opt *opt, const cli_value *v)
 {
-    bp_opts *o = p;
-    switch (opt->id) {
-    case O_TENSOR_SIZE:
-        if (v->size % 8) return "a multiple of 8, at least 16 (K, M, G suffixes)";
-        o->tensor_size = v->size;
-        break;
-    case O_COUNT:
-        o->count = (long)v->i;
-        break;
-    case O_PROTOCOL:
-        o->protocol = v->text;
-        break;
-    case O_SEND:
-        o->in_place = (int)v->i;
-        break;
-    case O_NO_SHM:
-        o->no_shm = (int)v->i;
-        break;
-    case O_VERIFY:
-        o->verify = (int)v->i;
-        break;
-    case O_METADATA:
-        o->metadata = v->text;
-        break;
-    case O_KV_BUFFER:
-        o->kv_buffer_size = v->size;
-        break;
-    case O_TIMEOUT:
-        o->timeout_ms = (int)v->i;
-        break;
-    case O_WARMUP:
-        o->warmup = (long)v->i;
-        break;
-    case O_INLINE_MAX:
-        o->inline_max = (long)v->i;
-        break;
-    case O_CONFIG:
-        o->config = v->text;
-        break;
-    case O_KV_RANK:
-        o->kv_rank = (int)v->i;
-        break;
-    case O_PORT:
-        o->port = (int)v->i;
-        break;
-    case O_JSON:
-        o->json = (int)v->i;
-        break;
-    }
+    (void)p;
+    if (opt->id == O_TENSOR_SIZE && v->size % 8)
+        return "a multiple of 8, at least 16 (K, M, G suffixes)";
     return NULL;
 }
 

@@ -101,25 +101,8 @@ static int parse_dtype(const char *s, kvp_dtype *out)
 enum {
     O_TOKENS = 1,
     O_TOKENS_MIX,
-    O_SEED,
-    O_DECODE_LAG,
-    O_REQUESTS,
-    O_LAYERS,
-    O_KV_HEADS,
-    O_HEAD_DIM,
-    O_HIDDEN,
     O_DTYPE,
-    O_PROTOCOL,
-    O_NO_SHM,
-    O_METADATA,
-    O_PORT,
-    O_TIMEOUT,
     O_NO_PREFAULT,
-    O_SEND,
-    O_BASELINE,
-    O_JSON,
-    O_ROLE,
-    O_RUN_DIR,
 };
 
 static const cli_opt opts[] = {
@@ -130,29 +113,32 @@ static const cli_opt opts[] = {
      "one up to MAX), then a count in it uniformly; the same\n"
      "--seed draws the same counts (instead of --tokens)",
      .id = O_TOKENS_MIX},
-    {"seed", CLI_ARG_INT, "S", "seed of --tokens-mix (default 1)", 0, 4294967295LL, .id = O_SEED},
+    {"seed", CLI_ARG_INT, "S", "seed of --tokens-mix (default 1)", 0, 4294967295LL,
+     CLI_TO(demo_opts, seed)},
     {"decode-lag-ms", CLI_ARG_INT, "MS",
      "decode pauses MS between requests, so that prefill runs\nahead, as far as kv_buffer_size "
      "lets it (default 0)",
-     0, 10000, .id = O_DECODE_LAG},
-    {"requests", CLI_ARG_INT, "N", "requests (default 8)", 1, 1 << 20, .id = O_REQUESTS},
-    {"layers", CLI_ARG_INT, "L", "layers (default 32: Llama-3-8B)", 1, 4096, .id = O_LAYERS},
-    {"kv-heads", CLI_ARG_INT, "H", "KV heads (default 8)", 1, 4096, .id = O_KV_HEADS},
-    {"head-dim", CLI_ARG_INT, "D", "head dimension (default 128)", 1, 65536, .id = O_HEAD_DIM},
+     0, 10000, CLI_TO(demo_opts, decode_lag_ms)},
+    {"requests", CLI_ARG_INT, "N", "requests (default 8)", 1, 1 << 20, CLI_TO(demo_opts, requests)},
+    {"layers", CLI_ARG_INT, "L", "layers (default 32: Llama-3-8B)", 1, 4096,
+     CLI_TO(demo_opts, layers)},
+    {"kv-heads", CLI_ARG_INT, "H", "KV heads (default 8)", 1, 4096, CLI_TO(demo_opts, kv_heads)},
+    {"head-dim", CLI_ARG_INT, "D", "head dimension (default 128)", 1, 65536,
+     CLI_TO(demo_opts, head_dim)},
     {"hidden-size", CLI_ARG_INT, "S", "hidden size (default 4096; 0: an empty hidden tensor)", 0,
-     1 << 20, .id = O_HIDDEN},
+     1 << 20, CLI_TO(demo_opts, hidden)},
     {"dtype", CLI_ARG_STRING, "T", DTYPE_HELP, .id = O_DTYPE},
     {"protocol", CLI_ARG_STRING, "P", "engine protocol in the config (default tcp)",
-     .id = O_PROTOCOL},
-    {"no-shm", CLI_ARG_FLAG, NULL, "never use the same-host transport", .id = O_NO_SHM},
+     CLI_TO(demo_opts, protocol)},
+    {"no-shm", CLI_ARG_FLAG, NULL, "never use the same-host transport", CLI_TO(demo_opts, no_shm)},
     {"metadata-server", CLI_ARG_STRING, "M",
      "http (an embedded store, default), p2p (P2PHANDSHAKE),\nor a connection string such as "
      "etcd://127.0.0.1:2379",
-     .aliases = "metadata", .id = O_METADATA},
+     .aliases = "metadata", CLI_TO(demo_opts, metadata)},
     {"port", CLI_ARG_INT, "P", "base port of prefill_url/decode_url (default: a free one)", 1,
-     65000, .id = O_PORT},
+     65000, CLI_TO(demo_opts, port)},
     {"timeout-ms", CLI_ARG_INT, "MS", "the engines' I/O timeout (default 5000)", 1, 86400000,
-     .id = O_TIMEOUT},
+     CLI_TO(demo_opts, timeout_ms)},
     {"no-prefault", CLI_ARG_FLAG, NULL,
      "do not touch the engines' buffer memory before the run:\nthe first requests then pay the "
      "page faults of fresh\nmemory, as in a process that just started",
@@ -162,14 +148,15 @@ static const cli_opt opts[] = {
      "does (default); in-place:\nprefill builds each tensor in a pipe buffer\n"
      "(kvp_pipe_tensor_alloc) before its clock starts, and\nkvp_pipe_send_take() sends it "
      "with no copy",
-     .choices = "copy|in-place", .id = O_SEND},
+     .choices = "copy|in-place", CLI_TO(demo_opts, in_place)},
     {"baseline", CLI_ARG_FLAG, NULL,
      "also time memcpy of the same bytes (one thread, memory\npre-faulted) after the run, for "
      "comparison",
-     .id = O_BASELINE},
-    {"json", CLI_ARG_FLAG, NULL, "last stdout line: a JSON object with the results", .id = O_JSON},
-    {"role", CLI_ARG_CHOICE, NULL, NULL, .choices = "prefill|decode", .id = O_ROLE},
-    {"run-dir", CLI_ARG_STRING, NULL, NULL, .id = O_RUN_DIR},
+     CLI_TO(demo_opts, baseline)},
+    {"json", CLI_ARG_FLAG, NULL, "last stdout line: a JSON object with the results",
+     CLI_TO(demo_opts, json)},
+    {"role", CLI_ARG_CHOICE, NULL, NULL, .choices = "prefill|decode", CLI_TO(demo_opts, role)},
+    {"run-dir", CLI_ARG_STRING, NULL, NULL, CLI_TO(demo_opts, run_dir)},
 };
 
 static const cli_spec spec = {
@@ -207,64 +194,13 @@ static const char *set_opt(void *p, const cli_opt *opt, const cli_value *v)
         o->tokens_max = (int)hi;
         break;
     }
-    case O_SEED:
-        o->seed = (unsigned long long)v->i;
-        break;
-    case O_DECODE_LAG:
-        o->decode_lag_ms = (int)v->i;
-        break;
-    case O_REQUESTS:
-        o->requests = (int)v->i;
-        break;
-    case O_LAYERS:
-        o->layers = (int)v->i;
-        break;
-    case O_KV_HEADS:
-        o->kv_heads = (int)v->i;
-        break;
-    case O_HEAD_DIM:
-        o->head_dim = (int)v->i;
-        break;
-    case O_HIDDEN:
-        o->hidden = (int)v->i;
-        break;
     case O_DTYPE:
         if (parse_dtype(v->text, &o->dtype))
             return "a dtype: bool, u8, i8, i16, u16, i32, u32, i64, u64, f16, bf16, f32, f64, "
                    "f8_e4m3, f8_e5m2, or torch's name (bfloat16, float16, ...)";
         break;
-    case O_PROTOCOL:
-        o->protocol = v->text;
-        break;
-    case O_NO_SHM:
-        o->no_shm = (int)v->i;
-        break;
-    case O_METADATA:
-        o->metadata = v->text;
-        break;
-    case O_PORT:
-        o->port = (int)v->i;
-        break;
-    case O_TIMEOUT:
-        o->timeout_ms = (int)v->i;
-        break;
     case O_NO_PREFAULT:
         o->prefault = !v->i;
-        break;
-    case O_SEND:
-        o->in_place = (int)v->i;
-        break;
-    case O_BASELINE:
-        o->baseline = (int)v->i;
-        break;
-    case O_JSON:
-        o->json = (int)v->i;
-        break;
-    case O_ROLE:
-        o->role = v->text;
-        break;
-    case O_RUN_DIR:
-        o->run_dir = v->text;
         break;
     }
     return NULL;

@@ -18,18 +18,16 @@ typedef struct info_opts {
     int json;
 } info_opts;
 
-enum { O_METADATA = 1, O_SEGMENT, O_HOST, O_JSON };
-
 static const cli_opt opts[] = {
     {"metadata-server", CLI_ARG_STRING, "S", "also check that the metadata store S answers",
-     .aliases = "metadata", .id = O_METADATA},
+     .aliases = "metadata", CLI_TO(info_opts, conn)},
     {"segment-id", CLI_ARG_STRING, "NAME",
      "and show the descriptor it holds for segment NAME\n(with P2PHANDSHAKE: ask the engine at "
      "NAME)",
-     .aliases = "segment", .id = O_SEGMENT},
+     .aliases = "segment", CLI_TO(info_opts, segment)},
     {"host", CLI_ARG_STRING, "H", "where the transports are tried (default 127.0.0.1)",
-     .id = O_HOST},
-    {"json", CLI_ARG_FLAG, NULL, "print one JSON object instead of text", .id = O_JSON},
+     CLI_TO(info_opts, host)},
+    {"json", CLI_ARG_FLAG, NULL, "print one JSON object instead of text", CLI_TO(info_opts, json)},
 };
 
 static const cli_spec spec = {
@@ -42,26 +40,6 @@ static const cli_spec spec = {
     .n_opts = sizeof opts / sizeof opts[0],
     .epilog = "Exit status: 0 if every check asked for passed, 1 otherwise.\n",
 };
-
-static const char *set_opt(void *p, const cli_opt *opt, const cli_value *v)
-{
-    info_opts *o = p;
-    switch (opt->id) {
-    case O_METADATA:
-        o->conn = v->text;
-        break;
-    case O_SEGMENT:
-        o->segment = v->text;
-        break;
-    case O_HOST:
-        o->host = v->text;
-        break;
-    case O_JSON:
-        o->json = (int)v->i;
-        break;
-    }
-    return NULL;
-}
 
 /* ------------------------------------------------------------- text --- */
 
@@ -321,7 +299,7 @@ static int check_store(const kvp_info *info, const info_opts *o, cJSON *doc)
 int cmd_info(int argc, char **argv)
 {
     info_opts o = {.host = "127.0.0.1"};
-    int r = cli_parse(&spec, argc, argv, 0, set_opt, &o);
+    int r = cli_parse(&spec, argc, argv, 0, NULL, &o);
     if (r) return r - 1;
     if (o.segment && !o.conn) {
         cli_error("--segment-id needs --metadata-server");

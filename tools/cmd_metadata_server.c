@@ -15,37 +15,28 @@ typedef struct server_opts {
     kvp_metadata_server_opts o;
 } server_opts;
 
-enum {
-    O_HOST = 1,
-    O_PORT,
-    O_MAX_VALUE,
-    O_MAX_TOTAL,
-    O_MAX_CONNS,
-    O_MAX_CONNS_PER_IP,
-    O_IDLE_TIMEOUT,
-    O_REQUEST_TIMEOUT,
-};
+enum { O_HOST = 1 };
 
 static const cli_opt opts[] = {
     {"host", CLI_ARG_STRING, "H", "address to bind (default 127.0.0.1; IPv6 allowed)",
      .id = O_HOST},
     {"port", CLI_ARG_INT, "P", "port to listen on (default 8080; 0 picks a free one)", 0, 65535,
-     .id = O_PORT},
+     CLI_TO(server_opts, o.port)},
     {"max-value-bytes", CLI_ARG_SIZE, "N", "largest value (default 16M)", 1, LLONG_MAX,
-     .id = O_MAX_VALUE},
+     CLI_TO(server_opts, o.max_value_bytes)},
     {"max-total-bytes", CLI_ARG_SIZE, "N", "memory for keys, values and requests (default 256M)", 1,
-     LLONG_MAX, .id = O_MAX_TOTAL},
+     LLONG_MAX, CLI_TO(server_opts, o.max_total_bytes)},
     {"max-connections", CLI_ARG_INT, "N", "connections served at once (default 1024)", 1, 1000000,
-     .id = O_MAX_CONNS},
+     CLI_TO(server_opts, o.max_connections)},
     {"max-connections-per-ip", CLI_ARG_INT, "N", "from one client address (default 256)", 1,
-     1000000, .id = O_MAX_CONNS_PER_IP},
+     1000000, CLI_TO(server_opts, o.max_connections_per_ip)},
     {"idle-timeout", CLI_ARG_INT, "S",
      "close a connection silent for S s, or that takes\nover S s for its request header (default "
      "15)",
-     1, 86400, .id = O_IDLE_TIMEOUT},
+     1, 86400, CLI_TO(server_opts, o.idle_timeout_s)},
     {"request-timeout", CLI_ARG_INT, "S",
      "close one that takes over S s for a request\n(default 30)", 1, 86400,
-     .id = O_REQUEST_TIMEOUT},
+     CLI_TO(server_opts, o.request_timeout_s)},
 };
 
 static const cli_spec spec = {
@@ -77,32 +68,8 @@ static int strip_brackets(const char *in, char *out, size_t len)
 static const char *set_opt(void *p, const cli_opt *opt, const cli_value *v)
 {
     server_opts *so = p;
-    kvp_metadata_server_opts *o = &so->o;
-    switch (opt->id) {
-    case O_HOST:
-        return strip_brackets(v->text, so->host, sizeof so->host) ? "a host name or address" : NULL;
-    case O_PORT:
-        o->port = (int)v->i;
-        break;
-    case O_MAX_VALUE:
-        o->max_value_bytes = v->size;
-        break;
-    case O_MAX_TOTAL:
-        o->max_total_bytes = v->size;
-        break;
-    case O_MAX_CONNS:
-        o->max_connections = (unsigned)v->i;
-        break;
-    case O_MAX_CONNS_PER_IP:
-        o->max_connections_per_ip = (unsigned)v->i;
-        break;
-    case O_IDLE_TIMEOUT:
-        o->idle_timeout_s = (unsigned)v->i;
-        break;
-    case O_REQUEST_TIMEOUT:
-        o->request_timeout_s = (unsigned)v->i;
-        break;
-    }
+    if (opt->id == O_HOST && strip_brackets(v->text, so->host, sizeof so->host))
+        return "a host name or address";
     return NULL;
 }
 
