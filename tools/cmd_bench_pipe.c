@@ -583,27 +583,13 @@ static int run_both(int argc, char **argv, const bp_opts *o)
         launch_cleanup(&l);
         return 1;
     }
-    char **args = calloc((size_t)argc + 8, sizeof *args);
-    const char *names[2] = {"receiver", "sender"}, *ranks[2] = {"1", "0"};
-    pid_t pids[2];
-    for (int i = 0; i < 2; i++) {
-        int n = 0;
-        args[n++] = "kvpipe";
-        args[n++] = "bench";
-        for (int a = 1; a < argc; a++)
-            args[n++] = argv[a];
-        args[n++] = "--config";
-        args[n++] = l.config_path;
-        args[n++] = "--kv-rank";
-        args[n++] = (char *)ranks[i];
-        args[n] = NULL;
-        pids[i] = launch_spawn(&l, args);
-    }
-    free(args);
+    const char *names[2] = {"receiver", "sender"};
+    const char *sides[2][LAUNCH_SIDE_ARGS] = {{"--config", l.config_path, "--kv-rank", "1"},
+                                              {"--config", l.config_path, "--kv-rank", "0"}};
     /* A backstop only: each side bounds its own waits. */
     double slow_ms = (double)o->tensor_size * (double)o->count / 20e6 * 1000;
     int limit = FLUSH_TIMEOUT_MS + 60000 + (slow_ms > 1e9 ? 1000000000 : (int)slow_ms);
-    int rc = launch_wait(pids, names, 2, limit);
+    int rc = launch_run(&l, "bench", argc, argv, names, sides, limit);
     launch_cleanup(&l);
     return rc;
 }

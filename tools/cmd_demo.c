@@ -875,27 +875,13 @@ static int run_both(int argc, char **argv, const demo_opts *o)
         return 1;
     }
     describe(o, p, &l);
-    char **args = calloc((size_t)argc + 6, sizeof *args);
     const char *roles[2] = {"decode", "prefill"};
-    pid_t pids[2];
-    for (int i = 0; i < 2; i++) {
-        int n = 0;
-        args[n++] = "kvpipe";
-        args[n++] = "demo";
-        for (int a = 1; a < argc; a++)
-            args[n++] = argv[a];
-        args[n++] = "--role";
-        args[n++] = (char *)roles[i];
-        args[n++] = "--run-dir";
-        args[n++] = l.dir;
-        args[n] = NULL;
-        pids[i] = launch_spawn(&l, args);
-    }
-    free(args);
+    const char *sides[2][LAUNCH_SIDE_ARGS] = {{"--role", roles[0], "--run-dir", l.dir},
+                                              {"--role", roles[1], "--run-dir", l.dir}};
     double total = bytes_from(o, 0);
     double extra = total / 20e6 * 1000 + (double)o->decode_lag_ms * o->requests;
     int limit_ms = 120000 + (int)(extra > 1e9 ? 1e9 : extra);
-    int rc = launch_wait(pids, roles, 2, limit_ms);
+    int rc = launch_run(&l, "demo", argc, argv, roles, sides, limit_ms);
     results res = {
         calloc((size_t)o->requests, 8), calloc((size_t)o->requests, 8), "?", -1, -1, {-1, -1}};
     if (rc == 0 && read_reports(&l, o->requests, &res) == 0)

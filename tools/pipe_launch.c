@@ -94,7 +94,7 @@ void launch_child_init(void)
     if (getenv("KVPIPE_LAUNCHED")) prctl(PR_SET_PDEATHSIG, SIGKILL);
 }
 
-pid_t launch_spawn(const launch_pair *l, char *const args[])
+static pid_t spawn(const launch_pair *l, char *const args[])
 {
     fflush(NULL);
     pid_t pid = fork();
@@ -112,7 +112,7 @@ static void kill_all(pid_t *pids, int n)
         if (pids[i] > 0) kill(pids[i], SIGKILL);
 }
 
-int launch_wait(pid_t *pids, const char *const *names, int n, int timeout_ms)
+static int wait_all(pid_t *pids, const char *const *names, int n, int timeout_ms)
 {
     int failed = 0, left = n;
     uint64_t deadline = cli_now_ms() + (uint64_t)timeout_ms;
@@ -146,6 +146,35 @@ int launch_wait(pid_t *pids, const char *const *names, int n, int timeout_ms)
         }
     }
     return failed;
+}
+
+int launch_run(const launch_pair *l, const char *cmd, int argc, char **argv,
+               const char *const names[2], const char *const side_args[2][LAUNCH_SIDE_ARGS],
+               int timeout_ms)
+{
+    pid_t pids[2] = {-1, -1};
+    char **args = calloc((size_t)argc + 2 + LAUNCH_SIDE_ARGS, sizeof *args);
+    for (int i = 0; i < 2 && args; i++) {
+        int n = 0;
+        args[n++] = "kvpipe";
+        args[n++] = (char *)cmd;
+        for (int a = 1; a < argc; a++)
+            args[n++] = argv[a];
+        for (int a = 0; a < LAUNCH_SIDE_ARGS; a++)
+            args[n++] = (char *)side_args[i][a];
+        args[n] = NULL;
+        pids[i] = spawn(l, args);
+    }
+    free(args);
+    for (int i = 0; i < 2; i++)
+        if (pids[i] < 0) {
+            cli_error("cannot start the %s side: %s", names[i], strerror(errno));
+            kill_all(pids, 2);
+            for (int k = 0; k < 2; k++)
+                if (pids[k] > 0) waitpid(pids[k], NULL, 0);
+            return 1;
+        }
+    return wait_all(pids, names, 2, timeout_ms);
 }
 
 void launch_cleanup(launch_pair *l)

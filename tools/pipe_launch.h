@@ -25,15 +25,16 @@ typedef struct launch_pair {
  * reason to stderr and returns -1 on failure. */
 int launch_prepare(launch_pair *l, const char *metadata, const char *protocol, int base_port);
 
-/* Start this binary with args (args[0] is ignored and replaced), with env
- * MOONCAKE_CONFIG_PATH set to the config; the child dies with this process.
- * Returns the pid, or -1. */
-pid_t launch_spawn(const launch_pair *l, char *const args[]);
-
-/* Wait for n children up to timeout_ms in all. When one fails or the time is
- * up, the others are killed. Returns 0 when all exited 0; otherwise prints
- * which failed and returns 1. names label the children in messages. */
-int launch_wait(pid_t *pids, const char *const *names, int n, int timeout_ms);
+/* Run the two sides as children of this process, which die with it: each
+ * this binary as `kvpipe CMD`, with the caller's options (argv[1..argc))
+ * and then its own side_args[i], and env MOONCAKE_CONFIG_PATH set to the
+ * config; then wait for both, up to timeout_ms in all. When one fails or
+ * the time is up, the other is killed. Returns 0 when both exited 0;
+ * otherwise prints which failed (names label the sides) and returns 1. */
+#define LAUNCH_SIDE_ARGS 4
+int launch_run(const launch_pair *l, const char *cmd, int argc, char **argv,
+               const char *const names[2], const char *const side_args[2][LAUNCH_SIDE_ARGS],
+               int timeout_ms);
 
 /* Stop the store and remove the temporary files. */
 void launch_cleanup(launch_pair *l);
@@ -47,7 +48,7 @@ void launch_cleanup(launch_pair *l);
 const char *launch_recv_transport(kvp_pipe *pipe, const kvp_pipe_stats *ps);
 
 /* For a side: let SIGINT/SIGTERM act again (the CLI blocks them) and, when
- * started by launch_spawn(), die with the parent. */
+ * started by launch_run(), die with the parent. */
 void launch_child_init(void);
 
 #endif
