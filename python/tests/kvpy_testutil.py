@@ -175,6 +175,13 @@ class Child:
             self.proc.kill()
             self.proc.wait(timeout=10)
 
+    def finish(self):
+        """Ask a child that takes commands to EXIT (when it still runs), wait, close."""
+        if self.proc.poll() is None:
+            self.send("EXIT")
+            self.wait()
+        self.close()
+
     def close(self):
         self.kill()
         for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
@@ -182,6 +189,25 @@ class Child:
                 f.close()
             except OSError:
                 pass
+
+
+def new_engine(metadata="P2PHANDSHAKE", host=None):
+    """A kvpipe.TransferEngine over tcp on host (default HOST and a free port)."""
+    import kvpipe
+    eng = kvpipe.TransferEngine()
+    name = host or "%s:%d" % (HOST, free_port())
+    ret = eng.initialize(name, metadata, "tcp", "")
+    if ret != 0:
+        raise AssertionError("initialize(%s) = %d: %s" % (name, ret, kvpipe.last_error()))
+    return eng
+
+
+def restore_env(name, value):
+    """Set environment variable name back to value, as os.environ.get gave it."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def python_child(script, *args):

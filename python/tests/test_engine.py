@@ -17,15 +17,6 @@ def pattern(seed, n):
     return bytes((i * 7 + seed * 13) % 251 for i in range(n))
 
 
-def new_engine(metadata="P2PHANDSHAKE", host=None):
-    eng = kvpipe.TransferEngine()
-    name = host or "%s:%d" % (tu.HOST, tu.free_port())
-    ret = eng.initialize(name, metadata, "tcp", "")
-    if ret != 0:
-        raise AssertionError("initialize(%s) = %d: %s" % (name, ret, kvpipe.last_error()))
-    return eng
-
-
 class LocalTests(unittest.TestCase):
     def test_methods_before_initialize_raise(self):
         eng = kvpipe.TransferEngine()
@@ -51,7 +42,7 @@ class LocalTests(unittest.TestCase):
 
     def test_initialize_bare_host_picks_port(self):
         # SGLang and vLLM's MooncakeConnector pass a bare host and then ask.
-        eng = new_engine(host=tu.HOST)
+        eng = tu.new_engine(host=tu.HOST)
         port = eng.get_rpc_port()
         self.assertGreater(port, 0)
         self.assertEqual(eng.get_segment_name(), "%s:%d" % (tu.HOST, port))
@@ -65,7 +56,7 @@ class LocalTests(unittest.TestCase):
                 s.bind(("::1", 0))
         except OSError:
             self.skipTest("no IPv6 loopback")
-        a, b = new_engine(host="::1"), new_engine(host="[::1]")
+        a, b = tu.new_engine(host="::1"), tu.new_engine(host="[::1]")
         self.assertEqual(b.get_segment_name(), "[::1]:%d" % b.get_rpc_port())
         src = b.allocate_managed_buffer(64)
         b.write_bytes_to_buffer(src, b"over v6", 7)
@@ -105,7 +96,7 @@ class LocalTests(unittest.TestCase):
         self.assertIn("did you mean 'P2PHANDSHAKE'", kvpipe.last_error())
 
     def test_managed_buffer_bytes(self):
-        eng = new_engine()
+        eng = tu.new_engine()
         addr = eng.allocate_managed_buffer(SIZE)
         self.assertNotEqual(addr, 0)
         data = pattern(3, SIZE)
@@ -129,7 +120,7 @@ class LocalTests(unittest.TestCase):
         eng.close()
 
     def test_register_unregister(self):
-        eng = new_engine()
+        eng = tu.new_engine()
         a = ctypes.create_string_buffer(8192)
         b = ctypes.create_string_buffer(8192)
         pa, pb = ctypes.addressof(a), ctypes.addressof(b)
@@ -179,20 +170,14 @@ class TwoProcessTests(unittest.TestCase):
         words = self.peer.readline().split()
         self.assertEqual(words[0], "READY", " ".join(words))
         self.peer_managed, self.peer_region = int(words[2]), int(words[3])
-        self.eng = new_engine(self.metadata)
+        self.eng = tu.new_engine(self.metadata)
         self.local = self.eng.allocate_managed_buffer(SIZE)
         self.assertNotEqual(self.local, 0)
 
     def tearDown(self):
-        if self.saved_env is None:
-            os.environ.pop("KVPIPE_DISABLE_SHM", None)
-        else:
-            os.environ["KVPIPE_DISABLE_SHM"] = self.saved_env
+        tu.restore_env("KVPIPE_DISABLE_SHM", self.saved_env)
         self.eng.close()
-        if self.peer.proc.poll() is None:
-            self.peer.send("EXIT")
-            self.peer.wait()
-        self.peer.close()
+        self.peer.finish()
         if self.md:
             self.md.__exit__(None, None, None)
 

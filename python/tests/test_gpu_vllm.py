@@ -53,15 +53,9 @@ class VllmV1Pattern(unittest.TestCase):
             DEV.write(a, pattern(i, BLOCK))
 
     def tearDown(self):
-        if self.saved_env is None:
-            os.environ.pop("KVPIPE_DISABLE_SHM")
-        else:
-            os.environ["KVPIPE_DISABLE_SHM"] = self.saved_env
+        tu.restore_env("KVPIPE_DISABLE_SHM", self.saved_env)
         self.eng.close()
-        if self.peer.proc.poll() is None:
-            self.peer.send("EXIT")
-            self.peer.wait()
-        self.peer.close()
+        self.peer.finish()
         for a in self.local:
             DEV.free(a)
 

@@ -18,14 +18,6 @@ import kvpipe  # noqa: E402
 WAIT = 20.0  # seconds; generous, every wait succeeds at once when the code is right
 
 
-def new_engine():
-    eng = kvpipe.TransferEngine()
-    ret = eng.initialize("%s:%d" % (tu.HOST, tu.free_port()), "P2PHANDSHAKE", "tcp", "")
-    if ret != 0:
-        raise AssertionError("initialize = %d: %s" % (ret, kvpipe.last_error()))
-    return eng
-
-
 def bad_handshake(port):
     """A handshake frame of length 0: the engine's server thread refuses it (and
     logs that) and closes the connection. Returns the seconds that took."""
@@ -47,12 +39,18 @@ def wait_for(cond, timeout=WAIT):
 
 
 class Collector:
-    def __init__(self):
+    """A log handler that keeps every line; with hold, each call first waits (at
+    most WAIT * 2 s) for that event to be set."""
+
+    def __init__(self, hold=None):
         self.lines = []
         self.threads = set()
         self.lock = threading.Lock()
+        self.hold = hold
 
     def __call__(self, level, subsystem, message):
+        if self.hold:
+            self.hold.wait(WAIT * 2)
         with self.lock:
             self.lines.append((level, subsystem, message))
             self.threads.add(threading.get_ident())
@@ -67,11 +65,21 @@ class LogTests(unittest.TestCase):
         kvpipe.set_log_handler(None)
         kvpipe.set_log_level("warn")
 
+    def stuck_engine(self):
+        """An engine, with debug lines going to a handler stuck until the returned
+        event is set."""
+        release = threading.Event()
+        got = Collector(hold=release)
+        eng = tu.new_engine()
+        kvpipe.set_log_level("debug")
+        kvpipe.set_log_handler(got)
+        return eng, got, release
+
     def test_lines_reach_the_handler(self):
         got = Collector()
         kvpipe.set_log_handler(got)
         kvpipe.set_log_level("INFO")
-        eng = new_engine()
+        eng = tu.new_engine()
         # None delivers what is queued before it returns.
         kvpipe.set_log_handler(None)
         # The engine's line (a ucx server, where built, says it serves too).
@@ -83,7 +91,7 @@ class LogTests(unittest.TestCase):
         eng.close()
 
     def test_lines_from_kvpipe_threads(self):
-        eng = new_engine()
+        eng = tu.new_engine()
         got = Collector()
         kvpipe.set_log_handler(got)
         bad_handshake(eng.get_rpc_port())
@@ -97,7 +105,7 @@ class LogTests(unittest.TestCase):
         got = Collector()
         kvpipe.set_log_handler(got)
         kvpipe.set_log_level("error")
-        eng = new_engine()
+        eng = tu.new_engine()
         bad_handshake(eng.get_rpc_port())
         kvpipe.set_log_handler(None)
         self.assertEqual(got.lines, [])
@@ -106,21 +114,12 @@ class LogTests(unittest.TestCase):
     def test_blocked_handler_never_stalls_kvpipe(self):
         """The server thread logs a line per refused connection; with the handler
         stuck, it must still serve every connection at once."""
-        release = threading.Event()
-        got = Collector()
-
-        def stuck(level, subsystem, message):
-            release.wait(WAIT * 2)
-            got(level, subsystem, message)
-
-        eng = new_engine()
-        kvpipe.set_log_level("debug")
-        kvpipe.set_log_handler(stuck)
+        eng, got, release = self.stuck_engine()
         try:
             for _ in range(20):
                 self.assertLess(bad_handshake(eng.get_rpc_port()), WAIT / 2)
             # And from a thread of ours while kvpipe's lock-taking calls run.
-            eng2 = new_engine()
+            eng2 = tu.new_engine()
             eng2.close()
         finally:
             release.set()
@@ -129,16 +128,7 @@ class LogTests(unittest.TestCase):
         eng.close()
 
     def test_overflow_is_counted(self):
-        release = threading.Event()
-        got = Collector()
-
-        def stuck(level, subsystem, message):
-            release.wait(WAIT * 2)
-            got(level, subsystem, message)
-
-        eng = new_engine()
-        kvpipe.set_log_level("debug")
-        kvpipe.set_log_handler(stuck)
+        eng, got, release = self.stuck_engine()
         for _ in range(1100):
             bad_handshake(eng.get_rpc_port())
         release.set()
@@ -159,7 +149,7 @@ class LogTests(unittest.TestCase):
         try:
             kvpipe.set_log_level("info")
             kvpipe.set_log_handler(broken)
-            a, b = new_engine(), new_engine()
+            a, b = tu.new_engine(), tu.new_engine()
             kvpipe.set_log_handler(None)
         finally:
             sys.unraisablehook = old_hook
@@ -192,7 +182,7 @@ class LogTests(unittest.TestCase):
         if pid == 0:
             code = 1
             try:
-                eng = new_engine()
+                eng = tu.new_engine()
                 kvpipe.set_log_handler(None)
                 code = 0 if got.having("serving") else 3
                 eng.close()

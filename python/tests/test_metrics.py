@@ -69,10 +69,7 @@ class EngineStatsTests(unittest.TestCase):
 
     def tearDown(self):
         self.eng.close()
-        if self.peer.proc.poll() is None:
-            self.peer.send("EXIT")
-            self.peer.wait()
-        self.peer.close()
+        self.peer.finish()
 
     def test_counts_exactly(self):
         before = self.eng.stats()

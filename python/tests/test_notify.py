@@ -22,15 +22,6 @@ def pattern(seed, n):
     return (block * (n // len(block) + 1))[:n]
 
 
-def new_engine(metadata="P2PHANDSHAKE"):
-    eng = kvpipe.TransferEngine()
-    name = "%s:%d" % (tu.HOST, tu.free_port())
-    ret = eng.initialize(name, metadata, "tcp", "")
-    if ret != 0:
-        raise AssertionError("initialize(%s) = %d: %s" % (name, ret, kvpipe.last_error()))
-    return eng
-
-
 class TransferNotifyTests(unittest.TestCase):
     def test_class(self):
         n = kvpipe.TransferNotify("req-1", "done")
@@ -51,7 +42,7 @@ class TransferNotifyTests(unittest.TestCase):
     def test_surface_without_peer(self):
         eng = kvpipe.TransferEngine()
         self.assertLess(eng.send_probe("127.0.0.1:1"), 0)  # before initialize: as Mooncake
-        eng = new_engine()
+        eng = tu.new_engine()
         self.assertEqual(eng.get_notifies(), [])
         self.assertEqual(eng.get_local_topology(), "{}")
         self.assertEqual(eng.get_local_topology("mlx5_0"), "{}")
@@ -81,24 +72,18 @@ class NotifyTwoProcessTests(unittest.TestCase):
         self.assertEqual(words[0], "READY", " ".join(words))
         return peer, int(words[2])
 
-    def stop_peer(self, peer):
-        if peer.proc.poll() is None:
-            peer.send("EXIT")
-            peer.wait()
-        peer.close()
-
     def setUp(self):
         os.environ["KVPIPE_DISABLE_SHM"] = "1"
         self.target = "%s:%d" % (tu.HOST, tu.free_port())
         self.peer, self.peer_managed = self.start_peer(self.target)
-        self.eng = new_engine()
+        self.eng = tu.new_engine()
         self.local = self.eng.allocate_managed_buffer(BIG)
         self.assertNotEqual(self.local, 0)
 
     def tearDown(self):
         os.environ.pop("KVPIPE_DISABLE_SHM", None)
         self.eng.close()
-        self.stop_peer(self.peer)
+        self.peer.finish()
 
     def wait_notify(self, name, n=BIG):
         self.peer.send("WAITNOTIFY %s %d %d" % (name, self.peer_managed, n))

@@ -51,6 +51,28 @@ def as_numpy(t):
         return np.asarray(t)
 
 
+def check_received(case, got, want):
+    """got is what want was sent as: None; a numpy array; a DLPackBox (bfloat16); or,
+    for a tensor sent in place, its (dtype, shape, bytes)."""
+    if want is None:
+        case.assertIsNone(got)
+    elif isinstance(want, tuple):
+        case.assertEqual((got.dtype, got.shape, bytes(memoryview(got))), want)
+    elif isinstance(want, DLPackBox):
+        case.assertEqual((got.dtype, bytes(memoryview(got))), ("bfloat16", want.raw.raw))
+    else:
+        case.assertEqual(got.shape, want.shape)
+        np.testing.assert_array_equal(as_numpy(got), want)
+
+
+def exchange(case, src, dst, sent):
+    """Send every message of sent from src, then receive and check each at dst."""
+    for m in sent:
+        src.send_tensor(m)
+    for m in sent:
+        check_received(case, dst.recv_tensor(timeout=30), m)
+
+
 # ---- a DLPack producer written with ctypes, for dtypes numpy lacks ----------------
 
 class DLDevice(ctypes.Structure):
@@ -213,14 +235,7 @@ class PairTests(PipePairCase):
                     (int(self.rng.integers(90, 100)), int(self.rng.integers(90, 100))),
                     dtype=np.float32)
                 sent = [x, x.mean(keepdims=True), x.std(keepdims=True)]
-            for s in sent:
-                src.send_tensor(s)
-            for s in sent:
-                got = dst.recv_tensor(timeout=30)
-                if s is None:
-                    self.assertIsNone(got)
-                else:
-                    np.testing.assert_array_equal(as_numpy(got), s)
+            exchange(self, src, dst, sent)
 
     def test_dlpack_dtypes_numpy_lacks(self):
         bits = np.arange(6, dtype=np.uint16) * 4099
@@ -316,12 +331,6 @@ class SendTakeTests(PipePairCase):
         pipe.send_tensor_take(t)
         return (dtype, tuple(shape), raw)
 
-    def assert_received(self, got, want):
-        if want is None:
-            self.assertIsNone(got)
-        else:
-            self.assertEqual((got.dtype, got.shape, bytes(memoryview(got))), want)
-
     def test_alloc_shapes_and_dtypes(self):
         t = self.prefill.alloc_tensor([])
         self.assertEqual((t.dtype, t.shape, t.ndim, t.nbytes), ("uint8", (), 0, 1))
@@ -383,13 +392,13 @@ class SendTakeTests(PipePairCase):
         want.append(None)
         want.append(self.take((512, 1024), "uint8"))  # 512 KiB
         for w in want:
-            self.assert_received(self.decode.recv_tensor(timeout=30), w)
+            check_received(self, self.decode.recv_tensor(timeout=30), w)
         p.flush(timeout=30)
         st = p.stats()
         self.assertEqual((st["sent"], st["acks"], st["inflight_count"]), (len(want),) * 2 + (0,))
         # and the other way round
         w = self.take((2, 2), "uint16", self.decode)
-        self.assert_received(p.recv_tensor(timeout=30), w)
+        check_received(self, p.recv_tensor(timeout=30), w)
 
     def test_live_buffer_exports_refuse_the_take(self):
         t = self.prefill.alloc_tensor((16,), "int32")
@@ -769,14 +778,7 @@ class PathTests(unittest.TestCase):
         sent = [random_array("float32", (8, 8), rng), None,
                 random_array("uint8", (70000,), rng),  # above 65536: announced
                 random_array("int64", (3,), rng)]
-        for m in sent:
-            a.send_tensor(m)
-        for m in sent:
-            got = b.recv_tensor(timeout=30)
-            if m is None:
-                self.assertIsNone(got)
-            else:
-                np.testing.assert_array_equal(as_numpy(got), m)
+        exchange(self, a, b, sent)
         a.flush(timeout=30)
         return a.stats(), b.stats()
 
@@ -832,19 +834,6 @@ class CrossProcessTests(unittest.TestCase):
                               (10,)))
         return msgs
 
-    def check_echo(self, pipe, msgs):
-        for m in msgs:
-            pipe.send_tensor(m)
-        for m in msgs:
-            got = pipe.recv_tensor(timeout=30)
-            if m is None:
-                self.assertIsNone(got)
-            elif isinstance(m, DLPackBox):
-                self.assertEqual((got.dtype, bytes(memoryview(got))), ("bfloat16", m.raw.raw))
-            else:
-                self.assertEqual(got.shape, m.shape)
-                np.testing.assert_array_equal(as_numpy(got), m)
-
     def run_with_peer(self, argv_of, metadata="P2PHANDSHAKE"):
         cfg = tu.pipe_config(metadata)
         path = tu.write_config(cfg)
@@ -853,7 +842,7 @@ class CrossProcessTests(unittest.TestCase):
         try:
             self.assertEqual(peer.readline(), "ready")
             with kvpipe.Pipe(path, 0, 0) as pipe:
-                self.check_echo(pipe, msgs)
+                exchange(self, pipe, pipe, msgs)
                 pipe.flush(timeout=30)
                 self.assertEqual(peer.wait(), 0, peer.stderr())
         finally:
@@ -898,11 +887,7 @@ class CrossProcessTests(unittest.TestCase):
                         want.append((s[1], s[0], fill_bytes(t, rng)))
                         pipe.send_tensor_take(t)
                     for w in want:
-                        got = pipe.recv_tensor(timeout=30)
-                        if w is None:
-                            self.assertIsNone(got)
-                        else:
-                            self.assertEqual((got.dtype, got.shape, bytes(memoryview(got))), w)
+                        check_received(self, pipe.recv_tensor(timeout=30), w)
                     pipe.flush(timeout=30)
                     self.assertEqual(peer.wait(), 0, peer.stderr())
             finally:

@@ -62,10 +62,7 @@ class Peer:
         return self.child.readline()
 
     def close(self):
-        if self.child.proc.poll() is None:
-            self.child.send("EXIT")
-            self.child.wait()
-        self.child.close()
+        self.child.finish()
 
 
 class Report:
