@@ -558,9 +558,7 @@ kvp_status kvpi_conn_server_start(int listen_fd, const char *name, const kvpi_co
 void kvpi_conn_server_stop(kvpi_conn_server *srv)
 {
     if (!srv) return;
-    uint64_t one = 1;
-    while (write(srv->wake_fd, &one, sizeof one) < 0 && errno == EINTR) {
-    }
+    (void)kvpi_eventfd_signal(srv->wake_fd);
     pthread_join(srv->acceptor, NULL);
     pthread_mutex_lock(&srv->lock);
     for (kvpi_conn *c = srv->conns; c; c = c->next)

@@ -444,8 +444,7 @@ void kvpi_http_listener_stop(kvpi_http_listener *l)
 {
     if (!l) return;
     if (l->acceptor_started) {
-        uint64_t one = 1;
-        if (write(l->wake_fd, &one, sizeof one) != sizeof one)
+        if (kvpi_eventfd_signal(l->wake_fd))
             KVPI_WARN("%s: cannot wake the acceptor: %s", l->what, strerror(errno));
         pthread_join(l->acceptor, NULL);
     }

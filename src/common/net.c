@@ -248,6 +248,16 @@ static int arm(int fd, int opt, uint64_t deadline_ns)
     return 0;
 }
 
+int kvpi_eventfd_signal(int fd)
+{
+    uint64_t one = 1;
+    ssize_t n;
+    do
+        n = write(fd, &one, sizeof one);
+    while (n < 0 && errno == EINTR);
+    return n == sizeof one || (n < 0 && errno == EAGAIN) ? 0 : -1;
+}
+
 /* Skip the first done bytes of an iovec list; returns the new start. */
 static struct iovec *iov_advance(struct iovec *iov, int *n, size_t done)
 {

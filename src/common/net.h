@@ -120,6 +120,10 @@ kvp_status kvpi_host_address(char *out, size_t len, char *why, size_t why_len);
 /* Whether an interface name is a container or virtual bridge's (above). */
 int kvpi_iface_virtual(const char *name);
 
+/* Wake the thread waiting on eventfd fd: add 1 to its counter. A counter
+ * at its maximum is woken already. 0, or -1 with errno set. */
+int kvpi_eventfd_signal(int fd);
+
 /* Little-endian and big-endian integer codecs for wire headers. */
 static inline void kvpi_put_le64(uint8_t *p, uint64_t v)
 {

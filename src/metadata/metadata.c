@@ -852,8 +852,7 @@ kvp_status kvpi_meta_watch_start(kvpi_meta *meta, int poll_ms, kvpi_meta_change_
 void kvpi_meta_watch_stop(kvpi_meta_watch *w)
 {
     if (!w) return;
-    uint64_t one = 1;
-    if (write(w->stop_fd, &one, sizeof one) != sizeof one)
+    if (kvpi_eventfd_signal(w->stop_fd))
         KVPI_WARN("metadata watch: cannot wake its thread: %s", strerror(errno));
     pthread_join(w->thread, NULL);
     close(w->stop_fd);

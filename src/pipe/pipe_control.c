@@ -206,8 +206,7 @@ static void data_handoff(kvp_pipe *p, uint64_t now)
         p->handoff_at = 0;
         return;
     }
-    uint64_t one = 1;
-    if (write(p->recv_wake_fd, &one, sizeof one) < 0 && errno != EAGAIN)
+    if (kvpi_eventfd_signal(p->recv_wake_fd))
         KVPI_WARN("pipe %s: cannot wake a receiver: %s", p->ep.local_segment, strerror(errno));
     p->handoff_at = now + HANDOFF_RETRY_MS;
 }
