@@ -14,9 +14,11 @@ jobs=${JOBS:-2}
 SECONDS=0
 took() { echo "test.sh: $1 took $SECONDS s"; SECONDS=0; }
 
-# Every C file as clang-format 14 writes it (.clang-format); first, as it
-# takes seconds and a misformatted file fails the run.
+# Every C file as clang-format 14 writes it (.clang-format), and every
+# commit subject since the rule came in at most 72 characters
+# (scripts/hooks/commit-msg); first, as they take seconds.
 scripts/check-format.sh
+scripts/check-subjects.sh
 
 cmake -S . -B build -DKVP_WERROR=ON >/dev/null
 cmake --build build -j"$jobs"
