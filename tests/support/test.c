@@ -69,6 +69,7 @@ void kvpt_run(const char *name, void (*fn)(void), int timeout_s)
         return;
     }
     fflush(NULL);
+    uint64_t t0 = kvpi_now_ns();
     pid_t pid = fork();
     if (pid == 0) {
         setpgid(0, 0);
@@ -83,18 +84,19 @@ void kvpt_run(const char *name, void (*fn)(void), int timeout_s)
     }
     /* Kill anything the case left running in its process group. */
     kill(-pid, SIGKILL);
+    double secs = (double)(kvpi_now_ns() - t0) / 1e9;
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
-        printf("PASS %s\n", name);
+        printf("PASS %s (%.1f s)\n", name, secs);
         passed++;
     } else if (WIFEXITED(status) && WEXITSTATUS(status) == KVPT_SKIP_EXIT) {
-        printf("SKIP %s\n", name);
+        printf("SKIP %s (%.1f s)\n", name, secs);
         skipped++;
     } else if (WIFSIGNALED(status)) {
-        printf("FAIL %s (signal %d%s)\n", name, WTERMSIG(status),
-               WTERMSIG(status) == SIGALRM ? ": timed out" : "");
+        printf("FAIL %s (signal %d%s, %.1f s)\n", name, WTERMSIG(status),
+               WTERMSIG(status) == SIGALRM ? ": timed out" : "", secs);
         failed++;
     } else {
-        printf("FAIL %s\n", name);
+        printf("FAIL %s (%.1f s)\n", name, secs);
         failed++;
     }
     fflush(stdout);
