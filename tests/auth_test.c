@@ -22,7 +22,7 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/net.h"
-#include "ctarget.h"
+#include "peer.h"
 #include "engine/engine_internal.h"
 #include "kvpipe/info.h"
 #include "metadata/metadata.h"
@@ -94,7 +94,7 @@ static kvp_engine *initiator(const char *metadata, const char *key, int disable_
     return e;
 }
 
-static int read_ok(kvp_engine *e, const char *segment, const kvpt_ctarget *t, const char *want_tp)
+static int read_ok(kvp_engine *e, const char *segment, const kvpt_target *t, const char *want_tp)
 {
     kvp_segment_id seg;
     char buf[4096];
@@ -112,7 +112,7 @@ static int read_ok(kvp_engine *e, const char *segment, const kvpt_ctarget *t, co
 }
 
 /* The target child's stderr goes to a file, for its log lines. */
-static int start_target(kvpt_ctarget_opts *o, kvpt_ctarget *t, const char *key, char *log,
+static int start_target(kvpt_target_opts *o, kvpt_target *t, const char *key, char *log,
                         size_t loglen)
 {
     snprintf(log, loglen, "/tmp/kvpt_auth_target_%d.err", (int)getpid());
@@ -125,7 +125,7 @@ static int start_target(kvpt_ctarget_opts *o, kvpt_ctarget *t, const char *key, 
     fflush(stderr);
     dup2(fd, STDERR_FILENO);
     close(fd);
-    int rc = kvpt_ctarget_start(o, t);
+    int rc = kvpt_target_start(o, t);
     fflush(stderr);
     dup2(saved, STDERR_FILENO);
     close(saved);
@@ -177,7 +177,7 @@ static int connect_shm(const char *name)
 
 /* The shm socket named in the target's descriptor, asked for by an
  * authenticated handshake. */
-static int shm_socket_of(const kvpt_ctarget *t, const kvpi_auth *a, char *out, size_t len)
+static int shm_socket_of(const kvpt_target *t, const kvpi_auth *a, char *out, size_t len)
 {
     char *reply = NULL;
     if (kvpi_rpc_call_auth("127.0.0.1", t->rpc_port, a, KVPI_RPC_METADATA, "{}", WAIT_MS, &reply) !=
@@ -291,8 +291,8 @@ static void listeners_refuse_strangers(void)
     make_keys();
     kvpi_auth *good = load(key1), *bad = load(key2);
     REQUIRE(good && bad);
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {.len = LEN, .seed = SEED, .timeout_ms = 3000};
+    kvpt_target t;
+    kvpt_target_opts o = {.len = LEN, .seed = SEED, .timeout_ms = 3000};
     char log[128];
     REQUIRE(start_target(&o, &t, key1, log, sizeof log) == 0);
     char shm_name[KVPI_SHM_SOCKET_MAX];
@@ -323,12 +323,12 @@ static void listeners_refuse_strangers(void)
     {
         int fd = kvpt_raw_connect(t.rpc_port);
         REQUIRE(fd >= 0);
-        int64_t cpu0 = kvpt_ctarget_cpu_ms(&t);
+        int64_t cpu0 = kvpt_target_cpu_ms(&t);
         uint64_t t0 = kvpi_now_ms();
         CHECK_OK(kvpi_send_all(fd, "KVPA", 4));
         CHECK(closed_silently(fd));
         uint64_t took = kvpi_now_ms() - t0;
-        int64_t cpu = kvpt_ctarget_cpu_ms(&t) - cpu0;
+        int64_t cpu = kvpt_target_cpu_ms(&t) - cpu0;
         CHECK(took >= 2500 && took < WAIT_MS);
         CHECK(cpu >= 0 && cpu < 300); /* a spinning thread takes most of a core */
         if (cpu >= 300) fprintf(stderr, "  the target spent %lld ms of CPU\n", (long long)cpu);
@@ -403,7 +403,7 @@ static void listeners_refuse_strangers(void)
     kvp_engine_destroy(shm);
     kvp_engine_destroy(none);
     kvp_engine_destroy(other);
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
     /* Logged, but rate-limited: 20 Mooncake-wire peers on the data port. */
     int data_lines = count_lines(log, "tcp data server");
     CHECK(count_lines(log, "refused a connection") >= 3);
@@ -444,8 +444,8 @@ static void replay_fails(void)
     make_keys();
     kvpi_auth *good = load(key1);
     REQUIRE(good);
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {.len = LEN, .seed = SEED, .disable_shm = 1};
+    kvpt_target t;
+    kvpt_target_opts o = {.len = LEN, .seed = SEED, .disable_shm = 1};
     char log[128];
     REQUIRE(start_target(&o, &t, key1, log, sizeof log) == 0);
     /* Record a genuine handshake through a relay. */
@@ -501,7 +501,7 @@ static void replay_fails(void)
     REQUIRE(e);
     CHECK(read_ok(e, t.name, &t, "tcp"));
     kvp_engine_destroy(e);
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
     CHECK(count_lines(log, "replayed handshake") >= 1);
     unlink(log);
     kvpi_auth_free(good);
@@ -546,8 +546,8 @@ static char *replace(const char *text, const char *from, const char *to)
 /* Put bad under the target's descriptor key and open the segment with an
  * authenticated initiator at once: refused, with want in the message. The
  * keeper may put the genuine one back before the lookup; then try again. */
-static void refused_then_repaired(store *s, const kvpt_ctarget *t, const char *bad,
-                                  const char *want, const kvpi_auth *good)
+static void refused_then_repaired(store *s, const kvpt_target *t, const char *bad, const char *want,
+                                  const kvpi_auth *good)
 {
     int refused = 0;
     for (int attempt = 0; attempt < 3 && !refused; attempt++) {
@@ -595,8 +595,8 @@ static void descriptors_refused_and_repaired(void)
     store s;
     REQUIRE(kvpt_http_start(&s.srv) == KVPT_SERVER_OK);
     REQUIRE(kvpi_store_http.open(s.srv.conn, 3000, &s.raw) == KVP_OK);
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {.metadata = s.srv.conn, .len = LEN, .seed = SEED, .disable_shm = 1};
+    kvpt_target t;
+    kvpt_target_opts o = {.metadata = s.srv.conn, .len = LEN, .seed = SEED, .disable_shm = 1};
     char log[128];
     REQUIRE(start_target(&o, &t, key1, log, sizeof log) == 0);
     char *genuine = store_get(&s, "ram", t.name);
@@ -653,7 +653,7 @@ static void descriptors_refused_and_repaired(void)
         if (!back) usleep(100000);
     }
     CHECK(back);
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
     CHECK(count_lines(log, "putting the genuine one back") >= 1);
     unlink(log);
     free(genuine);
@@ -672,8 +672,8 @@ static void unauthenticated_target_refused(void)
     make_keys();
     store s;
     REQUIRE(kvpt_http_start(&s.srv) == KVPT_SERVER_OK);
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {.metadata = s.srv.conn, .len = LEN, .seed = SEED, .disable_shm = 1};
+    kvpt_target t;
+    kvpt_target_opts o = {.metadata = s.srv.conn, .len = LEN, .seed = SEED, .disable_shm = 1};
     char log[128];
     REQUIRE(start_target(&o, &t, NULL, log, sizeof log) == 0);
     kvp_engine *e = initiator(s.srv.conn, key1, 1, 0);
@@ -688,7 +688,7 @@ static void unauthenticated_target_refused(void)
     CHECK_ST(kvp_engine_open_segment(e, t.name, &seg), KVP_EAUTH);
     CHECK(strstr(kvp_last_error(), "not an authenticated kvpipe peer"));
     kvp_engine_destroy(e);
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
     unlink(log);
     kvpt_server_down(&s.srv);
     drop_keys();
@@ -851,7 +851,7 @@ static void refused_bare(raw_ucx *r, unsigned want)
 }
 
 /* The target's descriptor, asked for with the key; its worker address. */
-static cJSON *ucx_desc(const kvpt_ctarget *t, const kvpi_auth *a, char *worker, size_t len)
+static cJSON *ucx_desc(const kvpt_target *t, const kvpi_auth *a, char *worker, size_t len)
 {
     char *reply = NULL;
     if (kvpi_rpc_call_auth("127.0.0.1", t->rpc_port, a, KVPI_RPC_METADATA, "{}", WAIT_MS, &reply) !=
@@ -963,8 +963,8 @@ static void ucx_refuses_strangers(const char *tls)
     make_keys();
     kvpi_auth *good = load(key1), *bad = load(key2);
     REQUIRE(good && bad);
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {
+    kvpt_target t;
+    kvpt_target_opts o = {
         .protocol = "rdma", .len = LEN, .seed = SEED, .disable_shm = 1, .timeout_ms = 3000};
     char log[128];
     REQUIRE(start_target(&o, &t, key1, log, sizeof log) == 0);
@@ -1038,7 +1038,7 @@ static void ucx_refuses_strangers(const char *tls)
      * the rkeys of a thousand regions in the HELLO's answer, more than an
      * eager message of UCX carries in one fragment. */
     for (int k = 0; k < 1000; k++)
-        REQUIRE(kvpt_ctarget_cmd(&t, KVPT_CT_REGISTER, 4096, WAIT_MS) >= 0);
+        REQUIRE(kvpt_target_cmd(&t, KVPT_T_REGISTER, 4096, WAIT_MS) >= 0);
     kvp_engine_opts eo;
     kvp_engine_opts_init(&eo);
     char name[64];
@@ -1053,7 +1053,7 @@ static void ucx_refuses_strangers(const char *tls)
     CHECK(read_ok(e, t.name, &t, "ucx"));
     kvp_engine_destroy(e);
     cJSON_Delete(desc);
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
     /* Refusals logged, rate-limited: one line for the lot. */
     int lines = count_lines(log, "refused a connection");
     CHECK(lines >= 1 && lines <= 2);
@@ -1091,8 +1091,8 @@ static void ucx_replayed_challenge_fails(const char *tls)
     make_keys();
     kvpi_auth *good = load(key1);
     REQUIRE(good);
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {.protocol = "rdma", .len = LEN, .seed = SEED, .disable_shm = 1};
+    kvpt_target t;
+    kvpt_target_opts o = {.protocol = "rdma", .len = LEN, .seed = SEED, .disable_shm = 1};
     char log[128];
     REQUIRE(start_target(&o, &t, key1, log, sizeof log) == 0);
     char worker[4096];
@@ -1152,7 +1152,7 @@ static void ucx_replayed_challenge_fails(const char *tls)
     raw_close(&imp);
     cJSON_Delete(fake);
     cJSON_Delete(desc);
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
     unlink(log);
     kvpi_auth_free(good);
     drop_keys();

@@ -11,7 +11,7 @@
 
 #include <cjson/cJSON.h>
 
-#include "target.h"
+#include "peer.h"
 #include "test.h"
 
 static char out[1 << 16];

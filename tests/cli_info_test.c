@@ -5,7 +5,7 @@
 
 #include <cjson/cJSON.h>
 
-#include "target.h"
+#include "peer.h"
 #include "test.h"
 #include "transport/transport.h"
 

@@ -12,7 +12,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
-#include "target.h"
+#include "peer.h"
 #include "test.h"
 #include "metadata/metadata.h"
 #include "transport/transport.h"
@@ -77,7 +77,7 @@ static int start_target(size_t len, kvpt_target *t)
 
 static int start_initiator(kvp_engine **e)
 {
-    return kvpt_engine_start(meta, M->protocol, !same_host(), e);
+    return kvpt_initiator_start(meta, M->protocol, !same_host(), 0, e);
 }
 
 /* Common prologue: store, target of len bytes, initiator, open segment. */
@@ -219,7 +219,7 @@ static void target_killed(void)
     CHECK(errors == 1);
     CHECK(failed_at && failed_at - killed_at < 8000);
     waitpid(t.pid, NULL, 0);
-    close(t.ctl);
+    close(t.peer.cmd);
     free(local);
     kvp_engine_destroy(e);
 }
@@ -733,7 +733,7 @@ static void mooncake_rdma_segment(void)
     free(key);
     kvpi_store_http.close(store);
     kvp_engine *e;
-    REQUIRE(kvpt_engine_start(url, "tcp", 0, &e) == 0);
+    REQUIRE(kvpt_initiator_start(url, "tcp", 0, 0, &e) == 0);
     kvp_segment_id id;
     CHECK_ST(kvp_engine_open_segment(e, seg, &id), KVP_ENOTSUP);
     CHECK(strstr(kvp_last_error(), "is a Mooncake rdma segment") != NULL);

@@ -16,7 +16,7 @@
 #include <unistd.h>
 
 #include "kvpipe/metrics.h"
-#include "target.h"
+#include "peer.h"
 #include "test.h"
 
 /* ------------------------------------------------ a strict 0.0.4 parser --- */
@@ -527,7 +527,7 @@ static void counts_transfers_on(const char *protocol, int disable_shm)
                            .disable_shm = disable_shm};
     REQUIRE(kvpt_target_start(&to, &t) == 0);
     kvp_engine *e;
-    REQUIRE(kvpt_engine_start("P2PHANDSHAKE", protocol, disable_shm, &e) == 0);
+    REQUIRE(kvpt_initiator_start("P2PHANDSHAKE", protocol, disable_shm, 0, &e) == 0);
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
     kvp_remote_buffer rb;

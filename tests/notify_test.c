@@ -22,7 +22,7 @@
 
 #include "common/clock.h"
 #include "common/net.h"
-#include "ctarget.h"
+#include "peer.h"
 #include "metadata/metadata.h"
 #include "test.h"
 
@@ -97,7 +97,7 @@ static void test_write_then_notify_across_processes(void)
     CHECK(read(up[0], &remote, sizeof remote) == (ssize_t)sizeof remote);
     kvp_engine *ini = NULL;
     uint8_t *src = malloc(ORDER_LEN);
-    if (remote && src && kvpt_initiator_start("tcp", 1, 0, &ini) == 0) {
+    if (remote && src && kvpt_initiator_start(NULL, "tcp", 1, 0, &ini) == 0) {
         char target[64];
         snprintf(target, sizeof target, "127.0.0.1:%d", port);
         kvp_segment_id seg;
@@ -166,7 +166,7 @@ out:
 static void test_mooncake_notify_frame_to_kvpipe(void)
 {
     kvp_engine *e = NULL;
-    REQUIRE(kvpt_initiator_start("tcp", 1, 0, &e) == 0);
+    REQUIRE(kvpt_initiator_start(NULL, "tcp", 1, 0, &e) == 0);
     char *reply = NULL;
     int type = raw_exchange(kvp_engine_rpc_port(e), 2, mc_notify, strlen(mc_notify), &reply);
     CHECK(type == 2);
@@ -288,7 +288,7 @@ static void test_kvpipe_notify_to_mooncake_server(void)
     kvp_engine *e = NULL;
     char peer[64];
     snprintf(peer, sizeof peer, "127.0.0.1:%d", s.rpc_port);
-    if (kvpt_initiator_start("tcp", 1, 0, &e) == 0) {
+    if (kvpt_initiator_start(NULL, "tcp", 1, 0, &e) == 0) {
         kvp_segment_id seg;
         CHECK_OK(kvp_engine_open_segment(e, peer, &seg));
         CHECK_OK(kvp_engine_notify(e, seg, "kvpipe-initiator", "blocks 3..9 \"written\""));
@@ -316,7 +316,7 @@ static void test_refusal_from_mooncake_server(void)
     kvp_engine *e = NULL;
     char peer[64];
     snprintf(peer, sizeof peer, "127.0.0.1:%d", s.rpc_port);
-    if (kvpt_initiator_start("tcp", 1, 0, &e) == 0) {
+    if (kvpt_initiator_start(NULL, "tcp", 1, 0, &e) == 0) {
         kvp_segment_id seg;
         CHECK_OK(kvp_engine_open_segment(e, peer, &seg));
         CHECK_ST(kvp_engine_notify(e, seg, "n", "m"), KVP_ENOTSUP);
@@ -325,8 +325,8 @@ static void test_refusal_from_mooncake_server(void)
     kvp_engine_destroy(e);
     mc_stop(&s);
     /* Nobody listening: the connection's error, at once. */
-    CHECK_ST(kvpt_initiator_start("tcp", 1, 0, &e) == 0 ? kvp_engine_probe(e, "127.0.0.1:1")
-                                                        : KVP_EIO,
+    CHECK_ST(kvpt_initiator_start(NULL, "tcp", 1, 0, &e) == 0 ? kvp_engine_probe(e, "127.0.0.1:1")
+                                                              : KVP_EIO,
              KVP_ECONNREFUSED);
     kvp_engine_destroy(e);
 }
@@ -336,8 +336,8 @@ static void test_refusal_from_mooncake_server(void)
 static void test_queue_bound_refuses_and_keeps(void)
 {
     kvp_engine *a = NULL, *b = NULL;
-    REQUIRE(kvpt_initiator_start("tcp", 1, 0, &a) == 0);
-    if (kvpt_initiator_start("tcp", 1, 0, &b) != 0) {
+    REQUIRE(kvpt_initiator_start(NULL, "tcp", 1, 0, &a) == 0);
+    if (kvpt_initiator_start(NULL, "tcp", 1, 0, &b) != 0) {
         kvp_engine_destroy(a);
         REQUIRE(!"second engine");
     }

@@ -9,7 +9,7 @@
 #include <cjson/cJSON.h>
 
 #include "metadata/metadata.h"
-#include "target.h"
+#include "peer.h"
 #include "test.h"
 #include "transport/tcp_wire.h"
 
@@ -225,7 +225,7 @@ static void client_side_check(void)
 {
     REQUIRE(start() == 0);
     kvp_engine *e;
-    REQUIRE(kvpt_engine_start("P2PHANDSHAKE", "tcp", 1, &e) == 0);
+    REQUIRE(kvpt_initiator_start("P2PHANDSHAKE", "tcp", 1, 0, &e) == 0);
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(e, T.name, &seg));
     char buf[4096];

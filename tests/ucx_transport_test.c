@@ -14,8 +14,7 @@
 
 #include <cjson/cJSON.h>
 
-#include "ctarget.h"
-#include "target.h"
+#include "peer.h"
 #include "test.h"
 #include "transport/transport.h"
 #if KVP_HAVE_UCX
@@ -72,7 +71,7 @@ static void uses_ucx(const char *tls, const char *want, const char *unwanted)
     kvp_engine *e;
     kvp_segment_id seg;
     REQUIRE(start_target("rdma", &t) == 0);
-    REQUIRE(kvpt_engine_start("P2PHANDSHAKE", "rdma", 1, &e) == 0);
+    REQUIRE(kvpt_initiator_start("P2PHANDSHAKE", "rdma", 1, 0, &e) == 0);
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
     CHECK(strcmp(kvp_engine_segment_transport(e, seg), "ucx") == 0);
     char lanes[512];
@@ -113,7 +112,7 @@ static void descriptor_fields(void)
 {
     setenv("UCX_TLS", "tcp", 1);
     kvp_engine *e;
-    REQUIRE(kvpt_engine_start("P2PHANDSHAKE", "rdma", 1, &e) == 0);
+    REQUIRE(kvpt_initiator_start("P2PHANDSHAKE", "rdma", 1, 0, &e) == 0);
     char *buf = malloc(LEN);
     REQUIRE(buf);
     REQUIRE_OK(kvp_engine_register(e, buf, LEN));
@@ -156,7 +155,7 @@ static void peer_without_ucx(void)
     setenv("UCX_TLS", "tcp", 1);
     kvp_engine *e;
     kvp_segment_id seg;
-    REQUIRE(kvpt_engine_start("P2PHANDSHAKE", "rdma", 1, &e) == 0);
+    REQUIRE(kvpt_initiator_start("P2PHANDSHAKE", "rdma", 1, 0, &e) == 0);
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
     CHECK(strcmp(kvp_engine_segment_transport(e, seg), "tcp") == 0);
     move_bytes(e, seg, &t);
@@ -213,7 +212,7 @@ static void force_tcp(void)
     setenv("MC_FORCE_TCP", "1", 1);
     kvp_engine *e;
     kvp_segment_id seg;
-    REQUIRE(kvpt_engine_start("P2PHANDSHAKE", "rdma", 1, &e) == 0);
+    REQUIRE(kvpt_initiator_start("P2PHANDSHAKE", "rdma", 1, 0, &e) == 0);
     unsetenv("MC_FORCE_TCP");
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
     CHECK(strcmp(kvp_engine_segment_transport(e, seg), "tcp") == 0);
@@ -248,7 +247,7 @@ static int pool_shared(const char *proto, const char *key)
 {
     if (key) setenv("KVPIPE_AUTH_KEY_FILE", key, 1);
     kvp_engine *e;
-    int up = kvpt_initiator_start(proto, 1, 0, &e) == 0;
+    int up = kvpt_initiator_start(NULL, proto, 1, 0, &e) == 0;
     unsetenv("KVPIPE_AUTH_KEY_FILE");
     if (!up) return -1;
     void *p;

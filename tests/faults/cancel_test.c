@@ -23,7 +23,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
-#include "ctarget.h"
+#include "peer.h"
 #include "test.h"
 #include "transport/transport.h"
 
@@ -51,7 +51,7 @@ static const mode modes[] = {
 static const mode *M;
 
 typedef struct fixture {
-    kvpt_ctarget t;
+    kvpt_target t;
     kvp_engine *e;
     kvp_segment_id seg;
     uint64_t base;
@@ -65,13 +65,13 @@ static int setup(fixture *f)
     }
     if (M->ucx_tls) setenv("UCX_TLS", M->ucx_tls, 1); /* the target inherits it */
     int shm = strcmp(M->transport, "shm") == 0;
-    kvpt_ctarget_opts o = {.protocol = M->protocol,
-                           .disable_shm = !shm,
-                           .len = LEN,
-                           .seed = SEED,
-                           .timeout_ms = TIMEOUT_MS};
-    if (kvpt_ctarget_start(&o, &f->t) != 0) return -1;
-    if (kvpt_initiator_start(M->protocol, !shm, TIMEOUT_MS, &f->e) != 0) return -1;
+    kvpt_target_opts o = {.protocol = M->protocol,
+                          .disable_shm = !shm,
+                          .len = LEN,
+                          .seed = SEED,
+                          .timeout_ms = TIMEOUT_MS};
+    if (kvpt_target_start(&o, &f->t) != 0) return -1;
+    if (kvpt_initiator_start(NULL, M->protocol, !shm, TIMEOUT_MS, &f->e) != 0) return -1;
     if (kvp_engine_open_segment(f->e, f->t.name, &f->seg) != KVP_OK) return -1;
     if (strcmp(kvp_engine_segment_transport(f->e, f->seg), M->transport) != 0) return -1;
     f->base = (uint64_t)(uintptr_t)f->t.buf;
@@ -81,7 +81,7 @@ static int setup(fixture *f)
 static void teardown(fixture *f)
 {
     kvp_engine_destroy(f->e);
-    CHECK(kvpt_ctarget_stop(&f->t) == 0);
+    CHECK(kvpt_target_stop(&f->t, 0) == 0);
 }
 
 /* One READ first, so that the links are open and warm. */

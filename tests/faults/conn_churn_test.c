@@ -31,7 +31,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
-#include "ctarget.h"
+#include "peer.h"
 #include "test.h"
 
 #define MAX_PEERS 50
@@ -117,7 +117,7 @@ static int tw_bound(uint64_t elapsed_ms)
 typedef struct churn_run {
     kvp_engine *e;
     kvp_segment_id seg[MAX_PEERS];
-    kvpt_ctarget *t;
+    kvpt_target *t;
     long n; /* transfers in all, WRITE and READ counted apart */
     atomic_long done, failed, wrong;
     atomic_int stop;
@@ -157,12 +157,12 @@ static void *worker_main(void *arg)
     return NULL;
 }
 
-static void stop_targets(kvpt_ctarget *t, int n)
+static void stop_targets(kvpt_target *t, int n)
 {
     /* Last first: a later child holds the earlier ones' command pipes (it
      * was forked with them open), so their end-of-file waits for it. */
     for (int i = n - 1; i >= 0; i--)
-        CHECK(kvpt_ctarget_stop(&t[i]) == 0);
+        CHECK(kvpt_target_stop(&t[i], 0) == 0);
 }
 
 static void churn(int peers, int threads, long n)
@@ -170,12 +170,12 @@ static void churn(int peers, int threads, long n)
     PEERS = peers;
     THREADS = threads;
     REQUIRE(kvpt_raise_nofile(8192) == 0);
-    static kvpt_ctarget t[MAX_PEERS];
-    kvpt_ctarget_opts o = {.len = LEN, .seed = 0xc4, .disable_shm = 1};
+    static kvpt_target t[MAX_PEERS];
+    kvpt_target_opts o = {.len = LEN, .seed = 0xc4, .disable_shm = 1};
     int started = 0;
     uint64_t t0 = kvpi_now_ms();
     for (; started < PEERS; started++)
-        if (kvpt_ctarget_start(&o, &t[started]) != 0) break;
+        if (kvpt_target_start(&o, &t[started]) != 0) break;
     fprintf(stderr, "  %d target processes started in %llu ms\n", started,
             (unsigned long long)(kvpi_now_ms() - t0));
     if (started < PEERS) {

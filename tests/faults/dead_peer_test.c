@@ -45,7 +45,7 @@
 #include <sched.h>
 
 #include "common/clock.h"
-#include "ctarget.h"
+#include "peer.h"
 #include "netns.h"
 #include "test.h"
 
@@ -213,11 +213,11 @@ static void run(int mode)
         REQUIRE(setns(n.fd[0], CLONE_NEWNET) == 0);
         setenv("MC_TCP_BIND_ADDRESS", n.addr[0], 1);
     }
-    kvpt_ctarget_opts o = {.disable_shm = 1, .len = LEN, .seed = SEED, .timeout_ms = TIMEOUT_MS};
-    kvpt_ctarget live, dead;
-    REQUIRE(kvpt_ctarget_start(&o, &live) == 0);
-    if (kvpt_ctarget_start(&o, &dead) != 0) {
-        kvpt_ctarget_stop(&live);
+    kvpt_target_opts o = {.disable_shm = 1, .len = LEN, .seed = SEED, .timeout_ms = TIMEOUT_MS};
+    kvpt_target live, dead;
+    REQUIRE(kvpt_target_start(&o, &live) == 0);
+    if (kvpt_target_start(&o, &dead) != 0) {
+        kvpt_target_stop(&live, 0);
         REQUIRE(0);
     }
     if (mode == NETWORK_HOLE) {
@@ -245,7 +245,7 @@ static void run(int mode)
     dead_caller d[DEAD_THREADS];
     int started = 0;
     const char *skip = NULL; /* after the clean-up below: kvpt_skip exits */
-    if (!fill || kvpt_initiator_start("tcp", 1, TIMEOUT_MS, &e) != 0 ||
+    if (!fill || kvpt_initiator_start(NULL, "tcp", 1, TIMEOUT_MS, &e) != 0 ||
         kvp_engine_open_segment(e, live.name, &live_seg) != KVP_OK ||
         kvp_engine_open_segment(e, dead.name, &dead_seg) != KVP_OK) {
         fprintf(stderr, "  setup: %s\n", kvp_last_error());
@@ -320,8 +320,8 @@ out:
         if (fill[i] >= 0) close(fill[i]);
     free(fill);
     kill(dead.pid, SIGCONT);
-    kvpt_ctarget_stop(&dead);
-    CHECK(kvpt_ctarget_stop(&live) == 0);
+    kvpt_target_stop(&dead, 0);
+    CHECK(kvpt_target_stop(&live, 0) == 0);
     if (mode == NETWORK_HOLE) kvpt_netns_destroy(&n);
     if (skip) kvpt_skip("%s", skip);
 }

@@ -38,7 +38,7 @@
 
 #include "common/clock.h"
 #include "metadata/metadata.h"
-#include "ctarget.h"
+#include "peer.h"
 #include "servers.h"
 #include "test.h"
 

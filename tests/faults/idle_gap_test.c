@@ -19,7 +19,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
-#include "ctarget.h"
+#include "peer.h"
 #include "test.h"
 #include "transport/transport.h"
 
@@ -48,7 +48,7 @@ static int gap_s(void)
 /* A WRITE of XFER bytes at off, a READ of them back and a batch of BATCH
  * READs, each timed; returns the slowest in ms, or -1 with the failure
  * reported. */
-static int64_t round_trip(kvp_engine *e, kvp_segment_id seg, const kvpt_ctarget *t, char *buf,
+static int64_t round_trip(kvp_engine *e, kvp_segment_id seg, const kvpt_target *t, char *buf,
                           size_t off, uint64_t seed)
 {
     uint64_t remote = (uint64_t)(uintptr_t)t->buf + off, t0 = kvpi_now_ms();
@@ -93,7 +93,7 @@ static int64_t round_trip(kvp_engine *e, kvp_segment_id seg, const kvpt_ctarget 
 /* One target and its initiator, with the target's idle_timeout_ms. */
 typedef struct pair {
     int idle_timeout_ms; /* 0: the default */
-    kvpt_ctarget t;
+    kvpt_target t;
     int started;
     kvp_engine *e;
     kvp_segment_id seg;
@@ -104,12 +104,12 @@ typedef struct pair {
  * forked after UCX has started in its parent gets no working UCX). */
 static int pair_target(pair *x, const path *p)
 {
-    kvpt_ctarget_opts o = {.protocol = p->protocol,
-                           .disable_shm = p->disable_shm,
-                           .len = LEN,
-                           .seed = SEED,
-                           .idle_timeout_ms = x->idle_timeout_ms};
-    if (kvpt_ctarget_start(&o, &x->t) != 0) return -1;
+    kvpt_target_opts o = {.protocol = p->protocol,
+                          .disable_shm = p->disable_shm,
+                          .len = LEN,
+                          .seed = SEED,
+                          .idle_timeout_ms = x->idle_timeout_ms};
+    if (kvpt_target_start(&o, &x->t) != 0) return -1;
     x->started = 1;
     return 0;
 }
@@ -117,7 +117,7 @@ static int pair_target(pair *x, const path *p)
 static int pair_initiator(pair *x, const path *p)
 {
     x->buf = malloc(XFER);
-    if (!x->buf || kvpt_initiator_start(p->protocol, p->disable_shm, 0, &x->e) != 0 ||
+    if (!x->buf || kvpt_initiator_start(NULL, p->protocol, p->disable_shm, 0, &x->e) != 0 ||
         kvp_engine_open_segment(x->e, x->t.name, &x->seg) != KVP_OK) {
         fprintf(stderr, "  setup: %s\n", kvp_last_error());
         return -1;
@@ -133,7 +133,7 @@ static void pair_stop(pair *x)
 {
     kvp_engine_destroy(x->e);
     free(x->buf);
-    if (x->started) CHECK(kvpt_ctarget_stop(&x->t) == 0);
+    if (x->started) CHECK(kvpt_target_stop(&x->t, 0) == 0);
 }
 
 /* Both pairs of a path (the target's default idle time and a short one)

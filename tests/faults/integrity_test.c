@@ -58,10 +58,9 @@
 #include "common/net.h"
 #include "common/tsan.h"
 #include "common/digest.h"
-#include "ctarget.h"
 #include "metadata/metadata.h"
 #include "pipe_raw.h"
-#include "target.h"
+#include "peer.h"
 #include "test.h"
 #include "transport/tcp_wire.h"
 
@@ -263,7 +262,7 @@ out:
 }
 
 typedef struct rig {
-    kvpt_ctarget t;
+    kvpt_target t;
     proxy px;
     kvp_engine *e;
     kvp_segment_id seg;
@@ -275,11 +274,11 @@ static int rig_start(rig *r)
     if (kvpt_http_store_start(r->their, sizeof r->their) < 0 ||
         kvpt_http_store_start(r->ours, sizeof r->ours) < 0)
         return -1;
-    kvpt_ctarget_opts o = {.metadata = r->their, .len = 4 * MIB, .seed = SEED, .disable_shm = 1};
-    if (kvpt_ctarget_start(&o, &r->t) != 0 || proxy_start(&r->px, r->t.data_port) != 0 ||
+    kvpt_target_opts o = {.metadata = r->their, .len = 4 * MIB, .seed = SEED, .disable_shm = 1};
+    if (kvpt_target_start(&o, &r->t) != 0 || proxy_start(&r->px, r->t.data_port) != 0 ||
         divert(r->their, r->ours, r->t.name, r->px.port) != 0)
         return -1;
-    if (kvpt_engine_start(r->ours, "tcp", 1, &r->e) != 0) return -1;
+    if (kvpt_initiator_start(r->ours, "tcp", 1, 0, &r->e) != 0) return -1;
     return kvp_engine_open_segment(r->e, r->t.name, &r->seg) == KVP_OK ? 0 : -1;
 }
 
@@ -288,7 +287,7 @@ static void rig_stop(rig *r)
     atomic_store(&r->px.stop, 1);
     pthread_join(r->px.thread, NULL);
     kvp_engine_destroy(r->e);
-    kvpt_ctarget_stop(&r->t);
+    kvpt_target_stop(&r->t, 0);
     proxy_stop(&r->px);
 }
 
@@ -433,11 +432,11 @@ static void tally_print(const char *what, const tally *t)
 static void source_rewritten_read(const char *protocol)
 {
     integrity(1);
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {.len = 4 * MIB, .seed = SEED, .disable_shm = strcmp(protocol, "shm")};
-    REQUIRE(kvpt_ctarget_start(&o, &t) == 0);
+    kvpt_target t;
+    kvpt_target_opts o = {.len = 4 * MIB, .seed = SEED, .disable_shm = strcmp(protocol, "shm")};
+    REQUIRE(kvpt_target_start(&o, &t) == 0);
     kvp_engine *e;
-    REQUIRE(kvpt_initiator_start(protocol, strcmp(protocol, "shm") != 0, 0, &e) == 0);
+    REQUIRE(kvpt_initiator_start(NULL, protocol, strcmp(protocol, "shm") != 0, 0, &e) == 0);
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
     rewriter w;
@@ -462,7 +461,7 @@ static void source_rewritten_read(const char *protocol)
     CHECK(n.other == 0);
     CHECK(n.ok + n.corrupt > 10);
     kvp_engine_destroy(e);
-    kvpt_ctarget_stop(&t);
+    kvpt_target_stop(&t, 0);
 }
 
 static void tcp_source_rewritten_read(void)
@@ -481,11 +480,11 @@ static void source_rewritten_write(const char *protocol)
 {
     integrity(1);
     int shm = strcmp(protocol, "shm") == 0;
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {.len = 4 * MIB, .seed = SEED, .disable_shm = !shm};
-    REQUIRE(kvpt_ctarget_start(&o, &t) == 0);
+    kvpt_target t;
+    kvpt_target_opts o = {.len = 4 * MIB, .seed = SEED, .disable_shm = !shm};
+    REQUIRE(kvpt_target_start(&o, &t) == 0);
     kvp_engine *e;
-    REQUIRE(kvpt_initiator_start(protocol, !shm, 0, &e) == 0);
+    REQUIRE(kvpt_initiator_start(NULL, protocol, !shm, 0, &e) == 0);
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
     static uint64_t src[MIB / 8];
@@ -510,7 +509,7 @@ static void source_rewritten_write(const char *protocol)
     CHECK(n.other == 0);
     CHECK(n.ok + n.corrupt > 10);
     kvp_engine_destroy(e);
-    kvpt_ctarget_stop(&t);
+    kvpt_target_stop(&t, 0);
 }
 
 static void tcp_source_rewritten_write(void)
@@ -531,11 +530,11 @@ static void late_write(const char *protocol)
 {
     integrity(1);
     int shm = strcmp(protocol, "shm") == 0;
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {.len = 16 * MIB, .seed = SEED, .disable_shm = !shm, .timeout_ms = 1000};
-    REQUIRE(kvpt_ctarget_start(&o, &t) == 0);
+    kvpt_target t;
+    kvpt_target_opts o = {.len = 16 * MIB, .seed = SEED, .disable_shm = !shm, .timeout_ms = 1000};
+    REQUIRE(kvpt_target_start(&o, &t) == 0);
     kvp_engine *e;
-    REQUIRE(kvpt_initiator_start(protocol, !shm, 1000, &e) == 0);
+    REQUIRE(kvpt_initiator_start(NULL, protocol, !shm, 1000, &e) == 0);
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
     uint8_t *a = malloc(LATE_LEN), *b = malloc(LATE_LEN), *got = malloc(LATE_LEN);
@@ -562,7 +561,7 @@ static void late_write(const char *protocol)
     free(b);
     free(got);
     kvp_engine_destroy(e);
-    kvpt_ctarget_stop(&t);
+    kvpt_target_stop(&t, 0);
 }
 
 static void tcp_late_write(void)
@@ -591,11 +590,11 @@ static void clean_soak(const char *protocol)
 {
     integrity(1);
     int shm = strcmp(protocol, "shm") == 0;
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {.len = 64 * MIB, .seed = SEED, .disable_shm = !shm};
-    REQUIRE(kvpt_ctarget_start(&o, &t) == 0);
+    kvpt_target t;
+    kvpt_target_opts o = {.len = 64 * MIB, .seed = SEED, .disable_shm = !shm};
+    REQUIRE(kvpt_target_start(&o, &t) == 0);
     kvp_engine *e;
-    REQUIRE(kvpt_initiator_start(protocol, !shm, 0, &e) == 0);
+    REQUIRE(kvpt_initiator_start(NULL, protocol, !shm, 0, &e) == 0);
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
     enum { BATCH = 128 };
@@ -634,7 +633,7 @@ static void clean_soak(const char *protocol)
     CHECK(corrupt == 0);
     free(local);
     kvp_engine_destroy(e);
-    kvpt_ctarget_stop(&t);
+    kvpt_target_stop(&t, 0);
 }
 
 static void clean_soak_tcp(void)

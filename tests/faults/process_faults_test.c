@@ -14,7 +14,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
-#include "ctarget.h"
+#include "peer.h"
 #include "test.h"
 
 #define SEED 0x9f
@@ -76,13 +76,13 @@ static void loop_stop(looper *l)
  * failure, or -1. */
 static long target_fault(int sig, kvp_opcode op, kvp_status *st)
 {
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {
+    kvpt_target t;
+    kvpt_target_opts o = {
         .len = 64 * MIB, .seed = SEED, .timeout_ms = TIMEOUT_MS, .disable_shm = 1};
-    if (kvpt_ctarget_start(&o, &t) != 0) return -1;
+    if (kvpt_target_start(&o, &t) != 0) return -1;
     kvp_engine *e;
     long took = -1;
-    if (kvpt_initiator_start("tcp", 1, TIMEOUT_MS, &e) == 0) {
+    if (kvpt_initiator_start(NULL, "tcp", 1, TIMEOUT_MS, &e) == 0) {
         kvp_segment_id seg;
         looper l;
         if (kvp_engine_open_segment(e, t.name, &seg) == KVP_OK &&
@@ -103,7 +103,7 @@ static long target_fault(int sig, kvp_opcode op, kvp_status *st)
         kvp_engine_destroy(e);
     }
     kill(t.pid, SIGKILL);
-    kvpt_ctarget_stop(&t);
+    kvpt_target_stop(&t, 0);
     return took;
 }
 
@@ -141,7 +141,7 @@ static void target_sigkill_mid_read(void)
 
 /* An initiator in a child process that WRITEs 32 MiB at a time into the
  * target's buffer until it is signalled. */
-static pid_t writer_child(const kvpt_ctarget *t)
+static pid_t writer_child(const kvpt_target *t)
 {
     fflush(NULL);
     pid_t pid = fork();
@@ -149,7 +149,7 @@ static pid_t writer_child(const kvpt_ctarget *t)
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     kvp_engine *e;
     kvp_segment_id seg;
-    if (kvpt_initiator_start("tcp", 1, TIMEOUT_MS, &e) != 0 ||
+    if (kvpt_initiator_start(NULL, "tcp", 1, TIMEOUT_MS, &e) != 0 ||
         kvp_engine_open_segment(e, t->name, &seg) != KVP_OK)
         _exit(3);
     char *buf = malloc(32 * MIB);
@@ -166,19 +166,19 @@ static pid_t writer_child(const kvpt_ctarget *t)
  * timeout. */
 static void initiator_fault(int sig)
 {
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {
+    kvpt_target t;
+    kvpt_target_opts o = {
         .len = 64 * MIB, .seed = SEED, .timeout_ms = TIMEOUT_MS, .disable_shm = 1};
-    REQUIRE(kvpt_ctarget_start(&o, &t) == 0);
+    REQUIRE(kvpt_target_start(&o, &t) == 0);
     pid_t w = writer_child(&t);
     REQUIRE(w > 0);
     usleep(700000); /* it is connected and writing */
     kill(w, sig);
     usleep(100000);
-    int64_t reg_ms = kvpt_ctarget_cmd(&t, KVPT_CT_REGISTER, MIB, 2500);
+    int64_t reg_ms = kvpt_target_cmd(&t, KVPT_T_REGISTER, MIB, 2500);
     CHECK(reg_ms >= 0 && reg_ms < 1000);
     kvp_engine *e;
-    REQUIRE(kvpt_initiator_start("tcp", 1, TIMEOUT_MS, &e) == 0);
+    REQUIRE(kvpt_initiator_start(NULL, "tcp", 1, TIMEOUT_MS, &e) == 0);
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
     char *buf = malloc(MIB);
@@ -186,7 +186,7 @@ static void initiator_fault(int sig)
     /* Another initiator, the upper half of the region the frozen one writes to. */
     CHECK_OK(kvp_engine_read(e, seg, buf, (uint64_t)(uintptr_t)t.buf + 48 * MIB, MIB));
     CHECK(kvpt_verify(buf, MIB, SEED + 48 * MIB) == (size_t)-1);
-    int64_t unreg_ms = kvpt_ctarget_cmd(&t, KVPT_CT_UNREGISTER, 0, BOUND_MS + 2000);
+    int64_t unreg_ms = kvpt_target_cmd(&t, KVPT_T_UNREGISTER, 0, BOUND_MS + 2000);
     CHECK(unreg_ms >= 0 && unreg_ms < BOUND_MS);
     fprintf(stderr, "  initiator signal %d: register %lld ms, unregister %lld ms\n", sig,
             (long long)reg_ms, (long long)unreg_ms);
@@ -194,7 +194,7 @@ static void initiator_fault(int sig)
     kvp_engine_destroy(e);
     kill(w, SIGKILL);
     waitpid(w, NULL, 0);
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
 }
 
 static void initiator_sigstop_mid_write(void)

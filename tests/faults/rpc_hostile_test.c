@@ -16,7 +16,7 @@
 
 #include "common/clock.h"
 #include "common/net.h"
-#include "ctarget.h"
+#include "peer.h"
 #include "metadata/metadata.h"
 #include "test.h"
 
@@ -88,9 +88,9 @@ static void slowloris_stop(slowloris *s)
 static void slowloris_260(void)
 {
     REQUIRE(kvpt_raise_nofile(4096) == 0);
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {.len = MIB, .timeout_ms = 30000, .disable_shm = 1};
-    REQUIRE(kvpt_ctarget_start(&o, &t) == 0);
+    kvpt_target t;
+    kvpt_target_opts o = {.len = MIB, .timeout_ms = 30000, .disable_shm = 1};
+    REQUIRE(kvpt_target_start(&o, &t) == 0);
     slowloris s;
     REQUIRE(slowloris_start(&s, t.rpc_port, 260) == 0);
     usleep(1500000);
@@ -100,21 +100,21 @@ static void slowloris_260(void)
     CHECK(served == 5);
     /* An engine finds the segment through the same port. */
     kvp_engine *e;
-    REQUIRE(kvpt_initiator_start("tcp", 1, 3000, &e) == 0);
+    REQUIRE(kvpt_initiator_start(NULL, "tcp", 1, 3000, &e) == 0);
     kvp_segment_id seg;
     CHECK_OK(kvp_engine_open_segment(e, t.name, &seg));
     kvp_engine_destroy(e);
     slowloris_stop(&s);
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
 }
 
 /* 300 connections that send nothing: the same, for idle ones. */
 static void idle_flood(void)
 {
     REQUIRE(kvpt_raise_nofile(4096) == 0);
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {.len = MIB, .timeout_ms = 30000, .disable_shm = 1};
-    REQUIRE(kvpt_ctarget_start(&o, &t) == 0);
+    kvpt_target t;
+    kvpt_target_opts o = {.len = MIB, .timeout_ms = 30000, .disable_shm = 1};
+    REQUIRE(kvpt_target_start(&o, &t) == 0);
     int fds[300];
     for (int i = 0; i < 300; i++)
         fds[i] = kvpt_raw_connect(t.rpc_port);
@@ -125,16 +125,16 @@ static void idle_flood(void)
     CHECK(served == 5);
     for (int i = 0; i < 300; i++)
         if (fds[i] >= 0) close(fds[i]);
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
 }
 
 /* Oversized, zero-length and unknown-type frames, and frames cut short, from
  * another process: each closes its connection only. */
 static void bad_frames(void)
 {
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {.len = MIB, .timeout_ms = 1000, .disable_shm = 1};
-    REQUIRE(kvpt_ctarget_start(&o, &t) == 0);
+    kvpt_target t;
+    kvpt_target_opts o = {.len = MIB, .timeout_ms = 1000, .disable_shm = 1};
+    REQUIRE(kvpt_target_start(&o, &t) == 0);
     struct {
         uint64_t len;
         uint8_t type;
@@ -159,7 +159,7 @@ static void bad_frames(void)
         close(fd);
         CHECK(handshake_ok(t.rpc_port, 3000));
     }
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
 }
 
 /* A handshake peer, in a child, that reads the request and answers with a
@@ -213,7 +213,7 @@ static void client_reply_deadline(void)
             (unsigned long long)took);
     CHECK(took >= 1400 && took < 3500);
     kvp_engine *e;
-    REQUIRE(kvpt_initiator_start("tcp", 1, 1500, &e) == 0);
+    REQUIRE(kvpt_initiator_start(NULL, "tcp", 1, 1500, &e) == 0);
     char name[64];
     snprintf(name, sizeof name, "127.0.0.1:%d", port);
     kvp_segment_id seg;

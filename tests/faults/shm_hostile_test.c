@@ -17,7 +17,7 @@
 
 #include "common/clock.h"
 #include "common/net.h"
-#include "ctarget.h"
+#include "peer.h"
 #include "metadata/metadata.h"
 #include "test.h"
 #include "transport/shm_internal.h"
@@ -39,7 +39,7 @@ static int unix_connect(const char *name)
 }
 
 /* The target's shm socket name, from its descriptor (asked by handshake). */
-static int shm_socket_of(const kvpt_ctarget *t, char *name, size_t len)
+static int shm_socket_of(const kvpt_target *t, char *name, size_t len)
 {
     char *reply = NULL;
     if (kvpi_rpc_call("127.0.0.1", t->rpc_port, KVPI_RPC_METADATA, "{}", 3000, &reply) != KVP_OK)
@@ -54,18 +54,18 @@ static int shm_socket_of(const kvpt_ctarget *t, char *name, size_t len)
     return rc;
 }
 
-static int start(kvpt_ctarget *t, char *sock, int timeout_ms)
+static int start(kvpt_target *t, char *sock, int timeout_ms)
 {
-    kvpt_ctarget_opts o = {.len = 4 * MIB, .seed = SEED, .timeout_ms = timeout_ms};
-    if (kvpt_ctarget_start(&o, t) != 0) return -1;
+    kvpt_target_opts o = {.len = 4 * MIB, .seed = SEED, .timeout_ms = timeout_ms};
+    if (kvpt_target_start(&o, t) != 0) return -1;
     return shm_socket_of(t, sock, KVPI_SHM_SOCKET_MAX);
 }
 
 /* An initiator that must use shm opens the segment and READs it correctly. */
-static int shm_read_ok(const kvpt_ctarget *t)
+static int shm_read_ok(const kvpt_target *t)
 {
     kvp_engine *e;
-    if (kvpt_initiator_start("shm", 0, 3000, &e) != 0) return 0;
+    if (kvpt_initiator_start(NULL, "shm", 0, 3000, &e) != 0) return 0;
     kvp_segment_id seg;
     char buf[65536];
     int ok =
@@ -94,7 +94,7 @@ static int closed_within(int fd, int ms)
  * connections past 256 were refused for as long as the idle ones stayed. */
 static void idle_flood(void)
 {
-    kvpt_ctarget t;
+    kvpt_target t;
     char sock[KVPI_SHM_SOCKET_MAX];
     REQUIRE(start(&t, sock, 30000) == 0);
     int fds[300];
@@ -104,7 +104,7 @@ static void idle_flood(void)
     CHECK(shm_read_ok(&t));
     for (int i = 0; i < 300; i++)
         if (fds[i] >= 0) close(fds[i]);
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
 }
 
 /* A hello sent a byte every 300 ms is cut at the setup deadline (1 s), and
@@ -112,7 +112,7 @@ static void idle_flood(void)
  * restarted the timeout. */
 static void trickles(void)
 {
-    kvpt_ctarget t;
+    kvpt_target t;
     char sock[KVPI_SHM_SOCKET_MAX];
     REQUIRE(start(&t, sock, 1000) == 0);
     /* A good hello: our magic, and 8 bytes of our memory with their value. */
@@ -147,14 +147,14 @@ static void trickles(void)
         close(fd);
     }
     CHECK(shm_read_ok(&t));
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
 }
 
 /* Garbage where the hello goes, and a bad opcode after a good hello: an
  * error status, that connection closed, everyone else served. */
 static void garbage(void)
 {
-    kvpt_ctarget t;
+    kvpt_target t;
     char sock[KVPI_SHM_SOCKET_MAX];
     REQUIRE(start(&t, sock, 2000) == 0);
     int fd = unix_connect(sock);
@@ -171,7 +171,7 @@ static void garbage(void)
     CHECK(closed_within(fd, 3000));
     close(fd);
     CHECK(shm_read_ok(&t));
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
 }
 
 /* ---- the client against a target that trickles its statuses ---- */

@@ -13,7 +13,7 @@
 #include "common/clock.h"
 #include "metadata/metadata.h"
 #include "servers.h"
-#include "target.h"
+#include "peer.h"
 #include "test.h"
 
 #define LEN (((size_t)512 << 10) + 77)
@@ -81,7 +81,7 @@ static void restart_under_live_engines(void)
     kvpt_target t;
     REQUIRE(kvpt_target_start(&to, &t) == 0);
     kvp_engine *ini = NULL;
-    REQUIRE(kvpt_engine_start(srv.conn, NULL, 1, &ini) == 0);
+    REQUIRE(kvpt_initiator_start(srv.conn, NULL, 1, 0, &ini) == 0);
     const char *ini_name = kvp_engine_segment_name(ini);
     CHECK(all_keys(ops, raw, t.name, ini_name));
     CHECK(reads_back(ini, t.name, &t));
@@ -125,7 +125,7 @@ static void restart_under_live_engines(void)
     /* A peer that looks the target up afresh transfers to it; so does the
      * running one. */
     kvp_engine *fresh = NULL;
-    REQUIRE(kvpt_engine_start(srv.conn, NULL, 1, &fresh) == 0);
+    REQUIRE(kvpt_initiator_start(srv.conn, NULL, 1, 0, &fresh) == 0);
     CHECK(reads_back(fresh, t.name, &t));
     CHECK(reads_back(ini, t.name, &t));
     /* And the store is written to again. */

@@ -52,7 +52,7 @@
 
 #include "common/auth.h"
 #include "common/clock.h"
-#include "ctarget.h"
+#include "peer.h"
 #include "metadata/metadata.h"
 #include "pipe_pair.h"
 #include "servers.h"
@@ -452,7 +452,7 @@ typedef struct engine_traffic {
     kvp_engine *e;
     double retries; /* the initiator's pooled connections found closed, during the storms */
     kvp_segment_id seg;
-    const kvpt_ctarget *t;
+    const kvpt_target *t;
     uint8_t buf[MSG_BYTES];
 } engine_traffic;
 
@@ -477,7 +477,7 @@ static int probe_op(void *ctx, int i)
 }
 
 /* The target's shm socket, from its descriptor. */
-static int shm_socket_of(const kvpt_ctarget *t, char *name, size_t len)
+static int shm_socket_of(const kvpt_target *t, char *name, size_t len)
 {
     char *reply = NULL;
     kvpi_auth *a = NULL;
@@ -503,12 +503,12 @@ static void engine_case(enum listener which, int authenticated)
     favoured();
     storm s = {.auth = authenticated};
     if (authenticated) REQUIRE(auth_on(s.kid) == 0);
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {.len = 4 * MIB, .seed = SEED, .disable_shm = which != SHM};
-    REQUIRE(kvpt_ctarget_start(&o, &t) == 0);
+    kvpt_target t;
+    kvpt_target_opts o = {.len = 4 * MIB, .seed = SEED, .disable_shm = which != SHM};
+    REQUIRE(kvpt_target_start(&o, &t) == 0);
     static engine_traffic x;
     x.t = &t;
-    REQUIRE(kvpt_initiator_start(which == SHM ? "shm" : "tcp", which != SHM, 0, &x.e) == 0);
+    REQUIRE(kvpt_initiator_start(NULL, which == SHM ? "shm" : "tcp", which != SHM, 0, &x.e) == 0);
     REQUIRE_OK(kvp_engine_open_segment(x.e, t.name, &x.seg));
     initiator = which == RPC ? NULL : x.e;
     const char *what = "tcp data listener";
@@ -523,7 +523,7 @@ static void engine_case(enum listener which, int authenticated)
     }
     weather(what, which == RPC ? probe_op : read_op, &x, &s);
     kvp_engine_destroy(x.e);
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
     auth_off();
 }
 

@@ -18,7 +18,7 @@
 
 #include "common/clock.h"
 #include "common/tsan.h"
-#include "ctarget.h"
+#include "peer.h"
 #include "metadata/metadata.h"
 #include "test.h"
 
@@ -51,24 +51,24 @@ static void unflood(int *fds, int n)
 }
 
 /* CPU the target burns over ms of wall time, in ms. */
-static int64_t cpu_over(const kvpt_ctarget *t, int ms)
+static int64_t cpu_over(const kvpt_target *t, int ms)
 {
-    int64_t c0 = kvpt_ctarget_cpu_ms(t);
+    int64_t c0 = kvpt_target_cpu_ms(t);
     usleep((useconds_t)ms * 1000);
-    int64_t c1 = kvpt_ctarget_cpu_ms(t);
+    int64_t c1 = kvpt_target_cpu_ms(t);
     return c0 < 0 || c1 < 0 ? -1 : c1 - c0;
 }
 
 /* Whether a fresh initiator opens the segment and READs it correctly, trying
  * for up to within_ms (descriptors may still be freeing up). */
-static int served_within(const kvpt_ctarget *t, int within_ms)
+static int served_within(const kvpt_target *t, int within_ms)
 {
     uint64_t until = kvpi_now_ms() + (uint64_t)within_ms;
     char *buf = malloc(MIB);
     int ok = 0;
     while (buf && !ok && kvpi_now_ms() < until) {
         kvp_engine *e;
-        if (kvpt_initiator_start("tcp", 1, 2000, &e) != 0) break;
+        if (kvpt_initiator_start(NULL, "tcp", 1, 2000, &e) != 0) break;
         kvp_segment_id seg;
         ok = kvp_engine_open_segment(e, t->name, &seg) == KVP_OK &&
              kvp_engine_read(e, seg, buf, (uint64_t)(uintptr_t)t->buf + MIB, MIB) == KVP_OK &&
@@ -87,10 +87,10 @@ static int served_within(const kvpt_ctarget *t, int within_ms)
 static void idle_flood_default_cap(void)
 {
     REQUIRE(kvpt_raise_nofile(4096) == 0);
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {
+    kvpt_target t;
+    kvpt_target_opts o = {
         .len = 4 * MIB, .seed = SEED, .timeout_ms = 2000, .disable_shm = 1, .nofile = 1024};
-    REQUIRE(kvpt_ctarget_start(&o, &t) == 0);
+    REQUIRE(kvpt_target_start(&o, &t) == 0);
     int *fds = flood(t.data_port, 1100);
     REQUIRE(fds);
     usleep(1000000);
@@ -102,11 +102,11 @@ static void idle_flood_default_cap(void)
     CHECK(cpu >= 0 && cpu < 600);
 #endif
     CHECK(served_within(&t, 8000));
-    int64_t fds_open = kvpt_ctarget_cmd(&t, KVPT_CT_FDS, 0, 3000);
+    int64_t fds_open = kvpt_target_cmd(&t, KVPT_T_FDS, 0, 3000);
     CHECK(fds_open > 0 && fds_open < 1000);
     unflood(fds, 1100);
     CHECK(served_within(&t, 8000));
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
 }
 
 /* The target's CPU in the second it is out of descriptors: shedding the
@@ -124,15 +124,15 @@ static void idle_flood_default_cap(void)
 static void exhaustion_backoff_and_recovery(void)
 {
     REQUIRE(kvpt_raise_nofile(4096) == 0);
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {.len = 4 * MIB,
-                           .seed = SEED,
-                           .timeout_ms = 2000,
-                           .disable_shm = 1,
-                           .nofile = 512,
-                           .max_connections = 4096,
-                           .idle_timeout_ms = 1500};
-    REQUIRE(kvpt_ctarget_start(&o, &t) == 0);
+    kvpt_target t;
+    kvpt_target_opts o = {.len = 4 * MIB,
+                          .seed = SEED,
+                          .timeout_ms = 2000,
+                          .disable_shm = 1,
+                          .nofile = 512,
+                          .max_connections = 4096,
+                          .idle_timeout_ms = 1500};
+    REQUIRE(kvpt_target_start(&o, &t) == 0);
     int *fds = flood(t.data_port, 700);
     REQUIRE(fds);
     usleep(500000);
@@ -146,11 +146,11 @@ static void exhaustion_backoff_and_recovery(void)
     CHECK_OK(kvpi_rpc_call("127.0.0.1", t.rpc_port, KVPI_RPC_METADATA, "{}", 3000, &reply));
     free(reply);
     usleep(2000000); /* one more idle period: everything the flood left is reaped */
-    int64_t fds_open = kvpt_ctarget_cmd(&t, KVPT_CT_FDS, 0, 3000);
+    int64_t fds_open = kvpt_target_cmd(&t, KVPT_T_FDS, 0, 3000);
     fprintf(stderr, "  target descriptors after reaping: %lld\n", (long long)fds_open);
     CHECK(fds_open > 0 && fds_open < 300); /* far from the 512 the flood held */
     unflood(fds, 700);
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
 }
 
 int main(void)

@@ -17,7 +17,7 @@
 
 #include "common/clock.h"
 #include "common/net.h"
-#include "ctarget.h"
+#include "peer.h"
 #include "metadata/metadata.h"
 #include "test.h"
 #include "transport/tcp_wire.h"
@@ -83,7 +83,7 @@ static void trickle_stop(trickler *t)
     close(t->fd);
 }
 
-static int read_ok(kvp_engine *e, kvp_segment_id seg, const kvpt_ctarget *t, size_t off, size_t len)
+static int read_ok(kvp_engine *e, kvp_segment_id seg, const kvpt_target *t, size_t off, size_t len)
 {
     char *buf = malloc(len);
     int ok = buf &&
@@ -102,27 +102,27 @@ static int read_ok(kvp_engine *e, kvp_segment_id seg, const kvpt_ctarget *t, siz
  * for the trickle to end, and the trickle was never cut. */
 static void write_trickle(void)
 {
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {.len = 4 * MIB, .seed = SEED, .timeout_ms = 2000, .disable_shm = 1};
-    REQUIRE(kvpt_ctarget_start(&o, &t) == 0);
+    kvpt_target t;
+    kvpt_target_opts o = {.len = 4 * MIB, .seed = SEED, .timeout_ms = 2000, .disable_shm = 1};
+    REQUIRE(kvpt_target_start(&o, &t) == 0);
     int fd = kvpt_raw_connect(t.data_port);
     REQUIRE(fd >= 0);
     REQUIRE(send_header(fd, KVPI_TCP_OP_WRITE, (uint64_t)(uintptr_t)t.buf, 64 << 10) == 0);
     trickler tr;
     trickle_start(&tr, fd, 250, 12000);
     usleep(500000);
-    int64_t reg_ms = kvpt_ctarget_cmd(&t, KVPT_CT_REGISTER, MIB, 1500);
-    int64_t alloc_ms = kvpt_ctarget_cmd(&t, KVPT_CT_ALLOC, MIB, 1500);
+    int64_t reg_ms = kvpt_target_cmd(&t, KVPT_T_REGISTER, MIB, 1500);
+    int64_t alloc_ms = kvpt_target_cmd(&t, KVPT_T_ALLOC, MIB, 1500);
     CHECK(reg_ms >= 0 && reg_ms < 1000);
     CHECK(alloc_ms >= 0 && alloc_ms < 1000);
     kvp_engine *e;
-    REQUIRE(kvpt_initiator_start("tcp", 1, 2000, &e) == 0);
+    REQUIRE(kvpt_initiator_start(NULL, "tcp", 1, 2000, &e) == 0);
     kvp_segment_id seg;
     CHECK_OK(kvp_engine_open_segment(e, t.name, &seg));
     CHECK(read_ok(e, seg, &t, MIB, MIB)); /* another connection, the same region */
     /* The pinned region itself: unregistering waits for the pin, which lasts
      * no longer than the trickler's deadline (2 s + 4 ms). */
-    int64_t unreg_ms = kvpt_ctarget_cmd(&t, KVPT_CT_UNREGISTER, 0, 8000);
+    int64_t unreg_ms = kvpt_target_cmd(&t, KVPT_T_UNREGISTER, 0, 8000);
     CHECK(unreg_ms >= 0 && unreg_ms < 5000);
     trickle_stop(&tr);
     long cut = atomic_load(&tr.cut_ms);
@@ -131,7 +131,7 @@ static void write_trickle(void)
             "  register %lld ms, alloc %lld ms, unregister %lld ms, trickler cut at %ld ms\n",
             (long long)reg_ms, (long long)alloc_ms, (long long)unreg_ms, cut);
     kvp_engine_destroy(e);
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
 }
 
 /* A reader that drains 64 KiB every 100 ms (steady progress, 48 MiB in over
@@ -159,37 +159,37 @@ static void *slow_read_main(void *arg)
  * Before, the pin lasted as long as the reader kept reading. */
 static void slow_reader(void)
 {
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {.len = 48 * MIB,
-                           .seed = SEED,
-                           .timeout_ms = 2000,
-                           .disable_shm = 1,
-                           .min_transfer_rate = 64 * MIB};
-    REQUIRE(kvpt_ctarget_start(&o, &t) == 0);
+    kvpt_target t;
+    kvpt_target_opts o = {.len = 48 * MIB,
+                          .seed = SEED,
+                          .timeout_ms = 2000,
+                          .disable_shm = 1,
+                          .min_transfer_rate = 64 * MIB};
+    REQUIRE(kvpt_target_start(&o, &t) == 0);
     slow_reader_ctl r = {.fd = kvpt_raw_connect(t.data_port)};
     REQUIRE(r.fd >= 0);
     REQUIRE(send_header(r.fd, KVPI_TCP_OP_READ, (uint64_t)(uintptr_t)t.buf, 48 * MIB) == 0);
     pthread_t th;
     REQUIRE(pthread_create(&th, NULL, slow_read_main, &r) == 0);
     usleep(500000);
-    int64_t unreg_ms = kvpt_ctarget_cmd(&t, KVPT_CT_UNREGISTER, 0, 9000);
+    int64_t unreg_ms = kvpt_target_cmd(&t, KVPT_T_UNREGISTER, 0, 9000);
     CHECK(unreg_ms >= 0 && unreg_ms < 7000);
     fprintf(stderr, "  unregister under a slow reader took %lld ms\n", (long long)unreg_ms);
     atomic_store(&r.stop, 1);
     pthread_join(th, NULL);
     close(r.fd);
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
 }
 
 /* Garbage, oversized and truncated requests close that connection only; a
  * legitimate initiator is served after each. */
 static void hostile_frames(void)
 {
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {.len = 4 * MIB, .seed = SEED, .timeout_ms = 1000, .disable_shm = 1};
-    REQUIRE(kvpt_ctarget_start(&o, &t) == 0);
+    kvpt_target t;
+    kvpt_target_opts o = {.len = 4 * MIB, .seed = SEED, .timeout_ms = 1000, .disable_shm = 1};
+    REQUIRE(kvpt_target_start(&o, &t) == 0);
     kvp_engine *e;
-    REQUIRE(kvpt_initiator_start("tcp", 1, 3000, &e) == 0);
+    REQUIRE(kvpt_initiator_start(NULL, "tcp", 1, 3000, &e) == 0);
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
     uint64_t base = (uint64_t)(uintptr_t)t.buf;
@@ -238,7 +238,7 @@ static void hostile_frames(void)
         CHECK(read_ok(e, seg, &t, 8192, 65536));
     }
     kvp_engine_destroy(e);
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
 }
 
 /* Issue 10, item 6: registered memory that is unmapped behind the engine's
@@ -248,15 +248,15 @@ static void hostile_frames(void)
  * "peer closed the connection". */
 static void efault_reaches_peer(void)
 {
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {.len = 4 * MIB, .seed = SEED, .timeout_ms = 2000, .disable_shm = 1};
-    REQUIRE(kvpt_ctarget_start(&o, &t) == 0);
+    kvpt_target t;
+    kvpt_target_opts o = {.len = 4 * MIB, .seed = SEED, .timeout_ms = 2000, .disable_shm = 1};
+    REQUIRE(kvpt_target_start(&o, &t) == 0);
     kvp_engine *e;
-    REQUIRE(kvpt_initiator_start("tcp", 1, 3000, &e) == 0);
+    REQUIRE(kvpt_initiator_start(NULL, "tcp", 1, 3000, &e) == 0);
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
     CHECK(read_ok(e, seg, &t, 0, 4096));
-    REQUIRE(kvpt_ctarget_cmd(&t, KVPT_CT_UNMAP, 0, 3000) == 0);
+    REQUIRE(kvpt_target_cmd(&t, KVPT_T_UNMAP, 0, 3000) == 0);
     char *buf = malloc(MIB);
     REQUIRE(buf);
     uint64_t base = (uint64_t)(uintptr_t)t.buf;
@@ -279,7 +279,7 @@ static void efault_reaches_peer(void)
     close(fd);
     free(buf);
     kvp_engine_destroy(e);
-    CHECK(kvpt_ctarget_stop(&t) == 0);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
 }
 
 /* Issue 10, item 6: kvp_engine_register() refuses memory the engine could not
@@ -288,7 +288,7 @@ static void efault_reaches_peer(void)
 static void register_refuses_unreadable(void)
 {
     kvp_engine *e;
-    REQUIRE(kvpt_initiator_start("tcp", 1, 1000, &e) == 0);
+    REQUIRE(kvpt_initiator_start(NULL, "tcp", 1, 1000, &e) == 0);
     size_t len = 4 * MIB;
     char *gone = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     REQUIRE(gone != MAP_FAILED);

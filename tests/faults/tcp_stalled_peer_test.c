@@ -18,7 +18,7 @@
 
 #include "common/clock.h"
 #include "common/net.h"
-#include "ctarget.h"
+#include "peer.h"
 #include "metadata/metadata.h"
 #include "test.h"
 #include "transport/tcp_wire.h"
@@ -147,7 +147,7 @@ static long stalled(enum stall mode, kvp_opcode op)
     if (pid < 0) return -1;
     kvp_engine *e;
     long took = -1;
-    if (kvpt_initiator_start("tcp", 1, TIMEOUT_MS, &e) == 0) {
+    if (kvpt_initiator_start(NULL, "tcp", 1, TIMEOUT_MS, &e) == 0) {
         kvp_segment_id seg;
         char *buf = malloc(MIB);
         uint64_t remote = (uint64_t)(uintptr_t)region;

@@ -20,7 +20,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
-#include "ctarget.h"
+#include "peer.h"
 #include "test.h"
 #include "transport/transport.h"
 
@@ -48,31 +48,31 @@ static char said[64];
 /* A case that ends early (REQUIRE) still shows what its target said. */
 static void show_said(void)
 {
-    if (said[0]) kvpt_ctarget_said(said, "\n");
+    kvpt_peer p = {.pid = 0};
+    snprintf(p.err, sizeof p.err, "%s", said);
+    kvpt_peer_forget(&p);
 }
 
 /* A target with the engine's timeout timeout_ms, and opts' other fields
  * (o may be NULL). */
-static int start_target_opts(kvpt_ctarget *t, int timeout_ms, const kvpt_ctarget_opts *o)
+static int start_target_opts(kvpt_target *t, int timeout_ms, const kvpt_target_opts *o)
 {
     if (!kvpi_transport_lookup("ucx")) {
         kvpt_skip("built without UCX (KVP_WITH_UCX)");
         return -1;
     }
     setenv("UCX_TLS", tls, 1);
-    snprintf(said, sizeof said, "/tmp/kvpt-ucx-target-XXXXXX");
-    int fd = mkstemp(said);
-    if (fd < 0) return -1;
-    close(fd);
     atexit(show_said);
-    kvpt_ctarget_opts mine = {.protocol = "rdma", .disable_shm = 1, .len = LEN, .seed = SEED};
+    kvpt_target_opts mine = {.protocol = "rdma", .disable_shm = 1, .len = LEN, .seed = SEED};
     if (o) mine = *o;
     mine.timeout_ms = timeout_ms;
-    mine.stderr_path = said;
-    return kvpt_ctarget_start(&mine, t);
+    mine.capture = 1;
+    int rc = kvpt_target_start(&mine, t);
+    snprintf(said, sizeof said, "%s", t->peer.err);
+    return rc;
 }
 
-static int start_target(kvpt_ctarget *t)
+static int start_target(kvpt_target *t)
 {
     return start_target_opts(t, TIMEOUT_MS, NULL);
 }
@@ -96,19 +96,20 @@ static int target_cut_off(void)
     return target_said("did not confirm the deregistration");
 }
 
-/* Stop the target and reap it: its exit status (kvpt_ctarget_stop), and
+/* Stop the target and reap it: its exit status (kvpt_target_stop), and
  * whether it said text (NULL: not asked) before it exited. */
-static int reap(kvpt_ctarget *t, const char *text, int *found)
+static int reap(kvpt_target *t, const char *text, int *found)
 {
-    int rc = kvpt_ctarget_stop(t);
-    int f = kvpt_ctarget_said(said, text ? text : "\n");
-    if (found) *found = text && f;
+    int rc = kvpt_target_stop(t, 0);
+    int f = text && target_said(text);
+    show_said();
+    if (found) *found = f;
     return rc;
 }
 
-static int start_initiator(const kvpt_ctarget *t, kvp_engine **e, kvp_segment_id *seg)
+static int start_initiator(const kvpt_target *t, kvp_engine **e, kvp_segment_id *seg)
 {
-    if (kvpt_initiator_start("rdma", 1, TIMEOUT_MS, e) != 0) return -1;
+    if (kvpt_initiator_start(NULL, "rdma", 1, TIMEOUT_MS, e) != 0) return -1;
     if (kvp_engine_open_segment(*e, t->name, seg) != KVP_OK) return -1;
     return strcmp(kvp_engine_segment_transport(*e, *seg), "ucx") == 0 ? 0 : -1;
 }
@@ -124,7 +125,7 @@ static int ucx_bug(void)
 /* Stops the target; its exit status (0: clean). Where a UCX bug can abort
  * it, that abort is reported and counted as clean: every check of kvpipe's
  * behaviour came before. */
-static int stop_target(kvpt_ctarget *t)
+static int stop_target(kvpt_target *t)
 {
     int rc = reap(t, NULL, NULL);
     if (rc == 128 + SIGABRT && ucx_bug()) {
@@ -138,15 +139,15 @@ static int stop_target(kvpt_ctarget *t)
 }
 
 /* Is the target alive and answering? */
-static int target_alive(kvpt_ctarget *t)
+static int target_alive(kvpt_target *t)
 {
-    return kvpt_ctarget_cmd(t, KVPT_CT_FDS, 0, 3000) > 0 && waitpid(t->pid, NULL, WNOHANG) == 0;
+    return kvpt_target_cmd(t, KVPT_T_FDS, 0, 3000) > 0 && waitpid(t->pid, NULL, WNOHANG) == 0;
 }
 
 /* A target (waiting ANSWER_MS for REVOKE answers), an initiator here that
  * opened it, and a first READ of its second MiB into *local (MIB bytes, the
  * caller frees it), verified. */
-static int read_once(kvpt_ctarget *t, kvp_engine **e, kvp_segment_id *seg, char **local)
+static int read_once(kvpt_target *t, kvp_engine **e, kvp_segment_id *seg, char **local)
 {
     if (start_target_opts(t, ANSWER_MS, NULL) || start_initiator(t, e, seg) ||
         !(*local = malloc(MIB)))
@@ -161,13 +162,13 @@ static int read_once(kvpt_ctarget *t, kvp_engine **e, kvp_segment_id *seg, char 
  * with KVP_ERANGE, before and after the target unmaps the memory. */
 static void deregistered_while_peer_holds_rkey(void)
 {
-    kvpt_ctarget t;
+    kvpt_target t;
     kvp_engine *e;
     kvp_segment_id seg;
     char *local;
     REQUIRE(read_once(&t, &e, &seg, &local) == 0);
     uint64_t base = (uint64_t)(uintptr_t)t.buf;
-    int64_t ms = kvpt_ctarget_cmd(&t, KVPT_CT_UNREGISTER, 0, ANSWER_MS + 3000);
+    int64_t ms = kvpt_target_cmd(&t, KVPT_T_UNREGISTER, 0, ANSWER_MS + 3000);
     fprintf(stderr, "  UCX_TLS=%s: unregister took %lld ms\n", tls, (long long)ms);
     CHECK(ms >= 0 && !target_cut_off());
     memset(local, 0, MIB);
@@ -177,7 +178,7 @@ static void deregistered_while_peer_holds_rkey(void)
     kvpt_fill(local, MIB, 99);
     CHECK_ST(kvp_engine_write(e, seg, local, base, MIB), KVP_ERANGE);
     CHECK(kvpt_verify(t.buf, MIB, SEED) == (size_t)-1); /* the target's bytes are unchanged */
-    CHECK(kvpt_ctarget_cmd(&t, KVPT_CT_UNMAP, 0, 3000) == 0);
+    CHECK(kvpt_target_cmd(&t, KVPT_T_UNMAP, 0, 3000) == 0);
     CHECK_ST(kvp_engine_write(e, seg, local, base, MIB), KVP_ERANGE);
     CHECK_ST(kvp_engine_read(e, seg, local, base, MIB), KVP_ERANGE);
     CHECK(target_alive(&t));
@@ -193,13 +194,13 @@ static void deregistered_while_peer_holds_rkey(void)
  * failed so over UCX: "deregistered the buffer"). */
 static void reregistered_same_range(void)
 {
-    kvpt_ctarget t;
+    kvpt_target t;
     kvp_engine *e;
     kvp_segment_id seg;
     char *local;
     REQUIRE(read_once(&t, &e, &seg, &local) == 0);
     uint64_t base = (uint64_t)(uintptr_t)t.buf;
-    CHECK(kvpt_ctarget_cmd(&t, KVPT_CT_REREGISTER, 77, ANSWER_MS + 3000) == 0);
+    CHECK(kvpt_target_cmd(&t, KVPT_T_REREGISTER, 77, ANSWER_MS + 3000) == 0);
     CHECK(!target_cut_off());
     CHECK_OK(kvp_engine_read(e, seg, local, base + MIB, MIB));
     CHECK(kvpt_verify(local, MIB, 77 + MIB) == (size_t)-1);
@@ -215,13 +216,13 @@ static void reregistered_same_range(void)
 /* An initiator in a child process that READs 1 MiB at a time from the
  * target's buffer, or WRITEs all of it at a time, and reports each outcome on
  * fd: 'o' OK, 'r' KVP_ERANGE, 'x' anything else. */
-static pid_t peer_child(const kvpt_ctarget *t, kvp_opcode op, int fd)
+static pid_t peer_child(const kvpt_target *t, kvp_opcode op, int fd)
 {
     fflush(NULL);
     pid_t pid = fork();
     if (pid != 0) return pid;
     prctl(PR_SET_PDEATHSIG, SIGKILL);
-    close(t->cmd); /* the target's command pipe: it ends when the test closes it */
+    close(t->peer.cmd); /* the target's command pipe: it ends when the test closes it */
     kvp_engine *e;
     kvp_segment_id seg;
     if (start_initiator(t, &e, &seg) != 0) _exit(3);
@@ -294,7 +295,7 @@ static int outcomes(int fd, pid_t pid, int ms, int until_ok, int until_range, in
  * later requests fail, and the target lives. */
 static void deregistered_while_peer_frozen(void)
 {
-    kvpt_ctarget t;
+    kvpt_target t;
     REQUIRE(start_target(&t) == 0);
     int p[2];
     REQUIRE(pipe(p) == 0);
@@ -310,12 +311,12 @@ static void deregistered_while_peer_frozen(void)
     outcomes(p[0], r, 0, 0, 0, &ok, &range, &other);
     CHECK(range == 0 && other == 0);
     int64_t waited = kvpt_runq_wait_ms(t.pid);
-    int64_t ms = kvpt_ctarget_cmd(&t, KVPT_CT_UNREGISTER, 0, 2 * BOUND_MS);
+    int64_t ms = kvpt_target_cmd(&t, KVPT_T_UNREGISTER, 0, 2 * BOUND_MS);
     waited = kvpt_runq_wait_ms(t.pid) - waited;
     waited = waited > 0 ? waited : 0;
     CHECK(ms >= TIMEOUT_MS - 100 && ms < BOUND_MS + waited);
     CHECK(target_cut_off());
-    CHECK(kvpt_ctarget_cmd(&t, KVPT_CT_UNMAP, 0, 3000) == 0);
+    CHECK(kvpt_target_cmd(&t, KVPT_T_UNMAP, 0, 3000) == 0);
     kill(r, SIGCONT);
     /* Its WRITEs in flight fail (cut off: reset, or out of time; what UCX
      * keeps pending is given up ABANDON_MS after the endpoint went down),
@@ -364,7 +365,7 @@ static void initiator_killed(void)
              "(ucp_get_req_handler: \"unexpected error: Endpoint timeout\")");
     /* The target logs (debug) when the endpoint to an initiator fails. */
     setenv("KVPIPE_LOG", "debug", 1);
-    kvpt_ctarget t;
+    kvpt_target t;
     int started = start_target_opts(&t, ANSWER_MS, NULL);
     unsetenv("KVPIPE_LOG");
     REQUIRE(started == 0);
@@ -385,7 +386,7 @@ static void initiator_killed(void)
         usleep(10 * 1000);
     uint64_t found = kvpi_now_ms() - t0;
     CHECK(target_said("from an initiator failed"));
-    int64_t ms = kvpt_ctarget_cmd(&t, KVPT_CT_UNREGISTER, 0, ANSWER_MS + 3000);
+    int64_t ms = kvpt_target_cmd(&t, KVPT_T_UNREGISTER, 0, ANSWER_MS + 3000);
     fprintf(stderr,
             "  UCX_TLS=%s: the target found the reader dead after %llu ms; unregister then "
             "took %lld ms\n",
@@ -399,7 +400,7 @@ static void initiator_killed(void)
  * again. */
 static void target_fault(int sig)
 {
-    kvpt_ctarget t;
+    kvpt_target t;
     REQUIRE(start_target(&t) == 0);
     kvp_engine *e;
     kvp_segment_id seg;
@@ -480,9 +481,9 @@ static void pool_read_while_target_stopped(void)
         kvpt_skip("over UCX's tcp every byte needs the target's progress");
         return;
     }
-    kvpt_ctarget t;
+    kvpt_target t;
     REQUIRE(start_target(&t) == 0);
-    int64_t pool = kvpt_ctarget_cmd(&t, KVPT_CT_POOL, MIB, 3000);
+    int64_t pool = kvpt_target_cmd(&t, KVPT_T_POOL, MIB, 3000);
     REQUIRE(pool > 0);
     kvp_engine *e;
     kvp_segment_id seg;
@@ -569,11 +570,11 @@ static void *read_pool(void *arg)
  * returned, READ and WRITE of it fail with KVP_ERANGE and touch nothing. */
 static void pool_freed_while_read(void)
 {
-    kvpt_ctarget t;
-    kvpt_ctarget_opts o = {
+    kvpt_target t;
+    kvpt_target_opts o = {
         .protocol = "rdma", .disable_shm = 1, .len = LEN, .seed = SEED, .pool_retain_bytes = 1};
     REQUIRE(start_target_opts(&t, ANSWER_MS, &o) == 0);
-    int64_t pool = kvpt_ctarget_cmd(&t, KVPT_CT_POOL, MIB, 3000);
+    int64_t pool = kvpt_target_cmd(&t, KVPT_T_POOL, MIB, 3000);
     REQUIRE(pool > 0);
     pool_reader r = {.pool = (uint64_t)pool};
     REQUIRE(start_initiator(&t, &r.e, &r.seg) == 0);
@@ -581,7 +582,7 @@ static void pool_freed_while_read(void)
     REQUIRE(pthread_create(&th, NULL, read_pool, &r) == 0);
     /* Freed while the thread READs it: once its first READs are done. */
     CHECK(wait_count(&r.ok, 1, FIRST_XFER_MS) == 0);
-    int64_t ms = kvpt_ctarget_cmd(&t, KVPT_CT_POOL_FREE, 0, ANSWER_MS + 3000);
+    int64_t ms = kvpt_target_cmd(&t, KVPT_T_POOL_FREE, 0, ANSWER_MS + 3000);
     fprintf(stderr, "  UCX_TLS=%s: freeing the pool buffer took %lld ms\n", tls, (long long)ms);
     CHECK(ms >= 0 && !target_cut_off());
     long ok_at_free = atomic_load(&r.ok);

@@ -7,7 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "target.h"
+#include "peer.h"
 #include "test.h"
 #include "transport/transport.h"
 
