@@ -13,7 +13,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#include "pipe_pair.h"
+#include "peer.h"
 #include "test.h"
 
 #define BIG ((int64_t)3 << 20) /* bytes: announced (above the inline threshold) */

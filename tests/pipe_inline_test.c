@@ -19,7 +19,7 @@
 #include "common/clock.h"
 #include "kvpipe/pipe.h"
 #include "pipe/safetensors.h"
-#include "pipe_pair.h"
+#include "peer.h"
 #include "test.h"
 
 #define WAIT_MS 20000
@@ -46,33 +46,19 @@ typedef struct side {
     size_t peer_inline; /* what the sender expects the peer to offer */
 } side;
 
-static pid_t spawn(const side *s)
+static void side_main(kvp_pipe *pipe, void *arg)
 {
-    fflush(NULL);
-    pid_t pid = fork();
-    if (pid != 0) return pid;
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    kvpt_failures = 0;
-    kvp_pipe_config *cfg;
-    kvp_pipe *pipe;
-    if (kvp_pipe_config_parse(s->json, strlen(s->json), &cfg) ||
-        kvp_pipe_open(cfg, 0, s->rank, &s->opts, &pipe)) {
-        fprintf(stderr, "  rank %d: open: %s\n", s->rank, kvp_last_error());
-        _exit(2);
-    }
-    kvp_pipe_config_free(cfg);
+    const side *s = arg;
     s->fn(pipe, s);
-    kvp_pipe_close(pipe);
-    _exit(kvpt_failures ? 1 : 0);
 }
 
 static void run_pair(const side *prefill, const side *decode)
 {
-    pid_t a = spawn(prefill), b = spawn(decode);
-    int ra = kvpt_wait_child(a, SIDE_MS), rb = kvpt_wait_child(b, SIDE_MS);
-    if (ra || rb) fprintf(stderr, "  prefill exit %d, decode exit %d\n", ra, rb);
-    CHECK(ra == 0);
-    CHECK(rb == 0);
+    pid_t a = kvpt_side_spawn(prefill->json, prefill->rank, &prefill->opts, side_main,
+                              (void *)prefill, NULL);
+    pid_t b =
+        kvpt_side_spawn(decode->json, decode->rank, &decode->opts, side_main, (void *)decode, NULL);
+    kvpt_sides_wait(a, b, SIDE_MS);
 }
 
 /* ------------------------------------------------------------- script --- */

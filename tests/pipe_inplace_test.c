@@ -1,12 +1,12 @@
 /* Sending without a copy (kvp_pipe_tensor_alloc + kvp_pipe_send_take) across
- * two processes on loopback, on every row (support/pipe_pair.h): a sequence of
+ * two processes on loopback, on every row (support/peer.h): a sequence of
  * in-place and copied sends of every size, the misuses refused, over tcp and
  * the same-host transport, and without a peer. */
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
-#include "pipe_pair.h"
+#include "peer.h"
 #include "test.h"
 
 /* ------------------------------------------ sending without a copy --- */

@@ -1,5 +1,5 @@
 /* The tensor pipe across two processes on loopback, on every row
- * (support/pipe_pair.h): vLLM's pipe test, every dtype, both directions at
+ * (support/peer.h): vLLM's pipe test, every dtype, both directions at
  * once, flow control, a 1 GiB tensor, the sender's pool growing, both
  * metadata modes, the same-host transport, and the CLI's pipe journeys.
  * Dead and misbehaving peers are in pipe_peer_test.c, sending without a copy
@@ -13,7 +13,7 @@
 #include <unistd.h>
 
 #include "common/clock.h"
-#include "pipe_pair.h"
+#include "peer.h"
 #include "test.h"
 #include "transport/transport.h"
 

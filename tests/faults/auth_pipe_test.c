@@ -10,9 +10,21 @@
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <zmq.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
 
 #include "common/auth.h"
-#include "pipe_raw.h"
+#include "common/clock.h"
+#include "common/net.h"
+#include "pipe/safetensors.h"
+#include "test.h"
+#include "peer.h"
 
 #define ROUNDS 60
 
@@ -39,30 +51,30 @@ static void drop_keys(void)
 }
 
 /* Spawn side rank with the key file key (NULL: none). */
-static pid_t spawn_with_key(const raw_setup *s, int rank, raw_side_fn fn, void *arg,
+static pid_t spawn_with_key(const kvpt_raw_setup *s, int rank, kvpt_side_fn fn, void *arg,
                             const char *err, const char *key)
 {
     if (key)
         setenv(KVPI_AUTH_ENV, key, 1);
     else
         unsetenv(KVPI_AUTH_ENV);
-    pid_t pid = raw_spawn_side(s, rank, fn, arg, err);
+    pid_t pid = kvpt_raw_spawn_side(s, rank, fn, arg, err);
     unsetenv(KVPI_AUTH_ENV);
     return pid;
 }
 
 static void sender(kvp_pipe *pipe, void *arg)
 {
-    CHECK(raw_wait_step(arg, RAW_SIDE_MS) == 'g');
-    static uint8_t data[RAW_TENSOR];
+    CHECK(kvpt_wait_step(arg, KVPT_RAW_SIDE_MS) == 'g');
+    static uint8_t data[KVPT_RAW_TENSOR];
     for (int i = 0; i < ROUNDS; i++) {
-        raw_tensor_fill(data, i);
-        int64_t n = RAW_TENSOR;
+        kvpt_raw_tensor_fill(data, i);
+        int64_t n = KVPT_RAW_TENSOR;
         kvp_tensor t;
         kvp_tensor_init(&t, KVP_DTYPE_U8, 1, &n, data);
         CHECK_OK(kvp_pipe_send(pipe, &t));
     }
-    CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
+    CHECK_OK(kvp_pipe_flush(pipe, KVPT_RAW_WAIT_MS));
     kvp_pipe_stats st;
     kvp_pipe_get_stats(pipe, &st);
     CHECK(st.sent == ROUNDS && st.acks == ROUNDS);
@@ -73,13 +85,13 @@ static void sender(kvp_pipe *pipe, void *arg)
 
 static void receiver(kvp_pipe *pipe, void *arg)
 {
-    CHECK(raw_wait_step(arg, RAW_SIDE_MS) == 'g');
+    CHECK(kvpt_wait_step(arg, KVPT_RAW_SIDE_MS) == 'g');
     int got = 0;
     for (int i = 0; i < ROUNDS; i++) {
         kvp_tensor *t = NULL;
-        kvp_status st = kvp_pipe_recv(pipe, RAW_WAIT_MS, &t);
+        kvp_status st = kvp_pipe_recv(pipe, KVPT_RAW_WAIT_MS, &t);
         if (st) fprintf(stderr, "  recv %d: %s\n", i, kvp_last_error());
-        if (st == KVP_OK && raw_tensor_check(t, i)) got++;
+        if (st == KVP_OK && kvpt_raw_tensor_check(t, i)) got++;
         kvp_tensor_free(t);
         if (st == KVP_ETIMEDOUT) break;
     }
@@ -119,17 +131,17 @@ static int drain(void *const *socks, int n)
 static void third_party_gets_nothing(void)
 {
     make_keys();
-    raw_setup s;
-    REQUIRE(raw_setup_init(&s) == 0);
-    raw_chan go0, go1;
-    REQUIRE(raw_chan_init(&go0) == 0 && raw_chan_init(&go1) == 0);
+    kvpt_raw_setup s;
+    REQUIRE(kvpt_raw_setup_init(&s) == 0);
+    kvpt_chan go0, go1;
+    REQUIRE(kvpt_chan_init(&go0) == 0 && kvpt_chan_init(&go1) == 0);
     char err0[128], err1[128];
-    raw_err_path(err0, sizeof err0, "auth_sender");
-    raw_err_path(err1, sizeof err1, "auth_receiver");
+    kvpt_err_path(err0, sizeof err0, "auth_sender");
+    kvpt_err_path(err1, sizeof err1, "auth_receiver");
     pid_t p0 = spawn_with_key(&s, 0, sender, &go0, err0, key1);
     pid_t p1 = spawn_with_key(&s, 1, receiver, &go1, err1, key1);
-    REQUIRE(kvpt_wait_port("127.0.0.1", s.side[0].data_port, RAW_WAIT_MS) == 0);
-    REQUIRE(kvpt_wait_port("127.0.0.1", s.side[1].ack_port, RAW_WAIT_MS) == 0);
+    REQUIRE(kvpt_wait_port("127.0.0.1", s.side[0].data_port, KVPT_RAW_WAIT_MS) == 0);
+    REQUIRE(kvpt_wait_port("127.0.0.1", s.side[1].ack_port, KVPT_RAW_WAIT_MS) == 0);
 
     /* Strangers on the sender's announce port and the receiver's ACK port:
      * a PULL with no security, and one with CURVE and keys of its own. */
@@ -138,7 +150,7 @@ static void third_party_gets_nothing(void)
     const int ports[4] = {s.side[0].data_port, s.side[1].ack_port, s.side[0].data_port,
                           s.side[1].ack_port};
     for (int i = 0; i < 4; i++) {
-        socks[i] = raw_socket(ctx, ZMQ_PULL);
+        socks[i] = kvpt_zmq_socket(ctx, ZMQ_PULL);
         if (i >= 2) {
             char pub[41], sec[41], srv[41], srv_sec[41];
             zmq_curve_keypair(pub, sec);
@@ -149,23 +161,23 @@ static void third_party_gets_nothing(void)
         }
         char name[32];
         snprintf(name, sizeof name, "stranger-%d", i);
-        mons[i] = raw_monitor(ctx, socks[i], name);
-        REQUIRE(mons[i] && raw_connect(socks[i], ports[i]) == 0);
+        mons[i] = kvpt_zmq_monitor(ctx, socks[i], name);
+        REQUIRE(mons[i] && kvpt_zmq_connect(socks[i], ports[i]) == 0);
     }
     /* Each reached its port and was dropped before it joined. */
     for (int i = 0; i < 4; i++) {
-        CHECK(wait_any(mons[i], ZMQ_EVENT_CONNECTED, RAW_WAIT_MS) == 0);
+        CHECK(wait_any(mons[i], ZMQ_EVENT_CONNECTED, KVPT_RAW_WAIT_MS) == 0);
         CHECK(wait_any(mons[i],
                        ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
                            ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH,
-                       RAW_WAIT_MS) == 0);
+                       KVPT_RAW_WAIT_MS) == 0);
     }
-    raw_step(&go0, 'g');
-    raw_step(&go1, 'g');
+    kvpt_step(&go0, 'g');
+    kvpt_step(&go1, 'g');
     int taken = 0;
     pid_t pids[2] = {p0, p1};
     int rc[2] = {-1, -1};
-    uint64_t deadline = kvpi_now_ms() + RAW_SIDE_MS;
+    uint64_t deadline = kvpi_now_ms() + KVPT_RAW_SIDE_MS;
     while ((rc[0] < 0 || rc[1] < 0) && kvpi_now_ms() < deadline) {
         taken += drain(socks, 4);
         for (int i = 0; i < 2; i++) {
@@ -181,14 +193,14 @@ static void third_party_gets_nothing(void)
     CHECK(taken == 0);
     CHECK(rc[0] == 0 && rc[1] == 0);
     /* Both sides saw the strangers, and said so briefly. */
-    int refused0 = raw_count_lines(err0, "refused a connection to its announce port");
-    int refused1 = raw_count_lines(err1, "refused a connection to its ACK port");
+    int refused0 = kvpt_file_lines(err0, "refused a connection to its announce port");
+    int refused1 = kvpt_file_lines(err1, "refused a connection to its ACK port");
     CHECK(refused0 >= 1 && refused0 <= 3);
     CHECK(refused1 >= 1 && refused1 <= 3);
     if (kvpt_failures) {
         fprintf(stderr, "  strangers took %d messages\n", taken);
-        raw_show(err0, "sender");
-        raw_show(err1, "receiver");
+        kvpt_file_show(err0, "sender");
+        kvpt_file_show(err1, "receiver");
     }
     unlink(err0);
     unlink(err1);
@@ -205,8 +217,8 @@ static void third_party_gets_nothing(void)
 static void try_one(kvp_pipe *pipe, void *arg)
 {
     (void)arg;
-    static uint8_t data[RAW_TENSOR];
-    int64_t n = RAW_TENSOR;
+    static uint8_t data[KVPT_RAW_TENSOR];
+    int64_t n = KVPT_RAW_TENSOR;
     kvp_tensor t, *got = NULL;
     kvp_tensor_init(&t, KVP_DTYPE_U8, 1, &n, data);
     kvp_status st = kvp_pipe_send(pipe, &t);
@@ -220,35 +232,35 @@ static void try_one(kvp_pipe *pipe, void *arg)
 
 static void mismatched_sides(const char *k0, const char *k1)
 {
-    raw_setup s;
-    REQUIRE(raw_setup_init(&s) == 0);
+    kvpt_raw_setup s;
+    REQUIRE(kvpt_raw_setup_init(&s) == 0);
     char err0[128], err1[128];
-    raw_err_path(err0, sizeof err0, "auth_side0");
-    raw_err_path(err1, sizeof err1, "auth_side1");
+    kvpt_err_path(err0, sizeof err0, "auth_side0");
+    kvpt_err_path(err1, sizeof err1, "auth_side1");
     uint64_t t0 = kvpi_now_ms();
     pid_t p0 = spawn_with_key(&s, 0, try_one, NULL, err0, k0);
     pid_t p1 = spawn_with_key(&s, 1, try_one, NULL, err1, k1);
-    int rc0 = kvpt_wait_child(p0, RAW_SIDE_MS), rc1 = kvpt_wait_child(p1, RAW_SIDE_MS);
+    int rc0 = kvpt_wait_child(p0, KVPT_RAW_SIDE_MS), rc1 = kvpt_wait_child(p1, KVPT_RAW_SIDE_MS);
     CHECK(rc0 == 0 && rc1 == 0);
-    CHECK(kvpi_now_ms() - t0 < 3u * RAW_WAIT_MS);
+    CHECK(kvpi_now_ms() - t0 < 3u * KVPT_RAW_WAIT_MS);
     /* Each authenticated side says why, in a few lines. */
     const char *errs[2] = {err0, err1}, *keys[2] = {k0, k1};
     for (int i = 0; i < 2; i++) {
         if (!keys[i]) {
             /* Without a key: the link ZeroMQ closed, with the hint. */
-            CHECK(raw_count_lines(errs[i], "an authenticated peer refuses") >= 1);
+            CHECK(kvpt_file_lines(errs[i], "an authenticated peer refuses") >= 1);
             continue;
         }
-        int curve = raw_count_lines(errs[i], "CURVE handshake");
-        int refused = raw_count_lines(errs[i], "refused a connection to its");
-        CHECK(raw_count_lines(errs[i], "The pipe is authenticated") == 1);
+        int curve = kvpt_file_lines(errs[i], "CURVE handshake");
+        int refused = kvpt_file_lines(errs[i], "refused a connection to its");
+        CHECK(kvpt_file_lines(errs[i], "The pipe is authenticated") == 1);
         CHECK(refused >= 1 && refused <= 6); /* a line per 10 s and port at most */
         CHECK(keys[1 - i] == NULL || (curve >= 1 && curve <= 6));
         if (curve > 6 || refused > 6) fprintf(stderr, "  %d + %d lines\n", curve, refused);
     }
     if (kvpt_failures) {
-        raw_show(err0, "side 0");
-        raw_show(err1, "side 1");
+        kvpt_file_show(err0, "side 0");
+        kvpt_file_show(err1, "side 1");
     }
     unlink(err0);
     unlink(err1);

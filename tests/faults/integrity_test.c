@@ -53,13 +53,16 @@
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
+#include <zmq.h>
+#include <fcntl.h>
 
 #include "common/clock.h"
 #include "common/net.h"
 #include "common/tsan.h"
 #include "common/digest.h"
 #include "metadata/metadata.h"
-#include "pipe_raw.h"
+#include "pipe/safetensors.h"
+#include "peer.h"
 #include "peer.h"
 #include "test.h"
 #include "transport/tcp_wire.h"
@@ -655,7 +658,7 @@ static void corrupt_receiver(kvp_pipe *pipe, void *arg)
     (void)arg;
     for (int i = 0; i < PIPE_MSGS; i++) {
         kvp_tensor *t = NULL;
-        kvp_status st = kvp_pipe_recv(pipe, RAW_WAIT_MS, &t);
+        kvp_status st = kvp_pipe_recv(pipe, KVPT_RAW_WAIT_MS, &t);
         int bad = i & 1; /* odd ones carry a wrong digest */
         if (bad) {
             if (st != KVP_ECORRUPT)
@@ -665,7 +668,7 @@ static void corrupt_receiver(kvp_pipe *pipe, void *arg)
             CHECK(st != KVP_ECORRUPT || strstr(kvp_last_error(), "arrived corrupted"));
         } else {
             CHECK_OK(st);
-            CHECK(raw_tensor_check(t, i));
+            CHECK(kvpt_raw_tensor_check(t, i));
         }
         kvp_tensor_free(t);
     }
@@ -681,20 +684,21 @@ static void corrupt_receiver(kvp_pipe *pipe, void *arg)
 static void pipe_corrupt_messages(void)
 {
     unsetenv("KVPIPE_INTEGRITY"); /* the pipe's default: on */
-    raw_setup s;
-    REQUIRE(raw_setup_init(&s) == 0);
+    kvpt_raw_setup s;
+    REQUIRE(kvpt_raw_setup_init(&s) == 0);
     char err[128];
-    raw_err_path(err, sizeof err, "integrity_decode");
-    pid_t decode = raw_spawn_side(&s, 1, corrupt_receiver, NULL, err);
+    kvpt_err_path(err, sizeof err, "integrity_decode");
+    pid_t decode = kvpt_raw_spawn_side(&s, 1, corrupt_receiver, NULL, err);
     kvp_engine *e;
-    REQUIRE_OK(raw_engine(&s, 0, &e));
+    REQUIRE_OK(kvpt_raw_engine(&s, 0, &e));
     void *ctx = zmq_ctx_new();
-    void *push = raw_socket(ctx, ZMQ_PUSH), *pull = raw_socket(ctx, ZMQ_PULL);
-    REQUIRE(raw_bind(push, s.side[0].data_port) == 0 && raw_connect(pull, s.side[1].ack_port) == 0);
+    void *push = kvpt_zmq_socket(ctx, ZMQ_PUSH), *pull = kvpt_zmq_socket(ctx, ZMQ_PULL);
+    REQUIRE(kvpt_zmq_bind(push, s.side[0].data_port) == 0 &&
+            kvpt_zmq_connect(pull, s.side[1].ack_port) == 0);
     for (int i = 0; i < PIPE_MSGS; i++) {
         void *buf;
         size_t len;
-        REQUIRE_OK(raw_message(e, i, &buf, &len));
+        REQUIRE_OK(kvpt_raw_message(e, i, &buf, &len));
         kvpi_msg_tag t = {.seq = (uint64_t)i + 1, .has_digest = 1};
         t.digest = kvpi_digest(buf, len) + (uint64_t)(i & 1);
         memcpy(t.instance, kvp_engine_instance(e), KVPI_TAG_INSTANCE_LEN);
@@ -705,17 +709,17 @@ static void pipe_corrupt_messages(void)
             kvpi_put_be64(l, len);
             const void *f[3] = {a, l, tag};
             size_t sz[3] = {8, 8, tag_len};
-            CHECK(raw_send_frames(push, f, sz, 3) == 0);
+            CHECK(kvpt_zmq_send_frames(push, f, sz, 3) == 0);
         } else {
             static uint8_t frame[KVPI_INLINE_TAG_LEN + 8192];
             memcpy(kvpi_inline_put_tag(frame), buf, len);
             const void *f[2] = {frame, tag};
             size_t sz[2] = {KVPI_INLINE_TAG_LEN + len, tag_len};
-            CHECK(raw_send_frames(push, f, sz, 2) == 0);
+            CHECK(kvpt_zmq_send_frames(push, f, sz, 2) == 0);
         }
     }
-    int rc = kvpt_wait_child(decode, RAW_SIDE_MS);
-    if (rc != 0) raw_show(err, "decode");
+    int rc = kvpt_wait_child(decode, KVPT_RAW_SIDE_MS);
+    if (rc != 0) kvpt_file_show(err, "decode");
     CHECK(rc == 0);
     unlink(err);
     zmq_close(pull);
@@ -725,46 +729,46 @@ static void pipe_corrupt_messages(void)
 }
 
 /* The receiver READs only once the sender says its buffer was rewritten. */
-static raw_chan rewritten;
+static kvpt_chan rewritten;
 
 static void late_receiver(kvp_pipe *pipe, void *arg)
 {
     (void)arg;
     kvp_tensor *t = NULL;
-    CHECK_OK(kvp_pipe_recv(pipe, RAW_WAIT_MS, &t));
-    CHECK(raw_tensor_check(t, 0));
+    CHECK_OK(kvp_pipe_recv(pipe, KVPT_RAW_WAIT_MS, &t));
+    CHECK(kvpt_raw_tensor_check(t, 0));
     kvp_tensor_free(t);
     t = NULL;
-    CHECK(raw_wait_step(&rewritten, RAW_WAIT_MS) == 'w');
-    kvp_status st = kvp_pipe_recv(pipe, RAW_WAIT_MS, &t);
+    CHECK(kvpt_wait_step(&rewritten, KVPT_RAW_WAIT_MS) == 'w');
+    kvp_status st = kvp_pipe_recv(pipe, KVPT_RAW_WAIT_MS, &t);
     if (st != KVP_ECORRUPT)
         fprintf(stderr, "  the rewritten message: %s, want ECORRUPT\n",
                 st ? kvp_last_error() : "handed out");
     CHECK(st == KVP_ECORRUPT);
     kvp_tensor_free(t);
     /* The next one, left alone, arrives whole. */
-    CHECK_OK(kvp_pipe_recv(pipe, RAW_WAIT_MS, &t));
-    CHECK(raw_tensor_check(t, 1));
+    CHECK_OK(kvp_pipe_recv(pipe, KVPT_RAW_WAIT_MS, &t));
+    CHECK(kvpt_raw_tensor_check(t, 1));
     kvp_tensor_free(t);
 }
 
 static void pipe_buffer_rewritten(void)
 {
     unsetenv("KVPIPE_INTEGRITY");
-    raw_setup s;
-    REQUIRE(raw_setup_init(&s) == 0);
-    REQUIRE(raw_chan_init(&rewritten) == 0);
+    kvpt_raw_setup s;
+    REQUIRE(kvpt_raw_setup_init(&s) == 0);
+    REQUIRE(kvpt_chan_init(&rewritten) == 0);
     char err[128];
-    raw_err_path(err, sizeof err, "rewritten_decode");
-    kvp_pipe_opts o = raw_pipe_opts();
+    kvpt_err_path(err, sizeof err, "rewritten_decode");
+    kvp_pipe_opts o = kvpt_pipe_tcp_opts();
     o.inline_max_bytes = 0; /* announced, so that it is READ later */
-    pid_t decode = raw_spawn_side_with(&s, 1, &o, late_receiver, NULL, err);
+    pid_t decode = kvpt_raw_spawn_side_with(&s, 1, &o, late_receiver, NULL, err);
     kvp_pipe *pipe;
-    REQUIRE_OK(raw_open_pipe(&s, 0, &o, &pipe));
+    REQUIRE_OK(kvpt_pipe_open(s.json, 0, &o, &pipe));
     /* Digests go in tags, once the sender has read the peer's descriptor. */
-    raw_send_good(pipe, 0);
+    kvpt_raw_send_good(pipe, 0);
     kvp_pipe_stats st;
-    uint64_t until = kvpi_now_ms() + RAW_WAIT_MS;
+    uint64_t until = kvpi_now_ms() + KVPT_RAW_WAIT_MS;
     do
         kvp_pipe_get_stats(pipe, &st);
     while (!st.peer_lookups && kvpi_now_ms() < until && !usleep(1000));
@@ -776,12 +780,12 @@ static void pipe_buffer_rewritten(void)
     kvpt_fill(data, (size_t)n, 5);
     REQUIRE_OK(kvp_pipe_send_take(pipe, t));
     data[n / 2] ^= 1; /* the buffer is the pipe's now: a bug, as users make it */
-    raw_step(&rewritten, 'w');
-    raw_send_good(pipe, 1);
-    CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
+    kvpt_step(&rewritten, 'w');
+    kvpt_raw_send_good(pipe, 1);
+    CHECK_OK(kvp_pipe_flush(pipe, KVPT_RAW_WAIT_MS));
     kvp_pipe_close(pipe);
-    int rc = kvpt_wait_child(decode, RAW_SIDE_MS);
-    if (rc != 0) raw_show(err, "decode");
+    int rc = kvpt_wait_child(decode, KVPT_RAW_SIDE_MS);
+    if (rc != 0) kvpt_file_show(err, "decode");
     CHECK(rc == 0);
     unlink(err);
 }

@@ -12,10 +12,24 @@
  * message left queued would be), its own, and none, to a real receiver. */
 #include "engine/engine_ext.h"
 #include "pipe/announce.h"
-#include "pipe_raw.h"
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/clock.h"
+#include "common/net.h"
+#include "pipe/safetensors.h"
+#include "test.h"
+#include "peer.h"
 
 typedef struct script {
-    raw_chan to_peer, to_pipe;
+    kvpt_chan to_peer, to_pipe;
 } script;
 
 #define GARBAGE_ACKS 6
@@ -25,7 +39,7 @@ typedef struct script {
 static kvp_pipe_stats wait_bad_acks(kvp_pipe *pipe, uint64_t want)
 {
     kvp_pipe_stats s;
-    uint64_t deadline = kvpi_now_ms() + RAW_WAIT_MS;
+    uint64_t deadline = kvpi_now_ms() + KVPT_RAW_WAIT_MS;
     do {
         kvp_pipe_get_stats(pipe, &s);
         if (s.bad_acks >= want) break;
@@ -37,9 +51,9 @@ static kvp_pipe_stats wait_bad_acks(kvp_pipe *pipe, uint64_t want)
     return s;
 }
 
-static void step_or_fail(raw_chan *c, char want)
+static void step_or_fail(kvpt_chan *c, char want)
 {
-    char got = raw_wait_step(c, RAW_SIDE_MS);
+    char got = kvpt_wait_step(c, KVPT_RAW_SIDE_MS);
     if (got != want) fprintf(stderr, "  step '%c' never came (got %d)\n", want, got);
     CHECK(got == want);
 }
@@ -49,22 +63,22 @@ static void sender(kvp_pipe *pipe, void *arg)
 {
     script *sc = arg;
     for (int i = 0; i < 4; i++)
-        raw_send_good(pipe, i);
-    raw_step(&sc->to_peer, 'a');
+        kvpt_raw_send_good(pipe, i);
+    kvpt_step(&sc->to_peer, 'a');
 
     /* Malformed ACKs free nothing. */
     step_or_fail(&sc->to_pipe, 'b');
     kvp_pipe_stats s = wait_bad_acks(pipe, GARBAGE_ACKS);
     CHECK(s.bad_acks == GARBAGE_ACKS);
     CHECK(s.acks == 0 && s.inflight_count == 4 && s.inflight_bytes > 0);
-    raw_step(&sc->to_peer, 'c');
+    kvpt_step(&sc->to_peer, 'c');
 
     /* After an oversized frame cut the link, the real ACKs still arrive. */
     step_or_fail(&sc->to_pipe, 'd');
-    CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
+    CHECK_OK(kvp_pipe_flush(pipe, KVPT_RAW_WAIT_MS));
     kvp_pipe_get_stats(pipe, &s);
     CHECK(s.acks == 4 && s.inflight_count == 0 && s.inflight_bytes == 0);
-    raw_step(&sc->to_peer, 'e');
+    kvpt_step(&sc->to_peer, 'e');
 
     /* Stray ACKs with nothing in flight are counted and dropped. */
     step_or_fail(&sc->to_pipe, 'f');
@@ -73,10 +87,10 @@ static void sender(kvp_pipe *pipe, void *arg)
     CHECK(s.acks == 4 && s.inflight_count == 0);
 
     /* And the pipe goes on. */
-    raw_send_good(pipe, 4);
-    raw_step(&sc->to_peer, 'g');
+    kvpt_raw_send_good(pipe, 4);
+    kvpt_step(&sc->to_peer, 'g');
     step_or_fail(&sc->to_pipe, 'h');
-    CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
+    CHECK_OK(kvp_pipe_flush(pipe, KVPT_RAW_WAIT_MS));
     kvp_pipe_get_stats(pipe, &s);
     CHECK(s.acks == 5 && s.inflight_count == 0 && s.sent == 5);
 }
@@ -84,9 +98,9 @@ static void sender(kvp_pipe *pipe, void *arg)
 /* Take announcement i, READ it from prefill's engine and check it. */
 static void read_announced(kvp_engine *e, kvp_segment_id seg, void *pull, int i)
 {
-    uint8_t f[RAW_MSG_FRAMES][RAW_MSG_HEAD];
-    size_t sz[RAW_MSG_FRAMES];
-    int frames = raw_recv_message(pull, f, sz, RAW_WAIT_MS);
+    uint8_t f[KVPT_RAW_MSG_FRAMES][KVPT_RAW_MSG_HEAD];
+    size_t sz[KVPT_RAW_MSG_FRAMES];
+    int frames = kvpt_zmq_recv_message(pull, f, sz, KVPT_RAW_WAIT_MS);
     REQUIRE(frames == 2 && sz[0] == 8 && sz[1] == 8);
     uint64_t addr = kvpi_get_be64(f[0]), len = kvpi_get_be64(f[1]);
     void *buf;
@@ -94,7 +108,7 @@ static void read_announced(kvp_engine *e, kvp_segment_id seg, void *pull, int i)
     CHECK_OK(kvp_engine_read(e, seg, buf, addr, len));
     kvp_tensor t;
     CHECK_OK(kvpi_safetensors_parse(buf, len, &t));
-    CHECK(raw_tensor_check(&t, i));
+    CHECK(kvpt_raw_tensor_check(&t, i));
     kvp_engine_free(e, buf);
 }
 
@@ -105,23 +119,23 @@ static void send_ack(void *push, const char *text, size_t len)
 
 static void test_malformed_oversized_and_stray_acks(void)
 {
-    raw_setup s;
-    REQUIRE(raw_setup_init(&s) == 0);
+    kvpt_raw_setup s;
+    REQUIRE(kvpt_raw_setup_init(&s) == 0);
     script sc;
-    REQUIRE(raw_chan_init(&sc.to_peer) == 0 && raw_chan_init(&sc.to_pipe) == 0);
+    REQUIRE(kvpt_chan_init(&sc.to_peer) == 0 && kvpt_chan_init(&sc.to_pipe) == 0);
     char err[128];
-    raw_err_path(err, sizeof err, "ack_prefill");
-    pid_t prefill = raw_spawn_side(&s, 0, sender, &sc, err);
+    kvpt_err_path(err, sizeof err, "ack_prefill");
+    pid_t prefill = kvpt_raw_spawn_side(&s, 0, sender, &sc, err);
 
     /* The raw decode: an engine to READ with, a PULL for the announcements and
      * a PUSH (watched) on decode's ACK port. */
     kvp_engine *e;
-    REQUIRE_OK(raw_engine(&s, 1, &e));
+    REQUIRE_OK(kvpt_raw_engine(&s, 1, &e));
     void *ctx = zmq_ctx_new();
-    void *pull = raw_socket(ctx, ZMQ_PULL), *push = raw_socket(ctx, ZMQ_PUSH);
-    void *mon = raw_monitor(ctx, push, "ack");
-    REQUIRE(mon && raw_connect(pull, s.side[0].data_port) == 0 &&
-            raw_bind(push, s.side[1].ack_port) == 0);
+    void *pull = kvpt_zmq_socket(ctx, ZMQ_PULL), *push = kvpt_zmq_socket(ctx, ZMQ_PUSH);
+    void *mon = kvpt_zmq_monitor(ctx, push, "ack");
+    REQUIRE(mon && kvpt_zmq_connect(pull, s.side[0].data_port) == 0 &&
+            kvpt_zmq_bind(push, s.side[1].ack_port) == 0);
 
     step_or_fail(&sc.to_peer, 'a');
     kvp_segment_id seg;
@@ -134,45 +148,45 @@ static void test_malformed_oversized_and_stray_acks(void)
     send_ack(push, "ack", 3);
     const void *two[2] = {"ACK", "ACK"};
     size_t two_sz[2] = {3, 3}, ack_empty_sz[2] = {3, 0};
-    CHECK(raw_send_frames(push, two, two_sz, 2) == 0);
-    CHECK(raw_send_frames(push, two, ack_empty_sz, 2) == 0);
-    raw_step(&sc.to_pipe, 'b');
+    CHECK(kvpt_zmq_send_frames(push, two, two_sz, 2) == 0);
+    CHECK(kvpt_zmq_send_frames(push, two, ack_empty_sz, 2) == 0);
+    kvpt_step(&sc.to_pipe, 'b');
 
     step_or_fail(&sc.to_peer, 'c');
     static char big[5000];
     memset(big, 'A', sizeof big);
     send_ack(push, big, sizeof big);
-    CHECK(raw_wait_event(mon, ZMQ_EVENT_DISCONNECTED, RAW_WAIT_MS) == 0);
-    int back = raw_wait_event(mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, RAW_WAIT_MS);
+    CHECK(kvpt_zmq_wait_event(mon, ZMQ_EVENT_DISCONNECTED, KVPT_RAW_WAIT_MS) == 0);
+    int back = kvpt_zmq_wait_event(mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, KVPT_RAW_WAIT_MS);
     if (back != 0) {
         /* Every ACK from here on would wait for a link that is gone. */
         fprintf(stderr, "  the pipe did not reconnect its ACK link; its stderr:\n");
-        raw_show(err, "prefill");
+        kvpt_file_show(err, "prefill");
         kill(prefill, SIGKILL);
     }
     REQUIRE(back == 0);
     for (int i = 0; i < 4; i++)
         send_ack(push, "ACK", 3);
-    raw_step(&sc.to_pipe, 'd');
+    kvpt_step(&sc.to_pipe, 'd');
 
     step_or_fail(&sc.to_peer, 'e');
     for (int i = 0; i < STRAY_ACKS; i++)
         send_ack(push, "ACK", 3);
-    raw_step(&sc.to_pipe, 'f');
+    kvpt_step(&sc.to_pipe, 'f');
 
     step_or_fail(&sc.to_peer, 'g');
     read_announced(e, seg, pull, 4);
     send_ack(push, "ACK", 3);
-    raw_step(&sc.to_pipe, 'h');
+    kvpt_step(&sc.to_pipe, 'h');
 
-    int rc = kvpt_wait_child(prefill, RAW_SIDE_MS);
+    int rc = kvpt_wait_child(prefill, KVPT_RAW_SIDE_MS);
     if (rc != 0) {
         fprintf(stderr, "  prefill side exit %d; its stderr:\n", rc);
-        raw_show(err, "prefill");
+        kvpt_file_show(err, "prefill");
     }
     CHECK(rc == 0);
     /* One line per kind (malformed, oversized, stray), not one per frame. */
-    int lines = raw_count_lines(err, " kvpipe[");
+    int lines = kvpt_file_lines(err, " kvpipe[");
     if (lines > 4) fprintf(stderr, "  %d log lines\n", lines);
     CHECK(lines >= 2 && lines <= 4);
     unlink(err);
@@ -190,7 +204,7 @@ static void test_malformed_oversized_and_stray_acks(void)
 static kvp_pipe_stats wait_stats(kvp_pipe *pipe, int (*done)(const kvp_pipe_stats *))
 {
     kvp_pipe_stats s;
-    uint64_t deadline = kvpi_now_ms() + RAW_WAIT_MS;
+    uint64_t deadline = kvpi_now_ms() + KVPT_RAW_WAIT_MS;
     do {
         kvp_pipe_get_stats(pipe, &s);
         if (done(&s)) break;
@@ -222,24 +236,24 @@ static void tagged_sender(kvp_pipe *pipe, void *arg)
     kvp_pipe_stats s = wait_stats(pipe, negotiated);
     CHECK(s.peer_lookups >= 1);
     for (int i = 0; i < TAGGED; i++)
-        raw_send_good(pipe, i);
-    raw_step(&sc->to_peer, 'a');
+        kvpt_raw_send_good(pipe, i);
+    kvpt_step(&sc->to_peer, 'a');
 
     /* Another instance's ACK and one of a message never sent free nothing. */
     step_or_fail(&sc->to_pipe, 'b');
     s = wait_stats(pipe, two_bad);
     CHECK(s.bad_acks == 2 && s.acks == 0 && s.inflight_count == TAGGED);
-    raw_step(&sc->to_peer, 'c');
+    kvpt_step(&sc->to_peer, 'c');
 
     /* A tagged ACK frees every message up to its number. */
     step_or_fail(&sc->to_pipe, 'd');
     s = wait_stats(pipe, one_left);
     CHECK(s.acks == 2 && s.inflight_count == 1);
-    raw_step(&sc->to_peer, 'e');
+    kvpt_step(&sc->to_peer, 'e');
 
     /* A repeated one frees nothing more; the last frees the last. */
     step_or_fail(&sc->to_pipe, 'f');
-    CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
+    CHECK_OK(kvp_pipe_flush(pipe, KVPT_RAW_WAIT_MS));
     kvp_pipe_get_stats(pipe, &s);
     CHECK(s.acks == TAGGED && s.bad_acks == 2 && s.inflight_count == 0);
 }
@@ -252,11 +266,11 @@ static void send_tagged_ack(void *push, const char *instance, uint64_t seq)
     size_t len = kvpi_tag_encode(&t, tag);
     const void *f[2] = {"ACK", tag};
     size_t sz[2] = {3, len};
-    CHECK(raw_send_frames(push, f, sz, 2) == 0);
+    CHECK(kvpt_zmq_send_frames(push, f, sz, 2) == 0);
 }
 
 /* The descriptor field of a pipe that reads tags and takes nothing inline. */
-static kvp_status tag_reader_engine(const raw_setup *s, int rank, kvp_engine **out)
+static kvp_status tag_reader_engine(const kvpt_raw_setup *s, int rank, kvp_engine **out)
 {
     kvp_engine_opts eo;
     kvp_engine_opts_init(&eo);
@@ -271,19 +285,20 @@ static kvp_status tag_reader_engine(const raw_setup *s, int rank, kvp_engine **o
 
 static void test_tagged_acks(void)
 {
-    raw_setup s;
-    REQUIRE(raw_setup_init(&s) == 0);
+    kvpt_raw_setup s;
+    REQUIRE(kvpt_raw_setup_init(&s) == 0);
     script sc;
-    REQUIRE(raw_chan_init(&sc.to_peer) == 0 && raw_chan_init(&sc.to_pipe) == 0);
+    REQUIRE(kvpt_chan_init(&sc.to_peer) == 0 && kvpt_chan_init(&sc.to_pipe) == 0);
     char err[128];
-    raw_err_path(err, sizeof err, "tag_prefill");
+    kvpt_err_path(err, sizeof err, "tag_prefill");
     /* The child first: it must not inherit this process's engine or sockets. */
-    pid_t prefill = raw_spawn_side(&s, 0, tagged_sender, &sc, err);
+    pid_t prefill = kvpt_raw_spawn_side(&s, 0, tagged_sender, &sc, err);
     kvp_engine *e;
     REQUIRE_OK(tag_reader_engine(&s, 1, &e));
     void *ctx = zmq_ctx_new();
-    void *pull = raw_socket(ctx, ZMQ_PULL), *push = raw_socket(ctx, ZMQ_PUSH);
-    REQUIRE(raw_connect(pull, s.side[0].data_port) == 0 && raw_bind(push, s.side[1].ack_port) == 0);
+    void *pull = kvpt_zmq_socket(ctx, ZMQ_PULL), *push = kvpt_zmq_socket(ctx, ZMQ_PUSH);
+    REQUIRE(kvpt_zmq_connect(pull, s.side[0].data_port) == 0 &&
+            kvpt_zmq_bind(push, s.side[1].ack_port) == 0);
 
     step_or_fail(&sc.to_peer, 'a');
     kvp_segment_id seg;
@@ -292,9 +307,9 @@ static void test_tagged_acks(void)
     REQUIRE_OK(kvpi_engine_lookup_field(e, s.side[0].local_segment, "kvpipe_instance", &id));
     REQUIRE(cJSON_IsString(id) && strlen(id->valuestring) == KVPI_TAG_INSTANCE_LEN);
     for (int i = 0; i < TAGGED; i++) {
-        uint8_t f[RAW_MSG_FRAMES][RAW_MSG_HEAD];
-        size_t sz[RAW_MSG_FRAMES];
-        int frames = raw_recv_message(pull, f, sz, RAW_WAIT_MS);
+        uint8_t f[KVPT_RAW_MSG_FRAMES][KVPT_RAW_MSG_HEAD];
+        size_t sz[KVPT_RAW_MSG_FRAMES];
+        int frames = kvpt_zmq_recv_message(pull, f, sz, KVPT_RAW_WAIT_MS);
         /* An announcement, then its tag: the prefill engine's instance, and
          * the message's number from 1. */
         CHECK(frames == 3 && sz[0] == 8 && sz[1] == 8 && sz[2] == KVPI_TAG_LEN);
@@ -307,7 +322,7 @@ static void test_tagged_acks(void)
         CHECK_OK(kvp_engine_read(e, seg, buf, addr, len));
         kvp_tensor t;
         CHECK_OK(kvpi_safetensors_parse(buf, len, &t));
-        CHECK(raw_tensor_check(&t, i));
+        CHECK(kvpt_raw_tensor_check(&t, i));
         kvp_engine_free(e, buf);
     }
     char other[KVPI_TAG_INSTANCE_LEN + 1];
@@ -315,21 +330,21 @@ static void test_tagged_acks(void)
     other[0] = other[0] == 'a' ? 'b' : 'a';
     send_tagged_ack(push, other, TAGGED);
     send_tagged_ack(push, id->valuestring, 99);
-    raw_step(&sc.to_pipe, 'b');
+    kvpt_step(&sc.to_pipe, 'b');
 
     step_or_fail(&sc.to_peer, 'c');
     send_tagged_ack(push, id->valuestring, 2);
-    raw_step(&sc.to_pipe, 'd');
+    kvpt_step(&sc.to_pipe, 'd');
 
     step_or_fail(&sc.to_peer, 'e');
     send_tagged_ack(push, id->valuestring, 2);
     send_tagged_ack(push, id->valuestring, 3);
-    raw_step(&sc.to_pipe, 'f');
+    kvpt_step(&sc.to_pipe, 'f');
 
-    int rc = kvpt_wait_child(prefill, RAW_SIDE_MS);
+    int rc = kvpt_wait_child(prefill, KVPT_RAW_SIDE_MS);
     if (rc != 0) {
         fprintf(stderr, "  prefill side exit %d; its stderr:\n", rc);
-        raw_show(err, "prefill");
+        kvpt_file_show(err, "prefill");
     }
     CHECK(rc == 0);
     unlink(err);
@@ -346,32 +361,32 @@ static void stale_receiver(kvp_pipe *pipe, void *arg)
 {
     (void)arg;
     kvp_tensor *t = NULL;
-    kvp_status st = kvp_pipe_recv(pipe, RAW_WAIT_MS, &t);
+    kvp_status st = kvp_pipe_recv(pipe, KVPT_RAW_WAIT_MS, &t);
     CHECK(st == KVP_ECONNRESET && strstr(kvp_last_error(), "restarted"));
     if (st != KVP_ECONNRESET) fprintf(stderr, "  recv: %s\n", kvp_last_error());
     for (int i = 1; i <= 2; i++) {
         t = NULL;
-        CHECK_OK(kvp_pipe_recv(pipe, RAW_WAIT_MS, &t));
-        CHECK(raw_tensor_check(t, i));
+        CHECK_OK(kvp_pipe_recv(pipe, KVPT_RAW_WAIT_MS, &t));
+        CHECK(kvpt_raw_tensor_check(t, i));
         kvp_tensor_free(t);
     }
 }
 
 static void test_stale_instance_announcement(void)
 {
-    raw_setup s;
-    REQUIRE(raw_setup_init(&s) == 0);
+    kvpt_raw_setup s;
+    REQUIRE(kvpt_raw_setup_init(&s) == 0);
     char err[128];
-    raw_err_path(err, sizeof err, "tag_decode");
+    kvpt_err_path(err, sizeof err, "tag_decode");
     /* The child first: it must not inherit this process's engine or sockets. */
-    pid_t decode = raw_spawn_side(&s, 1, stale_receiver, NULL, err);
+    pid_t decode = kvpt_raw_spawn_side(&s, 1, stale_receiver, NULL, err);
     kvp_engine *e;
-    REQUIRE_OK(raw_engine(&s, 0, &e));
+    REQUIRE_OK(kvpt_raw_engine(&s, 0, &e));
     void *ctx = zmq_ctx_new();
-    void *push = raw_socket(ctx, ZMQ_PUSH), *pull = raw_socket(ctx, ZMQ_PULL);
-    void *mon = raw_monitor(ctx, pull, "stale_ack");
-    REQUIRE(mon && raw_bind(push, s.side[0].data_port) == 0 &&
-            raw_connect(pull, s.side[1].ack_port) == 0);
+    void *push = kvpt_zmq_socket(ctx, ZMQ_PUSH), *pull = kvpt_zmq_socket(ctx, ZMQ_PULL);
+    void *mon = kvpt_zmq_monitor(ctx, pull, "stale_ack");
+    REQUIRE(mon && kvpt_zmq_bind(push, s.side[0].data_port) == 0 &&
+            kvpt_zmq_connect(pull, s.side[1].ack_port) == 0);
 
     const char *mine = kvp_engine_instance(e);
     char other[KVPI_TAG_INSTANCE_LEN + 1];
@@ -379,11 +394,11 @@ static void test_stale_instance_announcement(void)
     other[0] = other[0] == 'a' ? 'b' : 'a';
     /* One message at a time, with the ACK link up: each is answered alone
      * (ACKs owed together would leave as the newest, which covers them). */
-    CHECK(raw_wait_event(mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, RAW_WAIT_MS) == 0);
+    CHECK(kvpt_zmq_wait_event(mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, KVPT_RAW_WAIT_MS) == 0);
     for (int i = 0; i < 3; i++) {
         void *buf;
         size_t len;
-        REQUIRE_OK(raw_message(e, i, &buf, &len));
+        REQUIRE_OK(kvpt_raw_message(e, i, &buf, &len));
         uint8_t a[8], l[8], tag[KVPI_TAG_DIGEST_LEN];
         kvpi_put_be64(a, (uint64_t)(uintptr_t)buf);
         kvpi_put_be64(l, len);
@@ -393,12 +408,12 @@ static void test_stale_instance_announcement(void)
         const void *f[3] = {a, l, tag};
         size_t sz[3] = {8, 8, tag_len};
         /* The last one untagged: MooncakePipe's wire still works. */
-        CHECK(raw_send_frames(push, f, sz, i == 2 ? 2 : 3) == 0);
+        CHECK(kvpt_zmq_send_frames(push, f, sz, i == 2 ? 2 : 3) == 0);
         /* Answered with a tagged ACK echoing its tag, the untagged one
          * plainly. */
-        uint8_t ack[RAW_MSG_FRAMES][RAW_MSG_HEAD];
-        size_t asz[RAW_MSG_FRAMES];
-        int frames = raw_recv_message(pull, ack, asz, RAW_WAIT_MS);
+        uint8_t ack[KVPT_RAW_MSG_FRAMES][KVPT_RAW_MSG_HEAD];
+        size_t asz[KVPT_RAW_MSG_FRAMES];
+        int frames = kvpt_zmq_recv_message(pull, ack, asz, KVPT_RAW_WAIT_MS);
         int want = i == 2 ? 1 : 2;
         CHECK(frames == want && asz[0] == 3 && memcmp(ack[0], "ACK", 3) == 0);
         if (frames != 2 || want != 2) continue;
@@ -406,10 +421,10 @@ static void test_stale_instance_announcement(void)
               memcmp(ack[1], i == 0 ? other : mine, KVPI_TAG_INSTANCE_LEN) == 0 &&
               kvpi_get_be64(ack[1] + KVPI_TAG_INSTANCE_LEN) == (uint64_t)i + 1);
     }
-    int rc = kvpt_wait_child(decode, RAW_SIDE_MS);
+    int rc = kvpt_wait_child(decode, KVPT_RAW_SIDE_MS);
     if (rc != 0) {
         fprintf(stderr, "  decode side exit %d; its stderr:\n", rc);
-        raw_show(err, "decode");
+        kvpt_file_show(err, "decode");
     }
     CHECK(rc == 0);
     unlink(err);

@@ -4,14 +4,28 @@
  * lengths and floods of garbage between good tensors. The pipe must drop the
  * garbage, log it a bounded number of times, and go on: every good tensor
  * arrives intact, in order, exactly once, and is acknowledged exactly once. */
-#include "pipe_raw.h"
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <zmq.h>
+
+#include "common/clock.h"
+#include "common/net.h"
+#include "pipe/safetensors.h"
+#include "test.h"
+#include "peer.h"
 
 /* What the decode side expects: n_good tensors 0..n_good-1 in order, with
  * exactly n_errors recv errors among them, then nothing more. */
 typedef struct expect {
     int n_good, n_errors;
     uint64_t bad_messages; /* kvp_pipe_stats.bad_messages at the end */
-    raw_chan *pause;       /* non-NULL: after the first tensor, wait for a step */
+    kvpt_chan *pause;      /* non-NULL: after the first tensor, wait for a step */
 } expect;
 
 static void receive_expected(kvp_pipe *pipe, void *arg)
@@ -20,7 +34,7 @@ static void receive_expected(kvp_pipe *pipe, void *arg)
     int good = 0, errors = 0;
     while (good < e->n_good && errors <= e->n_errors) {
         kvp_tensor *t = NULL;
-        kvp_status st = kvp_pipe_recv(pipe, RAW_WAIT_MS, &t);
+        kvp_status st = kvp_pipe_recv(pipe, KVPT_RAW_WAIT_MS, &t);
         if (st == KVP_ETIMEDOUT) {
             fprintf(stderr, "  decode: tensor %d did not come: %s\n", good, kvp_last_error());
             kvpt_failures++;
@@ -32,11 +46,12 @@ static void receive_expected(kvp_pipe *pipe, void *arg)
             CHECK(kvp_pipe_usable(pipe));
             continue;
         }
-        if (!raw_tensor_check(t, good)) fprintf(stderr, "  decode: tensor %d is wrong\n", good);
-        CHECK(raw_tensor_check(t, good));
+        if (!kvpt_raw_tensor_check(t, good))
+            fprintf(stderr, "  decode: tensor %d is wrong\n", good);
+        CHECK(kvpt_raw_tensor_check(t, good));
         kvp_tensor_free(t);
         /* Away from recv meanwhile: nobody waits on the link. */
-        if (good++ == 0 && e->pause) CHECK(raw_wait_step(e->pause, RAW_SIDE_MS) == 'g');
+        if (good++ == 0 && e->pause) CHECK(kvpt_wait_step(e->pause, KVPT_RAW_SIDE_MS) == 'g');
     }
     CHECK(good == e->n_good);
     CHECK(errors == e->n_errors);
@@ -56,7 +71,7 @@ static void receive_expected(kvp_pipe *pipe, void *arg)
 /* The raw prefill: its engine, a PUSH bound on prefill's data port (watched
  * by a monitor) and a PULL connected to decode's ACK port. */
 typedef struct raw_prefill {
-    raw_setup s;
+    kvpt_raw_setup s;
     kvp_engine *engine;
     void *ctx, *push, *pull, *mon;
     char err[128];
@@ -65,21 +80,21 @@ typedef struct raw_prefill {
 
 /* The decode side running fn(arg), and the raw prefill; its PULL connects
  * to decode's ACK port now when connect_acks (else the test connects it). */
-static int prefill_start_with(raw_prefill *r, raw_side_fn fn, void *arg, int connect_acks)
+static int prefill_start_with(raw_prefill *r, kvpt_side_fn fn, void *arg, int connect_acks)
 {
-    if (raw_setup_init(&r->s)) return -1;
-    raw_err_path(r->err, sizeof r->err, "announce_decode");
-    r->decode = raw_spawn_side(&r->s, 1, fn, arg, r->err);
-    if (raw_engine(&r->s, 0, &r->engine)) return -1;
+    if (kvpt_raw_setup_init(&r->s)) return -1;
+    kvpt_err_path(r->err, sizeof r->err, "announce_decode");
+    r->decode = kvpt_raw_spawn_side(&r->s, 1, fn, arg, r->err);
+    if (kvpt_raw_engine(&r->s, 0, &r->engine)) return -1;
     r->ctx = zmq_ctx_new();
-    r->push = raw_socket(r->ctx, ZMQ_PUSH);
-    r->pull = raw_socket(r->ctx, ZMQ_PULL);
-    r->mon = raw_monitor(r->ctx, r->push, "push");
-    if (!r->mon || raw_bind(r->push, r->s.side[0].data_port) ||
-        (connect_acks && raw_connect(r->pull, r->s.side[1].ack_port)))
+    r->push = kvpt_zmq_socket(r->ctx, ZMQ_PUSH);
+    r->pull = kvpt_zmq_socket(r->ctx, ZMQ_PULL);
+    r->mon = kvpt_zmq_monitor(r->ctx, r->push, "push");
+    if (!r->mon || kvpt_zmq_bind(r->push, r->s.side[0].data_port) ||
+        (connect_acks && kvpt_zmq_connect(r->pull, r->s.side[1].ack_port)))
         return -1;
     /* The decode pipe's PULL is connected once the handshake is done. */
-    return raw_wait_event(r->mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, RAW_WAIT_MS);
+    return kvpt_zmq_wait_event(r->mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, KVPT_RAW_WAIT_MS);
 }
 
 static int prefill_start(raw_prefill *r, expect *e)
@@ -90,10 +105,10 @@ static int prefill_start(raw_prefill *r, expect *e)
 /* Wait for the decode side; 0 when it passed. */
 static int prefill_finish(raw_prefill *r)
 {
-    int rc = kvpt_wait_child(r->decode, RAW_SIDE_MS);
+    int rc = kvpt_wait_child(r->decode, KVPT_RAW_SIDE_MS);
     if (rc != 0) {
         fprintf(stderr, "  decode side exit %d; its stderr:\n", rc);
-        raw_show(r->err, "decode");
+        kvpt_file_show(r->err, "decode");
     }
     zmq_close(r->mon);
     zmq_close(r->push);
@@ -106,8 +121,8 @@ static int prefill_finish(raw_prefill *r)
 /* One good tensor, and its ACK. */
 static void good_round(raw_prefill *r, int i)
 {
-    CHECK(raw_announce_good(r->engine, r->push, i) == 0);
-    CHECK(raw_count_acks(r->pull, 1, RAW_WAIT_MS) == 1);
+    CHECK(kvpt_raw_announce_good(r->engine, r->push, i) == 0);
+    CHECK(kvpt_raw_count_acks(r->pull, 1, KVPT_RAW_WAIT_MS) == 1);
 }
 
 /* A frame above the announce link's limit: max_control_frame (4096) or,
@@ -117,7 +132,7 @@ static void good_round(raw_prefill *r, int i)
 
 static int oversized_ok(void)
 {
-    kvp_pipe_opts o = raw_pipe_opts();
+    kvp_pipe_opts o = kvpt_pipe_tcp_opts();
     return OVERSIZED > 8 + o.inline_max_bytes && OVERSIZED > o.max_control_frame;
 }
 
@@ -136,22 +151,22 @@ static void test_oversized_frames(void)
         /* One oversized frame; then the second frame of an announcement. */
         const void *f[2] = {round == 2 ? (const void *)b8 : big, big};
         size_t sz[2] = {round == 2 ? 8 : sizeof big, sizeof big};
-        CHECK(raw_send_frames(r.push, f, sz, round == 2 ? 2 : 1) == 0);
+        CHECK(kvpt_zmq_send_frames(r.push, f, sz, round == 2 ? 2 : 1) == 0);
         /* ZeroMQ on the pipe's side drops the connection ... */
-        CHECK(raw_wait_event(r.mon, ZMQ_EVENT_DISCONNECTED, RAW_WAIT_MS) == 0);
+        CHECK(kvpt_zmq_wait_event(r.mon, ZMQ_EVENT_DISCONNECTED, KVPT_RAW_WAIT_MS) == 0);
         /* ... and the pipe must come back (ZeroMQ itself never does after a
          * protocol error). */
-        int back = raw_wait_event(r.mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, RAW_WAIT_MS);
+        int back = kvpt_zmq_wait_event(r.mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, KVPT_RAW_WAIT_MS);
         if (back != 0) fprintf(stderr, "  the pipe did not reconnect after round %d\n", round);
         CHECK(back == 0);
         if (back != 0) break;
         good_round(&r, round);
     }
     /* Nothing acknowledged twice. */
-    CHECK(raw_count_acks(r.pull, 1, 300) == 0);
+    CHECK(kvpt_raw_count_acks(r.pull, 1, 300) == 0);
     CHECK(prefill_finish(&r) == 0);
     /* Logged, but not once per frame. */
-    int lines = raw_count_lines(r.err, "WARN");
+    int lines = kvpt_file_lines(r.err, "WARN");
     CHECK(lines >= 1 && lines <= 3);
     unlink(r.err);
 }
@@ -160,8 +175,8 @@ static void test_oversized_frames(void)
  * the link again, before any recv. */
 static void test_oversized_frame_while_away(void)
 {
-    raw_chan go;
-    REQUIRE(raw_chan_init(&go) == 0);
+    kvpt_chan go;
+    REQUIRE(kvpt_chan_init(&go) == 0);
     expect e = {.n_good = 2, .n_errors = 0, .bad_messages = 0, .pause = &go};
     raw_prefill r = {0};
     REQUIRE(oversized_ok());
@@ -170,13 +185,13 @@ static void test_oversized_frame_while_away(void)
     const void *f[1] = {big};
     size_t sz[1] = {sizeof big};
     good_round(&r, 0);
-    CHECK(raw_send_frames(r.push, f, sz, 1) == 0);
-    CHECK(raw_wait_event(r.mon, ZMQ_EVENT_DISCONNECTED, RAW_WAIT_MS) == 0);
-    CHECK(raw_wait_event(r.mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, RAW_WAIT_MS) == 0);
-    raw_step(&go, 'g');
+    CHECK(kvpt_zmq_send_frames(r.push, f, sz, 1) == 0);
+    CHECK(kvpt_zmq_wait_event(r.mon, ZMQ_EVENT_DISCONNECTED, KVPT_RAW_WAIT_MS) == 0);
+    CHECK(kvpt_zmq_wait_event(r.mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, KVPT_RAW_WAIT_MS) == 0);
+    kvpt_step(&go, 'g');
     good_round(&r, 1);
     CHECK(prefill_finish(&r) == 0);
-    CHECK(raw_count_lines(r.err, "WARN") == 1);
+    CHECK(kvpt_file_lines(r.err, "WARN") == 1);
     unlink(r.err);
 }
 
@@ -205,23 +220,24 @@ static void test_malformed_announcements(void)
         {1, {4096}, {b4096}},         /* one frame at the size limit */
         {2, {8, 4096}, {b8, b4096}},  /* a length frame at the limit */
     };
-    CHECK(raw_announce_good(r.engine, r.push, 0) == 0);
+    CHECK(kvpt_raw_announce_good(r.engine, r.push, 0) == 0);
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
-        CHECK(raw_send_frames(r.push, bad[i].f, bad[i].sz, bad[i].n) == 0);
-    CHECK(raw_announce_good(r.engine, r.push, 1) == 0);
+        CHECK(kvpt_zmq_send_frames(r.push, bad[i].f, bad[i].sz, bad[i].n) == 0);
+    CHECK(kvpt_raw_announce_good(r.engine, r.push, 1) == 0);
     void *mem;
     REQUIRE_OK(kvp_engine_alloc(r.engine, 4096, &mem));
-    CHECK(raw_send_announcement(r.push, (uint64_t)(uintptr_t)mem, 0) == 0);          /* EPROTO */
-    CHECK(raw_send_announcement(r.push, (uint64_t)(uintptr_t)mem, 1ull << 62) == 0); /* EPROTO */
-    CHECK(raw_send_announcement(r.push, 0x1000, 64) == 0);                           /* ERANGE */
-    CHECK(raw_send_announcement(r.push, UINT64_MAX - 10, 100) == 0);                 /* ERANGE */
-    CHECK(raw_announce_good(r.engine, r.push, 2) == 0);
+    CHECK(kvpt_raw_send_announcement(r.push, (uint64_t)(uintptr_t)mem, 0) == 0); /* EPROTO */
+    CHECK(kvpt_raw_send_announcement(r.push, (uint64_t)(uintptr_t)mem, 1ull << 62) ==
+          0);                                                             /* EPROTO */
+    CHECK(kvpt_raw_send_announcement(r.push, 0x1000, 64) == 0);           /* ERANGE */
+    CHECK(kvpt_raw_send_announcement(r.push, UINT64_MAX - 10, 100) == 0); /* ERANGE */
+    CHECK(kvpt_raw_announce_good(r.engine, r.push, 2) == 0);
     /* 3 good + 4 refused; none for the 8 malformed ones. */
-    int acks = raw_count_acks(r.pull, 100, 3000);
+    int acks = kvpt_raw_count_acks(r.pull, 100, 3000);
     if (acks != 7) fprintf(stderr, "  %d ACKs, want 7\n", acks);
     CHECK(acks == 7);
     CHECK(prefill_finish(&r) == 0);
-    int lines = raw_count_lines(r.err, "WARN");
+    int lines = kvpt_file_lines(r.err, "WARN");
     CHECK(lines >= 1 && lines <= 3);
     unlink(r.err);
 }
@@ -239,16 +255,16 @@ static void test_garbage_flood(void)
     size_t sz[1] = {8};
     int sent = 0;
     for (int g = 0; g < GOOD; g++) {
-        CHECK(raw_announce_good(r.engine, r.push, g) == 0);
+        CHECK(kvpt_raw_announce_good(r.engine, r.push, g) == 0);
         for (int i = 0; g + 1 < GOOD && i < GARBAGE / (GOOD - 1); i++, sent++)
-            if (raw_send_frames(r.push, f, sz, 1) != 0) break;
+            if (kvpt_zmq_send_frames(r.push, f, sz, 1) != 0) break;
     }
     CHECK(sent == GARBAGE);
-    int acks = raw_count_acks(r.pull, GARBAGE + GOOD, 3000);
+    int acks = kvpt_raw_count_acks(r.pull, GARBAGE + GOOD, 3000);
     if (acks != GOOD) fprintf(stderr, "  %d ACKs, want %d\n", acks, GOOD);
     CHECK(acks == GOOD);
     CHECK(prefill_finish(&r) == 0);
-    int lines = raw_count_lines(r.err, " kvpipe[");
+    int lines = kvpt_file_lines(r.err, " kvpipe[");
     if (lines > 3) fprintf(stderr, "  %d log lines for %d garbage frames\n", lines, GARBAGE);
     CHECK(lines >= 1 && lines <= 3);
     unlink(r.err);
@@ -266,8 +282,8 @@ static void receive_none(kvp_pipe *pipe, void *arg)
     while (!none && errors <= NONE_ERRORS) {
         kvp_tensor *t = NULL;
         uint64_t t0 = kvpi_now_ms();
-        kvp_status st = kvp_pipe_recv(pipe, RAW_WAIT_MS, &t);
-        CHECK(kvpi_now_ms() - t0 <= RAW_WAIT_MS + 500);
+        kvp_status st = kvp_pipe_recv(pipe, KVPT_RAW_WAIT_MS, &t);
+        CHECK(kvpi_now_ms() - t0 <= KVPT_RAW_WAIT_MS + 500);
         if (st == KVP_ETIMEDOUT) {
             fprintf(stderr, "  decode: None did not come after %d errors: %s\n", errors,
                     kvp_last_error());
@@ -306,8 +322,8 @@ static void test_none_after_garbage(void)
     const void *f[1] = {b8};
     size_t sz[1] = {8};
     for (int i = 0; i < NONE_GARBAGE; i++) {
-        CHECK(raw_send_frames(r.push, f, sz, 1) == 0);
-        CHECK(raw_send_announcement(r.push, 0x1000, 64) == 0); /* ERANGE */
+        CHECK(kvpt_zmq_send_frames(r.push, f, sz, 1) == 0);
+        CHECK(kvpt_raw_send_announcement(r.push, 0x1000, 64) == 0); /* ERANGE */
     }
     int64_t one = 1, none_value = KVP_PIPE_NONE_VALUE;
     kvp_tensor t;
@@ -317,8 +333,8 @@ static void test_none_after_garbage(void)
     REQUIRE_OK(kvpi_safetensors_size(&t, &size));
     REQUIRE_OK(kvp_engine_alloc(r.engine, size, &buf));
     REQUIRE_OK(kvpi_safetensors_write(&t, buf, size, &written));
-    CHECK(raw_send_announcement(r.push, (uint64_t)(uintptr_t)buf, written) == 0);
-    int acks = raw_count_acks(r.pull, NONE_ERRORS + 10, 3000);
+    CHECK(kvpt_raw_send_announcement(r.push, (uint64_t)(uintptr_t)buf, written) == 0);
+    int acks = kvpt_raw_count_acks(r.pull, NONE_ERRORS + 10, 3000);
     if (acks != NONE_ERRORS + 1) fprintf(stderr, "  %d ACKs, want %d\n", acks, NONE_ERRORS + 1);
     CHECK(acks == NONE_ERRORS + 1);
     CHECK(prefill_finish(&r) == 0);
@@ -333,13 +349,13 @@ static void receive_quickly(kvp_pipe *pipe, void *arg)
     for (int i = 0; i < 2; i++) {
         kvp_tensor *t = NULL;
         uint64_t t0 = kvpi_now_ms();
-        CHECK_OK(kvp_pipe_recv(pipe, RAW_WAIT_MS, &t));
+        CHECK_OK(kvp_pipe_recv(pipe, KVPT_RAW_WAIT_MS, &t));
         uint64_t took = kvpi_now_ms() - t0;
         if (took > 500)
             fprintf(stderr, "  decode: recv of tensor %d took %llu ms\n", i,
                     (unsigned long long)took);
         CHECK(took <= 500);
-        CHECK(raw_tensor_check(t, i));
+        CHECK(kvpt_raw_tensor_check(t, i));
         kvp_tensor_free(t);
     }
     usleep(2500 * 1000); /* the ACKs leave meanwhile, from the control thread */
@@ -354,11 +370,11 @@ static void test_ack_link_not_connected(void)
 {
     raw_prefill r = {0};
     REQUIRE(prefill_start_with(&r, receive_quickly, NULL, 0) == 0);
-    CHECK(raw_announce_good(r.engine, r.push, 0) == 0);
-    CHECK(raw_announce_good(r.engine, r.push, 1) == 0);
+    CHECK(kvpt_raw_announce_good(r.engine, r.push, 0) == 0);
+    CHECK(kvpt_raw_announce_good(r.engine, r.push, 1) == 0);
     usleep(1500 * 1000); /* both handed out by now; their ACKs due 1.5 s ago */
-    REQUIRE(raw_connect(r.pull, r.s.side[1].ack_port) == 0);
-    int acks = raw_count_acks(r.pull, 10, 1500);
+    REQUIRE(kvpt_zmq_connect(r.pull, r.s.side[1].ack_port) == 0);
+    int acks = kvpt_raw_count_acks(r.pull, 10, 1500);
     if (acks != 2) fprintf(stderr, "  %d ACKs, want 2\n", acks);
     CHECK(acks == 2);
     CHECK(prefill_finish(&r) == 0);

@@ -5,8 +5,21 @@
  * is replaced on the same ports by such a raw receiver while the sender is
  * waiting to send, nothing after the swap goes inline. */
 #include <sys/wait.h>
+#include <zmq.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
-#include "pipe_raw.h"
+#include "common/clock.h"
+#include "common/net.h"
+#include "pipe/safetensors.h"
+#include "test.h"
+#include "peer.h"
 
 #define BEFORE 8 /* inline messages to the kvpipe receiver */
 #define AFTER 12 /* announced messages to the raw receiver */
@@ -15,7 +28,7 @@
 static kvp_pipe_stats wait_lookup(kvp_pipe *pipe)
 {
     kvp_pipe_stats st = {0};
-    uint64_t deadline = kvpi_now_ms() + RAW_WAIT_MS;
+    uint64_t deadline = kvpi_now_ms() + KVPT_RAW_WAIT_MS;
     while (kvp_pipe_get_stats(pipe, &st), st.peer_lookups == 0 && kvpi_now_ms() < deadline)
         usleep(10000);
     return st;
@@ -30,20 +43,20 @@ typedef struct raw_decode {
     int opened;
 } raw_decode;
 
-static int raw_decode_start(raw_decode *r, const raw_setup *s)
+static int raw_decode_start(raw_decode *r, const kvpt_raw_setup *s)
 {
-    if (raw_engine(s, 1, &r->engine)) return -1;
+    if (kvpt_raw_engine(s, 1, &r->engine)) return -1;
     r->ctx = zmq_ctx_new();
-    r->pull = raw_socket(r->ctx, ZMQ_PULL);
-    r->push = raw_socket(r->ctx, ZMQ_PUSH);
-    return raw_bind(r->push, s->side[1].ack_port);
+    r->pull = kvpt_zmq_socket(r->ctx, ZMQ_PULL);
+    r->push = kvpt_zmq_socket(r->ctx, ZMQ_PUSH);
+    return kvpt_zmq_bind(r->push, s->side[1].ack_port);
 }
 
 /* Connect the PULL once prefill's pipe listens on its announce port. */
-static int raw_decode_connect(raw_decode *r, const raw_setup *s)
+static int raw_decode_connect(raw_decode *r, const kvpt_raw_setup *s)
 {
-    if (kvpt_wait_port("127.0.0.1", s->side[0].data_port, RAW_WAIT_MS) != 0) return -1;
-    return raw_connect(r->pull, s->side[0].data_port);
+    if (kvpt_wait_port("127.0.0.1", s->side[0].data_port, KVPT_RAW_WAIT_MS) != 0) return -1;
+    return kvpt_zmq_connect(r->pull, s->side[0].data_port);
 }
 
 static void raw_decode_stop(raw_decode *r)
@@ -56,14 +69,14 @@ static void raw_decode_stop(raw_decode *r)
 
 /* Take one message as MooncakePipe does: two 8-byte frames, the READ of
  * the range, the tensor in it, then "ACK". 1 when it was tensor i. */
-static int raw_take(raw_decode *r, const raw_setup *s, int i)
+static int raw_take(raw_decode *r, const kvpt_raw_setup *s, int i)
 {
     zmq_msg_t f[2];
     zmq_msg_init(&f[0]);
     zmq_msg_init(&f[1]);
     int frames = 0, more = 1;
     size_t size[2] = {0, 0};
-    int tmo = RAW_WAIT_MS;
+    int tmo = KVPT_RAW_WAIT_MS;
     zmq_setsockopt(r->pull, ZMQ_RCVTIMEO, &tmo, sizeof tmo);
     while (more && frames < 2) {
         if (zmq_msg_recv(&f[frames], r->pull, 0) < 0) break;
@@ -90,7 +103,7 @@ static int raw_take(raw_decode *r, const raw_setup *s, int i)
     uint8_t *buf = malloc(len ? len : 1);
     kvp_tensor t;
     int good = buf && kvp_engine_read(r->engine, r->prefill, buf, addr, len) == KVP_OK &&
-               kvpi_safetensors_parse(buf, len, &t) == KVP_OK && raw_tensor_check(&t, i);
+               kvpi_safetensors_parse(buf, len, &t) == KVP_OK && kvpt_raw_tensor_check(&t, i);
     if (!good) fprintf(stderr, "  message %d: bad READ or tensor: %s\n", i, kvp_last_error());
     free(buf);
     zmq_send(r->push, "ACK", 3, 0);
@@ -105,22 +118,22 @@ static void send_after_lookup(kvp_pipe *pipe, void *arg)
     kvp_pipe_stats st = wait_lookup(pipe);
     CHECK(st.peer_lookups > 0 && st.peer_inline_max == 0);
     for (int i = 0; i < AFTER; i++)
-        raw_send_good(pipe, i);
-    CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
+        kvpt_raw_send_good(pipe, i);
+    CHECK_OK(kvp_pipe_flush(pipe, KVPT_RAW_WAIT_MS));
     kvp_pipe_get_stats(pipe, &st);
     CHECK(st.sent == AFTER && st.acks == AFTER && st.inline_sent == 0);
 }
 
 static void test_raw_receiver_gets_announcements(void)
 {
-    raw_setup s;
-    REQUIRE(raw_setup_init(&s) == 0);
+    kvpt_raw_setup s;
+    REQUIRE(kvpt_raw_setup_init(&s) == 0);
     char err[128];
-    raw_err_path(err, sizeof err, "fallback_prefill");
+    kvpt_err_path(err, sizeof err, "fallback_prefill");
     /* The side is forked before this process starts threads of its own (the
      * raw receiver's engine and ZeroMQ): a fork of a threaded process can
      * inherit a lock some other thread held, and hang. */
-    pid_t prefill = raw_spawn_side(&s, 0, send_after_lookup, NULL, err);
+    pid_t prefill = kvpt_raw_spawn_side(&s, 0, send_after_lookup, NULL, err);
     raw_decode r = {0};
     REQUIRE(raw_decode_start(&r, &s) == 0);
     CHECK(raw_decode_connect(&r, &s) == 0);
@@ -129,8 +142,8 @@ static void test_raw_receiver_gets_announcements(void)
         good += raw_take(&r, &s, i);
     CHECK(good == AFTER);
     if (good != AFTER) kill(prefill, SIGKILL); /* and show why below */
-    int rc = kvpt_wait_child(prefill, RAW_SIDE_MS);
-    if (rc) raw_show(err, "prefill");
+    int rc = kvpt_wait_child(prefill, KVPT_RAW_SIDE_MS);
+    if (rc) kvpt_file_show(err, "prefill");
     CHECK(rc == 0);
     raw_decode_stop(&r);
     unlink(err);
@@ -139,28 +152,28 @@ static void test_raw_receiver_gets_announcements(void)
 /* ----------------------------------------------- a receiver replaced --- */
 
 typedef struct swap {
-    raw_chan go;   /* parent -> prefill: 'g' once the kvpipe decode is gone */
-    raw_chan done; /* decode -> parent: 'd' when it took its messages */
+    kvpt_chan go;   /* parent -> prefill: 'g' once the kvpipe decode is gone */
+    kvpt_chan done; /* decode -> parent: 'd' when it took its messages */
 } swap;
 
 static void prefill_swap(kvp_pipe *pipe, void *arg)
 {
     swap *w = arg;
     kvp_pipe_stats st = {0};
-    uint64_t deadline = kvpi_now_ms() + RAW_WAIT_MS;
+    uint64_t deadline = kvpi_now_ms() + KVPT_RAW_WAIT_MS;
     while (kvp_pipe_get_stats(pipe, &st), st.peer_inline_max == 0 && kvpi_now_ms() < deadline)
         usleep(10000);
     CHECK(st.peer_inline_max > 0);
     for (int i = 0; i < BEFORE; i++)
-        raw_send_good(pipe, i);
-    CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
+        kvpt_raw_send_good(pipe, i);
+    CHECK_OK(kvp_pipe_flush(pipe, KVPT_RAW_WAIT_MS));
     kvp_pipe_get_stats(pipe, &st);
     CHECK(st.inline_sent == BEFORE);
-    CHECK(raw_wait_step(&w->go, RAW_SIDE_MS) == 'g');
+    CHECK(kvpt_wait_step(&w->go, KVPT_RAW_SIDE_MS) == 'g');
     /* The first of these waits for a receiver: the raw one comes. */
     for (int i = 0; i < AFTER; i++)
-        raw_send_good(pipe, BEFORE + i);
-    CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
+        kvpt_raw_send_good(pipe, BEFORE + i);
+    CHECK_OK(kvp_pipe_flush(pipe, KVPT_RAW_WAIT_MS));
     kvp_pipe_get_stats(pipe, &st);
     if (st.inline_sent != BEFORE)
         fprintf(stderr, "  %llu messages went inline, want %d\n",
@@ -173,34 +186,34 @@ static void decode_then_leave(kvp_pipe *pipe, void *arg)
     swap *w = arg;
     for (int i = 0; i < BEFORE; i++) {
         kvp_tensor *t = NULL;
-        CHECK_OK(kvp_pipe_recv(pipe, RAW_WAIT_MS, &t));
-        CHECK(raw_tensor_check(t, i));
+        CHECK_OK(kvp_pipe_recv(pipe, KVPT_RAW_WAIT_MS, &t));
+        CHECK(kvpt_raw_tensor_check(t, i));
         kvp_tensor_free(t);
     }
     kvp_pipe_stats st;
     kvp_pipe_get_stats(pipe, &st);
     CHECK(st.inline_received == BEFORE);
-    raw_step(&w->done, 'd');
+    kvpt_step(&w->done, 'd');
 }
 
 static void test_receiver_replaced_by_raw_peer(void)
 {
-    raw_setup s;
-    REQUIRE(raw_setup_init(&s) == 0);
+    kvpt_raw_setup s;
+    REQUIRE(kvpt_raw_setup_init(&s) == 0);
     swap w;
-    REQUIRE(raw_chan_init(&w.go) == 0 && raw_chan_init(&w.done) == 0);
+    REQUIRE(kvpt_chan_init(&w.go) == 0 && kvpt_chan_init(&w.done) == 0);
     char perr[128], derr[128];
-    raw_err_path(perr, sizeof perr, "swap_prefill");
-    raw_err_path(derr, sizeof derr, "swap_decode");
-    pid_t prefill = raw_spawn_side(&s, 0, prefill_swap, &w, perr);
-    pid_t decode = raw_spawn_side(&s, 1, decode_then_leave, &w, derr);
-    CHECK(raw_wait_step(&w.done, RAW_SIDE_MS) == 'd');
-    int rd = kvpt_wait_child(decode, RAW_SIDE_MS);
-    if (rd) raw_show(derr, "decode");
+    kvpt_err_path(perr, sizeof perr, "swap_prefill");
+    kvpt_err_path(derr, sizeof derr, "swap_decode");
+    pid_t prefill = kvpt_raw_spawn_side(&s, 0, prefill_swap, &w, perr);
+    pid_t decode = kvpt_raw_spawn_side(&s, 1, decode_then_leave, &w, derr);
+    CHECK(kvpt_wait_step(&w.done, KVPT_RAW_SIDE_MS) == 'd');
+    int rd = kvpt_wait_child(decode, KVPT_RAW_SIDE_MS);
+    if (rd) kvpt_file_show(derr, "decode");
     CHECK(rd == 0);
     /* The kvpipe decode is gone (its ports free): let the sender wait, then
      * bring the raw one up on the same ports. */
-    raw_step(&w.go, 'g');
+    kvpt_step(&w.go, 'g');
     usleep(200000);
     raw_decode r = {0};
     REQUIRE(raw_decode_start(&r, &s) == 0);
@@ -209,8 +222,8 @@ static void test_receiver_replaced_by_raw_peer(void)
     for (int i = 0; i < AFTER; i++)
         good += raw_take(&r, &s, BEFORE + i);
     CHECK(good == AFTER);
-    int rp = kvpt_wait_child(prefill, RAW_SIDE_MS);
-    if (rp) raw_show(perr, "prefill");
+    int rp = kvpt_wait_child(prefill, KVPT_RAW_SIDE_MS);
+    if (rp) kvpt_file_show(perr, "prefill");
     CHECK(rp == 0);
     raw_decode_stop(&r);
     unlink(perr);

@@ -13,8 +13,21 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <sys/socket.h>
+#include <zmq.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
-#include "pipe_raw.h"
+#include "common/clock.h"
+#include "common/net.h"
+#include "pipe/safetensors.h"
+#include "test.h"
+#include "peer.h"
 
 #define ROUNDS 100
 #define SILENT 16
@@ -22,10 +35,10 @@
 static void recv_good(kvp_pipe *pipe, int i)
 {
     kvp_tensor *t = NULL;
-    kvp_status st = kvp_pipe_recv(pipe, RAW_WAIT_MS, &t);
+    kvp_status st = kvp_pipe_recv(pipe, KVPT_RAW_WAIT_MS, &t);
     if (st) fprintf(stderr, "  recv %d: %s\n", i, kvp_last_error());
     CHECK_OK(st);
-    CHECK(raw_tensor_check(t, i));
+    CHECK(kvpt_raw_tensor_check(t, i));
     kvp_tensor_free(t);
 }
 
@@ -33,22 +46,22 @@ static void recv_good(kvp_pipe *pipe, int i)
  * the strangers are at work (a step on go). */
 static void prefill_side(kvp_pipe *pipe, void *arg)
 {
-    CHECK(raw_wait_step(arg, RAW_SIDE_MS) == 'g');
+    CHECK(kvpt_wait_step(arg, KVPT_RAW_SIDE_MS) == 'g');
     for (int i = 0; i < ROUNDS; i++) {
-        raw_send_good(pipe, i);
+        kvpt_raw_send_good(pipe, i);
         recv_good(pipe, i);
     }
-    CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
+    CHECK_OK(kvp_pipe_flush(pipe, KVPT_RAW_WAIT_MS));
 }
 
 static void decode_side(kvp_pipe *pipe, void *arg)
 {
-    CHECK(raw_wait_step(arg, RAW_SIDE_MS) == 'g');
+    CHECK(kvpt_wait_step(arg, KVPT_RAW_SIDE_MS) == 'g');
     for (int i = 0; i < ROUNDS; i++) {
         recv_good(pipe, i);
-        raw_send_good(pipe, i);
+        kvpt_raw_send_good(pipe, i);
     }
-    CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
+    CHECK_OK(kvp_pipe_flush(pipe, KVPT_RAW_WAIT_MS));
 }
 
 /* ------------------------------------------------------ strangers --- */
@@ -153,8 +166,8 @@ static void *attacker(void *arg)
     for (int i = 0; i < 4; i++) {
         /* A libzmq PUSH connecting to a PUSH: refused at the handshake, and
          * libzmq gives up on it. */
-        wrong[i] = raw_socket(ctx, ZMQ_PUSH);
-        raw_connect(wrong[i], a->ports[i]);
+        wrong[i] = kvpt_zmq_socket(ctx, ZMQ_PUSH);
+        kvpt_zmq_connect(wrong[i], a->ports[i]);
         for (int k = 0; k < SILENT; k++)
             silent[i * SILENT + k] = tcp_to(a->ports[i]);
     }
@@ -173,41 +186,41 @@ static void *attacker(void *arg)
 
 static void test_strangers_on_push_ports(void)
 {
-    raw_setup s;
-    REQUIRE(raw_setup_init(&s) == 0);
+    kvpt_raw_setup s;
+    REQUIRE(kvpt_raw_setup_init(&s) == 0);
     char err0[128], err1[128];
-    raw_err_path(err0, sizeof err0, "listen_prefill");
-    raw_err_path(err1, sizeof err1, "listen_decode");
+    kvpt_err_path(err0, sizeof err0, "listen_prefill");
+    kvpt_err_path(err1, sizeof err1, "listen_decode");
     attack a = {.ports = {s.side[0].data_port, s.side[0].ack_port, s.side[1].data_port,
                           s.side[1].ack_port}};
     atomic_init(&a.stop, 0);
     atomic_init(&a.rounds, 0);
-    raw_chan go;
-    REQUIRE(raw_chan_init(&go) == 0);
-    pid_t pre = raw_spawn_side(&s, 0, prefill_side, &go, err0);
-    pid_t dec = raw_spawn_side(&s, 1, decode_side, &go, err1);
+    kvpt_chan go;
+    REQUIRE(kvpt_chan_init(&go) == 0);
+    pid_t pre = kvpt_raw_spawn_side(&s, 0, prefill_side, &go, err0);
+    pid_t dec = kvpt_raw_spawn_side(&s, 1, decode_side, &go, err1);
     /* Strangers arrive once the sides listen; the pair starts once every kind
      * has been at every port a few times, and they go on meanwhile. */
     for (int i = 0; i < 4; i++)
-        CHECK(kvpt_wait_port("127.0.0.1", a.ports[i], RAW_WAIT_MS) == 0);
+        CHECK(kvpt_wait_port("127.0.0.1", a.ports[i], KVPT_RAW_WAIT_MS) == 0);
     pthread_t th;
     REQUIRE(pthread_create(&th, NULL, attacker, &a) == 0);
-    uint64_t deadline = kvpi_now_ms() + RAW_SIDE_MS;
+    uint64_t deadline = kvpi_now_ms() + KVPT_RAW_SIDE_MS;
     while (atomic_load(&a.rounds) < 3 && kvpi_now_ms() < deadline)
         usleep(10000);
     CHECK(atomic_load(&a.rounds) >= 3);
-    raw_step(&go, 'g');
-    raw_step(&go, 'g');
-    int r0 = kvpt_wait_child(pre, RAW_SIDE_MS), r1 = kvpt_wait_child(dec, RAW_SIDE_MS);
+    kvpt_step(&go, 'g');
+    kvpt_step(&go, 'g');
+    int r0 = kvpt_wait_child(pre, KVPT_RAW_SIDE_MS), r1 = kvpt_wait_child(dec, KVPT_RAW_SIDE_MS);
     atomic_store(&a.stop, 1);
     pthread_join(th, NULL);
     if (r0 || r1) {
         fprintf(stderr, "  prefill exit %d, decode exit %d\n", r0, r1);
-        raw_show(err0, "prefill");
-        raw_show(err1, "decode");
+        kvpt_file_show(err0, "prefill");
+        kvpt_file_show(err1, "decode");
     }
     CHECK(r0 == 0 && r1 == 0);
-    int lines = raw_count_lines(err0, " kvpipe[") + raw_count_lines(err1, " kvpipe[");
+    int lines = kvpt_file_lines(err0, " kvpipe[") + kvpt_file_lines(err1, " kvpipe[");
     if (lines > 10) fprintf(stderr, "  %d log lines\n", lines);
     CHECK(lines <= 10);
     unlink(err0);

@@ -7,7 +7,7 @@
  * back to back over pipes opened once (an open costs ~100 ms). The sender is
  * a kvpipe pipe ("kvpipe" path: the inline path and deferred ACKs in play)
  * or a raw MooncakePipe-wire peer ("raw" path: a real engine and a bare
- * libzmq PUSH/PULL pair, as pipe_raw.h builds, announcing buffers allocated
+ * libzmq PUSH/PULL pair, as support/peer_raw.c builds, announcing buffers allocated
  * in its engine and taking exactly one ACK per message, in order).
  *
  * A sequence is a list of messages whose sizes spread across the thresholds
@@ -40,9 +40,21 @@
 #include <stdarg.h>
 #include <sys/wait.h>
 #include <time.h>
+#include <zmq.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 #include "pipe/pipe_internal.h"
-#include "pipe_raw.h"
+#include "common/clock.h"
+#include "common/net.h"
+#include "pipe/safetensors.h"
+#include "test.h"
+#include "peer.h"
 
 /* Sequences per path; the sanitizer builds run fewer, with wider margins. */
 #define KVPT_MODEL_DEFAULT_SEQUENCES (KVPT_SANITIZED ? 200 : 1000)
@@ -267,8 +279,8 @@ typedef struct batch {
     int from, to;    /* sequences [from, to) */
     const int *keep; /* ops kept of each sequence (shrinking) */
     int nkeep;
-    raw_setup setup;
-    raw_chan s2r, r2s, result;
+    kvpt_raw_setup setup;
+    kvpt_chan s2r, r2s, result;
     pid_t sender;
     int seq_index, op_index; /* where a side is, for its failure message */
 } batch;
@@ -319,7 +331,7 @@ static int overran(mark m, int timeout, uint64_t *took)
 
 static kvp_pipe_opts model_opts(void)
 {
-    kvp_pipe_opts o = raw_pipe_opts();
+    kvp_pipe_opts o = kvpt_pipe_tcp_opts();
     o.send_timeout_ms = SEND_TIMEOUT_MS;
     o.recv_window = B.s.recv_window;
     o.recv_window_bytes = B.s.recv_window_bytes;
@@ -333,7 +345,8 @@ static kvp_pipe *open_side(int rank)
 {
     kvp_pipe *p = NULL;
     kvp_pipe_opts o = model_opts();
-    if (raw_open_pipe(&B.setup, rank, &o, &p)) fail("open rank %d: %s", rank, kvp_last_error());
+    if (kvpt_pipe_open(B.setup.json, rank, &o, &p))
+        fail("open rank %d: %s", rank, kvp_last_error());
     return p;
 }
 
@@ -342,9 +355,9 @@ static void sleep_us(int us)
     if (us > 0) usleep((useconds_t)us);
 }
 
-static int read_step(raw_chan *c, char want, int timeout_ms)
+static int read_step(kvpt_chan *c, char want, int timeout_ms)
 {
-    return raw_wait_step(c, timeout_ms) == want ? 0 : -1;
+    return kvpt_wait_step(c, timeout_ms) == want ? 0 : -1;
 }
 
 /* ------------------------------------------------------- receiver --- */
@@ -427,7 +440,7 @@ static void receiver(void)
                 uint64_t took;
                 int over = overran(m, o->stall_ms, &took);
                 if (opened) kill(B.sender, SIGCONT);
-                raw_step(&B.r2s, 'G');
+                kvpt_step(&B.r2s, 'G');
                 if (over)
                     fail("recv(%d ms) with its sender stopped took %" PRIu64 " ms (%s)",
                          o->stall_ms, took, st ? kvp_last_error() : "ok");
@@ -484,7 +497,7 @@ static void timed(const char *what, int timeout, mark m, kvp_status st)
 static void stall_wait(const op *o)
 {
     if (!o->stall_ms) return;
-    raw_step(&B.s2r, 'S');
+    kvpt_step(&B.s2r, 'S');
     if (read_step(&B.r2s, 'G', PROGRESS_MS)) fail("the receiver never let go");
 }
 
@@ -542,7 +555,7 @@ static void pipe_sender(void)
     if (ps.acks != sent || ps.bad_acks)
         fail("at the end: acks %" PRIu64 " of %" PRIu64 ", bad_acks %" PRIu64, ps.acks, sent,
              ps.bad_acks);
-    raw_step(&B.s2r, 'E');
+    kvpt_step(&B.s2r, 'E');
     kvp_pipe_close(p);
 }
 
@@ -557,10 +570,10 @@ typedef struct raw_q {
 /* Take one ACK (waiting up to timeout_ms); 1 when one came. */
 static int raw_take_ack(kvp_engine *e, void *pull, raw_q *q, int timeout_ms)
 {
-    uint8_t f[RAW_MSG_FRAMES][RAW_MSG_HEAD];
-    size_t sz[RAW_MSG_FRAMES];
+    uint8_t f[KVPT_RAW_MSG_FRAMES][KVPT_RAW_MSG_HEAD];
+    size_t sz[KVPT_RAW_MSG_FRAMES];
     uint64_t t0 = kvpi_now_ms();
-    int frames = raw_recv_message(pull, f, sz, timeout_ms);
+    int frames = kvpt_zmq_recv_message(pull, f, sz, timeout_ms);
     if (frames < 0) {
         if (timeout_ms > 0 && since_ms(t0) + 5 < (uint64_t)timeout_ms) fail("ACK link failed");
         return 0;
@@ -579,10 +592,11 @@ static int raw_take_ack(kvp_engine *e, void *pull, raw_q *q, int timeout_ms)
 static void raw_sender(void)
 {
     kvp_engine *e;
-    if (raw_engine(&B.setup, 0, &e)) fail("engine: %s", kvp_last_error());
+    if (kvpt_raw_engine(&B.setup, 0, &e)) fail("engine: %s", kvp_last_error());
     void *ctx = zmq_ctx_new();
-    void *push = raw_socket(ctx, ZMQ_PUSH), *pull = raw_socket(ctx, ZMQ_PULL);
-    if (raw_bind(push, B.setup.side[0].data_port) || raw_connect(pull, B.setup.side[1].ack_port))
+    void *push = kvpt_zmq_socket(ctx, ZMQ_PUSH), *pull = kvpt_zmq_socket(ctx, ZMQ_PULL);
+    if (kvpt_zmq_bind(push, B.setup.side[0].data_port) ||
+        kvpt_zmq_connect(pull, B.setup.side[1].ack_port))
         fail("sockets: %s", zmq_strerror(zmq_errno()));
     static raw_q q;
     for (int i = B.from; i < B.to; i++) {
@@ -617,7 +631,7 @@ static void raw_sender(void)
             q.len[tail] = len;
             q.count++;
             q.bytes += len;
-            if (raw_send_announcement(push, (uint64_t)(uintptr_t)buf, len))
+            if (kvpt_raw_send_announcement(push, (uint64_t)(uintptr_t)buf, len))
                 fail("announce: %s", zmq_strerror(zmq_errno()));
             while (raw_take_ack(e, pull, &q, 0)) {
             }
@@ -629,7 +643,7 @@ static void raw_sender(void)
         raw_take_ack(e, pull, &q, 0); /* a stray one fails */
     }
     raw_take_ack(e, pull, &q, 100);
-    raw_step(&B.s2r, 'E');
+    kvpt_step(&B.s2r, 'E');
     zmq_close(push);
     zmq_close(pull);
     zmq_ctx_term(ctx);
@@ -638,12 +652,20 @@ static void raw_sender(void)
 
 /* -------------------------------------------------------- the parent --- */
 
+static void spawned(void *arg, int cmd, int resp)
+{
+    (void)cmd, (void)resp;
+    ((void (*)(void))arg)();
+    _exit(0);
+}
+
 static pid_t spawn(void (*fn)(void), const char *path)
 {
-    pid_t pid = raw_fork(path);
-    if (pid != 0) return pid;
-    fn();
-    _exit(0);
+    kvpt_peer p;
+    if (kvpt_peer_fork(&p, path, spawned, (void *)fn) != 0) return -1;
+    close(p.cmd);
+    close(p.resp);
+    return p.pid;
 }
 
 /* Run one batch; -1 when it passed, else the failing sequence. The parent
@@ -659,14 +681,14 @@ static int run_batch(int raw, uint64_t bseed, int from, int to, const int *keep,
     B.to = to;
     B.keep = keep;
     B.nkeep = nkeep;
-    if (raw_setup_init(&B.setup) || raw_chan_init(&B.s2r) || raw_chan_init(&B.r2s) ||
-        raw_chan_init(&B.result)) {
+    if (kvpt_raw_setup_init(&B.setup) || kvpt_chan_init(&B.s2r) || kvpt_chan_init(&B.r2s) ||
+        kvpt_chan_init(&B.result)) {
         fprintf(stderr, "  set-up failed\n");
         return from;
     }
     char sp[128], rp[128];
-    raw_err_path(sp, sizeof sp, "model_send");
-    raw_err_path(rp, sizeof rp, "model_recv");
+    kvpt_err_path(sp, sizeof sp, "model_send");
+    kvpt_err_path(rp, sizeof rp, "model_recv");
     B.sender = spawn(raw ? raw_sender : pipe_sender, sp);
     pid_t recv_pid = spawn(receiver, rp);
     rng r = {bseed};
@@ -718,8 +740,8 @@ static int run_batch(int raw, uint64_t bseed, int from, int to, const int *keep,
         struct pollfd pf = {.fd = B.result.fd[0], .events = POLLIN};
         failed = poll(&pf, 1, 0) == 1 && read(B.result.fd[0], &i, sizeof i) == sizeof i ? i : from;
         if (show) {
-            raw_show(rp, "receiver");
-            raw_show(sp, "sender");
+            kvpt_file_show(rp, "receiver");
+            kvpt_file_show(sp, "sender");
         }
     }
     int fds[] = {B.s2r.fd[0], B.s2r.fd[1],    B.r2s.fd[0],

@@ -1,5 +1,5 @@
 /* The tensor pipe with a dead or misbehaving peer, across processes on
- * loopback, on every row (support/pipe_pair.h): a receiver or a sender killed
+ * loopback, on every row (support/peer.h): a receiver or a sender killed
  * mid-stream (an error, not a hang), no peer at all, a received tensor
  * outliving its pipe, a raw ZeroMQ peer announcing garbage, and stray ACKs
  * while a send waits. */
@@ -13,7 +13,7 @@
 
 #include "common/clock.h"
 #include "common/net.h"
-#include "pipe_pair.h"
+#include "peer.h"
 #include "test.h"
 
 /* ------------------------------------------------------- dead peers --- */

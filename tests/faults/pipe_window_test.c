@@ -27,9 +27,19 @@
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <zmq.h>
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "metadata/metadata.h"
-#include "pipe_raw.h"
+#include "common/clock.h"
+#include "common/net.h"
+#include "pipe/safetensors.h"
+#include "test.h"
+#include "peer.h"
 #include "transport/tcp_wire.h"
 
 #define SMALL 6
@@ -135,7 +145,7 @@ static size_t put_tensor(size_t off, size_t n, int i)
 }
 
 /* The fake's servers, under prefill's segment name. */
-static int fake_start(const raw_setup *s, kvpi_rpc_server **rpc)
+static int fake_start(const kvpt_raw_setup *s, kvpi_rpc_server **rpc)
 {
     F.region = malloc(REGION);
     if (!F.region) return -1;
@@ -144,7 +154,7 @@ static int fake_start(const raw_setup *s, kvpi_rpc_server **rpc)
     size_t off = (F.big_len + 4095) & ~(size_t)4095;
     for (int i = 0; i < SMALL; i++) {
         F.small_addr[i] = (uint64_t)(uintptr_t)F.region + off;
-        F.small_len[i] = put_tensor(off, RAW_TENSOR, 1 + i);
+        F.small_len[i] = put_tensor(off, KVPT_RAW_TENSOR, 1 + i);
         off += (F.small_len[i] + 4095) & ~(size_t)4095;
     }
     int lfd, data_port;
@@ -167,10 +177,10 @@ static void decode_in_order(kvp_pipe *pipe, void *arg)
     (void)arg;
     for (int i = 0; i <= SMALL; i++) {
         kvp_tensor *t = NULL;
-        kvp_status st = kvp_pipe_recv(pipe, RAW_WAIT_MS, &t);
+        kvp_status st = kvp_pipe_recv(pipe, KVPT_RAW_WAIT_MS, &t);
         if (st) fprintf(stderr, "  recv %d: %s\n", i, kvp_last_error());
         CHECK_OK(st);
-        size_t n = i == 0 ? BIG_TENSOR : RAW_TENSOR;
+        size_t n = i == 0 ? BIG_TENSOR : KVPT_RAW_TENSOR;
         int ok = t && t->nbytes == n && kvpt_verify(t->data, n, (uint64_t)i + 1) == (size_t)-1;
         if (!ok) fprintf(stderr, "  tensor %d is not the one announced %d-th\n", i, i);
         CHECK(ok);
@@ -184,42 +194,42 @@ static void decode_in_order(kvp_pipe *pipe, void *arg)
 static void test_out_of_order_completion(void)
 {
     signal(SIGPIPE, SIG_IGN);
-    raw_setup s;
-    REQUIRE(raw_setup_init(&s) == 0);
+    kvpt_raw_setup s;
+    REQUIRE(kvpt_raw_setup_init(&s) == 0);
     /* The side is forked before this process starts threads of its own (the
      * fake target's server, ZeroMQ): a fork of a threaded process can
      * inherit a lock some other thread held, and hang. It READs only once
      * announced, when the fake target serves. */
     char err[128];
-    raw_err_path(err, sizeof err, "window_decode");
-    pid_t decode = raw_spawn_side(&s, 1, decode_in_order, NULL, err);
+    kvpt_err_path(err, sizeof err, "window_decode");
+    pid_t decode = kvpt_raw_spawn_side(&s, 1, decode_in_order, NULL, err);
     kvpi_rpc_server *rpc = NULL;
     REQUIRE(fake_start(&s, &rpc) == 0);
     void *ctx = zmq_ctx_new();
-    void *push = raw_socket(ctx, ZMQ_PUSH), *pull = raw_socket(ctx, ZMQ_PULL);
-    void *mon = raw_monitor(ctx, push, "window");
-    REQUIRE(mon && raw_bind(push, s.side[0].data_port) == 0 &&
-            raw_connect(pull, s.side[1].ack_port) == 0);
-    int up = raw_wait_event(mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, RAW_WAIT_MS) == 0;
-    if (!up) raw_show(err, "decode"); /* why its pipe never connected */
+    void *push = kvpt_zmq_socket(ctx, ZMQ_PUSH), *pull = kvpt_zmq_socket(ctx, ZMQ_PULL);
+    void *mon = kvpt_zmq_monitor(ctx, push, "window");
+    REQUIRE(mon && kvpt_zmq_bind(push, s.side[0].data_port) == 0 &&
+            kvpt_zmq_connect(pull, s.side[1].ack_port) == 0);
+    int up = kvpt_zmq_wait_event(mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, KVPT_RAW_WAIT_MS) == 0;
+    if (!up) kvpt_file_show(err, "decode"); /* why its pipe never connected */
     REQUIRE(up);
 
-    CHECK(raw_send_announcement(push, F.big_addr, F.big_len) == 0);
+    CHECK(kvpt_raw_send_announcement(push, F.big_addr, F.big_len) == 0);
     for (int i = 0; i < SMALL; i++)
-        CHECK(raw_send_announcement(push, F.small_addr[i], F.small_len[i]) == 0);
+        CHECK(kvpt_raw_send_announcement(push, F.small_addr[i], F.small_len[i]) == 0);
     /* The small READs come while the big one waits: they run concurrently. */
-    int concurrent = fake_wait(smalls_done, RAW_WAIT_MS) == 0;
+    int concurrent = fake_wait(smalls_done, KVPT_RAW_WAIT_MS) == 0;
     if (!concurrent) fprintf(stderr, "  the small READs did not come while the big one waited\n");
     CHECK(concurrent);
     /* Their READs are done, the first one's is not: no ACK may leave. */
-    CHECK(raw_count_acks(pull, 1, 500) == 0);
+    CHECK(kvpt_raw_count_acks(pull, 1, 500) == 0);
     pthread_mutex_lock(&F.lock);
     F.release = 1;
     pthread_mutex_unlock(&F.lock);
-    CHECK(raw_count_acks(pull, SMALL + 1, RAW_WAIT_MS) == SMALL + 1);
-    CHECK(raw_count_acks(pull, 1, 300) == 0); /* and nothing twice */
-    int rc = kvpt_wait_child(decode, RAW_SIDE_MS);
-    if (rc) raw_show(err, "decode");
+    CHECK(kvpt_raw_count_acks(pull, SMALL + 1, KVPT_RAW_WAIT_MS) == SMALL + 1);
+    CHECK(kvpt_raw_count_acks(pull, 1, 300) == 0); /* and nothing twice */
+    int rc = kvpt_wait_child(decode, KVPT_RAW_SIDE_MS);
+    if (rc) kvpt_file_show(err, "decode");
     CHECK(rc == 0);
     zmq_close(mon);
     zmq_close(push);
@@ -236,14 +246,14 @@ static void test_out_of_order_completion(void)
 #define ACK_WAIT_MS 3000
 
 typedef struct killed {
-    raw_chan sent; /* prefill -> parent: all announced */
-    raw_chan got;  /* decode -> parent: the first tensor is in */
-    raw_chan dead; /* parent -> decode: prefill is killed */
+    kvpt_chan sent; /* prefill -> parent: all announced */
+    kvpt_chan got;  /* decode -> parent: the first tensor is in */
+    kvpt_chan dead; /* parent -> decode: prefill is killed */
 } killed;
 
 static kvp_pipe_opts announced_opts(void)
 {
-    kvp_pipe_opts o = raw_pipe_opts();
+    kvp_pipe_opts o = kvpt_pipe_tcp_opts();
     o.inline_max_bytes = 0;
     o.ack_timeout_ms = ACK_WAIT_MS;
     o.recv_window_bytes = 2 * KILLED_TENSOR; /* two READs at a time */
@@ -251,10 +261,11 @@ static kvp_pipe_opts announced_opts(void)
 }
 
 /* A side with the announced path's options. */
-static pid_t spawn_with(const raw_setup *s, int rank, raw_side_fn fn, void *arg, const char *path)
+static pid_t spawn_with(const kvpt_raw_setup *s, int rank, kvpt_side_fn fn, void *arg,
+                        const char *path)
 {
     kvp_pipe_opts o = announced_opts();
-    return raw_spawn_side_with(s, rank, &o, fn, arg, path);
+    return kvpt_raw_spawn_side_with(s, rank, &o, fn, arg, path);
 }
 
 static void prefill_announce_all(kvp_pipe *pipe, void *arg)
@@ -273,7 +284,7 @@ static void prefill_announce_all(kvp_pipe *pipe, void *arg)
      * with this process and no receiver can know of them; give that thread
      * time (it needs microseconds; a loaded machine may not run it at once). */
     usleep(300 * 1000);
-    raw_step(&k->sent, 's');
+    kvpt_step(&k->sent, 's');
     for (;;)
         pause(); /* killed here */
 }
@@ -285,13 +296,13 @@ static void decode_through_the_kill(kvp_pipe *pipe, void *arg)
     uint64_t t0 = kvpi_now_ms();
     for (int i = 0; i < KILLED_N; i++) {
         kvp_tensor *t = NULL;
-        kvp_status st = kvp_pipe_recv(pipe, RAW_WAIT_MS, &t);
+        kvp_status st = kvp_pipe_recv(pipe, KVPT_RAW_WAIT_MS, &t);
         if (i == 0) {
             /* Outside recv no READ starts: those of the window that run end,
              * the rest wait; the kill comes meanwhile (however late the
              * parent gets to it). */
-            raw_step(&k->got, 'g');
-            CHECK(raw_wait_step(&k->dead, RAW_SIDE_MS) == 'k');
+            kvpt_step(&k->got, 'g');
+            CHECK(kvpt_wait_step(&k->dead, KVPT_RAW_SIDE_MS) == 'k');
         }
         if (st == KVP_ETIMEDOUT && !strstr(kvp_last_error(), "not done within")) {
             fprintf(stderr, "  result %d never came: %s\n", i, kvp_last_error());
@@ -329,25 +340,25 @@ static void decode_through_the_kill(kvp_pipe *pipe, void *arg)
 
 static void test_killed_sender(void)
 {
-    raw_setup s;
-    REQUIRE(raw_setup_init(&s) == 0);
+    kvpt_raw_setup s;
+    REQUIRE(kvpt_raw_setup_init(&s) == 0);
     killed k;
-    REQUIRE(raw_chan_init(&k.sent) == 0 && raw_chan_init(&k.got) == 0 &&
-            raw_chan_init(&k.dead) == 0);
+    REQUIRE(kvpt_chan_init(&k.sent) == 0 && kvpt_chan_init(&k.got) == 0 &&
+            kvpt_chan_init(&k.dead) == 0);
     char perr[128], derr[128];
-    raw_err_path(perr, sizeof perr, "killed_prefill");
-    raw_err_path(derr, sizeof derr, "killed_decode");
+    kvpt_err_path(perr, sizeof perr, "killed_prefill");
+    kvpt_err_path(derr, sizeof derr, "killed_decode");
     pid_t prefill = spawn_with(&s, 0, prefill_announce_all, &k, perr);
     pid_t decode = spawn_with(&s, 1, decode_through_the_kill, &k, derr);
     /* Killed once everything is announced and the first tensor is in, so
      * that READs of the window are running or waiting to start. */
-    CHECK(raw_wait_step(&k.sent, RAW_SIDE_MS) == 's');
-    CHECK(raw_wait_step(&k.got, RAW_SIDE_MS) == 'g');
+    CHECK(kvpt_wait_step(&k.sent, KVPT_RAW_SIDE_MS) == 's');
+    CHECK(kvpt_wait_step(&k.got, KVPT_RAW_SIDE_MS) == 'g');
     kill(prefill, SIGKILL);
     waitpid(prefill, NULL, 0);
-    raw_step(&k.dead, 'k');
-    int rc = kvpt_wait_child(decode, RAW_SIDE_MS);
-    raw_show(derr, "decode");
+    kvpt_step(&k.dead, 'k');
+    int rc = kvpt_wait_child(decode, KVPT_RAW_SIDE_MS);
+    kvpt_file_show(derr, "decode");
     CHECK(rc == 0);
     unlink(perr);
     unlink(derr);
@@ -363,14 +374,14 @@ static void test_killed_sender(void)
 #define TAIL_TENSOR 4096               /* inline */
 
 typedef struct two_steps {
-    raw_chan sent; /* prefill -> decode: both are sent */
-    raw_chan done; /* decode -> prefill: both received */
+    kvpt_chan sent; /* prefill -> decode: both are sent */
+    kvpt_chan done; /* decode -> prefill: both received */
 } two_steps;
 
 /* Wait until the inline path is negotiated; 0 when it was. */
 static int wait_inline(kvp_pipe *pipe)
 {
-    uint64_t deadline = kvpi_now_ms() + RAW_WAIT_MS;
+    uint64_t deadline = kvpi_now_ms() + KVPT_RAW_WAIT_MS;
     kvp_pipe_stats st;
     do {
         kvp_pipe_get_stats(pipe, &st);
@@ -413,9 +424,9 @@ static void prefill_head_and_tail(kvp_pipe *pipe, void *arg)
     send_u8_tensor(pipe, HEAD_TENSOR, 1);
     send_u8_tensor(pipe, TAIL_TENSOR, 2);
     usleep(300 * 1000); /* ZeroMQ's I/O thread writes them out */
-    raw_step(&k->sent, 's');
-    CHECK(raw_wait_step(&k->done, RAW_SIDE_MS) == 'd');
-    CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
+    kvpt_step(&k->sent, 's');
+    CHECK(kvpt_wait_step(&k->done, KVPT_RAW_SIDE_MS) == 'd');
+    CHECK_OK(kvp_pipe_flush(pipe, KVPT_RAW_WAIT_MS));
     kvp_pipe_stats st;
     kvp_pipe_get_stats(pipe, &st);
     CHECK(st.sent == 2 && st.acks == 2 && st.bad_acks == 0 && st.inline_sent == 1);
@@ -424,28 +435,29 @@ static void prefill_head_and_tail(kvp_pipe *pipe, void *arg)
 static void decode_head_and_tail(kvp_pipe *pipe, void *arg)
 {
     two_steps *k = arg;
-    CHECK(raw_wait_step(&k->sent, RAW_SIDE_MS) == 's');
+    CHECK(kvpt_wait_step(&k->sent, KVPT_RAW_SIDE_MS) == 's');
     usleep(300 * 1000); /* both are queued on the link before recv looks */
     expect_u8_tensor(pipe, HEAD_TENSOR, 1, 10000);
     expect_u8_tensor(pipe, TAIL_TENSOR, 2, 10000);
-    raw_step(&k->done, 'd');
+    kvpt_step(&k->done, 'd');
 }
 
 static void test_head_larger_than_window_behind_inline(void)
 {
-    raw_setup s;
-    REQUIRE(raw_setup_init(&s) == 0);
+    kvpt_raw_setup s;
+    REQUIRE(kvpt_raw_setup_init(&s) == 0);
     two_steps k;
-    REQUIRE(raw_chan_init(&k.sent) == 0 && raw_chan_init(&k.done) == 0);
+    REQUIRE(kvpt_chan_init(&k.sent) == 0 && kvpt_chan_init(&k.done) == 0);
     char perr[128], derr[128];
-    raw_err_path(perr, sizeof perr, "head_prefill");
-    raw_err_path(derr, sizeof derr, "head_decode");
-    pid_t prefill = raw_spawn_side(&s, 0, prefill_head_and_tail, &k, perr);
-    pid_t decode = raw_spawn_side(&s, 1, decode_head_and_tail, &k, derr);
-    int rd = kvpt_wait_child(decode, RAW_SIDE_MS), rp = kvpt_wait_child(prefill, RAW_SIDE_MS);
+    kvpt_err_path(perr, sizeof perr, "head_prefill");
+    kvpt_err_path(derr, sizeof derr, "head_decode");
+    pid_t prefill = kvpt_raw_spawn_side(&s, 0, prefill_head_and_tail, &k, perr);
+    pid_t decode = kvpt_raw_spawn_side(&s, 1, decode_head_and_tail, &k, derr);
+    int rd = kvpt_wait_child(decode, KVPT_RAW_SIDE_MS),
+        rp = kvpt_wait_child(prefill, KVPT_RAW_SIDE_MS);
     if (rd || rp) {
-        raw_show(perr, "prefill");
-        raw_show(derr, "decode");
+        kvpt_file_show(perr, "prefill");
+        kvpt_file_show(derr, "decode");
     }
     CHECK(rd == 0 && rp == 0);
     unlink(perr);
@@ -464,22 +476,22 @@ static void test_head_larger_than_window_behind_inline(void)
 #define STALLED_TIMEOUT_MS 1000
 
 typedef struct stalled {
-    raw_chan sent;   /* prefill -> parent: announced */
-    raw_chan go;     /* parent -> decode: prefill is stopped */
-    raw_chan timed;  /* decode -> parent: recv timed out */
-    raw_chan resume; /* parent -> decode: prefill runs again */
+    kvpt_chan sent;   /* prefill -> parent: announced */
+    kvpt_chan go;     /* parent -> decode: prefill is stopped */
+    kvpt_chan timed;  /* decode -> parent: recv timed out */
+    kvpt_chan resume; /* parent -> decode: prefill runs again */
 } stalled;
 
 static void prefill_then_stopped(kvp_pipe *pipe, void *arg)
 {
     stalled *k = arg;
     send_u8_tensor(pipe, STALLED_TENSOR, 6);
-    CHECK_OK(kvp_pipe_flush(pipe, RAW_WAIT_MS));
+    CHECK_OK(kvp_pipe_flush(pipe, KVPT_RAW_WAIT_MS));
     send_u8_tensor(pipe, STALLED_TENSOR, 7);
     usleep(300 * 1000);
-    raw_step(&k->sent, 's');
+    kvpt_step(&k->sent, 's');
     /* Stopped and continued in here. */
-    CHECK_OK(kvp_pipe_flush(pipe, RAW_SIDE_MS / 2));
+    CHECK_OK(kvp_pipe_flush(pipe, KVPT_RAW_SIDE_MS / 2));
     kvp_pipe_stats st;
     kvp_pipe_get_stats(pipe, &st);
     CHECK(st.sent == 2 && st.acks == 2 && st.bad_acks == 0 && st.inflight_count == 0);
@@ -488,8 +500,8 @@ static void prefill_then_stopped(kvp_pipe *pipe, void *arg)
 static void decode_times_out(kvp_pipe *pipe, void *arg)
 {
     stalled *k = arg;
-    expect_u8_tensor(pipe, STALLED_TENSOR, 6, RAW_WAIT_MS);
-    CHECK(raw_wait_step(&k->go, RAW_SIDE_MS) == 'g');
+    expect_u8_tensor(pipe, STALLED_TENSOR, 6, KVPT_RAW_WAIT_MS);
+    CHECK(kvpt_wait_step(&k->go, KVPT_RAW_SIDE_MS) == 'g');
     kvp_tensor *t = NULL;
     uint64_t t0 = kvpi_now_ms();
     kvp_status st = kvp_pipe_recv(pipe, STALLED_TIMEOUT_MS, &t);
@@ -499,9 +511,9 @@ static void decode_times_out(kvp_pipe *pipe, void *arg)
     CHECK(st == KVP_ETIMEDOUT && t == NULL);
     CHECK(strstr(kvp_last_error(), "still being read") != NULL);
     CHECK(took >= STALLED_TIMEOUT_MS - 10 && took < STALLED_TIMEOUT_MS + 1500);
-    raw_step(&k->timed, 't');
-    CHECK(raw_wait_step(&k->resume, RAW_SIDE_MS) == 'c');
-    expect_u8_tensor(pipe, STALLED_TENSOR, 7, RAW_WAIT_MS);
+    kvpt_step(&k->timed, 't');
+    CHECK(kvpt_wait_step(&k->resume, KVPT_RAW_SIDE_MS) == 'c');
+    expect_u8_tensor(pipe, STALLED_TENSOR, 7, KVPT_RAW_WAIT_MS);
     CHECK_ST(kvp_pipe_recv(pipe, 300, &t), KVP_ETIMEDOUT); /* nothing twice */
     kvp_pipe_stats ps;
     kvp_pipe_get_stats(pipe, &ps);
@@ -510,25 +522,26 @@ static void decode_times_out(kvp_pipe *pipe, void *arg)
 
 static void test_timeout_with_read_running(void)
 {
-    raw_setup s;
-    REQUIRE(raw_setup_init(&s) == 0);
+    kvpt_raw_setup s;
+    REQUIRE(kvpt_raw_setup_init(&s) == 0);
     stalled k;
-    REQUIRE(raw_chan_init(&k.sent) == 0 && raw_chan_init(&k.go) == 0 &&
-            raw_chan_init(&k.timed) == 0 && raw_chan_init(&k.resume) == 0);
+    REQUIRE(kvpt_chan_init(&k.sent) == 0 && kvpt_chan_init(&k.go) == 0 &&
+            kvpt_chan_init(&k.timed) == 0 && kvpt_chan_init(&k.resume) == 0);
     char perr[128], derr[128];
-    raw_err_path(perr, sizeof perr, "stalled_prefill");
-    raw_err_path(derr, sizeof derr, "stalled_decode");
-    pid_t prefill = raw_spawn_side(&s, 0, prefill_then_stopped, &k, perr);
-    pid_t decode = raw_spawn_side(&s, 1, decode_times_out, &k, derr);
-    CHECK(raw_wait_step(&k.sent, RAW_SIDE_MS) == 's');
-    CHECK(kvpt_stop(prefill, RAW_WAIT_MS) == 0);
-    raw_step(&k.go, 'g');
-    CHECK(raw_wait_step(&k.timed, RAW_SIDE_MS) == 't');
+    kvpt_err_path(perr, sizeof perr, "stalled_prefill");
+    kvpt_err_path(derr, sizeof derr, "stalled_decode");
+    pid_t prefill = kvpt_raw_spawn_side(&s, 0, prefill_then_stopped, &k, perr);
+    pid_t decode = kvpt_raw_spawn_side(&s, 1, decode_times_out, &k, derr);
+    CHECK(kvpt_wait_step(&k.sent, KVPT_RAW_SIDE_MS) == 's');
+    CHECK(kvpt_stop(prefill, KVPT_RAW_WAIT_MS) == 0);
+    kvpt_step(&k.go, 'g');
+    CHECK(kvpt_wait_step(&k.timed, KVPT_RAW_SIDE_MS) == 't');
     kill(prefill, SIGCONT);
-    raw_step(&k.resume, 'c');
-    int rd = kvpt_wait_child(decode, RAW_SIDE_MS), rp = kvpt_wait_child(prefill, RAW_SIDE_MS);
-    raw_show(derr, "decode");
-    if (rp) raw_show(perr, "prefill");
+    kvpt_step(&k.resume, 'c');
+    int rd = kvpt_wait_child(decode, KVPT_RAW_SIDE_MS),
+        rp = kvpt_wait_child(prefill, KVPT_RAW_SIDE_MS);
+    kvpt_file_show(derr, "decode");
+    if (rp) kvpt_file_show(perr, "prefill");
     CHECK(rd == 0 && rp == 0);
     unlink(perr);
     unlink(derr);

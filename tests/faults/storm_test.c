@@ -54,7 +54,6 @@
 #include "common/clock.h"
 #include "peer.h"
 #include "metadata/metadata.h"
-#include "pipe_pair.h"
 #include "servers.h"
 #include "test.h"
 #include "transport/shm_internal.h"

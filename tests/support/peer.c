@@ -25,7 +25,9 @@ static void capture_path(kvpt_peer *p, const char *capture)
 {
     static int n;
     p->err[0] = '\0';
-    if (capture)
+    if (capture && capture[0] == '/')
+        snprintf(p->err, sizeof p->err, "%s", capture);
+    else if (capture)
         snprintf(p->err, sizeof p->err, "/tmp/kvpt_%s_%d_%d.err", capture, (int)getpid(), n++);
 }
 
@@ -231,24 +233,12 @@ void kvpt_peer_kill(kvpt_peer *p)
 
 int kvpt_peer_said(const kvpt_peer *p, const char *text)
 {
-    FILE *f = p->err[0] ? fopen(p->err, "r") : NULL;
-    if (!f) return -1;
-    char line[4096];
-    int n = 0;
-    while (fgets(line, sizeof line, f))
-        n += strstr(line, text) != NULL;
-    fclose(f);
-    return n;
+    return p->err[0] ? kvpt_file_lines(p->err, text) : -1;
 }
 
 void kvpt_peer_show(const kvpt_peer *p, const char *who)
 {
-    FILE *f = p->err[0] ? fopen(p->err, "r") : NULL;
-    if (!f) return;
-    char line[4096];
-    for (int i = 0; i < 40 && fgets(line, sizeof line, f); i++)
-        fprintf(stderr, "  [%s] %s", who, line);
-    fclose(f);
+    if (p->err[0]) kvpt_file_show(p->err, who);
 }
 
 void kvpt_peer_forget(kvpt_peer *p)

@@ -27,6 +27,7 @@
 
 #include "kvpipe/kvpipe.h"
 #include "kvpipe/pipe.h"
+#include "pipe/announce.h"
 
 /* ================================================================ core === */
 
@@ -192,5 +193,200 @@ pid_t kvpt_http_store_start(char *url, size_t len);
  * raised to at least n (0 on success). */
 int kvpt_raw_connect(int port);
 int kvpt_raise_nofile(int n);
+
+/* ========================================================== pipe side === */
+
+/* Two pipe sides in two processes on loopback, for the pipe suites
+ * (tests/pipe_*_test.c): a config both read, the sides forked from the case,
+ * and the rows every suite runs on.
+ *
+ * A row is the protocol of the config (a mooncake.json's "protocol") both
+ * sides read and, for the ucx rows, UCX_TLS: tcp, shm, and ucx over UCX's tcp
+ * and shared-memory transports. kvpt_pipe_main() runs a suite's cases on every
+ * row, then again authenticated (a key file in KVPIPE_AUTH_KEY_FILE, which the
+ * sides inherit: the pipe's links then use CURVE, its engines authenticate
+ * every connection and sign their descriptors) on the tcp and ucx rows.
+ *
+ * A case's name carries its row's prefix ("shm/", "ucx_tcp/", "ucx_sm/",
+ * nothing for tcp) and "_auth" when authenticated. The program's optional
+ * argument runs only the cases whose name contains it, or, given as "=NAME",
+ * the case of that exact name (KVPT_FILTER and KVPT_EXCLUDE work as in every
+ * suite). */
+
+/* The one way a side starts: fork a child that opens side rank of the pipe
+ * config json with o, runs fn(pipe, arg) and closes it; it exits 1 when a
+ * check failed, 2 when the pipe did not open. capture as kvpt_peer_fork's
+ * (a path, starting with '/', names the file itself). Its pid. */
+typedef void (*kvpt_side_fn)(kvp_pipe *pipe, void *arg);
+pid_t kvpt_side_spawn(const char *json, int rank, const kvp_pipe_opts *o, kvpt_side_fn fn,
+                      void *arg, const char *capture);
+
+/* Wait up to timeout_ms for prefill a and decode b: both must exit 0. */
+void kvpt_sides_wait(pid_t a, pid_t b, int timeout_ms);
+
+#define KVPT_RECV_TIMEOUT 20000
+#define KVPT_SIDE_TIMEOUT 200000 /* bounds a hang; preparing 1 GiB is slow on a loaded VM */
+
+typedef struct kvpt_pipe_row {
+    const char *prefix, *protocol, *ucx_tls;
+} kvpt_pipe_row;
+
+/* The row the current case runs on. */
+extern const kvpt_pipe_row *kvpt_row;
+
+/* The transport the row's protocol selects between two kvpipe engines. */
+const char *kvpt_row_transport(void);
+
+/* A config both sides read: "127.0.0.1:B" as both URLs (prefill uses B, B+9,
+ * B+10; decode, at B+100, B+100, B+109, B+110), the row's protocol, and
+ * metadata through a `kvpipe metadata-server` of the case's own (p2p = 0) or
+ * by P2P handshake. 0, or -1 when no store or ports could be had. */
+typedef struct kvpt_pipe_setup {
+    char json[512];
+    int base;
+} kvpt_pipe_setup;
+int kvpt_pipe_setup_make(kvpt_pipe_setup *s, int p2p);
+
+/* Options over tcp (shm off: the TCP data path; a case lets shm in), a 20 s
+ * send timeout. */
+kvp_pipe_opts kvpt_pipe_tcp_opts(void);
+
+/* Open side rank (0 prefill, 1 decode) of the config in json. */
+kvp_status kvpt_pipe_open(const char *json, int rank, const kvp_pipe_opts *o, kvp_pipe **out);
+
+/* A prefill side with no peer: P2P metadata, kvpt_pipe_tcp_opts() with a
+ * 300 ms send timeout (kept in *s and *o for a second open). NULL, the
+ * reason printed, when it did not open. */
+kvp_pipe *kvpt_pipe_alone(kvpt_pipe_setup *s, kvp_pipe_opts *o);
+
+/* A side's body; returns non-zero to skip the final flush (its peer is gone). */
+typedef int (*kvpt_row_side_fn)(kvp_pipe *pipe, int rank);
+
+/* Fork side rank running fn; it flushes (unless fn returned non-zero),
+ * closes and exits 0 when every check held, 2 when the pipe did not open. */
+pid_t kvpt_pipe_spawn(const kvpt_pipe_setup *s, int rank, const kvp_pipe_opts *o,
+                      kvpt_row_side_fn fn);
+
+/* Run fn0 as prefill and fn1 as decode; both must exit 0. */
+void kvpt_pipe_run_pair(const kvpt_pipe_setup *s, const kvp_pipe_opts *o0, const kvp_pipe_opts *o1,
+                        kvpt_row_side_fn fn0, kvpt_row_side_fn fn1);
+
+/* Run fn on both sides with the same-host transport allowed; kv_buffer_size 0
+ * keeps the default. */
+void kvpt_pipe_run_same_host(kvpt_row_side_fn fn, size_t kv_buffer_size);
+
+/* Receive one tensor (NULL: None) within timeout_ms; a failure is a failed
+ * check. */
+kvp_tensor *kvpt_pipe_recv(kvp_pipe *pipe, int timeout_ms);
+
+/* Receive and require a tensor equal to want (NULL: None). */
+void kvpt_pipe_expect(kvp_pipe *pipe, const kvp_tensor *want);
+
+/* The transport this side's engine uses to its peer ("" if none yet). */
+const char *kvpt_pipe_peer_transport(kvp_pipe *pipe);
+
+/* On the receiver (rank 1): it READ over shm when this build has the
+ * same-host transport, over tcp otherwise. Called on both sides after their
+ * last tensor: the sender waits until the receiver looked (its answer is a
+ * None), since the look needs the sender's segment, gone once it closed. */
+void kvpt_pipe_expect_same_host(kvp_pipe *pipe, int rank);
+
+/* vLLM's test tensors: x = int64 [1], y = float32 [1, 4] = 2, 3, 4, 8. */
+void kvpt_pipe_xy(kvp_tensor *x, kvp_tensor *y);
+
+/* A case of a suite and the rows it runs on. */
+enum {
+    KVPT_ROWS_ALL = 0,
+    KVPT_ROW_TCP_ONLY = 1,  /* cases that start the CLI */
+    KVPT_ROWS_UCX_ONLY = 2, /* the demo over rdma */
+    KVPT_AUTH = 4,          /* also authenticated, on the tcp and ucx rows */
+    KVPT_AUTH_TCP = 8,      /* also authenticated, on the tcp row */
+};
+typedef struct kvpt_pipe_case {
+    const char *name;
+    void (*fn)(void);
+    int secs;
+    unsigned flags;
+} kvpt_pipe_case;
+/* clang-format off */
+#define KVPT_PIPE_CASE(fn, secs, flags) {#fn, fn, secs, flags}
+/* clang-format on */
+
+/* Run the cases on every row, then authenticated; returns the exit code. */
+int kvpt_pipe_main(int argc, char **argv, const kvpt_pipe_case *cases, size_t n);
+
+/* ========================================================== raw peer === */
+
+/* A raw MooncakePipe-wire peer, for the pipe fault tests: a real engine under
+ * a side's segment name and bare libzmq sockets on that side's ports, so that
+ * a test writes the wire by hand (announcements, ACKs, tags) and watches what
+ * the pipe on the other side does. (void * are libzmq sockets.) */
+
+#define KVPT_RAW_WAIT_MS 20000  /* bounds a wait that succeeds at once when the code is right */
+#define KVPT_RAW_SIDE_MS 120000 /* bounds a pipe side's whole run */
+#define KVPT_RAW_TENSOR 4096    /* bytes of each good tensor */
+
+/* Both sides of a pipe whose config says 127.0.0.1:B for both URLs, in
+ * P2PHANDSHAKE mode (no metadata store): prefill has B, B+9, B+10 and decode
+ * (base B+100) B+100, B+109, B+110. */
+typedef struct kvpt_raw_setup {
+    char json[256];
+    kvp_pipe_endpoints side[2]; /* [kv_rank] */
+} kvpt_raw_setup;
+int kvpt_raw_setup_init(kvpt_raw_setup *s);
+
+/* Run fn on side rank of the setup's pipe, opened with opts (the second:
+ * kvpt_pipe_tcp_opts()), stderr to err_path: kvpt_side_spawn. */
+pid_t kvpt_raw_spawn_side_with(const kvpt_raw_setup *s, int rank, const kvp_pipe_opts *opts,
+                               kvpt_side_fn fn, void *arg, const char *err_path);
+pid_t kvpt_raw_spawn_side(const kvpt_raw_setup *s, int rank, kvpt_side_fn fn, void *arg,
+                          const char *err_path);
+
+/* A temporary file name for a side's stderr; lines of such a file that hold
+ * needle ("": every line), -1 without the file; its first 40 lines shown,
+ * marked who. */
+void kvpt_err_path(char *buf, size_t len, const char *what);
+int kvpt_file_lines(const char *path, const char *needle);
+void kvpt_file_show(const char *path, const char *who);
+
+/* A real engine under side rank's segment name, to serve or make the READs
+ * that the pipe on the other side expects. */
+kvp_status kvpt_raw_engine(const kvpt_raw_setup *s, int rank, kvp_engine **out);
+
+/* A socket of type with no linger and KVPT_RAW_WAIT_MS send and receive
+ * timeouts; bound or connected to tcp://127.0.0.1:port (zmq_bind's result). */
+void *kvpt_zmq_socket(void *ctx, int type);
+int kvpt_zmq_bind(void *z, int port);
+int kvpt_zmq_connect(void *z, int port);
+/* A socket monitor on z; returns the PAIR socket its events arrive on. */
+void *kvpt_zmq_monitor(void *ctx, void *z, const char *name);
+/* Wait for event on a monitor, skipping others; 0 when it came in time. */
+int kvpt_zmq_wait_event(void *mon, int event, int timeout_ms);
+/* Send a message of n frames; 0 or -1. */
+int kvpt_zmq_send_frames(void *z, const void *const *frames, const size_t *sizes, int n);
+
+/* An announcement (address, length) as a sender's engine makes it. */
+int kvpt_raw_send_announcement(void *z, uint64_t addr, uint64_t len);
+
+/* Good tensor i: KVPT_RAW_TENSOR bytes of U8 with the pattern of seed i + 1;
+ * its check; sent with a copy; encoded into engine memory for announcing;
+ * announced from there. */
+void kvpt_raw_tensor_fill(void *data, int i);
+int kvpt_raw_tensor_check(const kvp_tensor *t, int i);
+void kvpt_raw_send_good(kvp_pipe *pipe, int i);
+kvp_status kvpt_raw_message(kvp_engine *e, int i, void **buf, size_t *len);
+int kvpt_raw_announce_good(kvp_engine *e, void *push, int i);
+
+/* Receive one message: its frame count (-1 on timeout), the sizes of its
+ * first KVPT_RAW_MSG_FRAMES frames and their first KVPT_RAW_MSG_HEAD bytes
+ * (a tag frame whole). */
+#define KVPT_RAW_MSG_FRAMES 3
+#define KVPT_RAW_MSG_HEAD KVPI_TAG_LEN
+int kvpt_zmq_recv_message(void *z, uint8_t f[KVPT_RAW_MSG_FRAMES][KVPT_RAW_MSG_HEAD],
+                          size_t sz[KVPT_RAW_MSG_FRAMES], int timeout_ms);
+
+/* Count the ACKs that arrive within timeout_ms each, until one does not or
+ * max arrived; a message that is not one frame "ACK" counts as -1000. */
+int kvpt_raw_count_acks(void *pull, int max, int timeout_ms);
 
 #endif

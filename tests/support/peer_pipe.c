@@ -1,5 +1,5 @@
-/* Two pipe sides in two processes on loopback (pipe_pair.h). */
-#include "pipe_pair.h"
+/* Pipe sides in child processes and the pipe suites' rows (peer.h). */
+#include "peer.h"
 
 #include <signal.h>
 #include <stdio.h>
@@ -7,7 +7,6 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "peer.h"
 #include "test.h"
 #include "transport/transport.h"
 
@@ -72,40 +71,81 @@ kvp_pipe *kvpt_pipe_alone(kvpt_pipe_setup *s, kvp_pipe_opts *o)
     return pipe;
 }
 
-pid_t kvpt_pipe_spawn(const kvpt_pipe_setup *s, int rank, const kvp_pipe_opts *o, kvpt_side_fn fn)
+typedef struct side_ctx {
+    const char *json;
+    int rank;
+    const kvp_pipe_opts *o;
+    kvpt_side_fn fn;
+    void *arg;
+} side_ctx;
+
+static void side_body(void *arg, int cmd, int resp)
 {
-    fflush(NULL);
-    pid_t pid = fork();
-    if (pid != 0) return pid;
-    kvpt_failures = 0;
+    side_ctx *c = arg;
+    (void)cmd, (void)resp;
     kvp_pipe *pipe;
-    kvp_status st = kvpt_pipe_open(s->json, rank, o, &pipe);
+    kvp_status st = kvpt_pipe_open(c->json, c->rank, c->o, &pipe);
     if (st) {
-        fprintf(stderr, "  rank %d: open: %s: %s\n", rank, kvp_strerror(st), kvp_last_error());
+        fprintf(stderr, "  rank %d: open: %s: %s\n", c->rank, kvp_strerror(st), kvp_last_error());
         _exit(2);
     }
-    if (fn(pipe, rank) == 0) {
-        st = kvp_pipe_flush(pipe, 30000);
-        if (st) fprintf(stderr, "  rank %d: flush: %s\n", rank, kvp_last_error());
-        CHECK_OK(st);
-    }
+    c->fn(pipe, c->arg);
     kvp_pipe_close(pipe);
-    fflush(NULL);
-    _exit(kvpt_failures ? 1 : 0);
 }
 
-void kvpt_pipe_run_pair(const kvpt_pipe_setup *s, const kvp_pipe_opts *o0, const kvp_pipe_opts *o1,
-                        kvpt_side_fn fn0, kvpt_side_fn fn1)
+pid_t kvpt_side_spawn(const char *json, int rank, const kvp_pipe_opts *o, kvpt_side_fn fn,
+                      void *arg, const char *capture)
 {
-    pid_t a = kvpt_pipe_spawn(s, 0, o0, fn0);
-    pid_t b = kvpt_pipe_spawn(s, 1, o1, fn1);
-    int ra = kvpt_wait_child(a, KVPT_SIDE_TIMEOUT), rb = kvpt_wait_child(b, KVPT_SIDE_TIMEOUT);
+    side_ctx c = {json, rank, o, fn, arg};
+    kvpt_peer p;
+    if (kvpt_peer_fork(&p, capture, side_body, &c) != 0) return -1;
+    close(p.cmd);
+    close(p.resp);
+    return p.pid;
+}
+
+void kvpt_sides_wait(pid_t a, pid_t b, int timeout_ms)
+{
+    int ra = kvpt_wait_child(a, timeout_ms), rb = kvpt_wait_child(b, timeout_ms);
     if (ra || rb) fprintf(stderr, "  prefill exit %d, decode exit %d\n", ra, rb);
     CHECK(ra == 0);
     CHECK(rb == 0);
 }
 
-void kvpt_pipe_run_same_host(kvpt_side_fn fn, size_t kv_buffer_size)
+/* A row suite's side: fn, then the final flush unless fn said its peer is
+ * gone. */
+typedef struct row_side_ctx {
+    kvpt_row_side_fn fn;
+    int rank;
+} row_side_ctx;
+
+static void row_side(kvp_pipe *pipe, void *arg)
+{
+    const row_side_ctx *c = arg;
+    int rank = c->rank;
+    if (c->fn(pipe, rank) == 0) {
+        kvp_status st = kvp_pipe_flush(pipe, 30000);
+        if (st) fprintf(stderr, "  rank %d: flush: %s\n", rank, kvp_last_error());
+        CHECK_OK(st);
+    }
+}
+
+pid_t kvpt_pipe_spawn(const kvpt_pipe_setup *s, int rank, const kvp_pipe_opts *o,
+                      kvpt_row_side_fn fn)
+{
+    row_side_ctx c = {fn, rank};
+    return kvpt_side_spawn(s->json, rank, o, row_side, &c, NULL);
+}
+
+void kvpt_pipe_run_pair(const kvpt_pipe_setup *s, const kvp_pipe_opts *o0, const kvp_pipe_opts *o1,
+                        kvpt_row_side_fn fn0, kvpt_row_side_fn fn1)
+{
+    pid_t a = kvpt_pipe_spawn(s, 0, o0, fn0);
+    pid_t b = kvpt_pipe_spawn(s, 1, o1, fn1);
+    kvpt_sides_wait(a, b, KVPT_SIDE_TIMEOUT);
+}
+
+void kvpt_pipe_run_same_host(kvpt_row_side_fn fn, size_t kv_buffer_size)
 {
     kvpt_pipe_setup s;
     REQUIRE(kvpt_pipe_setup_make(&s, 0) == 0);
