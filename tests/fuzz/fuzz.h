@@ -38,10 +38,37 @@ static inline uint64_t kvpf_take(kvpf_reader *r, size_t n)
     return v;
 }
 
+/* The next n bytes into buf (zeros past the end of the input). */
+static inline void kvpf_take_bytes(kvpf_reader *r, uint8_t *buf, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        buf[i] = (uint8_t)kvpf_take(r, 1);
+}
+
+/* A frame decoded and encoded again: the first used bytes as they came,
+ * zeros after them up to len. */
+static inline void kvpf_check_again(const uint8_t *again, const uint8_t *raw, size_t used,
+                                    size_t len)
+{
+    FUZZ_CHECK(memcmp(again, raw, used) == 0);
+    for (size_t i = used; i < len; i++)
+        FUZZ_CHECK(again[i] == 0);
+}
+
 /* Quiet logs: a fuzzer feeds millions of bad inputs, each worth a warning. */
 static inline void kvpf_quiet(void)
 {
     setenv("KVPIPE_LOG", "error", 0);
 }
+
+/* The LLVMFuzzerInitialize of a target that needs nothing but quiet logs. */
+#define KVPF_QUIET_INITIALIZE                                                                      \
+    int LLVMFuzzerInitialize(int *argc, char ***argv)                                              \
+    {                                                                                              \
+        (void)argc;                                                                                \
+        (void)argv;                                                                                \
+        kvpf_quiet();                                                                              \
+        return 0;                                                                                  \
+    }
 
 #endif

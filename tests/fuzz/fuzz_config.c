@@ -12,13 +12,7 @@
 #include "kvpipe/pipe.h"
 #include "metadata/metadata.h"
 
-int LLVMFuzzerInitialize(int *argc, char ***argv)
-{
-    (void)argc;
-    (void)argv;
-    kvpf_quiet();
-    return 0;
-}
+KVPF_QUIET_INITIALIZE
 
 static int same(const char *a, const char *b)
 {

@@ -11,13 +11,7 @@
 #include "engine/descriptor.h"
 #include "fuzz.h"
 
-int LLVMFuzzerInitialize(int *argc, char ***argv)
-{
-    (void)argc;
-    (void)argv;
-    kvpf_quiet();
-    return 0;
-}
+KVPF_QUIET_INITIALIZE
 
 static void check(const kvpi_descriptor *d)
 {

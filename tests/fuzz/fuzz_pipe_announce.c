@@ -18,13 +18,7 @@
 #include "fuzz.h"
 #include "pipe/announce.h"
 
-int LLVMFuzzerInitialize(int *argc, char ***argv)
-{
-    (void)argc;
-    (void)argv;
-    kvpf_quiet();
-    return 0;
-}
+KVPF_QUIET_INITIALIZE
 
 /* The frames of one message, as the fuzzer cut them. */
 typedef struct frames {

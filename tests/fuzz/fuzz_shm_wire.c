@@ -52,19 +52,11 @@ static void check_request(kvpf_regions *regions, const uint8_t raw[KVPI_SHM_REQ_
     if (!ok) return;
     uint8_t again[KVPI_SHM_REQ_LEN];
     kvpi_shm_req_encode(&r, again);
-    FUZZ_CHECK(memcmp(again, raw, 25) == 0);
-    for (int i = 25; i < KVPI_SHM_REQ_LEN; i++)
-        FUZZ_CHECK(again[i] == 0);
+    kvpf_check_again(again, raw, 25, KVPI_SHM_REQ_LEN);
     if (r.length) kvpf_regions_check_pin(regions, r.remote, r.length);
 }
 
-int LLVMFuzzerInitialize(int *argc, char ***argv)
-{
-    (void)argc;
-    (void)argv;
-    kvpf_quiet();
-    return 0;
-}
+KVPF_QUIET_INITIALIZE
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
@@ -72,10 +64,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     kvpf_regions regions;
     kvpf_regions_build(&regions, &in);
     uint8_t hello[KVPI_SHM_HELLO_LEN], status[KVPI_SHM_STATUS_LEN];
-    for (size_t i = 0; i < sizeof hello; i++)
-        hello[i] = (uint8_t)kvpf_take(&in, 1);
-    for (size_t i = 0; i < sizeof status; i++)
-        status[i] = (uint8_t)kvpf_take(&in, 1);
+    kvpf_take_bytes(&in, hello, sizeof hello);
+    kvpf_take_bytes(&in, status, sizeof status);
     check_hello(hello);
     check_status(status);
     while (in.left >= KVPI_SHM_REQ_LEN) {

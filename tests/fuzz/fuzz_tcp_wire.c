@@ -36,20 +36,12 @@ static void check_header(kvpf_regions *regions, const uint8_t raw[KVPI_TCP_HDR_L
     FUZZ_CHECK(h.v2 == ((raw[16] & 0x80) != 0));
     uint8_t again[KVPI_TCP_HDR_LEN];
     kvpi_tcp_hdr_encode(&h, again);
-    FUZZ_CHECK(memcmp(again, raw, 17) == 0);
-    for (int i = 17; i < KVPI_TCP_HDR_LEN; i++)
-        FUZZ_CHECK(again[i] == 0);
+    kvpf_check_again(again, raw, 17, KVPI_TCP_HDR_LEN);
     /* serve_request answers an empty request without looking at the registry. */
     if (h.size) kvpf_regions_check_pin(regions, h.addr, h.size);
 }
 
-int LLVMFuzzerInitialize(int *argc, char ***argv)
-{
-    (void)argc;
-    (void)argv;
-    kvpf_quiet();
-    return 0;
-}
+KVPF_QUIET_INITIALIZE
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
@@ -57,8 +49,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     kvpf_regions regions;
     kvpf_regions_build(&regions, &in);
     uint8_t frame[8];
-    for (int i = 0; i < 8; i++)
-        frame[i] = (uint8_t)kvpf_take(&in, 1);
+    kvpf_take_bytes(&in, frame, sizeof frame);
     check_status(frame);
     while (in.left >= KVPI_TCP_HDR_LEN) {
         check_header(&regions, in.p);
