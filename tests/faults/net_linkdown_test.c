@@ -46,11 +46,7 @@ static void sleep_ms(int ms)
 
 static int pair(kvpt_netns *n)
 {
-    const char *why = kvpt_netns_unavailable();
-    if (why) kvpt_skip("%s", why);
-    if (kvpt_netns_create(n) == 0) return 0;
-    fprintf(stderr, "  %s\n", n->why);
-    return -1;
+    return kvpt_netns_pair(n, NULL, NULL, 0);
 }
 
 /* The link down for outage_ms, LEAD_MS into a run. */
@@ -80,15 +76,7 @@ static void short_engine_case(const char *operation)
     kvpt_engine_bench b = {.operation = operation,
                            .duration_s = (LEAD_MS + SHORT_OUTAGE_MS + 2000) / 1000.0,
                            .timeout_ms = SHORT_TIMEOUT_MS};
-    int started = kvpt_engine_bench_start(&b, &n) == 0 && kvpt_engine_bench_run(&b) == 0;
-    CHECK(started);
-    if (started) {
-        CHECK(outage(&n, SHORT_OUTAGE_MS) == 0);
-        kvpt_engine_bench_wait(&b, BOUND_MS);
-        kvpt_engine_bench_check_clean(&b);
-    }
-    CHECK(kvpt_engine_bench_stop(&b) == 0);
-    CHECK(b.written >= 0);
+    kvpt_engine_bench_case(&b, &n, outage, SHORT_OUTAGE_MS, BOUND_MS);
     kvpt_netns_destroy(&n);
 }
 
@@ -151,10 +139,8 @@ static int pipe_case(int outage_ms, int timeout_ms, kvpt_pipe_bench *b)
 {
     *b = (kvpt_pipe_bench){.tensor_size = "256K", .count = 60, .timeout_ms = timeout_ms};
     kvpt_netns n;
-    if (pair(&n)) return -1;
-    const char *why = kvpt_net_rate_unavailable(&n);
-    if (why) kvpt_skip("%s", why);
-    if (kvpt_net_rate(&n, RATE_KBIT) || kvpt_pipe_bench_start(b, &n)) {
+    if (kvpt_netns_pair(&n, kvpt_net_rate_unavailable, kvpt_net_rate, RATE_KBIT)) return -1;
+    if (kvpt_pipe_bench_start(b, &n)) {
         fprintf(stderr, "  %s\n", n.why);
         kvpt_netns_destroy(&n);
         return -1;

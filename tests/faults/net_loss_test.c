@@ -23,18 +23,15 @@
 /* The pair with the loss rules in place; skips where nftables is missing. */
 static int lossy_pair(kvpt_netns *n)
 {
-    const char *why = kvpt_netns_unavailable();
-    if (why) kvpt_skip("%s", why);
-    if (kvpt_netns_create(n)) {
-        fprintf(stderr, "  %s\n", n->why);
-        return -1;
-    }
-    if ((why = kvpt_net_loss_unavailable(n))) kvpt_skip("%s", why);
-    if (kvpt_net_loss(n, LOSS_PERCENT)) {
-        fprintf(stderr, "  %s\n", n->why);
-        return -1;
-    }
-    return 0;
+    return kvpt_netns_pair(n, kvpt_net_loss_unavailable, kvpt_net_loss, LOSS_PERCENT);
+}
+
+/* The rules' counters prove that packets were dropped. */
+static void check_dropped(kvpt_netns *n)
+{
+    long dropped = kvpt_net_loss_dropped(n);
+    fprintf(stderr, "  %ld packets dropped\n", dropped);
+    CHECK(dropped > 0);
 }
 
 static void engine_case(const char *operation)
@@ -43,17 +40,8 @@ static void engine_case(const char *operation)
     REQUIRE(lossy_pair(&n) == 0);
     kvpt_engine_bench b = {
         .operation = operation, .duration_s = DURATION_S, .timeout_ms = TIMEOUT_MS};
-    int started = kvpt_engine_bench_start(&b, &n) == 0 && kvpt_engine_bench_run(&b) == 0;
-    CHECK(started);
-    if (started) {
-        kvpt_engine_bench_wait(&b, BOUND_MS);
-        kvpt_engine_bench_check_clean(&b);
-    }
-    long dropped = kvpt_net_loss_dropped(&n);
-    fprintf(stderr, "  %ld packets dropped\n", dropped);
-    CHECK(dropped > 0);
-    CHECK(kvpt_engine_bench_stop(&b) == 0);
-    CHECK(b.written >= 0);
+    kvpt_engine_bench_case(&b, &n, NULL, 0, BOUND_MS);
+    check_dropped(&n);
     kvpt_netns_destroy(&n);
 }
 
@@ -72,12 +60,9 @@ static void test_loss_pipe(void)
     kvpt_netns n;
     REQUIRE(lossy_pair(&n) == 0);
     kvpt_pipe_bench b = {.tensor_size = "256K", .count = 40, .timeout_ms = TIMEOUT_MS};
-    CHECK(kvpt_pipe_bench_start(&b, &n) == 0);
-    kvpt_pipe_bench_wait(&b, BOUND_MS);
+    kvpt_pipe_bench_case(&b, &n, NULL, 0, BOUND_MS);
     kvpt_pipe_bench_check_clean(&b);
-    long dropped = kvpt_net_loss_dropped(&n);
-    fprintf(stderr, "  %ld packets dropped\n", dropped);
-    CHECK(dropped > 0);
+    check_dropped(&n);
     kvpt_netns_destroy(&n);
 }
 

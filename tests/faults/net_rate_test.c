@@ -19,18 +19,7 @@
 
 static int slow_pair(kvpt_netns *n)
 {
-    const char *why = kvpt_netns_unavailable();
-    if (why) kvpt_skip("%s", why);
-    if (kvpt_netns_create(n)) {
-        fprintf(stderr, "  %s\n", n->why);
-        return -1;
-    }
-    if ((why = kvpt_net_rate_unavailable(n))) kvpt_skip("%s", why);
-    if (kvpt_net_rate(n, RATE_KBIT)) {
-        fprintf(stderr, "  %s\n", n->why);
-        return -1;
-    }
-    return 0;
+    return kvpt_netns_pair(n, kvpt_net_rate_unavailable, kvpt_net_rate, RATE_KBIT);
 }
 
 static void engine_case(const char *operation)
@@ -39,15 +28,7 @@ static void engine_case(const char *operation)
     REQUIRE(slow_pair(&n) == 0);
     kvpt_engine_bench b = {
         .operation = operation, .duration_s = DURATION_S, .timeout_ms = TIMEOUT_MS};
-    int started = kvpt_engine_bench_start(&b, &n) == 0 && kvpt_engine_bench_run(&b) == 0;
-    CHECK(started);
-    if (started) {
-        kvpt_engine_bench_wait(&b, BOUND_MS);
-        kvpt_engine_bench_check_clean(&b);
-        CHECK(b.gbps > 0 && b.gbps <= MAX_GBPS);
-    }
-    CHECK(kvpt_engine_bench_stop(&b) == 0);
-    CHECK(b.written >= 0);
+    if (kvpt_engine_bench_case(&b, &n, NULL, 0, BOUND_MS)) CHECK(b.gbps > 0 && b.gbps <= MAX_GBPS);
     kvpt_netns_destroy(&n);
 }
 
@@ -67,8 +48,7 @@ static void test_rate_pipe(void)
     REQUIRE(slow_pair(&n) == 0);
     /* 24 x 256 KiB: about 2.5 s at the limit. */
     kvpt_pipe_bench b = {.tensor_size = "256K", .count = 24, .timeout_ms = TIMEOUT_MS};
-    CHECK(kvpt_pipe_bench_start(&b, &n) == 0);
-    kvpt_pipe_bench_wait(&b, BOUND_MS);
+    kvpt_pipe_bench_case(&b, &n, NULL, 0, BOUND_MS);
     kvpt_pipe_bench_check_clean(&b);
     CHECK(b.gbps > 0 && b.gbps <= MAX_GBPS);
     kvpt_netns_destroy(&n);

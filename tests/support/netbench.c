@@ -360,3 +360,47 @@ void kvpt_pipe_bench_check_clean(const kvpt_pipe_bench *b)
     CHECK(b->lost == 0 && b->duplicated == 0 && b->reordered == 0);
     CHECK(b->corrupt == 0 && b->failed == 0);
 }
+
+/* ---- the network fault tests' fixture ---- */
+
+#include "test.h"
+
+int kvpt_netns_pair(kvpt_netns *n, kvpt_net_unavailable_fn unavailable, kvpt_net_fault_fn fault,
+                    int amount)
+{
+    const char *why = kvpt_netns_unavailable();
+    if (why) kvpt_skip("%s", why);
+    if (kvpt_netns_create(n)) {
+        fprintf(stderr, "  %s\n", n->why);
+        return -1;
+    }
+    if (!fault) return 0;
+    if (unavailable && (why = unavailable(n))) kvpt_skip("%s", why);
+    if (fault(n, amount) == 0) return 0;
+    fprintf(stderr, "  %s\n", n->why);
+    kvpt_netns_destroy(n);
+    return -1;
+}
+
+int kvpt_engine_bench_case(kvpt_engine_bench *b, kvpt_netns *n, kvpt_net_fault_fn during, int arg,
+                           int bound_ms)
+{
+    int started = kvpt_engine_bench_start(b, n) == 0 && kvpt_engine_bench_run(b) == 0;
+    CHECK(started);
+    if (started) {
+        if (during) CHECK(during(n, arg) == 0);
+        kvpt_engine_bench_wait(b, bound_ms);
+        kvpt_engine_bench_check_clean(b);
+    }
+    CHECK(kvpt_engine_bench_stop(b) == 0);
+    CHECK(b->written >= 0);
+    return started;
+}
+
+void kvpt_pipe_bench_case(kvpt_pipe_bench *b, kvpt_netns *n, kvpt_net_fault_fn during, int arg,
+                          int bound_ms)
+{
+    CHECK(kvpt_pipe_bench_start(b, n) == 0);
+    if (during) CHECK(during(n, arg) == 0);
+    kvpt_pipe_bench_wait(b, bound_ms);
+}

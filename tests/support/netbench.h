@@ -93,4 +93,26 @@ int kvpt_pipe_bench_wait(kvpt_pipe_bench *b, int timeout_ms);
  * received once, in order, every byte right. */
 void kvpt_pipe_bench_check_clean(const kvpt_pipe_bench *b);
 
+/* ---- the network fault tests' fixture ---- */
+
+/* A pair of namespaces (kvpt_netns_create) with fault(n, amount) in place
+ * (NULL: none); skips the case where namespaces, or the fault's tool
+ * (unavailable(n)), are missing. 0, or -1 with the reason on stderr. */
+typedef const char *(*kvpt_net_unavailable_fn)(kvpt_netns *n);
+typedef int (*kvpt_net_fault_fn)(kvpt_netns *n, int amount);
+int kvpt_netns_pair(kvpt_netns *n, kvpt_net_unavailable_fn unavailable, kvpt_net_fault_fn fault,
+                    int amount);
+
+/* The engine bench b across n: started and run, during(n, arg) while it
+ * runs (NULL: nothing), waited for up to bound_ms and CHECKed clean, then
+ * stopped (the target checks its buffer). Returns whether it started; b
+ * keeps the results. */
+int kvpt_engine_bench_case(kvpt_engine_bench *b, kvpt_netns *n, kvpt_net_fault_fn during, int arg,
+                           int bound_ms);
+
+/* The pipe bench b across n: started, during(n, arg) (NULL: nothing),
+ * waited for up to bound_ms. */
+void kvpt_pipe_bench_case(kvpt_pipe_bench *b, kvpt_netns *n, kvpt_net_fault_fn during, int arg,
+                          int bound_ms);
+
 #endif
