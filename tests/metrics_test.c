@@ -353,11 +353,8 @@ static parsed P, Q; /* big: not on the stack */
 static kvp_engine *engine_with(int metrics_port)
 {
     char name[64];
-    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
     kvp_engine_opts o;
-    kvp_engine_opts_init(&o);
-    o.local_server_name = name;
-    o.metadata = "P2PHANDSHAKE";
+    kvpt_engine_opts(&o, name);
     o.metrics_port = metrics_port;
     kvp_engine *e = NULL;
     if (kvp_engine_create(&o, &e) != KVP_OK) fprintf(stderr, "  engine: %s\n", kvp_last_error());
@@ -757,11 +754,8 @@ static void endpoint_errors(void)
     socklen_t sl = sizeof sa;
     getsockname(fd, (struct sockaddr *)&sa, &sl);
     char name[64];
-    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
     kvp_engine_opts o;
-    kvp_engine_opts_init(&o);
-    o.local_server_name = name;
-    o.metadata = "P2PHANDSHAKE";
+    kvpt_engine_opts(&o, name);
     o.metrics_port = ntohs(sa.sin_port);
     kvp_engine *e = NULL;
     CHECK_ST(kvp_engine_create(&o, &e), KVP_EBUSY);

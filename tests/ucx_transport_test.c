@@ -166,11 +166,8 @@ static void peer_without_ucx(void)
 static kvp_status create_with_devices(const char *devices, kvp_engine **e)
 {
     char name[64];
-    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
     kvp_engine_opts o;
-    kvp_engine_opts_init(&o);
-    o.local_server_name = name;
-    o.metadata = "P2PHANDSHAKE";
+    kvpt_engine_opts(&o, name);
     o.protocol = "rdma";
     o.disable_shm = 1;
     o.device_names = devices;

@@ -189,11 +189,8 @@ static void churn(int peers, int threads, long n)
 
     churn_run c = {.t = t, .n = n};
     char name[64];
-    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
     kvp_engine_opts eo;
-    kvp_engine_opts_init(&eo);
-    eo.local_server_name = name;
-    eo.metadata = "P2PHANDSHAKE";
+    kvpt_engine_opts(&eo, name);
     eo.disable_shm = 1;
     eo.conns_per_peer = CONNS;
     eo.idle_timeout_ms = IDLE_MS;

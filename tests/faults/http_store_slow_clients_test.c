@@ -375,11 +375,8 @@ static pid_t metrics_child(int *port, int *ctl)
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         close(up[0]), close(down[1]);
         char name[64];
-        snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
         kvp_engine_opts o;
-        kvp_engine_opts_init(&o);
-        o.local_server_name = name;
-        o.metadata = "P2PHANDSHAKE";
+        kvpt_engine_opts(&o, name);
         o.metrics_port = KVP_METRICS_PORT_ANY;
         kvp_engine *e = NULL;
         if (kvp_engine_create(&o, &e) != KVP_OK) {

@@ -614,11 +614,8 @@ static void metrics(void)
     favoured();
     REQUIRE(kvpt_raise_nofile(4096) == 0);
     char name[64];
-    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
     kvp_engine_opts o;
-    kvp_engine_opts_init(&o);
-    o.local_server_name = name;
-    o.metadata = "P2PHANDSHAKE";
+    kvpt_engine_opts(&o, name);
     o.metrics_port = KVP_METRICS_PORT_ANY;
     kvp_engine *e = NULL;
     REQUIRE_OK(kvp_engine_create(&o, &e));
