@@ -1,13 +1,13 @@
 /* The shm transport between two real processes: a forked target registers
  * memory in a region table and runs the shm server; the test process opens it as a
  * peer from the target's own descriptor and READs and WRITEs, checking every
- * byte on both sides. The target obeys commands over a pipe (fill, verify,
- * unregister, stop) so that both ends of each transfer are observed. */
+ * byte on both sides. The target is a kvpt_peer (support/peer.h) obeying
+ * commands (fill, verify, unregister, stop) so that both ends of each transfer
+ * are observed. */
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
-#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -15,6 +15,7 @@
 
 #include "common/net.h"
 #include "common/region.h"
+#include "peer.h"
 #include "test.h"
 #include "transport/shm_internal.h"
 #include "transport/transport.h"
@@ -24,35 +25,15 @@
 #define MIB ((size_t)1 << 20)
 
 typedef struct target {
-    pid_t pid;
-    int cmd, resp; /* our ends of the two pipes */
+    kvpt_peer peer;
     cJSON *desc;
     kvpi_region regions[2]; /* sorted by address, as descriptors are */
     uint64_t a, b;          /* region A and B addresses */
 } target;
 
-typedef struct cmd {
-    char op; /* F fill, V verify, U unregister B, S stop server, Q quit */
-    uint64_t off, len, seed;
-} cmd;
-
-static int read_full(int fd, void *buf, size_t len)
-{
-    char *p = buf;
-    while (len) {
-        ssize_t n = read(fd, p, len);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) return -1;
-        p += n;
-        len -= (size_t)n;
-    }
-    return 0;
-}
-
-static int write_full(int fd, const void *buf, size_t len)
-{
-    return write(fd, buf, len) == (ssize_t)len ? 0 : -1;
-}
+/* Commands: F fill, V verify [a, a + b) with seed c; U unregister B; S stop
+ * the server; the channel's end quits. Replies are uint64_t. */
+#define REPLY_MS 20000
 
 /* ---- the target process ---- */
 
@@ -73,14 +54,14 @@ static kvp_status region_remove(kvpi_region_table *t, void *addr)
     return st;
 }
 
-static uint64_t target_do(const cmd *c, char *a, kvpi_region_table *reg, void **server)
+static uint64_t target_do(const kvpt_cmd *c, char *a, kvpi_region_table *reg, void **server)
 {
     switch (c->op) {
     case 'F':
-        kvpt_fill(a + c->off, c->len, c->seed);
+        kvpt_fill(a + c->a, c->b, c->c);
         return 0;
     case 'V':
-        return kvpt_verify(a + c->off, c->len, c->seed);
+        return kvpt_verify(a + c->a, c->b, c->c);
     case 'U':
         return region_remove(reg, a + BIG);
     case 'S':
@@ -92,9 +73,9 @@ static uint64_t target_do(const cmd *c, char *a, kvpi_region_table *reg, void **
     }
 }
 
-static void target_main(int cmd_fd, int resp_fd)
+static void target_main(void *arg, int cmd_fd, int resp_fd)
 {
-    prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive the case, whatever happens */
+    (void)arg;
     /* A and B adjacent, so that a range across both is "touching two regions". */
     char *a = malloc(BIG + SMALL);
     kvpi_region_table reg;
@@ -109,34 +90,24 @@ static void target_main(int cmd_fd, int resp_fd)
     if (kvpi_transport_shm.server_describe(server, desc)) _exit(4);
     char *text = cJSON_PrintUnformatted(desc);
     uint64_t hdr[2] = {(uintptr_t)a, strlen(text)};
-    if (write_full(resp_fd, hdr, sizeof hdr) || write_full(resp_fd, text, hdr[1])) _exit(4);
-    cmd c;
-    while (read_full(cmd_fd, &c, sizeof c) == 0 && c.op != 'Q') {
-        uint64_t r = target_do(&c, a, &reg, &server);
-        if (write_full(resp_fd, &r, sizeof r)) break;
-    }
+    if (write(resp_fd, hdr, sizeof hdr) != (ssize_t)sizeof hdr ||
+        write(resp_fd, text, hdr[1]) != (ssize_t)hdr[1])
+        _exit(4);
+    kvpt_cmd c;
+    while (kvpt_peer_next(cmd_fd, &c) == 0)
+        if (kvpt_peer_answer(resp_fd, (int64_t)target_do(&c, a, &reg, &server))) break;
     if (server) kvpi_transport_shm.server_stop(server);
     _exit(0);
 }
 
 static int target_start(target *t)
 {
-    int c[2], r[2];
-    if (pipe(c) || pipe(r)) return -1;
-    t->pid = fork();
-    if (t->pid == 0) {
-        close(c[1]);
-        close(r[0]);
-        target_main(c[0], r[1]);
-    }
-    close(c[0]);
-    close(r[1]);
-    t->cmd = c[1];
-    t->resp = r[0];
+    t->desc = NULL;
+    if (kvpt_peer_fork(&t->peer, NULL, target_main, NULL)) return -1;
     uint64_t hdr[2];
-    if (read_full(t->resp, hdr, sizeof hdr) || hdr[1] > 4096) return -1;
+    if (kvpt_peer_recv(&t->peer, hdr, sizeof hdr, REPLY_MS) || hdr[1] > 4096) return -1;
     char text[4097] = {0};
-    if (read_full(t->resp, text, hdr[1])) return -1;
+    if (kvpt_peer_recv(&t->peer, text, hdr[1], REPLY_MS)) return -1;
     t->desc = cJSON_Parse(text);
     t->a = hdr[0];
     t->b = hdr[0] + BIG;
@@ -147,20 +118,13 @@ static int target_start(target *t)
 
 static uint64_t target_cmd(target *t, char op, uint64_t off, uint64_t len, uint64_t seed)
 {
-    cmd c = {op, off, len, seed};
-    uint64_t r = (uint64_t)-1;
-    if (write_full(t->cmd, &c, sizeof c) || read_full(t->resp, &r, sizeof r)) return (uint64_t)-1;
-    return r;
+    return (uint64_t)kvpt_peer_call(&t->peer, op, off, len, seed, REPLY_MS);
 }
 
 /* Ask the target to exit and reap it (pid 0: already reaped). */
 static void target_stop(target *t)
 {
-    cmd c = {'Q', 0, 0, 0};
-    if (t->pid > 0) CHECK(write_full(t->cmd, &c, sizeof c) == 0);
-    close(t->cmd);
-    close(t->resp);
-    if (t->pid > 0) CHECK(kvpt_wait_child(t->pid, 10000) == 0);
+    if (t->peer.pid > 0) CHECK(kvpt_peer_wait(&t->peer, 10000) == 0);
     cJSON_Delete(t->desc);
 }
 
@@ -332,9 +296,9 @@ static void test_peer_killed(void)
     REQUIRE(target_start(&t) == 0);
     void *peer = NULL;
     REQUIRE_OK(open_peer(&t, t.desc, t.regions, &peer));
-    kill(t.pid, SIGKILL);
-    REQUIRE(kvpt_wait_child(t.pid, 5000) == 128 + SIGKILL);
-    t.pid = 0;
+    kill(t.peer.pid, SIGKILL);
+    REQUIRE(kvpt_wait_child(t.peer.pid, 5000) == 128 + SIGKILL);
+    t.peer.pid = 0;
     char buf[16];
     kvp_status sst;
     kvp_status st = xfer1(peer, KVP_OP_READ, buf, t.a, sizeof buf, &sst);
