@@ -2,14 +2,9 @@
  * the HTTP store, a real etcd, a real redis-server and P2PHANDSHAKE.
  *
  * Each case runs an initiator engine in the case process and a target engine
- * in a separate process (this executable re-run with --target), driven over
- * its stdin/stdout with one-line commands:
- *   -> "READY <addr> <len>" once the engine is up with its first region
- *   <- "reg"                   -> "OK <addr> <len>"   register a new region
- *   <- "unreg <addr>"          -> "OK"                unregister it again
- *   <- "check <addr> <len> <seed>" -> "OK" | "BAD <index>"
- *   <- "quit"                  -> "OK"                destroy the engine, exit
- * Case names are "<store>/<behaviour>". */
+ * in a separate process (support/peer.h's kvpt_target), commanded to register
+ * a new region, unregister it, check a range's pattern, and stop (engine
+ * destroyed) or be killed. Case names are "<store>/<behaviour>". */
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <sys/prctl.h>
@@ -27,6 +22,7 @@
 #include "engine/engine_internal.h"
 #include "kvpipe/metrics.h"
 #include "metadata/metadata.h"
+#include "peer.h"
 #include "servers.h"
 #include "test.h"
 
@@ -37,177 +33,48 @@
 #define NEW_REGION_LEN (((size_t)256 << 10) + 7)
 #define GEN_SHIFT ((size_t)64 << 10)
 
-/* ---- the target process ---- */
-
-static kvp_status target_engine(const char *conn, int port, kvp_engine **out)
-{
-    char name[64];
-    snprintf(name, sizeof name, "127.0.0.1:%d", port);
-    kvp_engine_opts o;
-    kvp_engine_opts_init(&o);
-    o.local_server_name = name;
-    o.metadata = conn;
-    o.disable_shm = 1; /* the TCP path is the one Mooncake peers share */
-    o.timeout_ms = ENGINE_TIMEOUT_MS;
-    return kvp_engine_create(&o, out);
-}
-
-/* A region at a generation-dependent offset, so that a restarted target's
- * buffers lie at other addresses even without ASLR. */
-static void *target_region(size_t len, int gen, uint64_t seed)
-{
-    size_t shift = (size_t)gen * GEN_SHIFT;
-    char *base =
-        mmap(NULL, len + shift, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (base == MAP_FAILED) return NULL;
-    kvpt_fill(base + shift, len, seed);
-    return base + shift;
-}
-
-static void target_serve(kvp_engine *e, int gen)
-{
-    char line[256];
-    while (fgets(line, sizeof line, stdin)) {
-        unsigned long long addr;
-        size_t len;
-        unsigned long long seed;
-        if (strncmp(line, "reg", 3) == 0) {
-            void *r = target_region(NEW_REGION_LEN, gen + 7, 200 + (uint64_t)gen);
-            kvp_status st = r ? kvp_engine_register(e, r, NEW_REGION_LEN) : KVP_ENOMEM;
-            if (st)
-                printf("ERR %d %s\n", (int)st, kvp_last_error());
-            else
-                printf("OK %" PRIxPTR " %zu\n", (uintptr_t)r, NEW_REGION_LEN);
-        } else if (sscanf(line, "unreg %llx", &addr) == 1) {
-            kvp_status st = kvp_engine_unregister(e, (void *)(uintptr_t)addr);
-            if (st)
-                printf("ERR %d %s\n", (int)st, kvp_last_error());
-            else
-                printf("OK\n");
-        } else if (sscanf(line, "check %llx %zu %llu", &addr, &len, &seed) == 3) {
-            size_t bad = kvpt_verify((void *)(uintptr_t)addr, len, seed);
-            if (bad == (size_t)-1)
-                printf("OK\n");
-            else
-                printf("BAD %zu\n", bad);
-        } else if (strncmp(line, "quit", 4) == 0) {
-            break;
-        } else {
-            printf("ERR unknown command\n");
-        }
-        fflush(stdout);
-    }
-    kvp_engine_destroy(e);
-    printf("OK\n");
-    fflush(stdout);
-}
-
-static int target_main(const char *conn, int port, int gen)
-{
-    kvp_engine *e;
-    kvp_status st = target_engine(conn, port, &e);
-    if (st) {
-        printf("ERR %d %s\n", (int)st, kvp_last_error());
-        return 1;
-    }
-    void *r = target_region(REGION_LEN, gen, 100 + (uint64_t)gen);
-    st = r ? kvp_engine_register(e, r, REGION_LEN) : KVP_ENOMEM;
-    if (st) {
-        printf("ERR %d %s\n", (int)st, kvp_last_error());
-        kvp_engine_destroy(e);
-        return 1;
-    }
-    printf("READY %" PRIxPTR " %zu\n", (uintptr_t)r, REGION_LEN);
-    fflush(stdout);
-    target_serve(e, gen);
-    return 0;
-}
-
-/* ---- driving a target ---- */
+/* ---- the target ---- */
 
 typedef struct target {
-    pid_t pid;
-    int to, from; /* pipe ends: its stdin, its stdout */
+    kvpt_target k;
+    pid_t pid; /* 0 once reaped */
     int port, gen;
     char name[64];
-    uint64_t addr; /* first region */
+    uint64_t addr; /* first region: REGION_LEN bytes of pattern 100 + gen */
     size_t len;
-    char err[512];
+    char err[512]; /* what a target that did not start said */
 } target;
 
-static int read_line(int fd, char *buf, size_t len, int timeout_ms)
-{
-    size_t n = 0;
-    while (n + 1 < len) {
-        struct pollfd p = {.fd = fd, .events = POLLIN};
-        int rc = poll(&p, 1, timeout_ms);
-        if (rc < 0 && errno == EINTR) continue;
-        if (rc <= 0) return -1;
-        ssize_t got = read(fd, buf + n, 1);
-        if (got <= 0) return -1;
-        if (buf[n] == '\n') break;
-        n++;
-    }
-    buf[n] = '\0';
-    return 0;
-}
-
-static int target_ask(target *t, const char *cmd, char *reply, size_t len)
-{
-    size_t n = strlen(cmd);
-    if (write(t->to, cmd, n) != (ssize_t)n || write(t->to, "\n", 1) != 1) return -1;
-    return read_line(t->from, reply, len, REPLY_TIMEOUT_MS);
-}
-
-/* Start a target engine process; 0 when it is READY. */
+/* Start a target engine process; 0 once it serves. */
 static int target_start(target *t, const char *conn, int port, int gen)
 {
     memset(t, 0, sizeof *t);
     t->port = port;
     t->gen = gen;
     snprintf(t->name, sizeof t->name, "127.0.0.1:%d", port);
-    int in[2], out[2];
-    if (pipe(in) || pipe(out)) return -1;
-    char port_s[16], gen_s[16];
-    snprintf(port_s, sizeof port_s, "%d", port);
-    snprintf(gen_s, sizeof gen_s, "%d", gen);
-    fflush(NULL);
-    t->pid = fork();
-    if (t->pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        dup2(in[0], 0);
-        dup2(out[1], 1);
-        close(in[1]);
-        close(out[0]);
-        execl("/proc/self/exe", "engine_store_test", "--target", conn, port_s, gen_s, (char *)NULL);
-        _exit(127);
-    }
-    close(in[0]);
-    close(out[1]);
-    t->to = in[1];
-    t->from = out[0];
-    char line[512];
-    unsigned long long addr;
-    if (read_line(t->from, line, sizeof line, REPLY_TIMEOUT_MS) != 0) {
-        snprintf(t->err, sizeof t->err, "target %s: no answer", t->name);
+    kvpt_target_opts o = {.metadata = conn,
+                          .port = port,
+                          .disable_shm = 1, /* the TCP path is the one Mooncake peers share */
+                          .len = REGION_LEN,
+                          .seed = 100 + (uint64_t)gen,
+                          .timeout_ms = ENGINE_TIMEOUT_MS,
+                          .capture = 1};
+    if (kvpt_target_start(&o, &t->k) != 0) {
+        snprintf(t->err, sizeof t->err, "target %s: %.400s", t->name, t->k.said);
         return -1;
     }
-    if (sscanf(line, "READY %llx %zu", &addr, &t->len) != 2) {
-        snprintf(t->err, sizeof t->err, "target %s: %.400s", t->name, line);
-        return -1;
-    }
-    t->addr = addr;
+    t->pid = t->k.pid;
+    t->addr = (uint64_t)(uintptr_t)t->k.buf;
+    t->len = REGION_LEN;
     return 0;
 }
 
-/* Ask the target to destroy its engine and exit; 0 on a clean exit. */
+/* Stop the target (engine destroyed) and reap it; 0 on a clean exit. Its
+ * buffer stays mapped here, so that a restarted target's lies elsewhere. */
 static int target_quit(target *t)
 {
-    char reply[64];
-    int rc = target_ask(t, "quit", reply, sizeof reply) == 0 && strcmp(reply, "OK") == 0 ? 0 : -1;
-    if (kvpt_wait_child(t->pid, 10000) != 0) rc = -1;
-    close(t->to);
-    close(t->from);
+    int rc = kvpt_target_stop(&t->k, 1) == 0 ? 0 : -1;
+    kvpt_peer_forget(&t->k.peer);
     t->pid = 0;
     return rc;
 }
@@ -215,21 +82,28 @@ static int target_quit(target *t)
 static void target_kill(target *t)
 {
     if (t->pid <= 0) return;
-    kill(t->pid, SIGKILL);
-    kvpt_wait_child(t->pid, 10000);
-    close(t->to);
-    close(t->from);
+    kvpt_target_kill(&t->k);
+    kvpt_peer_forget(&t->k.peer);
     t->pid = 0;
 }
 
 /* 1 if the target's memory at [addr, addr+len) holds pattern seed. */
 static int target_holds(target *t, uint64_t addr, size_t len, uint64_t seed)
 {
-    char cmd[128], reply[64];
-    snprintf(cmd, sizeof cmd, "check %" PRIx64 " %zu %" PRIu64, addr, len, seed);
-    if (target_ask(t, cmd, reply, sizeof reply) != 0) return 0;
-    if (strcmp(reply, "OK") != 0) fprintf(stderr, "  target check: %s\n", reply);
-    return strcmp(reply, "OK") == 0;
+    int64_t bad = kvpt_peer_call(&t->k.peer, KVPT_T_CHECK, addr, len, seed, REPLY_TIMEOUT_MS);
+    if (bad != -2) fprintf(stderr, "  target check: %lld\n", (long long)bad);
+    return bad == -2;
+}
+
+/* Register a new region of NEW_REGION_LEN bytes of pattern 200 + gen in the
+ * target, at a generation-dependent offset; 0 and its address. */
+static int target_reg(target *t, unsigned long long *addr, size_t *len)
+{
+    int64_t r = kvpt_peer_call(&t->k.peer, KVPT_T_NEW, NEW_REGION_LEN, 200 + (uint64_t)t->gen,
+                               (uint64_t)(t->gen + 7) * GEN_SHIFT, REPLY_TIMEOUT_MS);
+    *addr = (unsigned long long)r;
+    *len = NEW_REGION_LEN;
+    return r > 0 ? 0 : -1;
 }
 
 /* ---- the store and the initiator ---- */
@@ -455,11 +329,9 @@ static void transfer_read_write(fixture *f)
 static void reregister_publishes(fixture *f)
 {
     target *t = &f->tgt;
-    char reply[128];
     unsigned long long addr;
     size_t len;
-    REQUIRE(target_ask(t, "reg", reply, sizeof reply) == 0);
-    REQUIRE(sscanf(reply, "OK %llx %zu", &addr, &len) == 2);
+    REQUIRE(target_reg(t, &addr, &len) == 0);
     /* The store (or the handshake) now lists both regions. */
     char *desc = NULL;
     CHECK_OK(lookup_desc(f->srv.conn, t->name, &desc));
@@ -488,11 +360,9 @@ static void cached_initiator_sees_new_region(fixture *f)
     REQUIRE_OK(kvp_engine_open_segment(f->eng, t->name, &seg));
     char byte;
     REQUIRE_OK(kvp_engine_read(f->eng, seg, &byte, t->addr, 1)); /* descriptor now cached */
-    char reply[128];
     unsigned long long addr;
     size_t len;
-    REQUIRE(target_ask(t, "reg", reply, sizeof reply) == 0);
-    REQUIRE(sscanf(reply, "OK %llx %zu", &addr, &len) == 2);
+    REQUIRE(target_reg(t, &addr, &len) == 0);
     char *want = malloc(len);
     REQUIRE(want);
     kvpt_fill(want, len, 200);
@@ -507,21 +377,16 @@ static void cached_initiator_sees_new_region(fixture *f)
 static void stale_descriptor_after_unregister(fixture *f)
 {
     target *t = &f->tgt;
-    char reply[128];
     unsigned long long addr;
     size_t len;
-    REQUIRE(target_ask(t, "reg", reply, sizeof reply) == 0);
-    REQUIRE(sscanf(reply, "OK %llx %zu", &addr, &len) == 2);
+    REQUIRE(target_reg(t, &addr, &len) == 0);
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(f->eng, t->name, &seg));
     char *buf = malloc(len);
     REQUIRE(buf);
     kvpt_fill(buf, len, 200);
     CHECK(read_matches(f->eng, seg, addr, buf, len)); /* cached: lists the region */
-    char cmd[64];
-    snprintf(cmd, sizeof cmd, "unreg %llx", addr);
-    REQUIRE(target_ask(t, cmd, reply, sizeof reply) == 0);
-    REQUIRE(strncmp(reply, "OK", 2) == 0);
+    REQUIRE(kvpt_peer_call(&t->k.peer, KVPT_T_UNREGISTER, addr, 0, 0, REPLY_TIMEOUT_MS) >= 0);
     CHECK_ST(kvp_engine_read(f->eng, seg, buf, addr, 4096), KVP_ERANGE);
     kvpt_fill(buf, len, 77);
     CHECK_ST(kvp_engine_write(f->eng, seg, buf, addr, 4096), KVP_ERANGE);
@@ -1041,8 +906,6 @@ static const behaviour behaviours[] = {
 
 int main(int argc, char **argv)
 {
-    if (argc == 5 && strcmp(argv[1], "--target") == 0)
-        return target_main(argv[2], atoi(argv[3]), atoi(argv[4]));
     signal(SIGPIPE, SIG_IGN); /* a dead target's pipe must fail a write, not kill us */
     const char *filter = argc > 1 ? argv[1] : NULL;
     for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++) {

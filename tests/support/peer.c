@@ -459,7 +459,13 @@ int kvpt_target_start(const kvpt_target_opts *o, kvpt_target *t)
         munmap(taken[i], o->len);
     close(mem_fd);
     if (rc != 0 && t->buf != MAP_FAILED) munmap(t->buf, o->len);
-    if (rc != 0) kvpt_peer_forget(&t->peer);
+    if (rc != 0 && t->peer.err[0]) {
+        FILE *f = fopen(t->peer.err, "r");
+        size_t n = f ? fread(t->said, 1, sizeof t->said - 1, f) : 0;
+        t->said[n] = '\0';
+        if (f) fclose(f);
+        kvpt_peer_forget(&t->peer);
+    }
     return rc == 0 ? 0 : -1;
 }
 

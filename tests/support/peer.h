@@ -134,6 +134,7 @@ typedef struct kvpt_target {
     int data_port;
     void *buf; /* MAP_SHARED with the child at the same address; registered there */
     size_t len;
+    char said[512]; /* a captured child that did not start: the start of what it said */
 } kvpt_target;
 
 /* Start the child and wait (bounded) until it serves. 0 on success. */
