@@ -13,11 +13,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include "kvpipe/kvpipe.h"
+#include "peer.h"
 #include "test.h"
 #include "transport/transport.h"
 
@@ -102,14 +102,19 @@ static int holds(int device, const void *mem, size_t off, size_t len, uint64_t s
 
 /* ------------------------------------------------------------ the target --- */
 
+/* A kvpt_peer: the parent writes the verdict to check on its channel, then
+ * closes it; device 3: a byte asks the child to unregister the second buffer,
+ * and the child answers it. */
 typedef struct target {
-    pid_t pid;
+    kvpt_peer peer;
     char name[64];
     uint64_t addr;
     uint64_t second; /* device 2: its host buffer; device 3: its second device buffer */
-    int ctl;         /* the parent writes the verdict to check, then closes */
-    int ready;       /* device 3: the child acknowledges the second buffer's unregistration */
+    const char *proto;
+    int device;
+    long fail_copy;
 } target;
+#define ANSWER_MS 20000
 
 typedef struct verdict {
     uint64_t off, len, seed; /* [off, +len) must hold seed's pattern (its first len bytes) */
@@ -123,9 +128,16 @@ typedef struct verdict {
  * (acknowledged on ready). Then waits for the verdict and checks its whole
  * memory (the first buffer's): the verdict's range WRITTEN, the rest
  * untouched. Exit 0: as expected; 10: wrong bytes. */
-static void target_main(const char *proto, int device, int ready, int ctl, const char *name)
+static void target_main(void *arg, int ctl, int ready)
 {
-    kvp_engine *e = engine(name, proto);
+    const target *t = arg;
+    if (t->fail_copy) {
+        char v[32];
+        snprintf(v, sizeof v, "%ld", t->fail_copy);
+        setenv("FAKECUDA_FAIL_COPY", v, 1);
+    }
+    int device = t->device;
+    kvp_engine *e = engine(t->name, t->proto);
     if (!e) _exit(3);
     int kind2 = device;
     device = device != 0;
@@ -162,41 +174,25 @@ static void target_main(const char *proto, int device, int ready, int ctl, const
  * cannot fork one that uses it). fail_copy: the child's Nth copy fails. */
 static int target_start(const char *proto, int device, long fail_copy, target *t)
 {
-    int ready[2], ctl[2];
-    if (pipe(ready) || pipe(ctl)) return -1;
     snprintf(t->name, sizeof t->name, "127.0.0.1:%d", kvpt_free_port());
-    fflush(NULL);
-    t->pid = fork();
-    if (t->pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        close(ready[0]);
-        close(ctl[1]);
-        if (fail_copy) {
-            char v[32];
-            snprintf(v, sizeof v, "%ld", fail_copy);
-            setenv("FAKECUDA_FAIL_COPY", v, 1);
-        }
-        target_main(proto, device, ready[1], ctl[0], t->name);
-    }
-    close(ready[1]);
-    close(ctl[0]);
-    t->ctl = ctl[1];
+    t->proto = proto;
+    t->device = device;
+    t->fail_copy = fail_copy;
     uint64_t addr[2];
-    ssize_t n = read(ready[0], addr, sizeof addr);
-    t->ready = ready[0];
+    if (kvpt_peer_fork(&t->peer, NULL, target_main, t) ||
+        kvpt_peer_recv(&t->peer, addr, sizeof addr, ANSWER_MS))
+        return -1;
     t->addr = addr[0];
     t->second = addr[1];
-    return n == sizeof addr ? 0 : -1;
+    return 0;
 }
 
 /* The child's exit status (0: its memory is as expected; 11: not the copies
  * expected; 128+11: it crashed, as a CPU access to device memory does). */
 static int target_stop(target *t, const verdict *v)
 {
-    int sent = !v || write(t->ctl, v, sizeof *v) == sizeof *v;
-    close(t->ctl);
-    close(t->ready);
-    int rc = kvpt_wait_child(t->pid, 20000);
+    int sent = !v || kvpt_peer_send(&t->peer, v, sizeof *v) == 0;
+    int rc = kvpt_peer_wait(&t->peer, 20000);
     if (rc) fprintf(stderr, "  the target exited with status %d\n", rc);
     return sent ? rc : -1;
 }
@@ -546,7 +542,7 @@ static void ipc_stale_region(void)
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
     char c = 'u';
-    REQUIRE(write(t.ctl, &c, 1) == 1 && read(t.ready, &c, 1) == 1);
+    REQUIRE(kvpt_peer_send(&t.peer, &c, 1) == 0 && kvpt_peer_recv(&t.peer, &c, 1, ANSWER_MS) == 0);
     long ipc_before = fc_ipc_copies();
     kvp_request reqs[N];
     for (size_t i = 0; i < N; i++) /* A B A B; A's bytes are out's first half */
