@@ -8,9 +8,9 @@
  *
  * This process is the router: it runs in the namespace it was started in and
  * talks to its workers over socket pairs only (nothing is added to that
- * namespace). Each worker is this program again (--worker), one engine
- * process (pipe mode: one process holding one pipe per peer) using the public
- * kvpipe API. A request is a KV block of the demo's Llama-3-8B shape: 128 KiB
+ * namespace). Each worker is this program again (--worker, bench/xpyd_worker.c),
+ * one engine process (pipe mode: one process holding one pipe per peer) using
+ * the public kvpipe API. A request is a KV block of the demo's Llama-3-8B shape: 128 KiB
  * per token (32 layers x 8 KV heads x 128 dims x K and V x 2 bytes), its
  * token count drawn log-uniformly from [--min-tokens, --max-tokens] (16..256
  * by default, seeded), i.e. about 11 MiB on average. The router assigns each
@@ -40,6 +40,7 @@
  * (not root, no `ip`). Ctrl-C or SIGTERM stops the run and tears everything
  * down; the hosts' processes die with this one in any case
  * (PR_SET_PDEATHSIG), and the namespaces with them. */
+
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
@@ -65,560 +66,7 @@
 #include "netns.h"
 #include "servers.h"
 #include "test.h"
-
-#define TOKEN_BYTES (128u << 10) /* Llama-3-8B: 32 x 8 x 128 x 2 x 2 */
-#define TOKEN_ELEMS (TOKEN_BYTES / 2)
-#define NET 78 /* hosts are 10.78.0.x */
-#define ENGINE_PORT 15000
-#define PIPE_PORT 20000 /* + 200 x peer index */
-#define ETCD_PORT 2379
-#define ETCD_PEER_PORT 2380
-#define MAX_SIDE 16
-#define MAX_PAIRS (MAX_SIDE * MAX_SIDE)
-#define QCAP 256
-#define ERR_LEN 240
-
-/* ------------------------------------------------------------- messages --- */
-
-enum {
-    CMD_WRITE = 1, /* prefill: fill and WRITE to decode peer's slot */
-    CMD_FILL,      /* prefill: fill own slot (read mode) */
-    CMD_VERIFY,    /* decode: verify own slot (write mode) */
-    CMD_READ,      /* decode: READ peer's slot into own, verify (read mode) */
-    CMD_PSEND,     /* prefill: send the tensor on the pipe to peer */
-    CMD_PRECV,     /* decode: receive the next tensor from peer, verify */
-    CMD_ABANDON,   /* decode: fail what waits on peer (it died) */
-    CMD_LOOKUP,    /* probe peer by name now (a fresh metadata lookup) */
-    CMD_STATS,
-    CMD_QUIT,
-    REP_READY,
-    REP_DONE,
-    REP_STATS,
-    REP_LOOKUP,
-};
-
-typedef struct msg {
-    uint32_t type;
-    int32_t status; /* kvp_status; -1: a byte was wrong; -2: reordered */
-    uint64_t req;   /* request id */
-    uint32_t peer;  /* the other side's index */
-    uint32_t slot;  /* slot in the verb's target buffer */
-    uint32_t slot2; /* read: own slot */
-    uint32_t tokens;
-    uint64_t elapsed_ms;
-    char name[64]; /* a segment name */
-    char err[ERR_LEN];
-    /* REP_STATS */
-    int64_t conns, lookups, rss_kib, fds, time_wait;
-} msg;
-
-/* ------------------------------------------------------------- patterns --- */
-
-/* The first 8 bytes are the request id; the rest a pattern of the request
- * and the offset (tests/support kvpt_fill). */
-static uint64_t seed_of(uint64_t req)
-{
-    return (req + 1) << 40;
-}
-
-static void fill_block(void *buf, size_t len, uint64_t req)
-{
-    memcpy(buf, &req, 8);
-    kvpt_fill((char *)buf + 8, len - 8, seed_of(req));
-}
-
-/* 0 when buf holds request req; -2 when it holds another request (its id in
- * *got); -1 when a byte is wrong (its offset in *at). */
-static int check_block(const void *buf, size_t len, uint64_t req, uint64_t *got, size_t *at)
-{
-    memcpy(got, buf, 8);
-    if (*got != req) return -2;
-    size_t bad = kvpt_verify((const char *)buf + 8, len - 8, seed_of(req));
-    if (bad != (size_t)-1) {
-        *at = bad + 8;
-        return -1;
-    }
-    return 0;
-}
-
-/* --------------------------------------------------------------- worker --- */
-
-typedef struct peer_worker {
-    pthread_t thread;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    msg q[QCAP];
-    int head, n, quit;
-    int index;
-    atomic_int abandon; /* pipe mode: fail what waits on this peer */
-    kvp_segment_id seg;
-    int seg_open;
-    char seg_name[64];
-    kvp_pipe *pipe;
-    char *staging;
-    /* pipe mode, decode: requests whose receive was given up (timed out);
-     * their tensors may still arrive, in order, before the next ones */
-    uint64_t given_up[64];
-    int n_given_up;
-    uint64_t late;
-} peer_worker;
-
-static int was_given_up(peer_worker *p, uint64_t id)
-{
-    for (int i = 0; i < p->n_given_up; i++)
-        if (p->given_up[i] == id) {
-            p->given_up[i] = p->given_up[--p->n_given_up];
-            return 1;
-        }
-    return 0;
-}
-
-static void give_up(peer_worker *p, uint64_t id)
-{
-    if (p->n_given_up == 64)
-        memmove(p->given_up, p->given_up + 1, 63 * sizeof *p->given_up), p->n_given_up--;
-    p->given_up[p->n_given_up++] = id;
-}
-
-static struct {
-    int prefill; /* 1 prefill, 0 decode */
-    int index, peers, ctl;
-    char mode[8];
-    char addr[32], etcd[64];
-    char peer_addr[MAX_SIDE][32]; /* the other side's hosts */
-    size_t slot_bytes, slots;
-    int timeout_ms;
-    kvp_engine *engine;
-    char *region;
-    pthread_mutex_t ctl_mu;
-    peer_worker pw[MAX_SIDE];
-} W = {.ctl_mu = PTHREAD_MUTEX_INITIALIZER};
-
-static void send_msg(int fd, pthread_mutex_t *mu, const msg *m)
-{
-    if (mu) pthread_mutex_lock(mu);
-    ssize_t r;
-    do
-        r = send(fd, m, sizeof *m, MSG_NOSIGNAL);
-    while (r < 0 && errno == EINTR);
-    if (mu) pthread_mutex_unlock(mu);
-}
-
-static void reply(msg *m, int type, int status, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static void reply(msg *m, int type, int status, const char *fmt, ...)
-{
-    m->type = (uint32_t)type;
-    m->status = status;
-    m->err[0] = '\0';
-    if (fmt) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(m->err, sizeof m->err, fmt, ap);
-        va_end(ap);
-    }
-    send_msg(W.ctl, &W.ctl_mu, m);
-}
-
-/* Open the peer's segment (once) and find its registered region. */
-static kvp_status peer_region(peer_worker *p, const char *name, uint64_t *base)
-{
-    kvp_status st;
-    if (!p->seg_open || strcmp(p->seg_name, name) != 0) {
-        if ((st = kvp_engine_open_segment(W.engine, name, &p->seg))) return st;
-        snprintf(p->seg_name, sizeof p->seg_name, "%s", name);
-        p->seg_open = 1;
-    }
-    kvp_remote_buffer b[4];
-    size_t count = 0;
-    if ((st = kvp_engine_segment_buffers(W.engine, p->seg, b, 4, &count))) return st;
-    if (count < 1) return KVP_ENOTFOUND;
-    *base = b[0].addr;
-    return KVP_OK;
-}
-
-static void verdict(msg *m, int rc, uint64_t got, size_t at, const char *who)
-{
-    if (rc == -2)
-        reply(m, REP_DONE, -2, "%s: got request %llu where %llu was expected", who,
-              (unsigned long long)got, (unsigned long long)m->req);
-    else if (rc == -1)
-        reply(m, REP_DONE, -1, "%s: request %llu: wrong byte at offset %zu", who,
-              (unsigned long long)m->req, at);
-    else
-        reply(m, REP_DONE, 0, NULL);
-}
-
-static void run_cmd(peer_worker *p, msg *m)
-{
-    size_t len = (size_t)m->tokens * TOKEN_BYTES;
-    uint64_t got = 0;
-    size_t at = 0;
-    kvp_status st;
-    uint64_t base;
-    switch (m->type) {
-    case CMD_WRITE:
-        fill_block(p->staging, len, m->req);
-        st = peer_region(p, m->name, &base);
-        if (!st)
-            st = kvp_engine_write(W.engine, p->seg, p->staging, base + m->slot * W.slot_bytes, len);
-        if (st)
-            reply(m, REP_DONE, st, "WRITE to %s: %s: %s", m->name, kvp_strerror(st),
-                  kvp_last_error());
-        else
-            reply(m, REP_DONE, 0, NULL);
-        break;
-    case CMD_FILL:
-        fill_block(W.region + m->slot * W.slot_bytes, len, m->req);
-        reply(m, REP_DONE, 0, NULL);
-        break;
-    case CMD_VERIFY: {
-        int rc = check_block(W.region + m->slot * W.slot_bytes, len, m->req, &got, &at);
-        verdict(m, rc, got, at, "decode");
-        break;
-    }
-    case CMD_READ: {
-        char *local = W.region + m->slot2 * W.slot_bytes;
-        memset(local, 0, 8);
-        st = peer_region(p, m->name, &base);
-        if (!st) st = kvp_engine_read(W.engine, p->seg, local, base + m->slot * W.slot_bytes, len);
-        if (st) {
-            reply(m, REP_DONE, st, "READ from %s: %s: %s", m->name, kvp_strerror(st),
-                  kvp_last_error());
-            break;
-        }
-        verdict(m, check_block(local, len, m->req, &got, &at), got, at, "decode");
-        break;
-    }
-    case CMD_PSEND: {
-        int64_t shape[2] = {m->tokens, TOKEN_ELEMS};
-        kvp_tensor *t = NULL;
-        st = kvp_pipe_tensor_alloc(p->pipe, KVP_DTYPE_BF16, 2, shape, &t);
-        if (!st) {
-            fill_block(t->data, t->nbytes, m->req);
-            st = kvp_pipe_send_take(p->pipe, t);
-            if (st) kvp_tensor_free(t);
-        }
-        if (st)
-            reply(m, REP_DONE, st, "send to decode %u: %s: %s", p->index, kvp_strerror(st),
-                  kvp_last_error());
-        else
-            reply(m, REP_DONE, 0, NULL);
-        break;
-    }
-    case CMD_PRECV: {
-        kvp_tensor *t = NULL;
-        uint64_t deadline = kvpi_now_ms() + (uint64_t)W.timeout_ms * 4;
-        int rc;
-        for (;;) {
-            if (atomic_load(&p->abandon)) {
-                reply(m, REP_DONE, KVP_ECANCELED, "receive from %s: prefill %u is gone",
-                      p->seg_name, p->index);
-                return;
-            }
-            st = kvp_pipe_recv(p->pipe, 200, &t);
-            /* recv's own wait ran out, nothing consumed (pipe.h), as
-             * against a message whose READ timed out, which is consumed:
-             * that one is this request's, lost with an error. */
-            const char *e = st == KVP_ETIMEDOUT ? kvp_last_error() : "";
-            /* a READ running is bounded by the engine's deadlines */
-            if (strstr(e, "nothing consumed")) continue;
-            if (strstr(e, "nothing announced") && kvpi_now_ms() <= deadline) continue;
-            if (st) break;
-            if (!t || t->dtype != KVP_DTYPE_BF16 || t->ndim != 2 || t->shape[1] != TOKEN_ELEMS ||
-                t->nbytes < 8) {
-                rc = -1;
-                at = 0;
-            } else {
-                rc = check_block(t->data, t->nbytes, m->req, &got, &at);
-                if (rc == 0 && t->shape[0] != m->tokens) rc = -1;
-            }
-            /* A tensor of a request given up earlier arrives late, in its
-             * place in the order: drop it and take the next. */
-            if (rc == -2 && got < m->req && was_given_up(p, got)) {
-                p->late++;
-                kvp_tensor_free(t);
-                t = NULL;
-                continue;
-            }
-            break;
-        }
-        if (st) {
-            give_up(p, m->req);
-            reply(m, REP_DONE, st, "receive from %s: %s: %s", p->seg_name, kvp_strerror(st),
-                  kvp_last_error());
-            break;
-        }
-        kvp_tensor_free(t);
-        verdict(m, rc, got, at, "decode");
-        break;
-    }
-    default:
-        break;
-    }
-}
-
-static void *peer_main(void *arg)
-{
-    peer_worker *p = arg;
-    pthread_mutex_lock(&p->mu);
-    for (;;) {
-        while (!p->n && !p->quit)
-            pthread_cond_wait(&p->cv, &p->mu);
-        if (!p->n) break;
-        msg m = p->q[p->head];
-        p->head = (p->head + 1) % QCAP;
-        p->n--;
-        pthread_mutex_unlock(&p->mu);
-        run_cmd(p, &m);
-        pthread_mutex_lock(&p->mu);
-    }
-    pthread_mutex_unlock(&p->mu);
-    return NULL;
-}
-
-static void enqueue(peer_worker *p, const msg *m)
-{
-    pthread_mutex_lock(&p->mu);
-    if (p->n < QCAP) {
-        p->q[(p->head + p->n) % QCAP] = *m;
-        p->n++;
-        pthread_cond_signal(&p->cv);
-        pthread_mutex_unlock(&p->mu);
-        return;
-    }
-    pthread_mutex_unlock(&p->mu);
-    msg r = *m;
-    reply(&r, REP_DONE, KVP_EBUSY, "worker queue full");
-}
-
-/* TCP sockets in this namespace in state st (/proc/net/tcp's hex code: "01"
- * ESTABLISHED, "06" TIME_WAIT): this engine's own, as it is alone on its host
- * (its metadata store client's included). */
-static int64_t count_tcp(const char *state)
-{
-    int64_t n = 0;
-    const char *files[] = {"/proc/net/tcp", "/proc/net/tcp6"};
-    for (int i = 0; i < 2; i++) {
-        FILE *f = fopen(files[i], "r");
-        char line[512];
-        while (f && fgets(line, sizeof line, f)) {
-            char st[8];
-            if (sscanf(line, "%*s %*s %*s %7s", st) == 1 && strcmp(st, state) == 0) n++;
-        }
-        if (f) fclose(f);
-    }
-    return n;
-}
-
-static int64_t peak_rss_kib(void)
-{
-    FILE *f = fopen("/proc/self/status", "r");
-    char line[256];
-    int64_t v = -1;
-    while (f && fgets(line, sizeof line, f))
-        if (sscanf(line, "VmHWM: %" SCNd64, &v) == 1) break;
-    if (f) fclose(f);
-    return v;
-}
-
-static double metric(kvp_metrics *m, const char *name)
-{
-    const kvp_metric *x = m ? kvp_metrics_find(m, name, NULL) : NULL;
-    return x ? x->value : 0;
-}
-
-static int64_t count_lookups(void)
-{
-    double n = 0;
-    const char *name = "kvpipe_engine_descriptor_lookups_total";
-    kvp_metrics *m = NULL;
-    if (W.engine && kvp_engine_metrics(W.engine, &m) == KVP_OK) n += metric(m, name);
-    kvp_metrics_free(m);
-    for (int i = 0; i < W.peers; i++) {
-        m = NULL;
-        if (W.pw[i].pipe && kvp_pipe_metrics(W.pw[i].pipe, &m) == KVP_OK) n += metric(m, name);
-        kvp_metrics_free(m);
-    }
-    return (int64_t)n;
-}
-
-typedef struct lookup_job {
-    msg m;
-} lookup_job;
-
-static void *lookup_main(void *arg)
-{
-    lookup_job *j = arg;
-    uint64_t t0 = kvpi_now_ms();
-    kvp_status st = kvp_engine_probe(W.engine, j->m.name);
-    j->m.elapsed_ms = kvpi_now_ms() - t0;
-    if (st)
-        reply(&j->m, REP_LOOKUP, st, "probe %s: %s: %s", j->m.name, kvp_strerror(st),
-              kvp_last_error());
-    else
-        reply(&j->m, REP_LOOKUP, 0, NULL);
-    free(j);
-    return NULL;
-}
-
-static int worker_setup(char *why, size_t len)
-{
-    char self[64], meta[96];
-    snprintf(self, sizeof self, "%s:%d", W.addr, ENGINE_PORT);
-    snprintf(meta, sizeof meta, "etcd://%s", W.etcd);
-    kvp_status st = KVP_OK;
-    if (strcmp(W.mode, "pipe") != 0) {
-        kvp_engine_opts o;
-        kvp_engine_opts_init(&o);
-        o.local_server_name = self;
-        o.metadata = meta;
-        o.protocol = "tcp";
-        o.timeout_ms = W.timeout_ms;
-        o.disable_shm = 1;
-        /* etcd may still be electing itself. */
-        for (int tries = 0; tries < 50; tries++) {
-            if ((st = kvp_engine_create(&o, &W.engine)) == KVP_OK) break;
-            usleep(200000);
-        }
-        if (st) {
-            snprintf(why, len, "engine %s: %s: %s", self, kvp_strerror(st), kvp_last_error());
-            return -1;
-        }
-        int need_region = !W.prefill || strcmp(W.mode, "read") == 0;
-        if (need_region) {
-            size_t bytes = W.slots * W.slot_bytes;
-            /* populated now, not at the first requests' cost */
-            W.region = mmap(NULL, bytes, PROT_READ | PROT_WRITE,
-                            MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-            if (W.region == MAP_FAILED) {
-                snprintf(why, len, "mmap %zu bytes: %s", bytes, strerror(errno));
-                return -1;
-            }
-            if ((st = kvp_engine_register(W.engine, W.region, bytes))) {
-                snprintf(why, len, "register: %s: %s", kvp_strerror(st), kvp_last_error());
-                return -1;
-            }
-        }
-    }
-    for (int i = 0; i < W.peers; i++) {
-        peer_worker *p = &W.pw[i];
-        p->index = i;
-        pthread_mutex_init(&p->mu, NULL);
-        pthread_cond_init(&p->cv, NULL);
-        if (W.prefill && strcmp(W.mode, "write") == 0) {
-            if (!(p->staging = malloc(W.slot_bytes))) {
-                snprintf(why, len, "out of memory");
-                return -1;
-            }
-            memset(p->staging, 0, W.slot_bytes); /* touched before the clock runs */
-        }
-        if (strcmp(W.mode, "pipe") == 0) {
-            /* Pair (p, d): the prefill listens on PIPE_PORT + 200 d, the
-             * decode on PIPE_PORT + 200 p, each on its own host. */
-            char own[64], peer[64];
-            snprintf(own, sizeof own, "%s:%d", W.addr, PIPE_PORT + 200 * i);
-            snprintf(peer, sizeof peer, "%s:%d", W.peer_addr[i], PIPE_PORT + 200 * W.index);
-            kvp_pipe_config cfg = {.prefill_url = W.prefill ? own : peer,
-                                   .decode_url = W.prefill ? peer : own,
-                                   .metadata_server = meta,
-                                   .protocol = "tcp",
-                                   .device_name = "",
-                                   .auth_key_file = ""};
-            kvp_pipe_opts po;
-            kvp_pipe_opts_init(&po);
-            po.io_timeout_ms = W.timeout_ms;
-            po.disable_shm = 1;
-            po.inline_max_bytes = 0; /* every tensor by READ, as MooncakePipe */
-            for (int tries = 0; tries < 50; tries++) {
-                if ((st = kvp_pipe_open(&cfg, 0, W.prefill ? 0 : 1, &po, &p->pipe)) == KVP_OK)
-                    break;
-                usleep(200000);
-            }
-            if (st) {
-                snprintf(why, len, "pipe %s -> %s: %s: %s", own, peer, kvp_strerror(st),
-                         kvp_last_error());
-                return -1;
-            }
-            snprintf(p->seg_name, sizeof p->seg_name, "%s", peer);
-        }
-        pthread_create(&p->thread, NULL, peer_main, p);
-    }
-    return 0;
-}
-
-static void worker_quit(void)
-{
-    for (int i = 0; i < W.peers; i++) {
-        peer_worker *p = &W.pw[i];
-        pthread_mutex_lock(&p->mu);
-        p->quit = 1;
-        pthread_cond_signal(&p->cv);
-        pthread_mutex_unlock(&p->mu);
-        pthread_join(p->thread, NULL);
-        if (p->pipe) {
-            kvp_pipe_flush(p->pipe, 2000);
-            kvp_pipe_close(p->pipe);
-        }
-        free(p->staging);
-    }
-    kvp_engine_destroy(W.engine);
-}
-
-static int worker_main(void)
-{
-    dup2(1, 2); /* one log per worker */
-    setvbuf(stdout, NULL, _IOLBF, 0);
-    msg m = {0};
-    char why[ERR_LEN];
-    if (worker_setup(why, sizeof why) != 0) {
-        fprintf(stderr, "xpyd worker: %s\n", why);
-        reply(&m, REP_READY, -1, "%s", why);
-        return 1;
-    }
-    if (strcmp(W.mode, "pipe") == 0)
-        snprintf(m.name, sizeof m.name, "%s (pipes)", W.addr);
-    else
-        snprintf(m.name, sizeof m.name, "%s:%d", W.addr, ENGINE_PORT);
-    reply(&m, REP_READY, 0, NULL);
-    for (;;) {
-        ssize_t r = recv(W.ctl, &m, sizeof m, 0);
-        if (r < 0 && errno == EINTR) continue;
-        if (r != (ssize_t)sizeof m) _exit(r == 0 ? 0 : 1); /* the router is gone */
-        switch (m.type) {
-        case CMD_STATS:
-            m.conns = count_tcp("01");
-            m.time_wait = count_tcp("06");
-            m.fds = kvpt_count_fds();
-            m.lookups = count_lookups();
-            m.rss_kib = peak_rss_kib();
-            reply(&m, REP_STATS, 0, NULL);
-            break;
-        case CMD_QUIT:
-            worker_quit();
-            return 0;
-        case CMD_ABANDON: /* slot 1: the peer is back */
-            if (m.peer < (uint32_t)W.peers) atomic_store(&W.pw[m.peer].abandon, m.slot ? 0 : 1);
-            break;
-        case CMD_LOOKUP: {
-            lookup_job *j = malloc(sizeof *j);
-            pthread_t t;
-            if (!j) break;
-            j->m = m;
-            if (pthread_create(&t, NULL, lookup_main, j) == 0)
-                pthread_detach(t);
-            else
-                free(j);
-            break;
-        }
-        default:
-            if (m.peer < (uint32_t)W.peers)
-                enqueue(&W.pw[m.peer], &m);
-            else
-                reply(&m, REP_DONE, KVP_EINVAL, "no peer %u", m.peer);
-        }
-    }
-}
+#include "xpyd.h"
 
 /* --------------------------------------------------------------- router --- */
 
@@ -789,39 +237,8 @@ static int spawn_worker(run *r, proc *pr)
 
 static int spawn_etcd(run *r)
 {
-    const char *bin = kvpt_find_binary("etcd");
-    if (!bin) {
-        snprintf(r->c.why, sizeof r->c.why, "etcd not found (Debian: etcd-server)");
-        return -1;
-    }
-    char path[4096], data[128], client[64], peer[64], cluster[96], log[128];
-    snprintf(path, sizeof path, "%s", bin);
-    snprintf(data, sizeof data, "%s/etcd", r->dir);
-    snprintf(client, sizeof client, "http://%s:%d", r->c.addr[0], ETCD_PORT);
-    snprintf(peer, sizeof peer, "http://%s:%d", r->c.addr[0], ETCD_PEER_PORT);
-    snprintf(cluster, sizeof cluster, "default=%s", peer);
-    snprintf(log, sizeof log, "%s/etcd.log", r->dir);
-    char *argv[] = {path,      "--name",
-                    "default", "--data-dir",
-                    data,      "--listen-client-urls",
-                    client,    "--advertise-client-urls",
-                    client,    "--listen-peer-urls",
-                    peer,      "--initial-advertise-peer-urls",
-                    peer,      "--initial-cluster",
-                    cluster,   "--logger",
-                    "zap",     "--log-outputs",
-                    "stdout",  "--log-level",
-                    "warn",    NULL};
-    /* etcd's own stderr (gRPC's warnings) to a log of its own too */
-    char err[128];
-    snprintf(err, sizeof err, "%s/etcd.err", r->dir);
-    int efd = open(err, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644), saved = dup(2);
-    if (efd >= 0) dup2(efd, 2);
-    r->etcd.pid = kvpt_cluster_spawn(&r->c, 0, argv, log);
-    if (saved >= 0) dup2(saved, 2), close(saved);
-    if (efd >= 0) close(efd);
-    if (r->etcd.pid < 0) return -1;
-    return kvpt_cluster_wait_port(&r->c, 0, r->c.addr[0], ETCD_PORT, 30000);
+    r->etcd.pid = kvpt_cluster_etcd(&r->c, 0, r->dir, ETCD_PORT, ETCD_PEER_PORT);
+    return r->etcd.pid > 0 ? 0 : -1;
 }
 
 static void stop_etcd(run *r)
@@ -851,7 +268,7 @@ static int draw_tokens(run *r)
 
 static void to_worker(proc *pr, msg *m)
 {
-    send_msg(pr->fd, NULL, m);
+    xpyd_send_msg(pr->fd, NULL, m);
 }
 
 /* The first slot of pair (p, d) in decode d's buffer, and in prefill p's. */
@@ -1599,6 +1016,7 @@ static void usage(FILE *f)
 
 int main(int argc, char **argv)
 {
+    if (argc > 1 && strcmp(argv[1], "--worker") == 0) return xpyd_worker(argc, argv);
     opts o = {.prefill = 2,
               .decode = 2,
               .seconds = 10,
@@ -1612,38 +1030,14 @@ int main(int argc, char **argv)
               .seed = 1,
               .mode = "write",
               .warmup_ms = 2000};
-    const char *role = NULL, *peer_addrs = NULL;
-    static struct option lo[] = {{"prefill", 1, 0, 'p'},
-                                 {"decode", 1, 0, 'd'},
-                                 {"seconds", 1, 0, 's'},
-                                 {"mode", 1, 0, 'm'},
-                                 {"window", 1, 0, 'w'},
-                                 {"skew", 1, 0, 'k'},
-                                 {"min-tokens", 1, 0, 1},
-                                 {"max-tokens", 1, 0, 2},
-                                 {"seed", 1, 0, 3},
-                                 {"timeout-ms", 1, 0, 4},
-                                 {"baseline", 0, 0, 5},
-                                 {"min-ratio", 1, 0, 6},
-                                 {"fault", 1, 0, 7},
-                                 {"fault-seconds", 1, 0, 8},
-                                 {"keep", 1, 0, 9},
-                                 {"json", 1, 0, 10},
-                                 {"keep-logs", 0, 0, 11},
-                                 {"help", 0, 0, 'h'},
-                                 {"warmup-ms", 1, 0, 12},
-                                 {"sample-s", 1, 0, 13},
-                                 /* the workers' own */
-                                 {"worker", 1, 0, 20},
-                                 {"index", 1, 0, 21},
-                                 {"ctl", 1, 0, 22},
-                                 {"addr", 1, 0, 23},
-                                 {"etcd", 1, 0, 24},
-                                 {"peers", 1, 0, 25},
-                                 {"peer-addrs", 1, 0, 26},
-                                 {"slot-bytes", 1, 0, 27},
-                                 {"slots", 1, 0, 28},
-                                 {0, 0, 0, 0}};
+    static struct option lo[] = {
+        {"prefill", 1, 0, 'p'},  {"decode", 1, 0, 'd'},      {"seconds", 1, 0, 's'},
+        {"mode", 1, 0, 'm'},     {"window", 1, 0, 'w'},      {"skew", 1, 0, 'k'},
+        {"min-tokens", 1, 0, 1}, {"max-tokens", 1, 0, 2},    {"seed", 1, 0, 3},
+        {"timeout-ms", 1, 0, 4}, {"baseline", 0, 0, 5},      {"min-ratio", 1, 0, 6},
+        {"fault", 1, 0, 7},      {"fault-seconds", 1, 0, 8}, {"keep", 1, 0, 9},
+        {"json", 1, 0, 10},      {"keep-logs", 0, 0, 11},    {"help", 0, 0, 'h'},
+        {"warmup-ms", 1, 0, 12}, {"sample-s", 1, 0, 13},     {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "p:d:s:m:w:k:h", lo, NULL)) != -1) {
         switch (c) {
@@ -1707,54 +1101,10 @@ int main(int argc, char **argv)
         case 'h':
             usage(stdout);
             return 0;
-        case 20:
-            role = optarg;
-            break;
-        case 21:
-            W.index = atoi(optarg);
-            break;
-        case 22:
-            W.ctl = atoi(optarg);
-            break;
-        case 23:
-            snprintf(W.addr, sizeof W.addr, "%s", optarg);
-            break;
-        case 24:
-            snprintf(W.etcd, sizeof W.etcd, "%s", optarg);
-            break;
-        case 25:
-            W.peers = atoi(optarg);
-            break;
-        case 26:
-            peer_addrs = optarg;
-            break;
-        case 27:
-            W.slot_bytes = strtoull(optarg, NULL, 10);
-            break;
-        case 28:
-            W.slots = strtoull(optarg, NULL, 10);
-            break;
         default:
             usage(stderr);
             return 2;
         }
-    }
-    if (role) {
-        W.prefill = strcmp(role, "prefill") == 0;
-        W.timeout_ms = o.timeout_ms;
-        snprintf(W.mode, sizeof W.mode, "%s", o.mode);
-        char list[MAX_SIDE * 32];
-        snprintf(list, sizeof list, "%s", peer_addrs ? peer_addrs : "");
-        char *save = NULL;
-        int i = 0;
-        for (char *t = strtok_r(list, ",", &save); t && i < MAX_SIDE;
-             t = strtok_r(NULL, ",", &save))
-            snprintf(W.peer_addr[i++], sizeof W.peer_addr[0], "%s", t);
-        if (W.peers < 1 || W.peers > MAX_SIDE || i != W.peers) {
-            fprintf(stderr, "xpyd worker: bad --peers/--peer-addrs\n");
-            return 2;
-        }
-        return worker_main();
     }
     const char *why = NULL;
     if (optind < argc)

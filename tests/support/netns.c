@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -433,4 +434,31 @@ int kvpt_cluster_rate(kvpt_cluster *c, int host, int rate_kbit)
         if (rc != 0) return -1;
     }
     return 0;
+}
+
+pid_t kvpt_cluster_etcd(kvpt_cluster *c, int host, const char *dir, int port, int peer_port)
+{
+    const char *bin = kvpt_find_binary("etcd");
+    if (!bin) {
+        snprintf(c->why, sizeof c->why, "etcd not found (Debian: etcd-server)");
+        return -1;
+    }
+    char data[128], log[128], err[128];
+    snprintf(data, sizeof data, "%s/etcd", dir);
+    snprintf(log, sizeof log, "%s/etcd.log", dir);
+    snprintf(err, sizeof err, "%s/etcd.err", dir);
+    static const char *const zap[] = {"--logger", "zap", "--log-outputs", "stdout", NULL};
+    kvpt_etcd_args a;
+    kvpt_etcd_args_make(&a, bin, c->addr[host], port, peer_port, data, zap);
+    /* etcd's own stderr (gRPC's warnings) to a log of its own too */
+    int efd = open(err, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644), saved = dup(2);
+    if (efd >= 0) dup2(efd, 2);
+    pid_t pid = kvpt_cluster_spawn(c, host, a.argv, log);
+    if (saved >= 0) dup2(saved, 2), close(saved);
+    if (efd >= 0) close(efd);
+    if (pid < 0) return -1;
+    if (kvpt_cluster_wait_port(c, host, c->addr[host], port, 30000) == 0) return pid;
+    kill(pid, SIGKILL);
+    kvpt_wait_child(pid, 5000);
+    return -1;
 }

@@ -117,6 +117,11 @@ pid_t kvpt_cluster_spawn(kvpt_cluster *c, int host, char *const argv[], const ch
 /* kvpt_wait_port() from inside host's namespace. */
 int kvpt_cluster_wait_port(kvpt_cluster *c, int host, const char *addr, int port, int timeout_ms);
 
+/* A real etcd on host (a member of its own, clients at the host's address
+ * and port, peers at peer_port), its data and logs in dir; waits until it
+ * listens. Its pid, or -1 (why). */
+pid_t kvpt_cluster_etcd(kvpt_cluster *c, int host, const char *dir, int port, int peer_port);
+
 /* Run tool with args inside host's namespace (host -1: the bridge's), as
  * kvpt_netns_run(). */
 int kvpt_cluster_run(kvpt_cluster *c, int host, const char *tool, const char *const args[],

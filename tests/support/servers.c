@@ -191,25 +191,39 @@ static int redis_launch(kvpt_server *s)
     return wait_ready(s, redis_ping);
 }
 
+void kvpt_etcd_args_make(kvpt_etcd_args *a, const char *bin, const char *host, int port,
+                         int peer_port, const char *data_dir, const char *const extra[])
+{
+    snprintf(a->data, sizeof a->data, "%s", data_dir);
+    snprintf(a->client, sizeof a->client, "http://%s:%d", host, port);
+    snprintf(a->peer, sizeof a->peer, "http://%s:%d", host, peer_port);
+    snprintf(a->cluster, sizeof a->cluster, "default=%s", a->peer);
+    const char *const args[] = {bin,        "--name",
+                                "default",  "--data-dir",
+                                a->data,    "--listen-client-urls",
+                                a->client,  "--advertise-client-urls",
+                                a->client,  "--listen-peer-urls",
+                                a->peer,    "--initial-advertise-peer-urls",
+                                a->peer,    "--initial-cluster",
+                                a->cluster, "--log-level",
+                                "warn"};
+    size_t n = 0;
+    for (; n < sizeof args / sizeof args[0]; n++)
+        a->argv[n] = (char *)args[n];
+    for (size_t i = 0; extra && extra[i] && i < 8; i++)
+        a->argv[n++] = (char *)extra[i];
+    a->argv[n] = NULL;
+}
+
 static int etcd_launch(kvpt_server *s)
 {
     const char *bin = kvpt_find_binary("etcd");
     if (!bin) return fail(s, KVPT_SERVER_ABSENT, "etcd not found in PATH or /usr/bin");
-    char data[300], client[64], peer[64], cluster[96];
+    char data[300];
     snprintf(data, sizeof data, "%s/data", s->dir);
-    snprintf(client, sizeof client, "http://127.0.0.1:%d", s->port);
-    snprintf(peer, sizeof peer, "http://127.0.0.1:%d", s->peer_port);
-    snprintf(cluster, sizeof cluster, "default=%s", peer);
-    char *argv[] = {(char *)bin, "--name",
-                    "default",   "--data-dir",
-                    data,        "--listen-client-urls",
-                    client,      "--advertise-client-urls",
-                    client,      "--listen-peer-urls",
-                    peer,        "--initial-advertise-peer-urls",
-                    peer,        "--initial-cluster",
-                    cluster,     "--log-level",
-                    "warn",      NULL};
-    s->pid = spawn_logged(s, argv);
+    kvpt_etcd_args a;
+    kvpt_etcd_args_make(&a, bin, "127.0.0.1", s->port, s->peer_port, data, NULL);
+    s->pid = spawn_logged(s, a.argv);
     if (s->pid < 0) return fail(s, KVPT_SERVER_FAILED, "fork: %s", strerror(errno));
     return wait_ready(s, etcd_healthy);
 }

@@ -74,4 +74,14 @@ pid_t kvpt_handshake_responder(int port, const char *reply);
 /* Path of a program in PATH, /usr/bin or /usr/sbin (static buffer), or NULL. */
 const char *kvpt_find_binary(const char *name);
 
+/* etcd's command line (argv, NULL-terminated): bin as a one-member cluster
+ * named "default", clients at http://host:port, peers at host:peer_port, its
+ * data in data_dir, warnings only; then extra's arguments (at most 8). */
+typedef struct kvpt_etcd_args {
+    char data[300], client[64], peer[64], cluster[96];
+    char *argv[32];
+} kvpt_etcd_args;
+void kvpt_etcd_args_make(kvpt_etcd_args *a, const char *bin, const char *host, int port,
+                         int peer_port, const char *data_dir, const char *const extra[]);
+
 #endif
