@@ -96,7 +96,7 @@ cmake --build build-tsan -j"$jobs"
 # already runs threads, which TSan refuses ("starting new threads after
 # multi-threaded fork"); they run in the other passes, and not in this one
 # until their children are fresh execs (docs/reliability.md).
-tsan_skip='^(auth_test|pipe_fallback_test|pipe_window_test|ucx_faults_test)$'
+tsan_skip='^(auth_keys_test|auth_listeners_test|auth_store_test|auth_ucx_test|pipe_fallback_test|pipe_window_test|ucx_faults_test)$'
 echo "TSan: not run here (fork from threads): $tsan_skip"
 export UCX_MEM_MALLOC_HOOKS=no UCX_MEM_MMAP_HOOK_MODE=none UCX_MEM_EVENTS=no
 export TSAN_OPTIONS=${TSAN_OPTIONS:-suppressions=$PWD/tests/tsan.supp:second_deadlock_stack=1}

@@ -12,9 +12,11 @@
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "common/auth.h"
 #include "common/clock.h"
 #include "common/net.h"
 #include "test.h"
@@ -279,6 +281,7 @@ char kvpt_wait_step(kvpt_chan *c, int timeout_ms)
 #define T_ENV_NAME "KVPT_TARGET_NAME"
 #define T_ENV_META "KVPT_TARGET_METADATA"
 #define T_ENV_PROTO "KVPT_TARGET_PROTOCOL" /* "": the default */
+#define T_ENV_KEY "KVPT_TARGET_KEY"        /* unset: the environment's */
 /* The child's exit status when the parent's address is taken in it. */
 #define ADDR_TAKEN_EXIT 7
 #define ADDR_TRIES 4
@@ -389,6 +392,7 @@ static void target_main(int cmd, int resp)
     if (s.max_connections) eo.max_connections = s.max_connections;
     if (s.min_transfer_rate) eo.min_transfer_rate = s.min_transfer_rate;
     if (s.pool_retain_bytes) eo.pool_retain_bytes = s.pool_retain_bytes;
+    eo.auth_key_file = getenv(T_ENV_KEY);
     kvp_engine *e;
     if (kvp_engine_create(&eo, &e) != KVP_OK) {
         fprintf(stderr, "target: engine: %s\n", kvp_last_error());
@@ -413,7 +417,7 @@ static int spawn_at(const kvpt_target_opts *o, kvpt_target *t, int mem_fd)
 {
     t->buf = mmap(NULL, o->len, PROT_READ | PROT_WRITE, MAP_SHARED, mem_fd, 0);
     if (t->buf == MAP_FAILED) return -1;
-    char *env[5] = {NULL};
+    char *env[6] = {NULL};
     int ok = asprintf(&env[0], "%s=%d %" PRIx64 " %zu %d %d %d %d %d %" PRIu64 " %zu", T_ENV,
                       mem_fd, (uint64_t)(uintptr_t)t->buf, o->len, o->disable_shm, o->timeout_ms,
                       o->idle_timeout_ms, o->max_connections, o->nofile, o->min_transfer_rate,
@@ -422,9 +426,10 @@ static int spawn_at(const kvpt_target_opts *o, kvpt_target *t, int mem_fd)
     ok = ok &&
          asprintf(&env[2], "%s=%s", T_ENV_META, o->metadata ? o->metadata : "P2PHANDSHAKE") > 0;
     ok = ok && asprintf(&env[3], "%s=%s", T_ENV_PROTO, o->protocol ? o->protocol : "") > 0;
+    if (ok && o->auth_key_file) ok = asprintf(&env[4], "%s=%s", T_ENV_KEY, o->auth_key_file) > 0;
     int keep[] = {mem_fd, -1};
     int rc = ok ? kvpt_peer_exec(&t->peer, o->capture ? "target" : NULL, "target", env, keep) : -1;
-    for (size_t i = 0; i < 4; i++)
+    for (size_t i = 0; i < 5; i++)
         free(env[i]);
     if (rc) return -1;
     t->pid = t->peer.pid;
@@ -533,6 +538,87 @@ int kvpt_initiator_start(const char *metadata, const char *protocol, int disable
     if (timeout_ms) eo.timeout_ms = timeout_ms;
     *out = kvpt_engine_create(&eo);
     return *out ? 0 : -1;
+}
+
+/* ---- the authenticated mode ---- */
+
+char kvpt_key1[64], kvpt_key2[64];
+
+void kvpt_key_file(char *path, size_t len, const char *text, unsigned mode)
+{
+    snprintf(path, len, "/tmp/kvpt_auth_%d_XXXXXX", (int)getpid());
+    int fd = mkstemp(path);
+    if (fd < 0) return;
+    if (write(fd, text, strlen(text)) != (ssize_t)strlen(text)) kvpt_failures++;
+    fchmod(fd, (mode_t)mode);
+    close(fd);
+}
+
+void kvpt_keys_make(void)
+{
+    kvpt_key_file(kvpt_key1, sizeof kvpt_key1,
+                  "# the current key\n0123456789abcdef0123456789abcdef-one\n", 0600);
+    kvpt_key_file(kvpt_key2, sizeof kvpt_key2, "fedcba9876543210fedcba9876543210-two\n", 0600);
+}
+
+void kvpt_keys_drop(void)
+{
+    unlink(kvpt_key1);
+    unlink(kvpt_key2);
+}
+
+kvpi_auth *kvpt_auth_load(const char *path)
+{
+    kvpi_auth *a = NULL;
+    if (kvpi_auth_load(path, &a) != KVP_OK)
+        fprintf(stderr, "  load %s: %s\n", path, kvp_last_error());
+    return a;
+}
+
+kvp_engine *kvpt_auth_initiator(const char *metadata, const char *key, int disable_shm,
+                                int max_age_ms)
+{
+    char name[64];
+    kvp_engine_opts eo;
+    kvpt_engine_opts(&eo, name);
+    eo.metadata = metadata;
+    eo.disable_shm = disable_shm;
+    eo.auth_key_file = key;
+    if (max_age_ms) eo.auth_max_age_ms = max_age_ms;
+    return kvpt_engine_create(&eo);
+}
+
+int kvpt_auth_target(kvpt_target_opts *o, kvpt_target *t, const char *key)
+{
+    o->auth_key_file = key ? key : "";
+    o->capture = 1;
+    return kvpt_target_start(o, t);
+}
+
+int kvpt_read_ok(kvp_engine *e, const char *segment, const kvpt_target *t, uint64_t seed,
+                 const char *want_tp)
+{
+    kvp_segment_id seg;
+    char buf[4096];
+    if (kvp_engine_open_segment(e, segment, &seg) != KVP_OK ||
+        kvp_engine_read(e, seg, buf, (uint64_t)(uintptr_t)t->buf, sizeof buf) != KVP_OK) {
+        fprintf(stderr, "  read: %s\n", kvp_last_error());
+        return 0;
+    }
+    const char *tp = kvp_engine_segment_transport(e, seg);
+    if (want_tp && (!tp || strcmp(tp, want_tp) != 0)) {
+        fprintf(stderr, "  read went through %s, not %s\n", tp ? tp : "?", want_tp);
+        return 0;
+    }
+    return kvpt_verify(buf, sizeof buf, seed) == (size_t)-1;
+}
+
+void kvpt_keep_log_if_failed(const char *log)
+{
+    if (kvpt_failures)
+        fprintf(stderr, "  target log: %s\n", log);
+    else
+        unlink(log);
 }
 
 pid_t kvpt_http_store_start(char *url, size_t len)

@@ -124,6 +124,8 @@ typedef struct kvpt_target_opts {
     int nofile; /* RLIMIT_NOFILE soft limit of the child; 0: unchanged */
     /* The child's stderr to a file of its own (kvpt_peer_said on t.peer). */
     int capture;
+    /* kvp_engine_opts.auth_key_file: NULL, the environment's; "": off. */
+    const char *auth_key_file;
 } kvpt_target_opts;
 
 typedef struct kvpt_target {
@@ -184,6 +186,36 @@ int kvpt_initiator_start(const char *metadata, const char *protocol, int disable
  * engine created from them, its failure printed. */
 void kvpt_engine_opts(kvp_engine_opts *o, char name[64]);
 kvp_engine *kvpt_engine_create(const kvp_engine_opts *o);
+
+/* ---- the authenticated mode (docs/security.md) ---- */
+
+/* Two key files of a case (kvpt_keys_make; kvpt_keys_drop removes them), and
+ * a key file holding text with mode, under /tmp (its name in path). */
+extern char kvpt_key1[64], kvpt_key2[64];
+void kvpt_keys_make(void);
+void kvpt_keys_drop(void);
+void kvpt_key_file(char *path, size_t len, const char *text, unsigned mode);
+
+/* The key file at path loaded (its failure printed), NULL on failure. */
+struct kvpi_auth;
+struct kvpi_auth *kvpt_auth_load(const char *path);
+
+/* An initiator engine with key ("": none), metadata, disable_shm and
+ * auth_max_age_ms (0: the default); its failure printed. */
+kvp_engine *kvpt_auth_initiator(const char *metadata, const char *key, int disable_shm,
+                                int max_age_ms);
+
+/* A target with key (NULL: none, whatever the environment says) and its
+ * stderr captured (t->peer.err, for its log lines): kvpt_target_start. */
+int kvpt_auth_target(kvpt_target_opts *o, kvpt_target *t, const char *key);
+
+/* 1 when e READs 4 KiB of t's buffer (pattern seed) through segment, over
+ * transport want_tp unless NULL. */
+int kvpt_read_ok(kvp_engine *e, const char *segment, const kvpt_target *t, uint64_t seed,
+                 const char *want_tp);
+
+/* A case's log file: named on stderr when the case failed, else removed. */
+void kvpt_keep_log_if_failed(const char *log);
 
 /* A `kvpipe metadata-server` process on a free port; fills url
  * ("http://127.0.0.1:P/metadata"). Returns its pid or -1. */
