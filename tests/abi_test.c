@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "kvpipe/kvpipe.h"
+#include "peer.h"
 #include "test.h"
 
 /* The sizeof of an older release's T that ended before field f: offsetof
@@ -126,14 +127,10 @@ static void batch_opts_sizes(void)
 
 static void pipe_opts_and_stats_older(void)
 {
-    static const int offsets[] = {0, 9, 10, 100, 109, 110};
-    int base = kvpt_free_port_block(offsets, sizeof offsets / sizeof offsets[0]);
-    REQUIRE(base > 0);
-    char json[256];
-    snprintf(json, sizeof json,
-             "{\"prefill_url\":\"127.0.0.1:%d\",\"decode_url\":\"127.0.0.1:%d\","
-             "\"metadata_server\":\"P2PHANDSHAKE\",\"protocol\":\"tcp\"}",
-             base, base);
+    kvpt_raw_setup rs; /* a P2P tcp config at 127.0.0.1:B for both sides */
+    REQUIRE(kvpt_raw_setup_init(&rs) == 0);
+    const char *json = rs.json;
+    int base = rs.base;
     kvp_pipe_config *cfg;
     REQUIRE_OK(kvp_pipe_config_parse(json, strlen(json), &cfg));
     /* Options without their last field (metrics_host). */

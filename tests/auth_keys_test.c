@@ -14,12 +14,6 @@
 #include "test.h"
 #include "transport/shm_internal.h"
 
-#define SEED 0xa17
-#define LEN ((size_t)1 << 20)
-#define WAIT_MS 10000 /* bounds a wait that succeeds at once when the code is right */
-
-#define SEED 0xa17
-#define LEN ((size_t)1 << 20)
 #define WAIT_MS 10000 /* bounds a wait that succeeds at once when the code is right */
 
 /* ---------------------------------------------------------- key files --- */

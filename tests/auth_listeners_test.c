@@ -24,10 +24,6 @@
 #define LEN ((size_t)1 << 20)
 #define WAIT_MS 10000 /* bounds a wait that succeeds at once when the code is right */
 
-#define SEED 0xa17
-#define LEN ((size_t)1 << 20)
-#define WAIT_MS 10000 /* bounds a wait that succeeds at once when the code is right */
-
 /* The peer closed fd: end of stream (or a reset) with no byte before it,
  * within WAIT_MS. */
 static int closed_silently(int fd)
@@ -48,24 +44,6 @@ static int connect_shm(const char *name)
     return -1;
 }
 
-/* The shm socket named in the target's descriptor, asked for by an
- * authenticated handshake. */
-static int shm_socket_of(const kvpt_target *t, const kvpi_auth *a, char *out, size_t len)
-{
-    char *reply = NULL;
-    if (kvpi_rpc_call_auth("127.0.0.1", t->rpc_port, a, KVPI_RPC_METADATA, "{}", WAIT_MS, &reply) !=
-        KVP_OK)
-        return -1;
-    cJSON *d = cJSON_Parse(reply);
-    const cJSON *shm = cJSON_GetObjectItemCaseSensitive(d, KVPI_SHM_FIELD);
-    const cJSON *sock = cJSON_GetObjectItemCaseSensitive(shm, "socket");
-    int ok = cJSON_IsString(sock);
-    if (ok) snprintf(out, len, "%s", sock->valuestring);
-    cJSON_Delete(d);
-    free(reply);
-    return ok ? 0 : -1;
-}
-
 /* ---------------------------------------------------------- listeners --- */
 
 /* Each listener of an authenticated target: a peer without a key (the
@@ -84,7 +62,7 @@ static void listeners_refuse_strangers(void)
     REQUIRE(kvpt_auth_target(&o, &t, kvpt_key1) == 0);
     const char *log = t.peer.err;
     char shm_name[KVPI_SHM_SOCKET_MAX];
-    REQUIRE(shm_socket_of(&t, good, shm_name, sizeof shm_name) == 0);
+    REQUIRE(kvpt_target_shm_socket(&t, good, shm_name, sizeof shm_name) == 0);
     uint64_t addr = (uint64_t)(uintptr_t)t.buf;
 
     /* A Mooncake-wire peer on the data port: a v2 READ of registered

@@ -25,10 +25,6 @@
 #define LEN ((size_t)1 << 20)
 #define WAIT_MS 10000 /* bounds a wait that succeeds at once when the code is right */
 
-#define SEED 0xa17
-#define LEN ((size_t)1 << 20)
-#define WAIT_MS 10000 /* bounds a wait that succeeds at once when the code is right */
-
 /* ---------------------------------------------------------------- ucx --- */
 
 #if KVP_HAVE_UCX

@@ -106,12 +106,8 @@ static void mooncake_command_line(void)
     targv[4] = l2;
     /* It serves once it says so: its ports open before its buffer is
      * registered. */
-    char tout[64];
-    snprintf(tout, sizeof tout, "/tmp/kvpt-cli-bench-target-%d.out", (int)getpid());
-    pid_t t = kvpt_spawn(targv, tout);
-    int serving = kvpt_wait_file_has(tout, "serving segment", 10000);
-    unlink(tout);
-    REQUIRE(serving == 0);
+    pid_t t = kvpt_spawn_until(targv, "serving segment", 10000);
+    REQUIRE(t > 0);
     snprintf(args, sizeof args,
              "bench --mode=initiator --local_server_name=127.0.0.1:%d --metadata_server=%s "
              "--segment_id=%s --protocol=tcp --device_name=mlx5_2 --operation=write "

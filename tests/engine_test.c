@@ -794,12 +794,9 @@ static void tcp_p2p__completion_edges(void)
 /* The key of the auth modes: a file of mode 0600 for the whole run. */
 static int make_key(void)
 {
-    snprintf(key_file, sizeof key_file, "/tmp/kvpt_engine_key_%d_XXXXXX", (int)getpid());
-    int fd = mkstemp(key_file);
-    static const char key[] = "engine-test-0123456789abcdef0123456789abcdef\n";
-    int ok = fd >= 0 && write(fd, key, sizeof key - 1) == (ssize_t)(sizeof key - 1);
-    if (fd >= 0) close(fd);
-    return ok ? 0 : -1;
+    kvpt_key_file(key_file, sizeof key_file, "engine-test-0123456789abcdef0123456789abcdef\n",
+                  0600);
+    return access(key_file, R_OK);
 }
 
 int main(void)

@@ -11,6 +11,7 @@
 #include "common/net.h"
 #include "kvpipe/metadata_server.h"
 #include "metadata/metadata.h"
+#include "servers.h"
 #include "test.h"
 
 static kvp_metadata_server *server;
@@ -25,16 +26,6 @@ static void start_server(void)
         abort();
     }
     snprintf(url, sizeof url, "http://127.0.0.1:%d/metadata", kvp_metadata_server_port(server));
-}
-
-static void *open_store(const char *conn)
-{
-    void *s = NULL;
-    if (kvpi_store_http.open(conn, 3000, &s) != KVP_OK) {
-        fprintf(stderr, "  open %s: %s\n", conn, kvp_last_error());
-        return NULL;
-    }
-    return s;
 }
 
 /* GET key and compare with want (NULL: expect KVP_ENOTFOUND). */
@@ -79,7 +70,7 @@ static int raw(int port, const char *text)
 static void test_put_get_del(void)
 {
     start_server();
-    void *s = open_store(url);
+    void *s = kvpt_http_store_open(url, 3000);
     REQUIRE(s);
     CHECK(value_is(s, "k1", NULL));
     CHECK_OK(kvpi_store_http.put(s, "k1", "{\"a\":1}"));
@@ -103,7 +94,7 @@ static void test_put_get_del(void)
 static void test_key_encoding(void)
 {
     start_server();
-    void *s = open_store(url);
+    void *s = kvpt_http_store_open(url, 3000);
     REQUIRE(s);
     static const char *const keys[] = {
         "mooncake/ram/127.0.0.1:12345",
@@ -134,7 +125,7 @@ static void test_key_encoding(void)
     /* A connection string that already has a query string still works. */
     char conn[200];
     snprintf(conn, sizeof conn, "%s?x=1", url);
-    s = open_store(conn);
+    s = kvpt_http_store_open(conn, 3000);
     REQUIRE(s);
     CHECK(value_is(s, "with space", "{\"i\":3}"));
     kvpi_store_http.close(s);
@@ -144,7 +135,7 @@ static void test_key_encoding(void)
 static void test_large_values(void)
 {
     start_server();
-    void *s = open_store(url);
+    void *s = kvpt_http_store_open(url, 3000);
     REQUIRE(s);
     size_t len = 1u << 20;
     char *big = malloc(len + 1);
@@ -195,7 +186,7 @@ static void *worker(void *arg)
 static void test_concurrent_clients(void)
 {
     start_server();
-    void *s = open_store(url); /* one handle shared by every thread */
+    void *s = kvpt_http_store_open(url, 3000); /* one handle shared by every thread */
     REQUIRE(s);
     pthread_t t[N_THREADS];
     void *args[N_THREADS][2];
@@ -204,13 +195,7 @@ static void test_concurrent_clients(void)
         args[i][1] = (void *)(intptr_t)i;
         REQUIRE(pthread_create(&t[i], NULL, worker, args[i]) == 0);
     }
-    long bad = 0;
-    for (int i = 0; i < N_THREADS; i++) {
-        void *r;
-        pthread_join(t[i], &r);
-        bad += (long)(intptr_t)r;
-    }
-    CHECK(bad == 0);
+    CHECK(kvpt_join_bad(t, N_THREADS) == 0);
     /* Every thread's last write of k9 (i = 59, not deleted) is there. */
     for (long i = 0; i < N_THREADS; i++) {
         char key[64], value[64];
@@ -236,7 +221,7 @@ static void test_server_down(void)
 
     /* A store that goes away after open: each call fails, naming it. */
     start_server();
-    s = open_store(url);
+    s = kvpt_http_store_open(url, 3000);
     REQUIRE(s);
     CHECK_OK(kvpi_store_http.put(s, "k", "1"));
     kvp_metadata_server_stop(server);
@@ -252,7 +237,7 @@ static void test_malformed_requests(void)
 {
     start_server();
     int port = kvp_metadata_server_port(server);
-    void *s = open_store(url);
+    void *s = kvpt_http_store_open(url, 3000);
     REQUIRE(s);
     CHECK_OK(kvpi_store_http.put(s, "k", "v"));
     CHECK(raw(port, "GET /metadata HTTP/1.1\r\nHost: x\r\n\r\n") == 400);
@@ -314,7 +299,7 @@ static void test_mooncake_rules(void)
 {
     start_server();
     int port = kvp_metadata_server_port(server);
-    void *s = open_store(url);
+    void *s = kvpt_http_store_open(url, 3000);
     REQUIRE(s);
     const char *rpc = "{\"ip_or_host_name\":\"10.0.0.1\",\"rpc_port\":17000}";
     CHECK_OK(kvpi_store_http.put(s, "mooncake/rpc_meta/10.0.0.1:17000", rpc));
@@ -369,7 +354,7 @@ static void test_limits(void)
     REQUIRE_OK(kvp_metadata_server_start_opts(&o, &srv));
     char conn[128];
     snprintf(conn, sizeof conn, "http://127.0.0.1:%d/metadata", kvp_metadata_server_port(srv));
-    void *s = open_store(conn);
+    void *s = kvpt_http_store_open(conn, 3000);
     REQUIRE(s);
     char *v = malloc((100 << 10) + 2);
     REQUIRE(v);
@@ -410,7 +395,7 @@ static void test_start_stop_no_leak(void)
     for (int i = 0; i < 20; i++) {
         start_server();
         port = kvp_metadata_server_port(server);
-        void *s = open_store(url);
+        void *s = kvpt_http_store_open(url, 3000);
         REQUIRE(s);
         CHECK_OK(kvpi_store_http.put(s, "k", "v"));
         kvpi_store_http.close(s);
@@ -434,7 +419,7 @@ static void test_ipv6(void)
     if (kvp_metadata_server_start("::1", 0, &srv) != KVP_OK) SKIP("no IPv6 loopback");
     char conn[128];
     snprintf(conn, sizeof conn, "http://[::1]:%d/metadata", kvp_metadata_server_port(srv));
-    void *s = open_store(conn);
+    void *s = kvpt_http_store_open(conn, 3000);
     REQUIRE(s);
     CHECK_OK(kvpi_store_http.put(s, "k6", "v6"));
     CHECK(value_is(s, "k6", "v6"));
@@ -470,7 +455,7 @@ static void check_rpc_meta(void *s, const char *key, const char *host, int port)
 static void test_meta_publish_fetch(void)
 {
     start_server();
-    void *s = open_store(url);
+    void *s = kvpt_http_store_open(url, 3000);
     REQUIRE(s);
     kvpi_meta *m = NULL;
     REQUIRE_OK(kvpi_meta_open(url, 3000, NULL, NULL, &m));
@@ -523,7 +508,7 @@ static void test_meta_claim_half_way(void)
     REQUIRE_OK(kvp_metadata_server_start_opts(&o, &srv));
     char conn[128];
     snprintf(conn, sizeof conn, "http://127.0.0.1:%d/metadata", kvp_metadata_server_port(srv));
-    void *s = open_store(conn);
+    void *s = kvpt_http_store_open(conn, 3000);
     REQUIRE(s);
     kvpi_meta *m = NULL;
     REQUIRE_OK(kvpi_meta_open(conn, 3000, NULL, NULL, &m));
@@ -541,7 +526,7 @@ static void test_meta_cluster_id(void)
 {
     setenv("MC_METADATA_CLUSTER_ID", "clusterA", 1); /* this case runs in its own child */
     start_server();
-    void *s = open_store(url);
+    void *s = kvpt_http_store_open(url, 3000);
     REQUIRE(s);
     char *k = kvpi_meta_key("ram", "h:1");
     CHECK(k && strcmp(k, "mooncake/clusterA/ram/h:1") == 0);
@@ -574,7 +559,7 @@ static void test_meta_cluster_id(void)
 static void test_meta_rpc_meta_variants(void)
 {
     start_server();
-    void *s = open_store(url);
+    void *s = kvpt_http_store_open(url, 3000);
     REQUIRE(s);
     kvpi_meta *m = NULL;
     REQUIRE_OK(kvpi_meta_open(url, 3000, NULL, NULL, &m));
@@ -729,7 +714,7 @@ static void test_cli_ephemeral_port_and_flags(void)
     if (port > 0) {
         char conn[128];
         snprintf(conn, sizeof conn, "http://127.0.0.1:%d/metadata", port);
-        void *s = open_store(conn);
+        void *s = kvpt_http_store_open(conn, 3000);
         CHECK(s != NULL);
         if (s) {
             CHECK_OK(kvpi_store_http.put(s, "k", "v"));

@@ -610,12 +610,8 @@ static void endpoint_live_transfer(void)
         "--buffer-size",    "16M",   "--no-shm", NULL};
     /* The target serves once it says so: its ports open before its buffer
      * is registered. */
-    char tout[64];
-    snprintf(tout, sizeof tout, "/tmp/kvpt-metrics-target-%d.out", (int)getpid());
-    pid_t target = kvpt_spawn(targv, tout);
-    int serving = kvpt_wait_file_has(tout, "serving segment", 10000);
-    unlink(tout);
-    REQUIRE(serving == 0);
+    pid_t target = kvpt_spawn_until(targv, "serving segment", 10000);
+    REQUIRE(target > 0);
     REQUIRE(kvpt_wait_port("127.0.0.1", tm, 10000) == 0);
     setenv("KVPIPE_METRICS_PORT", im_s, 1);
     char *iargv[] = {(char *)kvpt_cli(),
@@ -791,12 +787,8 @@ static void mc_te_metric_line(void)
     char *targv[] = {
         (char *)kvpt_cli(), "bench", "--mode",   "target", "--local-server-name", tname,
         "--buffer-size",    "16M",   "--no-shm", NULL};
-    char tout[64];
-    snprintf(tout, sizeof tout, "/tmp/kvpt-mcmetric-target-%d.out", (int)getpid());
-    pid_t target = kvpt_spawn(targv, tout);
-    int serving = kvpt_wait_file_has(tout, "serving segment", 10000);
-    unlink(tout);
-    REQUIRE(serving == 0);
+    pid_t target = kvpt_spawn_until(targv, "serving segment", 10000);
+    REQUIRE(target > 0);
     setenv("MC_TE_METRIC", "1", 1);
     setenv("MC_TE_METRIC_INTERVAL_SECONDS", "1", 1);
     setenv("KVPIPE_LOG", "error", 1); /* the line shows at any level */
@@ -846,14 +838,9 @@ static void mc_te_metric_line(void)
  * kvp_pipe_metrics() and the endpoint. */
 static void pipe_metrics(void)
 {
-    static const int offsets[] = {0, 9, 10, 100, 109, 110};
-    int base = kvpt_free_port_block(offsets, 6);
-    REQUIRE(base > 0);
-    char json[256];
-    snprintf(json, sizeof json,
-             "{\"prefill_url\":\"127.0.0.1:%d\",\"decode_url\":\"127.0.0.1:%d\","
-             "\"metadata_server\":\"P2PHANDSHAKE\",\"protocol\":\"tcp\"}",
-             base, base);
+    kvpt_raw_setup rs; /* a P2P tcp config at 127.0.0.1:B for both sides */
+    REQUIRE(kvpt_raw_setup_init(&rs) == 0);
+    const char *json = rs.json;
     enum { N = 5, SIZE = 100000 };
     fflush(NULL);
     pid_t child = fork();

@@ -99,24 +99,6 @@ static void receiver(kvp_pipe *pipe, void *arg)
     fprintf(stderr, "receiver: %d of %d in order\n", got, ROUNDS);
 }
 
-/* Wait for one of the events in mask on a monitor; 0 when one came. */
-static int wait_any(void *mon, int mask, int timeout_ms)
-{
-    uint64_t deadline = kvpi_now_ms() + (uint64_t)timeout_ms;
-    while (kvpi_now_ms() < deadline) {
-        zmq_pollitem_t it = {.socket = mon, .events = ZMQ_POLLIN};
-        if (zmq_poll(&it, 1, (long)(deadline - kvpi_now_ms())) <= 0) continue;
-        uint8_t head[6];
-        char addr[256];
-        if (zmq_recv(mon, head, sizeof head, 0) != 6) return -1;
-        zmq_recv(mon, addr, sizeof addr, 0);
-        uint16_t ev;
-        memcpy(&ev, head, 2);
-        if (ev & mask) return 0;
-    }
-    return -1;
-}
-
 /* Messages waiting on any of the strangers, taken. */
 static int drain(void *const *socks, int n)
 {
@@ -166,11 +148,12 @@ static void third_party_gets_nothing(void)
     }
     /* Each reached its port and was dropped before it joined. */
     for (int i = 0; i < 4; i++) {
-        CHECK(wait_any(mons[i], ZMQ_EVENT_CONNECTED, KVPT_RAW_WAIT_MS) == 0);
-        CHECK(wait_any(mons[i],
-                       ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                           ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH,
-                       KVPT_RAW_WAIT_MS) == 0);
+        CHECK(kvpt_zmq_wait_event(mons[i], ZMQ_EVENT_CONNECTED, KVPT_RAW_WAIT_MS) == 0);
+        CHECK(kvpt_zmq_wait_event(mons[i],
+                                  ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                                      ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL |
+                                      ZMQ_EVENT_HANDSHAKE_FAILED_AUTH,
+                                  KVPT_RAW_WAIT_MS) == 0);
     }
     kvpt_step(&go0, 'g');
     kvpt_step(&go1, 'g');

@@ -48,16 +48,6 @@ static size_t rss_of(pid_t pid)
     return kb << 10;
 }
 
-static void *open_store(const char *conn)
-{
-    void *s = NULL;
-    if (kvpi_store_http.open(conn, 5000, &s) != KVP_OK) {
-        fprintf(stderr, "  open %s: %s\n", conn, kvp_last_error());
-        return NULL;
-    }
-    return s;
-}
-
 static char *value_of(size_t len, char c)
 {
     char *v = malloc(len + 1);
@@ -73,7 +63,7 @@ static void many_values_stay_within_budget(void)
     static const char *const args[] = {"--max-total-bytes", "64M", NULL};
     kvpt_server srv;
     REQUIRE(kvpt_http_cli_start(&srv, args) == KVPT_SERVER_OK);
-    void *s = open_store(srv.conn);
+    void *s = kvpt_http_store_open(srv.conn, 5000);
     REQUIRE(s);
     size_t before = rss_of(srv.pid);
     char *v = value_of(4 * MIB, 'v');
@@ -111,7 +101,7 @@ static void slow_readers_share_one_copy(void)
 {
     kvpt_server srv;
     REQUIRE(kvpt_http_cli_start(&srv, NULL) == KVPT_SERVER_OK);
-    void *s = open_store(srv.conn);
+    void *s = kvpt_http_store_open(srv.conn, 5000);
     REQUIRE(s);
     char *v = value_of(8 * MIB, 'r');
     REQUIRE(v);
@@ -180,7 +170,7 @@ static void uploads_reserved_up_front(void)
     for (int i = 0; i < UPLOADS; i++)
         if (fds[i] >= 0) close(fds[i]);
     /* The abandoned uploads gave their reservations back. */
-    void *s = open_store(srv.conn);
+    void *s = kvpt_http_store_open(srv.conn, 5000);
     REQUIRE(s);
     char *v = value_of(4 * MIB, 'u');
     REQUIRE(v);

@@ -63,7 +63,6 @@
 #include "metadata/metadata.h"
 #include "pipe/safetensors.h"
 #include "peer.h"
-#include "peer.h"
 #include "test.h"
 #include "transport/tcp_wire.h"
 

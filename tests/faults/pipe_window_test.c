@@ -119,14 +119,7 @@ static void *fake_conn(void *arg)
 
 static void *fake_accept(void *arg)
 {
-    int lfd = (int)(intptr_t)arg;
-    for (;;) {
-        int fd;
-        if (kvpi_tcp_accept(lfd, 0, &fd) != KVP_OK) continue;
-        pthread_t t;
-        pthread_create(&t, NULL, fake_conn, (void *)(intptr_t)fd);
-        pthread_detach(t);
-    }
+    kvpt_accept_forever((int)(intptr_t)arg, fake_conn);
     return NULL;
 }
 

@@ -38,27 +38,11 @@ static int unix_connect(const char *name)
     return fd;
 }
 
-/* The target's shm socket name, from its descriptor (asked by handshake). */
-static int shm_socket_of(const kvpt_target *t, char *name, size_t len)
-{
-    char *reply = NULL;
-    if (kvpi_rpc_call("127.0.0.1", t->rpc_port, KVPI_RPC_METADATA, "{}", 3000, &reply) != KVP_OK)
-        return -1;
-    cJSON *doc = cJSON_Parse(reply);
-    free(reply);
-    const cJSON *o = cJSON_GetObjectItemCaseSensitive(doc, KVPI_SHM_FIELD);
-    const cJSON *s = cJSON_GetObjectItemCaseSensitive(o, "socket");
-    int rc = cJSON_IsString(s) ? 0 : -1;
-    if (!rc) snprintf(name, len, "%s", s->valuestring);
-    cJSON_Delete(doc);
-    return rc;
-}
-
 static int start(kvpt_target *t, char *sock, int timeout_ms)
 {
     kvpt_target_opts o = {.len = 4 * MIB, .seed = SEED, .timeout_ms = timeout_ms};
     if (kvpt_target_start(&o, t) != 0) return -1;
-    return shm_socket_of(t, sock, KVPI_SHM_SOCKET_MAX);
+    return kvpt_target_shm_socket(t, NULL, sock, KVPI_SHM_SOCKET_MAX);
 }
 
 /* An initiator that must use shm opens the segment and READs it correctly. */

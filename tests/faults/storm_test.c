@@ -478,20 +478,10 @@ static int probe_op(void *ctx, int i)
 /* The target's shm socket, from its descriptor. */
 static int shm_socket_of(const kvpt_target *t, char *name, size_t len)
 {
-    char *reply = NULL;
     kvpi_auth *a = NULL;
     if (key_path[0] && kvpi_auth_load(key_path, &a) != KVP_OK) return -1;
-    kvp_status st =
-        kvpi_rpc_call_auth("127.0.0.1", t->rpc_port, a, KVPI_RPC_METADATA, "{}", 3000, &reply);
+    int rc = kvpt_target_shm_socket(t, a, name, len);
     kvpi_auth_free(a);
-    if (st) return -1;
-    cJSON *doc = cJSON_Parse(reply);
-    free(reply);
-    const cJSON *o = cJSON_GetObjectItemCaseSensitive(doc, KVPI_SHM_FIELD);
-    const cJSON *s = cJSON_GetObjectItemCaseSensitive(o, "socket");
-    int rc = cJSON_IsString(s) ? 0 : -1;
-    if (!rc) snprintf(name, len, "%s", s->valuestring);
-    cJSON_Delete(doc);
     return rc;
 }
 

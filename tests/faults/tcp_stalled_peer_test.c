@@ -129,13 +129,7 @@ static pid_t fake_start(enum stall mode, char *name, size_t len)
     kvpi_rpc_server *rpc;
     if (kvpi_rpc_server_start("127.0.0.1", rpc_port, NULL, fake_desc, NULL, &rpc) != KVP_OK)
         _exit(3);
-    for (;;) {
-        int fd;
-        if (kvpi_tcp_accept(lfd, 0, &fd) != KVP_OK) continue;
-        pthread_t t;
-        pthread_create(&t, NULL, fake_conn, (void *)(intptr_t)fd);
-        pthread_detach(t);
-    }
+    kvpt_accept_forever(lfd, fake_conn);
 }
 
 /* One good transfer (so that the next reuses its connection), then one the

@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,9 +17,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cjson/cJSON.h>
+
 #include "common/auth.h"
 #include "common/clock.h"
 #include "common/net.h"
+#include "metadata/metadata.h"
+#include "transport/shm_internal.h"
 #include "test.h"
 
 /* ================================================================ core === */
@@ -479,6 +484,22 @@ int64_t kvpt_target_cmd(kvpt_target *t, int op, uint64_t a, int timeout_ms)
     return kvpt_peer_call(&t->peer, op, a, 0, 0, timeout_ms);
 }
 
+int kvpt_target_shm_socket(const kvpt_target *t, const kvpi_auth *a, char *name, size_t len)
+{
+    char *reply = NULL;
+    if (kvpi_rpc_call_auth("127.0.0.1", t->rpc_port, a, KVPI_RPC_METADATA, "{}", 10000, &reply) !=
+        KVP_OK)
+        return -1;
+    cJSON *doc = cJSON_Parse(reply);
+    free(reply);
+    const cJSON *o = cJSON_GetObjectItemCaseSensitive(doc, KVPI_SHM_FIELD);
+    const cJSON *sock = cJSON_GetObjectItemCaseSensitive(o, "socket");
+    int rc = cJSON_IsString(sock) ? 0 : -1;
+    if (!rc) snprintf(name, len, "%s", sock->valuestring);
+    cJSON_Delete(doc);
+    return rc;
+}
+
 int64_t kvpt_target_cpu_ms(const kvpt_target *t)
 {
     char path[64], buf[1024];
@@ -635,6 +656,17 @@ pid_t kvpt_http_store_start(char *url, size_t len)
     }
     snprintf(url, len, "http://127.0.0.1:%d/metadata", port);
     return pid;
+}
+
+void kvpt_accept_forever(int lfd, void *(*conn)(void *))
+{
+    for (;;) {
+        int fd;
+        if (kvpi_tcp_accept(lfd, 0, &fd) != KVP_OK) continue;
+        pthread_t t;
+        pthread_create(&t, NULL, conn, (void *)(intptr_t)fd);
+        pthread_detach(t);
+    }
 }
 
 int kvpt_raw_connect(int port)

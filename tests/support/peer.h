@@ -163,6 +163,11 @@ enum kvpt_target_op {
  * no answer came within timeout_ms (the child is then stuck). */
 int64_t kvpt_target_cmd(kvpt_target *t, int op, uint64_t a, int timeout_ms);
 
+/* The shm socket the target's descriptor names, asked for by a handshake
+ * (authenticated with a unless NULL), into name; 0 or -1. */
+struct kvpi_auth;
+int kvpt_target_shm_socket(const kvpt_target *t, const struct kvpi_auth *a, char *name, size_t len);
+
 /* CPU time (user + system) the child used so far, in ms; -1 on error. */
 int64_t kvpt_target_cpu_ms(const kvpt_target *t);
 
@@ -220,6 +225,10 @@ void kvpt_keep_log_if_failed(const char *log);
 /* A `kvpipe metadata-server` process on a free port; fills url
  * ("http://127.0.0.1:P/metadata"). Returns its pid or -1. */
 pid_t kvpt_http_store_start(char *url, size_t len);
+
+/* Accept connections on lfd forever, a detached thread running
+ * conn((void *)(intptr_t)fd) for each: a fake server's body. */
+__attribute__((noreturn)) void kvpt_accept_forever(int lfd, void *(*conn)(void *));
 
 /* Raw sockets for hostile peers: a connection to 127.0.0.1:port (-1 on
  * failure), and the largest number of descriptors this process may open
@@ -364,6 +373,7 @@ int kvpt_pipe_main(int argc, char **argv, const kvpt_pipe_case *cases, size_t n)
  * (base B+100) B+100, B+109, B+110. */
 typedef struct kvpt_raw_setup {
     char json[256];
+    int base;
     kvp_pipe_endpoints side[2]; /* [kv_rank] */
 } kvpt_raw_setup;
 int kvpt_raw_setup_init(kvpt_raw_setup *s);
@@ -393,8 +403,9 @@ int kvpt_zmq_bind(void *z, int port);
 int kvpt_zmq_connect(void *z, int port);
 /* A socket monitor on z; returns the PAIR socket its events arrive on. */
 void *kvpt_zmq_monitor(void *ctx, void *z, const char *name);
-/* Wait for event on a monitor, skipping others; 0 when it came in time. */
-int kvpt_zmq_wait_event(void *mon, int event, int timeout_ms);
+/* Wait for one of the events in mask on a monitor, skipping others; 0 when
+ * one came in time. */
+int kvpt_zmq_wait_event(void *mon, int mask, int timeout_ms);
 /* Send a message of n frames; 0 or -1. */
 int kvpt_zmq_send_frames(void *z, const void *const *frames, const size_t *sizes, int n);
 

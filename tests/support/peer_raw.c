@@ -17,6 +17,7 @@ int kvpt_raw_setup_init(kvpt_raw_setup *s)
     static const int offsets[] = {0, 9, 10, 100, 109, 110};
     int base = kvpt_free_port_block(offsets, sizeof offsets / sizeof offsets[0]);
     if (base < 0) return -1;
+    s->base = base;
     snprintf(s->json, sizeof s->json,
              "{\"prefill_url\":\"127.0.0.1:%d\",\"decode_url\":\"127.0.0.1:%d\","
              "\"metadata_server\":\"P2PHANDSHAKE\",\"protocol\":\"tcp\"}",
@@ -132,7 +133,7 @@ int kvpt_zmq_wait_event(void *mon, int event, int timeout_ms)
         zmq_recv(mon, addr, sizeof addr, 0);
         uint16_t ev;
         memcpy(&ev, head, 2);
-        if (ev == event) return 0;
+        if (ev & event) return 0;
     }
 }
 

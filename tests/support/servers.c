@@ -462,3 +462,13 @@ pid_t kvpt_handshake_responder(int port, const char *reply)
     fprintf(stderr, "  handshake responder on 127.0.0.1:%d: not listening after 10 s\n", port);
     return -1;
 }
+
+void *kvpt_http_store_open(const char *conn, int timeout_ms)
+{
+    void *s = NULL;
+    if (kvpi_store_http.open(conn, timeout_ms, &s) != KVP_OK) {
+        fprintf(stderr, "  open %s: %s\n", conn, kvp_last_error());
+        return NULL;
+    }
+    return s;
+}

@@ -74,6 +74,10 @@ pid_t kvpt_handshake_responder(int port, const char *reply);
 /* Path of a program in PATH, /usr/bin or /usr/sbin (static buffer), or NULL. */
 const char *kvpt_find_binary(const char *name);
 
+/* A store handle of the HTTP store at conn (kvpi_store_http.open with
+ * timeout_ms), its failure printed; NULL on failure. */
+void *kvpt_http_store_open(const char *conn, int timeout_ms);
+
 /* etcd's command line (argv, NULL-terminated): bin as a one-member cluster
  * named "default", clients at http://host:port, peers at host:peer_port, its
  * data in data_dir, warnings only; then extra's arguments (at most 8). */

@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -225,6 +226,30 @@ int kvpt_wait_file_has(const char *path, const char *text, int timeout_ms)
         usleep(20000);
     }
     return -1;
+}
+
+pid_t kvpt_spawn_until(char *const argv[], const char *text, int timeout_ms)
+{
+    static int n;
+    char out[96];
+    snprintf(out, sizeof out, "/tmp/kvpt_spawn_%d_%d.out", (int)getpid(), n++);
+    pid_t pid = kvpt_spawn(argv, out);
+    int said = pid > 0 ? kvpt_wait_file_has(out, text, timeout_ms) : -1;
+    unlink(out);
+    if (said == 0) return pid;
+    if (pid > 0) kill(pid, SIGKILL), waitpid(pid, NULL, 0);
+    return -1;
+}
+
+long kvpt_join_bad(const pthread_t *t, int n)
+{
+    long bad = 0;
+    for (int i = 0; i < n; i++) {
+        void *r;
+        pthread_join(t[i], &r);
+        bad += (long)(intptr_t)r;
+    }
+    return bad;
 }
 
 pid_t kvpt_spawn(char *const argv[], const char *out_path)

@@ -7,6 +7,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <pthread.h>
 #include <sys/types.h>
 
 #include "kvpipe/kvpipe.h"
@@ -114,6 +115,15 @@ int64_t kvpt_runq_wait_ms(pid_t pid);
 /* Start a program (argv[0] is a path) with stdout to out_path (NULL: inherit).
  * Returns its pid. */
 pid_t kvpt_spawn(char *const argv[], const char *out_path);
+
+/* kvpt_spawn() argv with stdout to a file of its own and wait (up to
+ * timeout_ms) until that holds text; the file is removed. Its pid, or -1
+ * (killed) when text did not come. */
+pid_t kvpt_spawn_until(char *const argv[], const char *text, int timeout_ms);
+
+/* Join n threads that return a count of bad results cast to a pointer; their
+ * sum. */
+long kvpt_join_bad(const pthread_t *t, int n);
 
 /* Wait for a child up to timeout_ms; returns its exit status (0..255), 128+sig
  * if killed, or -1 on timeout (the child is then killed). */
