@@ -20,32 +20,21 @@
 #define SMALL ((int64_t)1000)  /* bytes: inline between two kvpipe pipes */
 #define DEV 1                  /* the device each side uses */
 
-static void *(*fc_alloc)(int, size_t);
-static int (*fc_peek)(void *, const void *, size_t);
-static int (*fc_poke)(void *, const void *, size_t);
-static void (*fc_fail_copy)(long);
+static kvpt_fakecuda fc;
 
 static void load_double(void)
 {
-    void *lib = dlopen(KVPT_FAKECUDA_PATH, RTLD_NOW);
-    if (!lib) {
-        fprintf(stderr, "cannot load the CUDA double: %s\n", dlerror());
-        exit(1);
-    }
-    *(void **)&fc_alloc = dlsym(lib, "fakecuda_alloc");
-    *(void **)&fc_peek = dlsym(lib, "fakecuda_peek");
-    *(void **)&fc_poke = dlsym(lib, "fakecuda_poke");
-    *(void **)&fc_fail_copy = dlsym(lib, "fakecuda_fail_copy");
+    kvpt_fakecuda_load(&fc, KVPT_FAKECUDA_PATH);
 }
 
 /* A u8 tensor of n bytes with pattern seed, in device memory of DEV. */
 static void device_tensor(kvp_tensor *t, int64_t n, uint64_t seed)
 {
     void *host = malloc((size_t)n);
-    void *dev = fc_alloc(DEV, (size_t)n);
+    void *dev = fc.alloc(DEV, (size_t)n);
     REQUIRE(host && dev);
     kvpt_fill(host, (size_t)n, seed);
-    REQUIRE(fc_poke(dev, host, (size_t)n) == 0);
+    REQUIRE(fc.poke(dev, host, (size_t)n) == 0);
     free(host);
     REQUIRE_OK(kvp_tensor_init(t, KVP_DTYPE_U8, 1, &n, dev));
 }
@@ -61,7 +50,7 @@ static void check_and_move(kvp_tensor *t, int64_t n, uint64_t seed)
     if (d) {
         void *back = malloc(t->nbytes);
         REQUIRE(back);
-        CHECK(fc_peek(back, d->data, t->nbytes) == 0);
+        CHECK(fc.peek(back, d->data, t->nbytes) == 0);
         CHECK(kvpt_verify(back, t->nbytes, seed) == (size_t)-1);
         CHECK(d->dtype == t->dtype && d->ndim == 1 && d->shape[0] == n);
         free(back);
@@ -106,10 +95,7 @@ static int echo_side(kvp_pipe *pipe, int rank)
 
 static void device_tensors_both_ways(void)
 {
-    kvpt_pipe_setup s;
-    REQUIRE(kvpt_pipe_setup_make(&s, 1) == 0);
-    kvp_pipe_opts o = kvpt_pipe_tcp_opts();
-    kvpt_pipe_run_pair(&s, &o, &o, send_side, echo_side);
+    kvpt_pipe_run(1, send_side, echo_side);
 }
 
 /* Errors without a peer: nothing is sent, the pipe stays usable. */
@@ -133,7 +119,7 @@ static void send_errors(void)
     /* Device memory whose copy fails: KVP_EIO naming the device; nothing left. */
     kvp_tensor dev;
     device_tensor(&dev, BIG, 5);
-    fc_fail_copy(1);
+    fc.fail_copy(1);
     CHECK_ST(kvp_pipe_send(pipe, &dev), KVP_EIO);
     CHECK(strstr(kvp_last_error(), "device 1") != NULL);
     kvp_pipe_stats st;

@@ -28,26 +28,11 @@
 #define SEED_TARGET 11
 #define SEED_WRITE 22
 
-static void *(*fc_alloc)(int, size_t);
-static int (*fc_peek)(void *, const void *, size_t);
-static int (*fc_poke)(void *, const void *, size_t);
-static void (*fc_fail_copy)(long);
-static long (*fc_copies)(void);
-static long (*fc_ipc_copies)(void);
+static kvpt_fakecuda fc;
 
 static void load_double(void)
 {
-    void *lib = dlopen(KVPT_FAKECUDA_PATH, RTLD_NOW);
-    if (!lib) {
-        fprintf(stderr, "cannot load the CUDA double: %s\n", dlerror());
-        exit(1);
-    }
-    *(void **)&fc_alloc = dlsym(lib, "fakecuda_alloc");
-    *(void **)&fc_peek = dlsym(lib, "fakecuda_peek");
-    *(void **)&fc_poke = dlsym(lib, "fakecuda_poke");
-    *(void **)&fc_fail_copy = dlsym(lib, "fakecuda_fail_copy");
-    *(void **)&fc_copies = dlsym(lib, "fakecuda_copies");
-    *(void **)&fc_ipc_copies = dlsym(lib, "fakecuda_ipc_copies");
+    kvpt_fakecuda_load(&fc, KVPT_FAKECUDA_PATH);
 }
 
 static kvp_engine *engine(const char *name, const char *protocol)
@@ -71,8 +56,8 @@ static void *memory(int device, size_t len, uint64_t seed)
     kvpt_fill(ref, len, seed);
     void *p = ref;
     if (device) {
-        p = fc_alloc(1, len);
-        if (!p || fc_poke(p, ref, len) != 0) p = NULL;
+        p = fc.alloc(1, len);
+        if (!p || fc.poke(p, ref, len) != 0) p = NULL;
         free(ref);
     }
     return p;
@@ -82,7 +67,7 @@ static void *memory(int device, size_t len, uint64_t seed)
 static void read_back(int device, void *dst, const void *src, size_t len)
 {
     if (device)
-        fc_peek(dst, src, len);
+        fc.peek(dst, src, len);
     else
         memcpy(dst, src, len);
 }
@@ -159,7 +144,7 @@ static void target_main(void *arg, int ctl, int ready)
     ssize_t n = read(ctl, &v, sizeof v);
     kvp_engine_destroy(e);
     if (n != sizeof v) _exit(0); /* nothing to check */
-    long copies = fc_copies();
+    long copies = fc.copies();
     if (v.copies >= 0 && (copies > 0) != v.copies) {
         fprintf(stderr, "  the target made %ld copies\n", copies);
         _exit(11);
@@ -224,14 +209,14 @@ static void round_trip(const char *proto, int local_dev, int target_dev, enum pa
     CHECK_OK(kvp_engine_register(e, out, XLEN));
     /* Host memory goes through IPC in a process that uses the driver anyway
      * (one with device memory of its own). */
-    if (path == IPC && !local_dev) CHECK_OK(kvp_engine_register(e, fc_alloc(0, 4096), 4096));
+    if (path == IPC && !local_dev) CHECK_OK(kvp_engine_register(e, fc.alloc(0, 4096), 4096));
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
-    long before = fc_copies(), ipc_before = fc_ipc_copies();
+    long before = fc.copies(), ipc_before = fc.ipc_copies();
     CHECK_OK(kvp_engine_read(e, seg, in, t.addr + READ_OFF, XLEN));
     CHECK(holds(local_dev, in, 0, XLEN, SEED_TARGET, READ_OFF));
     CHECK_OK(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN));
-    long copies = fc_copies() - before, ipc = fc_ipc_copies() - ipc_before;
+    long copies = fc.copies() - before, ipc = fc.ipc_copies() - ipc_before;
     if (path == IPC) {
         /* Every copy of ours one through IPC (none into a bounce buffer), at
          * least one each way; the target made none. */
@@ -332,7 +317,7 @@ static void register_kinds(void)
     snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
     kvp_engine *e = engine(name, "tcp");
     REQUIRE(e);
-    char *dev = fc_alloc(1, 1 << 20);
+    char *dev = fc.alloc(1, 1 << 20);
     REQUIRE(dev);
     /* As vLLM passes it: a plain register of a device pointer. */
     CHECK_OK(kvp_engine_register(e, dev, 1 << 19));
@@ -405,11 +390,11 @@ static void copy_fails_initiator(const char *proto)
     CHECK_OK(kvp_engine_register(e, out, XLEN));
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
-    fc_fail_copy(3);
+    fc.fail_copy(3);
     CHECK_ST(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN), KVP_EIO);
     CHECK(strstr(kvp_last_error(), "copy") != NULL);
     CHECK(strstr(kvp_last_error(), "illegal memory access") != NULL);
-    fc_fail_copy(3);
+    fc.fail_copy(3);
     CHECK_ST(kvp_engine_read(e, seg, in, t.addr + READ_OFF, XLEN), KVP_EIO);
     CHECK(strstr(kvp_last_error(), "host to device") != NULL);
     /* The same transfers again, without a failure: all the bytes. */
@@ -501,7 +486,7 @@ static void ipc_mixed_batch(void)
     CHECK_OK(kvp_engine_register(e, out, N * each));
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
-    long before = fc_copies(), ipc_before = fc_ipc_copies();
+    long before = fc.copies(), ipc_before = fc.ipc_copies();
     for (int op = KVP_OP_WRITE; op >= KVP_OP_READ; op--) {
         kvp_request reqs[N];
         for (size_t i = 0; i < N; i++)
@@ -515,9 +500,9 @@ static void ipc_mixed_batch(void)
         kvp_batch_free(b);
     }
     CHECK(holds(1, in, 0, N * each, SEED_WRITE, 0));
-    long ipc = fc_ipc_copies() - ipc_before;
+    long ipc = fc.ipc_copies() - ipc_before;
     CHECK(ipc == N);                   /* the device half, each way */
-    CHECK(fc_copies() - before > ipc); /* and the host half through bounce buffers */
+    CHECK(fc.copies() - before > ipc); /* and the host half through bounce buffers */
     kvp_engine_destroy(e);
     CHECK(target_stop(&t, NULL) == 0);
 }
@@ -543,7 +528,7 @@ static void ipc_stale_region(void)
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
     char c = 'u';
     REQUIRE(kvpt_peer_send(&t.peer, &c, 1) == 0 && kvpt_peer_recv(&t.peer, &c, 1, ANSWER_MS) == 0);
-    long ipc_before = fc_ipc_copies();
+    long ipc_before = fc.ipc_copies();
     kvp_request reqs[N];
     for (size_t i = 0; i < N; i++) /* A B A B; A's bytes are out's first half */
         reqs[i] = (kvp_request){.opcode = KVP_OP_WRITE,
@@ -557,7 +542,7 @@ static void ipc_stale_region(void)
     for (size_t i = 0; i < N; i++)
         CHECK_ST(kvp_batch_request_status(b, i), i % 2 ? KVP_ERANGE : KVP_OK);
     kvp_batch_free(b);
-    CHECK(fc_ipc_copies() - ipc_before == N / 2);
+    CHECK(fc.ipc_copies() - ipc_before == N / 2);
     kvp_engine_destroy(e);
     verdict v = {WRITE_OFF, N / 2 * each, SEED_WRITE, 0};
     CHECK(target_stop(&t, &v) == 0);
@@ -579,13 +564,13 @@ static void ipc_same_process(void)
     CHECK_OK(kvp_engine_register(e, in, XLEN));
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(e, tname, &seg));
-    long ipc_before = fc_ipc_copies();
+    long ipc_before = fc.ipc_copies();
     uint64_t addr = (uint64_t)(uintptr_t)tmem;
     CHECK_OK(kvp_engine_read(e, seg, in, addr + READ_OFF, XLEN));
     CHECK(holds(1, in, 0, XLEN, SEED_TARGET, READ_OFF));
     CHECK_OK(kvp_engine_write(e, seg, in, addr + WRITE_OFF, XLEN));
     CHECK(holds(1, tmem, WRITE_OFF, XLEN, SEED_TARGET, READ_OFF));
-    CHECK(fc_ipc_copies() == ipc_before);
+    CHECK(fc.ipc_copies() == ipc_before);
     kvp_engine_destroy(e);
     kvp_engine_destroy(te);
 }
@@ -608,18 +593,18 @@ static void ipc_copy_fails(void)
     CHECK_OK(kvp_engine_register(e, out, XLEN));
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
-    long ipc_before = fc_ipc_copies();
-    fc_fail_copy(1);
+    long ipc_before = fc.ipc_copies();
+    fc.fail_copy(1);
     CHECK_ST(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN), KVP_EIO);
     CHECK(strstr(kvp_last_error(), "through CUDA IPC failed") != NULL);
     CHECK(strstr(kvp_last_error(), "illegal memory access") != NULL);
-    fc_fail_copy(1);
+    fc.fail_copy(1);
     CHECK_ST(kvp_engine_read(e, seg, in, t.addr + READ_OFF, XLEN), KVP_EIO);
     CHECK(strstr(kvp_last_error(), "through CUDA IPC failed") != NULL);
     CHECK_OK(kvp_engine_read(e, seg, in, t.addr + READ_OFF, XLEN));
     CHECK(holds(1, in, 0, XLEN, SEED_TARGET, READ_OFF));
     CHECK_OK(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN));
-    CHECK(fc_ipc_copies() - ipc_before >= 2);
+    CHECK(fc.ipc_copies() - ipc_before >= 2);
     kvp_engine_destroy(e);
     verdict v = {WRITE_OFF, XLEN, SEED_WRITE, 0};
     CHECK(target_stop(&t, &v) == 0);

@@ -65,10 +65,7 @@ static int simple_side_on_tcp(kvp_pipe *pipe, int rank)
 
 static void test_round_trip_x_y(void)
 {
-    kvpt_pipe_setup s;
-    REQUIRE(kvpt_pipe_setup_make(&s, 0) == 0);
-    kvp_pipe_opts o = kvpt_pipe_tcp_opts();
-    kvpt_pipe_run_pair(&s, &o, &o, simple_side_on_tcp, simple_side_on_tcp);
+    kvpt_pipe_run(0, simple_side_on_tcp, simple_side_on_tcp);
 }
 
 /* Round i of the stress test: the same on both sides, from the seed alone. */
@@ -190,10 +187,7 @@ static int stress_side(kvp_pipe *pipe, int rank)
 
 static void test_stress_500_rounds(void)
 {
-    kvpt_pipe_setup s;
-    REQUIRE(kvpt_pipe_setup_make(&s, 0) == 0);
-    kvp_pipe_opts o = kvpt_pipe_tcp_opts();
-    kvpt_pipe_run_pair(&s, &o, &o, stress_side, stress_side);
+    kvpt_pipe_run(0, stress_side, stress_side);
 }
 
 /* ------------------------------------------------------ an event loop --- */
@@ -320,10 +314,7 @@ static int dtypes_side(kvp_pipe *pipe, int rank)
 
 static void test_every_dtype_0d_empty(void)
 {
-    kvpt_pipe_setup s;
-    REQUIRE(kvpt_pipe_setup_make(&s, 0) == 0);
-    kvp_pipe_opts o = kvpt_pipe_tcp_opts();
-    kvpt_pipe_run_pair(&s, &o, &o, dtypes_side, dtypes_side);
+    kvpt_pipe_run(0, dtypes_side, dtypes_side);
 }
 
 /* -------------------------------------------- both directions at once --- */
@@ -367,10 +358,7 @@ static int duplex_side(kvp_pipe *pipe, int rank)
 
 static void test_both_directions_at_once(void)
 {
-    kvpt_pipe_setup s;
-    REQUIRE(kvpt_pipe_setup_make(&s, 0) == 0);
-    kvp_pipe_opts o = kvpt_pipe_tcp_opts();
-    kvpt_pipe_run_pair(&s, &o, &o, duplex_side, duplex_side);
+    kvpt_pipe_run(0, duplex_side, duplex_side);
 }
 
 /* ------------------------------------------------------ flow control --- */
@@ -532,32 +520,19 @@ static int growth_side(kvp_pipe *pipe, int rank)
 
 static void test_sender_pool_grows(void)
 {
-    kvpt_pipe_setup s;
-    REQUIRE(kvpt_pipe_setup_make(&s, 0) == 0);
-    kvp_pipe_opts o = kvpt_pipe_tcp_opts();
-    kvpt_pipe_run_pair(&s, &o, &o, growth_side, growth_side);
+    kvpt_pipe_run(0, growth_side, growth_side);
 }
 
 /* ------------------------------------------------ metadata and shm ----- */
 
 static void test_p2p_handshake(void)
 {
-    kvpt_pipe_setup s;
-    REQUIRE(kvpt_pipe_setup_make(&s, 1) == 0);
-    kvp_pipe_opts o = kvpt_pipe_tcp_opts();
-    kvpt_pipe_run_pair(&s, &o, &o, simple_side, simple_side);
-}
-
-static int dtypes_side_on_shm(kvp_pipe *pipe, int rank)
-{
-    dtypes_side(pipe, rank);
-    kvpt_pipe_expect_same_host(pipe, rank);
-    return 0;
+    kvpt_pipe_run(1, simple_side, simple_side);
 }
 
 static void test_same_host_transport_allowed(void)
 {
-    kvpt_pipe_run_same_host(dtypes_side_on_shm, 0);
+    kvpt_pipe_run_same_host(dtypes_side, 0);
 }
 
 /* ------------------------------------------------------------ the CLI --- */

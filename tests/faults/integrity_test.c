@@ -690,10 +690,10 @@ static void pipe_corrupt_messages(void)
     pid_t decode = kvpt_raw_spawn_side(&s, 1, corrupt_receiver, NULL, err);
     kvp_engine *e;
     REQUIRE_OK(kvpt_raw_engine(&s, 0, &e));
-    void *ctx = zmq_ctx_new();
-    void *push = kvpt_zmq_socket(ctx, ZMQ_PUSH), *pull = kvpt_zmq_socket(ctx, ZMQ_PULL);
-    REQUIRE(kvpt_zmq_bind(push, s.side[0].data_port) == 0 &&
-            kvpt_zmq_connect(pull, s.side[1].ack_port) == 0);
+    kvpt_raw_peer r;
+    REQUIRE(kvpt_raw_peer_start(&r, &s, 0, KVPT_RAW_WATCH_NONE) == 0);
+    r.e = e;
+    void *push = r.push;
     for (int i = 0; i < PIPE_MSGS; i++) {
         void *buf;
         size_t len;
@@ -721,10 +721,7 @@ static void pipe_corrupt_messages(void)
     if (rc != 0) kvpt_file_show(err, "decode");
     CHECK(rc == 0);
     unlink(err);
-    zmq_close(pull);
-    zmq_close(push);
-    zmq_ctx_term(ctx);
-    kvp_engine_destroy(e);
+    kvpt_raw_peer_stop(&r);
 }
 
 /* The receiver READs only once the sender says its buffer was rewritten. */

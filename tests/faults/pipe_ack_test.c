@@ -131,11 +131,10 @@ static void test_malformed_oversized_and_stray_acks(void)
      * a PUSH (watched) on decode's ACK port. */
     kvp_engine *e;
     REQUIRE_OK(kvpt_raw_engine(&s, 1, &e));
-    void *ctx = zmq_ctx_new();
-    void *pull = kvpt_zmq_socket(ctx, ZMQ_PULL), *push = kvpt_zmq_socket(ctx, ZMQ_PUSH);
-    void *mon = kvpt_zmq_monitor(ctx, push, "ack");
-    REQUIRE(mon && kvpt_zmq_connect(pull, s.side[0].data_port) == 0 &&
-            kvpt_zmq_bind(push, s.side[1].ack_port) == 0);
+    kvpt_raw_peer r;
+    REQUIRE(kvpt_raw_peer_start(&r, &s, 1, KVPT_RAW_WATCH_PUSH) == 0);
+    r.e = e;
+    void *pull = r.pull, *push = r.push, *mon = r.mon;
 
     step_or_fail(&sc.to_peer, 'a');
     kvp_segment_id seg;
@@ -190,11 +189,7 @@ static void test_malformed_oversized_and_stray_acks(void)
     if (lines > 4) fprintf(stderr, "  %d log lines\n", lines);
     CHECK(lines >= 2 && lines <= 4);
     unlink(err);
-    zmq_close(mon);
-    zmq_close(pull);
-    zmq_close(push);
-    zmq_ctx_term(ctx);
-    kvp_engine_destroy(e);
+    kvpt_raw_peer_stop(&r);
 }
 
 /* ------------------------------------------------------------- tags --- */
@@ -295,10 +290,10 @@ static void test_tagged_acks(void)
     pid_t prefill = kvpt_raw_spawn_side(&s, 0, tagged_sender, &sc, err);
     kvp_engine *e;
     REQUIRE_OK(tag_reader_engine(&s, 1, &e));
-    void *ctx = zmq_ctx_new();
-    void *pull = kvpt_zmq_socket(ctx, ZMQ_PULL), *push = kvpt_zmq_socket(ctx, ZMQ_PUSH);
-    REQUIRE(kvpt_zmq_connect(pull, s.side[0].data_port) == 0 &&
-            kvpt_zmq_bind(push, s.side[1].ack_port) == 0);
+    kvpt_raw_peer r;
+    REQUIRE(kvpt_raw_peer_start(&r, &s, 1, KVPT_RAW_WATCH_NONE) == 0);
+    r.e = e;
+    void *pull = r.pull, *push = r.push;
 
     step_or_fail(&sc.to_peer, 'a');
     kvp_segment_id seg;
@@ -349,10 +344,7 @@ static void test_tagged_acks(void)
     CHECK(rc == 0);
     unlink(err);
     cJSON_Delete(id);
-    zmq_close(pull);
-    zmq_close(push);
-    zmq_ctx_term(ctx);
-    kvp_engine_destroy(e);
+    kvpt_raw_peer_stop(&r);
 }
 
 /* The real decode pipe of the stale-instance script: message 0 came from
@@ -382,11 +374,10 @@ static void test_stale_instance_announcement(void)
     pid_t decode = kvpt_raw_spawn_side(&s, 1, stale_receiver, NULL, err);
     kvp_engine *e;
     REQUIRE_OK(kvpt_raw_engine(&s, 0, &e));
-    void *ctx = zmq_ctx_new();
-    void *push = kvpt_zmq_socket(ctx, ZMQ_PUSH), *pull = kvpt_zmq_socket(ctx, ZMQ_PULL);
-    void *mon = kvpt_zmq_monitor(ctx, pull, "stale_ack");
-    REQUIRE(mon && kvpt_zmq_bind(push, s.side[0].data_port) == 0 &&
-            kvpt_zmq_connect(pull, s.side[1].ack_port) == 0);
+    kvpt_raw_peer r;
+    REQUIRE(kvpt_raw_peer_start(&r, &s, 0, KVPT_RAW_WATCH_PULL) == 0);
+    r.e = e;
+    void *push = r.push, *pull = r.pull, *mon = r.mon;
 
     const char *mine = kvp_engine_instance(e);
     char other[KVPI_TAG_INSTANCE_LEN + 1];
@@ -428,11 +419,7 @@ static void test_stale_instance_announcement(void)
     }
     CHECK(rc == 0);
     unlink(err);
-    zmq_close(mon);
-    zmq_close(pull);
-    zmq_close(push);
-    zmq_ctx_term(ctx);
-    kvp_engine_destroy(e);
+    kvpt_raw_peer_stop(&r);
 }
 
 int main(void)

@@ -593,11 +593,10 @@ static void raw_sender(void)
 {
     kvp_engine *e;
     if (kvpt_raw_engine(&B.setup, 0, &e)) fail("engine: %s", kvp_last_error());
-    void *ctx = zmq_ctx_new();
-    void *push = kvpt_zmq_socket(ctx, ZMQ_PUSH), *pull = kvpt_zmq_socket(ctx, ZMQ_PULL);
-    if (kvpt_zmq_bind(push, B.setup.side[0].data_port) ||
-        kvpt_zmq_connect(pull, B.setup.side[1].ack_port))
-        fail("sockets: %s", zmq_strerror(zmq_errno()));
+    kvpt_raw_peer r;
+    if (kvpt_raw_peer_start(&r, &B.setup, 0, KVPT_RAW_WATCH_NONE)) fail("sockets");
+    r.e = e;
+    void *push = r.push, *pull = r.pull;
     static raw_q q;
     for (int i = B.from; i < B.to; i++) {
         B.seq_index = i;
@@ -644,10 +643,7 @@ static void raw_sender(void)
     }
     raw_take_ack(e, pull, &q, 100);
     kvpt_step(&B.s2r, 'E');
-    zmq_close(push);
-    zmq_close(pull);
-    zmq_ctx_term(ctx);
-    kvp_engine_destroy(e);
+    kvpt_raw_peer_stop(&r);
 }
 
 /* -------------------------------------------------------- the parent --- */

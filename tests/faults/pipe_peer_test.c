@@ -172,10 +172,7 @@ static int recv_close_then_read(kvp_pipe *pipe, int rank)
 
 static void test_tensor_outlives_close(void)
 {
-    kvpt_pipe_setup s;
-    REQUIRE(kvpt_pipe_setup_make(&s, 0) == 0);
-    kvp_pipe_opts o = kvpt_pipe_tcp_opts();
-    kvpt_pipe_run_pair(&s, &o, &o, send_one_y, recv_close_then_read);
+    kvpt_pipe_run(0, send_one_y, recv_close_then_read);
 }
 
 /* ------------------------------------------------- a raw ZeroMQ peer --- */

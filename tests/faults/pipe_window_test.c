@@ -198,11 +198,9 @@ static void test_out_of_order_completion(void)
     pid_t decode = kvpt_raw_spawn_side(&s, 1, decode_in_order, NULL, err);
     kvpi_rpc_server *rpc = NULL;
     REQUIRE(fake_start(&s, &rpc) == 0);
-    void *ctx = zmq_ctx_new();
-    void *push = kvpt_zmq_socket(ctx, ZMQ_PUSH), *pull = kvpt_zmq_socket(ctx, ZMQ_PULL);
-    void *mon = kvpt_zmq_monitor(ctx, push, "window");
-    REQUIRE(mon && kvpt_zmq_bind(push, s.side[0].data_port) == 0 &&
-            kvpt_zmq_connect(pull, s.side[1].ack_port) == 0);
+    kvpt_raw_peer r;
+    REQUIRE(kvpt_raw_peer_start(&r, &s, 0, KVPT_RAW_WATCH_PUSH) == 0);
+    void *push = r.push, *pull = r.pull, *mon = r.mon;
     int up = kvpt_zmq_wait_event(mon, ZMQ_EVENT_HANDSHAKE_SUCCEEDED, KVPT_RAW_WAIT_MS) == 0;
     if (!up) kvpt_file_show(err, "decode"); /* why its pipe never connected */
     REQUIRE(up);
@@ -224,10 +222,7 @@ static void test_out_of_order_completion(void)
     int rc = kvpt_wait_child(decode, KVPT_RAW_SIDE_MS);
     if (rc) kvpt_file_show(err, "decode");
     CHECK(rc == 0);
-    zmq_close(mon);
-    zmq_close(push);
-    zmq_close(pull);
-    zmq_ctx_term(ctx);
+    kvpt_raw_peer_stop(&r);
     kvpi_rpc_server_stop(rpc);
     unlink(err);
 }

@@ -313,7 +313,12 @@ pid_t kvpt_pipe_spawn(const kvpt_pipe_setup *s, int rank, const kvp_pipe_opts *o
 void kvpt_pipe_run_pair(const kvpt_pipe_setup *s, const kvp_pipe_opts *o0, const kvp_pipe_opts *o1,
                         kvpt_row_side_fn fn0, kvpt_row_side_fn fn1);
 
-/* Run fn on both sides with the same-host transport allowed; kv_buffer_size 0
+/* Run fn0 as prefill and fn1 as decode over tcp (kvpt_pipe_tcp_opts) with
+ * a store of the case's own (p2p 0) or P2P handshakes. */
+void kvpt_pipe_run(int p2p, kvpt_row_side_fn fn0, kvpt_row_side_fn fn1);
+
+/* Run fn on both sides with the same-host transport allowed, then check
+ * that the receiver READ over it (kvpt_pipe_expect_same_host); kv_buffer_size 0
  * keeps the default. */
 void kvpt_pipe_run_same_host(kvpt_row_side_fn fn, size_t kv_buffer_size);
 
@@ -408,6 +413,21 @@ void *kvpt_zmq_monitor(void *ctx, void *z, const char *name);
 int kvpt_zmq_wait_event(void *mon, int mask, int timeout_ms);
 /* Send a message of n frames; 0 or -1. */
 int kvpt_zmq_send_frames(void *z, const void *const *frames, const size_t *sizes, int n);
+
+/* A raw side's sockets on rank's ports: prefill (0) binds a PUSH on its data
+ * port (announcements) and connects a PULL to decode's ACK port; decode (1)
+ * connects a PULL to prefill's data port and binds a PUSH on its ACK port.
+ * watch: a socket with a monitor (mon), made before it binds or connects. e:
+ * an engine of the caller's, destroyed by kvpt_raw_peer_stop when set. */
+typedef struct kvpt_raw_peer {
+    kvp_engine *e;
+    void *ctx, *push, *pull, *mon;
+} kvpt_raw_peer;
+enum { KVPT_RAW_WATCH_NONE, KVPT_RAW_WATCH_PUSH, KVPT_RAW_WATCH_PULL };
+/* 0, or -1 with ZeroMQ's reason printed. */
+int kvpt_raw_peer_start(kvpt_raw_peer *r, const kvpt_raw_setup *s, int rank, int watch);
+/* The sockets closed, the context ended, then the engine destroyed. */
+void kvpt_raw_peer_stop(kvpt_raw_peer *r);
 
 /* An announcement (address, length) as a sender's engine makes it. */
 int kvpt_raw_send_announcement(void *z, uint64_t addr, uint64_t len);

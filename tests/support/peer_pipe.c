@@ -117,24 +117,33 @@ void kvpt_sides_wait(pid_t a, pid_t b, int timeout_ms)
 typedef struct row_side_ctx {
     kvpt_row_side_fn fn;
     int rank;
+    int same_host; /* then check that the receiver READ over it */
 } row_side_ctx;
 
 static void row_side(kvp_pipe *pipe, void *arg)
 {
     const row_side_ctx *c = arg;
     int rank = c->rank;
-    if (c->fn(pipe, rank) == 0) {
+    int gone = c->fn(pipe, rank);
+    if (c->same_host) kvpt_pipe_expect_same_host(pipe, rank);
+    if (!gone) {
         kvp_status st = kvp_pipe_flush(pipe, 30000);
         if (st) fprintf(stderr, "  rank %d: flush: %s\n", rank, kvp_last_error());
         CHECK_OK(st);
     }
 }
 
+static pid_t spawn_row_side(const kvpt_pipe_setup *s, int rank, const kvp_pipe_opts *o,
+                            kvpt_row_side_fn fn, int same_host)
+{
+    row_side_ctx c = {fn, rank, same_host};
+    return kvpt_side_spawn(s->json, rank, o, row_side, &c, NULL);
+}
+
 pid_t kvpt_pipe_spawn(const kvpt_pipe_setup *s, int rank, const kvp_pipe_opts *o,
                       kvpt_row_side_fn fn)
 {
-    row_side_ctx c = {fn, rank};
-    return kvpt_side_spawn(s->json, rank, o, row_side, &c, NULL);
+    return spawn_row_side(s, rank, o, fn, 0);
 }
 
 void kvpt_pipe_run_pair(const kvpt_pipe_setup *s, const kvp_pipe_opts *o0, const kvp_pipe_opts *o1,
@@ -145,6 +154,14 @@ void kvpt_pipe_run_pair(const kvpt_pipe_setup *s, const kvp_pipe_opts *o0, const
     kvpt_sides_wait(a, b, KVPT_SIDE_TIMEOUT);
 }
 
+void kvpt_pipe_run(int p2p, kvpt_row_side_fn fn0, kvpt_row_side_fn fn1)
+{
+    kvpt_pipe_setup s;
+    REQUIRE(kvpt_pipe_setup_make(&s, p2p) == 0);
+    kvp_pipe_opts o = kvpt_pipe_tcp_opts();
+    kvpt_pipe_run_pair(&s, &o, &o, fn0, fn1);
+}
+
 void kvpt_pipe_run_same_host(kvpt_row_side_fn fn, size_t kv_buffer_size)
 {
     kvpt_pipe_setup s;
@@ -152,7 +169,8 @@ void kvpt_pipe_run_same_host(kvpt_row_side_fn fn, size_t kv_buffer_size)
     kvp_pipe_opts o = kvpt_pipe_tcp_opts();
     o.disable_shm = 0;
     if (kv_buffer_size) o.kv_buffer_size = kv_buffer_size;
-    kvpt_pipe_run_pair(&s, &o, &o, fn, fn);
+    pid_t a = spawn_row_side(&s, 0, &o, fn, 1), b = spawn_row_side(&s, 1, &o, fn, 1);
+    kvpt_sides_wait(a, b, KVPT_SIDE_TIMEOUT);
 }
 
 kvp_tensor *kvpt_pipe_recv(kvp_pipe *pipe, int timeout_ms)

@@ -144,6 +144,36 @@ int kvpt_zmq_send_frames(void *z, const void *const *frames, const size_t *sizes
     return 0;
 }
 
+int kvpt_raw_peer_start(kvpt_raw_peer *r, const kvpt_raw_setup *s, int rank, int watch)
+{
+    memset(r, 0, sizeof *r);
+    r->ctx = zmq_ctx_new();
+    r->push = kvpt_zmq_socket(r->ctx, ZMQ_PUSH);
+    r->pull = kvpt_zmq_socket(r->ctx, ZMQ_PULL);
+    if (watch)
+        r->mon = kvpt_zmq_monitor(r->ctx, watch == KVPT_RAW_WATCH_PUSH ? r->push : r->pull,
+                                  rank ? "raw_decode" : "raw_prefill");
+    int bad = watch && !r->mon;
+    if (rank == 0)
+        bad = bad || kvpt_zmq_bind(r->push, s->side[0].data_port) ||
+              kvpt_zmq_connect(r->pull, s->side[1].ack_port);
+    else
+        bad = bad || kvpt_zmq_connect(r->pull, s->side[0].data_port) ||
+              kvpt_zmq_bind(r->push, s->side[1].ack_port);
+    if (bad) fprintf(stderr, "  raw side %d: sockets: %s\n", rank, zmq_strerror(zmq_errno()));
+    return bad ? -1 : 0;
+}
+
+void kvpt_raw_peer_stop(kvpt_raw_peer *r)
+{
+    if (r->mon) zmq_close(r->mon);
+    zmq_close(r->pull);
+    zmq_close(r->push);
+    zmq_ctx_term(r->ctx);
+    if (r->e) kvp_engine_destroy(r->e);
+    r->e = NULL;
+}
+
 int kvpt_raw_send_announcement(void *z, uint64_t addr, uint64_t len)
 {
     uint8_t a[8], l[8];

@@ -1,5 +1,6 @@
 #include <arpa/inet.h>
 #include <dirent.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -423,4 +424,19 @@ int kvpt_count_fds(void)
         if (de->d_name[0] != '.') n++;
     closedir(d);
     return n - 1; /* the directory's own descriptor */
+}
+
+void kvpt_fakecuda_load(kvpt_fakecuda *fc, const char *path)
+{
+    void *lib = dlopen(path, RTLD_NOW);
+    if (!lib) {
+        fprintf(stderr, "cannot load the CUDA double: %s\n", dlerror());
+        exit(1);
+    }
+    *(void **)&fc->alloc = dlsym(lib, "fakecuda_alloc");
+    *(void **)&fc->peek = dlsym(lib, "fakecuda_peek");
+    *(void **)&fc->poke = dlsym(lib, "fakecuda_poke");
+    *(void **)&fc->fail_copy = dlsym(lib, "fakecuda_fail_copy");
+    *(void **)&fc->copies = dlsym(lib, "fakecuda_copies");
+    *(void **)&fc->ipc_copies = dlsym(lib, "fakecuda_ipc_copies");
 }

@@ -137,6 +137,20 @@ size_t kvpt_verify(const void *buf, size_t len, uint64_t seed);
 /* Descriptors this process has open, or -1. */
 int kvpt_count_fds(void);
 
+/* The CUDA driver's test double's own functions (tests/support/fake_cuda):
+ * device memory allocated, read and written without counting as copies, the
+ * Nth copy made to fail, copies counted (all; those of IPC-opened memory). */
+typedef struct kvpt_fakecuda {
+    void *(*alloc)(int device, size_t n);
+    int (*peek)(void *dst, const void *dev, size_t n);
+    int (*poke)(void *dev, const void *src, size_t n);
+    void (*fail_copy)(long n);
+    long (*copies)(void);
+    long (*ipc_copies)(void);
+} kvpt_fakecuda;
+/* Load them from the double at path (the process exits if it cannot). */
+void kvpt_fakecuda_load(kvpt_fakecuda *fc, const char *path);
+
 /* Path of the kvpipe CLI built with the tests. */
 const char *kvpt_cli(void);
 
