@@ -2,11 +2,13 @@
 # kvpipe benchmark driver: every figure is a ratio against a baseline measured
 # in the same run on the same machine.
 #
-#   bench/run.sh [--build DIR] [--duration SECONDS] [--repeat N] [--only tcp|shm|pipe|small|sweep|ucx|samehost|integrity|mdscale]
+#   bench/run.sh [--build DIR] [--duration SECONDS] [--repeat N] [--only tcp|batch|shm|pipe|small|sweep|ucx|samehost|integrity|mdscale]
 #
 # Sections:
 #   tcp   kvpipe bench READ/WRITE over TCP vs raw loopback TCP (bench/raw_tcp.c), both
 #         with one block reused (cache-resident) and walking memory as the bench does
+#   batch tcp batches of 16 from one thread vs raw loopback TCP; vLLM v1's pattern
+#         (10 threads x 128 x 32 KiB WRITEs) vs the best single-thread batch row
 #   shm   kvpipe bench READ/WRITE over shm vs single-thread memcpy (bench/memcpy_baseline.c)
 #   pipe  kvpipe bench --pipe (copying and in-place send) vs engine READ of the
 #         same size, and vs memcpy
@@ -195,6 +197,48 @@ section_tcp() {
         echo "| $(human "$block") | $base | $rwalk | $read | $(ratio "$read" "$rwalk") | $oread | $(ratio "$oread" "$base") | $wwalk | $write | $(ratio "$write" "$wwalk") | $owrite | $(ratio "$owrite" "$base") |"
         echo "\"$(human "$block")\" $base $read $write" >> "$data/tcp.dat"
     done
+    echo
+    stop_target
+}
+
+section_batch() {
+    start_target tcp --no-shm
+    echo "## TCP batches (one initiator thread, 16 requests a batch) vs raw loopback TCP"
+    echo
+    echo "The calls vLLM and SGLang make: one thread, a batch of 16 requests at a time,"
+    echo "waited for before the next (kvpipe bench --threads 1 --batch-size 16), against"
+    echo "the strongest plain stream (raw, cache-resident). Then vLLM v1's pattern (ten"
+    echo "threads, each a batch of 128 WRITEs of 32 KiB at a time) against the best of"
+    echo "these single-thread rows."
+    echo
+    echo "raw x4: four such streams at once (the engine's four connections to a peer)."
+    echo
+    echo "| block | raw GB/s | raw x4 GB/s | READ GB/s | READ / raw | READ / raw x4 | WRITE GB/s | WRITE / raw | WRITE / raw x4 |"
+    echo "|---|---|---|---|---|---|---|---|---|"
+    local best=0
+    for block in 65536 1048576 16777216; do
+        local bases=() fours=() reads=() writes=()
+        for _ in $(seq "$repeat"); do
+            bases+=("$(baseline_raw_tcp "$block")")
+            fours+=("$("$build/raw_tcp" --block-size "$block" --duration "$duration" --streams 4 | gbps_of)")
+            reads+=("$(initiator tcp read "$block" --no-shm --threads 1 --batch-size 16)")
+            writes+=("$(initiator tcp write "$block" --no-shm --threads 1 --batch-size 16)")
+        done
+        local base four read write
+        base=$(med "${bases[@]}"); four=$(med "${fours[@]}")
+        read=$(med "${reads[@]}"); write=$(med "${writes[@]}")
+        echo "| $(human "$block") | $base | $four | $read | $(ratio "$read" "$base") | $(ratio "$read" "$four") | $write | $(ratio "$write" "$base") | $(ratio "$write" "$four") |"
+        best=$(printf '%s\n' "$best" "$read" "$write" | sort -g | tail -n 1)
+    done
+    echo
+    local v1s=()
+    for _ in $(seq "$repeat"); do
+        v1s+=("$(initiator tcp write 32768 --no-shm --threads 10 --batch-size 128)")
+    done
+    local v1; v1=$(med "${v1s[@]}")
+    echo "| vLLM v1 pattern GB/s | best single-thread row GB/s | v1 / best |"
+    echo "|---|---|---|"
+    echo "| $v1 | $best | $(ratio "$v1" "$best") |"
     echo
     stop_target
 }
@@ -642,7 +686,7 @@ for l in sys.stdin:
     echo
 }
 
-for s in tcp shm pipe small sweep ucx samehost integrity mdscale; do
+for s in tcp batch shm pipe small sweep ucx samehost integrity mdscale; do
     [ -n "$only" ] && [ "$only" != "$s" ] && continue
     "section_$s" | tee -a "$out"
 done
