@@ -397,8 +397,12 @@ static void *rewrite_main(void *arg)
     return NULL;
 }
 
+/* Generation 0 first, so that a copy taken while generation 1 is written is
+ * one instant too (a target's buffer starts with kvpt_fill's pattern, whose
+ * words are no generation: a READ racing the first pass looked torn). */
 static void rewriter_start(rewriter *w, void *p, size_t len)
 {
+    memset(p, 0, len);
     *w = (rewriter){.words = p, .n = len / 8};
     pthread_create(&w->thread, NULL, rewrite_main, w);
 }
