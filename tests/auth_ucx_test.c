@@ -18,7 +18,7 @@
 #include "transport/transport.h"
 #if KVP_HAVE_UCX
 #include "engine/descriptor.h"
-#include "transport/ucx_internal.h"
+#include "transport/ucx/ucx.h"
 #endif
 
 #define SEED 0xa17
@@ -29,7 +29,7 @@
 
 #if KVP_HAVE_UCX
 /* A stranger on the target's UCX worker: a UCP worker of our own that speaks
- * the ucx transport's control messages by hand (ucx_internal.h), so that the
+ * the ucx transport's control messages by hand (ucx/ucx.h), so that the
  * test sees every byte the target answers. */
 typedef struct raw_msg {
     unsigned id;

@@ -19,7 +19,7 @@
 #include "transport/transport.h"
 #if KVP_HAVE_UCX
 #include "engine/engine_internal.h"
-#include "transport/ucx_internal.h"
+#include "transport/ucx/ucx.h"
 #endif
 
 #define SEED 0x55

@@ -1,4 +1,4 @@
-/* The ucx transport's control messages (src/transport/ucx_wire.h), as a
+/* The ucx transport's control messages (src/transport/ucx/wire.h), as a
  * peer sends them. Input: one byte choosing the message (its low 3 bits:
  * the kind, bit 3: the receiver holds a key), then the message to the end.
  * Invariants: a fixed-size message decodes iff its length is its own and
@@ -10,7 +10,7 @@
  * the message and re-encodes each entry to its bytes (padding aside). */
 #include "common/net.h"
 #include "fuzz.h"
-#include "transport/ucx_wire.h"
+#include "transport/ucx/wire.h"
 
 static int magic_ok(const uint8_t *d, size_t len)
 {

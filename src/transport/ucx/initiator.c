@@ -34,7 +34,7 @@
 #include "common/log.h"
 #include "common/net.h"
 #include "transport/shm_internal.h"
-#include "transport/ucx_internal.h"
+#include "transport/ucx/ucx.h"
 
 /* How often a busy peer on this host is checked for being alive. */
 #define ALIVE_CHECK_NS (100 * 1000 * 1000)

@@ -21,7 +21,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/net.h"
-#include "transport/ucx_server.h"
+#include "transport/ucx/runtime.h"
 
 /* After its last piece of work the progress thread keeps polling this long
  * (yielding the CPU between rounds) before it sleeps on the workers' event

@@ -13,7 +13,7 @@
 #include <ucp/api/ucp.h>
 
 #include "transport/shm_internal.h"
-#include "transport/ucx_internal.h"
+#include "transport/ucx/ucx.h"
 
 typedef struct ucx_reg {
     struct ucx_reg *next; /* the server's list of live registrations */

@@ -27,7 +27,7 @@
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
-#include "transport/ucx_server.h"
+#include "transport/ucx/runtime.h"
 
 /* ---- connections from initiators ---- */
 

@@ -51,7 +51,7 @@
 #include <ucp/api/ucp.h>
 
 #include "transport/transport.h"
-#include "transport/ucx_wire.h"
+#include "transport/ucx/wire.h"
 
 #define KVPI_UCX_FIELD "ucx"
 #define KVPI_UCX_RKEY_FIELD "ucx_rkey"

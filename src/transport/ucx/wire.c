@@ -1,4 +1,4 @@
-#include "transport/ucx_wire.h"
+#include "transport/ucx/wire.h"
 
 #include <string.h>
 
