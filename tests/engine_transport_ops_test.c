@@ -161,9 +161,8 @@ static kvp_status tp_open(const kvpi_peer_ctx *ctx, const char *name, unsigned k
 }
 
 /* Completes on the posting thread, as a transport may. */
-static void tp_post(void *peer, kvpi_xfer *x, unsigned flags)
+static void tp_post(void *peer, kvpi_xfer *x)
 {
-    (void)flags;
     test_peer *p = peer;
     kvpi_slice *const *slices = x->slices;
     size_t n = x->n;

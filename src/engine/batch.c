@@ -8,16 +8,20 @@
  * Who posts: the submitting thread, when the segment's peer is looked up
  * and its link open (posting never blocks); otherwise the engine's workers,
  * which look the segment up (metadata, peer_open) and then post. A
- * synchronous call (kvp_engine_read/write) posts on its own thread, the
- * last group inline (KVPI_POST_INLINE), and may block on the lookup itself.
- * Completions run on the transports' threads; what they must not do there
- * (a lookup for a retry, closing a peer) goes to the workers.
+ * synchronous call (kvp_engine_read/write) posts on its own thread, runs the
+ * last group there where the transport can (peer_run), and may block on the
+ * lookup itself. Completions run on the transports' threads, or on a
+ * waiter's: kvp_batch_wait drives the progress of the transports with
+ * manual progress (ucx) its batch posted to (transport.h). What a
+ * completion must not do (a lookup for a retry, closing a peer) goes to the
+ * workers.
  *
  * Cancel: kvp_batch_cancel and kvp_batch_free set the cancel flag of every
  * xfer of the batch in flight; a connection-level failure does the same to
  * the batch's other xfers, which fail with it instead of each waiting out
  * its own deadline against a dead peer. */
 #include <errno.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -93,6 +97,12 @@ struct kvp_batch {
     /* On the completion queue (under e->cq.lock), and its place there. */
     int queued;
     kvp_batch *cq_prev, *cq_next;
+    /* The slots (bits) of the transports with manual progress it posted
+     * to, which its waiter drives; and the eventfd that waiter sleeps on
+     * besides theirs (-1 until it first sleeps), told when the batch
+     * finished. */
+    unsigned progress;
+    int wake_fd;
     kvp_status final;                    /* the first failed request's status, once completed */
     char instance[KVP_INSTANCE_LEN + 1]; /* "", or the only peer instance to run on */
     kvpi_engine_metrics *metrics;
@@ -239,6 +249,9 @@ static void complete(kvpi_work *w, kvp_status st, uint64_t done_ns)
     pthread_mutex_lock(&b->lock);
     b->outstanding = 0;
     pthread_cond_broadcast(&b->cond);
+    uint64_t one = 1;
+    if (b->wake_fd >= 0 && write(b->wake_fd, &one, sizeof one) < 0 && errno != EAGAIN)
+        KVPI_WARN("batch: cannot wake its waiter: %s", strerror(errno));
     pthread_mutex_unlock(&b->lock);
 }
 
@@ -286,7 +299,7 @@ void kvpi_workers_close(kvp_engine *e, kvpi_peer *peer)
 }
 
 static void dispatch(kvp_engine *e, kvpi_work **w, size_t m, int retried, int blocking,
-                     int inline_last);
+                     int run_last);
 
 static void *worker_main(void *arg)
 {
@@ -432,7 +445,7 @@ static void group_done(kvpi_xfer *x, kvp_status st)
 }
 
 static void post_group(kvp_engine *e, kvpi_peer *peer, kvpi_link *link, kvpi_work **w, size_t n,
-                       int retried, unsigned flags)
+                       int retried, int run_here)
 {
     kvp_batch *b = w[0]->batch;
     kvpi_queue *q = &e->queue;
@@ -467,8 +480,16 @@ static void post_group(kvp_engine *e, kvpi_peer *peer, kvpi_link *link, kvpi_wor
     if (b->groups) b->groups->prev = g;
     b->groups = g;
     if (atomic_load(&b->canceled) || b->conn_error) atomic_store(&g->x.canceled, 1);
+    unsigned bit = 1u << link->slot;
+    if (link->ops->server_progress && !(b->progress & bit)) {
+        b->progress |= bit;
+        pthread_cond_broadcast(&b->cond); /* a waiter on the condition drives it now */
+    }
     pthread_mutex_unlock(&b->lock);
-    link->ops->peer_post(link->handle, &g->x, flags);
+    if (run_here && link->ops->peer_run)
+        link->ops->peer_run(link->handle, &g->x);
+    else
+        link->ops->peer_post(link->handle, &g->x);
 }
 
 static int all_inside(const kvpi_peer *peer, kvpi_work **w, size_t m)
@@ -528,10 +549,11 @@ static unsigned kinds_of(const kvpi_peer *peer, const kvpi_work *w)
 
 /* Post m works of one batch (in order) to its segment's peer. Without
  * blocking, what needs a lookup or a link opened goes to the workers.
- * inline_last: the caller waits for the batch (KVPI_POST_INLINE for the
- * last group). Nothing of the batch is touched after the last post. */
+ * run_last: the caller waits for the batch, so the last group runs on its
+ * thread where the transport can (peer_run). Nothing of the batch is
+ * touched after the last post. */
 static void dispatch(kvp_engine *e, kvpi_work **w, size_t m, int retried, int blocking,
-                     int inline_last)
+                     int run_last)
 {
     if (m == 0) return;
     kvpi_segment *seg = w[0]->batch->seg;
@@ -595,8 +617,7 @@ static void dispatch(kvp_engine *e, kvpi_work **w, size_t m, int retried, int bl
         if (st)
             complete_all(w + i, j - i, st);
         else
-            post_group(e, peer, link, w + i, j - i, retried,
-                       inline_last && j == live ? KVPI_POST_INLINE : 0);
+            post_group(e, peer, link, w + i, j - i, retried, run_last && j == live);
         i = j;
     }
     kvpi_segment_release(seg, peer, 0);
@@ -725,6 +746,7 @@ static kvp_status submit(kvp_engine *e, kvp_segment_id seg_id, const kvp_request
     b->user_data = o->user_data;
     b->reap = o->reap;
     if (o->instance) strcpy(b->instance, o->instance);
+    b->wake_fd = -1;
     b->metrics = &e->metrics;
     b->submit_ns = kvpi_now_ns();
     uint64_t bytes = build_works(e, b, reqs, e->opts.slice_size);
@@ -773,21 +795,67 @@ size_t kvp_batch_pending(const kvp_batch *b)
     return n;
 }
 
+/* Progress calls of a transport per round of a waiter (transport.h). */
+#define PROGRESS_BUDGET 16
+
+/* A round of the waiter of b on the transports with manual progress it
+ * posted to: progress them; when none had anything, sleep in poll() on
+ * their wait descriptors and the batch's wake-up until one is ready, the
+ * batch completed or deadline_ns passed (0: none). Called and returns with
+ * b->lock held; b->wake_fd is open. */
+static void drive(kvp_batch *b, uint64_t deadline_ns)
+{
+    kvp_engine *e = b->e;
+    unsigned slots = b->progress;
+    int wake_fd = b->wake_fd;
+    pthread_mutex_unlock(&b->lock);
+    unsigned did = 0;
+    for (size_t i = 0; slots >> i; i++)
+        if (slots >> i & 1)
+            did += e->transports[i]->server_progress(e->servers[i], PROGRESS_BUDGET);
+    struct pollfd fds[KVPI_MAX_TRANSPORTS + 1];
+    nfds_t n = 0;
+    for (size_t i = 0; !did && slots >> i; i++)
+        if (slots >> i & 1 && (fds[n++].fd = e->transports[i]->server_wait_fd(e->servers[i])) < 0)
+            did = 1; /* it has something already */
+    int ms = did ? 0 : kvpi_remaining_ms(deadline_ns);
+    if (ms != 0) {
+        fds[n++].fd = wake_fd;
+        for (nfds_t k = 0; k < n; k++)
+            fds[k].events = POLLIN;
+        int rc = poll(fds, n, ms);
+        uint64_t v;
+        if (rc > 0 && fds[n - 1].revents && read(wake_fd, &v, sizeof v) < 0 && errno != EAGAIN)
+            KVPI_WARN("batch: cannot read its wake-up: %s", strerror(errno));
+    }
+    pthread_mutex_lock(&b->lock);
+}
+
 kvp_status kvp_batch_wait(kvp_batch *b, int timeout_ms)
 {
     if (!b) return kvpi_error(KVP_EINVAL, "batch_wait: NULL batch");
     struct timespec dl = kvpi_deadline_after_ms(timeout_ms < 0 ? 0 : timeout_ms);
+    uint64_t deadline_ns = timeout_ms < 0 ? 0 : kvpi_deadline_ns(timeout_ms);
+    int timed_out = 0;
     kvp_status st = KVP_OK;
     pthread_mutex_lock(&b->lock);
-    while (b->pending > 0) {
-        if (timeout_ms < 0) {
+    while (b->pending > 0 && !timed_out) {
+        /* Where its transports need driving, this thread drives them (the
+         * transports' own threads do without an eventfd to wake it). */
+        if (b->progress &&
+            (b->wake_fd >= 0 || (b->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) >= 0)) {
+            drive(b, deadline_ns);
+            timed_out = deadline_ns && kvpi_now_ns() >= deadline_ns;
+        } else if (timeout_ms < 0) {
             pthread_cond_wait(&b->cond, &b->lock);
-        } else if (pthread_cond_timedwait(&b->cond, &b->lock, &dl) == ETIMEDOUT) {
-            if (b->pending == 0) break;
-            st = kvpi_error(KVP_ETIMEDOUT, "batch: %zu of %zu requests still running after %d ms",
-                            b->pending, b->n, timeout_ms);
-            goto out;
+        } else {
+            timed_out = pthread_cond_timedwait(&b->cond, &b->lock, &dl) == ETIMEDOUT;
         }
+    }
+    if (b->pending > 0) {
+        st = kvpi_error(KVP_ETIMEDOUT, "batch: %zu of %zu requests still running after %d ms",
+                        b->pending, b->n, timeout_ms);
+        goto out;
     }
     for (size_t i = 0; i < b->n; i++)
         if (b->reqs[i].status != KVP_OK) {
@@ -830,16 +898,18 @@ void kvp_batch_free(kvp_batch *b)
     }
     pthread_mutex_destroy(&b->lock);
     pthread_cond_destroy(&b->cond);
+    if (b->wake_fd >= 0) close(b->wake_fd);
     free(b->reqs);
     free(b->works);
     free(b->order);
     free(b);
 }
 
-/* A synchronous transfer posts on the calling thread, its last group inline:
- * a one-slice request then runs without a thread wake-up (tcp and shm do
- * the I/O on this thread; ucx issues and progresses its worker here), and
- * a larger one spreads its other groups over the transport's threads. */
+/* A synchronous transfer posts on the calling thread and runs its last
+ * group there where the transport can (peer_run: tcp and shm do the I/O on
+ * this thread; ucx issues it, and this thread drives UCX's progress while
+ * it waits), so a one-slice request runs without a thread wake-up; a larger
+ * one spreads its other groups over the transport's threads. */
 static kvp_status transfer_sync(kvp_engine *e, kvp_segment_id seg, kvp_opcode op, void *local,
                                 uint64_t remote, size_t length)
 {

@@ -60,6 +60,8 @@ kvp_status kvpi_transport_check(const kvpi_transport_ops *o)
                        : !o->server_describe                 ? "server_describe"
                        : !o->mem_reg != !o->mem_dereg        ? "mem_reg with mem_dereg"
                        : !o->chunk_map != !o->chunk_unmap    ? "chunk_map with chunk_unmap"
+                       : !o->server_progress != !o->server_wait_fd
+                           ? "server_progress with server_wait_fd"
                        : !o->peer_open || !o->peer_post || !o->peer_close ? "peer_open/post/close"
                                                                           : NULL;
     if (!lack) return KVP_OK;
@@ -93,7 +95,10 @@ kvp_status kvpi_transport_xfer_sync(const kvpi_transport_ops *ops, void *peer,
     sync_xfer s = {.x = {.slices = slices, .n = n, .done = sync_done}};
     pthread_mutex_init(&s.lock, NULL);
     pthread_cond_init(&s.cond, NULL);
-    ops->peer_post(peer, &s.x, KVPI_POST_INLINE);
+    if (ops->peer_run)
+        ops->peer_run(peer, &s.x);
+    else
+        ops->peer_post(peer, &s.x);
     pthread_mutex_lock(&s.lock);
     while (!s.done)
         pthread_cond_wait(&s.cond, &s.lock);

@@ -181,17 +181,26 @@ void kvpi_runner_cancel(kvpi_runner *r)
     finish_list(canceled, KVP_ECANCELED, "the transfer was cancelled before it started");
 }
 
-void kvpi_runner_post(kvpi_runner *r, kvpi_run_fn run, void *peer, kvpi_runner_lane *lane,
-                      kvpi_xfer *x, unsigned flags)
+void kvpi_runner_run(kvpi_run_fn run, void *peer, kvpi_runner_lane *lane, kvpi_xfer *x)
 {
     x->next = NULL;
     x->peer = peer;
     x->run = run;
     x->lane = lane;
-    if (!r || (flags & KVPI_POST_INLINE)) {
-        finish(x, run_fn(x));
+    finish(x, run_fn(x));
+}
+
+void kvpi_runner_post(kvpi_runner *r, kvpi_run_fn run, void *peer, kvpi_runner_lane *lane,
+                      kvpi_xfer *x)
+{
+    if (!r) {
+        kvpi_runner_run(run, peer, lane, x);
         return;
     }
+    x->next = NULL;
+    x->peer = peer;
+    x->run = run;
+    x->lane = lane;
     pthread_mutex_lock(&r->lock);
     if (r->stopping) {
         pthread_mutex_unlock(&r->lock);

@@ -5,10 +5,10 @@
  * runner: one of the runner's threads runs the function, with slices of
  * device memory staged through bounce buffers (staging.h: the function sees
  * host memory only) unless the lane says the function stages itself, and
- * calls the xfer's completion (transport.h). With KVPI_POST_INLINE, or without a
- * runner (a peer opened without its server, as unit tests do), the function
- * runs on the posting thread and the completion comes before
- * kvpi_runner_post returns.
+ * calls the xfer's completion (transport.h). kvpi_runner_run (the body of
+ * the transport's peer_run), or kvpi_runner_post without a runner (a peer
+ * opened without its server, as unit tests do), runs the function on the
+ * calling thread: the completion comes before it returns.
  *
  * One peer never holds up another: each peer has a lane, and at most its
  * lane's limit of its xfers run at once (a transport sets it to the
@@ -69,6 +69,9 @@ void kvpi_runner_cancel(kvpi_runner *r);
 
 /* The body of a blocking transport's peer_post. r may be NULL (see above). */
 void kvpi_runner_post(kvpi_runner *r, kvpi_run_fn run, void *peer, kvpi_runner_lane *lane,
-                      kvpi_xfer *x, unsigned flags);
+                      kvpi_xfer *x);
+/* The body of its peer_run: x on the calling thread, as a runner thread
+ * would run it (staging included). */
+void kvpi_runner_run(kvpi_run_fn run, void *peer, kvpi_runner_lane *lane, kvpi_xfer *x);
 
 #endif

@@ -645,8 +645,8 @@ static char *ipc_remote(shm_peer *p, const kvpi_slice *s, uint64_t deadline, int
  * and the target's CPU not involved); then the others through the target,
  * staged where they are device memory here. A failed copy fails its slice
  * and every one not done with KVP_EIO; the rest is not attempted. */
-static kvp_status peer_run(void *peer, kvpi_slice *const *slices, size_t n, uint64_t start,
-                           uint64_t deadline)
+static kvp_status peer_move(void *peer, kvpi_slice *const *slices, size_t n, uint64_t start,
+                            uint64_t deadline)
 {
     shm_peer *p = peer;
     size_t k = 0, i = 0;
@@ -687,12 +687,18 @@ static kvp_status peer_run(void *peer, kvpi_slice *const *slices, size_t n, uint
 }
 
 /* CUDA IPC first; device memory it does not serve goes through bounce
- * buffers (kvpi_stage_run in peer_run): the target then copies between its
+ * buffers (kvpi_stage_run in peer_move): the target then copies between its
  * memory and the bounce buffer. */
-static void peer_post(void *peer, kvpi_xfer *x, unsigned flags)
+static void peer_post(void *peer, kvpi_xfer *x)
 {
     shm_peer *p = peer;
-    kvpi_runner_post(p->runner, peer_run, p, &p->lane, x, flags);
+    kvpi_runner_post(p->runner, peer_move, p, &p->lane, x);
+}
+
+static void peer_run(void *peer, kvpi_xfer *x)
+{
+    shm_peer *p = peer;
+    kvpi_runner_run(peer_move, p, &p->lane, x);
 }
 
 static void server_cancel(void *server)
@@ -710,6 +716,7 @@ const kvpi_transport_ops kvpi_transport_shm = {
     .server_describe = kvpi_shm_server_describe,
     .peer_open = peer_open,
     .peer_post = peer_post,
+    .peer_run = peer_run,
     .server_cancel = server_cancel,
     .peer_close = peer_close,
 };

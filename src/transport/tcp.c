@@ -862,10 +862,16 @@ static kvp_status tcp_peer_xfer(void *peer, kvpi_slice *const *slices, size_t n,
     return result;
 }
 
-static void tcp_peer_post(void *peer, kvpi_xfer *x, unsigned flags)
+static void tcp_peer_post(void *peer, kvpi_xfer *x)
 {
     tcp_peer *p = peer;
-    kvpi_runner_post(p->runner, tcp_peer_xfer, p, &p->lane, x, flags);
+    kvpi_runner_post(p->runner, tcp_peer_xfer, p, &p->lane, x);
+}
+
+static void tcp_peer_run(void *peer, kvpi_xfer *x)
+{
+    tcp_peer *p = peer;
+    kvpi_runner_run(tcp_peer_xfer, p, &p->lane, x);
 }
 
 static void tcp_server_cancel(void *server)
@@ -884,6 +890,7 @@ const kvpi_transport_ops kvpi_transport_tcp = {
     .server_describe = tcp_server_describe,
     .peer_open = tcp_peer_open,
     .peer_post = tcp_peer_post,
+    .peer_run = tcp_peer_run,
     .server_cancel = tcp_server_cancel,
     .peer_close = tcp_peer_close,
 };

@@ -28,17 +28,34 @@
  * ops on whichever thread publishes, peer_open and peer_close on the
  * engine's workers, peer_post on whichever thread submits (the
  * application's, or an engine worker after a lookup; several at once on one
- * peer). A server's own threads (its listener, its progress or I/O threads)
- * are its business; they must stop in server_stop.
+ * peer), peer_run on the thread of a synchronous transfer, server_progress
+ * and server_wait_fd on the threads that wait for transfers. A server's own
+ * threads (its listener, its progress or I/O threads) are its business; they
+ * must stop in server_stop.
  *
  * Transfers are asynchronous: peer_post hands the transport an xfer (a
  * group of slices) and returns; the transport calls the xfer's completion
- * once, from a thread of its own or (KVPI_POST_INLINE) from the posting
- * thread before peer_post returns. A transport whose I/O blocks runs it on
- * threads it owns (transport/runner.h: tcp, shm); ucx issues UCP's
- * nonblocking calls and completes from its progress. Cancel is a flag the
- * poster sets (kvpi_xfer.canceled), then server_cancel to complete at once
- * what waits unstarted.
+ * once, later, from a thread that moves or progresses it, or at once when it
+ * refuses it. Two kinds of transport:
+ *   - Blocking I/O (tcp, shm): the transport runs each xfer on threads it
+ *     owns (transport/runner.h), and may offer peer_run, which runs one on
+ *     the calling thread: the engine's synchronous transfers use it for their
+ *     last xfer, which saves the thread wake-ups that cost most of a small
+ *     request's time (a 4 KiB READ over loopback tcp: 8 us inline, 15 us
+ *     through a runner thread).
+ *   - Manual progress (ucx; UCT's uct_iface_progress, libfabric's
+ *     FI_PROGRESS_MANUAL): peer_post issues nonblocking requests, and the
+ *     completions come when something drives the transport's progress
+ *     (server_progress). Whoever waits drives it: kvp_batch_wait (and so
+ *     kvp_engine_read/write) calls server_progress of each such transport
+ *     its batch posted to while that makes progress, then sleeps in poll()
+ *     on their server_wait_fd and the batch's own wake-up. The transport's
+ *     own thread drives what no waiter does: a batch nobody waits on (the
+ *     pipe's, one polled with kvp_batch_pending), requests left when their
+ *     waiter gave up, and everything the server does as a target. For the
+ *     blocking kind the two ops are absent: their progress is a no-op.
+ * Cancel is a flag the poster sets (kvpi_xfer.canceled), then server_cancel
+ * to complete at once what waits unstarted.
  *
  * Errors: every fallible op returns a kvp_status and, on failure, sets
  * kvp_last_error() to one line naming the peer, region or field; outputs are
@@ -131,12 +148,6 @@ static inline int kvpi_connection_level(kvp_status st)
 }
 
 #define KVPI_XFER_MAX 64
-/* peer_post flag: the poster waits for this xfer (a synchronous transfer).
- * The transport may run it on the posting thread (tcp, shm: the blocking
- * I/O; ucx: issue and progress its worker until done, or until it stops
- * making progress), which saves the thread wake-ups that cost most of a
- * small request's time. */
-#define KVPI_POST_INLINE 0x1u
 
 typedef struct kvpi_server_ctx {
     const char *segment;        /* the local segment name, for messages */
@@ -306,10 +317,15 @@ typedef struct kvpi_transport_ops {
      * serves. */
     kvp_status (*peer_open)(const kvpi_peer_ctx *ctx, void **peer);
     /* Required. Start moving x (see kvpi_xfer) within one deadline (see
-     * kvpi_peer_ctx), in order or overlapped; flags: KVPI_POST_INLINE. Never
-     * fails: every outcome, an xfer refused at once included, comes through
-     * x->done. */
-    void (*peer_post)(void *peer, kvpi_xfer *x, unsigned flags);
+     * kvpi_peer_ctx), in order or overlapped, and return without waiting for
+     * the peer. Never fails: every outcome, an xfer refused at once
+     * included, comes through x->done. */
+    void (*peer_post)(void *peer, kvpi_xfer *x);
+    /* Optional, for a transport whose I/O blocks: move x on the calling
+     * thread, within its deadline, and call x->done before returning. The
+     * engine calls it instead of peer_post for the last xfer of a
+     * synchronous transfer, whose caller waits for it anyway. */
+    void (*peer_run)(void *peer, kvpi_xfer *x);
     /* Optional (for a transport that can hold xfers unstarted: a queue for
      * its threads). Complete now, with KVP_ECANCELED and without touching
      * their memory, the xfers of any peer of this server that wait unstarted
@@ -317,6 +333,24 @@ typedef struct kvpi_transport_ops {
      * thread, holding no lock: the completions may run on it. Without this
      * op a flagged xfer completes when the transport would have started it. */
     void (*server_cancel)(void *server);
+    /* Optional: manual progress (see the top of this file). Drive this
+     * server's progress on the calling thread: at most budget rounds of each
+     * thing it progresses (ucx: each UCP worker), then what came due (the
+     * deadlines of its xfers, its peers' control messages). Completions
+     * (kvpi_xfer.done) run inside it, on this thread. Returns how many
+     * events it handled, 0 when nothing was ready. Any thread, concurrently
+     * with itself and every op but server_stop (the transport serializes
+     * inside; one call holds it for one bounded round), never from inside a
+     * completion; it never waits for a peer. */
+    unsigned (*server_progress)(void *server, unsigned budget);
+    /* With server_progress, required. Arm the server for a sleep: returns a
+     * descriptor that poll() reports readable once server_progress has
+     * something to do, or -1 when it has something now (call it, then arm
+     * again). Threads as server_progress. The same descriptor every time,
+     * valid until server_stop: the caller polls it, never reads or closes
+     * it. Readable may be spurious (another thread took the event first):
+     * the caller progresses, and arms again before its next sleep. */
+    int (*server_wait_fd)(void *server);
     /* Required. Close and free; called once every xfer posted on it has
      * completed, from an engine worker or the destroying thread (never from
      * a completion). */
@@ -339,8 +373,10 @@ const kvpi_transport_ops *kvpi_transport_lookup(const char *name);
  * UCX), or NULL for a name it does not know or serves. */
 const char *kvpi_transport_missing(const char *name);
 
-/* Post x inline and wait for its completion; returns done's status. For
- * callers with no completion of their own (tests, tools). */
+/* Run x (peer_run where the transport has it, else peer_post) and wait for
+ * its completion; returns done's status. For callers with no completion of
+ * their own (tests, tools); a transport with manual progress is progressed
+ * by its own thread meanwhile. */
 kvp_status kvpi_transport_xfer_sync(const kvpi_transport_ops *ops, void *peer,
                                     kvpi_slice *const *slices, size_t n);
 

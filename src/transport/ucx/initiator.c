@@ -1097,7 +1097,7 @@ static int copy_mapped(ucx_peer *p, kvpi_xfer *x)
     return 1;
 }
 
-static void peer_post(void *peer, kvpi_xfer *x, unsigned flags)
+static void peer_post(void *peer, kvpi_xfer *x)
 {
     ucx_peer *p = peer;
     if (copy_mapped(p, x)) return;
@@ -1132,8 +1132,7 @@ static void peer_post(void *peer, kvpi_xfer *x, unsigned flags)
     if (pthread_mutex_trylock(&p->poll.lock) == 0 ||
         (atomic_load_explicit(&p->poll.by_progress, memory_order_relaxed) &&
          pthread_mutex_lock(&p->poll.lock) == 0)) {
-        int led = 0;
-        lead(p, ux, (flags & KVPI_POST_INLINE) ? &led : NULL);
+        lead(p, ux, NULL);
     } else {
         kvpi_ucx_post(p->server, &p->poll, &ux->cmd);
     }
