@@ -29,8 +29,8 @@
 
 #if KVP_HAVE_UCX
 /* A stranger on the target's UCX worker: a UCP worker of our own that speaks
- * the ucx transport's control messages by hand (ucx/ucx.h), so that the
- * test sees every byte the target answers. */
+ * the ucx transport's control messages by hand (transport/ucx/wire.h), so
+ * that the test sees every byte the target answers. */
 typedef struct raw_msg {
     unsigned id;
     size_t len;

@@ -1,12 +1,10 @@
-/* The ucx transport's engine-wide runtime: the UCP context, the progress
- * thread that owns every worker and serves the target's (its connections,
- * registrations and descriptor fields are ucx_target.c's), the hand-offs of
- * work to that thread, the devices, start and stop. ucx_server.h holds the
- * state both files share.
+/* The ucx transport's runtime (runtime.h): the UCP context, the workers
+ * and their lock, manual progress and the thread that drives it when no
+ * waiter does, the devices, start and stop.
  */
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
-#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,27 +15,14 @@
 #include <sodium.h>
 #include <uct/api/uct.h>
 
+#define KVPI_LOG_SUBSYS "ucx"
 #include "common/clock.h"
 #include "common/error.h"
 #include "common/log.h"
-#include "common/net.h"
 #include "transport/ucx/runtime.h"
 
-/* After its last piece of work the progress thread keeps polling this long
- * (yielding the CPU between rounds) before it sleeps on the workers' event
- * descriptors, so that a stream of requests is served without a wake-up
- * each. */
-#define SPIN_NS (1000 * 1000)
 /* Progress calls per worker per round of the thread. */
 #define ROUNDS 64
-/* The thread's longest sleep, so that failed connections are reaped. */
-#define SLEEP_MS 1000
-/* A pollee a caller let go of this recently is not armed before a sleep,
- * which then lasts this long at most (sleep_once). */
-#define DRIVEN_NS (10 * 1000 * 1000)
-#define DRIVEN_SLEEP_MS 2
-/* How long a retired worker's closing endpoint may take. */
-#define CLOSE_MS 1000
 #define DEFAULT_TIMEOUT_MS 5000
 /* The end of a message saying why the ucx transport cannot run here. */
 #define TCP_HINT                                                                                   \
@@ -81,28 +66,17 @@ char *kvpi_ucx_hex(const void *bytes, size_t n)
     return s;
 }
 
-static int hexval(char c)
-{
-    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-}
-
 kvp_status kvpi_ucx_unhex(const char *text, void **out, size_t *n)
 {
-    size_t len = strlen(text);
-    if (len == 0 || len % 2) return KVP_EPROTO;
-    uint8_t *b = malloc(len / 2);
-    if (!b) return KVP_ENOMEM;
-    for (size_t i = 0; i < len / 2; i++) {
-        int hi = hexval(text[2 * i]), lo = hexval(text[2 * i + 1]);
-        if (hi < 0 || lo < 0) {
-            free(b);
-            return KVP_EPROTO;
-        }
-        b[i] = (uint8_t)(hi << 4 | lo);
+    size_t len = strlen(text), got;
+    uint8_t *b = len && len % 2 == 0 ? malloc(len / 2) : NULL;
+    if (b && sodium_hex2bin(b, len / 2, text, len, NULL, &got, NULL) == 0 && got == len / 2) {
+        *out = b;
+        *n = got;
+        return KVP_OK;
     }
-    *out = b;
-    *n = len / 2;
-    return KVP_OK;
+    free(b);
+    return len && len % 2 == 0 && !b ? KVP_ENOMEM : KVP_EPROTO;
 }
 
 static void sent(void *request, ucs_status_t st, void *user_data)
@@ -156,338 +130,100 @@ kvp_status kvpi_ucx_set_handler(ucp_worker_h w, unsigned id, ucp_am_recv_callbac
     return KVP_OK;
 }
 
-kvp_status kvpi_ucx_worker_create(kvpi_ucx_server *s, ucp_worker_h *out)
+kvp_status kvpi_ucx_worker_create(kvpi_ucx_rt *rt, ucp_worker_h *out)
 {
-    /* One thread at a time (ucx_internal.h), not always the same one. */
+    /* One thread at a time (runtime.h), not always the same one. */
     ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
                               .thread_mode = UCS_THREAD_MODE_SERIALIZED};
-    ucs_status_t st = ucp_worker_create(s->ctx, &wp, out);
+    ucs_status_t st = ucp_worker_create(rt->ctx, &wp, out);
     if (st != UCS_OK)
         return kvpi_error(kvpi_ucx_status(st), "ucx: ucp_worker_create: %s", ucs_status_string(st));
     return KVP_OK;
 }
 
-/* ---- handing work to the progress thread ---- */
+/* ---- the workers ---- */
 
-/* Wake the thread if wake; called after the queue lock was let go. */
-static void wake_if(kvpi_ucx_server *s, int wake)
+/* Wake the thread (to arm a new worker, or to stop). */
+static void wake(kvpi_ucx_rt *rt)
 {
     uint64_t one = 1;
-    if (wake && write(s->evfd, &one, sizeof one) < 0 && errno != EAGAIN)
+    if (write(rt->evfd, &one, sizeof one) < 0 && errno != EAGAIN)
         KVPI_WARN("ucx: cannot wake the progress thread: %s", strerror(errno));
 }
 
-/* Under the queue lock: is the thread asleep? It is not, after this. */
-static int rouse(kvpi_ucx_server *s)
-{
-    int wake = s->sleeping;
-    s->sleeping = 0;
-    return wake;
-}
-
-void kvpi_ucx_submit(kvpi_ucx_server *s, kvpi_ucx_cmd *cmd)
-{
-    cmd->next = NULL;
-    pthread_mutex_lock(&s->queue_lock);
-    *s->queue_tail = cmd;
-    s->queue_tail = &cmd->next;
-    int wake = rouse(s);
-    pthread_mutex_unlock(&s->queue_lock);
-    wake_if(s, wake);
-}
-
-void kvpi_ucx_post(kvpi_ucx_server *s, kvpi_ucx_pollee *p, kvpi_ucx_cmd *cmd)
-{
-    cmd->next = NULL;
-    pthread_mutex_lock(&s->queue_lock);
-    *p->pending_tail = cmd;
-    p->pending_tail = &cmd->next;
-    atomic_fetch_add(&p->npending, 1);
-    int wake = rouse(s);
-    pthread_mutex_unlock(&s->queue_lock);
-    wake_if(s, wake);
-}
-
-/* Run a detached list of commands; returns how many. */
-static unsigned run_cmds(kvpi_ucx_server *s, kvpi_ucx_cmd *cmd)
-{
-    unsigned n = 0;
-    for (kvpi_ucx_cmd *next; cmd; cmd = next, n++) {
-        next = cmd->next; /* run may free cmd */
-        cmd->run(s, cmd);
-    }
-    return n;
-}
-
-unsigned kvpi_ucx_run_posted(kvpi_ucx_server *s, kvpi_ucx_pollee *p)
-{
-    if (atomic_load_explicit(&p->npending, memory_order_relaxed) == 0) return 0;
-    pthread_mutex_lock(&s->queue_lock);
-    kvpi_ucx_cmd *cmd = p->pending;
-    p->pending = NULL;
-    p->pending_tail = &p->pending;
-    atomic_store(&p->npending, 0);
-    pthread_mutex_unlock(&s->queue_lock);
-    return run_cmds(s, cmd);
-}
-
-void kvpi_ucx_let_go(kvpi_ucx_server *s, kvpi_ucx_pollee *p, int more)
-{
-    pthread_mutex_lock(&s->queue_lock);
-    atomic_store_explicit(&p->driven_ns, kvpi_now_ns(), memory_order_relaxed);
-    int wake = (more || p->pending) && rouse(s);
-    pthread_mutex_unlock(&s->queue_lock);
-    wake_if(s, wake);
-}
-
-void kvpi_ucx_pollee_init(kvpi_ucx_pollee *p)
-{
-    pthread_mutex_init(&p->lock, NULL);
-    p->pending = NULL;
-    p->pending_tail = &p->pending;
-    atomic_init(&p->npending, 0);
-    atomic_init(&p->driven_ns, 0);
-    atomic_init(&p->by_progress, 0);
-    atomic_init(&p->frozen, 0);
-}
-
-void kvpi_ucx_pollee_destroy(kvpi_ucx_pollee *p)
-{
-    pthread_mutex_destroy(&p->lock);
-}
-
-typedef struct ucx_call {
-    kvpi_ucx_cmd cmd; /* first */
-    void (*fn)(kvpi_ucx_server *s, void *arg);
-    void *arg;
-    pthread_mutex_t lock;
-    pthread_cond_t cond;
-    int done;
-} ucx_call;
-
-static void call_run(kvpi_ucx_server *s, kvpi_ucx_cmd *cmd)
-{
-    ucx_call *c = (ucx_call *)cmd;
-    c->fn(s, c->arg);
-    pthread_mutex_lock(&c->lock);
-    c->done = 1;
-    pthread_cond_signal(&c->cond);
-    pthread_mutex_unlock(&c->lock);
-}
-
-void kvpi_ucx_call(kvpi_ucx_server *s, void (*fn)(kvpi_ucx_server *s, void *arg), void *arg)
-{
-    /* The thread runs each command in a bounded time (UCP calls that do not
-     * block), so the wait is bounded too. */
-    ucx_call c = {.cmd = {.run = call_run}, .fn = fn, .arg = arg};
-    pthread_mutex_init(&c.lock, NULL);
-    pthread_cond_init(&c.cond, NULL);
-    kvpi_ucx_submit(s, &c.cmd);
-    pthread_mutex_lock(&c.lock);
-    while (!c.done)
-        pthread_cond_wait(&c.cond, &c.lock);
-    pthread_mutex_unlock(&c.lock);
-    pthread_cond_destroy(&c.cond);
-    pthread_mutex_destroy(&c.lock);
-}
-
-void kvpi_ucx_busy_add(kvpi_ucx_server *s, long n)
-{
-    s->busy += n;
-}
-
-kvp_status kvpi_ucx_poll_add(kvpi_ucx_server *s, kvpi_ucx_pollee *p)
+kvp_status kvpi_ucx_poller_add(kvpi_ucx_rt *rt, kvpi_ucx_poller *p)
 {
     ucs_status_t st = ucp_worker_get_efd(p->worker, &p->efd);
     if (st != UCS_OK)
         return kvpi_error(kvpi_ucx_status(st), "ucx: ucp_worker_get_efd: %s",
                           ucs_status_string(st));
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = p};
-    if (epoll_ctl(s->epfd, EPOLL_CTL_ADD, p->efd, &ev) != 0)
+    if (epoll_ctl(rt->epfd, EPOLL_CTL_ADD, p->efd, &ev) != 0)
         return kvpi_error(KVP_EIO, "ucx: epoll_ctl: %s", strerror(errno));
-    p->watched = 1;
-    p->next = s->pollees;
-    s->pollees = p;
+    p->next = rt->pollers;
+    rt->pollers = p;
+    wake(rt); /* a sleeper armed the others, not this one */
     return KVP_OK;
 }
 
-void kvpi_ucx_poll_remove(kvpi_ucx_server *s, kvpi_ucx_pollee *p)
+void kvpi_ucx_poller_remove(kvpi_ucx_rt *rt, kvpi_ucx_poller *p)
 {
-    for (kvpi_ucx_pollee **pp = &s->pollees; *pp; pp = &(*pp)->next)
+    for (kvpi_ucx_poller **pp = &rt->pollers; *pp; pp = &(*pp)->next)
         if (*pp == p) {
             *pp = p->next;
-            epoll_ctl(s->epfd, EPOLL_CTL_DEL, p->efd, NULL);
+            epoll_ctl(rt->epfd, EPOLL_CTL_DEL, p->efd, NULL);
             return;
         }
 }
 
-void kvpi_ucx_retire(kvpi_ucx_server *s, ucp_worker_h w, void *req, void (*done)(void *arg),
-                     void *arg)
-{
-    ucx_retiree *r = calloc(1, sizeof *r);
-    if (!r) {
-        /* No room to wait: end it now. */
-        if (req) ucp_request_free(req);
-        ucp_worker_destroy(w);
-        if (done) done(arg);
-        return;
-    }
-    *r = (ucx_retiree){.next = s->retirees,
-                       .worker = w,
-                       .req = req,
-                       .deadline = kvpi_deadline_ns(CLOSE_MS),
-                       .done = done,
-                       .arg = arg};
-    s->retirees = r;
-}
+/* ---- progress ---- */
 
-/* ---- the progress thread ---- */
-
-static unsigned drain(ucp_worker_h w)
+static unsigned drain(ucp_worker_h w, unsigned budget)
 {
     unsigned n = 0, did;
-    for (int i = 0; i < ROUNDS && (did = ucp_worker_progress(w)) != 0; i++)
+    for (unsigned i = 0; i < budget && (did = ucp_worker_progress(w)) != 0; i++)
         n += did;
     return n;
 }
 
-static unsigned run_queue(kvpi_ucx_server *s)
+unsigned kvpi_ucx_progress(void *server, unsigned budget)
 {
-    pthread_mutex_lock(&s->queue_lock);
-    kvpi_ucx_cmd *cmd = s->queue;
-    s->queue = NULL;
-    s->queue_tail = &s->queue;
-    pthread_mutex_unlock(&s->queue_lock);
-    return run_cmds(s, cmd);
-}
-
-static void retiree_end(ucx_retiree *r)
-{
-    if (r->req) ucp_request_free(r->req);
-    ucp_worker_destroy(r->worker);
-    if (r->done) r->done(r->arg);
-    free(r);
-}
-
-static unsigned serve_retirees(kvpi_ucx_server *s)
-{
-    unsigned n = 0;
-    for (ucx_retiree **pr = &s->retirees; *pr;) {
-        ucx_retiree *r = *pr;
-        n += drain(r->worker);
-        if (r->req && ucp_request_check_status(r->req) == UCS_INPROGRESS &&
-            kvpi_now_ns() < r->deadline) {
-            pr = &r->next;
-            continue;
-        }
-        *pr = r->next;
-        retiree_end(r);
-        n++;
-    }
-    return n;
-}
-
-/* Close the endpoints of failed connections and forget them. */
-/* Have the sleep wake on p's event descriptor, or not. */
-static void watch(kvpi_ucx_server *s, kvpi_ucx_pollee *p, int on)
-{
-    if (p->watched == on) return;
-    struct epoll_event ev = {.events = on ? EPOLLIN : 0, .data.ptr = p};
-    if (epoll_ctl(s->epfd, EPOLL_CTL_MOD, p->efd, &ev) == 0) p->watched = on;
-}
-
-/* Arm every worker and sleep until one has an event, work is queued, or
- * SLEEP_MS passed. A pollee that a caller holds, or let go of within
- * DRIVEN_NS, is not armed (a caller streaming requests on it would wake us
- * at each one): the sleep is then DRIVEN_SLEEP_MS at most, after which it is
- * served, and armed, once idle. */
-static void sleep_once(kvpi_ucx_server *s)
-{
-    int busy = ucp_worker_arm(s->worker) == UCS_ERR_BUSY, driven = 0;
-    uint64_t now = kvpi_now_ns();
-    pthread_mutex_lock(&s->queue_lock);
-    for (kvpi_ucx_pollee *p = s->pollees; p; p = p->next) {
-        if (atomic_load(&p->frozen)) {
-            watch(s, p, 0);
-            continue;
-        }
-        busy |= p->pending != NULL;
-        if (now - atomic_load_explicit(&p->driven_ns, memory_order_relaxed) < DRIVEN_NS ||
-            pthread_mutex_trylock(&p->lock) != 0) {
-            driven = 1;
-            /* Unarmed, its descriptor may stay readable: not watched. */
-            watch(s, p, 0);
-            continue;
-        }
-        busy |= p->busy || ucp_worker_arm(p->worker) == UCS_ERR_BUSY;
-        pthread_mutex_unlock(&p->lock);
-        watch(s, p, 1);
-    }
-    busy |= s->queue != NULL || s->stop;
-    s->sleeping = !busy;
-    pthread_mutex_unlock(&s->queue_lock);
-    if (busy) return;
-    struct epoll_event ev[8];
-    int n = epoll_wait(s->epfd, ev, 8, driven ? DRIVEN_SLEEP_MS : SLEEP_MS);
-    for (int i = 0; i < n; i++) {
-        uint64_t v;
-        if (ev[i].data.ptr == NULL && read(s->evfd, &v, sizeof v) < 0 && errno != EAGAIN)
-            KVPI_WARN("ucx: progress thread: read: %s", strerror(errno));
-    }
-    pthread_mutex_lock(&s->queue_lock);
-    s->sleeping = 0;
-    pthread_mutex_unlock(&s->queue_lock);
-}
-
-/* One round on each pollee no caller holds: what was posted, progress, its
- * service. *busy is set where one has requests in flight. */
-static unsigned serve_pollees(kvpi_ucx_server *s, int *busy)
-{
+    kvpi_ucx_rt *rt = server;
     unsigned did = 0;
-    for (kvpi_ucx_pollee *p = s->pollees; p; p = p->next) {
-        if (atomic_load(&p->frozen)) continue;
-        if (pthread_mutex_trylock(&p->lock) != 0) continue; /* a caller leads it */
-        atomic_store_explicit(&p->by_progress, 1, memory_order_relaxed);
-        did += kvpi_ucx_run_posted(s, p);
-        did += drain(p->worker);
-        did += p->service(s, p);
-        *busy |= p->busy;
-        atomic_store_explicit(&p->by_progress, 0, memory_order_relaxed);
-        pthread_mutex_unlock(&p->lock);
+    pthread_mutex_lock(&rt->lock);
+    for (kvpi_ucx_poller *p = rt->pollers, *next; p; p = next) {
+        next = p->next; /* a service may remove its own */
+        did += drain(p->worker, budget);
+        did += p->service(p);
     }
+    pthread_mutex_unlock(&rt->lock);
     return did;
 }
 
-static int stopping(kvpi_ucx_server *s)
+int kvpi_ucx_wait_fd(void *server)
 {
-    pthread_mutex_lock(&s->queue_lock);
-    int stop = s->stop && !s->queue;
-    pthread_mutex_unlock(&s->queue_lock);
-    return stop;
+    kvpi_ucx_rt *rt = server;
+    int busy = 0;
+    pthread_mutex_lock(&rt->lock);
+    for (kvpi_ucx_poller *p = rt->pollers; p && !busy; p = p->next)
+        busy = ucp_worker_arm(p->worker) == UCS_ERR_BUSY;
+    pthread_mutex_unlock(&rt->lock);
+    return busy ? -1 : rt->epfd;
 }
 
+/* Drive progress while there is any; then sleep on the workers' events and
+ * the wake-up, KVPI_UCX_TICK_MS at most. */
 static void *progress_main(void *arg)
 {
-    kvpi_ucx_server *s = arg;
-    uint64_t idle_since = kvpi_now_ns();
-    while (!stopping(s)) {
-        int busy = 0;
-        /* Work as a target (and commands) keeps the thread polling for
-         * SPIN_NS; a peer's worker, only while requests are in flight on it
-         * (a caller leads it otherwise, or nobody waits). */
-        unsigned did = run_queue(s) + drain(s->worker);
-        did += serve_retirees(s) + kvpi_ucx_reap(s) + kvpi_ucx_expire_challenges(s);
-        unsigned peers = serve_pollees(s, &busy);
-        uint64_t now = kvpi_now_ns();
-        if (did) {
-            idle_since = now;
-        } else if (peers || busy || s->busy > 0 || s->retirees || now - idle_since < SPIN_NS) {
-            /* Waiting on a peer: let other threads have the CPU meanwhile. */
-            sched_yield();
-        } else {
-            /* Woken, it spins again only once it found work. */
-            sleep_once(s);
-        }
+    kvpi_ucx_rt *rt = arg;
+    while (!atomic_load(&rt->stop)) {
+        if (kvpi_ucx_progress(rt, ROUNDS) || kvpi_ucx_wait_fd(rt) < 0) continue;
+        struct pollfd fds[2] = {{.fd = rt->epfd, .events = POLLIN},
+                                {.fd = rt->evfd, .events = POLLIN}};
+        uint64_t v;
+        if (poll(fds, 2, KVPI_UCX_TICK_MS) > 0 && fds[1].revents &&
+            read(rt->evfd, &v, sizeof v) < 0 && errno != EAGAIN)
+            KVPI_WARN("ucx: progress thread: read: %s", strerror(errno));
     }
     return NULL;
 }
@@ -661,7 +397,7 @@ static kvp_status configure(const kvpi_server_ctx *ctx, ucp_config_t *cfg)
     return st;
 }
 
-static kvp_status start_context(kvpi_ucx_server *s, const kvpi_server_ctx *ctx)
+static kvp_status start_context(kvpi_ucx_rt *rt, const kvpi_server_ctx *ctx)
 {
     ucp_config_t *cfg;
     ucs_status_t ust = ucp_config_read(NULL, NULL, &cfg);
@@ -673,8 +409,8 @@ static kvp_status start_context(kvpi_ucx_server *s, const kvpi_server_ctx *ctx)
                               UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED,
                           .features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
                           .mt_workers_shared = 1};
-        if ((ust = ucp_init(&p, cfg, &s->ctx)) != UCS_OK) {
-            s->ctx = NULL;
+        if ((ust = ucp_init(&p, cfg, &rt->ctx)) != UCS_OK) {
+            rt->ctx = NULL;
             st = kvpi_error(KVP_ENOTSUP, "ucx: UCX cannot start here (UCX_TLS=%s): %s" TCP_HINT,
                             getenv("UCX_TLS") ? getenv("UCX_TLS") : "all", ucs_status_string(ust));
         }
@@ -683,113 +419,74 @@ static kvp_status start_context(kvpi_ucx_server *s, const kvpi_server_ctx *ctx)
     return st;
 }
 
-static kvp_status start_worker(kvpi_ucx_server *s)
+static kvp_status start_worker(kvpi_ucx_rt *rt)
 {
-    kvp_status st = kvpi_ucx_worker_create(s, &s->worker);
+    kvp_status st = kvpi_ucx_worker_create(rt, &rt->target.worker);
     if (st) {
-        s->worker = NULL;
+        rt->target.worker = NULL;
         return st;
     }
     ucp_address_t *addr;
     size_t len;
-    ucs_status_t ust = ucp_worker_get_address(s->worker, &addr, &len);
+    ucs_status_t ust = ucp_worker_get_address(rt->target.worker, &addr, &len);
     if (ust != UCS_OK)
         return kvpi_error(kvpi_ucx_status(ust), "ucx: ucp_worker_get_address: %s",
                           ucs_status_string(ust));
-    s->worker_hex = kvpi_ucx_hex(addr, len);
-    ucp_worker_release_address(s->worker, addr);
-    if (!s->worker_hex) return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
-    return kvpi_ucx_target_handlers(s);
-}
-
-/* The worker is created here, then only the progress thread touches it. */
-static kvp_status start_thread(kvpi_ucx_server *s)
-{
-    int wefd;
-    ucs_status_t ust = ucp_worker_get_efd(s->worker, &wefd);
-    if (ust != UCS_OK)
-        return kvpi_error(kvpi_ucx_status(ust), "ucx: ucp_worker_get_efd: %s",
-                          ucs_status_string(ust));
-    if ((s->epfd = epoll_create1(EPOLL_CLOEXEC)) < 0 ||
-        (s->evfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) < 0)
+    rt->worker_hex = kvpi_ucx_hex(addr, len);
+    ucp_worker_release_address(rt->target.worker, addr);
+    if (!rt->worker_hex) return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+    if ((rt->epfd = epoll_create1(EPOLL_CLOEXEC)) < 0 ||
+        (rt->evfd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) < 0)
         return kvpi_error(KVP_EIO, "ucx: epoll/eventfd: %s", strerror(errno));
-    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
-    struct epoll_event wev = {.events = EPOLLIN, .data.ptr = s};
-    if (epoll_ctl(s->epfd, EPOLL_CTL_ADD, s->evfd, &ev) != 0 ||
-        epoll_ctl(s->epfd, EPOLL_CTL_ADD, wefd, &wev) != 0)
-        return kvpi_error(KVP_EIO, "ucx: epoll_ctl: %s", strerror(errno));
-    int rc = pthread_create(&s->thread, NULL, progress_main, s);
+    return kvpi_ucx_poller_add(rt, &rt->target);
+}
+
+kvp_status kvpi_ucx_rt_start(kvpi_ucx_rt *rt, const kvpi_server_ctx *ctx,
+                             unsigned (*target_service)(kvpi_ucx_poller *))
+{
+    rt->epfd = rt->evfd = -1;
+    pthread_mutex_init(&rt->lock, NULL);
+    atomic_init(&rt->stop, 0);
+    rt->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : DEFAULT_TIMEOUT_MS;
+    rt->auth = ctx->auth;
+    rt->target.service = target_service;
+    if (!(rt->segment = strdup(ctx->segment ? ctx->segment : "")))
+        return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
+    if (kvpi_shm_host_id(rt->host_id, sizeof rt->host_id)) rt->host_id[0] = '\0';
+    kvp_status st = start_context(rt, ctx);
+    return st ? st : start_worker(rt);
+}
+
+kvp_status kvpi_ucx_rt_run(kvpi_ucx_rt *rt)
+{
+    int rc = pthread_create(&rt->thread, NULL, progress_main, rt);
     if (rc != 0) return kvpi_error(KVP_EIO, "ucx: cannot start a thread: %s", strerror(rc));
-    s->thread_started = 1;
+    rt->thread_started = 1;
+    KVPI_INFO("ucx %s: serving (UCX %s, UCX_TLS=%s%s)", rt->segment, ucp_get_version_string(),
+              getenv("UCX_TLS") ? getenv("UCX_TLS") : "all", rt->auth ? ", authenticated" : "");
     return KVP_OK;
 }
 
-kvp_status kvpi_ucx_server_start(const kvpi_server_ctx *ctx, void **server)
+void kvpi_ucx_rt_halt(kvpi_ucx_rt *rt)
 {
-    kvpi_ucx_server *s = calloc(1, sizeof *s);
-    if (!s) return kvpi_error(KVP_ENOMEM, "ucx: out of memory");
-    s->epfd = s->evfd = -1;
-    s->queue_tail = &s->queue;
-    pthread_mutex_init(&s->queue_lock, NULL);
-    pthread_mutex_init(&s->conns_lock, NULL);
-    pthread_mutex_init(&s->dereg_lock, NULL);
-    pthread_mutex_init(&s->chunks_lock, NULL);
-    kvpi_cond_init(&s->conns_cond);
-    s->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : DEFAULT_TIMEOUT_MS;
-    s->auth = ctx->auth;
-    s->max_chals = ctx->max_conns > 0 ? ctx->max_conns : KVPI_UCX_CHALLENGES_DEFAULT;
-    kvp_status st = KVP_OK;
-    if (!(s->segment = strdup(ctx->segment ? ctx->segment : "")))
-        st = kvpi_error(KVP_ENOMEM, "ucx: out of memory");
-    if (!st && kvpi_shm_host_id(s->host_id, sizeof s->host_id)) s->host_id[0] = '\0';
-    if (!st) st = start_context(s, ctx);
-    if (!st) st = start_worker(s);
-    if (!st) st = start_thread(s);
-    if (st) {
-        kvpi_ucx_server_stop(s);
-        return st;
-    }
-    KVPI_INFO("ucx %s: serving (UCX %s, UCX_TLS=%s%s)", s->segment, ucp_get_version_string(),
-              getenv("UCX_TLS") ? getenv("UCX_TLS") : "all", s->auth ? ", authenticated" : "");
-    *server = s;
-    return KVP_OK;
+    if (!rt->thread_started) return;
+    atomic_store(&rt->stop, 1);
+    wake(rt);
+    pthread_join(rt->thread, NULL);
+    rt->thread_started = 0;
 }
 
-void kvpi_ucx_server_stop(void *server)
+void kvpi_ucx_rt_free(kvpi_ucx_rt *rt)
 {
-    kvpi_ucx_server *s = server;
-    if (!s) return;
-    if (s->thread_started) {
-        pthread_mutex_lock(&s->queue_lock);
-        s->stop = 1;
-        pthread_mutex_unlock(&s->queue_lock);
-        uint64_t one = 1;
-        if (write(s->evfd, &one, sizeof one) < 0)
-            KVPI_WARN("ucx: cannot wake the progress thread: %s", strerror(errno));
-        pthread_join(s->thread, NULL);
+    /* Every peer was closed before, and what used the target's worker. */
+    if (rt->target.worker) {
+        drain(rt->target.worker, ROUNDS);
+        ucp_worker_destroy(rt->target.worker);
     }
-    /* The thread is gone: this one owns the workers now. Every peer was
-     * closed and every region deregistered before; what is left are the
-     * connections from initiators and workers still closing. */
-    kvpi_ucx_target_close(s);
-    while (s->retirees) {
-        ucx_retiree *r = s->retirees;
-        s->retirees = r->next;
-        retiree_end(r);
-    }
-    if (s->worker) {
-        drain(s->worker);
-        ucp_worker_destroy(s->worker);
-    }
-    if (s->ctx) ucp_cleanup(s->ctx);
-    if (s->epfd >= 0) close(s->epfd);
-    if (s->evfd >= 0) close(s->evfd);
-    pthread_cond_destroy(&s->conns_cond);
-    pthread_mutex_destroy(&s->chunks_lock);
-    pthread_mutex_destroy(&s->dereg_lock);
-    pthread_mutex_destroy(&s->conns_lock);
-    pthread_mutex_destroy(&s->queue_lock);
-    free(s->worker_hex);
-    free(s->segment);
-    free(s);
+    if (rt->ctx) ucp_cleanup(rt->ctx);
+    if (rt->epfd >= 0) close(rt->epfd);
+    if (rt->evfd >= 0) close(rt->evfd);
+    pthread_mutex_destroy(&rt->lock);
+    free(rt->worker_hex);
+    free(rt->segment);
 }

@@ -1,119 +1,115 @@
-/* Internal: the state of the ucx transport's engine-wide part, shared by
- * its two files: ucx_server.c, the runtime (the UCP context, the progress
- * thread that owns every worker, the hand-offs to it, start and stop), and
- * ucx_target.c, what the target serves (the initiators' connections and
- * their HELLO exchange, registrations and their revocation, the pool's
- * chunks, the descriptor fields). ucx_internal.h has the threads' rules. */
-#ifndef KVPI_TRANSPORT_UCX_SERVER_H
-#define KVPI_TRANSPORT_UCX_SERVER_H
+/* Internal: the ucx transport's runtime, what its other parts stand on: the
+ * UCP context, the workers and the one lock that serializes them, the
+ * transport's manual progress (transport.h: server_progress,
+ * server_wait_fd) and the thread that drives it when no waiter does, and
+ * small UCP helpers. It knows nothing of targets or initiators: each worker
+ * comes with a service, called after each round of progress.
+ *
+ * The parts, each including only those before it: wire.{h,c} (control
+ * messages, no UCX), runtime.{h,c}, target.{h,c} (what the target serves:
+ * registrations, REVOKE, the initiators' connections, the pool's chunks,
+ * the descriptor's fields; server_start and server_stop), transfer.{h,c}
+ * (a peer's transfers: issuing, completion, deadlines, copies of mapped
+ * memory), initiator.c (opening and closing peers, their control messages,
+ * the ops table). docs/transport-ucx.md has the reasons.
+ *
+ * Threads. Workers are UCS_THREAD_MODE_SERIALIZED: whoever holds the
+ * runtime's lock may call UCP on any of its workers, and no one else does
+ * (measured: a MULTI-mode worker shared by the engine's threads and a
+ * progress thread ran 1 MiB reads 30 times slower on a loaded 2-core host,
+ * its spinlock held by preempted threads). The lock is held for bounded
+ * work only: issuing requests, one round of progress, opening or closing an
+ * endpoint; never while waiting for a peer. The context's memory calls
+ * (ucp_mem_map, ucp_rkey_pack, ucp_mem_unmap) run on any thread without it.
+ * Who progresses: waiters, through server_progress (the engine's
+ * kvp_batch_wait), and the runtime's thread, which sleeps in poll() on the
+ * same descriptor and wakes at least every KVPI_UCX_TICK_MS for what needs
+ * no event (deadlines, a same-host target's death, unanswered challenges).
+ */
+#ifndef KVPI_TRANSPORT_UCX_RUNTIME_H
+#define KVPI_TRANSPORT_UCX_RUNTIME_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 
 #include <ucp/api/ucp.h>
 
 #include "transport/shm_internal.h"
-#include "transport/ucx/ucx.h"
+#include "transport/transport.h"
 
-typedef struct ucx_reg {
-    struct ucx_reg *next; /* the server's list of live registrations */
-    ucp_mem_h memh;
-    char *rkey_hex;
-    void *rkey; /* packed */
-    size_t rkey_len;
-    uint64_t addr, length;
-    int in_chunk; /* memh is a pool chunk's (ucx_chunk): chunk_unmap frees it */
-} ucx_reg;
+/* The longest sleep of the runtime's thread: the period of the checks that
+ * no event triggers. */
+#define KVPI_UCX_TICK_MS 100
 
-/* A buffer-pool chunk UCX allocated (chunk_map): memory a same-host peer's
- * UCX maps into its own address space from the rkey, and then copies
- * directly, without this process's progress (docs/transport-ucx.md). */
-typedef struct ucx_chunk {
-    struct ucx_chunk *next;
-    ucp_mem_h memh;
-    uint64_t addr, length;
-} ucx_chunk;
-
-/* An initiator that said HELLO: the endpoint to it is the one its requests
- * arrive on (UCP paired them). The progress thread owns it; id, acked and
- * dead are also read by a deregistration waiting for acknowledgements, so
- * they change under conns_lock, as does the list. */
-typedef struct ucx_conn {
-    struct ucx_conn *next;
-    kvpi_ucx_server *server;
-    ucp_ep_h ep; /* NULL once closed */
-    uint64_t id;
-    uint64_t acked; /* the highest REVOKE serial it acknowledged */
-    int dead;       /* failed or cut off: nothing more is sent to it */
-} ucx_conn;
-
-/* Authenticated mode: an initiator's HELLO answered with a CHALLENGE, its
- * PROOF awaited. Only the progress thread touches these. */
-typedef struct ucx_chal {
-    struct ucx_chal *next;
-    ucx_conn *conn; /* its endpoint; joins the connections once proven */
-    uint64_t id, epoch, deadline;
-    uint8_t kid[KVPI_AUTH_KID_LEN];
-    uint8_t nc[KVPI_AUTH_NONCE_LEN], ns[KVPI_AUTH_NONCE_LEN];
-} ucx_chal;
-
-/* A worker whose endpoint is closing. */
-typedef struct ucx_retiree {
-    struct ucx_retiree *next;
+/* A worker the runtime progresses. service runs after each round of
+ * progress, under the lock; it returns how many things it did. */
+typedef struct kvpi_ucx_poller {
     ucp_worker_h worker;
-    void *req;
-    uint64_t deadline;
-    void (*done)(void *arg);
-    void *arg;
-} ucx_retiree;
+    int efd;
+    unsigned (*service)(struct kvpi_ucx_poller *self);
+    struct kvpi_ucx_poller *next;
+} kvpi_ucx_poller;
 
-struct kvpi_ucx_server {
+/* The runtime; first in the server (target.c), so that the engine's server
+ * pointer is one to it too. */
+typedef struct kvpi_ucx_rt {
     ucp_context_h ctx;
-    ucp_worker_h worker;
-    char *worker_hex;
-    char *segment;
+    kvpi_ucx_poller target;             /* the worker peers connect to (its service: target.c's) */
+    char *worker_hex;                   /* its address, published */
+    char *segment;                      /* ours, for messages */
     char host_id[KVPI_SHM_HOST_ID_MAX]; /* "" where unknown */
     int timeout_ms;
     const kvpi_auth *auth; /* the engine's, outlives the server; NULL: plain */
 
+    pthread_mutex_t lock; /* every UCP call on a worker; the lists below */
+    kvpi_ucx_poller *pollers;
+
+    int epfd; /* every poller's efd: the wait descriptor */
+    int evfd; /* wakes the thread: a worker to arm, or stop */
     pthread_t thread;
     int thread_started;
-    int epfd, evfd;
+    atomic_int stop;
+} kvpi_ucx_rt;
 
-    pthread_mutex_t queue_lock; /* the queue, sleeping and stop */
-    kvpi_ucx_cmd *queue, **queue_tail;
-    int sleeping, stop;
+/* server_start's first half: the context (its configuration from ctx) and
+ * the target's worker, whose service is target_service (which holds no
+ * lock of the runtime's). */
+kvp_status kvpi_ucx_rt_start(kvpi_ucx_rt *rt, const kvpi_server_ctx *ctx,
+                             unsigned (*target_service)(kvpi_ucx_poller *));
+/* Its second half: the thread. */
+kvp_status kvpi_ucx_rt_run(kvpi_ucx_rt *rt);
+/* Stop the thread (if it ran). Then, with the lock, the caller closes what
+ * uses the target worker; then kvpi_ucx_rt_free. */
+void kvpi_ucx_rt_halt(kvpi_ucx_rt *rt);
+void kvpi_ucx_rt_free(kvpi_ucx_rt *rt);
 
-    /* The progress thread's own. */
-    kvpi_ucx_pollee *pollees;
-    ucx_retiree *retirees;
-    long busy;
-    ucx_chal *chals; /* authenticated mode: challenges pending */
-    int n_chals, max_chals;
-    uint64_t next_chal;
+/* The ops (server = the runtime). */
+unsigned kvpi_ucx_progress(void *server, unsigned budget);
+int kvpi_ucx_wait_fd(void *server);
 
-    pthread_mutex_t conns_lock; /* never held across a UCX call */
-    pthread_cond_t conns_cond;  /* an acknowledgement came, or a connection failed */
-    ucx_conn *conns;
-    ucx_reg *regs; /* live registrations, for the rkeys of a HELLO_ACK */
-    uint64_t next_id;
-    uint64_t epoch; /* deregistrations so far */
-    struct {
-        uint64_t addr, length;
-    } log[KVPI_UCX_REVOKE_LOG]; /* the range of deregistration e at [e % LOG] */
-    pthread_mutex_t dereg_lock; /* one deregistration at a time */
-    pthread_mutex_t chunks_lock;
-    ucx_chunk *chunks; /* the pool's chunks UCX allocated */
-};
+/* The rest: with the lock held. */
+/* A new worker on the context, SERIALIZED. */
+kvp_status kvpi_ucx_worker_create(kvpi_ucx_rt *rt, ucp_worker_h *out);
+/* Progress p from now on (p->worker, p->service set), or no longer (from
+ * inside p's own service too); then the caller owns p's worker alone. */
+kvp_status kvpi_ucx_poller_add(kvpi_ucx_rt *rt, kvpi_ucx_poller *p);
+void kvpi_ucx_poller_remove(kvpi_ucx_rt *rt, kvpi_ucx_poller *p);
+/* Set the active-message handler id of worker w (whole messages only). */
+kvp_status kvpi_ucx_set_handler(ucp_worker_h w, unsigned id, ucp_am_recv_callback_t cb, void *arg);
+/* Send a control message of len bytes (copied) on ep; UCP completes it in the
+ * background. flags: UCP_AM_SEND_FLAG_*. */
+kvp_status kvpi_ucx_am_send(ucp_ep_h ep, unsigned id, const void *bytes, size_t len,
+                            uint32_t flags);
+/* Close ep at once: its requests complete with UCS_ERR_CANCELED. */
+void kvpi_ucx_ep_close_force(ucp_ep_h ep);
 
-/* ucx_target.c, for the runtime: set the server worker's handlers of the
- * initiators' messages; on the progress thread, close the connections that
- * failed or were cut off, and drop challenges unanswered in time (each
- * returns how many it did); at stop, with the thread gone, close what is
- * left of both. */
-kvp_status kvpi_ucx_target_handlers(kvpi_ucx_server *s);
-unsigned kvpi_ucx_reap(kvpi_ucx_server *s);
-unsigned kvpi_ucx_expire_challenges(kvpi_ucx_server *s);
-void kvpi_ucx_target_close(kvpi_ucx_server *s);
+/* Any thread. */
+/* The kvp_status of a UCX failure. */
+kvp_status kvpi_ucx_status(ucs_status_t st);
+/* Hex text of n bytes (malloc'ed), and back: KVP_OK and *out (malloc'ed),
+ * *n, or KVP_EPROTO for text that is not even-length hex. */
+char *kvpi_ucx_hex(const void *bytes, size_t n);
+kvp_status kvpi_ucx_unhex(const char *text, void **out, size_t *n);
 
 #endif

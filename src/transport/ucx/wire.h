@@ -59,6 +59,20 @@
 #define KVPI_UCX_VERSION 1
 #define KVPI_UCX_MAGIC 0x5550564bu /* "KVPU" little-endian */
 
+/* The descriptor's fields (Mooncake peers ignore them; "protocol" stays
+ * "tcp"): a top-level object
+ *   "ucx": {"version": 1, "worker": "<hex worker address>", "epoch": N,
+ *           "host_id": "<as shm's>", "pid": P}
+ * and, in each buffer entry, "ucx_rkey": "<hex packed rkey>". epoch counts
+ * the server's deregistrations up to the moment the descriptor was
+ * rendered. host_id and pid let a peer on the same host see that the
+ * process died while UCX cannot (shared memory outlives it; a zombie keeps
+ * its pid). */
+#define KVPI_UCX_FIELD "ucx"
+#define KVPI_UCX_RKEY_FIELD "ucx_rkey"
+/* Deregistrations whose ranges a HELLO_ACK can still report. */
+#define KVPI_UCX_REVOKE_LOG 256
+
 enum kvpi_ucx_am {
     KVPI_UCX_AM_HELLO = 1,
     KVPI_UCX_AM_HELLO_ACK = 2,
