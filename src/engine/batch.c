@@ -815,9 +815,12 @@ static void drive(kvp_batch *b, uint64_t deadline_ns)
             did += e->transports[i]->server_progress(e->servers[i], PROGRESS_BUDGET);
     struct pollfd fds[KVPI_MAX_TRANSPORTS + 1];
     nfds_t n = 0;
-    for (size_t i = 0; !did && slots >> i; i++)
-        if (slots >> i & 1 && (fds[n++].fd = e->transports[i]->server_wait_fd(e->servers[i])) < 0)
-            did = 1; /* it has something already */
+    for (size_t i = 0; !did && slots >> i; i++) {
+        int fd =
+            slots >> i & 1 ? e->transports[i]->server_wait_fd(e->servers[i]) : KVPI_WAIT_FD_NONE;
+        did = fd == -1; /* it has something already */
+        if (fd >= 0) fds[n++].fd = fd;
+    }
     int ms = did ? 0 : kvpi_remaining_ms(deadline_ns);
     if (ms != 0) {
         fds[n++].fd = wake_fd;

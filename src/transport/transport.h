@@ -36,24 +36,26 @@
  * Transfers are asynchronous: peer_post hands the transport an xfer (a
  * group of slices) and returns; the transport calls the xfer's completion
  * once, later, from a thread that moves or progresses it, or at once when it
- * refuses it. Two kinds of transport:
- *   - Blocking I/O (tcp, shm): the transport runs each xfer on threads it
- *     owns (transport/runner.h), and may offer peer_run, which runs one on
- *     the calling thread: the engine's synchronous transfers use it for their
- *     last xfer, which saves the thread wake-ups that cost most of a small
- *     request's time (a 4 KiB READ over loopback tcp: 8 us inline, 15 us
- *     through a runner thread).
+ * refuses it. peer_run is the synchronous form: the xfer on the calling
+ * thread, complete when it returns; the engine runs the last xfer of a
+ * synchronous transfer (kvp_engine_read/write) so, which saves the thread
+ * wake-ups that cost most of a small request's time (a 4 KiB READ over
+ * loopback tcp: 8 us at the median in the caller, 15 us through a runner
+ * thread). Two kinds of transport:
+ *   - Blocking I/O (tcp, shm): the transport runs each posted xfer on
+ *     threads it owns (transport/runner.h); peer_run does its I/O on the
+ *     caller's. Nothing else drives them: their progress is a no-op (they
+ *     leave server_progress and server_wait_fd out).
  *   - Manual progress (ucx; UCT's uct_iface_progress, libfabric's
  *     FI_PROGRESS_MANUAL): peer_post issues nonblocking requests, and the
  *     completions come when something drives the transport's progress
- *     (server_progress). Whoever waits drives it: kvp_batch_wait (and so
- *     kvp_engine_read/write) calls server_progress of each such transport
- *     its batch posted to while that makes progress, then sleeps in poll()
- *     on their server_wait_fd and the batch's own wake-up. The transport's
- *     own thread drives what no waiter does: a batch nobody waits on (the
- *     pipe's, one polled with kvp_batch_pending), requests left when their
- *     waiter gave up, and everything the server does as a target. For the
- *     blocking kind the two ops are absent: their progress is a no-op.
+ *     (server_progress). Who drives: peer_run's caller, until its xfer
+ *     completed; kvp_batch_wait, for the transports its batch posted to,
+ *     while that makes progress, sleeping in poll() on their server_wait_fd
+ *     and the batch's own wake-up in between; and the transport's own
+ *     thread, for what no one waits on as it runs (a posted xfer: a batch
+ *     nobody waits on yet, as the pipe's) and what the server does as a
+ *     target.
  * Cancel is a flag the poster sets (kvpi_xfer.canceled), then server_cancel
  * to complete at once what waits unstarted.
  *
@@ -236,6 +238,9 @@ static inline kvpi_conn_limits kvpi_server_limits(const kvpi_server_ctx *ctx)
  * larger requests go one per call, spread over workers and connections. */
 #define KVPI_GROUP_BYTES_DEFAULT ((size_t)1 << 20)
 
+/* server_wait_fd: nothing to watch, the transport's own thread drives. */
+#define KVPI_WAIT_FD_NONE (-2)
+
 typedef struct kvpi_transport_ops {
     const char *name; /* "tcp", "shm": logs, kvp_engine_segment_transport() */
     /* Set for the transport whose wire Mooncake speaks: the descriptor's
@@ -321,10 +326,11 @@ typedef struct kvpi_transport_ops {
      * the peer. Never fails: every outcome, an xfer refused at once
      * included, comes through x->done. */
     void (*peer_post)(void *peer, kvpi_xfer *x);
-    /* Optional, for a transport whose I/O blocks: move x on the calling
-     * thread, within its deadline, and call x->done before returning. The
-     * engine calls it instead of peer_post for the last xfer of a
-     * synchronous transfer, whose caller waits for it anyway. */
+    /* Optional: move x on the calling thread, within its deadline, and call
+     * x->done before returning (tcp, shm: the blocking I/O here; ucx: issue,
+     * then drive progress until x completed). The engine calls it instead of
+     * peer_post for the last xfer of a synchronous transfer, whose caller
+     * waits for it anyway. */
     void (*peer_run)(void *peer, kvpi_xfer *x);
     /* Optional (for a transport that can hold xfers unstarted: a queue for
      * its threads). Complete now, with KVP_ECANCELED and without touching
@@ -338,15 +344,17 @@ typedef struct kvpi_transport_ops {
      * thing it progresses (ucx: each UCP worker), then what came due (the
      * deadlines of its xfers, its peers' control messages). Completions
      * (kvpi_xfer.done) run inside it, on this thread. Returns how many
-     * events it handled, 0 when nothing was ready. Any thread, concurrently
-     * with itself and every op but server_stop (the transport serializes
-     * inside; one call holds it for one bounded round), never from inside a
-     * completion; it never waits for a peer. */
+     * events it handled, 0 when nothing was ready or another thread is
+     * progressing it right now. Any thread, concurrently with itself and
+     * every op but server_stop, never from inside a completion; it never
+     * waits for a peer. */
     unsigned (*server_progress)(void *server, unsigned budget);
     /* With server_progress, required. Arm the server for a sleep: returns a
      * descriptor that poll() reports readable once server_progress has
-     * something to do, or -1 when it has something now (call it, then arm
-     * again). Threads as server_progress. The same descriptor every time,
+     * something to do, -1 when it has something now (call it, then arm
+     * again), or KVPI_WAIT_FD_NONE when the transport's own thread drives it
+     * until what is in flight completed (the caller then waits for its
+     * completions only). Threads as server_progress. The same descriptor every time,
      * valid until server_stop: the caller polls it, never reads or closes
      * it. Readable may be spurious (another thread took the event first):
      * the caller progresses, and arms again before its next sleep. */

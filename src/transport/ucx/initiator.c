@@ -601,6 +601,7 @@ const kvpi_transport_ops kvpi_transport_ucx = {
     .chunk_unmap = kvpi_ucx_chunk_unmap,
     .peer_open = peer_open,
     .peer_post = kvpi_ucx_post,
+    .peer_run = kvpi_ucx_run,
     .peer_close = peer_close,
     .server_progress = kvpi_ucx_progress,
     .server_wait_fd = kvpi_ucx_wait_fd,

@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +24,12 @@
 
 /* Progress calls per worker per round of the thread. */
 #define ROUNDS 64
+/* After its last work the thread keeps progressing this long, yielding the
+ * CPU between rounds, before it sleeps: a stream of requests (the target's
+ * side of UCX's emulated RMA above all) is then served without a wake-up
+ * each. Without it, WRITEs of 1 MiB 32 per batch to registered memory over
+ * UCX's shared memory moved 0.1 GB/s instead of 0.7 here. */
+#define SPIN_NS (1000 * 1000)
 #define DEFAULT_TIMEOUT_MS 5000
 /* The end of a message saying why the ucx transport cannot run here. */
 #define TCP_HINT                                                                                   \
@@ -166,6 +173,11 @@ kvp_status kvpi_ucx_poller_add(kvpi_ucx_rt *rt, kvpi_ucx_poller *p)
     return KVP_OK;
 }
 
+void kvpi_ucx_inflight_add(kvpi_ucx_rt *rt)
+{
+    if (atomic_fetch_add(&rt->inflight, 1) == 0 && atomic_load(&rt->sleeping)) wake(rt);
+}
+
 void kvpi_ucx_poller_remove(kvpi_ucx_rt *rt, kvpi_ucx_poller *p)
 {
     for (kvpi_ucx_poller **pp = &rt->pollers; *pp; pp = &(*pp)->next)
@@ -190,19 +202,39 @@ unsigned kvpi_ucx_progress(void *server, unsigned budget)
 {
     kvpi_ucx_rt *rt = server;
     unsigned did = 0;
-    pthread_mutex_lock(&rt->lock);
+    if (pthread_mutex_trylock(&rt->lock) != 0) return 0; /* another thread progresses */
     for (kvpi_ucx_poller *p = rt->pollers, *next; p; p = next) {
         next = p->next; /* a service may remove its own */
         did += drain(p->worker, budget);
         did += p->service(p);
     }
-    pthread_mutex_unlock(&rt->lock);
+    kvpi_ucx_unlock(rt);
     return did;
+}
+
+void kvpi_ucx_defer(kvpi_ucx_rt *rt, kvpi_ucx_later *l)
+{
+    l->next = NULL;
+    *rt->later_tail = l;
+    rt->later_tail = &l->next;
+}
+
+void kvpi_ucx_unlock(kvpi_ucx_rt *rt)
+{
+    kvpi_ucx_later *l = rt->later;
+    rt->later = NULL;
+    rt->later_tail = &rt->later;
+    pthread_mutex_unlock(&rt->lock);
+    for (kvpi_ucx_later *next; l; l = next) {
+        next = l->next; /* run may free l */
+        l->run(l);
+    }
 }
 
 int kvpi_ucx_wait_fd(void *server)
 {
     kvpi_ucx_rt *rt = server;
+    if (atomic_load(&rt->inflight) > 0) return KVPI_WAIT_FD_NONE; /* the thread polls */
     int busy = 0;
     pthread_mutex_lock(&rt->lock);
     for (kvpi_ucx_poller *p = rt->pollers; p && !busy; p = p->next)
@@ -211,19 +243,33 @@ int kvpi_ucx_wait_fd(void *server)
     return busy ? -1 : rt->epfd;
 }
 
-/* Drive progress while there is any; then sleep on the workers' events and
- * the wake-up, KVPI_UCX_TICK_MS at most. */
+/* Drive progress while there is any, while requests are in flight and
+ * SPIN_NS after the last work; then sleep on the workers' events and the
+ * wake-up, KVPI_UCX_TICK_MS at most. */
 static void *progress_main(void *arg)
 {
     kvpi_ucx_rt *rt = arg;
+    uint64_t active = kvpi_now_ns();
     while (!atomic_load(&rt->stop)) {
-        if (kvpi_ucx_progress(rt, ROUNDS) || kvpi_ucx_wait_fd(rt) < 0) continue;
-        struct pollfd fds[2] = {{.fd = rt->epfd, .events = POLLIN},
-                                {.fd = rt->evfd, .events = POLLIN}};
-        uint64_t v;
-        if (poll(fds, 2, KVPI_UCX_TICK_MS) > 0 && fds[1].revents &&
-            read(rt->evfd, &v, sizeof v) < 0 && errno != EAGAIN)
-            KVPI_WARN("ucx: progress thread: read: %s", strerror(errno));
+        uint64_t now = kvpi_now_ns();
+        if (kvpi_ucx_progress(rt, ROUNDS)) {
+            active = now;
+            continue;
+        }
+        if (now - active < SPIN_NS || atomic_load(&rt->inflight) > 0) {
+            sched_yield();
+            continue;
+        }
+        atomic_store(&rt->sleeping, 1); /* before inflight is read again: no wake is lost */
+        if (atomic_load(&rt->inflight) == 0 && kvpi_ucx_wait_fd(rt) >= 0) {
+            struct pollfd fds[2] = {{.fd = rt->epfd, .events = POLLIN},
+                                    {.fd = rt->evfd, .events = POLLIN}};
+            uint64_t v;
+            if (poll(fds, 2, KVPI_UCX_TICK_MS) > 0 && fds[1].revents &&
+                read(rt->evfd, &v, sizeof v) < 0 && errno != EAGAIN)
+                KVPI_WARN("ucx: progress thread: read: %s", strerror(errno));
+        }
+        atomic_store(&rt->sleeping, 0);
     }
     return NULL;
 }
@@ -445,8 +491,11 @@ kvp_status kvpi_ucx_rt_start(kvpi_ucx_rt *rt, const kvpi_server_ctx *ctx,
                              unsigned (*target_service)(kvpi_ucx_poller *))
 {
     rt->epfd = rt->evfd = -1;
+    rt->later_tail = &rt->later;
     pthread_mutex_init(&rt->lock, NULL);
     atomic_init(&rt->stop, 0);
+    atomic_init(&rt->inflight, 0);
+    atomic_init(&rt->sleeping, 0);
     rt->timeout_ms = ctx->timeout_ms > 0 ? ctx->timeout_ms : DEFAULT_TIMEOUT_MS;
     rt->auth = ctx->auth;
     rt->target.service = target_service;

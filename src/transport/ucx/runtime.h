@@ -21,10 +21,15 @@
  * work only: issuing requests, one round of progress, opening or closing an
  * endpoint; never while waiting for a peer. The context's memory calls
  * (ucp_mem_map, ucp_rkey_pack, ucp_mem_unmap) run on any thread without it.
- * Who progresses: waiters, through server_progress (the engine's
- * kvp_batch_wait), and the runtime's thread, which sleeps in poll() on the
- * same descriptor and wakes at least every KVPI_UCX_TICK_MS for what needs
- * no event (deadlines, a same-host target's death, unanswered challenges).
+ * Who progresses: the caller of peer_run until its xfer completed
+ * (transfer.c), waiters through server_progress (the engine's
+ * kvp_batch_wait), and the runtime's thread, which keeps progressing while
+ * posted requests are in flight and shortly after any work, then sleeps in
+ * poll() on the wait descriptor, waking at least every KVPI_UCX_TICK_MS for
+ * what needs no event (deadlines, a same-host target's death, unanswered
+ * challenges). A progress call that finds another in progress returns at
+ * once: the one running handles the events, and completions wake their
+ * waiters.
  */
 #ifndef KVPI_TRANSPORT_UCX_RUNTIME_H
 #define KVPI_TRANSPORT_UCX_RUNTIME_H
@@ -41,6 +46,14 @@
 /* The longest sleep of the runtime's thread: the period of the checks that
  * no event triggers. */
 #define KVPI_UCX_TICK_MS 100
+
+/* Work deferred until the lock is let go: a completion, so that the engine's
+ * code never runs under the lock (it takes its own locks, which threads
+ * holding them may take the runtime's lock after: peer_open). */
+typedef struct kvpi_ucx_later {
+    struct kvpi_ucx_later *next;
+    void (*run)(struct kvpi_ucx_later *self);
+} kvpi_ucx_later;
 
 /* A worker the runtime progresses. service runs after each round of
  * progress, under the lock; it returns how many things it did. */
@@ -64,12 +77,20 @@ typedef struct kvpi_ucx_rt {
 
     pthread_mutex_t lock; /* every UCP call on a worker; the lists below */
     kvpi_ucx_poller *pollers;
+    kvpi_ucx_later *later, **later_tail;
 
     int epfd; /* every poller's efd: the wait descriptor */
     int evfd; /* wakes the thread: a worker to arm, or stop */
     pthread_t thread;
     int thread_started;
     atomic_int stop;
+    /* Requests of its peers issued by peer_post and not completed
+     * (transfer.c; peer_run's are driven by their caller): UCX may need
+     * polling to move them (a send waiting for room in a shared-memory FIFO
+     * raises no event), so the thread does not sleep while any are, and the
+     * first one issued wakes it (sleeping: it is in poll()). */
+    atomic_long inflight;
+    atomic_int sleeping;
 } kvpi_ucx_rt;
 
 /* server_start's first half: the context (its configuration from ctx) and
@@ -88,7 +109,14 @@ void kvpi_ucx_rt_free(kvpi_ucx_rt *rt);
 unsigned kvpi_ucx_progress(void *server, unsigned budget);
 int kvpi_ucx_wait_fd(void *server);
 
+/* Let go of the lock, then run what was deferred meanwhile, in order. */
+void kvpi_ucx_unlock(kvpi_ucx_rt *rt);
+
 /* The rest: with the lock held. */
+/* Run l once the lock is let go (kvpi_ucx_unlock). */
+void kvpi_ucx_defer(kvpi_ucx_rt *rt, kvpi_ucx_later *l);
+/* One more request in flight (see inflight). */
+void kvpi_ucx_inflight_add(kvpi_ucx_rt *rt);
 /* A new worker on the context, SERIALIZED. */
 kvp_status kvpi_ucx_worker_create(kvpi_ucx_rt *rt, ucp_worker_h *out);
 /* Progress p from now on (p->worker, p->service set), or no longer (from

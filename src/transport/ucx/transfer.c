@@ -4,6 +4,7 @@
  * past it; and the copies of memory the rkeys map here.
  */
 #include <inttypes.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -118,6 +119,7 @@ static int refusal(const ucx_peer *p, const kvpi_slice *sl)
  * issued by the lock's holder, and UCP calls its requests back from the
  * holder's progress. */
 struct ucx_xfer {
+    kvpi_ucx_later later; /* first: its completion, deferred */
     ucx_peer *p;
     kvpi_xfer *x;
     uint64_t deadline;
@@ -125,6 +127,7 @@ struct ucx_xfer {
     int pending; /* requests in flight */
     int writes;
     int abandoned;         /* completed without its requests (see abandon) */
+    atomic_int *ran;       /* kvpi_ucx_run's: set once done ran; NULL for peer_post */
     ucx_xfer *prev, *next; /* the peer's issued xfers (p->issued) */
     ucx_item flush;
     ucx_item items[];
@@ -181,14 +184,32 @@ static void report(ucx_xfer *ux)
                             st ? ucs_status_string((ucs_status_t)st) : "endpoint closed");
     }
     x->done(x, result);
+    if (ux->ran) atomic_store(ux->ran, 1);
 }
 
-/* Every request of ux completed (or none was issued): complete. The
- * lock's holder, or a poster before anything was issued. */
+/* Every request of ux completed (or none was issued): complete; a poster
+ * before anything was issued, or once the lock was let go. */
 static void finish(ucx_xfer *ux)
 {
     report(ux);
     free(ux);
+}
+
+static void finish_later(kvpi_ucx_later *l)
+{
+    finish((ucx_xfer *)l);
+}
+
+static void report_later(kvpi_ucx_later *l)
+{
+    report((ucx_xfer *)l); /* abandoned: ux stays for UCX's callbacks */
+}
+
+/* Under the lock: complete ux once it is let go. */
+static void complete_later(ucx_xfer *ux, void (*run)(kvpi_ucx_later *))
+{
+    ux->later.run = run;
+    kvpi_ucx_defer(ux->p->rt, &ux->later);
 }
 
 static void unlink_issued(ucx_peer *p, ucx_xfer *ux)
@@ -212,9 +233,10 @@ static void request_done(void *request, ucs_status_t st, void *user_data)
     }
     ucx_peer *p = ux->p;
     p->inflight--;
+    if (!ux->ran) atomic_fetch_sub(&p->rt->inflight, 1);
     if (--ux->pending > 0) return;
     unlink_issued(p, ux);
-    finish(ux);
+    complete_later(ux, finish_later);
 }
 
 /* Issue one request; r is what ucp_*_nbx returned. */
@@ -222,6 +244,7 @@ static void issued(ucx_xfer *ux, ucx_item *it, ucs_status_ptr_t r)
 {
     if (UCS_PTR_IS_PTR(r)) {
         ux->p->inflight++;
+        if (!ux->ran) kvpi_ucx_inflight_add(ux->p->rt); /* nobody waits here: the thread drives */
         ux->pending++;
     } else {
         it->status = UCS_PTR_STATUS(r);
@@ -269,7 +292,7 @@ static void xfer_run(ucx_xfer *ux)
         issued(ux, &ux->flush, ucp_ep_flush_nbx(p->ep, &prm));
     }
     if (ux->pending == 0) {
-        finish(ux);
+        complete_later(ux, finish_later);
         return;
     }
     ux->prev = NULL;
@@ -306,10 +329,11 @@ static void abandon(ucx_peer *p, ucx_xfer *ux)
 {
     unlink_issued(p, ux);
     p->inflight -= ux->pending;
+    if (!ux->ran) atomic_fetch_sub(&p->rt->inflight, ux->pending);
     ux->abandoned = 1;
     if (!p->frozen) kvpi_ucx_poller_remove(p->rt, &p->poll);
     p->frozen = 1;
-    report(ux);
+    complete_later(ux, report_later);
 }
 
 /* After each round of progress: an xfer past its deadline cuts the
@@ -381,10 +405,13 @@ static int copy_mapped(ucx_peer *p, kvpi_xfer *x)
     return 1;
 }
 
-void kvpi_ucx_post(void *peer, kvpi_xfer *x)
+/* Issue x; ran: kvpi_ucx_run's flag, or NULL. */
+static void post(ucx_peer *p, kvpi_xfer *x, atomic_int *ran)
 {
-    ucx_peer *p = peer;
-    if (copy_mapped(p, x)) return;
+    if (copy_mapped(p, x)) {
+        if (ran) atomic_store(ran, 1);
+        return;
+    }
     uint64_t bytes = 0;
     for (size_t i = 0; i < x->n; i++)
         bytes += x->slices[i]->length;
@@ -393,10 +420,12 @@ void kvpi_ucx_post(void *peer, kvpi_xfer *x)
         for (size_t i = 0; i < x->n; i++)
             x->slices[i]->status = KVP_ENOMEM;
         x->done(x, kvpi_error(KVP_ENOMEM, "ucx: out of memory"));
+        if (ran) atomic_store(ran, 1);
         return;
     }
     ux->p = p;
     ux->x = x;
+    ux->ran = ran;
     ux->bytes = bytes;
     /* Everything posted goes to UCX at once, so an xfer waits behind the
      * bytes posted before it: its budget at the floor rate counts them. */
@@ -410,6 +439,26 @@ void kvpi_ucx_post(void *peer, kvpi_xfer *x)
         return;
     }
     pthread_mutex_lock(&p->rt->lock);
-    xfer_run(ux); /* may finish (and free) ux */
-    pthread_mutex_unlock(&p->rt->lock);
+    xfer_run(ux);
+    kvpi_ucx_unlock(p->rt); /* may complete (and free) ux */
+}
+
+void kvpi_ucx_post(void *peer, kvpi_xfer *x)
+{
+    post(peer, x, NULL);
+}
+
+/* Progress calls per round of kvpi_ucx_run. */
+#define RUN_BUDGET 16
+
+void kvpi_ucx_run(void *peer, kvpi_xfer *x)
+{
+    ucx_peer *p = peer;
+    atomic_int ran = 0;
+    post(p, x, &ran);
+    /* As ucx_perftest's loop: no thread wake-up on the way of a request
+     * that completes meanwhile. A slow peer is waited for yielding the CPU
+     * between rounds; the deadlines are checked in each (services). */
+    while (!atomic_load(&ran))
+        if (!kvpi_ucx_progress(p->rt, RUN_BUDGET)) sched_yield();
 }

@@ -93,8 +93,11 @@ typedef struct ucx_peer {
     unsigned hello_status;
 } ucx_peer;
 
-/* peer_post (any thread). */
+/* peer_post and peer_run (any thread). An xfer run is driven by its
+ * caller; one posted, by the runtime's thread, which it wakes (runtime.h,
+ * inflight). */
 void kvpi_ucx_post(void *peer, kvpi_xfer *x);
+void kvpi_ucx_run(void *peer, kvpi_xfer *x);
 
 /* The rest: with the runtime's lock held, or before any transfer has p. */
 /* Refuse every region of p that overlaps [addr, addr+length). */
