@@ -169,6 +169,7 @@ kvp_status kvpi_ucx_poller_add(kvpi_ucx_rt *rt, kvpi_ucx_poller *p)
         return kvpi_error(KVP_EIO, "ucx: epoll_ctl: %s", strerror(errno));
     p->next = rt->pollers;
     rt->pollers = p;
+    p->listed = 1;
     wake(rt); /* a sleeper armed the others, not this one */
     return KVP_OK;
 }
@@ -183,6 +184,7 @@ void kvpi_ucx_poller_remove(kvpi_ucx_rt *rt, kvpi_ucx_poller *p)
     for (kvpi_ucx_poller **pp = &rt->pollers; *pp; pp = &(*pp)->next)
         if (*pp == p) {
             *pp = p->next;
+            p->listed = 0;
             epoll_ctl(rt->epfd, EPOLL_CTL_DEL, p->efd, NULL);
             return;
         }
@@ -208,6 +210,19 @@ unsigned kvpi_ucx_progress(void *server, unsigned budget)
         did += drain(p->worker, budget);
         did += p->service(p);
     }
+    kvpi_ucx_unlock(rt);
+    return did;
+}
+
+unsigned kvpi_ucx_progress_one(kvpi_ucx_rt *rt, kvpi_ucx_poller *p, unsigned budget)
+{
+    unsigned did = 0;
+    if (pthread_mutex_trylock(&rt->lock) != 0) return 0;
+    /* Removed meanwhile: another thread froze it, and completed (or is
+     * about to complete) what its caller waits for. */
+    for (unsigned i = 0; p->listed && i < budget && !did; i++)
+        did = ucp_worker_progress(p->worker);
+    if (!did && p->listed) did = p->service(p); /* idle: what came due */
     kvpi_ucx_unlock(rt);
     return did;
 }

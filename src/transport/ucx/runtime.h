@@ -62,6 +62,7 @@ typedef struct kvpi_ucx_poller {
     int efd;
     unsigned (*service)(struct kvpi_ucx_poller *self);
     struct kvpi_ucx_poller *next;
+    int listed; /* progressed: between kvpi_ucx_poller_add and _remove */
 } kvpi_ucx_poller;
 
 /* The runtime; first in the server (target.c), so that the engine's server
@@ -109,6 +110,10 @@ void kvpi_ucx_rt_free(kvpi_ucx_rt *rt);
 unsigned kvpi_ucx_progress(void *server, unsigned budget);
 int kvpi_ucx_wait_fd(void *server);
 
+/* As kvpi_ucx_progress, for p's worker alone: up to budget calls until one
+ * found something; when none did, p's service. Nothing once p was removed
+ * (a frozen worker is never progressed again, whoever still holds p). */
+unsigned kvpi_ucx_progress_one(kvpi_ucx_rt *rt, kvpi_ucx_poller *p, unsigned budget);
 /* Let go of the lock, then run what was deferred meanwhile, in order. */
 void kvpi_ucx_unlock(kvpi_ucx_rt *rt);
 
