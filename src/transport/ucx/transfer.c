@@ -302,8 +302,10 @@ static void xfer_run(ucx_xfer *ux)
 }
 
 /* Out of time: close the endpoint, which completes what is in flight with
- * UCS_ERR_CANCELED at the next progress; the engine then looks the peer up
- * again. The caller holds the runtime's lock. */
+ * UCS_ERR_CANCELED, at the next progress or at once (UCX may purge them in
+ * ucp_ep_close_nbx itself: request_done runs, and unlinks the xfers from
+ * p->issued; their completions wait for the unlock); the engine then looks
+ * the peer up again. The caller holds the runtime's lock. */
 static void cut(ucx_peer *p)
 {
     if (!p->ep) return;
@@ -348,7 +350,8 @@ static void check_deadlines(ucx_peer *p)
         if (now >= ux->deadline) {
             KVPI_DEBUG("ucx peer %s: a transfer passed its deadline: closing the endpoint",
                        p->segment);
-            cut(p);
+            cut(p); /* may unlink ux (and the others): read none of them after */
+            break;
         }
     if (p->ep && !atomic_load(&p->ep_status)) return;
     if (!p->down_ns) p->down_ns = now;
