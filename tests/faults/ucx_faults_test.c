@@ -90,7 +90,7 @@ static int target_said(const char *text)
 }
 
 /* The target cut a peer off: it did not answer a REVOKE within the
- * target's timeout (src/transport/ucx_target.c, dereg_end). */
+ * target's timeout (src/transport/ucx/target.c, dereg_end). */
 static int target_cut_off(void)
 {
     return target_said("did not confirm the deregistration");
@@ -284,7 +284,7 @@ static int outcomes(int fd, pid_t pid, int ms, int until_ok, int until_range, in
  * and 8 MiB at the floor rate (16 MiB/s). */
 #define FIRST_XFER_MS (3 * TIMEOUT_MS + 500)
 /* The transport gives up what UCX still keeps pending this long after the
- * endpoint went down (src/transport/ucx.c, ABANDON_NS). */
+ * endpoint went down (src/transport/ucx/transfer.c, ABANDON_NS). */
 #define ABANDON_MS 1000
 
 /* A peer frozen (SIGSTOP) in the middle of 8 MiB WRITEs while the target
@@ -379,7 +379,7 @@ static void initiator_killed(void)
     kill(r, SIGKILL);
     waitpid(r, NULL, 0);
     close(p[0]);
-    /* UCX's keepalive (every second here, src/transport/ucx_server.c) finds
+    /* UCX's keepalive (every second here, src/transport/ucx/runtime.c) finds
      * it gone at its first round after the death; ten rounds bound it. */
     uint64_t t0 = kvpi_now_ms();
     while (!target_said("from an initiator failed") && kvpi_now_ms() - t0 < 10 * 1000)
