@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common/clock.h"
@@ -501,6 +502,51 @@ static void completion(void)
     CHECK(kvpt_target_stop(&t, 0) == 0);
 }
 
+/* kvp_batch_wait returns only after the batch's on_complete returned
+ * (engine.h), whichever thread completed it. Over ucx the waiter drives
+ * UCX's progress and wakes for more than its batch's end (a round that
+ * found work, a worker that cannot be armed), so it may look while the
+ * thread that completed the last request is still in the callback. */
+static atomic_int slow_calls;
+
+static void slow_done(kvp_batch *b, void *arg)
+{
+    (void)b;
+    (void)arg;
+    struct timespec ts = {0, 20 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+    atomic_fetch_add(&slow_calls, 1);
+}
+
+static void wait_after_callback(void)
+{
+    const size_t len = 1u << 20, rounds = 40;
+    PROLOGUE(len);
+    char *local = malloc(len);
+    REQUIRE(local);
+    size_t early = 0;
+    for (size_t i = 0; i < rounds; i++) {
+        kvp_request r = {i % 2 ? KVP_OP_WRITE : KVP_OP_READ, local, (uint64_t)(uintptr_t)t.buf,
+                         len};
+        kvp_batch_opts o;
+        kvp_batch_opts_init(&o);
+        o.on_complete = slow_done;
+        atomic_store(&slow_calls, 0);
+        kvp_batch *b;
+        REQUIRE_OK(kvp_batch_submit_with(e, seg, &r, 1, &o, &b));
+        CHECK_OK(kvp_batch_wait(b, 10000));
+        early += atomic_load(&slow_calls) == 0;
+        kvp_batch_free(b);
+        CHECK(atomic_load(&slow_calls) == 1);
+    }
+    if (early)
+        fprintf(stderr, "  %zu of %zu waits returned before on_complete did\n", early, rounds);
+    CHECK(early == 0);
+    free(local);
+    kvp_engine_destroy(e);
+    CHECK(kvpt_target_stop(&t, 0) == 0);
+}
+
 typedef struct reaper {
     pthread_t th;
     kvp_engine *e;
@@ -789,6 +835,24 @@ static void tcp_p2p__completion_edges(void)
     completion_edges();
 }
 
+static void tcp_p2p__wait_after_callback(void)
+{
+    M = &mode_tcp_p2p;
+    wait_after_callback();
+}
+
+static void ucx_tcp_p2p__wait_after_callback(void)
+{
+    M = &mode_ucx_tcp_p2p;
+    wait_after_callback();
+}
+
+static void ucx_sm_p2p__wait_after_callback(void)
+{
+    M = &mode_ucx_sm_p2p;
+    wait_after_callback();
+}
+
 #define RUN_CASE(m, c) RUN(m##__##c);
 #define RUN_MODE_CASES(m, proto, p2p_, tls, auth_) CASES(RUN_CASE, m)
 /* The key of the auth modes: a file of mode 0600 for the whole run. */
@@ -808,6 +872,9 @@ int main(void)
     RUN(mooncake_rdma_segment);
     MODES(RUN_MODE_CASES)
     RUN(tcp_p2p__completion_edges);
+    RUN(tcp_p2p__wait_after_callback);
+    RUN(ucx_tcp_p2p__wait_after_callback);
+    RUN(ucx_sm_p2p__wait_after_callback);
     unlink(key_file);
     return kvpt_summary();
 }

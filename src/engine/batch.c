@@ -103,6 +103,9 @@ struct kvp_batch {
      * finished. */
     unsigned progress;
     int wake_fd;
+    /* The thread finishing it (complete): pending is 0 and outstanding 1
+     * while it runs on_complete. */
+    pthread_t finisher;
     kvp_status final;                    /* the first failed request's status, once completed */
     char instance[KVP_INSTANCE_LEN + 1]; /* "", or the only peer instance to run on */
     kvpi_engine_metrics *metrics;
@@ -244,6 +247,7 @@ static void complete(kvpi_work *w, kvp_status st, uint64_t done_ns)
         pthread_mutex_unlock(&b->lock);
         return;
     }
+    b->finisher = pthread_self(); /* kvp_batch_wait waits for finish, but on it */
     pthread_mutex_unlock(&b->lock);
     finish(b);
     pthread_mutex_lock(&b->lock);
@@ -855,6 +859,12 @@ kvp_status kvp_batch_wait(kvp_batch *b, int timeout_ms)
             timed_out = pthread_cond_timedwait(&b->cond, &b->lock, &dl) == ETIMEDOUT;
         }
     }
+    /* Every request completed, and the thread of the last one may still be
+     * in on_complete (pending is 0 before it runs): wait for it to return
+     * (engine.h), unless this is the callback's own kvp_batch_wait. The
+     * callback does not block, so this wait is short. */
+    while (b->pending == 0 && b->outstanding > 0 && !pthread_equal(b->finisher, pthread_self()))
+        pthread_cond_wait(&b->cond, &b->lock);
     if (b->pending > 0) {
         st = kvpi_error(KVP_ETIMEDOUT, "batch: %zu of %zu requests still running after %d ms",
                         b->pending, b->n, timeout_ms);
