@@ -157,7 +157,8 @@ static kvp_status slice_status(const ucx_peer *p, const ucx_item *it, ucs_status
     return k == KVP_EIO || k == KVP_ECONNREFUSED ? KVP_ECONNRESET : k;
 }
 
-/* Set the slices' statuses and complete x; ux stays. */
+/* Set the slices' statuses and complete x; ux stays (for its caller, or,
+ * abandoned, for UCX's callbacks). */
 static void report(ucx_xfer *ux)
 {
     atomic_fetch_sub(&ux->p->posted_bytes, ux->bytes);
@@ -183,8 +184,12 @@ static void report(ucx_xfer *ux)
         result = kvpi_error(conn, "ucx: segment %s: %s", p->segment,
                             st ? ucs_status_string((ucs_status_t)st) : "endpoint closed");
     }
+    /* Nothing of ux after done: once the peer's last xfer is done the
+     * engine may close the peer, and the close of a frozen worker purges
+     * an abandoned ux's requests, whose last callback frees it. */
+    atomic_int *ran = ux->ran;
     x->done(x, result);
-    if (ux->ran) atomic_store(ux->ran, 1);
+    if (ran) atomic_store(ran, 1);
 }
 
 /* Every request of ux completed (or none was issued): complete; a poster
