@@ -567,7 +567,7 @@ static void *reaper_main(void *arg)
             __atomic_fetch_add(&r->seen[(size_t)(uintptr_t)c[k].user_data], 1, __ATOMIC_RELAXED);
             kvp_batch_free(c[k].batch);
         }
-        r->got += n;
+        __atomic_fetch_add(&r->got, n, __ATOMIC_RELAXED); /* read by the main thread */
     }
     return NULL;
 }
