@@ -2,7 +2,7 @@
 # kvpipe benchmark driver: every figure is a ratio against a baseline measured
 # in the same run on the same machine.
 #
-#   bench/run.sh [--build DIR] [--duration SECONDS] [--repeat N] [--only tcp|batch|shm|pipe|small|sweep|ucx|samehost|integrity|mdscale]
+#   bench/run.sh [--build DIR] [--duration SECONDS] [--repeat N] [--only tcp|batch|shm|pipe|small|sweep|ucx|ucxbatch|samehost|integrity|mdscale]
 #
 # Sections:
 #   tcp   kvpipe bench READ/WRITE over TCP vs raw loopback TCP (bench/raw_tcp.c), both
@@ -22,6 +22,8 @@
 #         memory vs ucx_perftest ucp_get/ucp_put_bw (Debian ucx-utils), each
 #         UCX_TLS of this host, and of registered memory vs bench/ucp_reg (the
 #         same loop on registered application memory)
+#   ucxbatch  one thread, batches of 32 READs/WRITEs of 1 MiB over ucx on UCX's shared
+#         memory (a one-block pool target) vs ucp_get / ucp_put_bw
 #   samehost  kvpipe READ/WRITE over shm vs over ucx on UCX's shared memory
 #   integrity kvpipe bench READ/WRITE over tcp and shm, and the pipe at 64 MiB, with
 #         integrity on (KVPIPE_INTEGRITY=1 on both sides) vs off, back to back; and
@@ -418,6 +420,38 @@ baseline_perftest() {
 # baseline_ucp_reg get|put SIZE: bench/ucp_reg for --duration seconds
 baseline_ucp_reg() { "$build/ucp_reg" --op "$1" --block-size "$2" --duration "$duration" | gbps_of; }
 
+# The issue's shape over UCX's shared memory: one initiator thread, batches
+# of 32 requests of 1 MiB, a one-block pool target, against ucx_perftest in
+# the same run (ucp_put_bw keeps 32 puts in flight; ucp_get one).
+section_ucxbatch() {
+    echo "## ucx batches (one thread, 32 x 1 MiB a batch, UCX_TLS=sm,self) vs ucx_perftest"
+    echo
+    if ! command -v ucx_perftest > /dev/null ||
+        ! grep -q '^  ucx ' <<<"$("$kvpipe" info 2>/dev/null)"; then
+        echo "skipped: needs ucx_perftest (ucx-utils) and a kvpipe built with ucx"; echo; return
+    fi
+    ucx_env sm,self
+    local block=1048576
+    start_target rdma --no-shm --pool --buffer-size "$block"
+    local args=(--no-shm --threads 1 --batch-size 32 --buffer-size "$block")
+    local gets=() puts=() reads=() writes=()
+    for _ in $(seq "$repeat"); do
+        gets+=("$(baseline_perftest ucp_get "$block")")
+        reads+=("$(initiator rdma read "$block" "${args[@]}")")
+        puts+=("$(baseline_perftest ucp_put_bw "$block")")
+        writes+=("$(initiator rdma write "$block" "${args[@]}")")
+    done
+    stop_target
+    local get put read write
+    get=$(med "${gets[@]}"); put=$(med "${puts[@]}")
+    read=$(med "${reads[@]}"); write=$(med "${writes[@]}")
+    echo "| block | ucp_get GB/s | READ GB/s | READ / ucp_get | ucp_put_bw GB/s | WRITE GB/s | WRITE / ucp_put_bw |"
+    echo "|---|---|---|---|---|---|---|"
+    echo "| 1 MiB | $get | $read | $(ratio "$read" "$get") | $put | $write | $(ratio "$write" "$put") |"
+    echo
+    unset UCX_TLS
+}
+
 section_ucx() {
     echo "## ucx (protocol rdma) vs ucx_perftest on the same UCX_TLS"
     echo
@@ -686,7 +720,7 @@ for l in sys.stdin:
     echo
 }
 
-for s in tcp batch shm pipe small sweep ucx samehost integrity mdscale; do
+for s in tcp batch shm pipe small sweep ucx ucxbatch samehost integrity mdscale; do
     [ -n "$only" ] && [ "$only" != "$s" ] && continue
     "section_$s" | tee -a "$out"
 done
