@@ -35,8 +35,14 @@ static void load_double(void)
     kvpt_fakecuda_load(&fc, KVPT_FAKECUDA_PATH);
 }
 
+/* An engine on protocol, named name or (NULL) 127.0.0.1 and a free port. */
 static kvp_engine *engine(const char *name, const char *protocol)
 {
+    char here[64];
+    if (!name) {
+        snprintf(here, sizeof here, "127.0.0.1:%d", kvpt_free_port());
+        name = here;
+    }
     kvp_engine_opts o;
     kvp_engine_opts_init(&o);
     o.local_server_name = name;
@@ -182,6 +188,26 @@ static int target_stop(target *t, const verdict *v)
     return sent ? rc : -1;
 }
 
+/* The target forked, then an engine here on the same protocol (NULL if
+ * either fails). */
+static kvp_engine *start(const char *proto, int device, long fail_copy, target *t)
+{
+    if (target_start(proto, device, fail_copy, t) != 0) {
+        fprintf(stderr, "  the target did not start\n");
+        return NULL;
+    }
+    return engine(NULL, proto);
+}
+
+/* Destroy the engine, then check the target's verdict: [WRITE_OFF, +len)
+ * holds SEED_WRITE, its own copies as copies says (verdict). */
+static void finish(kvp_engine *e, target *t, size_t len, int copies)
+{
+    kvp_engine_destroy(e);
+    verdict v = {WRITE_OFF, len, SEED_WRITE, copies};
+    CHECK(target_stop(t, &v) == 0);
+}
+
 /* ------------------------------------------------------------- transfers --- */
 
 /* How device memory must move over shm: staged through bounce buffers, the
@@ -196,10 +222,7 @@ static void round_trip(const char *proto, int local_dev, int target_dev, enum pa
 {
     if (path == STAGED) setenv("FAKECUDA_IPC_REFUSE", "1", 1);
     target t;
-    REQUIRE(target_start(proto, target_dev, 0, &t) == 0);
-    char name[64];
-    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
-    kvp_engine *e = engine(name, proto);
+    kvp_engine *e = start(proto, target_dev, 0, &t);
     REQUIRE(e);
     void *in = memory(local_dev, XLEN, 99);
     void *out = memory(local_dev, XLEN, SEED_WRITE);
@@ -236,38 +259,20 @@ static void round_trip(const char *proto, int local_dev, int target_dev, enum pa
     CHECK(target_stop(&t, &v) == 0);
 }
 
-static void tcp_initiator_device(void)
-{
-    round_trip("tcp", 1, 0, STAGED);
-}
-static void tcp_target_device(void)
-{
-    round_trip("tcp", 0, 1, STAGED);
-}
-static void tcp_both_device(void)
-{
-    round_trip("tcp", 1, 1, STAGED);
-}
-static void shm_initiator_device(void)
-{
-    round_trip("shm", 1, 0, STAGED);
-}
-static void shm_target_device(void)
-{
-    round_trip("shm", 0, 1, STAGED);
-}
-static void shm_both_device(void)
-{
-    round_trip("shm", 1, 1, STAGED);
-}
-static void ipc_both_device(void)
-{
-    round_trip("shm", 1, 1, IPC);
-}
-static void ipc_target_device(void)
-{
-    round_trip("shm", 0, 1, IPC);
-}
+/* One case a line: the protocol, which sides hold device memory, the path. */
+#define ROUND_TRIP(name, proto, init_dev, target_dev, path)                                        \
+    static void name(void)                                                                         \
+    {                                                                                              \
+        round_trip(proto, init_dev, target_dev, path);                                             \
+    }
+ROUND_TRIP(tcp_initiator_device, "tcp", 1, 0, STAGED)
+ROUND_TRIP(tcp_target_device, "tcp", 0, 1, STAGED)
+ROUND_TRIP(tcp_both_device, "tcp", 1, 1, STAGED)
+ROUND_TRIP(shm_initiator_device, "shm", 1, 0, STAGED)
+ROUND_TRIP(shm_target_device, "shm", 0, 1, STAGED)
+ROUND_TRIP(shm_both_device, "shm", 1, 1, STAGED)
+ROUND_TRIP(ipc_both_device, "shm", 1, 1, IPC)
+ROUND_TRIP(ipc_target_device, "shm", 0, 1, IPC)
 
 /* ucx moves host memory only: an engine on rdma moves device memory over tcp
  * to the same peer (staged), chosen by memory kind. */
@@ -282,10 +287,7 @@ static void rdma_device_over_tcp(void)
 static void tcp_batch_device(void)
 {
     target t;
-    REQUIRE(target_start("tcp", 1, 0, &t) == 0);
-    char name[64];
-    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
-    kvp_engine *e = engine(name, "tcp");
+    kvp_engine *e = start("tcp", 1, 0, &t);
     REQUIRE(e);
     void *out = memory(1, XLEN, SEED_WRITE);
     REQUIRE(out);
@@ -304,18 +306,14 @@ static void tcp_batch_device(void)
     REQUIRE_OK(kvp_batch_submit(e, seg, reqs, N, &b));
     CHECK_OK(kvp_batch_wait(b, 30000));
     kvp_batch_free(b);
-    kvp_engine_destroy(e);
-    verdict v = {WRITE_OFF, each * N, SEED_WRITE, -1};
-    CHECK(target_stop(&t, &v) == 0);
+    finish(e, &t, each * N, -1);
 }
 
 /* ------------------------------------------------------------ registration --- */
 
 static void register_kinds(void)
 {
-    char name[64];
-    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
-    kvp_engine *e = engine(name, "tcp");
+    kvp_engine *e = engine(NULL, "tcp");
     REQUIRE(e);
     char *dev = fc.alloc(1, 1 << 20);
     REQUIRE(dev);
@@ -341,9 +339,7 @@ static void register_kinds(void)
 static void register_no_driver(void)
 {
     setenv("KVPIPE_LIBCUDA", "/nonexistent/libcuda.so.1", 1);
-    char name[64];
-    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
-    kvp_engine *e = engine(name, "tcp");
+    kvp_engine *e = engine(NULL, "tcp");
     REQUIRE(e);
     void *gpu_like = mmap(NULL, 1 << 20, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     REQUIRE(gpu_like != MAP_FAILED);
@@ -360,9 +356,7 @@ static void register_no_driver(void)
 static void register_init_fails(void)
 {
     setenv("FAKECUDA_INIT_FAIL", "1", 1);
-    char name[64];
-    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
-    kvp_engine *e = engine(name, "tcp");
+    kvp_engine *e = engine(NULL, "tcp");
     REQUIRE(e);
     void *gpu_like = mmap(NULL, 1 << 20, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     CHECK_ST(kvp_engine_register_mem(e, gpu_like, 1 << 20, KVP_MEM_CUDA, 0), KVP_ENOTSUP);
@@ -378,10 +372,7 @@ static void register_init_fails(void)
 static void copy_fails_initiator(const char *proto)
 {
     target t;
-    REQUIRE(target_start(proto, 0, 0, &t) == 0);
-    char name[64];
-    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
-    kvp_engine *e = engine(name, proto);
+    kvp_engine *e = start(proto, 0, 0, &t);
     REQUIRE(e);
     void *in = memory(1, XLEN, 99);
     void *out = memory(1, XLEN, SEED_WRITE);
@@ -401,18 +392,7 @@ static void copy_fails_initiator(const char *proto)
     CHECK_OK(kvp_engine_read(e, seg, in, t.addr + READ_OFF, XLEN));
     CHECK(holds(1, in, 0, XLEN, SEED_TARGET, READ_OFF));
     CHECK_OK(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN));
-    kvp_engine_destroy(e);
-    verdict v = {WRITE_OFF, XLEN, SEED_WRITE, -1};
-    CHECK(target_stop(&t, &v) == 0);
-}
-
-static void tcp_copy_fails_initiator(void)
-{
-    copy_fails_initiator("tcp");
-}
-static void shm_copy_fails_initiator(void)
-{
-    copy_fails_initiator("shm");
+    finish(e, &t, XLEN, -1);
 }
 
 /* The target's 2nd copy fails (serving the READ): the initiator's READ fails
@@ -420,10 +400,7 @@ static void shm_copy_fails_initiator(void)
 static void copy_fails_target(const char *proto)
 {
     target t;
-    REQUIRE(target_start(proto, 1, 2, &t) == 0);
-    char name[64];
-    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
-    kvp_engine *e = engine(name, proto);
+    kvp_engine *e = start(proto, 1, 2, &t);
     REQUIRE(e);
     char *in = malloc(XLEN), *out = memory(0, XLEN, SEED_WRITE);
     kvp_segment_id seg;
@@ -434,9 +411,7 @@ static void copy_fails_target(const char *proto)
     CHECK_OK(kvp_engine_read(e, seg, in, t.addr + READ_OFF, XLEN));
     CHECK(holds(0, in, 0, XLEN, SEED_TARGET, READ_OFF));
     CHECK_OK(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN));
-    kvp_engine_destroy(e);
-    verdict v = {WRITE_OFF, XLEN, SEED_WRITE, -1};
-    CHECK(target_stop(&t, &v) == 0);
+    finish(e, &t, XLEN, -1);
     free(in);
     free(out);
 }
@@ -448,10 +423,7 @@ static void copy_fails_target(const char *proto)
 static void copy_fails_target_write(const char *proto)
 {
     target t;
-    REQUIRE(target_start(proto, 1, 3, &t) == 0);
-    char name[64];
-    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
-    kvp_engine *e = engine(name, proto);
+    kvp_engine *e = start(proto, 1, 3, &t);
     REQUIRE(e);
     char *out = memory(0, XLEN, SEED_WRITE);
     kvp_segment_id seg;
@@ -460,9 +432,7 @@ static void copy_fails_target_write(const char *proto)
     fprintf(stderr, "  (the WRITE whose target copy failed: %s%s%s)\n", kvp_strerror(st),
             st ? ": " : "", st ? kvp_last_error() : "");
     CHECK_OK(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN));
-    kvp_engine_destroy(e);
-    verdict v = {WRITE_OFF, XLEN, SEED_WRITE, -1};
-    CHECK(target_stop(&t, &v) == 0);
+    finish(e, &t, XLEN, -1);
     free(out);
 }
 
@@ -473,10 +443,7 @@ static void copy_fails_target_write(const char *proto)
 static void ipc_mixed_batch(void)
 {
     target t;
-    REQUIRE(target_start("shm", 2, 0, &t) == 0);
-    char name[64];
-    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
-    kvp_engine *e = engine(name, "shm");
+    kvp_engine *e = start("shm", 2, 0, &t);
     REQUIRE(e);
     enum { N = 6 };
     const size_t each = 65536;
@@ -514,10 +481,7 @@ static void ipc_mixed_batch(void)
 static void ipc_stale_region(void)
 {
     target t;
-    REQUIRE(target_start("shm", 3, 0, &t) == 0);
-    char name[64];
-    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
-    kvp_engine *e = engine(name, "shm");
+    kvp_engine *e = start("shm", 3, 0, &t);
     REQUIRE(e);
     enum { N = 4 };
     const size_t each = 65536;
@@ -543,9 +507,7 @@ static void ipc_stale_region(void)
         CHECK_ST(kvp_batch_request_status(b, i), i % 2 ? KVP_ERANGE : KVP_OK);
     kvp_batch_free(b);
     CHECK(fc.ipc_copies() - ipc_before == N / 2);
-    kvp_engine_destroy(e);
-    verdict v = {WRITE_OFF, N / 2 * each, SEED_WRITE, 0};
-    CHECK(target_stop(&t, &v) == 0);
+    finish(e, &t, N / 2 * each, 0);
 }
 
 /* Target and initiator engines in one process: the driver opens no IPC
@@ -553,10 +515,9 @@ static void ipc_stale_region(void)
  * every byte right. */
 static void ipc_same_process(void)
 {
-    char tname[64], name[64];
+    char tname[64];
     snprintf(tname, sizeof tname, "127.0.0.1:%d", kvpt_free_port());
-    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
-    kvp_engine *te = engine(tname, "shm"), *e = engine(name, "shm");
+    kvp_engine *te = engine(tname, "shm"), *e = engine(NULL, "shm");
     REQUIRE(te && e);
     void *tmem = memory(1, TLEN, SEED_TARGET), *in = memory(1, XLEN, 99);
     REQUIRE(tmem && in);
@@ -581,10 +542,7 @@ static void ipc_same_process(void)
 static void ipc_copy_fails(void)
 {
     target t;
-    REQUIRE(target_start("shm", 1, 0, &t) == 0);
-    char name[64];
-    snprintf(name, sizeof name, "127.0.0.1:%d", kvpt_free_port());
-    kvp_engine *e = engine(name, "shm");
+    kvp_engine *e = start("shm", 1, 0, &t);
     REQUIRE(e);
     void *in = memory(1, XLEN, 99);
     void *out = memory(1, XLEN, SEED_WRITE);
@@ -605,27 +563,22 @@ static void ipc_copy_fails(void)
     CHECK(holds(1, in, 0, XLEN, SEED_TARGET, READ_OFF));
     CHECK_OK(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN));
     CHECK(fc.ipc_copies() - ipc_before >= 2);
-    kvp_engine_destroy(e);
-    verdict v = {WRITE_OFF, XLEN, SEED_WRITE, 0};
-    CHECK(target_stop(&t, &v) == 0);
+    finish(e, &t, XLEN, 0);
 }
 
-static void tcp_copy_fails_target_write(void)
-{
-    copy_fails_target_write("tcp");
-}
-static void shm_copy_fails_target_write(void)
-{
-    copy_fails_target_write("shm");
-}
-static void tcp_copy_fails_target(void)
-{
-    copy_fails_target("tcp");
-}
-static void shm_copy_fails_target(void)
-{
-    copy_fails_target("shm");
-}
+/* Each of these cases on tcp and on shm. */
+#define ON_TCP_AND_SHM(fn)                                                                         \
+    static void tcp_##fn(void)                                                                     \
+    {                                                                                              \
+        fn("tcp");                                                                                 \
+    }                                                                                              \
+    static void shm_##fn(void)                                                                     \
+    {                                                                                              \
+        fn("shm");                                                                                 \
+    }
+ON_TCP_AND_SHM(copy_fails_initiator)
+ON_TCP_AND_SHM(copy_fails_target)
+ON_TCP_AND_SHM(copy_fails_target_write)
 
 int main(void)
 {
