@@ -160,32 +160,32 @@ static void named_cases(void)
     }
     run("help demo");
     CHECK(strstr(R.out, "bfloat16") && strstr(R.out, "f8_e5m2") && strstr(R.out, "float8_e4m3fn"));
-    run("bench --pipe");
-    CHECK(refused("kvpipe bench: ", "tensor-size", "is required"));
-    run("bench --pipe --tensor-size 20");
-    CHECK(refused("kvpipe bench: ", "tensor-size", "a multiple of 8"));
-    run("bench --block-size 0");
-    CHECK(refused("kvpipe bench: ", "block-size", "byte count"));
-    run("bench --operation copy");
-    CHECK(refused("kvpipe bench: ", "operation", "one of read, write"));
-    run("bench --block-size 4K,64K");
-    CHECK(refused("kvpipe bench: ", "block-size", "--sweep"));
-    run("bench --mode initiator --local-server-name 127.0.0.1:0");
-    CHECK(refused("kvpipe bench: ", "segment-id", NULL));
-    /* Without --mode both sides run here: a store or a name for them would
-     * be ignored, so each is refused. */
-    run("bench --metadata_server=http://127.0.0.1:1/metadata");
-    CHECK(refused("kvpipe bench: ", "metadata-server", "needs --mode"));
-    run("bench --local_server_name=127.0.0.1:17100");
-    CHECK(refused("kvpipe bench: ", "local-server-name", "needs --mode"));
-    run("bench --auto_discovery=true");
-    CHECK(refused("kvpipe bench: ", "auto-discovery", "not in this build"));
-    run("bench --nic_priority_matrix=m.json");
-    CHECK(refused("kvpipe bench: ", "nic-priority-matrix", "RDMA"));
-    run("info --segment-id x");
-    CHECK(refused("kvpipe info: ", "metadata-server", NULL));
-    run("metadata-server --port 70000");
-    CHECK(refused("kvpipe metadata-server: ", "port", "0..65535"));
+    /* Each command line refused, naming its flag (and saying want). */
+    static const struct {
+        const char *args, *prefix, *flag, *want;
+    } refusals[] = {
+        {"bench --pipe", "kvpipe bench: ", "tensor-size", "is required"},
+        {"bench --pipe --tensor-size 20", "kvpipe bench: ", "tensor-size", "a multiple of 8"},
+        {"bench --block-size 0", "kvpipe bench: ", "block-size", "byte count"},
+        {"bench --operation copy", "kvpipe bench: ", "operation", "one of read, write"},
+        {"bench --block-size 4K,64K", "kvpipe bench: ", "block-size", "--sweep"},
+        {"bench --mode initiator --local-server-name 127.0.0.1:0", "kvpipe bench: ", "segment-id",
+         NULL},
+        /* Without --mode both sides run here: a store or a name for them
+         * would be ignored, so each is refused. */
+        {"bench --metadata_server=http://127.0.0.1:1/metadata", "kvpipe bench: ", "metadata-server",
+         "needs --mode"},
+        {"bench --local_server_name=127.0.0.1:17100", "kvpipe bench: ", "local-server-name",
+         "needs --mode"},
+        {"bench --auto_discovery=true", "kvpipe bench: ", "auto-discovery", "not in this build"},
+        {"bench --nic_priority_matrix=m.json", "kvpipe bench: ", "nic-priority-matrix", "RDMA"},
+        {"info --segment-id x", "kvpipe info: ", "metadata-server", NULL},
+        {"metadata-server --port 70000", "kvpipe metadata-server: ", "port", "0..65535"},
+    };
+    for (size_t i = 0; i < sizeof refusals / sizeof refusals[0]; i++) {
+        run(refusals[i].args);
+        CHECK(refused(refusals[i].prefix, refusals[i].flag, refusals[i].want));
+    }
 }
 
 /* Mooncake's transfer_engine_bench command line parses as it is. */
