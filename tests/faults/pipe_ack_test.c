@@ -58,6 +58,18 @@ static void step_or_fail(kvpt_chan *c, char want)
     CHECK(got == want);
 }
 
+/* The setup, the script's channels and the kvpipe prefill running fn, its
+ * stderr in err (128 bytes, named what); -1 if any fails. The child comes
+ * first: it must not inherit this process's engine or sockets. */
+static pid_t script_start(kvpt_raw_setup *s, script *sc, const char *what, kvpt_side_fn fn,
+                          char *err)
+{
+    if (kvpt_raw_setup_init(s) || kvpt_chan_init(&sc->to_peer) || kvpt_chan_init(&sc->to_pipe))
+        return -1;
+    kvpt_err_path(err, 128, what);
+    return kvpt_raw_spawn_side(s, 0, fn, sc, err);
+}
+
 /* The prefill pipe's part of the script. */
 static void sender(kvp_pipe *pipe, void *arg)
 {
@@ -95,14 +107,10 @@ static void sender(kvp_pipe *pipe, void *arg)
     CHECK(s.acks == 5 && s.inflight_count == 0 && s.sent == 5);
 }
 
-/* Take announcement i, READ it from prefill's engine and check it. */
-static void read_announced(kvp_engine *e, kvp_segment_id seg, void *pull, int i)
+/* READ message i, announced at [addr, +len), from prefill's engine and
+ * check it. */
+static void read_checked(kvp_engine *e, kvp_segment_id seg, uint64_t addr, uint64_t len, int i)
 {
-    uint8_t f[KVPT_RAW_MSG_FRAMES][KVPT_RAW_MSG_HEAD];
-    size_t sz[KVPT_RAW_MSG_FRAMES];
-    int frames = kvpt_zmq_recv_message(pull, f, sz, KVPT_RAW_WAIT_MS);
-    REQUIRE(frames == 2 && sz[0] == 8 && sz[1] == 8);
-    uint64_t addr = kvpi_get_be64(f[0]), len = kvpi_get_be64(f[1]);
     void *buf;
     REQUIRE_OK(kvp_engine_alloc(e, len, &buf));
     CHECK_OK(kvp_engine_read(e, seg, buf, addr, len));
@@ -110,6 +118,16 @@ static void read_announced(kvp_engine *e, kvp_segment_id seg, void *pull, int i)
     CHECK_OK(kvpi_safetensors_parse(buf, len, &t));
     CHECK(kvpt_raw_tensor_check(&t, i));
     kvp_engine_free(e, buf);
+}
+
+/* Take announcement i, READ it and check it. */
+static void read_announced(kvp_engine *e, kvp_segment_id seg, void *pull, int i)
+{
+    uint8_t f[KVPT_RAW_MSG_FRAMES][KVPT_RAW_MSG_HEAD];
+    size_t sz[KVPT_RAW_MSG_FRAMES];
+    int frames = kvpt_zmq_recv_message(pull, f, sz, KVPT_RAW_WAIT_MS);
+    REQUIRE(frames == 2 && sz[0] == 8 && sz[1] == 8);
+    read_checked(e, seg, kvpi_get_be64(f[0]), kvpi_get_be64(f[1]), i);
 }
 
 static void send_ack(void *push, const char *text, size_t len)
@@ -120,12 +138,10 @@ static void send_ack(void *push, const char *text, size_t len)
 static void test_malformed_oversized_and_stray_acks(void)
 {
     kvpt_raw_setup s;
-    REQUIRE(kvpt_raw_setup_init(&s) == 0);
     script sc;
-    REQUIRE(kvpt_chan_init(&sc.to_peer) == 0 && kvpt_chan_init(&sc.to_pipe) == 0);
     char err[128];
-    kvpt_err_path(err, sizeof err, "ack_prefill");
-    pid_t prefill = kvpt_raw_spawn_side(&s, 0, sender, &sc, err);
+    pid_t prefill = script_start(&s, &sc, "ack_prefill", sender, err);
+    REQUIRE(prefill > 0);
 
     /* The raw decode: an engine to READ with, a PULL for the announcements and
      * a PUSH (watched) on decode's ACK port. */
@@ -281,13 +297,10 @@ static kvp_status tag_reader_engine(const kvpt_raw_setup *s, int rank, kvp_engin
 static void test_tagged_acks(void)
 {
     kvpt_raw_setup s;
-    REQUIRE(kvpt_raw_setup_init(&s) == 0);
     script sc;
-    REQUIRE(kvpt_chan_init(&sc.to_peer) == 0 && kvpt_chan_init(&sc.to_pipe) == 0);
     char err[128];
-    kvpt_err_path(err, sizeof err, "tag_prefill");
-    /* The child first: it must not inherit this process's engine or sockets. */
-    pid_t prefill = kvpt_raw_spawn_side(&s, 0, tagged_sender, &sc, err);
+    pid_t prefill = script_start(&s, &sc, "tag_prefill", tagged_sender, err);
+    REQUIRE(prefill > 0);
     kvp_engine *e;
     REQUIRE_OK(tag_reader_engine(&s, 1, &e));
     kvpt_raw_peer r;
@@ -311,14 +324,7 @@ static void test_tagged_acks(void)
         if (frames != 3) break;
         CHECK(memcmp(f[2], id->valuestring, KVPI_TAG_INSTANCE_LEN) == 0);
         CHECK(kvpi_get_be64(f[2] + KVPI_TAG_INSTANCE_LEN) == (uint64_t)i + 1);
-        uint64_t addr = kvpi_get_be64(f[0]), len = kvpi_get_be64(f[1]);
-        void *buf;
-        REQUIRE_OK(kvp_engine_alloc(e, len, &buf));
-        CHECK_OK(kvp_engine_read(e, seg, buf, addr, len));
-        kvp_tensor t;
-        CHECK_OK(kvpi_safetensors_parse(buf, len, &t));
-        CHECK(kvpt_raw_tensor_check(&t, i));
-        kvp_engine_free(e, buf);
+        read_checked(e, seg, kvpi_get_be64(f[0]), kvpi_get_be64(f[1]), i);
     }
     char other[KVPI_TAG_INSTANCE_LEN + 1];
     snprintf(other, sizeof other, "%s", id->valuestring);

@@ -202,14 +202,11 @@ static void test_receiver_replaced_by_raw_peer(void)
     REQUIRE(kvpt_raw_setup_init(&s) == 0);
     swap w;
     REQUIRE(kvpt_chan_init(&w.go) == 0 && kvpt_chan_init(&w.done) == 0);
-    char perr[128], derr[128];
-    kvpt_err_path(perr, sizeof perr, "swap_prefill");
-    kvpt_err_path(derr, sizeof derr, "swap_decode");
-    pid_t prefill = kvpt_raw_spawn_side(&s, 0, prefill_swap, &w, perr);
-    pid_t decode = kvpt_raw_spawn_side(&s, 1, decode_then_leave, &w, derr);
+    kvpt_raw_sides p;
+    kvpt_raw_sides_spawn(&p, &s, "swap", prefill_swap, decode_then_leave, &w);
     CHECK(kvpt_wait_step(&w.done, KVPT_RAW_SIDE_MS) == 'd');
-    int rd = kvpt_wait_child(decode, KVPT_RAW_SIDE_MS);
-    if (rd) kvpt_file_show(derr, "decode");
+    int rd = kvpt_wait_child(p.pid[1], KVPT_RAW_SIDE_MS);
+    if (rd) kvpt_file_show(p.err[1], "decode");
     CHECK(rd == 0);
     /* The kvpipe decode is gone (its ports free): let the sender wait, then
      * bring the raw one up on the same ports. */
@@ -222,12 +219,11 @@ static void test_receiver_replaced_by_raw_peer(void)
     for (int i = 0; i < AFTER; i++)
         good += raw_take(&r, &s, BEFORE + i);
     CHECK(good == AFTER);
-    int rp = kvpt_wait_child(prefill, KVPT_RAW_SIDE_MS);
-    if (rp) kvpt_file_show(perr, "prefill");
+    int rp = kvpt_wait_child(p.pid[0], KVPT_RAW_SIDE_MS);
+    if (rp) kvpt_file_show(p.err[0], "prefill");
     CHECK(rp == 0);
     raw_decode_stop(&r);
-    unlink(perr);
-    unlink(derr);
+    kvpt_raw_sides_unlink(&p);
 }
 
 int main(void)

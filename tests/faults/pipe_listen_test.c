@@ -188,17 +188,14 @@ static void test_strangers_on_push_ports(void)
 {
     kvpt_raw_setup s;
     REQUIRE(kvpt_raw_setup_init(&s) == 0);
-    char err0[128], err1[128];
-    kvpt_err_path(err0, sizeof err0, "listen_prefill");
-    kvpt_err_path(err1, sizeof err1, "listen_decode");
     attack a = {.ports = {s.side[0].data_port, s.side[0].ack_port, s.side[1].data_port,
                           s.side[1].ack_port}};
     atomic_init(&a.stop, 0);
     atomic_init(&a.rounds, 0);
     kvpt_chan go;
     REQUIRE(kvpt_chan_init(&go) == 0);
-    pid_t pre = kvpt_raw_spawn_side(&s, 0, prefill_side, &go, err0);
-    pid_t dec = kvpt_raw_spawn_side(&s, 1, decode_side, &go, err1);
+    kvpt_raw_sides p;
+    kvpt_raw_sides_spawn(&p, &s, "listen", prefill_side, decode_side, &go);
     /* Strangers arrive once the sides listen; the pair starts once every kind
      * has been at every port a few times, and they go on meanwhile. */
     for (int i = 0; i < 4; i++)
@@ -211,20 +208,14 @@ static void test_strangers_on_push_ports(void)
     CHECK(atomic_load(&a.rounds) >= 3);
     kvpt_step(&go, 'g');
     kvpt_step(&go, 'g');
-    int r0 = kvpt_wait_child(pre, KVPT_RAW_SIDE_MS), r1 = kvpt_wait_child(dec, KVPT_RAW_SIDE_MS);
+    int sides = kvpt_raw_sides_wait(&p);
     atomic_store(&a.stop, 1);
     pthread_join(th, NULL);
-    if (r0 || r1) {
-        fprintf(stderr, "  prefill exit %d, decode exit %d\n", r0, r1);
-        kvpt_file_show(err0, "prefill");
-        kvpt_file_show(err1, "decode");
-    }
-    CHECK(r0 == 0 && r1 == 0);
-    int lines = kvpt_file_lines(err0, " kvpipe[") + kvpt_file_lines(err1, " kvpipe[");
+    CHECK(sides == 0);
+    int lines = kvpt_file_lines(p.err[0], " kvpipe[") + kvpt_file_lines(p.err[1], " kvpipe[");
     if (lines > 10) fprintf(stderr, "  %d log lines\n", lines);
     CHECK(lines <= 10);
-    unlink(err0);
-    unlink(err1);
+    kvpt_raw_sides_unlink(&p);
 }
 
 int main(void)

@@ -436,20 +436,10 @@ static void test_head_larger_than_window_behind_inline(void)
     REQUIRE(kvpt_raw_setup_init(&s) == 0);
     two_steps k;
     REQUIRE(kvpt_chan_init(&k.sent) == 0 && kvpt_chan_init(&k.done) == 0);
-    char perr[128], derr[128];
-    kvpt_err_path(perr, sizeof perr, "head_prefill");
-    kvpt_err_path(derr, sizeof derr, "head_decode");
-    pid_t prefill = kvpt_raw_spawn_side(&s, 0, prefill_head_and_tail, &k, perr);
-    pid_t decode = kvpt_raw_spawn_side(&s, 1, decode_head_and_tail, &k, derr);
-    int rd = kvpt_wait_child(decode, KVPT_RAW_SIDE_MS),
-        rp = kvpt_wait_child(prefill, KVPT_RAW_SIDE_MS);
-    if (rd || rp) {
-        kvpt_file_show(perr, "prefill");
-        kvpt_file_show(derr, "decode");
-    }
-    CHECK(rd == 0 && rp == 0);
-    unlink(perr);
-    unlink(derr);
+    kvpt_raw_sides p;
+    kvpt_raw_sides_spawn(&p, &s, "head", prefill_head_and_tail, decode_head_and_tail, &k);
+    CHECK(kvpt_raw_sides_wait(&p) == 0);
+    kvpt_raw_sides_unlink(&p);
 }
 
 /* ------------------------------------------- a timeout with a READ running --- */
@@ -515,24 +505,18 @@ static void test_timeout_with_read_running(void)
     stalled k;
     REQUIRE(kvpt_chan_init(&k.sent) == 0 && kvpt_chan_init(&k.go) == 0 &&
             kvpt_chan_init(&k.timed) == 0 && kvpt_chan_init(&k.resume) == 0);
-    char perr[128], derr[128];
-    kvpt_err_path(perr, sizeof perr, "stalled_prefill");
-    kvpt_err_path(derr, sizeof derr, "stalled_decode");
-    pid_t prefill = kvpt_raw_spawn_side(&s, 0, prefill_then_stopped, &k, perr);
-    pid_t decode = kvpt_raw_spawn_side(&s, 1, decode_times_out, &k, derr);
+    kvpt_raw_sides p;
+    kvpt_raw_sides_spawn(&p, &s, "stalled", prefill_then_stopped, decode_times_out, &k);
     CHECK(kvpt_wait_step(&k.sent, KVPT_RAW_SIDE_MS) == 's');
-    CHECK(kvpt_stop(prefill, KVPT_RAW_WAIT_MS) == 0);
+    CHECK(kvpt_stop(p.pid[0], KVPT_RAW_WAIT_MS) == 0);
     kvpt_step(&k.go, 'g');
     CHECK(kvpt_wait_step(&k.timed, KVPT_RAW_SIDE_MS) == 't');
-    kill(prefill, SIGCONT);
+    kill(p.pid[0], SIGCONT);
     kvpt_step(&k.resume, 'c');
-    int rd = kvpt_wait_child(decode, KVPT_RAW_SIDE_MS),
-        rp = kvpt_wait_child(prefill, KVPT_RAW_SIDE_MS);
-    kvpt_file_show(derr, "decode");
-    if (rp) kvpt_file_show(perr, "prefill");
-    CHECK(rd == 0 && rp == 0);
-    unlink(perr);
-    unlink(derr);
+    int ok = kvpt_raw_sides_wait(&p) == 0;
+    if (ok) kvpt_file_show(p.err[1], "decode"); /* its timeout, shown either way */
+    CHECK(ok);
+    kvpt_raw_sides_unlink(&p);
 }
 
 int main(void)

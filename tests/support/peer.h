@@ -390,6 +390,21 @@ pid_t kvpt_raw_spawn_side_with(const kvpt_raw_setup *s, int rank, const kvp_pipe
 pid_t kvpt_raw_spawn_side(const kvpt_raw_setup *s, int rank, kvpt_side_fn fn, void *arg,
                           const char *err_path);
 
+/* Both sides of the setup's pipe as children (kvpt_raw_spawn_side):
+ * prefill (rank 0) runs prefill_fn, decode (rank 1) decode_fn, both with
+ * arg, their stderr in kvpt_err_path files "<what>_prefill" and
+ * "<what>_decode". kvpt_raw_sides_wait waits for both (KVPT_RAW_SIDE_MS),
+ * shows both files if either failed and returns 0 if both exited 0;
+ * kvpt_raw_sides_unlink removes the files. */
+typedef struct kvpt_raw_sides {
+    pid_t pid[2]; /* [kv_rank] */
+    char err[2][128];
+} kvpt_raw_sides;
+void kvpt_raw_sides_spawn(kvpt_raw_sides *p, const kvpt_raw_setup *s, const char *what,
+                          kvpt_side_fn prefill_fn, kvpt_side_fn decode_fn, void *arg);
+int kvpt_raw_sides_wait(kvpt_raw_sides *p);
+void kvpt_raw_sides_unlink(kvpt_raw_sides *p);
+
 /* A temporary file name for a side's stderr; lines of such a file that hold
  * needle ("": every line), -1 without the file; its first 40 lines shown,
  * marked who. */

@@ -48,6 +48,37 @@ void kvpt_err_path(char *buf, size_t len, const char *what)
     snprintf(buf, len, "/tmp/kvpt_%s_%d.err", what, (int)getpid());
 }
 
+void kvpt_raw_sides_spawn(kvpt_raw_sides *p, const kvpt_raw_setup *s, const char *what,
+                          kvpt_side_fn prefill_fn, kvpt_side_fn decode_fn, void *arg)
+{
+    static const char *const side[2] = {"prefill", "decode"};
+    kvpt_side_fn fn[2] = {prefill_fn, decode_fn};
+    for (int r = 0; r < 2; r++) {
+        char name[96];
+        snprintf(name, sizeof name, "%s_%s", what, side[r]);
+        kvpt_err_path(p->err[r], sizeof p->err[r], name);
+        p->pid[r] = kvpt_raw_spawn_side(s, r, fn[r], arg, p->err[r]);
+    }
+}
+
+int kvpt_raw_sides_wait(kvpt_raw_sides *p)
+{
+    int rp = kvpt_wait_child(p->pid[0], KVPT_RAW_SIDE_MS);
+    int rd = kvpt_wait_child(p->pid[1], KVPT_RAW_SIDE_MS);
+    if (rp || rd) {
+        fprintf(stderr, "  prefill exit %d, decode exit %d\n", rp, rd);
+        kvpt_file_show(p->err[0], "prefill");
+        kvpt_file_show(p->err[1], "decode");
+    }
+    return rp || rd ? -1 : 0;
+}
+
+void kvpt_raw_sides_unlink(kvpt_raw_sides *p)
+{
+    unlink(p->err[0]);
+    unlink(p->err[1]);
+}
+
 int kvpt_file_lines(const char *path, const char *needle)
 {
     FILE *f = fopen(path, "r");
