@@ -265,6 +265,14 @@ static int raw_missing(fixture *f, const char *kind, const char *seg)
     return missing;
 }
 
+/* len bytes of seed's pattern (kvpt_fill), malloc'd; NULL if out of memory. */
+static char *pattern(size_t len, uint64_t seed)
+{
+    char *p = malloc(len);
+    if (p) kvpt_fill(p, len, seed);
+    return p;
+}
+
 /* READ the whole region and compare every byte with want. */
 static int read_matches(kvp_engine *e, kvp_segment_id seg, uint64_t addr, const void *want,
                         size_t len)
@@ -279,6 +287,15 @@ static int read_matches(kvp_engine *e, kvp_segment_id seg, uint64_t addr, const 
     else if (!ok)
         fprintf(stderr, "  read: data differ\n");
     free(buf);
+    return ok;
+}
+
+/* READ [addr, +len) and compare it with seed's pattern. */
+static int reads_seed(kvp_engine *e, kvp_segment_id seg, uint64_t addr, size_t len, uint64_t seed)
+{
+    char *want = pattern(len, seed);
+    int ok = want && read_matches(e, seg, addr, want, len);
+    free(want);
     return ok;
 }
 
@@ -307,9 +324,8 @@ static void transfer_read_write(fixture *f)
     free(desc);
     if (f->ops) CHECK(raw_lists(f, t->name, t->addr, t->len));
 
-    char *want = malloc(t->len);
+    char *want = pattern(t->len, 100);
     REQUIRE(want);
-    kvpt_fill(want, t->len, 100);
     CHECK(read_matches(f->eng, seg, t->addr, want, t->len));
     /* WRITE the whole region, then a piece at an odd offset. */
     kvpt_fill(want, t->len, 2);
@@ -341,9 +357,8 @@ static void reregister_publishes(fixture *f)
     /* An engine that opens the segment now reaches the new region. */
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(f->eng, t->name, &seg));
-    char *want = malloc(len);
+    char *want = pattern(len, 200);
     REQUIRE(want);
-    kvpt_fill(want, len, 200);
     CHECK(read_matches(f->eng, seg, addr, want, len));
     kvpt_fill(want, len, 9);
     CHECK_OK(kvp_engine_write(f->eng, seg, want, addr, len));
@@ -363,11 +378,7 @@ static void cached_initiator_sees_new_region(fixture *f)
     unsigned long long addr;
     size_t len;
     REQUIRE(target_reg(t, &addr, &len) == 0);
-    char *want = malloc(len);
-    REQUIRE(want);
-    kvpt_fill(want, len, 200);
-    CHECK(read_matches(f->eng, seg, addr, want, len));
-    free(want);
+    CHECK(reads_seed(f->eng, seg, addr, len, 200));
 }
 
 /* The peer unregistered a region the initiator's cached descriptor still
@@ -382,20 +393,15 @@ static void stale_descriptor_after_unregister(fixture *f)
     REQUIRE(target_reg(t, &addr, &len) == 0);
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(f->eng, t->name, &seg));
-    char *buf = malloc(len);
+    char *buf = pattern(len, 200);
     REQUIRE(buf);
-    kvpt_fill(buf, len, 200);
     CHECK(read_matches(f->eng, seg, addr, buf, len)); /* cached: lists the region */
     REQUIRE(kvpt_peer_call(&t->k.peer, KVPT_T_UNREGISTER, addr, 0, 0, REPLY_TIMEOUT_MS) >= 0);
     CHECK_ST(kvp_engine_read(f->eng, seg, buf, addr, 4096), KVP_ERANGE);
     kvpt_fill(buf, len, 77);
     CHECK_ST(kvp_engine_write(f->eng, seg, buf, addr, 4096), KVP_ERANGE);
     CHECK(target_holds(t, addr, len, 200)); /* the unregistered memory is untouched */
-    char *want = malloc(t->len);
-    REQUIRE(want);
-    kvpt_fill(want, t->len, 100);
-    CHECK(read_matches(f->eng, seg, t->addr, want, t->len));
-    free(want);
+    CHECK(reads_seed(f->eng, seg, t->addr, t->len, 100));
     free(buf);
 }
 
@@ -474,10 +480,7 @@ static void store_restart_while_running(fixture *f)
     target *t = &f->tgt;
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(f->eng, t->name, &seg));
-    char *want = malloc(t->len);
-    REQUIRE(want);
-    kvpt_fill(want, t->len, 100);
-    CHECK(read_matches(f->eng, seg, t->addr, want, t->len));
+    CHECK(reads_seed(f->eng, seg, t->addr, t->len, 100));
 
     REQUIRE(kvpt_server_restart(&f->srv) == KVPT_SERVER_OK);
     /* Also drop the keys outright (etcd keeps them across a restart). */
@@ -495,14 +498,13 @@ static void store_restart_while_running(fixture *f)
     CHECK(poll_until(both_published, f, REPUBLISH_WAIT_MS));
 
     /* Transfers go on: the running initiator, and a fresh one. */
-    CHECK(read_matches(f->eng, seg, t->addr, want, t->len));
+    CHECK(reads_seed(f->eng, seg, t->addr, t->len, 100));
     kvp_engine *fresh = NULL;
     REQUIRE_OK(initiator(f->srv.conn, &fresh));
     kvp_segment_id fseg;
     CHECK_OK(kvp_engine_open_segment(fresh, t->name, &fseg));
-    CHECK(read_matches(fresh, fseg, t->addr, want, t->len));
+    CHECK(reads_seed(fresh, fseg, t->addr, t->len, 100));
     kvp_engine_destroy(fresh);
-    free(want);
 }
 
 /* The target dies and a new process comes up at the same name with its
@@ -514,10 +516,7 @@ static void restarted_peer_replaces_descriptor(fixture *f)
     target *t = &f->tgt;
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(f->eng, t->name, &seg));
-    char *want = malloc(t->len);
-    REQUIRE(want);
-    kvpt_fill(want, t->len, 100);
-    CHECK(read_matches(f->eng, seg, t->addr, want, t->len));
+    CHECK(reads_seed(f->eng, seg, t->addr, t->len, 100));
 
     uint64_t old_addr = t->addr;
     int port = t->port;
@@ -537,9 +536,9 @@ static void restarted_peer_replaces_descriptor(fixture *f)
     char byte;
     CHECK(kvp_engine_read(f->eng, seg, &byte, old_addr, 1) != KVP_OK);
     /* ...and the next transfer uses the new descriptor. */
-    kvpt_fill(want, t->len, 101);
-    CHECK(read_matches(f->eng, seg, t->addr, want, t->len));
-    kvpt_fill(want, t->len, 3);
+    CHECK(reads_seed(f->eng, seg, t->addr, t->len, 101));
+    char *want = pattern(t->len, 3);
+    REQUIRE(want);
     CHECK_OK(kvp_engine_write(f->eng, seg, want, t->addr, t->len));
     CHECK(target_holds(t, t->addr, t->len, 3));
     /* The old range is no longer the peer's (unless the two overlap). */
@@ -707,11 +706,7 @@ static void second_engine_same_name_refused(fixture *f)
     free(before);
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(f->eng, t->name, &seg));
-    char *want = malloc(t->len);
-    REQUIRE(want);
-    kvpt_fill(want, t->len, 100);
-    CHECK(read_matches(f->eng, seg, t->addr, want, t->len));
-    free(want);
+    CHECK(reads_seed(f->eng, seg, t->addr, t->len, 100));
 }
 
 static void put_raw(fixture *f, const char *kind, const char *seg, const char *value)
@@ -761,11 +756,7 @@ static void live_owner_elsewhere_then_gone(fixture *f)
     CHECK(raw_is(f, "rpc_meta", name, rpc));
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(f->eng, name, &seg));
-    char *want = malloc(t.len);
-    REQUIRE(want);
-    kvpt_fill(want, t.len, 102);
-    CHECK(read_matches(f->eng, seg, t.addr, want, t.len));
-    free(want);
+    CHECK(reads_seed(f->eng, seg, t.addr, t.len, 102));
     CHECK(target_quit(&t) == 0);
     CHECK(raw_missing(f, "ram", name) && raw_missing(f, "rpc_meta", name));
 }
@@ -867,9 +858,8 @@ static void force_tcp_rdma_protocol(fixture *f)
     unsetenv("MC_FORCE_TCP");
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(e, f->tgt.name, &seg));
-    char *want = malloc(f->tgt.len);
+    char *want = pattern(f->tgt.len, 100);
     REQUIRE(want);
-    kvpt_fill(want, f->tgt.len, 100);
     CHECK(read_matches(e, seg, f->tgt.addr, want, f->tgt.len));
     const char *via = kvp_engine_segment_transport(e, seg);
     CHECK(via && strcmp(via, "tcp") == 0);
