@@ -451,15 +451,27 @@ static void meta_claim_refuses_live_owner(kvpt_server *srv, const kvpi_store_ops
     ops->close(raw);
 }
 
+/* The raw store, and a meta on it that claimed SEG as self "me"; 0, or -1
+ * with the reason printed. */
+static int claim_seg(kvpt_server *srv, const kvpi_store_ops *ops, void **raw, kvpi_meta **meta,
+                     kvpi_meta_self *me)
+{
+    *raw = open_store(ops, srv->conn);
+    *meta = NULL;
+    *me = self_of(SEG, desc_json, "127.0.0.1", 12345, "me");
+    kvp_status st = *raw ? kvpi_meta_open(srv->conn, TIMEOUT_MS, NULL, NULL, meta) : KVP_EIO;
+    if (st == KVP_OK) st = kvpi_meta_claim(*meta, me);
+    if (st) fprintf(stderr, "  claim %s: %s\n", SEG, kvp_last_error());
+    return st ? -1 : 0;
+}
+
 /* Release deletes only what is this engine's. */
 static void meta_release_leaves_foreign_keys(kvpt_server *srv, const kvpi_store_ops *ops)
 {
-    void *raw = open_store(ops, srv->conn);
-    REQUIRE(raw);
-    kvpi_meta *meta = NULL;
-    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, NULL, NULL, &meta));
-    kvpi_meta_self me = self_of(SEG, desc_json, "127.0.0.1", 12345, "me");
-    REQUIRE_OK(kvpi_meta_claim(meta, &me));
+    void *raw;
+    kvpi_meta *meta;
+    kvpi_meta_self me;
+    REQUIRE(claim_seg(srv, ops, &raw, &meta, &me) == 0);
     /* Another engine took the name meanwhile: both keys are its now. */
     char *dk = kvpi_meta_key("ram", SEG);
     CHECK_OK(ops->put(raw, dk, other_desc));
@@ -484,12 +496,10 @@ static void meta_release_leaves_foreign_keys(kvpt_server *srv, const kvpi_store_
  * this instance that differs, and leaves keys another engine took. */
 static void meta_repair(kvpt_server *srv, const kvpi_store_ops *ops)
 {
-    void *raw = open_store(ops, srv->conn);
-    REQUIRE(raw);
-    kvpi_meta *meta = NULL;
-    REQUIRE_OK(kvpi_meta_open(srv->conn, TIMEOUT_MS, NULL, NULL, &meta));
-    kvpi_meta_self me = self_of(SEG, desc_json, "127.0.0.1", 12345, "me");
-    REQUIRE_OK(kvpi_meta_claim(meta, &me));
+    void *raw;
+    kvpi_meta *meta;
+    kvpi_meta_self me;
+    REQUIRE(claim_seg(srv, ops, &raw, &meta, &me) == 0);
     CHECK_OK(kvpi_meta_repair(meta, &me)); /* nothing lost: nothing to do */
     char *dk = kvpi_meta_key("ram", SEG), *rk = kvpi_meta_key("rpc_meta", SEG);
     CHECK_OK(ops->del(raw, dk));
