@@ -94,8 +94,9 @@ static int nudge(int fd, const char *prefix, size_t *sent)
  * say so on ready_fd, then trickle one header byte per connection per period
  * until killed. A connection the server closed is not reopened; one the
  * server has not accepted yet gets its prefix once it can. */
-static void attacker_main(const attack *a, int ready_fd)
+static void attacker_main(const void *arg, int ready_fd)
 {
+    const attack *a = arg;
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) == 0) {
         rl.rlim_cur = rl.rlim_max;
@@ -131,25 +132,8 @@ static void attacker_main(const attack *a, int ready_fd)
 
 static pid_t attacker_start(const attack *a)
 {
-    int p[2];
-    if (pipe(p) != 0) return -1;
-    fflush(NULL);
-    pid_t pid = fork();
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        close(p[0]);
-        attacker_main(a, p[1]);
-    }
-    close(p[1]);
-    char c;
-    ssize_t got = read(p[0], &c, 1); /* every connection is open */
-    close(p[0]);
-    if (got != 1) {
-        kill(pid, SIGKILL);
-        waitpid(pid, NULL, 0);
-        return -1;
-    }
-    usleep(300 * 1000); /* let the server take in what it will */
+    pid_t pid = kvpt_fork_ready(attacker_main, a); /* every connection is open */
+    if (pid > 0) usleep(300 * 1000);               /* let the server take in what it will */
     return pid;
 }
 

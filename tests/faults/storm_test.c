@@ -216,8 +216,9 @@ static void zmq_strangers_end(zstrangers *z)
     free(z);
 }
 
-static void storm_main(const storm *s, int ready_fd)
+static void storm_main(const void *arg, int ready_fd)
 {
+    const storm *s = arg;
     /* The strangers take what CPU is left (see favoured()). */
     if (setpriority(PRIO_PROCESS, 0, 19) != 0) {
     }
@@ -277,25 +278,9 @@ static void storm_main(const storm *s, int ready_fd)
 /* Start the storm; returns once its connections are open. */
 static pid_t storm_start(const storm *s)
 {
-    int p[2];
     if (kvpt_raise_nofile(4096) != 0) return -1;
-    if (pipe(p) != 0) return -1;
-    fflush(NULL);
-    pid_t pid = fork();
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        close(p[0]);
-        storm_main(s, p[1]);
-    }
-    close(p[1]);
-    char c;
-    ssize_t got = pid > 0 ? read(p[0], &c, 1) : -1;
-    close(p[0]);
-    if (got != 1) {
-        if (pid > 0) kill(pid, SIGKILL), waitpid(pid, NULL, 0);
-        return -1;
-    }
-    usleep(500 * 1000); /* the listener takes them in */
+    pid_t pid = kvpt_fork_ready(storm_main, s);
+    if (pid > 0) usleep(500 * 1000); /* the listener takes them in */
     return pid;
 }
 

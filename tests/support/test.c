@@ -271,6 +271,29 @@ pid_t kvpt_spawn(char *const argv[], const char *out_path)
     return pid;
 }
 
+pid_t kvpt_fork_ready(void (*fn)(const void *arg, int ready_fd), const void *arg)
+{
+    int p[2];
+    if (pipe(p) != 0) return -1;
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        close(p[0]);
+        fn(arg, p[1]);
+        _exit(2); /* fn does not return */
+    }
+    close(p[1]);
+    char c;
+    ssize_t got = pid > 0 ? read(p[0], &c, 1) : -1;
+    close(p[0]);
+    if (got != 1) {
+        if (pid > 0) kill(pid, SIGKILL), waitpid(pid, NULL, 0);
+        return -1;
+    }
+    return pid;
+}
+
 int kvpt_wait_child(pid_t pid, int timeout_ms)
 {
     for (int waited = 0;; waited += 10) {

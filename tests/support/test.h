@@ -116,6 +116,12 @@ int64_t kvpt_runq_wait_ms(pid_t pid);
  * Returns its pid. */
 pid_t kvpt_spawn(char *const argv[], const char *out_path);
 
+/* Fork a child that dies with this process and runs fn(arg, ready_fd),
+ * which must not return; fn writes a byte to ready_fd once it is ready.
+ * The child's pid once that byte came; -1 (the child killed and reaped)
+ * if it never did. */
+pid_t kvpt_fork_ready(void (*fn)(const void *arg, int ready_fd), const void *arg);
+
 /* kvpt_spawn() argv with stdout to a file of its own and wait (up to
  * timeout_ms) until that holds text; the file is removed. Its pid, or -1
  * (killed) when text did not come. */
