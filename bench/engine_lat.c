@@ -8,27 +8,13 @@
  * of a running target (`kvpipe bench --mode target`) and times kvp_engine_read()
  * of --block-size bytes from its first buffer, one after the other. Prints one
  * JSON line: median, p99, mean and min in microseconds. */
-#include <getopt.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
+#include "bench_util.h"
 #include "kvpipe/kvpipe.h"
-
-static double now_us(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 int main(int argc, char **argv)
 {
@@ -36,46 +22,12 @@ int main(int argc, char **argv)
     size_t block = 4096;
     long count = 5000, warmup = 500;
     int no_shm = 0;
-    static const struct option opts[] = {{"segment-id", required_argument, 0, 's'},
-                                         {"metadata-server", required_argument, 0, 'm'},
-                                         {"protocol", required_argument, 0, 'p'},
-                                         {"operation", required_argument, 0, 'o'},
-                                         {"block-size", required_argument, 0, 'b'},
-                                         {"count", required_argument, 0, 'c'},
-                                         {"warmup", required_argument, 0, 'w'},
-                                         {"no-shm", no_argument, 0, 'n'},
-                                         {0, 0, 0, 0}};
-    int c;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        switch (c) {
-        case 's':
-            segment = optarg;
-            break;
-        case 'm':
-            metadata = optarg;
-            break;
-        case 'p':
-            protocol = optarg;
-            break;
-        case 'o':
-            op = optarg;
-            break;
-        case 'b':
-            block = strtoull(optarg, NULL, 10);
-            break;
-        case 'c':
-            count = atol(optarg);
-            break;
-        case 'w':
-            warmup = atol(optarg);
-            break;
-        case 'n':
-            no_shm = 1;
-            break;
-        default:
-            return 2;
-        }
-    }
+    const bench_opt opts[] = {
+        {"segment-id", BENCH_STR, &segment}, {"metadata-server", BENCH_STR, &metadata},
+        {"protocol", BENCH_STR, &protocol},  {"operation", BENCH_STR, &op},
+        {"block-size", BENCH_SIZE, &block},  {"count", BENCH_LONG, &count},
+        {"warmup", BENCH_LONG, &warmup},     {"no-shm", BENCH_FLAG, &no_shm}};
+    if (bench_parse(argc, argv, opts, sizeof opts / sizeof opts[0])) return 2;
     int is_read = strcmp(op, "read") == 0;
     if (!segment || block == 0 || count < 1 || warmup < 0 || (!is_read && strcmp(op, "write"))) {
         fprintf(stderr, "usage: engine_lat --segment-id H:P [--block-size B] [--count N] "
@@ -98,26 +50,21 @@ int main(int argc, char **argv)
         return 1;
     }
     char *local = malloc(block);
-    double *lat = calloc((size_t)count, sizeof *lat);
+    uint64_t *lat = calloc((size_t)count, sizeof *lat);
     if (!local || !lat) return 1;
     memset(local, 0x33, block);
     for (long i = -warmup; i < count; i++) {
-        double t0 = now_us();
+        uint64_t t0 = bench_now_ns();
         kvp_status st = is_read ? kvp_engine_read(e, seg, local, rb.addr, block)
                                 : kvp_engine_write(e, seg, local, rb.addr, block);
         if (st) {
             fprintf(stderr, "engine_lat: %s\n", kvp_last_error());
             return 1;
         }
-        if (i >= 0) lat[i] = now_us() - t0;
+        if (i >= 0) lat[i] = bench_now_ns() - t0;
     }
-    double sum = 0;
-    for (long i = 0; i < count; i++)
-        sum += lat[i];
-    qsort(lat, (size_t)count, sizeof *lat, cmp_double);
-    printf("{\"median_us\": %.1f, \"p99_us\": %.1f, \"mean_us\": %.1f, \"min_us\": %.1f, "
-           "\"count\": %ld, \"size\": %zu, \"operation\": \"%s\", \"transport\": \"%s\"}\n",
-           lat[count / 2], lat[count * 99 / 100], sum / (double)count, lat[0], count, block, op,
+    bench_print_latency(lat, count);
+    printf("\"size\": %zu, \"operation\": \"%s\", \"transport\": \"%s\"}\n", block, op,
            kvp_engine_segment_transport(e, seg));
     free(local);
     free(lat);

@@ -20,7 +20,6 @@
  * write a change is). Prints a table and, last, one JSON line. The keys are
  * deleted at the end. */
 #include <cjson/cJSON.h>
-#include <getopt.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,6 +27,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "bench_util.h"
 #include "common/clock.h"
 #include "engine/engine_internal.h"
 #include "kvpipe/kvpipe.h"
@@ -35,17 +35,11 @@
 
 #define BUF_LEN 65536
 
-static int cmp_u64(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? -1 : x > y;
-}
-
 /* Nearest-rank percentile of n samples (sorted here), in ms. */
 static double pct_ms(uint64_t *ns, size_t n, double p)
 {
     if (!n) return -1;
-    qsort(ns, n, sizeof *ns, cmp_u64);
+    qsort(ns, n, sizeof *ns, bench_cmp_u64);
     size_t rank = (size_t)(p / 100.0 * (double)n + 0.999999);
     if (rank < 1) rank = 1;
     if (rank > n) rank = n;
@@ -100,24 +94,11 @@ int main(int argc, char **argv)
 {
     const char *conn = NULL;
     long n = 1000, changes = 100, rounds = 5;
-    static const struct option opts[] = {{"metadata-server", required_argument, 0, 'm'},
-                                         {"segments", required_argument, 0, 'n'},
-                                         {"changes", required_argument, 0, 'c'},
-                                         {"rounds", required_argument, 0, 'r'},
-                                         {0, 0, 0, 0}};
-    int c;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        if (c == 'm')
-            conn = optarg;
-        else if (c == 'n')
-            n = atol(optarg);
-        else if (c == 'c')
-            changes = atol(optarg);
-        else if (c == 'r')
-            rounds = atol(optarg);
-        else
-            return 2;
-    }
+    const bench_opt opts[] = {{"metadata-server", BENCH_STR, &conn},
+                              {"segments", BENCH_LONG, &n},
+                              {"changes", BENCH_LONG, &changes},
+                              {"rounds", BENCH_LONG, &rounds}};
+    if (bench_parse(argc, argv, opts, sizeof opts / sizeof opts[0])) return 2;
     if (!conn || n < 1 || changes < 0 || rounds < 1) {
         fprintf(stderr, "usage: md_scale --metadata-server CONN [--segments N] [--changes K] "
                         "[--rounds R]\n");

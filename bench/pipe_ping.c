@@ -12,7 +12,6 @@
  * kvp_pipe_opts. The echo side runs as this program with --echo JSON (the
  * pipe's config). */
 #include <arpa/inet.h>
-#include <getopt.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdint.h>
@@ -22,9 +21,9 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
+#include "bench_util.h"
 #include "kvpipe/kvpipe.h"
 #include "kvpipe/metadata_server.h"
 #include "kvpipe/pipe.h"
@@ -41,13 +40,6 @@ typedef struct ping_opts {
     long ack_delay;        /* < 0: the default */
     const char *echo_json; /* --echo JSON: be rank 1 of that pipe (the child) */
 } ping_opts;
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 static kvp_pipe *open_side(const char *json, int rank, const ping_opts *o)
 {
@@ -95,12 +87,6 @@ static int echo(const char *json, const ping_opts *o)
     return rc;
 }
 
-static int cmp_u64(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? -1 : x > y;
-}
-
 /* One round trip of tensor t; the echo must hold the bytes of t. */
 static int round_trip(kvp_pipe *p, const kvp_tensor *t)
 {
@@ -128,29 +114,23 @@ static int ping(const char *json, const ping_opts *o)
         for (size_t k = 0; k < o->size; k++)
             data[k] = (uint8_t)(k * 31 + (uint64_t)i);
         kvp_tensor_init(&t, KVP_DTYPE_U8, 1, &n, data);
-        uint64_t t0 = now_ns();
+        uint64_t t0 = bench_now_ns();
         rc = round_trip(p, &t) != 0;
-        if (i >= 0) rtt[i] = now_ns() - t0;
+        if (i >= 0) rtt[i] = bench_now_ns() - t0;
     }
     kvp_pipe_stats s;
     kvp_pipe_get_stats(p, &s);
     if (!rc && kvp_pipe_send(p, NULL) != KVP_OK) rc = 1;
     if (!rc && kvp_pipe_flush(p, RECV_TIMEOUT_MS) != KVP_OK) rc = 1;
     if (!rc) {
-        double sum = 0;
-        for (long i = 0; i < o->count; i++)
-            sum += (double)rtt[i];
-        qsort(rtt, (size_t)o->count, sizeof *rtt, cmp_u64);
         /* The path of the timed round trips: every one inline, or none. */
         const char *path =
             s.inline_received >= (uint64_t)o->count && s.inline_sent >= (uint64_t)o->count
                 ? "inline"
             : s.inline_sent == 0 ? "announced"
                                  : "mixed";
-        printf("{\"median_us\": %.1f, \"p99_us\": %.1f, \"mean_us\": %.1f, \"min_us\": %.1f, "
-               "\"count\": %ld, \"size\": %zu, \"path\": \"%s\"}\n",
-               (double)rtt[o->count / 2] / 1e3, (double)rtt[o->count * 99 / 100] / 1e3,
-               sum / (double)o->count / 1e3, (double)rtt[0] / 1e3, o->count, o->size, path);
+        bench_print_latency(rtt, o->count);
+        printf("\"size\": %zu, \"path\": \"%s\"}\n", o->size, path);
     }
     free(data);
     free(rtt);
@@ -166,50 +146,16 @@ static int parse(int argc, char **argv, ping_opts *o)
                      .protocol = "tcp",
                      .inline_max = -1,
                      .ack_delay = -1};
-    static const struct option opts[] = {{"size", required_argument, 0, 's'},
-                                         {"count", required_argument, 0, 'c'},
-                                         {"warmup", required_argument, 0, 'w'},
-                                         {"protocol", required_argument, 0, 'p'},
-                                         {"no-shm", no_argument, 0, 'n'},
-                                         {"inline-max-bytes", required_argument, 0, 'i'},
-                                         {"busy-poll-us", required_argument, 0, 'b'},
-                                         {"ack-delay-us", required_argument, 0, 'a'},
-                                         {"echo", required_argument, 0, 'e'},
-                                         {0, 0, 0, 0}};
-    int c;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        switch (c) {
-        case 's':
-            o->size = strtoull(optarg, NULL, 10);
-            break;
-        case 'c':
-            o->count = atol(optarg);
-            break;
-        case 'w':
-            o->warmup = atol(optarg);
-            break;
-        case 'p':
-            o->protocol = optarg;
-            break;
-        case 'n':
-            o->no_shm = 1;
-            break;
-        case 'i':
-            o->inline_max = atol(optarg);
-            break;
-        case 'b':
-            o->busy_poll_us = atoi(optarg);
-            break;
-        case 'a':
-            o->ack_delay = atol(optarg);
-            break;
-        case 'e':
-            o->echo_json = optarg;
-            break;
-        default:
-            return -1;
-        }
-    }
+    const bench_opt opts[] = {{"size", BENCH_SIZE, &o->size},
+                              {"count", BENCH_LONG, &o->count},
+                              {"warmup", BENCH_LONG, &o->warmup},
+                              {"protocol", BENCH_STR, &o->protocol},
+                              {"no-shm", BENCH_FLAG, &o->no_shm},
+                              {"inline-max-bytes", BENCH_LONG, &o->inline_max},
+                              {"busy-poll-us", BENCH_INT, &o->busy_poll_us},
+                              {"ack-delay-us", BENCH_LONG, &o->ack_delay},
+                              {"echo", BENCH_STR, &o->echo_json}};
+    if (bench_parse(argc, argv, opts, sizeof opts / sizeof opts[0])) return -1;
     return o->size == 0 || o->count < 1 || o->warmup < 0 || strlen(o->protocol) > 16 ? -1 : 0;
 }
 

@@ -7,22 +7,20 @@
  * --duration seconds, touching the first byte of each. Default socket options,
  * one I/O thread per side. Prints one JSON line {"msgs_per_s": ..., "gbps":
  * ..., ...}; gbps is decimal GB/s of payload. */
-#include <getopt.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 #include <zmq.h>
 
+#include "bench_util.h"
+
 static double now(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+    return (double)bench_now_ns() / 1e9;
 }
 
 static int pusher(const char *ep, size_t size)
@@ -43,17 +41,8 @@ int main(int argc, char **argv)
 {
     size_t size = 4096;
     double duration = 3;
-    static const struct option opts[] = {
-        {"size", required_argument, 0, 's'}, {"duration", required_argument, 0, 'd'}, {0, 0, 0, 0}};
-    int c;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        if (c == 's')
-            size = strtoull(optarg, NULL, 10);
-        else if (c == 'd')
-            duration = atof(optarg);
-        else
-            return 2;
-    }
+    const bench_opt opts[] = {{"size", BENCH_SIZE, &size}, {"duration", BENCH_DOUBLE, &duration}};
+    if (bench_parse(argc, argv, opts, sizeof opts / sizeof opts[0])) return 2;
     if (!(duration > 0)) return 2;
     void *ctx = zmq_ctx_new();
     void *s = zmq_socket(ctx, ZMQ_PULL);

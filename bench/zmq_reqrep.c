@@ -5,23 +5,16 @@
  * sends --size bytes on a REQ socket over loopback TCP and waits for the
  * echo, --count times after --warmup untimed ones. Prints one JSON line with
  * the round trip's median, p99, mean and min in microseconds. */
-#include <getopt.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 #include <zmq.h>
 
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
+#include "bench_util.h"
 
 static int echoer(const char *ep)
 {
@@ -35,31 +28,14 @@ static int echoer(const char *ep)
     }
 }
 
-static int cmp_u64(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? -1 : x > y;
-}
-
 int main(int argc, char **argv)
 {
     size_t size = 4096;
     long count = 20000, warmup = 1000;
-    static const struct option opts[] = {{"size", required_argument, 0, 's'},
-                                         {"count", required_argument, 0, 'c'},
-                                         {"warmup", required_argument, 0, 'w'},
-                                         {0, 0, 0, 0}};
-    int c;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        if (c == 's')
-            size = strtoull(optarg, NULL, 10);
-        else if (c == 'c')
-            count = atol(optarg);
-        else if (c == 'w')
-            warmup = atol(optarg);
-        else
-            return 2;
-    }
+    const bench_opt opts[] = {{"size", BENCH_SIZE, &size},
+                              {"count", BENCH_LONG, &count},
+                              {"warmup", BENCH_LONG, &warmup}};
+    if (bench_parse(argc, argv, opts, sizeof opts / sizeof opts[0])) return 2;
     if (count < 1 || warmup < 0) return 2;
     void *ctx = zmq_ctx_new();
     void *s = zmq_socket(ctx, ZMQ_REQ);
@@ -78,23 +54,17 @@ int main(int argc, char **argv)
     zmq_msg_t m;
     zmq_msg_init(&m);
     for (long i = -warmup; i < count; i++) {
-        uint64_t t0 = now_ns();
+        uint64_t t0 = bench_now_ns();
         if (zmq_send(s, buf, size, 0) < 0 || zmq_msg_recv(&m, s, 0) != (int)size) {
             fprintf(stderr, "zmq_reqrep: %s\n", zmq_strerror(zmq_errno()));
             return 1;
         }
-        if (i >= 0) rtt[i] = now_ns() - t0;
+        if (i >= 0) rtt[i] = bench_now_ns() - t0;
     }
     kill(pid, SIGKILL);
     waitpid(pid, NULL, 0);
-    double sum = 0;
-    for (long i = 0; i < count; i++)
-        sum += (double)rtt[i];
-    qsort(rtt, (size_t)count, sizeof *rtt, cmp_u64);
-    printf("{\"median_us\": %.1f, \"p99_us\": %.1f, \"mean_us\": %.1f, \"min_us\": %.1f, "
-           "\"count\": %ld, \"size\": %zu}\n",
-           (double)rtt[count / 2] / 1e3, (double)rtt[count * 99 / 100] / 1e3, sum / count / 1e3,
-           (double)rtt[0] / 1e3, count, size);
+    bench_print_latency(rtt, count);
+    printf("\"size\": %zu}\n", size);
     zmq_msg_close(&m);
     zmq_close(s);
     zmq_ctx_term(ctx);
