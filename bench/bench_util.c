@@ -4,6 +4,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
+#include <unistd.h>
+#include <zmq.h>
 
 uint64_t bench_now_ns(void)
 {
@@ -63,4 +65,21 @@ void bench_print_latency(uint64_t *ns, long n)
            "\"count\": %ld, ",
            (double)ns[n / 2] / 1e3, (double)ns[n * 99 / 100] / 1e3, sum / (double)n / 1e3,
            (double)ns[0] / 1e3, n);
+}
+
+void *bench_zmq_with_child(void *ctx, int type, const char *who,
+                           int (*child)(const char *ep, const void *arg), const void *arg,
+                           pid_t *pid)
+{
+    void *s = zmq_socket(ctx, type);
+    char ep[64];
+    size_t len = sizeof ep;
+    if (!s || zmq_bind(s, "tcp://127.0.0.1:*") != 0 ||
+        zmq_getsockopt(s, ZMQ_LAST_ENDPOINT, ep, &len) != 0) {
+        fprintf(stderr, "%s: %s\n", who, zmq_strerror(zmq_errno()));
+        return NULL;
+    }
+    *pid = fork();
+    if (*pid == 0) _exit(child(ep, arg));
+    return s;
 }

@@ -4,6 +4,7 @@
 #define KVP_BENCH_UTIL_H
 
 #include <stdint.h>
+#include <sys/types.h>
 
 /* CLOCK_MONOTONIC in nanoseconds. */
 uint64_t bench_now_ns(void);
@@ -28,5 +29,13 @@ int bench_cmp_u64(const void *a, const void *b);
  * {"median_us", "p99_us", "mean_us", "min_us", "count", and a comma; the
  * caller prints its own fields and the closing brace. */
 void bench_print_latency(uint64_t *ns, long n);
+
+/* A ZeroMQ socket of type bound to a free loopback TCP port, and a child
+ * process that runs child(endpoint, arg) and exits with its result; the
+ * socket (the child's pid in *pid), or NULL with ZeroMQ's reason printed
+ * after who. */
+void *bench_zmq_with_child(void *ctx, int type, const char *who,
+                           int (*child)(const char *ep, const void *arg), const void *arg,
+                           pid_t *pid);
 
 #endif

@@ -23,8 +23,9 @@ static double now(void)
     return (double)bench_now_ns() / 1e9;
 }
 
-static int pusher(const char *ep, size_t size)
+static int pusher(const char *ep, const void *arg)
 {
+    size_t size = *(const size_t *)arg;
     void *ctx = zmq_ctx_new();
     void *s = zmq_socket(ctx, ZMQ_PUSH);
     if (!s || zmq_connect(s, ep) != 0) return 1;
@@ -45,16 +46,9 @@ int main(int argc, char **argv)
     if (bench_parse(argc, argv, opts, sizeof opts / sizeof opts[0])) return 2;
     if (!(duration > 0)) return 2;
     void *ctx = zmq_ctx_new();
-    void *s = zmq_socket(ctx, ZMQ_PULL);
-    char ep[64];
-    size_t len = sizeof ep;
-    if (!s || zmq_bind(s, "tcp://127.0.0.1:*") != 0 ||
-        zmq_getsockopt(s, ZMQ_LAST_ENDPOINT, ep, &len) != 0) {
-        fprintf(stderr, "zmq_pushpull: %s\n", zmq_strerror(zmq_errno()));
-        return 1;
-    }
-    pid_t pid = fork();
-    if (pid == 0) _exit(pusher(ep, size));
+    pid_t pid;
+    void *s = bench_zmq_with_child(ctx, ZMQ_PULL, "zmq_pushpull", pusher, &size, &pid);
+    if (!s) return 1;
     zmq_msg_t m;
     zmq_msg_init(&m);
     /* The clock starts at the first message: connecting is not timed. */

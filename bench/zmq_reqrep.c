@@ -16,8 +16,9 @@
 
 #include "bench_util.h"
 
-static int echoer(const char *ep)
+static int echoer(const char *ep, const void *arg)
 {
+    (void)arg;
     void *ctx = zmq_ctx_new();
     void *s = zmq_socket(ctx, ZMQ_REP);
     if (!s || zmq_connect(s, ep) != 0) return 1;
@@ -38,16 +39,9 @@ int main(int argc, char **argv)
     if (bench_parse(argc, argv, opts, sizeof opts / sizeof opts[0])) return 2;
     if (count < 1 || warmup < 0) return 2;
     void *ctx = zmq_ctx_new();
-    void *s = zmq_socket(ctx, ZMQ_REQ);
-    char ep[64];
-    size_t len = sizeof ep;
-    if (!s || zmq_bind(s, "tcp://127.0.0.1:*") != 0 ||
-        zmq_getsockopt(s, ZMQ_LAST_ENDPOINT, ep, &len) != 0) {
-        fprintf(stderr, "zmq_reqrep: %s\n", zmq_strerror(zmq_errno()));
-        return 1;
-    }
-    pid_t pid = fork();
-    if (pid == 0) _exit(echoer(ep));
+    pid_t pid;
+    void *s = bench_zmq_with_child(ctx, ZMQ_REQ, "zmq_reqrep", echoer, NULL, &pid);
+    if (!s) return 1;
     char *buf = calloc(1, size ? size : 1);
     uint64_t *rtt = calloc((size_t)count, sizeof *rtt);
     if (!buf || !rtt) return 1;
