@@ -17,14 +17,24 @@ uint64_t bench_now_ns(void)
 int bench_parse(int argc, char **argv, const bench_opt *opts, int n)
 {
     struct option lo[33] = {{0}};
+    char shorts[2 * 32 + 1] = "", *sp = shorts;
     if (n > 32) return -1;
-    for (int i = 0; i < n; i++)
-        lo[i] = (struct option){
-            opts[i].name, opts[i].kind == BENCH_FLAG ? no_argument : required_argument, 0, 256 + i};
+    for (int i = 0; i < n; i++) {
+        int arg = opts[i].kind == BENCH_FLAG ? no_argument : required_argument;
+        lo[i] = (struct option){opts[i].name, arg, 0, 256 + i};
+        if (opts[i].short_name) {
+            *sp++ = opts[i].short_name;
+            if (arg == required_argument) *sp++ = ':';
+        }
+    }
+    *sp = '\0';
     int c;
-    while ((c = getopt_long(argc, argv, "", lo, NULL)) != -1) {
-        if (c < 256 || c >= 256 + n) return -1;
-        const bench_opt *o = &opts[c - 256];
+    while ((c = getopt_long(argc, argv, shorts, lo, NULL)) != -1) {
+        int i = c >= 256 && c < 256 + n ? c - 256 : -1;
+        for (int k = 0; k < n && i < 0; k++)
+            if (opts[k].short_name && c == opts[k].short_name) i = k;
+        if (i < 0) return -1;
+        const bench_opt *o = &opts[i];
         switch (o->kind) {
         case BENCH_STR:
             *(const char **)o->to = optarg;
@@ -34,6 +44,9 @@ int bench_parse(int argc, char **argv, const bench_opt *opts, int n)
             break;
         case BENCH_INT:
             *(int *)o->to = atoi(optarg);
+            break;
+        case BENCH_UINT:
+            *(unsigned *)o->to = (unsigned)strtoul(optarg, NULL, 10);
             break;
         case BENCH_SIZE:
             *(size_t *)o->to = strtoull(optarg, NULL, 10);

@@ -9,17 +9,28 @@
 /* CLOCK_MONOTONIC in nanoseconds. */
 uint64_t bench_now_ns(void);
 
-/* One long option: --name VALUE or --name=VALUE, stored in *to as kind says
- * (a flag takes no value and stores 1 in an int). */
-typedef enum { BENCH_STR, BENCH_LONG, BENCH_INT, BENCH_SIZE, BENCH_DOUBLE, BENCH_FLAG } bench_kind;
+/* One long option: --name VALUE or --name=VALUE (and -s VALUE where
+ * short_name is set), stored in *to as kind says (a flag takes no value and
+ * stores 1 in an int). */
+typedef enum {
+    BENCH_STR,
+    BENCH_LONG,
+    BENCH_INT,
+    BENCH_UINT,
+    BENCH_SIZE,
+    BENCH_DOUBLE,
+    BENCH_FLAG
+} bench_kind;
 typedef struct bench_opt {
     const char *name;
     bench_kind kind;
     void *to;
+    char short_name;
 } bench_opt;
 
 /* Parse argv's options (n rows of opts, 32 at most); 0, or -1 on an option
- * not in the table or one without its value. */
+ * not in the table or one without its value. Operands are left from optind
+ * on, as getopt_long leaves them. */
 int bench_parse(int argc, char **argv, const bench_opt *opts, int n);
 
 /* qsort's order of uint64_t samples. */

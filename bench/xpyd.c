@@ -43,7 +43,6 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <getopt.h>
 #include <inttypes.h>
 #include <math.h>
 #include <poll.h>
@@ -61,6 +60,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "bench_util.h"
 #include "common/clock.h"
 #include "kvpipe/kvpipe.h"
 #include "netns.h"
@@ -1030,81 +1030,34 @@ int main(int argc, char **argv)
               .seed = 1,
               .mode = "write",
               .warmup_ms = 2000};
-    static struct option lo[] = {
-        {"prefill", 1, 0, 'p'},  {"decode", 1, 0, 'd'},      {"seconds", 1, 0, 's'},
-        {"mode", 1, 0, 'm'},     {"window", 1, 0, 'w'},      {"skew", 1, 0, 'k'},
-        {"min-tokens", 1, 0, 1}, {"max-tokens", 1, 0, 2},    {"seed", 1, 0, 3},
-        {"timeout-ms", 1, 0, 4}, {"baseline", 0, 0, 5},      {"min-ratio", 1, 0, 6},
-        {"fault", 1, 0, 7},      {"fault-seconds", 1, 0, 8}, {"keep", 1, 0, 9},
-        {"json", 1, 0, 10},      {"keep-logs", 0, 0, 11},    {"help", 0, 0, 'h'},
-        {"warmup-ms", 1, 0, 12}, {"sample-s", 1, 0, 13},     {0, 0, 0, 0}};
-    int c;
-    while ((c = getopt_long(argc, argv, "p:d:s:m:w:k:h", lo, NULL)) != -1) {
-        switch (c) {
-        case 'p':
-            o.prefill = atoi(optarg);
-            break;
-        case 'd':
-            o.decode = atoi(optarg);
-            break;
-        case 's':
-            o.seconds = atoi(optarg);
-            break;
-        case 'm':
-            o.mode = optarg;
-            break;
-        case 'w':
-            o.window = atoi(optarg);
-            break;
-        case 'k':
-            o.skew = atoi(optarg);
-            break;
-        case 1:
-            o.min_tokens = atoi(optarg);
-            break;
-        case 2:
-            o.max_tokens = atoi(optarg);
-            break;
-        case 3:
-            o.seed = (unsigned)strtoul(optarg, NULL, 10);
-            break;
-        case 4:
-            o.timeout_ms = atoi(optarg);
-            break;
-        case 5:
-            o.baseline = 1;
-            break;
-        case 6:
-            o.min_ratio = atof(optarg);
-            break;
-        case 7:
-            o.fault = optarg;
-            break;
-        case 8:
-            o.fault_seconds = atoi(optarg);
-            break;
-        case 9:
-            o.keep = atof(optarg);
-            break;
-        case 10:
-            o.json = optarg;
-            break;
-        case 11:
-            o.keep_logs = 1;
-            break;
-        case 12:
-            o.warmup_ms = atoi(optarg);
-            break;
-        case 13:
-            o.sample_s = atoi(optarg);
-            break;
-        case 'h':
-            usage(stdout);
-            return 0;
-        default:
-            usage(stderr);
-            return 2;
-        }
+    int help = 0;
+    const bench_opt lo[] = {{"prefill", BENCH_INT, &o.prefill, 'p'},
+                            {"decode", BENCH_INT, &o.decode, 'd'},
+                            {"seconds", BENCH_INT, &o.seconds, 's'},
+                            {"mode", BENCH_STR, &o.mode, 'm'},
+                            {"window", BENCH_INT, &o.window, 'w'},
+                            {"skew", BENCH_INT, &o.skew, 'k'},
+                            {"min-tokens", BENCH_INT, &o.min_tokens},
+                            {"max-tokens", BENCH_INT, &o.max_tokens},
+                            {"seed", BENCH_UINT, &o.seed},
+                            {"timeout-ms", BENCH_INT, &o.timeout_ms},
+                            {"baseline", BENCH_FLAG, &o.baseline},
+                            {"min-ratio", BENCH_DOUBLE, &o.min_ratio},
+                            {"fault", BENCH_STR, &o.fault},
+                            {"fault-seconds", BENCH_INT, &o.fault_seconds},
+                            {"keep", BENCH_DOUBLE, &o.keep},
+                            {"json", BENCH_STR, &o.json},
+                            {"keep-logs", BENCH_FLAG, &o.keep_logs},
+                            {"help", BENCH_FLAG, &help, 'h'},
+                            {"warmup-ms", BENCH_INT, &o.warmup_ms},
+                            {"sample-s", BENCH_INT, &o.sample_s}};
+    if (bench_parse(argc, argv, lo, sizeof lo / sizeof lo[0])) {
+        usage(stderr);
+        return 2;
+    }
+    if (help) {
+        usage(stdout);
+        return 0;
     }
     const char *why = NULL;
     if (optind < argc)

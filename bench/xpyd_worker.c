@@ -4,7 +4,6 @@
  * over a socket pair: a thread per peer moves the requests, the main thread
  * answers stats and lookups. */
 #include <errno.h>
-#include <getopt.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -17,6 +16,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "bench_util.h"
 #include "common/clock.h"
 #include "kvpipe/kvpipe.h"
 #include "test.h"
@@ -532,52 +532,21 @@ static int worker_main(void)
 
 int xpyd_worker(int argc, char **argv)
 {
-    const char *role = NULL, *peer_addrs = NULL, *mode = "write";
-    static struct option lo[] = {
-        {"worker", 1, 0, 20},     {"index", 1, 0, 21},      {"ctl", 1, 0, 22},
-        {"addr", 1, 0, 23},       {"etcd", 1, 0, 24},       {"peers", 1, 0, 25},
-        {"peer-addrs", 1, 0, 26}, {"slot-bytes", 1, 0, 27}, {"slots", 1, 0, 28},
-        {"timeout-ms", 1, 0, 4},  {"mode", 1, 0, 'm'},      {0, 0, 0, 0}};
-    int c;
-    while ((c = getopt_long(argc, argv, "m:", lo, NULL)) != -1) {
-        switch (c) {
-        case 'm':
-            mode = optarg;
-            break;
-        case 4:
-            W.timeout_ms = atoi(optarg);
-            break;
-        case 20:
-            role = optarg;
-            break;
-        case 21:
-            W.index = atoi(optarg);
-            break;
-        case 22:
-            W.ctl = atoi(optarg);
-            break;
-        case 23:
-            snprintf(W.addr, sizeof W.addr, "%s", optarg);
-            break;
-        case 24:
-            snprintf(W.etcd, sizeof W.etcd, "%s", optarg);
-            break;
-        case 25:
-            W.peers = atoi(optarg);
-            break;
-        case 26:
-            peer_addrs = optarg;
-            break;
-        case 27:
-            W.slot_bytes = strtoull(optarg, NULL, 10);
-            break;
-        case 28:
-            W.slots = strtoull(optarg, NULL, 10);
-            break;
-        default:
-            return 2;
-        }
-    }
+    const char *role = NULL, *peer_addrs = NULL, *mode = "write", *addr = "", *etcd = "";
+    const bench_opt lo[] = {{"worker", BENCH_STR, &role},
+                            {"index", BENCH_INT, &W.index},
+                            {"ctl", BENCH_INT, &W.ctl},
+                            {"addr", BENCH_STR, &addr},
+                            {"etcd", BENCH_STR, &etcd},
+                            {"peers", BENCH_INT, &W.peers},
+                            {"peer-addrs", BENCH_STR, &peer_addrs},
+                            {"slot-bytes", BENCH_SIZE, &W.slot_bytes},
+                            {"slots", BENCH_SIZE, &W.slots},
+                            {"timeout-ms", BENCH_INT, &W.timeout_ms},
+                            {"mode", BENCH_STR, &mode, 'm'}};
+    if (bench_parse(argc, argv, lo, sizeof lo / sizeof lo[0])) return 2;
+    snprintf(W.addr, sizeof W.addr, "%s", addr);
+    snprintf(W.etcd, sizeof W.etcd, "%s", etcd);
     W.prefill = role && strcmp(role, "prefill") == 0;
     snprintf(W.mode, sizeof W.mode, "%s", mode);
     char list[MAX_SIDE * 32];
