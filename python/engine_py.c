@@ -1316,12 +1316,8 @@ static PyType_Slot engine_slots[] = {
 };
 
 /* Not immutable: kvpy_engine_init_type sets TransferOpcode on it. */
-static PyType_Spec engine_spec = {
-    .name = "kvpipe.TransferEngine",
-    .basicsize = sizeof(kvpy_engine),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
-    .slots = engine_slots,
-};
+static PyType_Spec engine_spec = {"kvpipe.TransferEngine", sizeof(kvpy_engine), 0,
+                                  Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE, engine_slots};
 
 /* kvpipe.TransferOpcode: an IntEnum, so ints and members both work. */
 static PyObject *make_opcode_enum(void)

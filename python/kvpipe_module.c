@@ -89,6 +89,17 @@ PyObject *kvpy_alloc_instance(PyTypeObject *type)
     return alloc ? alloc(type, 0) : PyType_GenericAlloc(type, 0);
 }
 
+int kvpy_add_type(PyObject *module, PyType_Spec *spec, const char *name, PyTypeObject **keep)
+{
+    PyObject *type = PyType_FromSpec(spec);
+    if (!type) return -1;
+    if (keep) {
+        Py_INCREF(type);
+        *keep = (PyTypeObject *)type;
+    }
+    return PyModule_AddObject(module, name, type);
+}
+
 void kvpy_free_instance(PyObject *self)
 {
     PyTypeObject *type = Py_TYPE(self);

@@ -91,6 +91,10 @@ void kvpy_free_instance(PyObject *self);
  * through the type's tp_alloc. */
 PyObject *kvpy_alloc_instance(PyTypeObject *type);
 
+/* The heap type of spec, added to module as name; with keep, also a
+ * reference of the caller's in *keep. 0, or -1 with an exception set. */
+int kvpy_add_type(PyObject *module, PyType_Spec *spec, const char *name, PyTypeObject **keep);
+
 /* PyArg "O&" converters: a non-negative int to uint64_t / size_t. */
 int kvpy_addr_conv(PyObject *obj, void *out);
 int kvpy_size_conv(PyObject *obj, void *out);

@@ -116,11 +116,8 @@ static PyType_Slot notify_slots[] = {
 };
 
 static PyType_Spec notify_spec = {
-    .name = "kvpipe.TransferNotify",
-    .basicsize = sizeof(kvpy_notify),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_IMMUTABLETYPE,
-    .slots = notify_slots,
-};
+    "kvpipe.TransferNotify", sizeof(kvpy_notify), 0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_IMMUTABLETYPE, notify_slots};
 
 PyObject *kvpy_notify_from(const char *name, const char *msg)
 {
@@ -192,8 +189,5 @@ void kvpy_notify_args_release(kvpy_notify_args *a)
 
 int kvpy_notify_init_type(PyObject *module)
 {
-    kvpy_notify_type = (PyTypeObject *)PyType_FromSpec(&notify_spec);
-    if (!kvpy_notify_type) return -1;
-    Py_INCREF((PyObject *)kvpy_notify_type);
-    return PyModule_AddObject(module, "TransferNotify", (PyObject *)kvpy_notify_type);
+    return kvpy_add_type(module, &notify_spec, "TransferNotify", &kvpy_notify_type);
 }

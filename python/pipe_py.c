@@ -1031,16 +1031,11 @@ static PyType_Slot pipe_slots[] = {
     {0, NULL},
 };
 
-static PyType_Spec pipe_spec = {
-    .name = "kvpipe.Pipe",
-    .basicsize = sizeof(kvpy_pipe),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_IMMUTABLETYPE,
-    .slots = pipe_slots,
-};
+static PyType_Spec pipe_spec = {"kvpipe.Pipe", sizeof(kvpy_pipe), 0,
+                                Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_IMMUTABLETYPE,
+                                pipe_slots};
 
 int kvpy_pipe_init_type(PyObject *module)
 {
-    PyObject *pipe_type = PyType_FromSpec(&pipe_spec);
-    if (!pipe_type) return -1;
-    return PyModule_AddObject(module, "Pipe", pipe_type);
+    return kvpy_add_type(module, &pipe_spec, "Pipe", NULL);
 }

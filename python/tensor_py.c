@@ -570,17 +570,12 @@ static PyType_Slot tensor_slots[] = {
 };
 
 /* Made by the module only: kvpipe.Tensor() raises TypeError. */
-static PyType_Spec tensor_spec = {
-    .name = "kvpipe.Tensor",
-    .basicsize = sizeof(kvpy_tensor),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
-    .slots = tensor_slots,
-};
+static PyType_Spec tensor_spec = {"kvpipe.Tensor", sizeof(kvpy_tensor), 0,
+                                  Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE |
+                                      Py_TPFLAGS_DISALLOW_INSTANTIATION,
+                                  tensor_slots};
 
 int kvpy_tensor_init_type(PyObject *module)
 {
-    tensor_type = (PyTypeObject *)PyType_FromSpec(&tensor_spec);
-    if (!tensor_type) return -1;
-    Py_INCREF((PyObject *)tensor_type);
-    return PyModule_AddObject(module, "Tensor", (PyObject *)tensor_type);
+    return kvpy_add_type(module, &tensor_spec, "Tensor", &tensor_type);
 }
