@@ -16,19 +16,23 @@
 #include "kvpipe/metrics.h"
 #include "kvpipe/status.h"
 
-typedef struct kvpi_counter {
-    _Atomic uint64_t v;
-} kvpi_counter;
+/* A relaxed atomic value of type T, its type named name, with name_add and
+ * name_get: a counter (only grows) or a gauge (goes both ways). */
+#define KVPI_ATOMIC_METRIC(name, T)                                                                \
+    typedef struct name {                                                                          \
+        _Atomic T v;                                                                               \
+    } name;                                                                                        \
+    static inline void name##_add(name *m, T n)                                                    \
+    {                                                                                              \
+        atomic_fetch_add_explicit(&m->v, n, memory_order_relaxed);                                 \
+    }                                                                                              \
+    static inline T name##_get(const name *m)                                                      \
+    {                                                                                              \
+        return atomic_load_explicit(&((name *)m)->v, memory_order_relaxed);                        \
+    }
 
-static inline void kvpi_counter_add(kvpi_counter *c, uint64_t n)
-{
-    atomic_fetch_add_explicit(&c->v, n, memory_order_relaxed);
-}
-
-static inline uint64_t kvpi_counter_get(const kvpi_counter *c)
-{
-    return atomic_load_explicit(&((kvpi_counter *)c)->v, memory_order_relaxed);
-}
+KVPI_ATOMIC_METRIC(kvpi_counter, uint64_t)
+KVPI_ATOMIC_METRIC(kvpi_gauge, int64_t)
 
 /* What one transport's server counts (kvpi_server_ctx.served): requests
  * served to peers, by opcode. */
@@ -43,20 +47,6 @@ static inline void kvpi_served_add(kvpi_served *s, int write, uint64_t bytes)
 {
     kvpi_counter_add(&s->requests[write], 1);
     kvpi_counter_add(&s->bytes[write], bytes);
-}
-
-typedef struct kvpi_gauge {
-    _Atomic int64_t v;
-} kvpi_gauge;
-
-static inline void kvpi_gauge_add(kvpi_gauge *g, int64_t d)
-{
-    atomic_fetch_add_explicit(&g->v, d, memory_order_relaxed);
-}
-
-static inline int64_t kvpi_gauge_get(const kvpi_gauge *g)
-{
-    return atomic_load_explicit(&((kvpi_gauge *)g)->v, memory_order_relaxed);
 }
 
 /* Bounds of every latency histogram, as Mooncake's transfer engine buckets its
