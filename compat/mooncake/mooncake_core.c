@@ -571,6 +571,13 @@ static mc_batch *get_batch(kvmc_engine *e, uint64_t id)
     return b;
 }
 
+/* The error of an id that names no batch of the engine's. */
+static kvp_status no_batch(uint64_t id)
+{
+    return own_error(KVP_EINVAL, "unknown or already collected batch id %llu",
+                     (unsigned long long)id);
+}
+
 /* A chunk's kvpipe batch completed (kvp_batch_opts.on_complete, on an engine
  * thread): count its requests done and wake the batch's watcher. Touches
  * watch_lock alone: it may run on the submitting thread, inside
@@ -709,9 +716,7 @@ kvp_status kvmc_task_status(kvmc_engine *e, uint64_t id, size_t task, kvp_status
                             uint64_t *bytes)
 {
     mc_batch *b = get_batch(e, id);
-    if (!b || !status)
-        return own_error(KVP_EINVAL, "unknown or already collected batch id %llu",
-                         (unsigned long long)id);
+    if (!b || !status) return no_batch(id);
     pthread_mutex_lock(&b->lock);
     if (task >= b->count) {
         pthread_mutex_unlock(&b->lock);
@@ -758,9 +763,7 @@ kvp_status kvmc_task_status(kvmc_engine *e, uint64_t id, size_t task, kvp_status
 kvp_status kvmc_batch_progress(kvmc_engine *e, uint64_t id, int *complete, kvp_status *first_error)
 {
     mc_batch *b = get_batch(e, id);
-    if (!b)
-        return own_error(KVP_EINVAL, "unknown or already collected batch id %llu",
-                         (unsigned long long)id);
+    if (!b) return no_batch(id);
     pthread_mutex_lock(&b->lock);
     *complete = batch_done(b, first_error);
     pthread_mutex_unlock(&b->lock);
@@ -770,9 +773,7 @@ kvp_status kvmc_batch_progress(kvmc_engine *e, uint64_t id, int *complete, kvp_s
 kvp_status kvmc_batch_watch(kvmc_engine *e, uint64_t id, int fd)
 {
     mc_batch *b = get_batch(e, id);
-    if (!b)
-        return own_error(KVP_EINVAL, "unknown or already collected batch id %llu",
-                         (unsigned long long)id);
+    if (!b) return no_batch(id);
     pthread_mutex_lock(&b->lock);
     pthread_mutex_lock(&b->watch_lock);
     kvp_status st = KVP_OK;
