@@ -21,46 +21,38 @@
 
 /* ------------------------------------------------ vLLM's pipe test cases --- */
 
-static int simple_side(kvp_pipe *pipe, int rank)
+/* vLLM's simple case: rank 0 sends x and y and takes them back, rank 1
+ * echoes them. With check_transport, the transport to the peer must be the
+ * row's. It is asked while the peer is sure to run (it still waits for a
+ * message from this side): tensors this small go inline, so no READ may
+ * have connected the transport before, and a peer that has exited cannot be
+ * connected to. */
+static int simple(kvp_pipe *pipe, int rank, int check_transport)
 {
     kvp_tensor x, y;
     kvpt_pipe_xy(&x, &y);
-    if (rank == 0) {
-        CHECK_OK(kvp_pipe_send(pipe, &x));
-        CHECK_OK(kvp_pipe_send(pipe, &y));
-        kvpt_pipe_expect(pipe, &x);
-        kvpt_pipe_expect(pipe, &y);
-    } else {
-        kvpt_pipe_expect(pipe, &x);
-        kvpt_pipe_expect(pipe, &y);
-        CHECK_OK(kvp_pipe_send(pipe, &x));
-        CHECK_OK(kvp_pipe_send(pipe, &y));
+    for (int step = 0; step < 2; step++) {
+        if (step == rank) {
+            CHECK_OK(kvp_pipe_send(pipe, &x));
+            CHECK_OK(kvp_pipe_send(pipe, &y));
+        } else {
+            kvpt_pipe_expect(pipe, &x);
+            kvpt_pipe_expect(pipe, &y);
+        }
+        if (step == 0 && check_transport)
+            CHECK(strcmp(kvpt_pipe_peer_transport(pipe), kvpt_row_transport()) == 0);
     }
     return 0;
 }
 
-/* simple_side(), and the transport to the peer is the row's. It is asked
- * while the peer is sure to run (it still waits for a message from this
- * side): tensors this small go inline, so no READ may have connected the
- * transport before, and a peer that has exited cannot be connected to. */
+static int simple_side(kvp_pipe *pipe, int rank)
+{
+    return simple(pipe, rank, 0);
+}
+
 static int simple_side_on_tcp(kvp_pipe *pipe, int rank)
 {
-    kvp_tensor x, y;
-    kvpt_pipe_xy(&x, &y);
-    if (rank == 0) {
-        CHECK_OK(kvp_pipe_send(pipe, &x));
-        CHECK_OK(kvp_pipe_send(pipe, &y));
-        CHECK(strcmp(kvpt_pipe_peer_transport(pipe), kvpt_row_transport()) == 0);
-        kvpt_pipe_expect(pipe, &x);
-        kvpt_pipe_expect(pipe, &y);
-    } else {
-        kvpt_pipe_expect(pipe, &x);
-        kvpt_pipe_expect(pipe, &y);
-        CHECK(strcmp(kvpt_pipe_peer_transport(pipe), kvpt_row_transport()) == 0);
-        CHECK_OK(kvp_pipe_send(pipe, &x));
-        CHECK_OK(kvp_pipe_send(pipe, &y));
-    }
-    return 0;
+    return simple(pipe, rank, 1);
 }
 
 static void test_round_trip_x_y(void)

@@ -42,26 +42,29 @@ static void recv_good(kvp_pipe *pipe, int i)
     kvp_tensor_free(t);
 }
 
-/* Prefill sends tensor i and gets it back from decode, ROUNDS times, once
- * the strangers are at work (a step on go). */
+/* Prefill sends tensor i and gets it back from decode (sends_first: this
+ * is prefill), ROUNDS times, once the strangers are at work (a step on go). */
+static void ping_pong(kvp_pipe *pipe, void *go, int sends_first)
+{
+    CHECK(kvpt_wait_step(go, KVPT_RAW_SIDE_MS) == 'g');
+    for (int i = 0; i < ROUNDS; i++)
+        for (int turn = 0; turn < 2; turn++) {
+            if (turn == !sends_first)
+                kvpt_raw_send_good(pipe, i);
+            else
+                recv_good(pipe, i);
+        }
+    CHECK_OK(kvp_pipe_flush(pipe, KVPT_RAW_WAIT_MS));
+}
+
 static void prefill_side(kvp_pipe *pipe, void *arg)
 {
-    CHECK(kvpt_wait_step(arg, KVPT_RAW_SIDE_MS) == 'g');
-    for (int i = 0; i < ROUNDS; i++) {
-        kvpt_raw_send_good(pipe, i);
-        recv_good(pipe, i);
-    }
-    CHECK_OK(kvp_pipe_flush(pipe, KVPT_RAW_WAIT_MS));
+    ping_pong(pipe, arg, 1);
 }
 
 static void decode_side(kvp_pipe *pipe, void *arg)
 {
-    CHECK(kvpt_wait_step(arg, KVPT_RAW_SIDE_MS) == 'g');
-    for (int i = 0; i < ROUNDS; i++) {
-        recv_good(pipe, i);
-        kvpt_raw_send_good(pipe, i);
-    }
-    CHECK_OK(kvp_pipe_flush(pipe, KVPT_RAW_WAIT_MS));
+    ping_pong(pipe, arg, 0);
 }
 
 /* ------------------------------------------------------ strangers --- */
