@@ -171,29 +171,17 @@ static long stalled(enum stall mode, kvp_opcode op)
  * machine; never twice the timeout. */
 #define WITHIN(ms) ((ms) >= TIMEOUT_MS - 100 && (ms) < TIMEOUT_MS + 1500)
 
-static void read_partial_then_silent(void)
-{
-    long ms = stalled(STALL_PARTIAL, KVP_OP_READ);
-    CHECK(WITHIN(ms));
-}
-
-static void read_trickle(void)
-{
-    long ms = stalled(STALL_TRICKLE, KVP_OP_READ);
-    CHECK(WITHIN(ms));
-}
-
-static void read_silent(void)
-{
-    long ms = stalled(STALL_SILENT, KVP_OP_READ);
-    CHECK(WITHIN(ms));
-}
-
-static void write_half_taken(void)
-{
-    long ms = stalled(STALL_PARTIAL, KVP_OP_WRITE);
-    CHECK(WITHIN(ms));
-}
+/* One case a line: the peer's stall and the operation it stalls. */
+#define STALLED_CASE(name, how, op)                                                                \
+    static void name(void)                                                                         \
+    {                                                                                              \
+        long ms = stalled(how, op);                                                                \
+        CHECK(WITHIN(ms));                                                                         \
+    }
+STALLED_CASE(read_partial_then_silent, STALL_PARTIAL, KVP_OP_READ)
+STALLED_CASE(read_trickle, STALL_TRICKLE, KVP_OP_READ)
+STALLED_CASE(read_silent, STALL_SILENT, KVP_OP_READ)
+STALLED_CASE(write_half_taken, STALL_PARTIAL, KVP_OP_WRITE)
 
 int main(void)
 {
