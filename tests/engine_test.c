@@ -92,6 +92,13 @@ static int start_initiator(kvp_engine **e)
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));                                          \
     CHECK(strcmp(kvp_engine_segment_transport(e, seg), transport_name()) == 0)
 
+/* The end of a case PROLOGUE began: the initiator gone, the target stopped. */
+#define EPILOGUE()                                                                                 \
+    do {                                                                                           \
+        kvp_engine_destroy(e);                                                                     \
+        CHECK(kvpt_target_stop(&t, 0) == 0);                                                       \
+    } while (0)
+
 static void sizes(void)
 {
     static const size_t lens[] = {1, 4096, 1u << 20, 64u << 20};
@@ -114,8 +121,7 @@ static void sizes(void)
     /* Zero-length requests complete at once. */
     CHECK_OK(kvp_engine_read(e, seg, local, (uint64_t)(uintptr_t)t.buf, 0));
     free(local);
-    kvp_engine_destroy(e);
-    CHECK(kvpt_target_stop(&t, 0) == 0);
+    EPILOGUE();
 }
 
 static void batches(void)
@@ -159,8 +165,7 @@ static void batches(void)
     free(local);
     free(reqs);
     free(offs);
-    kvp_engine_destroy(e);
-    CHECK(kvpt_target_stop(&t, 0) == 0);
+    EPILOGUE();
 }
 
 static void out_of_range(void)
@@ -187,8 +192,7 @@ static void out_of_range(void)
     /* The target still serves. */
     CHECK_OK(kvp_engine_read(e, seg, local, base + 8192, 4096));
     CHECK(kvpt_verify(local, 4096, SEED + 8192) == (size_t)-1);
-    kvp_engine_destroy(e);
-    CHECK(kvpt_target_stop(&t, 0) == 0);
+    EPILOGUE();
 }
 
 /* A READ of 256 MiB while the target is SIGKILLed fails within seconds. */
@@ -274,8 +278,7 @@ static void managed_buffers(void)
     size_t n = 0;
     CHECK_OK(kvp_engine_segment_buffers(e, seg, rb, 4, &n));
     CHECK(n == 1 && rb[0].addr == (uint64_t)(uintptr_t)t.buf && rb[0].length == len);
-    kvp_engine_destroy(e);
-    CHECK(kvpt_target_stop(&t, 0) == 0);
+    EPILOGUE();
 }
 
 /* Several threads transferring at once from one segment. */
@@ -329,8 +332,7 @@ static void threads(void)
         pthread_join(xs[i].th, NULL);
         CHECK(xs[i].bad == 0);
     }
-    kvp_engine_destroy(e);
-    CHECK(kvpt_target_stop(&t, 0) == 0);
+    EPILOGUE();
 }
 
 static void unknown_segment(void)
@@ -498,8 +500,7 @@ static void completion(void)
                 CHECK(kvpt_verify(local + off, block, SEED + off) == (size_t)-1);
         }
     free(local);
-    kvp_engine_destroy(e);
-    CHECK(kvpt_target_stop(&t, 0) == 0);
+    EPILOGUE();
 }
 
 /* kvp_batch_wait returns only after the batch's on_complete returned
@@ -686,8 +687,7 @@ static void completion_edges(void)
     free(seen);
     free(rs);
     free(local);
-    kvp_engine_destroy(e);
-    CHECK(kvpt_target_stop(&t, 0) == 0);
+    EPILOGUE();
 }
 
 /* The instance guard: requests that name the target's instance run; after
@@ -789,24 +789,18 @@ static void mooncake_rdma_segment(void)
 
 /* ucx runs on UCX's own transports here: tcp, and shared memory (UCX 1.13's
  * "sm": posix and sysv for messages, cma; self for loopback). */
+/* Each mode plain (sfx empty, auth 0) and with authentication (_auth, 1). */
 /* clang-format off */
-#define MODES(X)                                                                                   \
-    X(tcp_http, "tcp", 0, NULL, 0)                                                                 \
-    X(tcp_p2p, "tcp", 1, NULL, 0)                                                                  \
-    X(shm_http, "shm", 0, NULL, 0)                                                                 \
-    X(shm_p2p, "shm", 1, NULL, 0)                                                                  \
-    X(ucx_tcp_http, "rdma", 0, "tcp", 0)                                                           \
-    X(ucx_tcp_p2p, "ucx", 1, "tcp", 0)                                                             \
-    X(ucx_sm_http, "rdma", 0, "sm,self", 0)                                                        \
-    X(ucx_sm_p2p, "ucx", 1, "sm,self", 0)                                                          \
-    X(tcp_http_auth, "tcp", 0, NULL, 1)                                                            \
-    X(tcp_p2p_auth, "tcp", 1, NULL, 1)                                                             \
-    X(shm_http_auth, "shm", 0, NULL, 1)                                                            \
-    X(shm_p2p_auth, "shm", 1, NULL, 1)                                                             \
-    X(ucx_tcp_http_auth, "rdma", 0, "tcp", 1)                                                      \
-    X(ucx_tcp_p2p_auth, "ucx", 1, "tcp", 1)                                                        \
-    X(ucx_sm_http_auth, "rdma", 0, "sm,self", 1)                                                   \
-    X(ucx_sm_p2p_auth, "ucx", 1, "sm,self", 1)
+#define MODES_AUTH(X, sfx, auth)                                                                   \
+    X(tcp_http##sfx, "tcp", 0, NULL, auth)                                                         \
+    X(tcp_p2p##sfx, "tcp", 1, NULL, auth)                                                          \
+    X(shm_http##sfx, "shm", 0, NULL, auth)                                                         \
+    X(shm_p2p##sfx, "shm", 1, NULL, auth)                                                          \
+    X(ucx_tcp_http##sfx, "rdma", 0, "tcp", auth)                                                   \
+    X(ucx_tcp_p2p##sfx, "ucx", 1, "tcp", auth)                                                     \
+    X(ucx_sm_http##sfx, "rdma", 0, "sm,self", auth)                                                \
+    X(ucx_sm_p2p##sfx, "ucx", 1, "sm,self", auth)
+#define MODES(X) MODES_AUTH(X, , 0) MODES_AUTH(X, _auth, 1)
 /* clang-format on */
 
 /* clang-format off */
