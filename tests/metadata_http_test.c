@@ -17,15 +17,60 @@
 static kvp_metadata_server *server;
 static char url[128];
 
-static void start_server(void)
+/* The server (with o, NULL: the defaults) in server, its URL in url. */
+static void start_server_opts(const kvp_metadata_server_opts *o)
 {
     server = NULL;
-    kvp_status st = kvp_metadata_server_start(NULL, 0, &server);
+    kvp_status st = o ? kvp_metadata_server_start_opts(o, &server)
+                      : kvp_metadata_server_start(NULL, 0, &server);
     if (st) {
         fprintf(stderr, "  server start: %s\n", kvp_last_error());
         abort();
     }
     snprintf(url, sizeof url, "http://127.0.0.1:%d/metadata", kvp_metadata_server_port(server));
+}
+
+static void start_server(void)
+{
+    start_server_opts(NULL);
+}
+
+/* The server started, and a store handle on it (NULL if that fails). */
+static void *start_store_opts(const kvp_metadata_server_opts *o)
+{
+    start_server_opts(o);
+    return kvpt_http_store_open(url, 3000);
+}
+
+static void *start_store(void)
+{
+    return start_store_opts(NULL);
+}
+
+/* The handle closed, then the server stopped. */
+static void stop_store(void *s)
+{
+    kvpi_store_http.close(s);
+    kvp_metadata_server_stop(server);
+}
+
+/* start_store(), and a meta on the server in *m; NULL if either fails. */
+static void *start_store_meta(kvpi_meta **m)
+{
+    void *s = start_store();
+    *m = NULL;
+    if (s && kvpi_meta_open(url, 3000, NULL, NULL, m) != KVP_OK) {
+        fprintf(stderr, "  meta open %s: %s\n", url, kvp_last_error());
+        kvpi_store_http.close(s);
+        return NULL;
+    }
+    return s;
+}
+
+static void stop_store_meta(void *s, kvpi_meta *m)
+{
+    kvpi_meta_close(m);
+    stop_store(s);
 }
 
 /* GET key and compare with want (NULL: expect KVP_ENOTFOUND). */
@@ -69,8 +114,7 @@ static int raw(int port, const char *text)
 
 static void test_put_get_del(void)
 {
-    start_server();
-    void *s = kvpt_http_store_open(url, 3000);
+    void *s = start_store();
     REQUIRE(s);
     CHECK(value_is(s, "k1", NULL));
     CHECK_OK(kvpi_store_http.put(s, "k1", "{\"a\":1}"));
@@ -87,14 +131,12 @@ static void test_put_get_del(void)
     CHECK_ST(kvpi_store_http.get(s, "k1", &v), KVP_ENOTFOUND);
     CHECK(v == NULL);
     CHECK(strstr(kvp_last_error(), url) != NULL);
-    kvpi_store_http.close(s);
-    kvp_metadata_server_stop(server);
+    stop_store(s);
 }
 
 static void test_key_encoding(void)
 {
-    start_server();
-    void *s = kvpt_http_store_open(url, 3000);
+    void *s = start_store();
     REQUIRE(s);
     static const char *const keys[] = {
         "mooncake/ram/127.0.0.1:12345",
@@ -128,14 +170,12 @@ static void test_key_encoding(void)
     s = kvpt_http_store_open(conn, 3000);
     REQUIRE(s);
     CHECK(value_is(s, "with space", "{\"i\":3}"));
-    kvpi_store_http.close(s);
-    kvp_metadata_server_stop(server);
+    stop_store(s);
 }
 
 static void test_large_values(void)
 {
-    start_server();
-    void *s = kvpt_http_store_open(url, 3000);
+    void *s = start_store();
     REQUIRE(s);
     size_t len = 1u << 20;
     char *big = malloc(len + 1);
@@ -160,8 +200,7 @@ static void test_large_values(void)
     CHECK(value_is(s, "huge", NULL));
     CHECK_OK(kvpi_store_http.put(s, "after", "1"));
     CHECK(value_is(s, "after", "1"));
-    kvpi_store_http.close(s);
-    kvp_metadata_server_stop(server);
+    stop_store(s);
 }
 
 #define N_THREADS 6
@@ -203,8 +242,7 @@ static void test_concurrent_clients(void)
         snprintf(value, sizeof value, "{\"t\":%ld,\"i\":59}", i);
         CHECK(value_is(s, key, value));
     }
-    kvpi_store_http.close(s);
-    kvp_metadata_server_stop(server);
+    stop_store(s);
 }
 
 static void test_server_down(void)
@@ -273,8 +311,7 @@ static void test_malformed_requests(void)
     close(slow);
     close(half);
     CHECK(value_is(s, "k", "v"));
-    kvpi_store_http.close(s);
-    kvp_metadata_server_stop(server);
+    stop_store(s);
 }
 
 /* Send raw bytes; return the whole answer (status line to body), malloc'ed. */
@@ -336,8 +373,7 @@ static void test_mooncake_rules(void)
     CHECK_ST(kvpi_store_http.put(wrong, "k", "v"), KVP_EMETADATA);
     CHECK(strstr(kvp_last_error(), "404") && strstr(kvp_last_error(), "/metadata"));
     kvpi_store_http.close(wrong);
-    kvpi_store_http.close(s);
-    kvp_metadata_server_stop(server);
+    stop_store(s);
 }
 
 /* Configured limits: the value limit and the total budget. */
@@ -350,11 +386,7 @@ static void test_limits(void)
     CHECK(o.idle_timeout_s == 15 && o.request_timeout_s == 30);
     o.max_value_bytes = 100 << 10;
     o.max_total_bytes = 1 << 20;
-    kvp_metadata_server *srv = NULL;
-    REQUIRE_OK(kvp_metadata_server_start_opts(&o, &srv));
-    char conn[128];
-    snprintf(conn, sizeof conn, "http://127.0.0.1:%d/metadata", kvp_metadata_server_port(srv));
-    void *s = kvpt_http_store_open(conn, 3000);
+    void *s = start_store_opts(&o);
     REQUIRE(s);
     char *v = malloc((100 << 10) + 2);
     REQUIRE(v);
@@ -363,7 +395,7 @@ static void test_limits(void)
     CHECK_ST(kvpi_store_http.put(s, "k", v), KVP_EMETADATA); /* 413 */
     CHECK(strstr(kvp_last_error(), "413") != NULL);
     v[100 << 10] = '\0';
-    size_t before = kvp_metadata_server_bytes_used(srv);
+    size_t before = kvp_metadata_server_bytes_used(server);
     int stored = 0;
     kvp_status st = KVP_OK;
     for (int i = 0; i < 20 && st == KVP_OK; i++) {
@@ -374,16 +406,16 @@ static void test_limits(void)
     }
     CHECK(stored == 10); /* ten 100 KiB values fit in 1 MiB; the eleventh does not */
     CHECK(st == KVP_ENOMEM && strstr(kvp_last_error(), "507"));
-    CHECK(kvp_metadata_server_bytes_used(srv) <= (size_t)1 << 20);
-    CHECK(kvp_metadata_server_bytes_used(srv) > before + (size_t)stored * (100 << 10));
+    CHECK(kvp_metadata_server_bytes_used(server) <= (size_t)1 << 20);
+    CHECK(kvp_metadata_server_bytes_used(server) > before + (size_t)stored * (100 << 10));
     CHECK(value_is(s, "k0", v));
     CHECK_OK(kvpi_store_http.del(s, "k0"));
     CHECK_OK(kvpi_store_http.put(s, "k10", v)); /* room again */
     free(v);
     kvpi_store_http.close(s);
-    kvp_metadata_server_stop(srv);
+    kvp_metadata_server_stop(server);
     o.port = 70000;
-    CHECK_ST(kvp_metadata_server_start_opts(&o, &srv), KVP_EINVAL);
+    CHECK_ST(kvp_metadata_server_start_opts(&o, &server), KVP_EINVAL);
 }
 
 static void test_start_stop_no_leak(void)
@@ -454,11 +486,9 @@ static void check_rpc_meta(void *s, const char *key, const char *host, int port)
 
 static void test_meta_publish_fetch(void)
 {
-    start_server();
-    void *s = kvpt_http_store_open(url, 3000);
+    kvpi_meta *m;
+    void *s = start_store_meta(&m);
     REQUIRE(s);
-    kvpi_meta *m = NULL;
-    REQUIRE_OK(kvpi_meta_open(url, 3000, NULL, NULL, &m));
     CHECK(!kvpi_meta_is_p2p(m));
     const char *seg = "127.0.0.1:17000";
     kvpi_meta_self me = self_of(seg, desc, "10.1.2.3", 17000);
@@ -492,9 +522,7 @@ static void test_meta_publish_fetch(void)
     bad = self_of(seg, desc, "h", 70000);
     CHECK_ST(kvpi_meta_claim(m, &bad), KVP_EINVAL);
     CHECK_ST(kvpi_meta_publish(m, "", desc), KVP_EINVAL);
-    kvpi_meta_close(m);
-    kvpi_store_http.close(s);
-    kvp_metadata_server_stop(server);
+    stop_store_meta(s, m);
 }
 
 /* A claim that fails half-way (the descriptor is refused after rpc_meta was
@@ -504,14 +532,10 @@ static void test_meta_claim_half_way(void)
     kvp_metadata_server_opts o;
     kvp_metadata_server_opts_init(&o);
     o.max_value_bytes = 100; /* rpc_meta fits, the descriptor does not */
-    kvp_metadata_server *srv = NULL;
-    REQUIRE_OK(kvp_metadata_server_start_opts(&o, &srv));
-    char conn[128];
-    snprintf(conn, sizeof conn, "http://127.0.0.1:%d/metadata", kvp_metadata_server_port(srv));
-    void *s = kvpt_http_store_open(conn, 3000);
+    void *s = start_store_opts(&o);
     REQUIRE(s);
     kvpi_meta *m = NULL;
-    REQUIRE_OK(kvpi_meta_open(conn, 3000, NULL, NULL, &m));
+    REQUIRE_OK(kvpi_meta_open(url, 3000, NULL, NULL, &m));
     kvpi_meta_self me = self_of("127.0.0.1:17000", desc, "127.0.0.1", 17000);
     CHECK_ST(kvpi_meta_claim(m, &me), KVP_EMETADATA);
     CHECK(strstr(kvp_last_error(), "413") && strstr(kvp_last_error(), "mooncake/ram/"));
@@ -519,14 +543,13 @@ static void test_meta_claim_half_way(void)
     CHECK(value_is(s, "mooncake/ram/127.0.0.1:17000", NULL));
     kvpi_meta_close(m);
     kvpi_store_http.close(s);
-    kvp_metadata_server_stop(srv);
+    kvp_metadata_server_stop(server);
 }
 
 static void test_meta_cluster_id(void)
 {
     setenv("MC_METADATA_CLUSTER_ID", "clusterA", 1); /* this case runs in its own child */
-    start_server();
-    void *s = kvpt_http_store_open(url, 3000);
+    void *s = start_store();
     REQUIRE(s);
     char *k = kvpi_meta_key("ram", "h:1");
     CHECK(k && strcmp(k, "mooncake/clusterA/ram/h:1") == 0);
@@ -551,18 +574,14 @@ static void test_meta_cluster_id(void)
     k = kvpi_meta_key("rpc_meta", "h:1");
     CHECK(k && strcmp(k, "mooncake/rpc_meta/h:1") == 0);
     free(k);
-    kvpi_meta_close(m);
-    kvpi_store_http.close(s);
-    kvp_metadata_server_stop(server);
+    stop_store_meta(s, m);
 }
 
 static void test_meta_rpc_meta_variants(void)
 {
-    start_server();
-    void *s = kvpt_http_store_open(url, 3000);
+    kvpi_meta *m;
+    void *s = start_store_meta(&m);
     REQUIRE(s);
-    kvpi_meta *m = NULL;
-    REQUIRE_OK(kvpi_meta_open(url, 3000, NULL, NULL, &m));
     char *d = NULL, *h = NULL;
     /* Descriptor only (no rpc_meta): the host comes from the segment name. */
     CHECK_OK(kvpi_store_http.put(s, "mooncake/ram/peer.example:9000", desc));
@@ -596,9 +615,7 @@ static void test_meta_rpc_meta_variants(void)
         CHECK(d == NULL && h == NULL);
         CHECK(strstr(kvp_last_error(), "peer.example:9000") != NULL);
     }
-    kvpi_meta_close(m);
-    kvpi_store_http.close(s);
-    kvp_metadata_server_stop(server);
+    stop_store_meta(s, m);
 }
 
 static void test_meta_connection_strings(void)

@@ -181,17 +181,26 @@ static void slow_reader(void)
     CHECK(kvpt_target_stop(&t, 0) == 0);
 }
 
+/* A 4 MiB target (its I/O timeout timeout_ms) and a tcp initiator (3 s)
+ * with the target's segment open; 0, or -1 with the reason printed. */
+static int target_and_initiator(int timeout_ms, kvpt_target *t, kvp_engine **e, kvp_segment_id *seg)
+{
+    kvpt_target_opts o = {.len = 4 * MIB, .seed = SEED, .timeout_ms = timeout_ms, .disable_shm = 1};
+    if (kvpt_target_start(&o, t) != 0) return -1;
+    if (kvpt_initiator_start(NULL, "tcp", 1, 3000, e) != 0) return -1;
+    kvp_status st = kvp_engine_open_segment(*e, t->name, seg);
+    if (st) fprintf(stderr, "  open %s: %s\n", t->name, kvp_last_error());
+    return st ? -1 : 0;
+}
+
 /* Garbage, oversized and truncated requests close that connection only; a
  * legitimate initiator is served after each. */
 static void hostile_frames(void)
 {
     kvpt_target t;
-    kvpt_target_opts o = {.len = 4 * MIB, .seed = SEED, .timeout_ms = 1000, .disable_shm = 1};
-    REQUIRE(kvpt_target_start(&o, &t) == 0);
     kvp_engine *e;
-    REQUIRE(kvpt_initiator_start(NULL, "tcp", 1, 3000, &e) == 0);
     kvp_segment_id seg;
-    REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
+    REQUIRE(target_and_initiator(1000, &t, &e, &seg) == 0);
     uint64_t base = (uint64_t)(uintptr_t)t.buf;
     struct {
         const char *what;
@@ -249,12 +258,9 @@ static void hostile_frames(void)
 static void efault_reaches_peer(void)
 {
     kvpt_target t;
-    kvpt_target_opts o = {.len = 4 * MIB, .seed = SEED, .timeout_ms = 2000, .disable_shm = 1};
-    REQUIRE(kvpt_target_start(&o, &t) == 0);
     kvp_engine *e;
-    REQUIRE(kvpt_initiator_start(NULL, "tcp", 1, 3000, &e) == 0);
     kvp_segment_id seg;
-    REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
+    REQUIRE(target_and_initiator(2000, &t, &e, &seg) == 0);
     CHECK(read_ok(e, seg, &t, 0, 4096));
     REQUIRE(kvpt_target_cmd(&t, KVPT_T_UNMAP, 0, 3000) == 0);
     char *buf = malloc(MIB);
