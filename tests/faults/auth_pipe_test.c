@@ -69,9 +69,7 @@ static void sender(kvp_pipe *pipe, void *arg)
     static uint8_t data[KVPT_RAW_TENSOR];
     for (int i = 0; i < ROUNDS; i++) {
         kvpt_raw_tensor_fill(data, i);
-        int64_t n = KVPT_RAW_TENSOR;
-        kvp_tensor t;
-        kvp_tensor_init(&t, KVP_DTYPE_U8, 1, &n, data);
+        kvp_tensor t = kvpt_u8_tensor(data, KVPT_RAW_TENSOR);
         CHECK_OK(kvp_pipe_send(pipe, &t));
     }
     CHECK_OK(kvp_pipe_flush(pipe, KVPT_RAW_WAIT_MS));
@@ -201,9 +199,8 @@ static void try_one(kvp_pipe *pipe, void *arg)
 {
     (void)arg;
     static uint8_t data[KVPT_RAW_TENSOR];
-    int64_t n = KVPT_RAW_TENSOR;
-    kvp_tensor t, *got = NULL;
-    kvp_tensor_init(&t, KVP_DTYPE_U8, 1, &n, data);
+    kvp_tensor t = kvpt_u8_tensor(data, KVPT_RAW_TENSOR);
+    kvp_tensor *got = NULL;
     kvp_status st = kvp_pipe_send(pipe, &t);
     CHECK(st == KVP_ETIMEDOUT);
     fprintf(stderr, "send: %s\n", kvp_last_error());

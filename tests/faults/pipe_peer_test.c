@@ -22,9 +22,7 @@ static int send_until_error(kvp_pipe *pipe, int rank)
 {
     (void)rank;
     static uint8_t buf[256u << 10];
-    int64_t n = sizeof buf;
-    kvp_tensor t;
-    kvp_tensor_init(&t, KVP_DTYPE_U8, 1, &n, buf);
+    kvp_tensor t = kvpt_u8_tensor(buf, sizeof buf);
     kvp_status st = KVP_OK;
     int sent = 0;
     kvpt_pipe_expect(pipe, NULL); /* the receiver is up */
@@ -73,9 +71,7 @@ static int send_then_die(kvp_pipe *pipe, int rank)
 {
     (void)rank;
     static uint8_t buf[1u << 20];
-    int64_t n = sizeof buf;
-    kvp_tensor t;
-    kvp_tensor_init(&t, KVP_DTYPE_U8, 1, &n, buf);
+    kvp_tensor t = kvpt_u8_tensor(buf, sizeof buf);
     for (int i = 0; i < 3; i++)
         CHECK_OK(kvp_pipe_send(pipe, &t));
     CHECK_OK(kvp_pipe_flush(pipe, 20000));

@@ -297,8 +297,8 @@ kvp_pipe_opts kvpt_pipe_tcp_opts(void);
 kvp_status kvpt_pipe_open(const char *json, int rank, const kvp_pipe_opts *o, kvp_pipe **out);
 
 /* A prefill side with no peer: P2P metadata, kvpt_pipe_tcp_opts() with a
- * 300 ms send timeout (kept in *s and *o for a second open). NULL, the
- * reason printed, when it did not open. */
+ * 300 ms send timeout (kept in *s and *o, where not NULL, for a second
+ * open). NULL, the reason printed, when it did not open. */
 kvp_pipe *kvpt_pipe_alone(kvpt_pipe_setup *s, kvp_pipe_opts *o);
 
 /* A side's body; returns non-zero to skip the final flush (its peer is gone). */
@@ -337,6 +337,9 @@ const char *kvpt_pipe_peer_transport(kvp_pipe *pipe);
  * last tensor: the sender waits until the receiver looked (its answer is a
  * None), since the look needs the sender's segment, gone once it closed. */
 void kvpt_pipe_expect_same_host(kvp_pipe *pipe, int rank);
+
+/* A borrowed one-dimensional uint8 tensor of len bytes at data. */
+kvp_tensor kvpt_u8_tensor(void *data, size_t len);
 
 /* vLLM's test tensors: x = int64 [1], y = float32 [1, 4] = 2, 3, 4, 8. */
 void kvpt_pipe_xy(kvp_tensor *x, kvp_tensor *y);

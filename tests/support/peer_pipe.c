@@ -62,6 +62,10 @@ kvp_status kvpt_pipe_open(const char *json, int rank, const kvp_pipe_opts *o, kv
 
 kvp_pipe *kvpt_pipe_alone(kvpt_pipe_setup *s, kvp_pipe_opts *o)
 {
+    kvpt_pipe_setup own_s;
+    kvp_pipe_opts own_o;
+    if (!s) s = &own_s;
+    if (!o) o = &own_o;
     kvp_pipe *pipe = NULL;
     if (kvpt_pipe_setup_make(s, 1) != 0) return NULL;
     *o = kvpt_pipe_tcp_opts();
@@ -222,6 +226,14 @@ void kvpt_pipe_expect_same_host(kvp_pipe *pipe, int rank)
 
 static int64_t x_val[1] = {1};
 static float y_val[4] = {2, 3, 4, 8};
+
+kvp_tensor kvpt_u8_tensor(void *data, size_t len)
+{
+    int64_t n = (int64_t)len;
+    kvp_tensor t;
+    kvp_tensor_init(&t, KVP_DTYPE_U8, 1, &n, data);
+    return t;
+}
 
 void kvpt_pipe_xy(kvp_tensor *x, kvp_tensor *y)
 {
