@@ -15,15 +15,19 @@
 
 #define TOOL_TIMEOUT_MS 20000
 
-static int fail(kvpt_netns *n, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int fail(kvpt_netns *n, const char *fmt, ...)
+/* The reason, formatted into why; -1. fail and cfail keep it in a
+ * kvpt_netns's or a kvpt_cluster's why. */
+static int failf(char *why, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int failf(char *why, size_t len, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(n->why, sizeof n->why, fmt, ap);
+    vsnprintf(why, len, fmt, ap);
     va_end(ap);
     return -1;
 }
+#define fail(n, ...) failf((n)->why, sizeof(n)->why, __VA_ARGS__)
+#define cfail(c, ...) failf((c)->why, sizeof(c)->why, __VA_ARGS__)
 
 const char *kvpt_netns_unavailable(void)
 {
@@ -208,17 +212,26 @@ void kvpt_netns_destroy(kvpt_netns *n)
 
 #define NFT_TABLE "kvpt_fault"
 
-const char *kvpt_net_loss_unavailable(kvpt_netns *n)
+/* Why tool cannot be used in n (missing: it is not installed; what: its
+ * name in the message), or NULL: probe runs on side 0 and drop undoes it. */
+static const char *tool_unavailable(kvpt_netns *n, const char *tool, const char *missing,
+                                    const char *what, const char *const probe[],
+                                    const char *const drop[])
 {
     static char why[600];
-    if (!kvpt_find_binary("nft")) return "nft (nftables) not found";
-    const char *probe[] = {"add", "table", "inet", NFT_TABLE "_probe", NULL};
-    const char *drop[] = {"delete", "table", "inet", NFT_TABLE "_probe", NULL};
-    if (run_ok(n, 0, "nft", probe) != 0) {
-        snprintf(why, sizeof why, "nftables not usable here: %s", n->why);
+    if (!kvpt_find_binary(tool)) return missing;
+    if (run_ok(n, 0, tool, probe) != 0) {
+        snprintf(why, sizeof why, "%s not usable here: %s", what, n->why);
         return why;
     }
-    return run_ok(n, 0, "nft", drop) ? n->why : NULL;
+    return run_ok(n, 0, tool, drop) ? n->why : NULL;
+}
+
+const char *kvpt_net_loss_unavailable(kvpt_netns *n)
+{
+    const char *probe[] = {"add", "table", "inet", NFT_TABLE "_probe", NULL};
+    const char *drop[] = {"delete", "table", "inet", NFT_TABLE "_probe", NULL};
+    return tool_unavailable(n, "nft", "nft (nftables) not found", "nftables", probe, drop);
 }
 
 int kvpt_net_loss(kvpt_netns *n, int percent)
@@ -268,16 +281,10 @@ long kvpt_net_loss_dropped(kvpt_netns *n)
 
 const char *kvpt_net_rate_unavailable(kvpt_netns *n)
 {
-    static char why[600];
-    if (!kvpt_find_binary("tc")) return "tc (iproute2) not found";
     const char *probe[] = {"qdisc", "add",   "dev",  "lo",      "root",  "tbf", "rate",
                            "1mbit", "burst", "32kb", "latency", "400ms", NULL};
     const char *drop[] = {"qdisc", "del", "dev", "lo", "root", NULL};
-    if (run_ok(n, 0, "tc", probe) != 0) {
-        snprintf(why, sizeof why, "tc tbf not usable here: %s", n->why);
-        return why;
-    }
-    return run_ok(n, 0, "tc", drop) ? n->why : NULL;
+    return tool_unavailable(n, "tc", "tc (iproute2) not found", "tc tbf", probe, drop);
 }
 
 int kvpt_net_rate(kvpt_netns *n, int rate_kbit)
@@ -309,16 +316,6 @@ int kvpt_net_link_up(kvpt_netns *n)
 }
 
 /* --------------------------------------------------------------- cluster --- */
-
-static int cfail(kvpt_cluster *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int cfail(kvpt_cluster *c, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(c->why, sizeof c->why, fmt, ap);
-    va_end(ap);
-    return -1;
-}
 
 int kvpt_cluster_run(kvpt_cluster *c, int host, const char *tool, const char *const args[],
                      const char *out_path)
