@@ -29,6 +29,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/net.h"
+#include "common/util.h"
 
 #define BACKOFF_FIRST_MS 10
 #define BACKOFF_MAX_MS 1000
@@ -254,11 +255,7 @@ kvp_status kvpi_conn_recvv(kvpi_conn *c, struct iovec *iov, int n)
 
 static void unlink_conn(kvpi_conn_server *srv, kvpi_conn *c)
 {
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        srv->conns = c->next;
-    if (c->next) c->next->prev = c->prev;
+    KVPI_LIST_UNLINK(srv->conns, c);
 }
 
 /* Before closing: send our FIN and drop input already queued (a header the

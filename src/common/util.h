@@ -35,4 +35,15 @@ static inline int kvpi_grow(void **arr, size_t *cap, size_t need, size_t elem)
     return 0;
 }
 
+/* Take node out of a doubly linked list (members prev and next) whose first
+ * node is head, an lvalue. */
+#define KVPI_LIST_UNLINK(head, node)                                                               \
+    do {                                                                                           \
+        if ((node)->prev)                                                                          \
+            (node)->prev->next = (node)->next;                                                     \
+        else                                                                                       \
+            (head) = (node)->next;                                                                 \
+        if ((node)->next) (node)->next->prev = (node)->prev;                                       \
+    } while (0)
+
 #endif

@@ -32,6 +32,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/sized.h"
+#include "common/util.h"
 #include "engine/engine_internal.h"
 #include "gpu/cuda.h"
 
@@ -414,11 +415,7 @@ static void group_done(kvpi_xfer *x, kvp_status st)
     for (size_t i = 0; i < x->n; i++)
         if (g->pins[i]) kvpi_region_unpin(&e->regions, g->pins[i]);
     pthread_mutex_lock(&b->lock);
-    if (g->prev)
-        g->prev->next = g->next;
-    else
-        b->groups = g->next;
-    if (g->next) g->next->prev = g->prev;
+    KVPI_LIST_UNLINK(b->groups, g);
     pthread_mutex_unlock(&b->lock);
     int failed = st != KVP_OK && st != KVP_ECANCELED;
     if (failed) kvpi_segment_note(seg, st);
