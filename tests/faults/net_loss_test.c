@@ -34,42 +34,29 @@ static void check_dropped(kvpt_netns *n)
     CHECK(dropped > 0);
 }
 
-static void engine_case(const char *operation)
+/* The engine bench's READs or WRITEs (what: its operation), or the pipe
+ * bench (what: "pipe"), over the lossy link: clean, and packets dropped. */
+static void loss_case(const char *what)
 {
     kvpt_netns n;
     REQUIRE(lossy_pair(&n) == 0);
-    kvpt_engine_bench b = {
-        .operation = operation, .duration_s = DURATION_S, .timeout_ms = TIMEOUT_MS};
-    kvpt_engine_bench_case(&b, &n, NULL, 0, BOUND_MS);
-    check_dropped(&n);
-    kvpt_netns_destroy(&n);
-}
-
-static void test_loss_engine_read(void)
-{
-    engine_case("read");
-}
-
-static void test_loss_engine_write(void)
-{
-    engine_case("write");
-}
-
-static void test_loss_pipe(void)
-{
-    kvpt_netns n;
-    REQUIRE(lossy_pair(&n) == 0);
-    kvpt_pipe_bench b = {.tensor_size = "256K", .count = 40, .timeout_ms = TIMEOUT_MS};
-    kvpt_pipe_bench_case(&b, &n, NULL, 0, BOUND_MS);
-    kvpt_pipe_bench_check_clean(&b);
+    if (strcmp(what, "pipe") == 0) {
+        kvpt_pipe_bench b = {.tensor_size = "256K", .count = 40, .timeout_ms = TIMEOUT_MS};
+        kvpt_pipe_bench_case(&b, &n, NULL, 0, BOUND_MS);
+        kvpt_pipe_bench_check_clean(&b);
+    } else {
+        kvpt_engine_bench b = {
+            .operation = what, .duration_s = DURATION_S, .timeout_ms = TIMEOUT_MS};
+        kvpt_engine_bench_case(&b, &n, NULL, 0, BOUND_MS);
+    }
     check_dropped(&n);
     kvpt_netns_destroy(&n);
 }
 
 int main(void)
 {
-    RUN_T(test_loss_engine_read, 150);
-    RUN_T(test_loss_engine_write, 150);
-    RUN_T(test_loss_pipe, 150);
+    kvpt_run_with("test_loss_engine_read", loss_case, "read", 150);
+    kvpt_run_with("test_loss_engine_write", loss_case, "write", 150);
+    kvpt_run_with("test_loss_pipe", loss_case, "pipe", 150);
     return kvpt_summary();
 }

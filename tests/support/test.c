@@ -104,6 +104,21 @@ void kvpt_run(const char *name, void (*fn)(void), int timeout_s)
     fflush(stdout);
 }
 
+static void (*with_fn)(const char *);
+static const char *with_arg;
+
+static void run_with_arg(void)
+{
+    with_fn(with_arg);
+}
+
+void kvpt_run_with(const char *name, void (*fn)(const char *arg), const char *arg, int timeout_s)
+{
+    with_fn = fn;
+    with_arg = arg;
+    kvpt_run(name, run_with_arg, timeout_s);
+}
+
 int kvpt_summary(void)
 {
     printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);

@@ -62,6 +62,8 @@ extern int kvpt_failures; /* checks failed in the current case */
 void kvpt_run(const char *name, void (*fn)(void), int timeout_s);
 #define RUN(fn) kvpt_run(#fn, fn, 120)
 #define RUN_T(fn, secs) kvpt_run(#fn, fn, secs)
+/* A case that is fn(arg), named name: one function for several cases. */
+void kvpt_run_with(const char *name, void (*fn)(const char *arg), const char *arg, int timeout_s);
 
 /* Exit code of a skipped case, and of a program all of whose cases skipped;
  * ctest reports such a program as skipped (SKIP_RETURN_CODE). */
