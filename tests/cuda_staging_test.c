@@ -55,6 +55,16 @@ static kvp_engine *engine(const char *name, const char *protocol)
     return e;
 }
 
+/* st is want and the last error says text; else what it was, printed. */
+static int fails_with(kvp_status st, kvp_status want, const char *text)
+{
+    int ok = st == want && strstr(kvp_last_error(), text) != NULL;
+    if (!ok)
+        fprintf(stderr, "  got %d (%s: %s), want %d saying \"%s\"\n", (int)st, kvp_strerror(st),
+                kvp_last_error(), (int)want, text);
+    return ok;
+}
+
 /* Memory of len bytes, device (on device 1) or host, holding pattern seed. */
 static void *memory(int device, size_t len, uint64_t seed)
 {
@@ -208,6 +218,22 @@ static void finish(kvp_engine *e, target *t, size_t len, int copies)
     CHECK(target_stop(t, &v) == 0);
 }
 
+/* XLEN bytes to READ into (in, pattern 99) and to WRITE from (out,
+ * SEED_WRITE), on device 1 or the host, both registered with e; 0, or -1
+ * with the reason printed. */
+static int in_and_out(kvp_engine *e, int device, void **in, void **out)
+{
+    *in = memory(device, XLEN, 99);
+    *out = memory(device, XLEN, SEED_WRITE);
+    if (!*in || !*out) return -1;
+    for (int i = 0; i < 2; i++)
+        if (kvp_engine_register(e, i ? *out : *in, XLEN) != KVP_OK) {
+            fprintf(stderr, "  register: %s\n", kvp_last_error());
+            return -1;
+        }
+    return 0;
+}
+
 /* ------------------------------------------------------------- transfers --- */
 
 /* How device memory must move over shm: staged through bounce buffers, the
@@ -224,12 +250,9 @@ static void round_trip(const char *proto, int local_dev, int target_dev, enum pa
     target t;
     kvp_engine *e = start(proto, target_dev, 0, &t);
     REQUIRE(e);
-    void *in = memory(local_dev, XLEN, 99);
-    void *out = memory(local_dev, XLEN, SEED_WRITE);
-    REQUIRE(in && out);
     /* The KV cache is registered, as vLLM and SGLang do: classified once. */
-    CHECK_OK(kvp_engine_register(e, in, XLEN));
-    CHECK_OK(kvp_engine_register(e, out, XLEN));
+    void *in, *out;
+    REQUIRE(in_and_out(e, local_dev, &in, &out) == 0);
     /* Host memory goes through IPC in a process that uses the driver anyway
      * (one with device memory of its own). */
     if (path == IPC && !local_dev) CHECK_OK(kvp_engine_register(e, fc.alloc(0, 4096), 4096));
@@ -320,13 +343,13 @@ static void register_kinds(void)
     /* As vLLM passes it: a plain register of a device pointer. */
     CHECK_OK(kvp_engine_register(e, dev, 1 << 19));
     /* Another device than the memory's: refused, saying which. */
-    CHECK_ST(kvp_engine_register_mem(e, dev + (1 << 19), 4096, KVP_MEM_CUDA, 0), KVP_EINVAL);
-    CHECK(strstr(kvp_last_error(), "device 1") != NULL);
+    CHECK(fails_with(kvp_engine_register_mem(e, dev + (1 << 19), 4096, KVP_MEM_CUDA, 0), KVP_EINVAL,
+                     "device 1"));
     CHECK_OK(kvp_engine_register_mem(e, dev + (1 << 19), 4096, KVP_MEM_CUDA, 1));
     /* Host memory is not CUDA memory. */
     char *host = malloc(8192);
-    CHECK_ST(kvp_engine_register_mem(e, host, 8192, KVP_MEM_CUDA, 0), KVP_EINVAL);
-    CHECK(strstr(kvp_last_error(), "not CUDA device memory") != NULL);
+    CHECK(fails_with(kvp_engine_register_mem(e, host, 8192, KVP_MEM_CUDA, 0), KVP_EINVAL,
+                     "not CUDA device memory"));
     CHECK_OK(kvp_engine_register(e, host, 8192));
     CHECK_OK(kvp_engine_unregister(e, dev));
     CHECK_OK(kvp_engine_unregister(e, host));
@@ -334,19 +357,33 @@ static void register_kinds(void)
     free(host);
 }
 
+/* A tcp engine made with the environment variable name set to value. */
+static kvp_engine *engine_under(const char *name, const char *value)
+{
+    setenv(name, value, 1);
+    return engine(NULL, "tcp");
+}
+
+/* 1 MiB the CPU cannot read (PROT_NONE), as a GPU pointer is to it; NULL if
+ * it cannot be mapped. */
+static void *unreadable(void)
+{
+    void *p = mmap(NULL, 1 << 20, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
 /* Memory the CPU cannot read stands for a GPU pointer on a host without the
  * driver: a clear error naming what is missing, host memory still fine. */
 static void register_no_driver(void)
 {
-    setenv("KVPIPE_LIBCUDA", "/nonexistent/libcuda.so.1", 1);
-    kvp_engine *e = engine(NULL, "tcp");
+    kvp_engine *e = engine_under("KVPIPE_LIBCUDA", "/nonexistent/libcuda.so.1");
     REQUIRE(e);
-    void *gpu_like = mmap(NULL, 1 << 20, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    REQUIRE(gpu_like != MAP_FAILED);
-    CHECK_ST(kvp_engine_register(e, gpu_like, 1 << 20), KVP_EINVAL);
-    CHECK(strstr(kvp_last_error(), "libcuda.so.1 not found") != NULL);
-    CHECK_ST(kvp_engine_register_mem(e, gpu_like, 1 << 20, KVP_MEM_CUDA, 0), KVP_ENOTSUP);
-    CHECK(strstr(kvp_last_error(), "not found") != NULL);
+    void *gpu_like = unreadable();
+    REQUIRE(gpu_like);
+    CHECK(fails_with(kvp_engine_register(e, gpu_like, 1 << 20), KVP_EINVAL,
+                     "libcuda.so.1 not found"));
+    CHECK(fails_with(kvp_engine_register_mem(e, gpu_like, 1 << 20, KVP_MEM_CUDA, 0), KVP_ENOTSUP,
+                     "not found"));
     char *host = malloc(4096);
     CHECK_OK(kvp_engine_register(e, host, 4096));
     kvp_engine_destroy(e);
@@ -355,17 +392,35 @@ static void register_no_driver(void)
 
 static void register_init_fails(void)
 {
-    setenv("FAKECUDA_INIT_FAIL", "1", 1);
-    kvp_engine *e = engine(NULL, "tcp");
+    kvp_engine *e = engine_under("FAKECUDA_INIT_FAIL", "1");
     REQUIRE(e);
-    void *gpu_like = mmap(NULL, 1 << 20, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    CHECK_ST(kvp_engine_register_mem(e, gpu_like, 1 << 20, KVP_MEM_CUDA, 0), KVP_ENOTSUP);
-    CHECK(strstr(kvp_last_error(), "cuInit failed") != NULL);
+    void *gpu_like = unreadable();
+    REQUIRE(gpu_like);
+    CHECK(fails_with(kvp_engine_register_mem(e, gpu_like, 1 << 20, KVP_MEM_CUDA, 0), KVP_ENOTSUP,
+                     "cuInit failed"));
     CHECK(strstr(kvp_last_error(), "no CUDA-capable device") != NULL);
     kvp_engine_destroy(e);
 }
 
 /* ------------------------------------------------------------- failed copies --- */
+
+/* The initiator's nth copy fails under a WRITE, then under a READ: each
+ * KVP_EIO saying write_says / read_says (the WRITE's also the driver's
+ * "illegal memory access"). The same transfers again, without a failure:
+ * all the bytes (in: device memory). */
+static void fails_then_heals(kvp_engine *e, kvp_segment_id seg, const target *t, void *in,
+                             void *out, long nth, const char *write_says, const char *read_says)
+{
+    fc.fail_copy(nth);
+    CHECK(
+        fails_with(kvp_engine_write(e, seg, out, t->addr + WRITE_OFF, XLEN), KVP_EIO, write_says));
+    CHECK(strstr(kvp_last_error(), "illegal memory access") != NULL);
+    fc.fail_copy(nth);
+    CHECK(fails_with(kvp_engine_read(e, seg, in, t->addr + READ_OFF, XLEN), KVP_EIO, read_says));
+    CHECK_OK(kvp_engine_read(e, seg, in, t->addr + READ_OFF, XLEN));
+    CHECK(holds(1, in, 0, XLEN, SEED_TARGET, READ_OFF));
+    CHECK_OK(kvp_engine_write(e, seg, out, t->addr + WRITE_OFF, XLEN));
+}
 
 /* The initiator's 3rd copy fails: the transfer fails with a clear error,
  * nothing outside its range is touched, and the next one succeeds. */
@@ -374,24 +429,11 @@ static void copy_fails_initiator(const char *proto)
     target t;
     kvp_engine *e = start(proto, 0, 0, &t);
     REQUIRE(e);
-    void *in = memory(1, XLEN, 99);
-    void *out = memory(1, XLEN, SEED_WRITE);
-    REQUIRE(in && out);
-    CHECK_OK(kvp_engine_register(e, in, XLEN));
-    CHECK_OK(kvp_engine_register(e, out, XLEN));
+    void *in, *out;
+    REQUIRE(in_and_out(e, 1, &in, &out) == 0);
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
-    fc.fail_copy(3);
-    CHECK_ST(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN), KVP_EIO);
-    CHECK(strstr(kvp_last_error(), "copy") != NULL);
-    CHECK(strstr(kvp_last_error(), "illegal memory access") != NULL);
-    fc.fail_copy(3);
-    CHECK_ST(kvp_engine_read(e, seg, in, t.addr + READ_OFF, XLEN), KVP_EIO);
-    CHECK(strstr(kvp_last_error(), "host to device") != NULL);
-    /* The same transfers again, without a failure: all the bytes. */
-    CHECK_OK(kvp_engine_read(e, seg, in, t.addr + READ_OFF, XLEN));
-    CHECK(holds(1, in, 0, XLEN, SEED_TARGET, READ_OFF));
-    CHECK_OK(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN));
+    fails_then_heals(e, seg, &t, in, out, 3, "copy", "host to device");
     finish(e, &t, XLEN, -1);
 }
 
@@ -544,24 +586,12 @@ static void ipc_copy_fails(void)
     target t;
     kvp_engine *e = start("shm", 1, 0, &t);
     REQUIRE(e);
-    void *in = memory(1, XLEN, 99);
-    void *out = memory(1, XLEN, SEED_WRITE);
-    REQUIRE(in && out);
-    CHECK_OK(kvp_engine_register(e, in, XLEN));
-    CHECK_OK(kvp_engine_register(e, out, XLEN));
+    void *in, *out;
+    REQUIRE(in_and_out(e, 1, &in, &out) == 0);
     kvp_segment_id seg;
     REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
     long ipc_before = fc.ipc_copies();
-    fc.fail_copy(1);
-    CHECK_ST(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN), KVP_EIO);
-    CHECK(strstr(kvp_last_error(), "through CUDA IPC failed") != NULL);
-    CHECK(strstr(kvp_last_error(), "illegal memory access") != NULL);
-    fc.fail_copy(1);
-    CHECK_ST(kvp_engine_read(e, seg, in, t.addr + READ_OFF, XLEN), KVP_EIO);
-    CHECK(strstr(kvp_last_error(), "through CUDA IPC failed") != NULL);
-    CHECK_OK(kvp_engine_read(e, seg, in, t.addr + READ_OFF, XLEN));
-    CHECK(holds(1, in, 0, XLEN, SEED_TARGET, READ_OFF));
-    CHECK_OK(kvp_engine_write(e, seg, out, t.addr + WRITE_OFF, XLEN));
+    fails_then_heals(e, seg, &t, in, out, 1, "through CUDA IPC failed", "through CUDA IPC failed");
     CHECK(fc.ipc_copies() - ipc_before >= 2);
     finish(e, &t, XLEN, 0);
 }

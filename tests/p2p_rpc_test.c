@@ -43,6 +43,14 @@ static kvpi_rpc_server *start(desc_ctx *ctx, int timeout_ms, int *port)
     return srv;
 }
 
+/* A case's server: ctx describes it with descriptor d, its I/O timeout
+ * timeout_ms, srv on port. */
+#define SERVER(d, timeout_ms)                                                                      \
+    desc_ctx ctx = {.desc = d};                                                                    \
+    int port;                                                                                      \
+    kvpi_rpc_server *srv = start(&ctx, timeout_ms, &port);                                         \
+    REQUIRE(srv)
+
 /* Non-zero if a normal METADATA call to port gets server_desc. */
 static int call_works(int port)
 {
@@ -80,10 +88,7 @@ static int connect_raw(int port)
 
 static void test_roundtrip_all_types(void)
 {
-    desc_ctx ctx = {.desc = server_desc};
-    int port;
-    kvpi_rpc_server *srv = start(&ctx, 3000, &port);
-    REQUIRE(srv);
+    SERVER(server_desc, 3000);
     CHECK(call_works(port));
     CHECK(atomic_load(&ctx.calls) == 1);
     /* CONNECT gets "{}"; PROBE Mooncake's answer; NOTIFY, to a server with no
@@ -147,10 +152,7 @@ static void test_cross_process(void)
 
 static void test_server_refuses_bad_frames(void)
 {
-    desc_ctx ctx = {.desc = server_desc};
-    int port;
-    kvpi_rpc_server *srv = start(&ctx, 3000, &port);
-    REQUIRE(srv);
+    SERVER(server_desc, 3000);
     uint8_t hdr[9 + 16];
     int served = 0;
     struct {
@@ -194,10 +196,7 @@ static void test_server_refuses_bad_frames(void)
 
 static void test_server_drops_silent_client(void)
 {
-    desc_ctx ctx = {.desc = server_desc};
-    int port;
-    kvpi_rpc_server *srv = start(&ctx, 300, &port);
-    REQUIRE(srv);
+    SERVER(server_desc, 300);
     int idle = connect_raw(port);
     int half = connect_raw(port);
     REQUIRE(idle >= 0 && half >= 0);
@@ -215,10 +214,7 @@ static void test_server_drops_silent_client(void)
 
 static void test_no_descriptor(void)
 {
-    desc_ctx ctx = {.desc = NULL};
-    int port;
-    kvpi_rpc_server *srv = start(&ctx, 3000, &port);
-    REQUIRE(srv);
+    SERVER(NULL, 3000);
     char *reply = NULL;
     CHECK_ST(kvpi_rpc_call("127.0.0.1", port, KVPI_RPC_METADATA, client_desc, 3000, &reply),
              KVP_ECONNRESET);
@@ -230,10 +226,7 @@ static void test_no_descriptor(void)
 
 static void test_stop_with_open_connections(void)
 {
-    desc_ctx ctx = {.desc = server_desc};
-    int port;
-    kvpi_rpc_server *srv = start(&ctx, 600000, &port); /* only stop can end these */
-    REQUIRE(srv);
+    SERVER(server_desc, 600000); /* only stop can end these */
     int fds[4];
     for (int i = 0; i < 4; i++) {
         fds[i] = connect_raw(port);
@@ -267,10 +260,7 @@ static void *caller(void *arg)
 
 static void test_concurrent_callers(void)
 {
-    desc_ctx ctx = {.desc = server_desc};
-    int port;
-    kvpi_rpc_server *srv = start(&ctx, 3000, &port);
-    REQUIRE(srv);
+    SERVER(server_desc, 3000);
     pthread_t t[N_CALLERS];
     for (int i = 0; i < N_CALLERS; i++)
         REQUIRE(pthread_create(&t[i], NULL, caller, &port) == 0);
@@ -281,10 +271,7 @@ static void test_concurrent_callers(void)
 
 static void test_start_errors(void)
 {
-    desc_ctx ctx = {.desc = server_desc};
-    int port;
-    kvpi_rpc_server *srv = start(&ctx, 3000, &port);
-    REQUIRE(srv);
+    SERVER(server_desc, 3000);
     kvpi_rpc_server *second = NULL;
     CHECK(kvpi_rpc_server_start("127.0.0.1", port, &(kvpi_conn_limits){.timeout_ms = 3000}, desc_fn,
                                 &ctx, &second) != KVP_OK);
@@ -421,10 +408,7 @@ static void test_client_unreachable(void)
 
 static void test_p2p_meta_fetch(void)
 {
-    desc_ctx ctx = {.desc = server_desc};
-    int port;
-    kvpi_rpc_server *srv = start(&ctx, 3000, &port);
-    REQUIRE(srv);
+    SERVER(server_desc, 3000);
     kvpi_meta *m = NULL;
     desc_ctx mine = {.desc = client_desc}; /* what a handshake sends of ours */
     REQUIRE_OK(kvpi_meta_open(KVPI_P2P_CONN, 3000, desc_fn, &mine, &m));

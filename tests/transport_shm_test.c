@@ -141,6 +141,23 @@ static kvp_status open_peer(const target *t, const cJSON *desc, const kvpi_regio
     return kvpi_transport_shm.peer_open(&ctx, peer);
 }
 
+/* The target started and a peer opened to it (NULL, the reason printed,
+ * if either fails). */
+static void *target_and_peer(target *t)
+{
+    void *peer = NULL;
+    if (target_start(t) != 0) return NULL;
+    if (open_peer(t, t->desc, t->regions, &peer) != KVP_OK)
+        fprintf(stderr, "  open the peer: %s\n", kvp_last_error());
+    return peer;
+}
+
+static void peer_and_target_stop(void *peer, target *t)
+{
+    kvpi_transport_shm.peer_close(peer);
+    target_stop(t);
+}
+
 static kvp_status xfer1(void *peer, kvp_opcode op, void *local, uint64_t remote, size_t len,
                         kvp_status *slice_st)
 {
@@ -156,9 +173,8 @@ static kvp_status xfer1(void *peer, kvp_opcode op, void *local, uint64_t remote,
 static void test_read_write_every_byte(void)
 {
     target t;
-    REQUIRE(target_start(&t) == 0);
-    void *peer = NULL;
-    REQUIRE_OK(open_peer(&t, t.desc, t.regions, &peer));
+    void *peer = target_and_peer(&t);
+    REQUIRE(peer);
     const size_t sizes[] = {1, 4096, MIB, 64 * MIB};
     char *local = malloc(64 * MIB);
     REQUIRE(local);
@@ -189,9 +205,8 @@ static void test_read_write_every_byte(void)
 static void test_many_slices_one_bad(void)
 {
     target t;
-    REQUIRE(target_start(&t) == 0);
-    void *peer = NULL;
-    REQUIRE_OK(open_peer(&t, t.desc, t.regions, &peer));
+    void *peer = target_and_peer(&t);
+    REQUIRE(peer);
     enum { N = 700, LEN = 3000 };
     REQUIRE(target_cmd(&t, 'F', 0, (uint64_t)N * LEN, 7) == 0);
     char *local = calloc(N, LEN);
@@ -267,17 +282,15 @@ static void test_out_of_range(void)
     CHECK_OK(sst);
     CHECK(kvpt_verify(buf, 4096, 5) == (size_t)-1);
     kvpi_transport_shm.peer_close(forged);
-    kvpi_transport_shm.peer_close(peer);
-    target_stop(&t);
+    peer_and_target_stop(peer, &t);
 }
 
 /* A local address we do not map fails that slice only. */
 static void test_bad_local_address(void)
 {
     target t;
-    REQUIRE(target_start(&t) == 0);
-    void *peer = NULL;
-    REQUIRE_OK(open_peer(&t, t.desc, t.regions, &peer));
+    void *peer = target_and_peer(&t);
+    REQUIRE(peer);
     kvp_status sst;
     CHECK_OK(xfer1(peer, KVP_OP_READ, (void *)(uintptr_t)4096, t.a, 64, &sst));
     CHECK_ST(sst, KVP_EINVAL);
@@ -286,16 +299,14 @@ static void test_bad_local_address(void)
     CHECK_OK(xfer1(peer, KVP_OP_READ, buf, t.a, 64, &sst));
     CHECK_OK(sst);
     CHECK(kvpt_verify(buf, 64, 9) == (size_t)-1);
-    kvpi_transport_shm.peer_close(peer);
-    target_stop(&t);
+    peer_and_target_stop(peer, &t);
 }
 
 static void test_peer_killed(void)
 {
     target t;
-    REQUIRE(target_start(&t) == 0);
-    void *peer = NULL;
-    REQUIRE_OK(open_peer(&t, t.desc, t.regions, &peer));
+    void *peer = target_and_peer(&t);
+    REQUIRE(peer);
     kill(t.peer.pid, SIGKILL);
     REQUIRE(kvpt_wait_child(t.peer.pid, 5000) == 128 + SIGKILL);
     t.peer.pid = 0;
@@ -307,8 +318,7 @@ static void test_peer_killed(void)
     /* Again, now that the connection is known dead: still an error, no hang. */
     st = xfer1(peer, KVP_OP_WRITE, buf, t.a, sizeof buf, &sst);
     CHECK(st == KVP_ECONNRESET || st == KVP_ECONNREFUSED);
-    kvpi_transport_shm.peer_close(peer);
-    target_stop(&t);
+    peer_and_target_stop(peer, &t);
 }
 
 /* Stopping the target's server while we hold connections: stop returns, and
@@ -316,16 +326,14 @@ static void test_peer_killed(void)
 static void test_server_stop_with_peer(void)
 {
     target t;
-    REQUIRE(target_start(&t) == 0);
-    void *peer = NULL;
-    REQUIRE_OK(open_peer(&t, t.desc, t.regions, &peer));
+    void *peer = target_and_peer(&t);
+    REQUIRE(peer);
     CHECK(target_cmd(&t, 'S', 0, 0, 0) == 0);
     char buf[16];
     kvp_status sst;
     kvp_status st = xfer1(peer, KVP_OP_READ, buf, t.a, sizeof buf, &sst);
     CHECK(st == KVP_ECONNRESET || st == KVP_ECONNREFUSED);
-    kvpi_transport_shm.peer_close(peer);
-    target_stop(&t);
+    peer_and_target_stop(peer, &t);
 }
 
 static kvp_status open_with(const target *t, const char *key, cJSON *value)
@@ -390,8 +398,7 @@ static void test_bad_frames(void)
     kvp_status sst;
     CHECK_OK(xfer1(peer, KVP_OP_READ, buf, t.a, sizeof buf, &sst));
     CHECK_OK(sst);
-    kvpi_transport_shm.peer_close(peer);
-    target_stop(&t);
+    peer_and_target_stop(peer, &t);
 }
 
 typedef struct worker_arg {
@@ -425,9 +432,8 @@ static void *worker(void *p)
 static void test_concurrent_xfers(void)
 {
     target t;
-    REQUIRE(target_start(&t) == 0);
-    void *peer = NULL;
-    REQUIRE_OK(open_peer(&t, t.desc, t.regions, &peer));
+    void *peer = target_and_peer(&t);
+    REQUIRE(peer);
     enum { T = 6 }; /* more threads than connections: some wait for one */
     pthread_t th[T];
     worker_arg w[T];
@@ -442,8 +448,7 @@ static void test_concurrent_xfers(void)
     for (int i = 0; i < T; i++)
         CHECK(target_cmd(&t, 'V', (uint64_t)i * 4 * MIB, 4 * MIB, (uint64_t)i * 1000 + 2) ==
               (uint64_t)-1);
-    kvpi_transport_shm.peer_close(peer);
-    target_stop(&t);
+    peer_and_target_stop(peer, &t);
 }
 
 int main(void)

@@ -78,65 +78,29 @@ static void xpyd(const char *const *args)
     rmdir(dir);
 }
 
-static void test_xpyd_write(void)
-{
-    const char *a[] = {"--mode", "write", "--seconds", "3", "--sample-s", "1", NULL};
-    xpyd(a);
-}
+/* A case: xpyd with these arguments; a fault case: its mode and seconds,
+ * the fault and the seconds it lasts. */
+#define XPYD_CASE(name, ...)                                                                       \
+    static void name(void)                                                                         \
+    {                                                                                              \
+        const char *a[] = {__VA_ARGS__, NULL};                                                     \
+        xpyd(a);                                                                                   \
+    }
+#define XPYD_FAULT(name, mode, secs, fault, fault_secs)                                            \
+    XPYD_CASE(name, "--mode", mode, "--seconds", secs, "--fault", fault, "--fault-seconds",        \
+              fault_secs)
 
-static void test_xpyd_read(void)
-{
-    const char *a[] = {"--mode", "read", "--seconds", "3", NULL};
-    xpyd(a);
-}
+XPYD_CASE(test_xpyd_write, "--mode", "write", "--seconds", "3", "--sample-s", "1")
+XPYD_CASE(test_xpyd_read, "--mode", "read", "--seconds", "3")
+XPYD_CASE(test_xpyd_pipe_skewed, "--mode", "pipe", "--seconds", "3", "--skew", "3", "--sample-s",
+          "1")
 
-static void test_xpyd_pipe_skewed(void)
-{
-    const char *a[] = {"--mode", "pipe", "--seconds", "3", "--skew", "3", "--sample-s", "1", NULL};
-    xpyd(a);
-}
-
-static void test_xpyd_kill_prefill(void)
-{
-    const char *a[] = {"--mode",          "read", "--seconds", "7", "--fault", "kill-prefill",
-                       "--fault-seconds", "3",    NULL};
-    xpyd(a);
-}
-
-static void test_xpyd_restart_prefill(void)
-{
-    const char *a[] = {"--mode",          "write",           "--seconds", "7", "--fault",
-                       "restart-prefill", "--fault-seconds", "3",         NULL};
-    xpyd(a);
-}
-
-static void test_xpyd_restart_prefill_pipe(void)
-{
-    const char *a[] = {"--mode",          "pipe", "--seconds", "7", "--fault", "restart-prefill",
-                       "--fault-seconds", "3",    NULL};
-    xpyd(a);
-}
-
-static void test_xpyd_restart_etcd(void)
-{
-    const char *a[] = {"--mode",          "read", "--seconds", "7", "--fault", "restart-etcd",
-                       "--fault-seconds", "3",    NULL};
-    xpyd(a);
-}
-
-static void test_xpyd_link_down(void)
-{
-    const char *a[] = {"--mode",    "write",           "--seconds", "20", "--fault",
-                       "link-down", "--fault-seconds", "8",         NULL};
-    xpyd(a);
-}
-
-static void test_xpyd_rate_limit(void)
-{
-    const char *a[] = {"--mode",          "pipe", "--seconds", "7", "--fault", "rate-limit",
-                       "--fault-seconds", "3",    NULL};
-    xpyd(a);
-}
+XPYD_FAULT(test_xpyd_kill_prefill, "read", "7", "kill-prefill", "3")
+XPYD_FAULT(test_xpyd_restart_prefill, "write", "7", "restart-prefill", "3")
+XPYD_FAULT(test_xpyd_restart_prefill_pipe, "pipe", "7", "restart-prefill", "3")
+XPYD_FAULT(test_xpyd_restart_etcd, "read", "7", "restart-etcd", "3")
+XPYD_FAULT(test_xpyd_link_down, "write", "20", "link-down", "8")
+XPYD_FAULT(test_xpyd_rate_limit, "pipe", "7", "rate-limit", "3")
 
 int main(void)
 {
