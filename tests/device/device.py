@@ -764,10 +764,14 @@ def main():
     p.add_argument("--device", type=int, default=0)
     p = sub.add_parser("info")
     p.add_argument("--kvpipe", required=True)
-    for name in ("vllm", "vllm-peer"):
+    def with_transport(name):
         p = sub.add_parser(name)
         common(p)
         p.add_argument("--transport", choices=("tcp", "shm"), required=True)
+        return p
+
+    for name in ("vllm", "vllm-peer"):
+        p = with_transport(name)
         p.add_argument("--threads", type=int, default=10)
         p.add_argument("--blocks-per-thread", type=int, default=4)
         p.add_argument("--blocks", type=int, default=0)
@@ -776,9 +780,7 @@ def main():
         p.add_argument("--raw-tcp")
         p.add_argument("--baseline-seconds", type=float, default=2)
     for name in ("pipe", "pipe-peer"):
-        p = sub.add_parser(name)
-        common(p)
-        p.add_argument("--transport", choices=("tcp", "shm"), required=True)
+        p = with_transport(name)
         p.add_argument("--tokens", type=int, default=8192)
         p.add_argument("--requests", type=int, default=1)
         p.add_argument("--config")
