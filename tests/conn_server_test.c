@@ -77,6 +77,13 @@ static kvpi_conn_server *start(const kvpi_conn_limits *lim, const kvpi_conn_hand
     return s;
 }
 
+/* A case's server, s on port, with handler h and the kvpi_conn_limits
+ * members given. */
+#define SERVER(h, ...)                                                                             \
+    int port;                                                                                      \
+    kvpi_conn_server *s = start(&(kvpi_conn_limits){__VA_ARGS__}, h, &port);                       \
+    REQUIRE(s)
+
 static int dial(int port)
 {
     int fd = -1;
@@ -254,10 +261,7 @@ static void serves_many(void)
 /* Full: a newcomer evicts the connection idle the longest. */
 static void evicts_oldest_idle(void)
 {
-    int port;
-    kvpi_conn_limits lim = {.max_conns = 3};
-    kvpi_conn_server *s = start(&lim, &echo, &port);
-    REQUIRE(s);
+    SERVER(&echo, .max_conns = 3);
     int a = dial(port), b = dial(port), c = dial(port);
     REQUIRE(a >= 0 && b >= 0 && c >= 0);
     /* Each server thread goes idle just after its reply: pause so that the
@@ -289,10 +293,7 @@ static void evicts_oldest_idle(void)
  * busy one older than timeout_ms at last. */
 static void eviction_order(void)
 {
-    int port;
-    kvpi_conn_limits lim = {.max_conns = 3, .timeout_ms = 1500};
-    kvpi_conn_server *s = start(&lim, &echo, &port);
-    REQUIRE(s);
+    SERVER(&echo, .max_conns = 3, .timeout_ms = 1500);
     uint8_t hdr[8];
     int idle = dial(port), part = dial(port);
     REQUIRE(idle >= 0 && part >= 0);
@@ -342,10 +343,7 @@ static void eviction_order(void)
 
 static void idle_reaped(void)
 {
-    int port;
-    kvpi_conn_limits lim = {.idle_timeout_ms = 300};
-    kvpi_conn_server *s = start(&lim, &echo, &port);
-    REQUIRE(s);
+    SERVER(&echo, .idle_timeout_ms = 300);
     int fd = dial(port);
     REQUIRE(fd >= 0);
     CHECK(echo_ok(fd));
@@ -362,10 +360,7 @@ static void idle_reaped(void)
  * trickles, timeout_ms + its size at min_rate after the header. */
 static void request_deadlines(void)
 {
-    int port;
-    kvpi_conn_limits lim = {.timeout_ms = 400, .min_rate = 1000};
-    kvpi_conn_server *s = start(&lim, &echo, &port);
-    REQUIRE(s);
+    SERVER(&echo, .timeout_ms = 400, .min_rate = 1000);
     for (int body = 0; body < 2; body++) {
         int fd = dial(port);
         REQUIRE(fd >= 0);
@@ -419,10 +414,7 @@ static void setup_step(void)
  * server serves again once descriptors are free. */
 static void out_of_descriptors(void)
 {
-    int port;
-    kvpi_conn_limits lim = {.max_conns = 4096, .idle_timeout_ms = 60000};
-    kvpi_conn_server *s = start(&lim, &echo, &port);
-    REQUIRE(s);
+    SERVER(&echo, .max_conns = 4096, .idle_timeout_ms = 60000);
     int probe = dup(0);
     struct rlimit rl;
     getrlimit(RLIMIT_NOFILE, &rl);
@@ -468,11 +460,8 @@ static void out_of_descriptors(void)
  * deadlines. */
 static void stop_never_waits(void)
 {
-    int port;
-    kvpi_conn_limits lim = {
-        .timeout_ms = 600000, .idle_timeout_ms = 600000, .setup_timeout_ms = 600000};
-    kvpi_conn_server *s = start(&lim, &echo_with_hello, &port);
-    REQUIRE(s);
+    SERVER(&echo_with_hello, .timeout_ms = 600000, .idle_timeout_ms = 600000,
+           .setup_timeout_ms = 600000);
     int in_setup = dial(port), in_header = dial(port), sending = dial(port);
     REQUIRE(in_setup >= 0 && in_header >= 0 && sending >= 0);
     char ok[2];

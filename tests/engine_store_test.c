@@ -342,6 +342,15 @@ static void transfer_read_write(fixture *f)
     free(want);
 }
 
+/* The target's segment opened and a byte of it READ (its descriptor now
+ * cached); the first failure's status. */
+static kvp_status open_and_read(fixture *f, kvp_segment_id *seg)
+{
+    char byte;
+    kvp_status st = kvp_engine_open_segment(f->eng, f->tgt.name, seg);
+    return st ? st : kvp_engine_read(f->eng, *seg, &byte, f->tgt.addr, 1);
+}
+
 static void reregister_publishes(fixture *f)
 {
     target *t = &f->tgt;
@@ -372,9 +381,7 @@ static void cached_initiator_sees_new_region(fixture *f)
 {
     target *t = &f->tgt;
     kvp_segment_id seg;
-    REQUIRE_OK(kvp_engine_open_segment(f->eng, t->name, &seg));
-    char byte;
-    REQUIRE_OK(kvp_engine_read(f->eng, seg, &byte, t->addr, 1)); /* descriptor now cached */
+    REQUIRE_OK(open_and_read(f, &seg)); /* descriptor now cached */
     unsigned long long addr;
     size_t len;
     REQUIRE(target_reg(t, &addr, &len) == 0);
@@ -414,9 +421,7 @@ static void destroy_removes_keys(fixture *f)
 {
     target *t = &f->tgt;
     kvp_segment_id seg;
-    REQUIRE_OK(kvp_engine_open_segment(f->eng, t->name, &seg));
-    char byte;
-    CHECK_OK(kvp_engine_read(f->eng, seg, &byte, t->addr, 1));
+    REQUIRE_OK(open_and_read(f, &seg));
     if (f->ops) {
         CHECK(raw_lists(f, t->name, t->addr, t->len));
         CHECK(!raw_missing(f, "rpc_meta", t->name));
@@ -430,6 +435,7 @@ static void destroy_removes_keys(fixture *f)
     CHECK(st != KVP_OK); /* store: ENOTFOUND; P2P: nobody answers */
     free(desc);
     /* A transfer to the vanished peer fails (it does not hang). */
+    char byte;
     CHECK(kvp_engine_read(f->eng, seg, &byte, t->addr, 1) != KVP_OK);
 }
 
@@ -668,11 +674,8 @@ static void watched_restart_reaches_initiator(fixture *f)
  * and changes reach the initiator as fast as before. */
 static void watch_survives_store_restart(fixture *f)
 {
-    target *t = &f->tgt;
     kvp_segment_id seg;
-    REQUIRE_OK(kvp_engine_open_segment(f->eng, t->name, &seg));
-    char byte;
-    CHECK_OK(kvp_engine_read(f->eng, seg, &byte, t->addr, 1));
+    REQUIRE_OK(open_and_read(f, &seg));
     CHECK(poll_until(watch_ready, f, 10000));
     REQUIRE(kvpt_server_restart(&f->srv) == KVPT_SERVER_OK);
     /* Redis and the HTTP store come back empty: the keepers put the keys

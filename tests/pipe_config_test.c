@@ -214,6 +214,18 @@ static kvp_pipe_config *cfg_of(const char *p, const char *d)
     return cfg;
 }
 
+/* kvp_pipe_config_endpoints of the config with these URLs; KVP_EINVAL if it
+ * does not parse. */
+static kvp_status endpoints_of(const char *p, const char *d, int local_rank, int kv_rank,
+                               kvp_pipe_endpoints *e)
+{
+    kvp_pipe_config *cfg = cfg_of(p, d);
+    if (!cfg) return KVP_EINVAL;
+    kvp_status st = kvp_pipe_config_endpoints(cfg, local_rank, kv_rank, e);
+    kvp_pipe_config_free(cfg);
+    return st;
+}
+
 static void test_endpoints(void)
 {
     kvp_pipe_config *cfg = cfg_of("10.0.0.1:13003", "10.0.0.2:14003");
@@ -235,35 +247,23 @@ static void test_endpoints(void)
     kvp_pipe_config_free(cfg);
 
     /* Same URL: decode's base port moves up by 100, before local_rank. */
-    cfg = cfg_of("127.0.0.1:20000", "127.0.0.1:20000");
-    REQUIRE(cfg != NULL);
-    REQUIRE_OK(kvp_pipe_config_endpoints(cfg, 1, 1, &e));
+    REQUIRE_OK(endpoints_of("127.0.0.1:20000", "127.0.0.1:20000", 1, 1, &e));
     CHECK(strcmp(e.local_segment, "127.0.0.1:20101") == 0);
     CHECK(strcmp(e.peer_segment, "127.0.0.1:20001") == 0);
     CHECK(e.data_port == 20111 && e.ack_port == 20112);
     CHECK(e.peer_data_port == 20011 && e.peer_ack_port == 20012);
-    kvp_pipe_config_free(cfg);
 
     /* IPv6 segment names are bracketed. */
-    cfg = cfg_of("[::1]:30000", "[::1]:31000");
-    REQUIRE(cfg != NULL);
-    REQUIRE_OK(kvp_pipe_config_endpoints(cfg, 0, 1, &e));
+    REQUIRE_OK(endpoints_of("[::1]:30000", "[::1]:31000", 0, 1, &e));
     CHECK(strcmp(e.local_segment, "[::1]:31000") == 0);
     CHECK(strcmp(e.local_host, "::1") == 0);
-    kvp_pipe_config_free(cfg);
 
     /* Derived ports past 65535 name the field. */
-    cfg = cfg_of("127.0.0.1:65530", "127.0.0.1:1000");
-    REQUIRE(cfg != NULL);
-    CHECK_ST(kvp_pipe_config_endpoints(cfg, 0, 1, &e), KVP_ECONFIG);
+    CHECK_ST(endpoints_of("127.0.0.1:65530", "127.0.0.1:1000", 0, 1, &e), KVP_ECONFIG);
     CHECK(strstr(kvp_last_error(), "prefill_url") != NULL);
-    kvp_pipe_config_free(cfg);
-    cfg = cfg_of("127.0.0.1:65430", "127.0.0.1:65430");
-    REQUIRE(cfg != NULL);
-    CHECK_ST(kvp_pipe_config_endpoints(cfg, 0, 0, &e), KVP_ECONFIG);
+    CHECK_ST(endpoints_of("127.0.0.1:65430", "127.0.0.1:65430", 0, 0, &e), KVP_ECONFIG);
     CHECK(strstr(kvp_last_error(), "decode_url") != NULL);
     CHECK(strstr(kvp_last_error(), "+100") != NULL);
-    kvp_pipe_config_free(cfg);
 }
 
 static void test_open_rejects_bad_config(void)

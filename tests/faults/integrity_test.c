@@ -122,6 +122,18 @@ static int fwd(int from, int to, size_t n, int flip_at)
     return 0;
 }
 
+/* Forward a payload of size bytes (and its digest) counted in seen; every
+ * CORRUPT_EVERY-th non-empty one with its byte size / part flipped, counted
+ * in flipped. fwd's result. */
+static int fwd_counted(int from, int to, uint64_t size, int digest, atomic_int *seen,
+                       atomic_int *flipped, int part)
+{
+    int n = atomic_fetch_add(seen, 1) + 1;
+    int flip = size && n % CORRUPT_EVERY == 0 ? (int)(size / (uint64_t)part) : -1;
+    if (flip >= 0) atomic_fetch_add(flipped, 1);
+    return fwd(from, to, size + (digest ? 8 : 0), flip);
+}
+
 /* Client to target: each header, and a WRITE's body (and digest). */
 static void *upstream(void *arg)
 {
@@ -139,10 +151,9 @@ static void *upstream(void *arg)
         pthread_mutex_unlock(&l->lock);
         if (kvpi_send_all_by(l->server, raw, sizeof raw, kvpi_deadline_ns(20000)) != KVP_OK) break;
         if (h.opcode != KVPI_TCP_OP_WRITE) continue;
-        int n = atomic_fetch_add(&px->writes_seen, 1) + 1;
-        int flip = h.size && n % CORRUPT_EVERY == 0 ? (int)(h.size / 2) : -1;
-        if (flip >= 0) atomic_fetch_add(&px->writes_flipped, 1);
-        if (fwd(l->client, l->server, h.size + (h.digest ? 8 : 0), flip) != 0) break;
+        if (fwd_counted(l->client, l->server, h.size, h.digest, &px->writes_seen,
+                        &px->writes_flipped, 2) != 0)
+            break;
     }
     shutdown(l->server, SHUT_WR);
     return NULL;
@@ -174,10 +185,9 @@ static void *downstream(void *arg)
         if (kvpi_send_all_by(l->client, frame, 8, kvpi_deadline_ns(20000)) != KVP_OK) break;
         if (p.opcode != KVPI_TCP_OP_READ || kvpi_tcp_status_decode(frame) != KVPI_TCP_STATUS_OK)
             continue;
-        int n = atomic_fetch_add(&px->reads_seen, 1) + 1;
-        int flip = p.size && n % CORRUPT_EVERY == 0 ? (int)(p.size / 3) : -1;
-        if (flip >= 0) atomic_fetch_add(&px->reads_flipped, 1);
-        if (fwd(l->server, l->client, p.size + (p.digest ? 8 : 0), flip) != 0) break;
+        if (fwd_counted(l->server, l->client, p.size, p.digest, &px->reads_seen, &px->reads_flipped,
+                        3) != 0)
+            break;
     }
     shutdown(l->client, SHUT_WR);
     return NULL;
@@ -307,6 +317,17 @@ static double corrupt_count(kvp_engine *e)
 
 /* -------------------------------------------------- the proxy's cases --- */
 
+/* Every flipped transfer (about one in CORRUPT_EVERY) failed with
+ * ECORRUPT and was counted so; none came through wrong or failed otherwise. */
+static void proxy_verdict(rig *r, int flipped, int corrupt, int wrong, int other)
+{
+    CHECK(flipped >= OPS / CORRUPT_EVERY - 1);
+    CHECK(corrupt == flipped);
+    CHECK(wrong == 0);
+    CHECK(other == 0);
+    CHECK(corrupt_count(r->e) == flipped);
+}
+
 static void tcp_proxy_reads(void)
 {
     integrity(1);
@@ -332,11 +353,7 @@ static void tcp_proxy_reads(void)
             "  %d READs through the proxy: %d flipped, %d failed with ECORRUPT, %d succeeded "
             "with wrong bytes, %d failed otherwise; corrupt_total %.0f\n",
             OPS, flipped, corrupt, wrong, other, corrupt_count(r.e));
-    CHECK(flipped >= OPS / CORRUPT_EVERY - 1);
-    CHECK(corrupt == flipped);
-    CHECK(wrong == 0);
-    CHECK(other == 0);
-    CHECK(corrupt_count(r.e) == flipped);
+    proxy_verdict(&r, flipped, corrupt, wrong, other);
     CHECK(atomic_load(&r.px.digest_bits) >= OPS);
     rig_stop(&r);
 }
@@ -365,11 +382,7 @@ static void tcp_proxy_writes(void)
             "  %d WRITEs through the proxy: %d flipped, %d failed with ECORRUPT, %d succeeded "
             "but landed wrong, %d failed otherwise\n",
             OPS, flipped, corrupt, wrong, other);
-    CHECK(flipped >= OPS / CORRUPT_EVERY - 1);
-    CHECK(corrupt == flipped);
-    CHECK(wrong == 0);
-    CHECK(other == 0);
-    CHECK(corrupt_count(r.e) == flipped);
+    proxy_verdict(&r, flipped, corrupt, wrong, other);
     rig_stop(&r);
 }
 
@@ -426,12 +439,32 @@ typedef struct tally {
     int ok, corrupt, torn, other;
 } tally;
 
-static void tally_print(const char *what, const tally *t)
+/* The tally printed; none torn, none failed otherwise, and more than 10
+ * that came through (consistent or flagged). */
+static void tally_check(const char *what, const tally *t)
 {
     fprintf(stderr,
             "  %s: %d consistent, %d failed with ECORRUPT, %d succeeded torn (no instant "
             "held them), %d failed otherwise\n",
             what, t->ok, t->corrupt, t->torn, t->other);
+    CHECK(t->torn == 0);
+    CHECK(t->other == 0);
+    CHECK(t->ok + t->corrupt > 10);
+}
+
+/* A target of len bytes and an initiator, both on protocol (tcp: shm off)
+ * with I/O timeout timeout_ms (0: the default), the target's segment open;
+ * 0, or -1 with the reason printed. */
+static int open_pair(const char *protocol, size_t len, int timeout_ms, kvpt_target *t,
+                     kvp_engine **e, kvp_segment_id *seg)
+{
+    int tcp = strcmp(protocol, "shm") != 0;
+    kvpt_target_opts o = {.len = len, .seed = SEED, .disable_shm = tcp, .timeout_ms = timeout_ms};
+    if (kvpt_target_start(&o, t) != 0) return -1;
+    if (kvpt_initiator_start(NULL, protocol, tcp, timeout_ms, e) != 0) return -1;
+    kvp_status st = kvp_engine_open_segment(*e, t->name, seg);
+    if (st) fprintf(stderr, "  open %s: %s\n", t->name, kvp_last_error());
+    return st ? -1 : 0;
 }
 
 /* READs of the target's first MiB while it is rewritten; over protocol. */
@@ -439,12 +472,9 @@ static void source_rewritten_read(const char *protocol)
 {
     integrity(1);
     kvpt_target t;
-    kvpt_target_opts o = {.len = 4 * MIB, .seed = SEED, .disable_shm = strcmp(protocol, "shm")};
-    REQUIRE(kvpt_target_start(&o, &t) == 0);
     kvp_engine *e;
-    REQUIRE(kvpt_initiator_start(NULL, protocol, strcmp(protocol, "shm") != 0, 0, &e) == 0);
     kvp_segment_id seg;
-    REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
+    REQUIRE(open_pair(protocol, 4 * MIB, 0, &t, &e, &seg) == 0);
     rewriter w;
     rewriter_start(&w, t.buf, MIB); /* the target's memory, shared with this process */
     static uint64_t copy[MIB / 8];
@@ -462,22 +492,9 @@ static void source_rewritten_read(const char *protocol)
             n.torn++;
     }
     rewriter_stop(&w);
-    tally_print(protocol, &n);
-    CHECK(n.torn == 0);
-    CHECK(n.other == 0);
-    CHECK(n.ok + n.corrupt > 10);
+    tally_check(protocol, &n);
     kvp_engine_destroy(e);
     kvpt_target_stop(&t, 0);
-}
-
-static void tcp_source_rewritten_read(void)
-{
-    source_rewritten_read("tcp");
-}
-
-static void shm_source_rewritten_read(void)
-{
-    source_rewritten_read("shm");
 }
 
 /* WRITEs of a local MiB rewritten meanwhile; each one that succeeds must
@@ -487,12 +504,9 @@ static void source_rewritten_write(const char *protocol)
     integrity(1);
     int shm = strcmp(protocol, "shm") == 0;
     kvpt_target t;
-    kvpt_target_opts o = {.len = 4 * MIB, .seed = SEED, .disable_shm = !shm};
-    REQUIRE(kvpt_target_start(&o, &t) == 0);
     kvp_engine *e;
-    REQUIRE(kvpt_initiator_start(NULL, protocol, !shm, 0, &e) == 0);
     kvp_segment_id seg;
-    REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
+    REQUIRE(open_pair(protocol, 4 * MIB, 0, &t, &e, &seg) == 0);
     static uint64_t src[MIB / 8];
     rewriter w;
     rewriter_start(&w, src, MIB);
@@ -510,22 +524,9 @@ static void source_rewritten_write(const char *protocol)
             n.torn++;
     }
     rewriter_stop(&w);
-    tally_print(shm ? "shm WRITE" : "tcp WRITE", &n);
-    CHECK(n.torn == 0);
-    CHECK(n.other == 0);
-    CHECK(n.ok + n.corrupt > 10);
+    tally_check(shm ? "shm WRITE" : "tcp WRITE", &n);
     kvp_engine_destroy(e);
     kvpt_target_stop(&t, 0);
-}
-
-static void tcp_source_rewritten_write(void)
-{
-    source_rewritten_write("tcp");
-}
-
-static void shm_source_rewritten_write(void)
-{
-    source_rewritten_write("shm");
 }
 
 /* ------------------------------------------------------- late writes --- */
@@ -535,14 +536,10 @@ static void shm_source_rewritten_write(void)
 static void late_write(const char *protocol)
 {
     integrity(1);
-    int shm = strcmp(protocol, "shm") == 0;
     kvpt_target t;
-    kvpt_target_opts o = {.len = 16 * MIB, .seed = SEED, .disable_shm = !shm, .timeout_ms = 1000};
-    REQUIRE(kvpt_target_start(&o, &t) == 0);
     kvp_engine *e;
-    REQUIRE(kvpt_initiator_start(NULL, protocol, !shm, 1000, &e) == 0);
     kvp_segment_id seg;
-    REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
+    REQUIRE(open_pair(protocol, 16 * MIB, 1000, &t, &e, &seg) == 0);
     uint8_t *a = malloc(LATE_LEN), *b = malloc(LATE_LEN), *got = malloc(LATE_LEN);
     REQUIRE(a && b && got);
     kvpt_fill(a, LATE_LEN, 0xa);
@@ -570,16 +567,6 @@ static void late_write(const char *protocol)
     kvpt_target_stop(&t, 0);
 }
 
-static void tcp_late_write(void)
-{
-    late_write("tcp");
-}
-
-static void shm_late_write(void)
-{
-    late_write("shm");
-}
-
 /* ------------------------------------------------------ a clean soak --- */
 
 /* A size for request i: mostly small, log-uniform up to 64 KiB, one in 64 of
@@ -595,14 +582,10 @@ static size_t soak_size(uint64_t *x)
 static void clean_soak(const char *protocol)
 {
     integrity(1);
-    int shm = strcmp(protocol, "shm") == 0;
     kvpt_target t;
-    kvpt_target_opts o = {.len = 64 * MIB, .seed = SEED, .disable_shm = !shm};
-    REQUIRE(kvpt_target_start(&o, &t) == 0);
     kvp_engine *e;
-    REQUIRE(kvpt_initiator_start(NULL, protocol, !shm, 0, &e) == 0);
     kvp_segment_id seg;
-    REQUIRE_OK(kvp_engine_open_segment(e, t.name, &seg));
+    REQUIRE(open_pair(protocol, 64 * MIB, 0, &t, &e, &seg) == 0);
     enum { BATCH = 128 };
     const size_t total = KVPT_SANITIZED ? 100000 : 1000000;
     uint8_t *local = malloc(64 * MIB);
@@ -640,16 +623,6 @@ static void clean_soak(const char *protocol)
     free(local);
     kvp_engine_destroy(e);
     kvpt_target_stop(&t, 0);
-}
-
-static void clean_soak_tcp(void)
-{
-    clean_soak("tcp");
-}
-
-static void clean_soak_shm(void)
-{
-    clean_soak("shm");
 }
 
 /* ------------------------------------------------------------ the pipe --- */
@@ -827,14 +800,14 @@ int main(void)
     signal(SIGPIPE, SIG_IGN);
     RUN_T(tcp_proxy_reads, 180);
     RUN_T(tcp_proxy_writes, 180);
-    RUN_T(tcp_source_rewritten_read, 120);
-    RUN_T(shm_source_rewritten_read, 120);
-    RUN_T(tcp_source_rewritten_write, 120);
-    RUN_T(shm_source_rewritten_write, 120);
-    RUN_T(tcp_late_write, 120);
-    RUN_T(shm_late_write, 120);
-    RUN_T(clean_soak_tcp, 600);
-    RUN_T(clean_soak_shm, 600);
+    kvpt_run_with("tcp_source_rewritten_read", source_rewritten_read, "tcp", 120);
+    kvpt_run_with("shm_source_rewritten_read", source_rewritten_read, "shm", 120);
+    kvpt_run_with("tcp_source_rewritten_write", source_rewritten_write, "tcp", 120);
+    kvpt_run_with("shm_source_rewritten_write", source_rewritten_write, "shm", 120);
+    kvpt_run_with("tcp_late_write", late_write, "tcp", 120);
+    kvpt_run_with("shm_late_write", late_write, "shm", 120);
+    kvpt_run_with("clean_soak_tcp", clean_soak, "tcp", 600);
+    kvpt_run_with("clean_soak_shm", clean_soak, "shm", 600);
     RUN_T(pipe_corrupt_messages, 120);
     RUN_T(pipe_buffer_rewritten, 120);
     RUN_T(mooncake_wire_unchanged, 120);

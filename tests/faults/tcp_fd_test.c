@@ -81,19 +81,27 @@ static int served_within(const kvpt_target *t, int within_ms)
     return ok;
 }
 
+/* The descriptor limit raised, a target started with o and a flood of n
+ * connections to its data port, settled for settle_us; the flood's
+ * descriptors, or NULL. */
+static int *flooded_target(const kvpt_target_opts *o, kvpt_target *t, int n, useconds_t settle_us)
+{
+    if (kvpt_raise_nofile(4096) != 0 || kvpt_target_start(o, t) != 0) return NULL;
+    int *fds = flood(t->data_port, n);
+    if (fds) usleep(settle_us);
+    return fds;
+}
+
 /* 1100 idle connections against a descriptor limit of 1024 and the default
  * cap of 256: the flood evicts its own oldest connections, the target stays
  * idle, and a legitimate initiator is served while the flood stands. */
 static void idle_flood_default_cap(void)
 {
-    REQUIRE(kvpt_raise_nofile(4096) == 0);
     kvpt_target t;
     kvpt_target_opts o = {
         .len = 4 * MIB, .seed = SEED, .timeout_ms = 2000, .disable_shm = 1, .nofile = 1024};
-    REQUIRE(kvpt_target_start(&o, &t) == 0);
-    int *fds = flood(t.data_port, 1100);
+    int *fds = flooded_target(&o, &t, 1100, 1000000);
     REQUIRE(fds);
-    usleep(1000000);
     int64_t cpu = cpu_over(&t, 2000);
     fprintf(stderr, "  target CPU under the flood: %lld ms in 2000 ms\n", (long long)cpu);
 #ifndef KVPI_TSAN
@@ -123,7 +131,6 @@ static void idle_flood_default_cap(void)
  * attacker still holds its end of every connection. */
 static void exhaustion_backoff_and_recovery(void)
 {
-    REQUIRE(kvpt_raise_nofile(4096) == 0);
     kvpt_target t;
     kvpt_target_opts o = {.len = 4 * MIB,
                           .seed = SEED,
@@ -132,10 +139,8 @@ static void exhaustion_backoff_and_recovery(void)
                           .nofile = 512,
                           .max_connections = 4096,
                           .idle_timeout_ms = 1500};
-    REQUIRE(kvpt_target_start(&o, &t) == 0);
-    int *fds = flood(t.data_port, 700);
+    int *fds = flooded_target(&o, &t, 700, 500000);
     REQUIRE(fds);
-    usleep(500000);
     int64_t cpu = cpu_over(&t, 1000);
     fprintf(stderr, "  target CPU while out of descriptors: %lld ms in 1000 ms\n", (long long)cpu);
 #ifndef KVPI_TSAN
