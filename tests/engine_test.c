@@ -229,6 +229,21 @@ static void target_killed(void)
     kvp_engine_destroy(e);
 }
 
+/* The target killed, and a new one started at its port as t2: len bytes
+ * of pattern SEED + 1, shm as disable_shm says. 0, or -1. */
+static int restart_target(kvpt_target *t, size_t len, int disable_shm, kvpt_target *t2)
+{
+    int port = atoi(strchr(t->name, ':') + 1);
+    kvpt_target_kill(t);
+    kvpt_target_opts o = {.metadata = meta,
+                          .protocol = M->protocol,
+                          .port = port,
+                          .len = len,
+                          .seed = SEED + 1,
+                          .disable_shm = disable_shm};
+    return kvpt_target_start(&o, t2);
+}
+
 /* A restarted target (same name, new buffer) is found again: the stale
  * descriptor costs one failed transfer at most. */
 static void target_restarted(void)
@@ -237,16 +252,8 @@ static void target_restarted(void)
     PROLOGUE(len);
     char local[4096];
     CHECK_OK(kvp_engine_read(e, seg, local, (uint64_t)(uintptr_t)t.buf, sizeof local));
-    int port = atoi(strchr(t.name, ':') + 1);
-    kvpt_target_kill(&t);
     kvpt_target t2;
-    kvpt_target_opts o = {.metadata = meta,
-                          .protocol = M->protocol,
-                          .port = port,
-                          .len = 2 * len,
-                          .seed = SEED + 1,
-                          .disable_shm = strcmp(M->protocol, "tcp") == 0};
-    REQUIRE(kvpt_target_start(&o, &t2) == 0);
+    REQUIRE(restart_target(&t, 2 * len, strcmp(M->protocol, "tcp") == 0, &t2) == 0);
     uint64_t addr = (uint64_t)(uintptr_t)t2.buf + len;
     int failures = 0;
     kvp_status st;
@@ -726,16 +733,8 @@ static void instance_guard(void)
     CHECK_ST(kvp_batch_submit_with(e, seg, &r, 1, &o, &b), KVP_EINVAL);
 
     /* The target restarts under its name: the old instance is refused. */
-    int port = atoi(strchr(t.name, ':') + 1);
-    kvpt_target_kill(&t);
     kvpt_target t2;
-    kvpt_target_opts to = {.metadata = meta,
-                           .protocol = M->protocol,
-                           .port = port,
-                           .len = len,
-                           .seed = SEED + 1,
-                           .disable_shm = !same_host()};
-    REQUIRE(kvpt_target_start(&to, &t2) == 0);
+    REQUIRE(restart_target(&t, len, !same_host(), &t2) == 0);
     r.remote = (uint64_t)(uintptr_t)t2.buf;
     o.instance = id;
     kvp_status st = KVP_OK;
