@@ -577,7 +577,7 @@ kvp_status kvp_pipe_recv(kvp_pipe *p, int timeout_ms, kvp_tensor **out)
     /* What woke poll_fd is looked at below (kvp_pipe_recv_fd). */
     kvpi_pipe_drain_fd(p->rx_done_fd);
     kvpi_pipe_drain_fd(p->recv_wake_fd);
-    int polled = 0, drained;
+    int polled = 0, drained, looks = 0;
     for (;;) {
         if (!kvp_pipe_usable(p)) {
             st = kvpi_error(KVP_ECLOSED, "pipe %s can no longer be used", p->ep.local_segment);
@@ -602,9 +602,16 @@ kvp_status kvp_pipe_recv(kvp_pipe *p, int timeout_ms, kvp_tensor **out)
              * cleared (ZMQ_EVENTS): with the window full it may say messages
              * wait, and recv_fd must not stay readable for them until the
              * head's READ ends. */
-            int events;
+            int events = 0;
             size_t events_len = sizeof events;
             zmq_getsockopt(p->data_in.sock, ZMQ_EVENTS, &events, &events_len);
+            /* Reading ZMQ_EVENTS takes in the socket's pending commands and
+             * resets ZMQ_FD: a message that arrived since rx_fill found none
+             * is readable now and will not signal again. Take it (while the
+             * window has room), or a caller waiting on recv_fd next would
+             * sleep past it until something else arrived. */
+            if ((events & ZMQ_POLLIN) && p->rx_count < (size_t)p->opts.recv_window && looks++ < 4)
+                continue;
             if (timeout_ms) kvpi_counter_add(&p->counters.recv_timeouts, 1);
             if (!p->rx_count)
                 st = kvpi_error(KVP_ETIMEDOUT, "pipe %s: nothing announced by %s within %d ms",
