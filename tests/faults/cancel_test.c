@@ -97,6 +97,19 @@ static void warm(fixture *f, char *local)
     CHECK(kvpt_verify(local, MIB, SEED) == (size_t)-1);
 }
 
+/* Warm the links, stop the target, then submit n READs of 1 MiB into
+ * local, of the target's first `spread` MiB in turn: the batch, or NULL. */
+static kvp_batch *submit_to_stopped(fixture *f, char *local, size_t n, size_t spread)
+{
+    static kvp_request reqs[256];
+    kvp_batch *b = NULL;
+    warm(f, local);
+    if (n > 256 || kvpt_stop(f->t.pid, 5000) != 0) return NULL;
+    for (size_t i = 0; i < n; i++)
+        reqs[i] = (kvp_request){KVP_OP_READ, local + i * MIB, f->base + (i % spread) * MIB, MIB};
+    return kvp_batch_submit(f->e, f->seg, reqs, n, &b) == KVP_OK ? b : NULL;
+}
+
 static void cancel_queued(void)
 {
     fixture f;
@@ -107,13 +120,8 @@ static void cancel_queued(void)
     enum { N = 256 };
     char *local = malloc(N * MIB);
     REQUIRE(local);
-    warm(&f, local);
-    REQUIRE(kvpt_stop(f.t.pid, 5000) == 0);
-    static kvp_request reqs[N];
-    for (size_t i = 0; i < N; i++)
-        reqs[i] = (kvp_request){KVP_OP_READ, local + i * MIB, f.base + (i % 64) * MIB, MIB};
-    kvp_batch *b;
-    REQUIRE_OK(kvp_batch_submit(f.e, f.seg, reqs, N, &b));
+    kvp_batch *b = submit_to_stopped(&f, local, N, 64);
+    REQUIRE(b);
     usleep(100000); /* the transport's threads take what they can */
     uint64_t t0 = kvpi_now_ms();
     kvp_batch_cancel(b);
@@ -202,13 +210,8 @@ static void fence_after_abandon(void)
     enum { N = 64 };
     char *local = malloc(N * MIB);
     REQUIRE(local);
-    warm(&f, local);
-    REQUIRE(kvpt_stop(f.t.pid, 5000) == 0);
-    static kvp_request reqs[N];
-    for (size_t i = 0; i < N; i++)
-        reqs[i] = (kvp_request){KVP_OP_READ, local + i * MIB, f.base + i * MIB, MIB};
-    kvp_batch *b;
-    REQUIRE_OK(kvp_batch_submit(f.e, f.seg, reqs, N, &b));
+    kvp_batch *b = submit_to_stopped(&f, local, N, N);
+    REQUIRE(b);
     kvp_status st = kvp_batch_wait(b, BOUND_MS + 2000);
     CHECK(kvp_batch_pending(b) == 0);
     kvp_batch_free(b);
