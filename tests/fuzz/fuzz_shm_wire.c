@@ -46,9 +46,13 @@ static void check_request(kvpf_regions *regions, const uint8_t raw[KVPI_SHM_REQ_
 {
     kvpi_shm_req r;
     int ok = kvpi_shm_req_decode(raw, &r) == 0;
-    FUZZ_CHECK(ok == (raw[24] == KVP_OP_READ || raw[24] == KVP_OP_WRITE ||
-                      raw[24] == KVPI_SHM_OP_CUDA_IPC));
-    FUZZ_CHECK(r.opcode == raw[24]);
+    /* The opcode byte: integrity's digest flag, then the op; a CUDA IPC
+     * request carries no digest. */
+    int digest = (raw[24] & KVPI_SHM_OP_DIGEST) != 0;
+    uint8_t op = raw[24] & (uint8_t)~KVPI_SHM_OP_DIGEST;
+    int rw = op == KVP_OP_READ || op == KVP_OP_WRITE;
+    FUZZ_CHECK(ok == (rw || (!digest && op == KVPI_SHM_OP_CUDA_IPC)));
+    FUZZ_CHECK(r.opcode == op && r.digest == digest);
     if (!ok) return;
     uint8_t again[KVPI_SHM_REQ_LEN];
     kvpi_shm_req_encode(&r, again);

@@ -29,11 +29,14 @@ static void check_header(kvpf_regions *regions, const uint8_t raw[KVPI_TCP_HDR_L
 {
     kvpi_tcp_hdr h;
     int rc = kvpi_tcp_hdr_decode(raw, &h);
-    uint8_t op = raw[16] & 0x7f;
-    FUZZ_CHECK((rc == 0) == (op == KVPI_TCP_OP_READ || op == KVPI_TCP_OP_WRITE));
+    /* The opcode byte: v2 (0x80), integrity's digest (0x40, v2 only), the op. */
+    uint8_t op = raw[16] & (uint8_t) ~(KVPI_TCP_OP_V2 | KVPI_TCP_OP_DIGEST);
+    int v2 = (raw[16] & KVPI_TCP_OP_V2) != 0, digest = (raw[16] & KVPI_TCP_OP_DIGEST) != 0;
+    FUZZ_CHECK((rc == 0) ==
+               ((op == KVPI_TCP_OP_READ || op == KVPI_TCP_OP_WRITE) && (v2 || !digest)));
     if (rc != 0) return;
     FUZZ_CHECK(h.size == kvpi_get_le64(raw) && h.addr == kvpi_get_le64(raw + 8));
-    FUZZ_CHECK(h.v2 == ((raw[16] & 0x80) != 0));
+    FUZZ_CHECK(h.v2 == v2 && h.digest == digest && h.opcode == op);
     uint8_t again[KVPI_TCP_HDR_LEN];
     kvpi_tcp_hdr_encode(&h, again);
     kvpf_check_again(again, raw, 17, KVPI_TCP_HDR_LEN);
