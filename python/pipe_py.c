@@ -510,7 +510,7 @@ static int pipe_init(kvpy_pipe *self, PyObject *args, PyObject *kwds)
             &opts.max_control_frame, &redial_min, &redial_max, &ack_timeout, &ack_linger,
             &opts.ack_delay_us, &opts.zmq_hwm, &opts.busy_poll_us, &device, &integrity))
         return -1;
-    /* None (the default): env KVPIPE_INTEGRITY, else on. */
+    /* None (the default): env KVPIPE_INTEGRITY, off when unset. */
     if (integrity && integrity != Py_None) {
         int on = PyObject_IsTrue(integrity);
         if (on < 0) return -1;
@@ -1022,7 +1022,7 @@ static PyType_Slot pipe_slots[] = {
                 "prefill, 1 decode. Times in seconds; the options are kvp_pipe_opts' "
                 "(docs/pipe.md); device: where recv_tensor() puts tensors ('cpu', 'cuda:N'; "
                 "docs/gpu.md); integrity: check each message's digest (None: env "
-                "KVPIPE_INTEGRITY, else on; docs/pipe.md)."},
+                "KVPIPE_INTEGRITY, off when unset; docs/pipe.md)."},
     {Py_tp_new, PyType_GenericNew},
     {Py_tp_init, pipe_init},
     {Py_tp_dealloc, pipe_dealloc},

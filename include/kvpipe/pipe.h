@@ -206,12 +206,10 @@ typedef struct kvp_pipe_opts {
     /* End-to-end integrity (docs/pipe.md, "Integrity"): with it on at both
      * sides (kvpipe pipes only), each message's digest (XXH3-64, taken as
      * its bytes are copied in) travels in its tag and recv checks what
-     * arrived against it, and the pipe's engine digests every transfer
-     * (kvp_engine_opts.integrity); a message whose bytes differ is handed
-     * out as an error, KVP_ECORRUPT. A MooncakePipe peer, or a pipe with it
-     * off, goes unchecked. KVP_INTEGRITY_ENV (the default): as env
-     * KVPIPE_INTEGRITY says ("0": off, "1": on), and on when it is unset;
-     * 0: off; 1: on. */
+     * arrived against it; a message whose bytes differ is handed out as an
+     * error, KVP_ECORRUPT. A MooncakePipe peer, or a pipe with it off, goes
+     * unchecked. KVP_INTEGRITY_ENV (the default): as env KVPIPE_INTEGRITY
+     * says ("1": on; unset, "" or "0": off); 0: off; 1: on. */
     int integrity;
 } kvp_pipe_opts;
 

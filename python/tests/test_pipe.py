@@ -164,25 +164,39 @@ class PairTests(PipePairCase):
                     self.assertEqual(got.dtype, arr.dtype)
                     np.testing.assert_array_equal(got, arr)
 
-    def test_integrity_catches_a_buffer_written_after_send(self):
+    def send_written_after(self, src, dst):
+        """A tensor whose buffer src writes after handing it over; dst's recv."""
         # Digests travel once the sender has read the receiver's descriptor.
-        self.assertIsNone(self.roundtrip(None))
+        src.send_tensor(None)
+        self.assertIsNone(dst.recv_tensor(timeout=30))
         deadline = time.time() + 10
-        while self.prefill.stats()["peer_lookups"] < 1 and time.time() < deadline:
+        while src.stats()["peer_lookups"] < 1 and time.time() < deadline:
             time.sleep(0.01)
-        t = self.prefill.alloc_tensor((1 << 20,), "uint8")  # announced: READ later
+        t = src.alloc_tensor((1 << 20,), "uint8")  # announced: READ later
         view = np.asarray(t)
         view[:] = 7
         addr = view.ctypes.data
         del view
-        self.prefill.send_tensor_take(t)
+        src.send_tensor_take(t)
         ctypes.memset(addr + 12345, 8, 1)  # the buffer is the pipe's now: written too late
-        with self.assertRaises(kvpipe.Error) as cm:
-            self.decode.recv_tensor(timeout=30)
-        self.assertEqual(cm.exception.status, kvpipe.ECORRUPT)
-        self.assertIn("arrived corrupted", str(cm.exception))
-        np.testing.assert_array_equal(as_numpy(self.roundtrip(np.arange(4))), np.arange(4))
-        self.assertIn("kvpipe_pipe_corrupt_total 1", self.decode.stats(prometheus=True))
+        return dst.recv_tensor(timeout=30)
+
+    def test_integrity_catches_a_buffer_written_after_send(self):
+        cfg = tu.pipe_config()
+        with kvpipe.Pipe(cfg, 0, 0, integrity=True) as p, \
+                kvpipe.Pipe(cfg, 0, 1, integrity=True) as d:
+            with self.assertRaises(kvpipe.Error) as cm:
+                self.send_written_after(p, d)
+            self.assertEqual(cm.exception.status, kvpipe.ECORRUPT)
+            self.assertIn("arrived corrupted", str(cm.exception))
+            p.send_tensor(np.arange(4))
+            np.testing.assert_array_equal(as_numpy(d.recv_tensor(timeout=30)), np.arange(4))
+            self.assertIn("kvpipe_pipe_corrupt_total 1", d.stats(prometheus=True))
+
+    def test_integrity_is_off_by_default(self):
+        got = as_numpy(self.send_written_after(self.prefill, self.decode))  # unchecked
+        self.assertEqual(int(got[12345]), 8)
+        self.assertIn("kvpipe_pipe_corrupt_total 0", self.decode.stats(prometheus=True))
 
     def test_none_scalars_empty_and_plain_buffers(self):
         self.assertIsNone(self.roundtrip(None))

@@ -29,8 +29,4 @@ kvp_status kvpi_engine_create_with_fields(const kvp_engine_opts *opts, const cJS
 kvp_status kvpi_engine_lookup_field(kvp_engine *e, const char *segment, const char *key,
                                     cJSON **out);
 
-/* Say at INFO, not WARN, that a peer does not check integrity: an upper
- * layer that turned it on by default (the pipe) says so itself. */
-void kvpi_engine_integrity_quiet(kvp_engine *e);
-
 #endif

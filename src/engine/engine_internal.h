@@ -133,7 +133,6 @@ struct kvp_engine {
     int desc_stale;          /* desc_text may list regions no longer registered */
     kvpi_auth *auth;         /* NULL: unauthenticated */
     int integrity;           /* opts.integrity resolved: digests with peers that have it too */
-    int integrity_quiet;     /* a peer without it is an INFO, not a WARN (engine_ext.h) */
     uint64_t desc_signed_ns; /* authenticated: when desc_text was signed */
 
     pthread_mutex_t segments_lock;

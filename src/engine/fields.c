@@ -25,11 +25,6 @@ kvp_status kvpi_engine_lookup_field(kvp_engine *e, const char *segment, const ch
     return KVP_OK;
 }
 
-void kvpi_engine_integrity_quiet(kvp_engine *e)
-{
-    e->integrity_quiet = 1;
-}
-
 const char *kvp_engine_instance(const kvp_engine *e)
 {
     return e ? e->instance : NULL;

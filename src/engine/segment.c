@@ -206,10 +206,9 @@ static kvp_status peer_connect(kvp_engine *e, kvpi_peer *peer, const char *segna
         const cJSON *f = cJSON_GetObjectItemCaseSensitive(peer->desc.json, KVPI_DIGEST_FIELD);
         peer->integrity = cJSON_IsString(f) && strcmp(f->valuestring, KVPI_DIGEST_NAME) == 0;
         if (!peer->integrity)
-            kvpi_log(e->integrity_quiet ? KVP_LOG_INFO : KVP_LOG_WARN, KVPI_LOG_SUBSYS,
-                     "segment %s does not check integrity (a Mooncake peer, or kvpipe with it "
-                     "off or older): transfers with it are not digested",
-                     segname);
+            KVPI_WARN("segment %s does not check integrity (a Mooncake peer, or kvpipe with it "
+                      "off or older): transfers with it are not digested",
+                      segname);
     }
     for (size_t i = 0; e->transports[i]; i++)
         if (transport_allowed(e, e->transports[i]))

@@ -414,12 +414,14 @@ static kvp_status create_engine(kvp_pipe *p, const kvp_pipe_config *cfg)
     eo.pool_retain_bytes = pool_retention(&p->opts);
     eo.auth_key_file = cfg->auth_key_file;
     eo.metrics_port = p->opts.metrics_port;
-    eo.integrity = p->integrity;
+    /* The message's digest covers its READ end to end (pipe_internal.h,
+     * "Integrity"): the engine's own would only repeat it, at twice the
+     * passes over memory. */
+    eo.integrity = 0;
     eo.metrics_host = p->opts.metrics_host;
     cJSON *fields = pipe_fields(&p->opts, p->integrity);
     if (p->opts.inline_max_bytes && !fields) p->opts.inline_max_bytes = 0;
     st = kvpi_engine_create_with_fields(&eo, fields, &p->engine);
-    if (!st && !p->integrity_asked) kvpi_engine_integrity_quiet(p->engine);
     cJSON_Delete(fields);
     free(conn);
     return st;
@@ -576,14 +578,7 @@ kvp_status kvp_pipe_open_size(const kvp_pipe_config *cfg, int local_rank, int kv
         goto fail;
     }
     if (p->auth && (st = kvpi_auth_curve_keys(p->auth, &p->curve))) goto fail;
-    /* Integrity is on unless asked off (the engine's default is off). */
-    const char *env = getenv("KVPIPE_INTEGRITY");
-    if (o.integrity == KVP_INTEGRITY_ENV && (!env || !*env))
-        p->integrity = 1;
-    else if ((st = kvpi_integrity_resolve(o.integrity, &p->integrity)))
-        goto fail;
-    else
-        p->integrity_asked = p->integrity;
+    if ((st = kvpi_integrity_resolve(o.integrity, &p->integrity))) goto fail;
     if ((st = create_engine(p, cfg))) goto fail;
     if ((st = open_sockets(p))) goto fail;
     if ((st = open_poll_fd(p))) goto fail;

@@ -416,10 +416,9 @@ void *kvpi_pipe_negotiator_main(void *arg)
         p->neg_peer_inline = peer;
         p->neg_peer_tags = tags;
         if (p->integrity && !digest && gen == 1)
-            kvpi_log(p->integrity_asked ? KVP_LOG_WARN : KVP_LOG_INFO, KVPI_LOG_SUBSYS,
-                     "pipe %s: peer %s does not check integrity (a MooncakePipe peer, or a "
-                     "kvpipe pipe with it off): its messages go unchecked",
-                     p->ep.local_segment, p->ep.peer_segment);
+            KVPI_WARN("pipe %s: peer %s does not check integrity (a MooncakePipe peer, or a "
+                      "kvpipe pipe with it off): its messages go unchecked",
+                      p->ep.local_segment, p->ep.peer_segment);
         p->neg_peer_digest = p->integrity && digest;
         p->stats.peer_lookups++;
         if (peer != was || gen == 1)

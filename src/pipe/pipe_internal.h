@@ -47,9 +47,9 @@
  * the engine refuses the READ (KVP_ECONNRESET) when the descriptor it would
  * READ through names another (kvp_batch_opts.instance).
  *
- * Integrity. With it on (kvp_pipe_opts.integrity, the default), a side says
- * so in its field ("digest": "xxh3-64"), and its engine digests every
- * transfer with a peer that does too (common/digest.h). A sender whose
+ * Integrity. With it on (kvp_pipe_opts.integrity; off by default), a side
+ * says so in its field ("digest": "xxh3-64"). Its engine does not digest:
+ * the message's digest covers the READ end to end. A sender whose
  * peer's field says so (negotiated as tags are) puts each message's digest
  * in its tag (announce.h, KVPI_TAG_DIGEST_LEN), taken as the message's
  * bytes are copied into their buffer or inline frame (over a message built
@@ -187,7 +187,6 @@ struct kvp_pipe {
     int ack_stalled;      /* the last ACKs were given up: give up the next at once */
     int ack_link_up;      /* the ACK link took an ACK since open */
     int integrity;        /* opts.integrity resolved */
-    int integrity_asked;  /* on because asked (not the default): a peer without it is a WARN */
     int ack_tagged;       /* ack_tag is owed (it covers every ACK owed before it) */
     kvpi_msg_tag ack_tag;
     /* Deferred ACKs (pipe_recv.c): inline messages handed out and not yet

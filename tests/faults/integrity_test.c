@@ -659,7 +659,7 @@ static void corrupt_receiver(kvp_pipe *pipe, void *arg)
  * off by one; the first half announced, the rest inline. */
 static void pipe_corrupt_messages(void)
 {
-    unsetenv("KVPIPE_INTEGRITY"); /* the pipe's default: on */
+    setenv("KVPIPE_INTEGRITY", "1", 1); /* the pipe's default: off */
     kvpt_raw_setup s;
     REQUIRE(kvpt_raw_setup_init(&s) == 0);
     char err[128];
@@ -727,7 +727,7 @@ static void late_receiver(kvp_pipe *pipe, void *arg)
 
 static void pipe_buffer_rewritten(void)
 {
-    unsetenv("KVPIPE_INTEGRITY");
+    setenv("KVPIPE_INTEGRITY", "1", 1);
     kvpt_raw_setup s;
     REQUIRE(kvpt_raw_setup_init(&s) == 0);
     REQUIRE(kvpt_chan_init(&rewritten) == 0);
