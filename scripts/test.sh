@@ -11,6 +11,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=${JOBS:-2}
+# ctest runs two slots per job: a test that mostly waits takes one, others
+# two (tests/CMakeLists.txt, "Slots").
+slots=$((2 * jobs))
 SECONDS=0
 took() { echo "test.sh: $1 took $SECONDS s"; SECONDS=0; }
 
@@ -22,7 +25,7 @@ scripts/check-subjects.sh
 
 cmake -S . -B build -DKVP_WERROR=ON >/dev/null
 cmake --build build -j"$jobs"
-ctest --test-dir build --output-on-failure -j"$jobs" -LE packaging
+ctest --test-dir build --output-on-failure -j"$slots" -LE packaging
 took "the normal build and its tests"
 
 # ---- packaging: what a user installs (tests/packaging/, ctest label
@@ -81,7 +84,7 @@ cmake --build build-asan -j"$jobs"
 # Leak checking runs too; halt on the first UBSan report.
 ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1} \
 UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1} \
-    ctest --test-dir build-asan --output-on-failure -j"$jobs"
+    ctest --test-dir build-asan --output-on-failure -j"$slots"
 took "ASan+UBSan"
 
 # ThreadSanitizer: a race report makes its process exit 66, which fails the
@@ -103,7 +106,7 @@ export TSAN_OPTIONS=${TSAN_OPTIONS:-suppressions=$PWD/tests/tsan.supp:second_dea
 # The pipe suites and the demo run without their ucx cases here (the build
 # sets KVPT_EXCLUDE for them, tests/CMakeLists.txt): with its memory hooks
 # off UCX itself misbehaves under TSan.
-ctest --test-dir build-tsan --output-on-failure -j"$jobs" -E "$tsan_skip"
+ctest --test-dir build-tsan --output-on-failure -j"$slots" -E "$tsan_skip"
 unset UCX_MEM_MALLOC_HOOKS UCX_MEM_MMAP_HOOK_MODE UCX_MEM_EVENTS TSAN_OPTIONS
 took TSan
 
