@@ -281,57 +281,60 @@ static void mc_stop(mc_server *s)
     close(s->data_fd);
 }
 
-/* An initiator with the fake server's segment open as seg (peer: its
- * name, 64 bytes); NULL if the initiator did not start. */
-static kvp_engine *mc_initiator(const mc_server *s, char *peer, kvp_segment_id *seg)
+/* The fake server answering notifications with reply, and an initiator
+ * with its segment (named peer) open as seg; -1 if either did not start. */
+typedef struct mc_pair {
+    mc_server s;
+    char peer[64];
+    kvp_engine *e;
+    kvp_segment_id seg;
+} mc_pair;
+
+static int mc_pair_start(mc_pair *x, const char *reply)
 {
-    snprintf(peer, 64, "127.0.0.1:%d", s->rpc_port);
-    kvp_engine *e = NULL;
-    if (kvpt_initiator_start(NULL, "tcp", 1, 0, &e) != 0) return NULL;
-    CHECK_OK(kvp_engine_open_segment(e, peer, seg));
-    return e;
+    if (mc_start(&x->s, reply) != 0) return -1;
+    snprintf(x->peer, sizeof x->peer, "127.0.0.1:%d", x->s.rpc_port);
+    if (kvpt_initiator_start(NULL, "tcp", 1, 0, &x->e) != 0) {
+        mc_stop(&x->s);
+        return -1;
+    }
+    CHECK_OK(kvp_engine_open_segment(x->e, x->peer, &x->seg));
+    return 0;
+}
+
+static void mc_pair_stop(mc_pair *x)
+{
+    kvp_engine_destroy(x->e);
+    mc_stop(&x->s);
 }
 
 static void test_kvpipe_notify_to_mooncake_server(void)
 {
-    mc_server s;
-    REQUIRE(mc_start(&s, "{\"name\":\"\",\"notify_msg\":\"success\"}\n") == 0);
-    char peer[64];
-    kvp_segment_id seg;
-    kvp_engine *e = mc_initiator(&s, peer, &seg);
-    CHECK(e != NULL);
-    if (e) {
-        CHECK_OK(kvp_engine_notify(e, seg, "kvpipe-initiator", "blocks 3..9 \"written\""));
-        CHECK(atomic_load(&s.notifies) == 1);
-        CHECK(!s.bad_frame);
-        /* Mooncake's decoder reads these two members as strings. */
-        fprintf(stderr, "  received: %s\n", s.notify_body);
-        CHECK(strcmp(s.notify_body, "{\"name\":\"kvpipe-initiator\",\"notify_msg\":\"blocks "
-                                    "3..9 \\\"written\\\"\"}") == 0);
-        /* A probe, as SGLang's send_probe: answered, and the session refreshed. */
-        CHECK_OK(kvp_engine_probe(e, peer));
-        CHECK(atomic_load(&s.probes) == 1);
-    }
-    kvp_engine_destroy(e);
-    mc_stop(&s);
+    mc_pair x;
+    REQUIRE(mc_pair_start(&x, "{\"name\":\"\",\"notify_msg\":\"success\"}\n") == 0);
+    CHECK_OK(kvp_engine_notify(x.e, x.seg, "kvpipe-initiator", "blocks 3..9 \"written\""));
+    CHECK(atomic_load(&x.s.notifies) == 1);
+    CHECK(!x.s.bad_frame);
+    /* Mooncake's decoder reads these two members as strings. */
+    fprintf(stderr, "  received: %s\n", x.s.notify_body);
+    CHECK(strcmp(x.s.notify_body, "{\"name\":\"kvpipe-initiator\",\"notify_msg\":\"blocks "
+                                  "3..9 \\\"written\\\"\"}") == 0);
+    /* A probe, as SGLang's send_probe: answered, and the session refreshed. */
+    CHECK_OK(kvp_engine_probe(x.e, x.peer));
+    CHECK(atomic_load(&x.s.probes) == 1);
+    mc_pair_stop(&x);
 }
 
 static void test_refusal_from_mooncake_server(void)
 {
     /* An empty notify_msg is a refusal to Mooncake's sender: to kvpipe's too. */
-    mc_server s;
-    REQUIRE(mc_start(&s, "{\"name\":\"\",\"notify_msg\":\"\"}\n") == 0);
-    char peer[64];
-    kvp_segment_id seg;
-    kvp_engine *e = mc_initiator(&s, peer, &seg);
-    CHECK(e != NULL);
-    if (e) {
-        CHECK_ST(kvp_engine_notify(e, seg, "n", "m"), KVP_ENOTSUP);
-        CHECK(strstr(kvp_last_error(), "refused"));
-    }
-    kvp_engine_destroy(e);
-    mc_stop(&s);
+    mc_pair x;
+    REQUIRE(mc_pair_start(&x, "{\"name\":\"\",\"notify_msg\":\"\"}\n") == 0);
+    CHECK_ST(kvp_engine_notify(x.e, x.seg, "n", "m"), KVP_ENOTSUP);
+    CHECK(strstr(kvp_last_error(), "refused"));
+    mc_pair_stop(&x);
     /* Nobody listening: the connection's error, at once. */
+    kvp_engine *e = NULL;
     CHECK_ST(kvpt_initiator_start(NULL, "tcp", 1, 0, &e) == 0 ? kvp_engine_probe(e, "127.0.0.1:1")
                                                               : KVP_EIO,
              KVP_ECONNREFUSED);

@@ -406,6 +406,17 @@ static void test_client_unreachable(void)
 
 /* ---- kvpi_meta in P2PHANDSHAKE mode ---- */
 
+/* Fetch seg's descriptor through m: server_desc, from host. */
+static void fetch_server_desc(kvpi_meta *m, const char *seg, const char *host)
+{
+    char *d = NULL, *h = NULL;
+    CHECK_OK(kvpi_meta_fetch(m, seg, &d, &h));
+    CHECK(d && strcmp(d, server_desc) == 0);
+    CHECK(h && strcmp(h, host) == 0);
+    free(d);
+    free(h);
+}
+
 static void test_p2p_meta_fetch(void)
 {
     SERVER(server_desc, 3000);
@@ -414,13 +425,8 @@ static void test_p2p_meta_fetch(void)
     REQUIRE_OK(kvpi_meta_open(KVPI_P2P_CONN, 3000, desc_fn, &mine, &m));
     char seg[64], *d = NULL, *h = NULL;
     snprintf(seg, sizeof seg, "127.0.0.1:%d", port);
-    CHECK_OK(kvpi_meta_fetch(m, seg, &d, &h));
-    CHECK(d && strcmp(d, server_desc) == 0);
-    CHECK(h && strcmp(h, "127.0.0.1") == 0);
+    fetch_server_desc(m, seg, "127.0.0.1");
     CHECK(atomic_load(&mine.calls) == 1);
-    free(d);
-    free(h);
-    d = h = NULL;
     mine.desc = NULL;
     CHECK_OK(kvpi_meta_fetch(m, seg, &d, &h)); /* no own descriptor yet: "{}" */
     CHECK(atomic_load(&mine.calls) == 2);
@@ -447,13 +453,9 @@ static void test_p2p_ipv6(void)
     kvpi_meta *m = NULL;
     desc_ctx mine = {.desc = client_desc};
     REQUIRE_OK(kvpi_meta_open(KVPI_P2P_CONN, 3000, desc_fn, &mine, &m));
-    char seg[64], *d = NULL, *h = NULL;
+    char seg[64];
     snprintf(seg, sizeof seg, "[::1]:%d", port);
-    CHECK_OK(kvpi_meta_fetch(m, seg, &d, &h));
-    CHECK(d && strcmp(d, server_desc) == 0);
-    CHECK(h && strcmp(h, "::1") == 0);
-    free(d);
-    free(h);
+    fetch_server_desc(m, seg, "::1");
     kvpi_meta_close(m);
     kvpi_rpc_server_stop(srv);
 }

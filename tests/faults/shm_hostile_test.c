@@ -160,32 +160,19 @@ static void garbage(void)
 
 /* ---- the client against a target that trickles its statuses ---- */
 
-/* A shm "target" in a child: answers the hello, then sends each request's
- * status a byte every 150 ms. */
-static pid_t trickling_target(char *name)
+/* A shm "target" (a child: SO_PEERCRED names who listens on the socket
+ * name): answers the hello, then sends each request's status a byte every
+ * 150 ms. */
+static void trickling_main(const void *arg, int ready_fd)
 {
-    snprintf(name, KVPI_SHM_SOCKET_MAX, "kvpipe-test-trickle/%d", (int)getpid());
-    int ready[2];
-    if (pipe(ready) != 0) return -1;
-    fflush(NULL);
-    pid_t pid = fork();
-    if (pid != 0) {
-        /* The socket is the child's own (SO_PEERCRED names who listens). */
-        close(ready[1]);
-        char c = 0;
-        ssize_t n = read(ready[0], &c, 1);
-        close(ready[0]);
-        return n == 1 ? pid : -1;
-    }
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    const char *name = arg;
     signal(SIGPIPE, SIG_IGN);
-    close(ready[0]);
     struct sockaddr_un sa;
     socklen_t len = kvpi_shm_sockaddr(name, &sa);
     int lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, len) != 0 || listen(lfd, 16) != 0) _exit(3);
-    if (write(ready[1], "r", 1) != 1) _exit(4);
-    close(ready[1]);
+    if (write(ready_fd, "r", 1) != 1) _exit(4);
+    close(ready_fd);
     for (;;) {
         int fd = accept(lfd, NULL, NULL);
         if (fd < 0) continue;
@@ -212,7 +199,8 @@ static pid_t trickling_target(char *name)
 static void client_status_trickle(void)
 {
     char name[KVPI_SHM_SOCKET_MAX], host[KVPI_SHM_HOST_ID_MAX];
-    pid_t pid = trickling_target(name);
+    snprintf(name, sizeof name, "kvpipe-test-trickle/%d", (int)getpid());
+    pid_t pid = kvpt_fork_ready(trickling_main, name);
     REQUIRE(pid > 0);
     REQUIRE_OK(kvpi_shm_host_id(host, sizeof host));
     static char remote_mem[4 * 4096];

@@ -145,16 +145,32 @@ static int target_alive(kvpt_target *t)
 }
 
 /* A target (waiting ANSWER_MS for REVOKE answers), an initiator here that
- * opened it, and a first READ of its second MiB into *local (MIB bytes, the
- * caller frees it), verified. */
-static int read_once(kvpt_target *t, kvp_engine **e, kvp_segment_id *seg, char **local)
+ * opened it, and a first READ of its second MiB into local (MIB bytes),
+ * verified; read_end checks the target is alive and frees the rest. */
+typedef struct reader {
+    kvpt_target t;
+    kvp_engine *e;
+    kvp_segment_id seg;
+    char *local;
+    uint64_t base; /* the target's buffer */
+} reader;
+
+static int read_once(reader *x)
 {
-    if (start_target_opts(t, ANSWER_MS, NULL) || start_initiator(t, e, seg) ||
-        !(*local = malloc(MIB)))
+    if (start_target_opts(&x->t, ANSWER_MS, NULL) || start_initiator(&x->t, &x->e, &x->seg) ||
+        !(x->local = malloc(MIB)))
         return -1;
-    CHECK_OK(kvp_engine_read(*e, *seg, *local, (uint64_t)(uintptr_t)t->buf + MIB, MIB));
-    CHECK(kvpt_verify(*local, MIB, SEED + MIB) == (size_t)-1);
+    x->base = (uint64_t)(uintptr_t)x->t.buf;
+    CHECK_OK(kvp_engine_read(x->e, x->seg, x->local, x->base + MIB, MIB));
+    CHECK(kvpt_verify(x->local, MIB, SEED + MIB) == (size_t)-1);
     return 0;
+}
+
+static void read_end(reader *x)
+{
+    CHECK(target_alive(&x->t));
+    free(x->local);
+    kvp_engine_destroy(x->e);
 }
 
 /* A peer that answers: once the target's unregister returned (answered,
@@ -162,29 +178,23 @@ static int read_once(kvpt_target *t, kvp_engine **e, kvp_segment_id *seg, char *
  * with KVP_ERANGE, before and after the target unmaps the memory. */
 static void deregistered_while_peer_holds_rkey(void)
 {
-    kvpt_target t;
-    kvp_engine *e;
-    kvp_segment_id seg;
-    char *local;
-    REQUIRE(read_once(&t, &e, &seg, &local) == 0);
-    uint64_t base = (uint64_t)(uintptr_t)t.buf;
-    int64_t ms = kvpt_target_cmd(&t, KVPT_T_UNREGISTER, 0, ANSWER_MS + 3000);
+    reader x;
+    REQUIRE(read_once(&x) == 0);
+    int64_t ms = kvpt_target_cmd(&x.t, KVPT_T_UNREGISTER, 0, ANSWER_MS + 3000);
     fprintf(stderr, "  UCX_TLS=%s: unregister took %lld ms\n", tls, (long long)ms);
     CHECK(ms >= 0 && !target_cut_off());
-    memset(local, 0, MIB);
-    CHECK_ST(kvp_engine_read(e, seg, local, base + MIB, MIB), KVP_ERANGE);
+    memset(x.local, 0, MIB);
+    CHECK_ST(kvp_engine_read(x.e, x.seg, x.local, x.base + MIB, MIB), KVP_ERANGE);
     CHECK(strstr(kvp_last_error(), "deregistered") != NULL);
-    CHECK(kvpt_verify(local, 4096, 0) != (size_t)-1 || local[0] == 0); /* nothing landed */
-    kvpt_fill(local, MIB, 99);
-    CHECK_ST(kvp_engine_write(e, seg, local, base, MIB), KVP_ERANGE);
-    CHECK(kvpt_verify(t.buf, MIB, SEED) == (size_t)-1); /* the target's bytes are unchanged */
-    CHECK(kvpt_target_cmd(&t, KVPT_T_UNMAP, 0, 3000) == 0);
-    CHECK_ST(kvp_engine_write(e, seg, local, base, MIB), KVP_ERANGE);
-    CHECK_ST(kvp_engine_read(e, seg, local, base, MIB), KVP_ERANGE);
-    CHECK(target_alive(&t));
-    free(local);
-    kvp_engine_destroy(e);
-    CHECK(reap(&t, NULL, NULL) == 0);
+    CHECK(kvpt_verify(x.local, 4096, 0) != (size_t)-1 || x.local[0] == 0); /* nothing landed */
+    kvpt_fill(x.local, MIB, 99);
+    CHECK_ST(kvp_engine_write(x.e, x.seg, x.local, x.base, MIB), KVP_ERANGE);
+    CHECK(kvpt_verify(x.t.buf, MIB, SEED) == (size_t)-1); /* the target's bytes are unchanged */
+    CHECK(kvpt_target_cmd(&x.t, KVPT_T_UNMAP, 0, 3000) == 0);
+    CHECK_ST(kvp_engine_write(x.e, x.seg, x.local, x.base, MIB), KVP_ERANGE);
+    CHECK_ST(kvp_engine_read(x.e, x.seg, x.local, x.base, MIB), KVP_ERANGE);
+    read_end(&x);
+    CHECK(reap(&x.t, NULL, NULL) == 0);
 }
 
 /* The target deregisters its buffer and registers the same range again (as
@@ -194,34 +204,31 @@ static void deregistered_while_peer_holds_rkey(void)
  * failed so over UCX: "deregistered the buffer"). */
 static void reregistered_same_range(void)
 {
-    kvpt_target t;
-    kvp_engine *e;
-    kvp_segment_id seg;
-    char *local;
-    REQUIRE(read_once(&t, &e, &seg, &local) == 0);
-    uint64_t base = (uint64_t)(uintptr_t)t.buf;
-    CHECK(kvpt_target_cmd(&t, KVPT_T_REREGISTER, 77, ANSWER_MS + 3000) == 0);
+    reader x;
+    REQUIRE(read_once(&x) == 0);
+    CHECK(kvpt_target_cmd(&x.t, KVPT_T_REREGISTER, 77, ANSWER_MS + 3000) == 0);
     CHECK(!target_cut_off());
-    CHECK_OK(kvp_engine_read(e, seg, local, base + MIB, MIB));
-    CHECK(kvpt_verify(local, MIB, 77 + MIB) == (size_t)-1);
-    kvpt_fill(local, MIB, 99);
-    CHECK_OK(kvp_engine_write(e, seg, local, base, MIB));
-    CHECK(kvpt_verify(t.buf, MIB, 99) == (size_t)-1);
-    CHECK(target_alive(&t));
-    free(local);
-    kvp_engine_destroy(e);
-    CHECK(stop_target(&t) == 0);
+    CHECK_OK(kvp_engine_read(x.e, x.seg, x.local, x.base + MIB, MIB));
+    CHECK(kvpt_verify(x.local, MIB, 77 + MIB) == (size_t)-1);
+    kvpt_fill(x.local, MIB, 99);
+    CHECK_OK(kvp_engine_write(x.e, x.seg, x.local, x.base, MIB));
+    CHECK(kvpt_verify(x.t.buf, MIB, 99) == (size_t)-1);
+    read_end(&x);
+    CHECK(stop_target(&x.t) == 0);
 }
 
-/* An initiator in a child process that READs 1 MiB at a time from the
- * target's buffer, or WRITEs all of it at a time, and reports each outcome on
- * fd: 'o' OK, 'r' KVP_ERANGE, 'x' anything else. */
-static pid_t peer_child(const kvpt_target *t, kvp_opcode op, int fd)
+/* An initiator in a child process (kvpt_fork_piped) that READs 1 MiB at a
+ * time from the target's buffer, or WRITEs all of it at a time, and reports
+ * each outcome on fd: 'o' OK, 'r' KVP_ERANGE, 'x' anything else. */
+typedef struct peer_job {
+    const kvpt_target *t;
+    kvp_opcode op;
+} peer_job;
+
+static void peer_main(const void *arg, int fd)
 {
-    fflush(NULL);
-    pid_t pid = fork();
-    if (pid != 0) return pid;
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    const kvpt_target *t = ((const peer_job *)arg)->t;
+    kvp_opcode op = ((const peer_job *)arg)->op;
     close(t->peer.cmd); /* the target's command pipe: it ends when the test closes it */
     kvp_engine *e;
     kvp_segment_id seg;
@@ -250,6 +257,12 @@ static pid_t peer_child(const kvpt_target *t, kvp_opcode op, int fd)
         char c = st == KVP_OK ? 'o' : st == KVP_ERANGE ? 'r' : 'x';
         if (write(fd, &c, 1) != 1) _exit(0);
     }
+}
+
+static pid_t peer_child(const kvpt_target *t, kvp_opcode op, int *fd)
+{
+    peer_job job = {t, op};
+    return kvpt_fork_piped(peer_main, &job, fd);
 }
 
 /* What child pid reported on fd: counts of each outcome, read until it
@@ -297,18 +310,17 @@ static void deregistered_while_peer_frozen(void)
 {
     kvpt_target t;
     REQUIRE(start_target(&t) == 0);
-    int p[2];
-    REQUIRE(pipe(p) == 0);
-    pid_t r = peer_child(&t, KVP_OP_WRITE, p[1]);
-    close(p[1]);
+    int fd;
+    pid_t r = peer_child(&t, KVP_OP_WRITE, &fd);
+    REQUIRE(r > 0);
     int ok, range, other;
     /* Its first WRITEs done: the next ones are likely in flight. */
-    CHECK(outcomes(p[0], r, FIRST_XFER_MS, 1, 0, &ok, &range, &other) == 0);
+    CHECK(outcomes(fd, r, FIRST_XFER_MS, 1, 0, &ok, &range, &other) == 0);
     CHECK(ok >= 1 && range == 0 && other == 0);
     /* Frozen: every thread of it stopped. What it reported before is read
      * now, so that only what it does once thawed is counted below. */
     REQUIRE(kvpt_stop(r, 5000) == 0);
-    outcomes(p[0], r, 0, 0, 0, &ok, &range, &other);
+    outcomes(fd, r, 0, 0, 0, &ok, &range, &other);
     CHECK(range == 0 && other == 0);
     int64_t waited = kvpt_runq_wait_ms(t.pid);
     int64_t ms = kvpt_target_cmd(&t, KVPT_T_UNREGISTER, 0, 2 * BOUND_MS);
@@ -324,7 +336,7 @@ static void deregistered_while_peer_frozen(void)
      * most), the range is not in the descriptor any more: refused. Read
      * until that refusal, or the writer died. */
     uint64_t t0 = kvpi_now_ms();
-    int died = outcomes(p[0], r, BOUND_MS + ABANDON_MS + 2 * TIMEOUT_MS, 0, 1, &ok, &range, &other);
+    int died = outcomes(fd, r, BOUND_MS + ABANDON_MS + 2 * TIMEOUT_MS, 0, 1, &ok, &range, &other);
     fprintf(stderr,
             "  UCX_TLS=%s: unregister %lld ms (%lld waiting for a CPU); thawed writer: %d ok, "
             "%d out of range, %d failed within %llu ms%s\n",
@@ -349,7 +361,7 @@ static void deregistered_while_peer_frozen(void)
      * writer dies, or when the target's worker is destroyed. */
     kill(r, SIGKILL);
     waitpid(r, NULL, 0);
-    close(p[0]);
+    close(fd);
     CHECK(stop_target(&t) == 0);
 }
 
@@ -369,16 +381,15 @@ static void initiator_killed(void)
     int started = start_target_opts(&t, ANSWER_MS, NULL);
     unsetenv("KVPIPE_LOG");
     REQUIRE(started == 0);
-    int p[2];
-    REQUIRE(pipe(p) == 0);
-    pid_t r = peer_child(&t, KVP_OP_READ, p[1]);
-    close(p[1]);
+    int fd;
+    pid_t r = peer_child(&t, KVP_OP_READ, &fd);
+    REQUIRE(r > 0);
     int ok, range, other;
-    CHECK(outcomes(p[0], r, FIRST_XFER_MS, 1, 0, &ok, &range, &other) == 0);
+    CHECK(outcomes(fd, r, FIRST_XFER_MS, 1, 0, &ok, &range, &other) == 0);
     CHECK(ok >= 1);
     kill(r, SIGKILL);
     waitpid(r, NULL, 0);
-    close(p[0]);
+    close(fd);
     /* UCX's keepalive (every second here, src/transport/ucx/runtime.c) finds
      * it gone at its first round after the death; ten rounds bound it. */
     uint64_t t0 = kvpi_now_ms();

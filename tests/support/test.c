@@ -286,7 +286,7 @@ pid_t kvpt_spawn(char *const argv[], const char *out_path)
     return pid;
 }
 
-pid_t kvpt_fork_ready(void (*fn)(const void *arg, int ready_fd), const void *arg)
+pid_t kvpt_fork_piped(void (*fn)(const void *arg, int fd), const void *arg, int *rfd)
 {
     int p[2];
     if (pipe(p) != 0) return -1;
@@ -299,11 +299,21 @@ pid_t kvpt_fork_ready(void (*fn)(const void *arg, int ready_fd), const void *arg
         _exit(2); /* fn does not return */
     }
     close(p[1]);
+    if (pid < 0) close(p[0]);
+    *rfd = p[0];
+    return pid;
+}
+
+pid_t kvpt_fork_ready(void (*fn)(const void *arg, int ready_fd), const void *arg)
+{
+    int fd;
+    pid_t pid = kvpt_fork_piped(fn, arg, &fd);
+    if (pid < 0) return -1;
     char c;
-    ssize_t got = pid > 0 ? read(p[0], &c, 1) : -1;
-    close(p[0]);
+    ssize_t got = read(fd, &c, 1);
+    close(fd);
     if (got != 1) {
-        if (pid > 0) kill(pid, SIGKILL), waitpid(pid, NULL, 0);
+        kill(pid, SIGKILL), waitpid(pid, NULL, 0);
         return -1;
     }
     return pid;

@@ -118,6 +118,11 @@ int64_t kvpt_runq_wait_ms(pid_t pid);
  * Returns its pid. */
 pid_t kvpt_spawn(char *const argv[], const char *out_path);
 
+/* Fork a child that dies with this process and runs fn(arg, fd), which
+ * must not return; fd is the writing end of a pipe whose reading end is
+ * *rfd here. The child's pid, or -1 if it could not start. */
+pid_t kvpt_fork_piped(void (*fn)(const void *arg, int fd), const void *arg, int *rfd);
+
 /* Fork a child that dies with this process and runs fn(arg, ready_fd),
  * which must not return; fn writes a byte to ready_fd once it is ready.
  * The child's pid once that byte came; -1 (the child killed and reaped)
