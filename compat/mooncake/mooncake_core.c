@@ -595,14 +595,6 @@ static void chunk_done(kvp_batch *kb, void *arg)
     pthread_mutex_unlock(&b->watch_lock);
 }
 
-static size_t chunks_done(mc_batch *b)
-{
-    pthread_mutex_lock(&b->watch_lock);
-    size_t n = b->done;
-    pthread_mutex_unlock(&b->watch_lock);
-    return n;
-}
-
 /* Submit the requests as runs of one segment each; under b->lock. */
 static kvmc_rc submit_runs(kvmc_engine *e, mc_batch *b, const kvmc_request *r, size_t count,
                            const kvp_segment_id *segs)
@@ -701,14 +693,19 @@ kvmc_rc kvmc_batch_submit(kvmc_engine *e, uint64_t id, const kvmc_request *reqs,
 }
 
 /* Whether every request submitted completed, and the first failed one's
- * status; under b->lock. */
+ * status; under b->lock. Judged by the requests' statuses, as
+ * getTransferStatus reports them: a chunk's on_complete runs a moment after
+ * its last request's status is out, and a caller who saw every task done may
+ * free the batch at once (batch_destroy's kvp_batch_free waits for it). */
 static int batch_done(mc_batch *b, kvp_status *first_error)
 {
     *first_error = KVP_OK;
-    if (chunks_done(b) < b->n_chunks) return 0;
-    for (size_t c = 0; c < b->n_chunks && !*first_error; c++)
-        for (size_t i = 0; i < b->chunks[c].n && !*first_error; i++)
-            *first_error = kvp_batch_request_status(b->chunks[c].batch, i);
+    for (size_t c = 0; c < b->n_chunks; c++)
+        for (size_t i = 0; i < b->chunks[c].n; i++) {
+            kvp_status st = kvp_batch_request_status(b->chunks[c].batch, i);
+            if (st == KVP_EINPROGRESS) return 0;
+            if (!*first_error) *first_error = st;
+        }
     return 1;
 }
 
@@ -803,7 +800,8 @@ kvmc_rc kvmc_batch_free(kvmc_engine *e, uint64_t id, int force)
                                    (unsigned long long)id)};
     }
     pthread_mutex_lock(&b->lock);
-    int busy = !force && chunks_done(b) < b->n_chunks;
+    kvp_status failed;
+    int busy = !force && !batch_done(b, &failed);
     if (!busy) e->batches[index] = e->batches[--e->n_batches];
     pthread_mutex_unlock(&b->lock);
     pthread_mutex_unlock(&e->lock);

@@ -64,7 +64,16 @@ typedef struct worker {
     uint64_t remote;
     unsigned char local[8 * PIECE];
     int bad;
+    char why[160]; /* what went wrong first */
 } worker;
+
+static void worker_bad(worker *w, int bad, int round, size_t t, const struct transfer_status *st)
+{
+    if (w->bad) return;
+    w->bad = bad;
+    snprintf(w->why, sizeof w->why, "round %d, request %zu: status %d, %zu bytes", round, t,
+             st ? (int)st->status : -1, st ? (size_t)st->transferred_bytes : 0);
+}
 
 static void *worker_main(void *arg)
 {
@@ -80,19 +89,21 @@ static void *worker_main(void *arg)
                                              .target_offset = w->remote + i * PIECE,
                                              .length = PIECE};
         /* Two submits into one batch, as NIXL's postXfer may. */
-        if (submitTransfer(w->e, b, r, 3) || submitTransfer(w->e, b, r + 3, 5)) w->bad = 1;
+        if (submitTransfer(w->e, b, r, 3) || submitTransfer(w->e, b, r + 3, 5))
+            worker_bad(w, 1, round, 0, NULL);
         for (size_t t = 0; t < 8 && !w->bad; t++) {
             struct transfer_status st = {.status = STATUS_WAITING};
             for (int i = 0; i < 20000 && st.status == STATUS_WAITING; i++)
                 if (getTransferStatus(w->e, b, t, &st))
-                    w->bad = 2;
+                    worker_bad(w, 2, round, t, NULL);
                 else if (st.status == STATUS_WAITING)
                     sleep_ms(1);
-            if (st.status != STATUS_COMPLETED || st.transferred_bytes != PIECE) w->bad = 3;
+            if (st.status != STATUS_COMPLETED || st.transferred_bytes != PIECE)
+                worker_bad(w, 3, round, t, &st);
         }
-        if (freeBatchID(w->e, b)) w->bad = 4;
+        if (freeBatchID(w->e, b)) worker_bad(w, 4, round, 0, NULL);
         for (size_t i = 0; i < sizeof w->local && !w->bad; i++)
-            if (w->local[i] != 0x5a) w->bad = 5;
+            if (w->local[i] != 0x5a) worker_bad(w, 5, round, i / PIECE, NULL);
     }
     return NULL;
 }
@@ -193,8 +204,12 @@ int main(void)
     }
     for (int i = 0; i < THREADS; i++) {
         pthread_join(tids[i], NULL);
-        EXPECT(workers[i].bad == 0, "a thread's READs (bad: 1 submit, 2 status, 3 not "
-                                    "completed, 4 free, 5 bytes)");
+        if (workers[i].bad)
+            fprintf(stderr,
+                    "thread %d: %s (bad %d: 1 submit, 2 status, 3 not completed, 4 free, "
+                    "5 bytes)\n",
+                    i, workers[i].why, workers[i].bad);
+        EXPECT(workers[i].bad == 0, "a thread's READs");
     }
 
     /* Graceful shutdown: destroy waits for a WRITE still running. */
