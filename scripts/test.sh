@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build and run every test: first the normal build (-Werror), reliability
-# suite (tests/faults/) included, and its packaging checks, then a valgrind
+# suite (tests/faults/) included, with its packaging checks, then a valgrind
 # pass over the single-process-heavy suites, then the whole suite again built
 # with AddressSanitizer and UndefinedBehaviorSanitizer, and again built with
 # ThreadSanitizer, and last each libFuzzer target for a short bounded time.
@@ -25,16 +25,14 @@ scripts/check-subjects.sh
 
 cmake -S . -B build -DKVP_WERROR=ON >/dev/null
 cmake --build build -j"$jobs"
-ctest --test-dir build --output-on-failure -j"$slots" -LE packaging
-took "the normal build and its tests"
-
-# ---- packaging: what a user installs (tests/packaging/, ctest label
-# "packaging"): the exported symbols; a prefix install with examples/ built
-# against it (pkg-config, find_package) and run against each other; a build
-# with every KVP_WITH_* off; the Python wheel in fresh venvs; the .debs
-# (dpkg -i / dpkg -r as root).
-ctest --test-dir build --output-on-failure -j"$jobs" -L packaging
-took "the packaging checks"
+# With them, in the same ctest run (packaging_python, two minutes, starts
+# first), the packaging checks - what a user installs (tests/packaging/,
+# ctest label "packaging"): the exported symbols; a prefix install with
+# examples/ built against it (pkg-config, find_package) and run against each
+# other; a build with every KVP_WITH_* off; the Python wheel in fresh venvs;
+# the .debs (dpkg -i / dpkg -r as root).
+ctest --test-dir build --output-on-failure -j"$slots"
+took "the normal build, its tests and the packaging checks"
 
 # valgrind: memory errors and definite leaks fail the run. The shm transport
 # is left out here: its bytes are written by the peer process
@@ -112,7 +110,7 @@ took TSan
 
 # ---- fuzzers (tests/fuzz, docs/fuzzing.md) ----
 # Each libFuzzer target for a short bounded time (KVP_FUZZ_SECONDS, default
-# 9 s: the ten take about 2 minutes) from its seed corpus; a crash,
+# 9 s, two at a time: the ten take about a minute) from its seed corpus; a crash,
 # sanitizer report or broken invariant fails the run. Needs clang; without it
 # this step is skipped, and says so.
 if command -v clang >/dev/null; then

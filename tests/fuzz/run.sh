@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Build the libFuzzer targets (build-fuzz/, clang, ASan+UBSan) and run each in
-# turn, then print per target: executions, coverage (libFuzzer's cov: and ft:),
+# Build the libFuzzer targets (build-fuzz/, clang, ASan+UBSan) and run them,
+# JOBS (2) at a time, then print per target: executions, coverage (libFuzzer's cov: and ft:),
 # corpus size and crashes. See docs/fuzzing.md.
 #
 #   tests/fuzz/run.sh                     every target for 10^7 executions
@@ -74,28 +74,30 @@ nice -n "$nice_level" cmake --build "$build" --target fuzzers -j"${JOBS:-2}" >/d
 mkdir -p "$out"
 echo "fuzz: scratch directory $out"
 
-failed=0
-summary="$out/summary.txt"
-printf '%-14s %12s %6s %7s %8s %8s %7s\n' target executions cov ft corpus crashes seconds >"$summary"
-for t in "${targets[@]}"; do
-    corpus="$out/corpus/$t" artifacts="$out/artifacts/$t/" log="$out/$t.log"
+# fuzz_one TARGET: run it; its summary row to $out/TARGET.row, and
+# $out/TARGET.failed if it crashed, hit a sanitizer report or broke an
+# invariant.
+fuzz_one() {
+    local t=$1
+    local corpus="$out/corpus/$t" artifacts="$out/artifacts/$t/" log="$out/$t.log"
     mkdir -p "$corpus" "$artifacts"
-    dict="$out/$t.dict"
+    local dict="$out/$t.dict"
     : >"$dict"
     [ -n "${json[$t]:-}" ] && cat tests/fuzz/dict/json.dict >>"$dict"
     [ -f "tests/fuzz/dict/$t.dict" ] && cat "tests/fuzz/dict/$t.dict" >>"$dict"
-    args=(-max_len="${max_len[$t]:-4096}" -dict="$dict" -artifact_prefix="$artifacts"
-          -print_final_stats=1 -timeout=60)
+    local args=(-max_len="${max_len[$t]:-4096}" -dict="$dict" -artifact_prefix="$artifacts"
+                -print_final_stats=1 -timeout=60)
     [ -n "${extra[$t]:-}" ] && args+=(${extra[$t]})
     [ "$runs" != 0 ] && args+=(-runs="$runs")
     [ "$seconds" != 0 ] && args+=(-max_total_time="$seconds")
     echo "fuzz: $t (${args[*]})"
+    local start rc=0
     start=$(date +%s)
-    rc=0
     # The first directory takes new entries; the repo's seeds are only read.
     nice -n "$nice_level" "$build/tests/fuzz/fuzz_$t" "${args[@]}" "$corpus" "tests/fuzz/corpus/$t" \
         >"$log" 2>&1 || rc=$?
-    elapsed=$(( $(date +%s) - start ))
+    local elapsed=$(( $(date +%s) - start ))
+    local execs last cov ft units crashes
     execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
     last=$(grep -E '^#[0-9]+.*cov: ' "$log" | tail -1 || true)
     cov=$(sed -n 's/.* cov: \([0-9]*\).*/\1/p' <<<"$last")
@@ -104,12 +106,28 @@ for t in "${targets[@]}"; do
     crashes=$(find "$artifacts" -type f \( -name "crash-*" -o -name "leak-*" -o -name "timeout-*" \
         -o -name "oom-*" \) | wc -l)
     printf '%-14s %12s %6s %7s %8s %8s %7s\n' "$t" "${execs:-?}" "${cov:-?}" "${ft:-?}" \
-        "${units:-?}" "$crashes" "$elapsed" >>"$summary"
+        "${units:-?}" "$crashes" "$elapsed" >"$out/$t.row"
     if [ "$rc" != 0 ] || [ "$crashes" != 0 ]; then
-        failed=1
+        touch "$out/$t.failed"
         echo "fuzz: $t FAILED (exit $rc); log $log, artifacts in $artifacts" >&2
         grep -E 'ERROR: |SUMMARY: |invariant broken|runtime error' "$log" | head -5 >&2 || true
     fi
+}
+
+# JOBS (default 2) targets at a time: each is one process on one core, so the
+# time each gets is what it would get alone.
+jobs=${JOBS:-2}
+for t in "${targets[@]}"; do
+    while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
+    fuzz_one "$t" &
+done
+wait
+summary="$out/summary.txt"
+printf '%-14s %12s %6s %7s %8s %8s %7s\n' target executions cov ft corpus crashes seconds >"$summary"
+failed=0
+for t in "${targets[@]}"; do
+    cat "$out/$t.row" >>"$summary" 2>/dev/null || echo "$t: no result" >>"$summary"
+    [ -f "$out/$t.row" ] && [ ! -f "$out/$t.failed" ] || failed=1
 done
 cat "$summary"
 exit "$failed"
