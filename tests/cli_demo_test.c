@@ -19,10 +19,11 @@
 
 static char out[1 << 16];
 
+/* The demo on ports claimed from the tests' registry (kvpt_pipe_ports). */
 static int run(const char *args)
 {
     char cmd[1024];
-    snprintf(cmd, sizeof cmd, "demo %s", args);
+    snprintf(cmd, sizeof cmd, "demo --port %d %s", kvpt_pipe_ports(), args);
     return kvpt_cli_run(cmd, out, sizeof out);
 }
 

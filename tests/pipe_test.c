@@ -529,18 +529,25 @@ static void test_same_host_transport_allowed(void)
 
 /* ------------------------------------------------------------ the CLI --- */
 
-/* Run the CLI with args; returns its exit code and leaves stdout in out. */
+/* Run the CLI with args; returns its exit code and leaves stdout in out. A
+ * pipe pair it launches (demo, bench --pipe) gets ports claimed from the
+ * tests' registry (kvpt_pipe_ports). */
 static int run_cli(char *const args[], char *out, size_t len)
 {
     char path[] = "/tmp/kvp_cli_out_XXXXXX";
     int fd = mkstemp(path);
     if (fd < 0) return -1;
     close(fd);
-    char *argv[32];
+    char *argv[32], port[16];
     int n = 0;
     argv[n++] = (char *)kvpt_cli();
-    for (int i = 0; args[i] && n < 31; i++)
+    for (int i = 0; args[i] && n < 29; i++)
         argv[n++] = args[i];
+    if (strcmp(args[0], "demo") == 0 || (args[1] && strcmp(args[1], "--pipe") == 0)) {
+        snprintf(port, sizeof port, "%d", kvpt_pipe_ports());
+        argv[n++] = "--port";
+        argv[n++] = port;
+    }
     argv[n] = NULL;
     int rc = kvpt_wait_child(kvpt_spawn(argv, path), 120000);
     FILE *f = fopen(path, "r");

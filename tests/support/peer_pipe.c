@@ -31,8 +31,7 @@ int kvpt_pipe_setup_make(kvpt_pipe_setup *s, int p2p)
         return -1; /* the case's process group takes the store with it */
     }
     /* After the store listens, so that the block cannot include its port. */
-    static const int offsets[] = {0, 9, 10, 100, 109, 110};
-    s->base = kvpt_free_port_block(offsets, sizeof offsets / sizeof offsets[0]);
+    s->base = kvpt_pipe_ports();
     if (s->base < 0) return -1;
     snprintf(s->json, sizeof s->json,
              "{\"prefill_url\":\"127.0.0.1:%d\",\"decode_url\":\"127.0.0.1:%d\","

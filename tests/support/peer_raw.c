@@ -14,8 +14,7 @@
 
 int kvpt_raw_setup_init(kvpt_raw_setup *s)
 {
-    static const int offsets[] = {0, 9, 10, 100, 109, 110};
-    int base = kvpt_free_port_block(offsets, sizeof offsets / sizeof offsets[0]);
+    int base = kvpt_pipe_ports();
     if (base < 0) return -1;
     s->base = base;
     snprintf(s->json, sizeof s->json,

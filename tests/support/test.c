@@ -217,6 +217,12 @@ int kvpt_free_port(void)
     return kvpt_free_port_block(one, 1);
 }
 
+int kvpt_pipe_ports(void)
+{
+    static const int offsets[] = {0, 9, 10, 100, 109, 110};
+    return kvpt_free_port_block(offsets, sizeof offsets / sizeof offsets[0]);
+}
+
 int kvpt_wait_port(const char *host, int port, int timeout_ms)
 {
     for (int waited = 0; waited < timeout_ms; waited += 20) {
@@ -443,14 +449,24 @@ int kvpt_stop(pid_t pid, int timeout_ms)
 
 int kvpt_cli_run(const char *args, char *out, size_t len)
 {
-    char cmd[4096];
-    snprintf(cmd, sizeof cmd, "%s %s 2>/dev/null", kvpt_cli(), args);
+    char err[64], cmd[4096];
+    snprintf(err, sizeof err, "/tmp/kvpt_cli_%d.err", (int)getpid());
+    snprintf(cmd, sizeof cmd, "%s %s 2>%s", kvpt_cli(), args, err);
     FILE *f = popen(cmd, "r");
     if (!f) return -1;
     size_t n = fread(out, 1, len - 1, f);
     out[n] = '\0';
     int st = pclose(f);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    int rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    /* A failure says why: the end of what the command wrote to stderr. */
+    if (rc != 0) {
+        fprintf(stderr, "  kvpipe %s: exit %d; its stderr ends:\n", args, rc);
+        snprintf(cmd, sizeof cmd, "tail -n 40 %s >&2", err);
+        if (system(cmd)) {
+        }
+    }
+    unlink(err);
+    return rc;
 }
 
 char *kvpt_last_line(char *text)

@@ -91,6 +91,12 @@ void kvpt_skip(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
  * registry file shared with the Python tests (test.c). */
 int kvpt_free_port(void);
 
+/* A base port B for a pipe pair whose prefill_url and decode_url are both
+ * 127.0.0.1:B, claimed as above with every port its two sides bind (B, +9,
+ * +10, +100, +109, +110); -1 if none. Give it to a CLI that launches a
+ * pair (`kvpipe demo --port`): its own pick does not know the claims. */
+int kvpt_pipe_ports(void);
+
 /* A base port B such that B + offsets[i] were all free a moment ago (and
  * recorded as kvpt_free_port's). */
 int kvpt_free_port_block(const int *offsets, size_t n);
@@ -167,9 +173,9 @@ void kvpt_fakecuda_load(kvpt_fakecuda *fc, const char *path);
 /* Path of the kvpipe CLI built with the tests. */
 const char *kvpt_cli(void);
 
-/* Run `kvpipe ARGS` (ARGS as shell text, stderr dropped) and wait; its
- * stdout lands in out (at most len - 1 bytes, NUL-terminated). Returns the
- * exit status, or -1. */
+/* Run `kvpipe ARGS` (ARGS as shell text) and wait; its stdout lands in out
+ * (at most len - 1 bytes, NUL-terminated), and when it fails the end of its
+ * stderr is printed. Returns the exit status, or -1. */
 int kvpt_cli_run(const char *args, char *out, size_t len);
 
 /* The last line of text, trailing newlines trimmed in place (what a --json
