@@ -25,21 +25,25 @@ scripts/check-subjects.sh
 
 cmake -S . -B build -DKVP_WERROR=ON >/dev/null
 cmake --build build -j"$jobs"
-# The sanitizer builds go on meanwhile at the idle scheduling class (chrt
-# -i: they get a CPU only when no test wants it; tests wait on timeouts and
-# sleeps much of the time), so that their passes start from built trees.
-# Each pass below builds its tree again, which finishes what this did not
-# and shows any error.
+# The sanitizer and fuzzer trees build meanwhile at the idle scheduling
+# class (chrt -i: they get a CPU only when no test wants it; tests wait on
+# timeouts and sleeps much of the time), so that their passes start from
+# built trees. Each pass waits for its own and builds it again, which
+# finishes what is left and shows any error.
 idle=nice; command -v chrt >/dev/null && idle="chrt -i 0 nice"
-# A session of its own (setsid), so that a pass that fails, which ends the
-# script, takes the whole build with it.
-JOBS=$jobs IDLE=$idle setsid bash -c '
-    cmake -S . -B build-asan -DKVP_WERROR=ON -DKVP_SANITIZE=ON >/dev/null &&
-        $IDLE -n 19 cmake --build build-asan -j"$JOBS" &&
-        cmake -S . -B build-tsan -DKVP_WERROR=ON -DKVP_TSAN=ON >/dev/null &&
-        $IDLE -n 19 cmake --build build-tsan -j"$JOBS"' >/dev/null 2>&1 &
-prebuild=$!
-trap 'kill -- -"$prebuild" 2>/dev/null' EXIT
+# prebuild COMMAND: in the background, in a session of its own (setsid), so
+# that a pass that fails, which ends the script, takes the build with it.
+prebuilds=()
+prebuild() {
+    JOBS=$jobs IDLE=$idle setsid bash -c "$1" >/dev/null 2>&1 &
+    prebuilds+=($!)
+}
+prebuild 'cmake -S . -B build-asan -DKVP_WERROR=ON -DKVP_SANITIZE=ON >/dev/null &&
+          $IDLE -n 19 cmake --build build-asan -j"$JOBS"'
+prebuild 'cmake -S . -B build-tsan -DKVP_WERROR=ON -DKVP_TSAN=ON >/dev/null &&
+          $IDLE -n 19 cmake --build build-tsan -j"$JOBS"'
+if command -v clang >/dev/null; then prebuild '$IDLE -n 19 tests/fuzz/run.sh --build-only'; fi
+trap 'for p in "${prebuilds[@]}"; do kill -- -"$p" 2>/dev/null || true; done' EXIT
 # With them, in the same ctest run (packaging_python, two minutes, starts
 # first), the packaging checks - what a user installs (tests/packaging/,
 # ctest label "packaging"): the exported symbols; a prefix install with
@@ -96,7 +100,7 @@ if command -v valgrind >/dev/null; then
     took valgrind
 fi
 
-wait "$prebuild" || true
+wait "${prebuilds[0]}" || true
 cmake -S . -B build-asan -DKVP_WERROR=ON -DKVP_SANITIZE=ON >/dev/null
 cmake --build build-asan -j"$jobs"
 # Leak checking runs too; halt on the first UBSan report.
@@ -111,6 +115,7 @@ took "ASan+UBSan"
 # there. UCX's memory hooks (it patches malloc and mmap as it loads) crash
 # under TSan's own interceptors, so this pass turns them off; UCX then
 # serves its tcp and shared-memory lanes without them.
+wait "${prebuilds[1]}" || true
 cmake -S . -B build-tsan -DKVP_WERROR=ON -DKVP_TSAN=ON >/dev/null
 cmake --build build-tsan -j"$jobs"
 # Four programs fork their peers (pipe sides, targets) from a process that
@@ -134,6 +139,7 @@ took TSan
 # sanitizer report or broken invariant fails the run. Needs clang; without it
 # this step is skipped, and says so.
 if command -v clang >/dev/null; then
+    wait "${prebuilds[2]}" || true
     tests/fuzz/run.sh --short
 else
     echo "fuzz: SKIPPED (clang not installed; scripts/install-deps.sh installs it)"

@@ -7,6 +7,7 @@
 #   tests/fuzz/run.sh --runs N TARGET...  N executions of the named targets
 #   tests/fuzz/run.sh --time S            S seconds per target (with --runs: whichever first)
 #   tests/fuzz/run.sh --short             CI: each target for KVP_FUZZ_SECONDS (9) seconds
+#   tests/fuzz/run.sh --build-only        build the targets, run nothing
 #
 # New corpus entries and crash artifacts go to a scratch directory (--out DIR,
 # default a new /tmp/kvpipe-fuzz.XXXXXX), never into the repo; the seeds in
@@ -21,6 +22,7 @@ build=build-fuzz
 out=
 nice_level=${KVP_FUZZ_NICE:-10}
 targets=()
+build_only=0
 
 usage() {
     sed -n '2,15s/^# \{0,1\}//p' "$0"
@@ -32,6 +34,7 @@ while [ $# -gt 0 ]; do
     --runs) runs=$2; shift 2 ;;
     --time) seconds=$2; shift 2 ;;
     --short) runs=0; seconds=${KVP_FUZZ_SECONDS:-9}; shift ;;
+    --build-only) build_only=1; shift ;;
     --build) build=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     -h|--help) usage ;;
@@ -69,6 +72,7 @@ done
 
 CC=${CC:-clang} cmake -S . -B "$build" -DKVP_FUZZ=ON -DKVP_TESTS=OFF -DKVP_PYTHON=OFF >/dev/null
 nice -n "$nice_level" cmake --build "$build" --target fuzzers -j"${JOBS:-2}" >/dev/null
+[ "$build_only" = 1 ] && exit 0
 
 [ -n "$out" ] || out=$(mktemp -d /tmp/kvpipe-fuzz.XXXXXX)
 mkdir -p "$out"
