@@ -25,11 +25,13 @@ scripts/check-subjects.sh
 
 cmake -S . -B build -DKVP_WERROR=ON >/dev/null
 cmake --build build -j"$jobs"
-# The sanitizer and fuzzer trees build meanwhile at the idle scheduling
-# class (chrt -i: they get a CPU only when no test wants it; tests wait on
-# timeouts and sleeps much of the time), so that their passes start from
-# built trees. Each pass waits for its own and builds it again, which
-# finishes what is left and shows any error.
+# The sanitizer and fuzzer trees, configured here once, build meanwhile at
+# the idle scheduling class (chrt -i: they get a CPU only when no test wants
+# it; tests wait on timeouts and sleeps much of the time), so that their
+# passes start from built trees. Each pass waits for its own and builds it
+# again, which finishes what is left and shows any error.
+cmake -S . -B build-asan -DKVP_WERROR=ON -DKVP_SANITIZE=ON >/dev/null
+cmake -S . -B build-tsan -DKVP_WERROR=ON -DKVP_TSAN=ON >/dev/null
 idle=nice; command -v chrt >/dev/null && idle="chrt -i 0 nice"
 # prebuild COMMAND: in the background, in a session of its own (setsid), so
 # that a pass that fails, which ends the script, takes the build with it.
@@ -38,10 +40,8 @@ prebuild() {
     JOBS=$jobs IDLE=$idle setsid bash -c "$1" >/dev/null 2>&1 &
     prebuilds+=($!)
 }
-prebuild 'cmake -S . -B build-asan -DKVP_WERROR=ON -DKVP_SANITIZE=ON >/dev/null &&
-          $IDLE -n 19 cmake --build build-asan -j"$JOBS"'
-prebuild 'cmake -S . -B build-tsan -DKVP_WERROR=ON -DKVP_TSAN=ON >/dev/null &&
-          $IDLE -n 19 cmake --build build-tsan -j"$JOBS"'
+prebuild '$IDLE -n 19 cmake --build build-asan -j"$JOBS"'
+prebuild '$IDLE -n 19 cmake --build build-tsan -j"$JOBS"'
 if command -v clang >/dev/null; then prebuild '$IDLE -n 19 tests/fuzz/run.sh --build-only'; fi
 trap 'for p in "${prebuilds[@]}"; do kill -- -"$p" 2>/dev/null || true; done' EXIT
 # With them, in the same ctest run (packaging_python, two minutes, starts
@@ -101,7 +101,6 @@ if command -v valgrind >/dev/null; then
 fi
 
 wait "${prebuilds[0]}" || true
-cmake -S . -B build-asan -DKVP_WERROR=ON -DKVP_SANITIZE=ON >/dev/null
 cmake --build build-asan -j"$jobs"
 # Leak checking runs too; halt on the first UBSan report.
 ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1} \
@@ -116,7 +115,6 @@ took "ASan+UBSan"
 # under TSan's own interceptors, so this pass turns them off; UCX then
 # serves its tcp and shared-memory lanes without them.
 wait "${prebuilds[1]}" || true
-cmake -S . -B build-tsan -DKVP_WERROR=ON -DKVP_TSAN=ON >/dev/null
 cmake --build build-tsan -j"$jobs"
 # Four programs fork their peers (pipe sides, targets) from a process that
 # already runs threads, which TSan refuses ("starting new threads after

@@ -120,9 +120,9 @@ fuzz_one() {
 
 # JOBS (default 2) targets at a time: each is one process on one core, so the
 # time each gets is what it would get alone.
-jobs=${JOBS:-2}
+parallel=${JOBS:-2}
 for t in "${targets[@]}"; do
-    while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
+    while [ "$(jobs -rp | wc -l)" -ge "$parallel" ]; do wait -n || true; done
     fuzz_one "$t" &
 done
 wait
