@@ -83,6 +83,7 @@ typedef struct storm {
     int auth;                            /* authentication on: AUTH_FAIL strangers */
     uint8_t kid[KVPI_AUTH_KID_LEN];      /* the real key id, for wrong proofs */
     const char *prefix;                  /* what a trickler trickles */
+    int zmq_only; /* only one refused libzmq stranger per port (pipe_auth_ten) */
 } storm;
 
 typedef struct stranger {
@@ -174,24 +175,18 @@ static int drain(stranger *x)
 }
 
 /* libzmq strangers failing CURVE again and again (libzmq redials them), in a
- * context of their own. */
-typedef struct zstrangers {
-    void *ctx;
-    int n;
-    void *socks[];
-} zstrangers;
-
-static zstrangers *zmq_strangers(const storm *s, int n)
+ * context of their own that lives as long as the process that calls this
+ * (a stranger's process, never one that forks real peers afterwards: see
+ * ten_strangers_main()). 0, or -1 when a socket could not be made. */
+static int zmq_strangers(const storm *s, int n)
 {
-    zstrangers *z = calloc(1, sizeof *z + (size_t)n * sizeof z->socks[0]);
-    if (!z) return NULL;
-    z->ctx = zmq_ctx_new();
-    zmq_ctx_set(z->ctx, ZMQ_MAX_SOCKETS, n + 16);
+    void *ctx = zmq_ctx_new();
+    if (!ctx) return -1;
+    zmq_ctx_set(ctx, ZMQ_MAX_SOCKETS, n + 16);
     char pub[41], sec[41], spub[41], ssec[41];
     for (int i = 0; i < n; i++) {
-        void *x = zmq_socket(z->ctx, i & 1 ? ZMQ_PULL : ZMQ_PUSH);
-        if (!x) break;
-        z->socks[z->n++] = x;
+        void *x = zmq_socket(ctx, i & 1 ? ZMQ_PULL : ZMQ_PUSH);
+        if (!x) return -1;
         zmq_curve_keypair(pub, sec);
         zmq_curve_keypair(spub, ssec);
         int ivl = REOPEN_MS, zero = 0;
@@ -204,31 +199,26 @@ static zstrangers *zmq_strangers(const storm *s, int n)
         snprintf(ep, sizeof ep, "tcp://127.0.0.1:%d", s->ports[i % s->n_ports]);
         zmq_connect(x, ep);
     }
-    return z;
+    return 0;
 }
 
-static void zmq_strangers_end(zstrangers *z)
+static void storm_main(const storm *s, int ready_fd)
 {
-    if (!z) return;
-    for (int i = 0; i < z->n; i++)
-        zmq_close(z->socks[i]);
-    zmq_ctx_term(z->ctx);
-    free(z);
-}
-
-static void storm_main(const void *arg, int ready_fd)
-{
-    const storm *s = arg;
+    alarm(600); /* bounded even if the case forgets it */
+    if (s->zmq_only) {
+        if (zmq_strangers(s, s->n_ports) != 0 || write(ready_fd, "R", 1) != 1) _exit(2);
+        for (;;)
+            pause();
+    }
     /* The strangers take what CPU is left (see favoured()). */
     if (setpriority(PRIO_PROCESS, 0, 19) != 0) {
     }
     signal(SIGPIPE, SIG_IGN);
-    alarm(600); /* bounded even if the case forgets it */
     int n = STRANGERS, n_zmq = 0;
     if (s->zmq && s->auth) n_zmq = STRANGERS / KINDS, n -= n_zmq;
     stranger *xs = calloc((size_t)n, sizeof *xs);
     if (!xs) _exit(2);
-    if (n_zmq) zmq_strangers(s, n_zmq);
+    if (n_zmq && zmq_strangers(s, n_zmq) != 0) _exit(2);
     uint64_t now = kvpi_now_ms();
     for (int i = 0; i < n; i++) {
         xs[i].kind = (enum kind)(i % (n_zmq ? KINDS - 1 : KINDS));
@@ -275,20 +265,44 @@ static void storm_main(const void *arg, int ready_fd)
     }
 }
 
-/* Start the storm; returns once its connections are open. */
-static pid_t storm_start(const storm *s)
+/* The storm runs in a fresh exec of this program: the case that starts it
+ * runs threads (an engine's, ZeroMQ's), and a bare fork of it can inherit a
+ * lock one of them held (ASan's allocator's among them) and hang. The storm
+ * comes over the command channel, its prefix after it. */
+static void storm_peer_main(int cmd, int resp)
 {
-    if (kvpt_raise_nofile(4096) != 0) return -1;
-    pid_t pid = kvpt_fork_ready(storm_main, s);
-    if (pid > 0) usleep(500 * 1000); /* the listener takes them in */
-    return pid;
+    storm s;
+    static char prefix[256];
+    uint32_t len = 0;
+    if (kvpt_read_full(cmd, &s, sizeof s, 10000) != 0 ||
+        kvpt_read_full(cmd, &len, sizeof len, 10000) != 0 || len >= sizeof prefix ||
+        kvpt_read_full(cmd, prefix, len, 10000) != 0)
+        _exit(2);
+    s.prefix = len ? prefix : NULL;
+    storm_main(&s, resp);
+}
+KVPT_PEER_KIND("storm", storm_peer_main)
+
+/* Start the storm; returns once its connections are open: 0, or -1. */
+static int storm_start(const storm *s, kvpt_peer *p)
+{
+    if (kvpt_raise_nofile(4096) != 0 || kvpt_peer_exec(p, NULL, "storm", NULL, NULL) != 0)
+        return -1;
+    uint32_t len = s->prefix ? (uint32_t)strlen(s->prefix) : 0;
+    char ready;
+    if (kvpt_peer_send(p, s, sizeof *s) != 0 || kvpt_peer_send(p, &len, sizeof len) != 0 ||
+        kvpt_peer_send(p, s->prefix ? s->prefix : "", len) != 0 ||
+        kvpt_peer_recv(p, &ready, 1, 30000) != 0) {
+        kvpt_peer_kill(p);
+        return -1;
+    }
+    if (!s->zmq_only) usleep(500 * 1000); /* the listener takes them in */
+    return 0;
 }
 
-static void storm_stop(pid_t pid)
+static void storm_stop(kvpt_peer *p)
 {
-    if (pid <= 0) return;
-    kill(pid, SIGKILL);
-    waitpid(pid, NULL, 0);
+    if (p->pid > 0) kvpt_peer_kill(p);
 }
 
 /* ---------------------------------------------------------- measuring --- */
@@ -384,13 +398,13 @@ static void weather(const char *what, op_fn op, void *ctx, const storm *s)
     for (int r = 0; r < ROUNDS; r++) {
         fq += run_ops(op, ctx, i, n, quiet + r * n);
         i += n;
-        pid_t storm_pid = storm_start(s);
-        REQUIRE(storm_pid > 0);
+        kvpt_peer storm_peer;
+        REQUIRE(storm_start(s, &storm_peer) == 0);
         double before = retries_of(initiator);
         fs += run_ops(op, ctx, i, n, stormy + r * n);
         retries += retries_of(initiator) - before;
         i += n;
-        storm_stop(storm_pid);
+        storm_stop(&storm_peer);
     }
     judge(what, fq, quiet, fs, stormy);
     if (initiator) {
@@ -702,13 +716,13 @@ static void pipe_case(int authenticated)
     pid_t b = kvpt_pipe_spawn(&ps, 1, &o, pipe_receiver);
     int stormed = 1;
     for (int blk = 0; blk < 2 * ROUNDS; blk++) {
-        pid_t storm_pid = blk & 1 ? storm_start(&s) : 0;
-        stormed &= !(blk & 1) || storm_pid > 0;
+        kvpt_peer storm_peer = {.pid = -1};
+        stormed &= !(blk & 1) || storm_start(&s, &storm_peer) == 0;
         shared->go = blk + 1;
         uint64_t t0 = kvpi_now_ms();
         while (shared->done <= blk && kvpi_now_ms() - t0 < 60000)
             usleep(2000);
-        storm_stop(storm_pid);
+        storm_stop(&storm_peer);
     }
     CHECK(stormed);
     CHECK(kvpt_wait_child(a, KVPT_SIDE_TIMEOUT) == 0);
@@ -764,7 +778,7 @@ static int ten_receiver(kvp_pipe *p, int rank)
 static void pipe_auth_ten(void)
 {
     favoured();
-    storm s = {.auth = 1, .zmq = 1, .n_ports = 4};
+    storm s = {.auth = 1, .zmq = 1, .n_ports = 4, .zmq_only = 1};
     REQUIRE(auth_on(s.kid) == 0);
     kvpt_row = &tcp_row;
     shared = mmap(NULL, sizeof *shared, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -774,12 +788,12 @@ static void pipe_auth_ten(void)
         memset(shared, 0, sizeof *shared);
         kvpt_pipe_setup ps;
         REQUIRE(kvpt_pipe_setup_make(&ps, 1) == 0);
-        zstrangers *zs = NULL;
+        kvpt_peer zs = {.pid = -1};
         if (run & 1) {
             int offsets[4] = {9, 10, 109, 110};
             for (int i = 0; i < 4; i++)
                 s.ports[i] = ps.base + offsets[i];
-            zs = zmq_strangers(&s, 4);
+            REQUIRE(storm_start(&s, &zs) == 0);
         }
         kvp_pipe_opts o = kvpt_pipe_tcp_opts();
         pid_t a = kvpt_pipe_spawn(&ps, 0, &o, ten_sender);
@@ -791,7 +805,7 @@ static void pipe_auth_ten(void)
             fprintf(stderr, "  run %d (%s): %d of 10 at once, the tenth after %.0f ms\n", run,
                     run & 1 ? "strangers" : "alone", 10 - shared->failed[0], shared->ms[0][0]);
         }
-        zmq_strangers_end(zs);
+        storm_stop(&zs);
     }
     fprintf(stderr, "  50 runs, half with a refused stranger on each port: %d late\n", late_runs);
     CHECK(late_runs == 0);

@@ -63,6 +63,7 @@ static int open_channel(kvpt_peer *p, int c[2], int r[2])
 int kvpt_peer_fork(kvpt_peer *p, const char *capture, kvpt_peer_body body, void *arg)
 {
     int c[2], r[2];
+    if (kvpt_fork_alone("kvpt_peer_fork") != 0) return -1;
     capture_path(p, capture);
     if (open_channel(p, c, r)) return -1;
     fflush(NULL);

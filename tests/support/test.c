@@ -292,8 +292,37 @@ pid_t kvpt_spawn(char *const argv[], const char *out_path)
     return pid;
 }
 
+static int thread_count(void)
+{
+    DIR *d = opendir("/proc/self/task");
+    int n = -2; /* "." and ".." */
+    if (!d) return 1;
+    while (readdir(d))
+        n++;
+    closedir(d);
+    return n;
+}
+
+int kvpt_fork_alone(const char *who)
+{
+    /* A thread just joined may still be listed for a moment. */
+    int n = thread_count();
+    for (int waited = 0; n > 1 && waited < 100; waited++) {
+        usleep(1000);
+        n = thread_count();
+    }
+    if (n <= 1) return 0;
+    fprintf(stderr,
+            "  %s: refusing to fork a child that runs code from a process with %d threads "
+            "(it may inherit a lock one of them holds and hang); fork before starting "
+            "them, or use kvpt_peer_exec\n",
+            who, n);
+    return -1;
+}
+
 pid_t kvpt_fork_piped(void (*fn)(const void *arg, int fd), const void *arg, int *rfd)
 {
+    if (kvpt_fork_alone("kvpt_fork_piped") != 0) return -1;
     int p[2];
     if (pipe(p) != 0) return -1;
     fflush(NULL);
