@@ -432,6 +432,12 @@ static void on_dead(run *r, proc *pr)
         int waits =
             pr->prefill ? q->p == pr->index && (q->stage == 1 || r->mode == 2) : q->d == pr->index;
         if (!waits) continue;
+        /* A prefill that dies between its send and its reply may have sent
+         * the tensor: the decode drops it if it comes. */
+        if (pr->prefill && r->mode == 2 && q->stage == 1 && !r->dec[q->d].dead) {
+            msg g = {.type = CMD_GIVEUP, .peer = (uint32_t)pr->index, .req = q->id};
+            to_worker(&r->dec[q->d], &g);
+        }
         fail_rq(q, why);
         record(r, q, 0);
     }

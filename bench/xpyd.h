@@ -29,6 +29,7 @@ enum {
     CMD_PSEND,     /* prefill: send the tensor on the pipe to peer */
     CMD_PRECV,     /* decode: receive the next tensor from peer, verify */
     CMD_ABANDON,   /* decode: fail what waits on peer (it died) */
+    CMD_GIVEUP,    /* decode: drop req's tensor if it comes (peer died mid-send) */
     CMD_LOOKUP,    /* probe peer by name now (a fresh metadata lookup) */
     CMD_STATS,
     CMD_QUIT,

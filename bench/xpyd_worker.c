@@ -66,8 +66,9 @@ typedef struct peer_worker {
     char seg_name[64];
     kvp_pipe *pipe;
     char *staging;
-    /* pipe mode, decode: requests whose receive was given up (timed out);
-     * their tensors may still arrive, in order, before the next ones */
+    /* pipe mode, decode: requests whose receive was given up (timed out,
+     * or the prefill died while sending); their tensors may still arrive,
+     * in order, before the next ones */
     uint64_t given_up[64];
     int n_given_up;
     uint64_t late;
@@ -222,6 +223,9 @@ static void run_cmd(peer_worker *p, msg *m)
         int rc;
         for (;;) {
             if (atomic_load(&p->abandon)) {
+                /* Its tensor may still come (the prefill can die between
+                 * its send and its reply): late, like a timed-out one's. */
+                give_up(p, m->req);
                 reply(m, REP_DONE, KVP_ECANCELED, "receive from %s: prefill %u is gone",
                       p->seg_name, p->index);
                 return;
@@ -263,6 +267,9 @@ static void run_cmd(peer_worker *p, msg *m)
         verdict(m, rc, got, at, "decode");
         break;
     }
+    case CMD_GIVEUP:
+        give_up(p, m->req);
+        break;
     default:
         break;
     }
