@@ -364,7 +364,15 @@ static void judge(const char *what, int failed_quiet, double *quiet, int failed_
             stormy[OPS - 1], failed_quiet, failed_storm, OPS);
     CHECK(failed_quiet == 0);
     CHECK(failed_storm == 0);
-    CHECK(s <= bound);
+    /* Under TSan the storm is there for the races it may show: a p99 of a
+     * few milliseconds there is TSan's own slowness, uneven between the
+     * pipe's threads (libzmq's run uninstrumented), more than the
+     * listener's (beside strangers 2 to 6 times its p99 alone in runs of
+     * the same code). The other passes judge it. */
+    if (kvpt_tsan())
+        fprintf(stderr, "  (ThreadSanitizer build: the p99 is shown, not judged)\n");
+    else
+        CHECK(s <= bound);
 }
 
 /* The case's real traffic, alone and beside the storm s in turns (ROUNDS of
