@@ -308,12 +308,6 @@ static void close_worker(ucx_peer *p)
 {
     for (size_t i = 0; p->rkeys && i < p->n_regions; i++)
         if (p->rkeys[i]) ucp_rkey_destroy(p->rkeys[i]);
-    for (ucx_revoke *rv = p->revokes, *next; rv; rv = next) {
-        next = rv->next;
-        if (rv->flush) ucp_request_free(rv->flush);
-        free(rv);
-    }
-    p->revokes = NULL;
     void *req = NULL;
     if (p->ep && (atomic_load(&p->ep_status) || p->frozen)) {
         kvpi_ucx_ep_close_force(p->ep);
@@ -336,6 +330,14 @@ static void close_worker(ucx_peer *p)
                    ? 0
                    : idle + 1;
     if (req) ucp_request_free(req);
+    /* The REVOKEs last: that progress can still deliver one (on_revoke). */
+    for (ucx_revoke *rv = p->revokes, *next; rv; rv = next) {
+        next = rv->next;
+        if (rv->flush) ucp_request_free(rv->flush);
+        free(rv);
+    }
+    p->revokes = NULL;
+    p->revokes_tail = &p->revokes;
     ucp_worker_destroy(p->poll.worker);
     p->poll.worker = NULL;
 }
