@@ -44,13 +44,27 @@ prebuild '$IDLE -n 19 cmake --build build-asan -j"$JOBS"'
 prebuild '$IDLE -n 19 cmake --build build-tsan -j"$JOBS"'
 if command -v clang >/dev/null; then prebuild '$IDLE -n 19 tests/fuzz/run.sh --build-only'; fi
 trap 'for p in "${prebuilds[@]}"; do kill -- -"$p" 2>/dev/null || true; done' EXIT
+# The tests that want the machine quiet (RUN_SERIAL: storm_test compares
+# latencies beside a storm and alone) run after the others, with the
+# prebuilds stopped meanwhile: at the idle class they still took enough
+# of the machine to double a p99 of a few milliseconds.
+quiet_tests='^storm_test$'
+# quietly COMMAND...: COMMAND with the prebuilds stopped.
+quietly() {
+    local p rc=0
+    for p in "${prebuilds[@]}"; do kill -STOP -- -"$p" 2>/dev/null || true; done
+    "$@" || rc=$?
+    for p in "${prebuilds[@]}"; do kill -CONT -- -"$p" 2>/dev/null || true; done
+    return "$rc"
+}
 # With them, in the same ctest run (packaging_python, two minutes, starts
 # first), the packaging checks - what a user installs (tests/packaging/,
 # ctest label "packaging"): the exported symbols; a prefix install with
 # examples/ built against it (pkg-config, find_package) and run against each
 # other; a build with every KVP_WITH_* off; the Python wheel in fresh venvs;
 # the .debs (dpkg -i / dpkg -r as root).
-ctest --test-dir build --output-on-failure -j"$slots"
+ctest --test-dir build --output-on-failure -j"$slots" -E "$quiet_tests"
+quietly ctest --test-dir build --output-on-failure -R "$quiet_tests"
 took "the normal build, its tests and the packaging checks"
 
 # valgrind: memory errors and definite leaks fail the run. The shm transport
@@ -103,9 +117,10 @@ fi
 wait "${prebuilds[0]}" || true
 cmake --build build-asan -j"$jobs"
 # Leak checking runs too; halt on the first UBSan report.
-ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1} \
-UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1} \
-    ctest --test-dir build-asan --output-on-failure -j"$slots"
+asan_env=(ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}"
+          UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}")
+env "${asan_env[@]}" ctest --test-dir build-asan --output-on-failure -j"$slots" -E "$quiet_tests"
+quietly env "${asan_env[@]}" ctest --test-dir build-asan --output-on-failure -R "$quiet_tests"
 took "ASan+UBSan"
 
 # ThreadSanitizer: a race report makes its process exit 66, which fails the
