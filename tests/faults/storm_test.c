@@ -364,13 +364,15 @@ static void judge(const char *what, int failed_quiet, double *quiet, int failed_
             stormy[OPS - 1], failed_quiet, failed_storm, OPS);
     CHECK(failed_quiet == 0);
     CHECK(failed_storm == 0);
-    /* Under TSan the storm is there for the races it may show: a p99 of a
-     * few milliseconds there is TSan's own slowness, uneven between the
-     * pipe's threads (libzmq's run uninstrumented), more than the
-     * listener's (beside strangers 2 to 6 times its p99 alone in runs of
-     * the same code). The other passes judge it. */
-    if (kvpt_tsan())
-        fprintf(stderr, "  (ThreadSanitizer build: the p99 is shown, not judged)\n");
+    /* Under the sanitizers the storm is there for the errors and races it
+     * may show: a p99 of a few milliseconds there is the sanitizer's own
+     * slowness, uneven between threads (libzmq's and libmicrohttpd's run
+     * uninstrumented), more than the listener's. Beside the storm, TSan
+     * gave the pipe 2 to 6 times its p99 alone, and ASan the metadata
+     * server and /metrics 4 and 3.5 times, with the machine quiet. The
+     * normal build judges it. */
+    if (KVPT_SANITIZED)
+        fprintf(stderr, "  (sanitizer build: the p99 is shown, not judged)\n");
     else
         CHECK(s <= bound);
 }

@@ -301,11 +301,6 @@ pid_t kvpt_spawn(char *const argv[], const char *out_path)
 #endif
 
 #ifdef KVPT_TSAN
-int kvpt_tsan(void)
-{
-    return 1;
-}
-
 /* ThreadSanitizer runs a thread of its own, and checks this itself (a child
  * forked beside threads dies when it starts one). */
 int kvpt_fork_alone(const char *who)
@@ -314,11 +309,6 @@ int kvpt_fork_alone(const char *who)
     return 0;
 }
 #else
-int kvpt_tsan(void)
-{
-    return 0;
-}
-
 static int thread_count(void)
 {
     DIR *d = opendir("/proc/self/task");

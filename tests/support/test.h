@@ -131,11 +131,6 @@ pid_t kvpt_spawn(char *const argv[], const char *out_path);
  * too, so that a case that would hang now and then fails every time. */
 int kvpt_fork_alone(const char *who);
 
-/* 1 in a ThreadSanitizer build (whose every access is several times
- * slower, unevenly: latencies there measure TSan more than the code), else
- * 0. */
-int kvpt_tsan(void);
-
 /* Fork a child that dies with this process and runs fn(arg, fd), which
  * must not return; fd is the writing end of a pipe whose reading end is
  * *rfd here. The child's pid, or -1 if it could not start. */
