@@ -176,8 +176,8 @@ static int drain(stranger *x)
 
 /* libzmq strangers failing CURVE again and again (libzmq redials them), in a
  * context of their own that lives as long as the process that calls this
- * (a stranger's process, never one that forks real peers afterwards: see
- * ten_strangers_main()). 0, or -1 when a socket could not be made. */
+ * (the storm's, never one that forks real peers afterwards: see
+ * storm_peer_main()). 0, or -1 when a socket could not be made. */
 static int zmq_strangers(const storm *s, int n)
 {
     void *ctx = zmq_ctx_new();

@@ -126,9 +126,10 @@ pid_t kvpt_spawn(char *const argv[], const char *out_path);
 
 /* 0 when this process runs no thread but the caller's; else -1, after
  * saying so as who. A child forked beside other threads may inherit a lock
- * one of them held (ASan's allocator's, a library's) and hang in it, and
- * TSan refuses the fork: the fork helpers below and kvpt_peer_fork refuse
- * too, so that a case that would hang now and then fails every time. */
+ * one of them held (ASan's allocator's, a library's) and hang in it: the
+ * fork helpers below and kvpt_peer_fork refuse, so that a case that would
+ * hang now and then fails every time. Under TSan, which runs a thread of
+ * its own and checks this itself, it always answers 0. */
 int kvpt_fork_alone(const char *who);
 
 /* Fork a child that dies with this process and runs fn(arg, fd), which
