@@ -32,7 +32,7 @@ test:
 
 # Only the normal build's tests.
 test-fast: build
-	ctest --test-dir build --output-on-failure -j$$((2 * $(JOBS)))
+	ctest --test-dir build --output-on-failure -j$$((2 * $(JOBS) + 1))
 
 asan:
 	cmake -S . -B build-asan -DKVP_WERROR=ON -DKVP_SANITIZE=ON $(CMAKE_FLAGS) >/dev/null
