@@ -8,16 +8,22 @@
  * passes see, which read what was just copied or is about to be) and walking
  * 1 GiB of memory (out of cache). Prints one JSON line per function:
  *   {"function": F, "in_cache_gbps": G, "memory_gbps": M}
- * xxh3-64 is kvpipe's (libxxhash's XXH3_64bits); xxh64 libxxhash's older
- * XXH64; crc32 zlib's (the CRC libraries Debian packages; none has CRC32C);
- * crc32c-sse42 the x86 instruction, one word at a time, as a reference only
- * (kvpipe does not hand-write a digest); memcpy the copy it rides on. */
+ * xxh3-64 is kvpipe's (libxxhash's XXH3_64bits, through its x86
+ * dispatcher); xxh64 libxxhash's older XXH64; crc32 zlib's (the CRC
+ * libraries Debian packages; none has CRC32C); crc32c-sse42 the x86
+ * instruction, one word at a time, as a reference only (kvpipe does not
+ * hand-write a digest); memcpy the copy it rides on. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <xxhash.h>
+#if defined(__x86_64__) && defined(__has_include) /* as src/common/digest.c */
+#if __has_include(<xxh_x86dispatch.h>)
+#include <xxh_x86dispatch.h>
+#endif
+#endif
 #include <zlib.h>
 #if defined(__x86_64__)
 #include <nmmintrin.h>

@@ -3,6 +3,15 @@
 #include <stdlib.h>
 #include <string.h>
 #include <xxhash.h>
+/* On x86-64, libxxhash's dispatcher: the same XXH3 with the widest vectors
+ * this CPU has (AVX2, AVX-512) instead of the SSE2 the library was built
+ * for; 2.2 times as fast in cache here (bench/digest_speed). Its header
+ * turns the calls below into the _dispatch ones. */
+#if defined(__x86_64__) && defined(__has_include)
+#if __has_include(<xxh_x86dispatch.h>)
+#include <xxh_x86dispatch.h>
+#endif
+#endif
 
 #include "common/digest.h"
 #include "common/error.h"

@@ -2,13 +2,15 @@
  * "Integrity"): XXH3-64 from libxxhash, over the bytes a transfer moves.
  *
  * Where it is taken: the side that sends a slice's bytes digests them in a
- * pass of its own just before they go (the bytes are then in cache for the
- * copy that follows), and the side that receives digests what landed as it
- * lands, a chunk at a time (kvpi_digest_recv). A slice whose two digests
- * differ failed: the bytes changed on the way, or the source changed while
- * the transfer read it. Since the sending side's pass ends before its copy
- * begins, matching digests prove the bytes moved are those the source held
- * at one instant, between the two passes.
+ * pass of its own once the copy that sends them has ended (the copy has
+ * brought them into cache, so the pass reads them there), and the side that
+ * receives digests what landed as it lands, a chunk at a time
+ * (kvpi_digest_recv). A slice whose two digests differ failed: the bytes
+ * changed on the way, or the source changed while the transfer read it.
+ * Since the sending side's pass begins after its copy ended, matching
+ * digests prove that every byte held, when the pass read it, the value the
+ * copy had read: the bytes moved are those the source held at one instant,
+ * between the copy's end and the pass's start.
  *
  * Thread-safe: the state of kvpi_digest_recv is the calling thread's. */
 #ifndef KVPI_COMMON_DIGEST_H

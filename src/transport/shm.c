@@ -354,15 +354,12 @@ static size_t check_slices(const shm_peer *p, kvpi_slice *const *slices, size_t 
     return todo;
 }
 
-/* The window's requests; integrity: a WRITE's digest of its source is taken
- * (into sent[j]) in a pass that ends before the request leaves. */
+/* The window's requests. */
 static kvp_status link_send(const shm_peer *p, int fd, kvpi_slice *const *win, size_t n,
-                            uint64_t deadline, uint64_t *sent)
+                            uint64_t deadline)
 {
     uint8_t buf[WINDOW * KVPI_SHM_REQ_LEN];
     for (size_t j = 0; j < n; j++) {
-        if (p->digest && win[j]->opcode == KVP_OP_WRITE)
-            sent[j] = kvpi_digest(win[j]->local, win[j]->length);
         kvpi_shm_req_encode(&(kvpi_shm_req){.remote = win[j]->remote,
                                             .length = win[j]->length,
                                             .local = (uint64_t)(uintptr_t)win[j]->local,
@@ -374,15 +371,14 @@ static kvp_status link_send(const shm_peer *p, int fd, kvpi_slice *const *win, s
 }
 
 /* Integrity: the target's digest after a status, compared with ours of
- * this side (a READ's destination now, a WRITE's source before it went). */
-static kvp_status check_digest(const shm_peer *p, int fd, kvpi_slice *s, uint64_t sent,
-                               uint64_t deadline)
+ * this side's memory now, after the copy: a READ's destination, a WRITE's
+ * source (the pass begins once the copy has ended: common/digest.h). */
+static kvp_status check_digest(const shm_peer *p, int fd, kvpi_slice *s, uint64_t deadline)
 {
     uint8_t d[KVPI_DIGEST_LEN];
     kvp_status st = kvpi_recv_all_by(fd, d, sizeof d, deadline);
     if (st || s->status != KVP_OK) return st;
-    uint64_t ours = s->opcode == KVP_OP_READ ? kvpi_digest(s->local, s->length) : sent;
-    if (kvpi_get_le64(d) != ours)
+    if (kvpi_get_le64(d) != kvpi_digest(s->local, s->length))
         s->status = kvpi_error(KVP_ECORRUPT,
                                "shm peer pid %d: %s of [0x%" PRIx64 ", +%zu) arrived corrupted: "
                                "its digest and ours differ (the source changed while it was "
@@ -393,7 +389,7 @@ static kvp_status check_digest(const shm_peer *p, int fd, kvpi_slice *s, uint64_
 }
 
 static kvp_status link_collect(const shm_peer *p, int fd, kvpi_slice *const *win, size_t n,
-                               uint64_t deadline, const uint64_t *sent)
+                               uint64_t deadline)
 {
     for (size_t j = 0; j < n; j++) {
         uint8_t s[KVPI_SHM_STATUS_LEN];
@@ -403,7 +399,7 @@ static kvp_status link_collect(const shm_peer *p, int fd, kvpi_slice *const *win
         if (!st) st = kvpi_shm_get_status(s, &remote, &err);
         if (st) return st;
         win[j]->status = remote;
-        if (p->digest && (st = check_digest(p, fd, win[j], sent[j], deadline))) return st;
+        if (p->digest && (st = check_digest(p, fd, win[j], deadline))) return st;
         if (remote == KVP_OK) continue;
         kvpi_error(remote, "shm peer pid %d: %s of [0x%" PRIx64 ", +%zu) failed%s%s",
                    (int)p->target, win[j]->opcode == KVP_OP_READ ? "READ" : "WRITE", win[j]->remote,
@@ -465,9 +461,8 @@ static kvp_status link_run(const shm_peer *p, int fd, kvpi_slice *const *slices,
         size_t k = 0;
         for (; next < n && k < WINDOW; next++)
             if (slices[next]->status == KVP_EINPROGRESS) win[k++] = slices[next];
-        uint64_t sent[WINDOW];
-        if (k) st = link_send(p, fd, win, k, deadline, sent);
-        if (k && !st) st = link_collect(p, fd, win, k, deadline, sent);
+        if (k) st = link_send(p, fd, win, k, deadline);
+        if (k && !st) st = link_collect(p, fd, win, k, deadline);
     }
     return st;
 }

@@ -23,9 +23,9 @@
  * Integrity (common/digest.h): between two kvpipe engines that both have it
  * on, a READ's or WRITE's opcode carries KVPI_SHM_OP_DIGEST and its status
  * is followed by 8 bytes, the target's digest (little-endian; 0 after a
- * failure): of its memory read just before it copied it out (READ), or of
- * its memory after the copy in (WRITE). The initiator digests its own side
- * (a READ's destination after, a WRITE's source before) and fails the
+ * failure) of its memory, read once the copy (out for a READ, in for a
+ * WRITE) has ended. The initiator digests its own side (a READ's
+ * destination, a WRITE's source) once the status is in, and fails the
  * request with KVP_ECORRUPT when the two differ.
  * A CUDA IPC request (local 0) asks for the handle of registered device
  * memory, so that the initiator copies with the driver itself (shm.c); only a

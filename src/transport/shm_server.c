@@ -290,15 +290,12 @@ static kvp_status serve_request(shm_conn *c, const uint8_t h[KVPI_SHM_REQ_LEN], 
         st = serve_staged(c, &r, kvpi_pin_region(pin)->device, &err, &fatal, &digest);
         kvpi_region_unpin(reg, pin);
     } else {
-        /* Integrity: a READ's digest is taken in a pass of its own that ends
-         * before the copy out begins; a WRITE's of what the copy left. */
+        /* Integrity: the digest is taken in a pass of its own once the copy
+         * has ended, over our side of it (common/digest.h). */
         const void *mem = (const void *)(uintptr_t)remote;
-        KVPI_PEER_COPY_BEGIN();
-        if (r.digest && op == KVP_OP_READ) digest = kvpi_digest(mem, len);
-        KVPI_PEER_COPY_END();
         err = copy_with_peer(c->fd, c->peer, (kvp_opcode)op, remote, local, len);
         KVPI_PEER_COPY_BEGIN();
-        if (r.digest && op == KVP_OP_WRITE && !err) digest = kvpi_digest(mem, len);
+        if (r.digest && !err) digest = kvpi_digest(mem, len);
         KVPI_PEER_COPY_END();
         kvpi_region_unpin(reg, pin);
         st = copy_status(err, &fatal);

@@ -246,12 +246,16 @@ static int serve_request(kvpi_conn *c, tcp_server *srv, const kvpi_tcp_hdr *h)
         }
         uint8_t frame[8], digest[KVPI_DIGEST_LEN];
         kvpi_tcp_status_encode(KVPI_TCP_STATUS_OK, frame);
-        struct iovec iov[3] = {{frame, sizeof frame}, {mem, h->size}, {digest, sizeof digest}};
+        struct iovec iov[2] = {{frame, sizeof frame}, {mem, h->size}};
         KVPI_PEER_COPY_BEGIN();
-        /* Integrity: the digest is taken in a pass of its own, which ends
-         * before the send's copy begins (common/digest.h). */
-        if (h->digest) kvpi_put_le64(digest, kvpi_digest(mem, h->size));
-        st = h->v2 ? kvpi_conn_sendv(c, iov, h->digest ? 3 : 2) : kvpi_conn_sendv(c, iov + 1, 1);
+        st = h->v2 ? kvpi_conn_sendv(c, iov, 2) : kvpi_conn_sendv(c, iov + 1, 1);
+        /* Integrity: the digest is taken in a pass of its own, which begins
+         * once the send's copy has ended (common/digest.h), and goes with
+         * the connection's next answer. */
+        if (!st && h->digest) {
+            kvpi_put_le64(digest, kvpi_digest(mem, h->size));
+            st = kvpi_conn_send_later(c, digest, sizeof digest);
+        }
         KVPI_PEER_COPY_END();
         kvpi_region_unpin(srv->regions, pin);
         if (st == KVP_EINVAL) log_fault(c, h, "cut short"); /* unmapped mid-send */
@@ -757,17 +761,24 @@ static kvp_status run_writes(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n
 {
     kvp_status st = KVP_OK;
     size_t sent = 0;
+    /* Integrity: each payload's digest is taken in a pass of its own, which
+     * begins once the send's copy of it has ended (common/digest.h), and
+     * goes in front of the next WRITE's header (the last one alone). */
+    uint8_t digest[KVPI_DIGEST_LEN];
+    int owed = 0;
     for (; sent < n; sent++) {
-        uint8_t hdr[KVPI_TCP_HDR_LEN], digest[KVPI_DIGEST_LEN];
+        uint8_t hdr[KVPI_TCP_HDR_LEN];
         int digested = p->digest && s[sent]->length;
         kvpi_tcp_hdr h = {s[sent]->length, s[sent]->remote, KVPI_TCP_OP_WRITE, p->v2, digested};
         kvpi_tcp_hdr_encode(&h, hdr);
-        /* Integrity: the digest is taken in a pass of its own, which ends
-         * before the send's copy begins (common/digest.h). */
-        if (digested) kvpi_put_le64(digest, kvpi_digest(s[sent]->local, s[sent]->length));
         struct iovec iov[3] = {
-            {hdr, sizeof hdr}, {s[sent]->local, s[sent]->length}, {digest, sizeof digest}};
-        if ((st = kvpi_sendv_all_by(fd, iov, digested ? 3 : 2, deadline))) break;
+            {digest, sizeof digest}, {hdr, sizeof hdr}, {s[sent]->local, s[sent]->length}};
+        if ((st = kvpi_sendv_all_by(fd, iov + !owed, 2 + owed, deadline))) break;
+        if ((owed = digested)) kvpi_put_le64(digest, kvpi_digest(s[sent]->local, s[sent]->length));
+    }
+    if (!st && owed) {
+        struct iovec last = {digest, sizeof digest};
+        st = kvpi_sendv_all_by(fd, &last, 1, deadline);
     }
     if (!p->v2) {
         for (size_t i = 0; i < sent; i++)

@@ -9,7 +9,7 @@
  * kvpipe's integrity (common/digest.h), with v2 between two kvpipe engines
  * that both have it on (their descriptors say "kvpipe_integrity"), sets bit
  * 0x40 too: the side that sends the payload follows it with its 8-byte
- * digest (little-endian), taken just before it sent it; a READ's client and
+ * digest (little-endian), taken once it sent it; a READ's client and
  * a WRITE's server compare it with the digest of what arrived. A WRITE
  * whose digests differ is answered with status code 2 (the bytes landed, the
  * request failed); a READ's client fails the request itself. Mooncake never
