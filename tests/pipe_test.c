@@ -614,22 +614,25 @@ static void test_cli_bench_pipe(void)
     CHECK(strstr(out, "every byte verified") != NULL);
     /* 1 KiB tensors go inline (all but those sent before the sender read
      * the receiver's descriptor): 20 timed, 32 warm-up, the None. The
-     * transport is "inline" exactly when no message was READ. Whether the
-     * warm-up went inline too is a race (the sender reads the descriptor
-     * meanwhile; here about one run in three), so up to 20 runs look for
-     * one that was all inline. */
+     * transport is "inline" exactly when no message was READ. How many went
+     * before the sender read the descriptor is a race (here about one run
+     * in three had some; under a loaded CI, once, all 53), so up to 20 runs
+     * look for one that was all inline, and at least one must have sent
+     * some inline. */
     char *small[] = {"bench", "--pipe", "--tensor-size", "1K", "--count", "20", "--json", NULL};
-    int all_inline = 0;
+    int all_inline = 0, some_inline = 0;
     for (int try = 0; try < 20 && !all_inline; try++) {
         CHECK(run_cli(small, out, sizeof out) == 0);
         last = strrchr(out, '{');
         CHECK(last && strstr(last, "\"ops\": 20") && strstr(last, "\"messages\": 53"));
-        CHECK(last && !strstr(last, "\"inline_messages\": 0,"));
+        if (!last || strstr(last, "\"inline_messages\": 0,")) continue;
+        some_inline = 1;
         CHECK(strstr(out, " B via inline messages on the pipe's ZeroMQ link, ") ||
               strstr(out, " messages inline), "));
-        all_inline = last && strstr(last, "\"inline_messages\": 53,") != NULL;
-        CHECK(!last || all_inline == (strstr(last, "\"transport\": \"inline\"") != NULL));
+        all_inline = strstr(last, "\"inline_messages\": 53,") != NULL;
+        CHECK(all_inline == (strstr(last, "\"transport\": \"inline\"") != NULL));
     }
+    CHECK(some_inline);
     if (!all_inline)
         printf("  note: no 1 KiB run of 20 went all inline; the inline name unchecked\n");
     char *bad[] = {"bench", "--pipe", "--tensor-size", "12", NULL};
