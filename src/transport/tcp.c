@@ -144,12 +144,13 @@ static kvp_status staged_recv(void *ctx, void *buf, size_t len, uint64_t off)
     return st;
 }
 
-/* Integrity: a READ's payload is followed by the digest of what was sent. */
+/* Integrity: a READ's payload is followed by the digest of what was sent,
+ * which goes with the connection's next answer (kvpi_conn_send_later). */
 static kvp_status send_digest(kvpi_conn *c, uint64_t digest)
 {
     uint8_t d[KVPI_DIGEST_LEN];
     kvpi_put_le64(d, digest);
-    return kvpi_conn_send(c, d, sizeof d);
+    return kvpi_conn_send_later(c, d, sizeof d);
 }
 
 /* Integrity: a WRITE's payload is followed by the digest its sender took;
@@ -244,18 +245,14 @@ static int serve_request(kvpi_conn *c, tcp_server *srv, const kvpi_tcp_hdr *h)
             log_fault(c, h, "refused");
             return refuse(c, h);
         }
-        uint8_t frame[8], digest[KVPI_DIGEST_LEN];
+        uint8_t frame[8];
         kvpi_tcp_status_encode(KVPI_TCP_STATUS_OK, frame);
         struct iovec iov[2] = {{frame, sizeof frame}, {mem, h->size}};
         KVPI_PEER_COPY_BEGIN();
         st = h->v2 ? kvpi_conn_sendv(c, iov, 2) : kvpi_conn_sendv(c, iov + 1, 1);
         /* Integrity: the digest is taken in a pass of its own, which begins
-         * once the send's copy has ended (common/digest.h), and goes with
-         * the connection's next answer. */
-        if (!st && h->digest) {
-            kvpi_put_le64(digest, kvpi_digest(mem, h->size));
-            st = kvpi_conn_send_later(c, digest, sizeof digest);
-        }
+         * once the send's copy has ended (common/digest.h). */
+        if (!st && h->digest) st = send_digest(c, kvpi_digest(mem, h->size));
         KVPI_PEER_COPY_END();
         kvpi_region_unpin(srv->regions, pin);
         if (st == KVP_EINVAL) log_fault(c, h, "cut short"); /* unmapped mid-send */
@@ -776,10 +773,7 @@ static kvp_status run_writes(tcp_peer *p, int fd, kvpi_slice *const *s, size_t n
         if ((st = kvpi_sendv_all_by(fd, iov + !owed, 2 + owed, deadline))) break;
         if ((owed = digested)) kvpi_put_le64(digest, kvpi_digest(s[sent]->local, s[sent]->length));
     }
-    if (!st && owed) {
-        struct iovec last = {digest, sizeof digest};
-        st = kvpi_sendv_all_by(fd, &last, 1, deadline);
-    }
+    if (!st && owed) st = kvpi_send_all_by(fd, digest, sizeof digest, deadline);
     if (!p->v2) {
         for (size_t i = 0; i < sent; i++)
             s[i]->status = KVP_OK;
