@@ -10,6 +10,9 @@
  *     succeeds with the right bytes, and the corruption counter says as
  *     many. The initiator finds the proxy through a metadata store of its
  *     own, which holds the target's keys with the data port changed.
+ *   tcp_proxy_device: the same, READs then WRITEs, with device memory (the
+ *     CUDA driver's double) at both ends: the staged path, where each side
+ *     digests its bounce buffers.
  *   tcp_source_rewritten_read / shm_source_rewritten_read: the target's
  *     memory is rewritten, one 8-byte generation number at a time, front to
  *     back, over and over, while READs of it run: a READ either fails with
@@ -246,8 +249,9 @@ static int proxy_start(proxy *px, int target_port)
 
 /* ------------------------------------------- the target behind a proxy --- */
 
-/* Copy the target's two keys from its store to ours, the data port
- * replaced by the proxy's, and point the initiator at ours. */
+/* Copy the target's two keys from its store to ours (again, once its
+ * descriptor changed), the data port replaced by the proxy's, and point the
+ * initiator at ours. */
 static int divert(const char *their_store, const char *our_store, const char *name, int port)
 {
     void *a = NULL, *b = NULL;
@@ -262,6 +266,7 @@ static int divert(const char *their_store, const char *our_store, const char *na
     cJSON_ReplaceItemInObjectCaseSensitive(doc, "tcp_data_port", cJSON_CreateNumber(port));
     char *text = cJSON_PrintUnformatted(doc);
     cJSON_Delete(doc);
+    kvpi_store_http.del(b, key_rpc); /* absent unless diverted before */
     if (text && !kvpi_store_http.put(b, key_rpc, rpc) && !kvpi_store_http.put(b, key_ram, text))
         rc = 0;
     free(text);
@@ -384,6 +389,66 @@ static void tcp_proxy_writes(void)
             OPS, flipped, corrupt, wrong, other);
     proxy_verdict(&r, flipped, corrupt, wrong, other);
     rig_stop(&r);
+}
+
+/* Device memory at both ends (the CUDA double), so each side stages its
+ * bytes through bounce buffers and digests those: READs of the target's
+ * device memory into ours, then WRITEs of ours into its, through the proxy. */
+static void tcp_proxy_device(void)
+{
+    integrity(1);
+    setenv("KVPIPE_LIBCUDA", KVPT_FAKECUDA_PATH, 1); /* here and in the target */
+    kvpt_fakecuda fc;
+    kvpt_fakecuda_load(&fc, KVPT_FAKECUDA_PATH);
+    rig r;
+    REQUIRE(rig_start(&r) == 0);
+    const size_t len = 60 * BLOCK;
+    int64_t there = kvpt_peer_call(&r.t.peer, KVPT_T_DEVICE, len, SEED, 0, 20000);
+    REQUIRE(there > 0);
+    /* the target's descriptor now lists the device region: ours again */
+    REQUIRE(divert(r.their, r.ours, r.t.name, r.px.port) == 0);
+    REQUIRE_OK(kvp_engine_probe(r.e, r.t.name));
+    void *here = fc.alloc(1, BLOCK);
+    REQUIRE(here != NULL);
+    REQUIRE_OK(kvp_engine_register(r.e, here, BLOCK));
+    static uint8_t host[BLOCK];
+    int corrupt = 0, wrong = 0, other = 0;
+    for (int i = 0; i < 2 * OPS; i++) {
+        int write = i >= OPS;
+        size_t off = (size_t)(i % 60) * BLOCK;
+        uint64_t seed = write ? 77 + (uint64_t)i : SEED + off;
+        if (write) {
+            kvpt_fill(host, BLOCK, seed);
+            REQUIRE(fc.poke(here, host, BLOCK) == 0);
+        }
+        kvp_status st = write ? kvp_engine_write(r.e, r.seg, here, (uint64_t)there + off, BLOCK)
+                              : kvp_engine_read(r.e, r.seg, here, (uint64_t)there + off, BLOCK);
+        if (st == KVP_ECORRUPT) {
+            corrupt++;
+        } else if (st) {
+            other++;
+            fprintf(stderr, "  %s %d: %s\n", write ? "WRITE" : "READ", i, kvp_last_error());
+        } else if (write) {
+            wrong += kvpt_peer_call(&r.t.peer, KVPT_T_CHECK, (uint64_t)there + off, BLOCK, seed,
+                                    20000) != -2;
+        } else {
+            REQUIRE(fc.peek(host, here, BLOCK) == 0);
+            wrong += kvpt_verify(host, BLOCK, seed) != (size_t)-1;
+        }
+    }
+    int flipped = atomic_load(&r.px.reads_flipped) + atomic_load(&r.px.writes_flipped);
+    fprintf(stderr,
+            "  %d READs and %d WRITEs of device memory through the proxy: %d flipped, %d failed "
+            "with ECORRUPT, %d succeeded with wrong bytes, %d failed otherwise\n",
+            OPS, OPS, flipped, corrupt, wrong, other);
+    CHECK(flipped >= 2 * (OPS / CORRUPT_EVERY - 1));
+    CHECK(corrupt == flipped);
+    CHECK(wrong == 0);
+    CHECK(other == 0);
+    CHECK(corrupt_count(r.e) == flipped);
+    CHECK_OK(kvp_engine_unregister(r.e, here));
+    rig_stop(&r);
+    unsetenv("KVPIPE_LIBCUDA");
 }
 
 /* ----------------------------------------- sources rewritten meanwhile --- */
@@ -800,6 +865,7 @@ int main(void)
     signal(SIGPIPE, SIG_IGN);
     RUN_T(tcp_proxy_reads, 180);
     RUN_T(tcp_proxy_writes, 180);
+    RUN_T(tcp_proxy_device, 180);
     kvpt_run_with("tcp_source_rewritten_read", source_rewritten_read, "tcp", 120);
     kvpt_run_with("shm_source_rewritten_read", source_rewritten_read, "shm", 120);
     kvpt_run_with("tcp_source_rewritten_write", source_rewritten_write, "tcp", 120);

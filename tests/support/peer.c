@@ -298,9 +298,30 @@ static int64_t timed_ms(uint64_t t0)
     return (int64_t)((kvpi_now_ns() - t0) / 1000000u);
 }
 
+/* [a, +len) holds kvpt_fill(seed)? As KVPT_T_CHECK answers; memory in
+ * [dev, +dev_len) is read through the CUDA double fc. */
+static int64_t check(uint64_t a, size_t len, uint64_t seed, const kvpt_fakecuda *fc, uint64_t dev,
+                     size_t dev_len)
+{
+    void *p = (void *)(uintptr_t)a, *copy = NULL;
+    if (dev_len && a >= dev && a - dev <= dev_len && len <= dev_len - (a - dev)) {
+        if (!(copy = malloc(len)) || fc->peek(copy, p, len) != 0) {
+            free(copy);
+            return -1;
+        }
+        p = copy;
+    }
+    size_t bad = kvpt_verify(p, len, seed);
+    free(copy);
+    return bad == (size_t)-1 ? -2 : (int64_t)bad;
+}
+
 static int64_t target_do(kvp_engine *e, kvpt_target *t, const kvpt_cmd *c)
 {
     static void *pool; /* the last KVPT_T_POOL buffer */
+    static kvpt_fakecuda fc;
+    static uint64_t dev; /* the KVPT_T_DEVICE region */
+    static size_t dev_len;
     uint64_t t0 = kvpi_now_ns();
     switch (c->op) {
     case KVPT_T_REGISTER: {
@@ -343,9 +364,22 @@ static int64_t target_do(kvp_engine *e, kvpt_target *t, const kvpt_cmd *c)
         return munmap(t->buf, t->len) == 0 ? 0 : -1;
     case KVPT_T_FDS:
         return kvpt_count_fds();
-    case KVPT_T_CHECK: {
-        size_t bad = kvpt_verify((void *)(uintptr_t)c->a, c->b, c->c);
-        return bad == (size_t)-1 ? -2 : (int64_t)bad;
+    case KVPT_T_CHECK:
+        return check(c->a, c->b, c->c, &fc, dev, dev_len);
+    case KVPT_T_DEVICE: {
+        const char *lib = getenv("KVPIPE_LIBCUDA");
+        if (!lib || dev_len) return -1;
+        kvpt_fakecuda_load(&fc, lib);
+        char *ref = malloc(c->a);
+        void *p = fc.alloc(1, c->a);
+        int ok = ref && p;
+        if (ok) kvpt_fill(ref, c->a, c->b);
+        ok = ok && fc.poke(p, ref, c->a) == 0 && kvp_engine_register(e, p, c->a) == KVP_OK;
+        free(ref);
+        if (!ok) return -1;
+        dev = (uint64_t)(uintptr_t)p;
+        dev_len = c->a;
+        return (int64_t)dev;
     }
     default:
         return -1;

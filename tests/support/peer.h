@@ -156,7 +156,11 @@ enum kvpt_target_op {
     KVPT_T_UNMAP = 'm',      /* munmap the buffer (still registered): 0 */
     KVPT_T_FDS = 'f',        /* open descriptors of the child */
     KVPT_T_CHECK = 'c',      /* kvpt_verify of [a, a + b) against seed c: index of the
-                                first wrong byte, or -2 when all match */
+                                first wrong byte, or -2 when all match (read through
+                                the CUDA double in the KVPT_T_DEVICE memory) */
+    KVPT_T_DEVICE = 'd',     /* device memory of the CUDA double at $KVPIPE_LIBCUDA:
+                                a bytes filled with kvpt_fill(seed b), registered: its
+                                address (one such region per child) */
 };
 
 /* Run a command with argument a; returns its value, or -1 if it failed or
