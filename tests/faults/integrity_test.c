@@ -20,6 +20,9 @@
  *     generations never rise along the buffer, and differ by at most one).
  *   tcp_source_rewritten_write: the same for the initiator's source of a
  *     WRITE, checked in the target's memory.
+ *   tcp_source_rewritten_read_device / shm_source_rewritten_read_device:
+ *     the READs land in device memory (the CUDA double), staged through the
+ *     initiator's bounce buffers, whose digest is the one compared.
  *   pipe_corrupt_messages: a raw sender on a pipe's wire sends messages whose
  *     tags carry their digest, right or wrong, announced (READ) and inline:
  *     the receiving pipe hands out the right ones and fails the wrong ones
@@ -532,21 +535,32 @@ static int open_pair(const char *protocol, size_t len, int timeout_ms, kvpt_targ
     return st ? -1 : 0;
 }
 
-/* READs of the target's first MiB while it is rewritten; over protocol. */
-static void source_rewritten_read(const char *protocol)
+/* READs of the target's first MiB while it is rewritten; over protocol,
+ * into host memory or (device) device memory of the CUDA double, which the
+ * initiator stages through its bounce buffers. */
+static void rewritten_read(const char *protocol, int device)
 {
     integrity(1);
+    kvpt_fakecuda fc;
+    void *dev = NULL;
+    if (device) {
+        setenv("KVPIPE_LIBCUDA", KVPT_FAKECUDA_PATH, 1);
+        kvpt_fakecuda_load(&fc, KVPT_FAKECUDA_PATH);
+        REQUIRE((dev = fc.alloc(1, MIB)) != NULL);
+    }
     kvpt_target t;
     kvp_engine *e;
     kvp_segment_id seg;
     REQUIRE(open_pair(protocol, 4 * MIB, 0, &t, &e, &seg) == 0);
+    if (dev) REQUIRE_OK(kvp_engine_register(e, dev, MIB));
     rewriter w;
     rewriter_start(&w, t.buf, MIB); /* the target's memory, shared with this process */
     static uint64_t copy[MIB / 8];
     tally n = {0};
     uint64_t until = kvpi_now_ms() + (KVPT_SANITIZED ? 8000 : 4000);
     while (kvpi_now_ms() < until) {
-        kvp_status st = kvp_engine_read(e, seg, copy, (uint64_t)(uintptr_t)t.buf, MIB);
+        kvp_status st = kvp_engine_read(e, seg, dev ? dev : copy, (uint64_t)(uintptr_t)t.buf, MIB);
+        if (!st && dev) REQUIRE(fc.peek(copy, dev, MIB) == 0);
         if (st == KVP_ECORRUPT)
             n.corrupt++;
         else if (st)
@@ -557,9 +571,22 @@ static void source_rewritten_read(const char *protocol)
             n.torn++;
     }
     rewriter_stop(&w);
-    tally_check(protocol, &n);
+    const char *moved = kvp_engine_segment_transport(e, seg);
+    CHECK(moved && strcmp(moved, protocol) == 0);
+    tally_check(dev ? "into device memory" : protocol, &n);
     kvp_engine_destroy(e);
     kvpt_target_stop(&t, 0);
+    unsetenv("KVPIPE_LIBCUDA");
+}
+
+static void source_rewritten_read(const char *protocol)
+{
+    rewritten_read(protocol, 0);
+}
+
+static void source_rewritten_read_device(const char *protocol)
+{
+    rewritten_read(protocol, 1);
 }
 
 /* WRITEs of a local MiB rewritten meanwhile; each one that succeeds must
@@ -868,6 +895,8 @@ int main(void)
     RUN_T(tcp_proxy_device, 180);
     kvpt_run_with("tcp_source_rewritten_read", source_rewritten_read, "tcp", 120);
     kvpt_run_with("shm_source_rewritten_read", source_rewritten_read, "shm", 120);
+    kvpt_run_with("tcp_source_rewritten_read_device", source_rewritten_read_device, "tcp", 120);
+    kvpt_run_with("shm_source_rewritten_read_device", source_rewritten_read_device, "shm", 120);
     kvpt_run_with("tcp_source_rewritten_write", source_rewritten_write, "tcp", 120);
     kvpt_run_with("shm_source_rewritten_write", source_rewritten_write, "shm", 120);
     kvpt_run_with("tcp_late_write", late_write, "tcp", 120);
