@@ -1,7 +1,7 @@
 /* The embedded HTTP metadata store: libmicrohttpd carries requests to the
  * table and its rules (kv_table.c).
  *
- * Slow and hostile clients: MHD runs one internal thread with epoll and
+ * Slow and hostile clients: MHD runs one internal thread with poll() and
  * non-blocking sockets, so no client holds a thread. What a client can hold
  * is a connection slot and memory, and each is bounded:
  *   - connections, deadlines and who is admitted under pressure: the HTTP

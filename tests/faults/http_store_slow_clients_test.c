@@ -198,8 +198,19 @@ static void run_attack(const char *const *server_args, const attack *a)
             at.conns * at.addrs, answered, LEGIT_GETS, (unsigned long long)worst);
     CHECK(answered == LEGIT_GETS);
     if (attacker > 0) attacker_stop(attacker);
-    /* The store is whole afterwards. */
-    CHECK(legit_gets(srv.conn, at.get_timeout_ms, &worst) == LEGIT_GETS);
+    /* The store is whole afterwards, and as quick: the attacker's hundreds of
+     * closures must not hold up a newcomer (libmicrohttpd's epoll loop did,
+     * for up to 15 s, in about one run in 20 beside other tests:
+     * common/http_listener.c). */
+    int after = legit_gets(srv.conn, at.get_timeout_ms, &worst);
+    fprintf(stderr, "  once the attacker was gone: %d of %d GETs answered, slowest %llu ms\n",
+            after, LEGIT_GETS, (unsigned long long)worst);
+    CHECK(after == LEGIT_GETS);
+    if (after != LEGIT_GETS || answered != LEGIT_GETS) {
+        char log[300];
+        snprintf(log, sizeof log, "%s/log", srv.dir);
+        kvpt_file_show(log, "the store");
+    }
     kvpt_server_stop(&srv);
 }
 
