@@ -12,6 +12,11 @@
  * copies them) before timing so that page faults are not measured. Prints one
  * JSON line: {"gbps": G, "size": N, "copies": C, "seconds": S, "threads": T}
  * (GB = 1e9 bytes; copies summed over the threads, seconds the longest).
+ *
+ * --src-span / --dst-span BYTES set one side's footprint per thread instead
+ * (rounded down to whole copies, at least one): the baseline of a transfer
+ * at a caller's footprint, e.g. a batch of 32 WRITEs of 1 MiB from a block
+ * each into one remote block is --size 1M --src-span 32M --dst-span 1M.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -50,13 +55,14 @@ static int parse_size(const char *s, size_t *out)
 static int usage(void)
 {
     fprintf(stderr,
-            "usage: memcpy_baseline --size BYTES[K|M|G] [--duration SECONDS] [--threads N]\n");
+            "usage: memcpy_baseline --size BYTES[K|M|G] [--duration SECONDS] [--threads N]\n"
+            "                       [--src-span BYTES[K|M|G]] [--dst-span BYTES[K|M|G]]\n");
     return 2;
 }
 
 typedef struct copier {
     char *src, *dst;
-    size_t size, slots;
+    size_t size, src_slots, dst_slots;
     double duration, elapsed;
     uint64_t copies;
     pthread_barrier_t *ready;
@@ -65,8 +71,8 @@ typedef struct copier {
 static void *copy_loop(void *arg)
 {
     copier *c = arg;
-    memset(c->src, 0x5a, c->slots * c->size);
-    memset(c->dst, 0xa5, c->slots * c->size);
+    memset(c->src, 0x5a, c->src_slots * c->size);
+    memset(c->dst, 0xa5, c->dst_slots * c->size);
     pthread_barrier_wait(c->ready);
     uint64_t copies = 0;
     double start = now_s(), elapsed = 0;
@@ -75,13 +81,13 @@ static void *copy_loop(void *arg)
     size_t check = c->size >= ((size_t)1 << 20) ? 1 : ((size_t)1 << 20) / c->size;
     while (elapsed < c->duration) {
         for (size_t k = 0; k < check; k++, copies++) {
-            size_t slot = copies % c->slots;
-            memcpy(c->dst + slot * c->size, c->src + slot * c->size, c->size);
+            memcpy(c->dst + copies % c->dst_slots * c->size,
+                   c->src + copies % c->src_slots * c->size, c->size);
         }
         elapsed = now_s() - start;
     }
     /* Keep the copies observable so the compiler cannot drop them. */
-    volatile char sink = c->dst[(copies % c->slots) * c->size];
+    volatile char sink = c->dst[copies % c->dst_slots * c->size];
     (void)sink;
     c->copies = copies;
     c->elapsed = elapsed;
@@ -90,11 +96,13 @@ static void *copy_loop(void *arg)
 
 int main(int argc, char **argv)
 {
-    size_t size = 0;
+    size_t size = 0, src_span = 0, dst_span = 0;
     double duration = 3.0;
     int threads = 1;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (strcmp(argv[i], "--size") == 0 && parse_size(argv[i + 1], &size) == 0) continue;
+        if (strcmp(argv[i], "--src-span") == 0 && parse_size(argv[i + 1], &src_span) == 0) continue;
+        if (strcmp(argv[i], "--dst-span") == 0 && parse_size(argv[i + 1], &dst_span) == 0) continue;
         if (strcmp(argv[i], "--duration") == 0 && (duration = atof(argv[i + 1])) > 0) continue;
         if (strcmp(argv[i], "--threads") == 0 && (threads = atoi(argv[i + 1])) >= 1 &&
             threads <= 256)
@@ -106,20 +114,23 @@ int main(int argc, char **argv)
      * POOL_MIN a side, each thread's at least SLOTS_MIN slots. */
     size_t slots = POOL_MIN / size / (size_t)threads;
     if (slots < SLOTS_MIN) slots = SLOTS_MIN;
+    size_t src_slots = src_span ? (src_span / size ? src_span / size : 1) : slots;
+    size_t dst_slots = dst_span ? (dst_span / size ? dst_span / size : 1) : slots;
     copier *c = calloc((size_t)threads, sizeof *c);
     pthread_t *t = calloc((size_t)threads, sizeof *t);
     pthread_barrier_t ready;
     if (!c || !t || pthread_barrier_init(&ready, NULL, (unsigned)threads)) return 1;
     for (int i = 0; i < threads; i++) {
-        c[i] = (copier){.src = malloc(slots * size),
-                        .dst = malloc(slots * size),
+        c[i] = (copier){.src = malloc(src_slots * size),
+                        .dst = malloc(dst_slots * size),
                         .size = size,
-                        .slots = slots,
+                        .src_slots = src_slots,
+                        .dst_slots = dst_slots,
                         .duration = duration,
                         .ready = &ready};
         if (!c[i].src || !c[i].dst) {
-            fprintf(stderr, "memcpy_baseline: cannot allocate %d x 2 x %zu bytes\n", threads,
-                    slots * size);
+            fprintf(stderr, "memcpy_baseline: cannot allocate %d x %zu bytes\n", threads,
+                    (src_slots + dst_slots) * size);
             return 1;
         }
     }

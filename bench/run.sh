@@ -23,7 +23,8 @@
 #         UCX_TLS of this host, and of registered memory vs bench/ucp_reg (the
 #         same loop on registered application memory)
 #   ucxbatch  one thread, batches of 32 READs/WRITEs of 1 MiB over ucx on UCX's shared
-#         memory (a one-block pool target) vs ucp_get / ucp_put_bw
+#         memory (a one-block pool target): from one local block vs ucp_get /
+#         ucp_put_bw, and from a block per request vs memcpy of the same walk
 #   samehost  kvpipe READ/WRITE over shm vs over ucx on UCX's shared memory
 #   integrity kvpipe bench READ/WRITE over tcp and shm, and the pipe at 64 MiB, with
 #         integrity on (KVPIPE_INTEGRITY=1 on both sides) vs off, back to back; and
@@ -421,33 +422,46 @@ baseline_perftest() {
 baseline_ucp_reg() { "$build/ucp_reg" --op "$1" --block-size "$2" --duration "$duration" | gbps_of; }
 
 # The issue's shape over UCX's shared memory: one initiator thread, batches
-# of 32 requests of 1 MiB, a one-block pool target, against ucx_perftest in
-# the same run (ucp_put_bw keeps 32 puts in flight; ucp_get one).
+# of 32 requests of 1 MiB, a one-block pool target, at two local footprints,
+# each against the strongest baseline with that footprint, in the same run:
+# every request from one local block (ucx_perftest's: ucp_put_bw keeps 32
+# puts of one block in flight, ucp_get one get), and a block per request (a
+# caller's batch, 32 MiB the initiator walks) against memcpy of the same
+# walk (over shared memory UCX's put and get are a copy into or out of the
+# mapped block).
 section_ucxbatch() {
-    echo "## ucx batches (one thread, 32 x 1 MiB a batch, UCX_TLS=sm,self) vs ucx_perftest"
+    echo "## ucx batches (one thread, 32 x 1 MiB a batch, UCX_TLS=sm,self)"
     echo
     if ! command -v ucx_perftest > /dev/null ||
         ! grep -q '^  ucx ' <<<"$("$kvpipe" info 2>/dev/null)"; then
         echo "skipped: needs ucx_perftest (ucx-utils) and a kvpipe built with ucx"; echo; return
     fi
     ucx_env sm,self
-    local block=1048576
+    local block=1048576 batch=32
+    local span=$((batch * block))
     start_target rdma --no-shm --pool --buffer-size "$block"
-    local args=(--no-shm --threads 1 --batch-size 32 --buffer-size "$block")
-    local gets=() puts=() reads=() writes=()
+    local args=(--no-shm --threads 1 --batch-size "$batch" --buffer-size "$block")
+    local gets=() puts=() reads1=() writes1=() cpr=() cpw=() reads=() writes=()
     for _ in $(seq "$repeat"); do
         gets+=("$(baseline_perftest ucp_get "$block")")
-        reads+=("$(initiator rdma read "$block" "${args[@]}")")
+        reads1+=("$(initiator rdma read "$block" "${args[@]}" --local-span "$block")")
         puts+=("$(baseline_perftest ucp_put_bw "$block")")
+        writes1+=("$(initiator rdma write "$block" "${args[@]}" --local-span "$block")")
+        cpr+=("$("$build/memcpy_baseline" --size "$block" --src-span "$block" \
+            --dst-span "$span" --duration "$duration" | gbps_of)")
+        reads+=("$(initiator rdma read "$block" "${args[@]}")")
+        cpw+=("$("$build/memcpy_baseline" --size "$block" --src-span "$span" \
+            --dst-span "$block" --duration "$duration" | gbps_of)")
         writes+=("$(initiator rdma write "$block" "${args[@]}")")
     done
     stop_target
-    local get put read write
-    get=$(med "${gets[@]}"); put=$(med "${puts[@]}")
-    read=$(med "${reads[@]}"); write=$(med "${writes[@]}")
-    echo "| block | ucp_get GB/s | READ GB/s | READ / ucp_get | ucp_put_bw GB/s | WRITE GB/s | WRITE / ucp_put_bw |"
-    echo "|---|---|---|---|---|---|---|"
-    echo "| 1 MiB | $get | $read | $(ratio "$read" "$get") | $put | $write | $(ratio "$write" "$put") |"
+    echo "| local side | READ baseline | GB/s | READ GB/s | READ / baseline | WRITE baseline | GB/s | WRITE GB/s | WRITE / baseline |"
+    echo "|---|---|---|---|---|---|---|---|---|"
+    local b r w p
+    b=$(med "${gets[@]}"); r=$(med "${reads1[@]}"); p=$(med "${puts[@]}"); w=$(med "${writes1[@]}")
+    echo "| one block (ucx_perftest's) | ucp_get | $b | $r | $(ratio "$r" "$b") | ucp_put_bw | $p | $w | $(ratio "$w" "$p") |"
+    b=$(med "${cpr[@]}"); r=$(med "${reads[@]}"); p=$(med "${cpw[@]}"); w=$(med "${writes[@]}")
+    echo "| a block per request (32 MiB) | memcpy, same walk | $b | $r | $(ratio "$r" "$b") | memcpy, same walk | $p | $w | $(ratio "$w" "$p") |"
     echo
     unset UCX_TLS
 }

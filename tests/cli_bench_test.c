@@ -174,10 +174,39 @@ static void both_sides_verify(void)
     cJSON_Delete(doc);
 }
 
+/* The local memory each initiator thread walks: a block per request of a
+ * batch by default, --local-span rounded down to whole blocks (one at
+ * least). */
+static void local_span(void)
+{
+    static const struct {
+        const char *span;
+        double bytes;
+    } rows[] = {{"", 8 * 65536.0},
+                {"--local-span 64K", 65536.0},
+                {"--local-span 200K", 3 * 65536.0},
+                {"--local-span 1K", 65536.0}};
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        char args[300];
+        snprintf(args, sizeof args,
+                 "bench --protocol tcp --no-shm --duration 0.2 --block-size 64K --batch-size 8 "
+                 "--threads 1 --buffer-size 1M --json %s",
+                 rows[i].span);
+        CHECK(run(args) == 0);
+        cJSON *doc = last_json();
+        CHECK(doc && num(doc, "local_bytes") == rows[i].bytes && num(doc, "errors") == 0);
+        if (!doc || num(doc, "local_bytes") != rows[i].bytes)
+            fprintf(stderr, "  %s: local_bytes %.0f, want %.0f\n", rows[i].span,
+                    doc ? num(doc, "local_bytes") : -1, rows[i].bytes);
+        cJSON_Delete(doc);
+    }
+}
+
 int main(void)
 {
     RUN_T(sweep_has_every_point, 180);
     RUN(mooncake_command_line);
     RUN(both_sides_verify);
+    RUN(local_span);
     return kvpt_summary();
 }

@@ -169,6 +169,7 @@ static void named_cases(void)
         {"bench --block-size 0", "kvpipe bench: ", "block-size", "byte count"},
         {"bench --operation copy", "kvpipe bench: ", "operation", "one of read, write"},
         {"bench --block-size 4K,64K", "kvpipe bench: ", "block-size", "--sweep"},
+        {"bench --verify --local-span 64K", "kvpipe bench: ", "local-span", "--verify"},
         {"bench --mode initiator --local-server-name 127.0.0.1:0", "kvpipe bench: ", "segment-id",
          NULL},
         /* Without --mode both sides run here: a store or a name for them

@@ -17,6 +17,7 @@ typedef struct bench_opts {
     size_t blocks[CLI_LIST_MAX], batches[CLI_LIST_MAX], threads[CLI_LIST_MAX];
     size_t n_blocks, n_batches, n_threads;
     size_t buffer_size, slice_size;
+    size_t local_span; /* --local-span: each thread's local bytes; 0: a block a request */
     int workers, conns, timeout_ms, metrics_port;
     double duration;
     int duration_set;

@@ -102,15 +102,26 @@ static void sync_batch(worker *w, const kvp_request *reqs, char *local, size_t s
     }
 }
 
+/* A worker's local memory at point at: a block per request of a batch (at
+ * most LOCAL_CAP without --verify), or --local-span rounded down to whole
+ * blocks, at least one. */
+static size_t local_bytes(const bench_opts *o, point at)
+{
+    size_t len = at.batch * at.block;
+    if (o->local_span)
+        return o->local_span > at.block ? o->local_span / at.block * at.block : at.block;
+    if (!o->verify && len > LOCAL_CAP)
+        return LOCAL_CAP > at.block ? LOCAL_CAP / at.block * at.block : at.block;
+    return len;
+}
+
 static void *worker_main(void *arg)
 {
     worker *w = arg;
     const bench_opts *o = w->o;
     size_t block = w->at.block, batch = w->at.batch;
     size_t nblocks = w->remote_len / block;
-    size_t local_len = batch * block;
-    if (!o->verify && local_len > LOCAL_CAP)
-        local_len = LOCAL_CAP > block ? LOCAL_CAP / block * block : block;
+    size_t local_len = local_bytes(o, w->at);
     size_t slots = local_len / block;
     /* Populated before the clock starts: page faults are not the engine's. */
     char *local = mmap(NULL, local_len, PROT_READ | PROT_WRITE,
@@ -359,15 +370,16 @@ static void print_point(const bench_opts *o, const result *r, const char *tr)
 }
 
 /* A point's JSON fields, without the braces. */
-static void json_fields(const result *r)
+static void json_fields(const bench_opts *o, const result *r)
 {
-    printf("\"block_size\": %zu, \"batch_size\": %zu, \"threads\": %d, \"gbps\": %.4f, "
+    printf("\"block_size\": %zu, \"batch_size\": %zu, \"threads\": %d, \"local_bytes\": %zu, "
+           "\"gbps\": %.4f, "
            "\"bytes\": %" PRIu64 ", \"ops\": %" PRIu64 ", \"batches\": %" PRIu64
            ", \"errors\": %" PRIu64 ", \"mismatches\": %" PRIu64 ", \"seconds\": %.3f, "
            "\"p50_ms\": %.4f, \"p99_ms\": %.4f, \"p999_ms\": %.4f, \"read_back\": %" PRIu64,
-           r->at.block, r->at.batch, r->at.threads, r->gbps, r->bytes, r->ops, r->batches,
-           r->errors + r->mismatches, r->mismatches, r->secs, r->p50_ms, r->p99_ms, r->p999_ms,
-           r->read_back);
+           r->at.block, r->at.batch, r->at.threads, local_bytes(o, r->at), r->gbps, r->bytes,
+           r->ops, r->batches, r->errors + r->mismatches, r->mismatches, r->secs, r->p50_ms,
+           r->p99_ms, r->p999_ms, r->read_back);
 }
 
 static void table_head(const bench_opts *o, const char *tr, size_t n)
@@ -470,7 +482,7 @@ int bench_initiator(const bench_opts *o)
                o->write ? "write" : "read", tr, o->duration, t.warmup_bytes, t.warmup_secs);
         for (size_t i = 0; i < k; i++) {
             printf("%s{", i ? ", " : "");
-            json_fields(&rs[i]);
+            json_fields(o, &rs[i]);
             printf("}");
         }
         printf("]}\n");
@@ -479,7 +491,7 @@ int bench_initiator(const bench_opts *o)
         printf("{\"operation\": \"%s\", \"transport\": \"%s\", \"warmup_bytes\": %" PRIu64
                ", \"warmup_seconds\": %.3f, ",
                o->write ? "write" : "read", tr, t.warmup_bytes, t.warmup_secs);
-        json_fields(&rs[0]);
+        json_fields(o, &rs[0]);
         printf("}\n");
     }
     if (error[0]) cli_error("transfers failed: %s", error);

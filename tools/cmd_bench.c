@@ -69,6 +69,10 @@ static const cli_opt opts[] = {
      "initiator run time (default 5; with --sweep 1 per point)", .hi = 86400, .id = O_DURATION},
     {"buffer-size", CLI_ARG_SIZE, "BYTES", "target buffer and span used (default 256M)", 8,
      1ll << 44, CLI_TO(bench_opts, buffer_size)},
+    {"local-span", CLI_ARG_SIZE, "BYTES",
+     "initiator: local bytes per thread the requests rotate\nover (default a block per request of "
+     "a batch, at\nmost 64M; a block: every request from one block,\nas ucx_perftest's)",
+     1, 1ll << 40, CLI_TO(bench_opts, local_span)},
     {"verify", CLI_ARG_FLAG, NULL,
      "target fills a pattern; initiator checks every byte\nread, or writes a pattern the target "
      "checks on exit\nand reads back every block it wrote, checking it",
@@ -201,6 +205,8 @@ static const char *check(bench_opts *o)
     for (size_t i = 0; i < o->n_blocks; i++)
         if (o->verify && o->blocks[i] % 8) return "--verify needs --block-size a multiple of 8";
     if (o->verify && o->buffer_size % 8) return "--verify needs --buffer-size a multiple of 8";
+    if (o->verify && o->local_span)
+        return "--local-span needs no --verify (each request checks its own block)";
     return NULL;
 }
 
