@@ -7,6 +7,9 @@
  *   mooncake_c_api_prog target    METADATA HOST INFO_FILE
  *   mooncake_c_api_prog initiator METADATA HOST INFO_FILE
  *
+ * HOST is the engine's local_server_name: an address over P2PHANDSHAKE;
+ * with a metadata store a name of its own, host:port, each role another.
+ *
  * The target registers a buffer (first half a known pattern, second half
  * zero), writes "<segment name> <buffer address>" to INFO_FILE, and waits for
  * the notification "written": at that moment the second half must hold the
@@ -121,6 +124,17 @@ static transfer_engine_t start_engine(const char *metadata, const char *host)
     return e;
 }
 
+/* The name peers open this engine's segment by. Over P2PHANDSHAKE it is the
+ * handshake's host:port, which getLocalIpAndPort gives; with a metadata
+ * store it is the local_server_name the engine was created with (HOST, then
+ * host:port), while Mooncake's getLocalIpAndPort gives its RPC address. */
+static void own_name(transfer_engine_t e, const char *metadata, const char *host, char *out,
+                     size_t cap)
+{
+    EXPECT(getLocalIpAndPort(e, out, cap) == 0, "getLocalIpAndPort");
+    if (strcmp(metadata, "P2PHANDSHAKE") != 0) snprintf(out, cap, "%s", host);
+}
+
 static int run_target(const char *metadata, const char *host, const char *info)
 {
     transfer_engine_t e = start_engine(metadata, host);
@@ -132,7 +146,7 @@ static int run_target(const char *metadata, const char *host, const char *info)
            "an overlapping region");
 
     char name[256];
-    EXPECT(getLocalIpAndPort(e, name, sizeof name) == 0, "getLocalIpAndPort");
+    own_name(e, metadata, host, name, sizeof name);
     char tmp[1024];
     snprintf(tmp, sizeof tmp, "%s.tmp", info);
     FILE *f = fopen(tmp, "w");
@@ -240,7 +254,7 @@ static int run_initiator(const char *metadata, const char *host, const char *inf
     /* WRITE the second half, then the notification (sent by the status poll
      * that sees the whole batch completed). */
     char me[256];
-    EXPECT(getLocalIpAndPort(e, me, sizeof me) == 0, "getLocalIpAndPort");
+    own_name(e, metadata, host, me, sizeof me);
     fill(local + HALF, HALF, 2);
     b = allocateBatchID(e, 16);
     for (int i = 0; i < PIECES; i++)
