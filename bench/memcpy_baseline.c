@@ -94,6 +94,13 @@ static void *copy_loop(void *arg)
     return NULL;
 }
 
+/* The copies a side's --*-span holds (one at least), or dflt without one. */
+static size_t span_slots(size_t span, size_t size, size_t dflt)
+{
+    if (!span) return dflt;
+    return span / size ? span / size : 1;
+}
+
 int main(int argc, char **argv)
 {
     size_t size = 0, src_span = 0, dst_span = 0;
@@ -114,8 +121,8 @@ int main(int argc, char **argv)
      * POOL_MIN a side, each thread's at least SLOTS_MIN slots. */
     size_t slots = POOL_MIN / size / (size_t)threads;
     if (slots < SLOTS_MIN) slots = SLOTS_MIN;
-    size_t src_slots = src_span ? (src_span / size ? src_span / size : 1) : slots;
-    size_t dst_slots = dst_span ? (dst_span / size ? dst_span / size : 1) : slots;
+    size_t src_slots = span_slots(src_span, size, slots);
+    size_t dst_slots = span_slots(dst_span, size, slots);
     copier *c = calloc((size_t)threads, sizeof *c);
     pthread_t *t = calloc((size_t)threads, sizeof *t);
     pthread_barrier_t ready;

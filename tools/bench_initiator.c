@@ -102,16 +102,19 @@ static void sync_batch(worker *w, const kvp_request *reqs, char *local, size_t s
     }
 }
 
+/* bytes rounded down to whole blocks, one at least. */
+static size_t whole_blocks(size_t bytes, size_t block)
+{
+    return bytes > block ? bytes / block * block : block;
+}
+
 /* A worker's local memory at point at: a block per request of a batch (at
- * most LOCAL_CAP without --verify), or --local-span rounded down to whole
- * blocks, at least one. */
+ * most LOCAL_CAP without --verify), or --local-span in whole blocks. */
 static size_t local_bytes(const bench_opts *o, point at)
 {
     size_t len = at.batch * at.block;
-    if (o->local_span)
-        return o->local_span > at.block ? o->local_span / at.block * at.block : at.block;
-    if (!o->verify && len > LOCAL_CAP)
-        return LOCAL_CAP > at.block ? LOCAL_CAP / at.block * at.block : at.block;
+    if (o->local_span) return whole_blocks(o->local_span, at.block);
+    if (!o->verify && len > LOCAL_CAP) return whole_blocks(LOCAL_CAP, at.block);
     return len;
 }
 

@@ -22,11 +22,11 @@ import os
 import sys
 import unittest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 import kvpy_testutil as tu  # noqa: E402
 
 SIZE = 1 << 20
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def pattern(seed, n):

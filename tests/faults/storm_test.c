@@ -719,12 +719,11 @@ static int pipe_receiver(kvp_pipe *p, int rank)
     return 0;
 }
 
-/* Set by pipe_case when judge asks for another try (not the last). */
-static int pipe_again;
-
-static void pipe_case(int authenticated, int last)
+/* One pipe case; *again set when judge asks for another try (not the last).
+ * (REQUIRE returns from a void function, so the answer is an argument.) */
+static void pipe_case(int authenticated, int last, int *again)
 {
-    pipe_again = 0;
+    *again = 0;
     favoured();
     storm s = {.auth = authenticated, .zmq = 1, .n_ports = 4};
     if (authenticated) REQUIRE(auth_on(s.kid) == 0);
@@ -753,21 +752,26 @@ static void pipe_case(int authenticated, int last)
     CHECK(stormed);
     CHECK(kvpt_wait_child(a, KVPT_SIDE_TIMEOUT) == 0);
     CHECK(kvpt_wait_child(b, KVPT_SIDE_TIMEOUT) == 0);
-    pipe_again = judge(authenticated ? "pipe (CURVE)" : "pipe", shared->failed[0], shared->ms[0],
-                       shared->failed[1], shared->ms[1], last);
+    *again = judge(authenticated ? "pipe (CURVE)" : "pipe", shared->failed[0], shared->ms[0],
+                   shared->failed[1], shared->ms[1], last);
     munmap(shared, sizeof *shared);
     auth_off();
 }
 
+/* A pipe case, measured again once when its p99 is over the bound. */
+static void pipe_tries(int authenticated)
+{
+    int again;
+    pipe_case(authenticated, 0, &again);
+    if (again) pipe_case(authenticated, 1, &again);
+}
 static void pipe_plain(void)
 {
-    pipe_case(0, 0);
-    if (pipe_again) pipe_case(0, 1);
+    pipe_tries(0);
 }
 static void pipe_auth(void)
 {
-    pipe_case(1, 0);
-    if (pipe_again) pipe_case(1, 1);
+    pipe_tries(1);
 }
 
 /* The issue's loop: 10 tensors back to back arrive at once, in 50 runs of an
